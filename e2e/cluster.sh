@@ -9,6 +9,26 @@
 #   e2e/cluster.sh down DIR        stop exactly the processes `up` started (by pid)
 #   e2e/cluster.sh env DIR         print the environment a client needs (KUBECONFIG=...)
 #   e2e/cluster.sh apiserver-path  print the cached binary's path
+#
+# `up DIR` leaves in DIR (absolute paths; DIR is created if missing):
+#   admin.kubeconfig     user admin (group system:masters), bearer token from tokens.csv
+#   operator.kubeconfig  ServiceAccount consul-resolver-system/consul-resolver-operator,
+#                        a 24h TokenRequest token, bound only by manifests/rbac.yaml
+#   env                  shell-sourceable: KUBECONFIG_ADMIN KUBECONFIG_OPERATOR
+#                        APISERVER_URL APISERVER_PORT APISERVER_CA APISERVER_PID
+#                        ETCD_URL ETCD_PORT ETCD_PEER_PORT ETCD_PID AUDIT_LOG CLUSTER_DIR
+#   etcd.pid apiserver.pid etcd.log apiserver.log
+#   audit.log            every request at Metadata level, one JSON object a line
+#   pki/apiserver.crt    self-signed CA + serving cert (the kubeconfigs' CA)
+#   etcd/ sa.key sa.pub tokens.csv audit-policy.yaml
+# Both kubeconfigs verify TLS against pki/apiserver.crt. `down DIR` keeps the state:
+# `up DIR` again restarts the same cluster (same objects and admin token, same ports
+# when still free). No kube-controller-manager runs: no garbage collection of
+# ownerReferences, no namespace deletion (namespaces stay Terminating), no default
+# ServiceAccounts. The apiserver is 1.20: EndpointSlices are discovery.k8s.io/v1beta1.
+#
+# Environment: CLUSTER_UP_TIMEOUT (s, default 90), CLUSTER_DOWN_TIMEOUT (s, default 20),
+# CLUSTER_APISERVER_BIN / CLUSTER_ETCD_BIN (override the binaries; used by the self-test).
 set -euo pipefail
 
 KUBE_VERSION=1.20.2
@@ -91,9 +111,321 @@ cmd_build() {
   rm -rf "$work"
 }
 
+# ---------------------------------------------------------------------------------
+# up / down / env
+# ---------------------------------------------------------------------------------
+# Overridable for tests of this script itself (the self-test uses /bin/false to prove
+# that a half-way `up` stops what it started).
+APISERVER_BIN="${CLUSTER_APISERVER_BIN:-$APISERVER}"
+ETCD_BIN="${CLUSTER_ETCD_BIN:-/usr/bin/etcd}"
+# Seconds to wait for etcd / the apiserver to answer health checks.
+UP_TIMEOUT="${CLUSTER_UP_TIMEOUT:-90}"
+# Seconds `down` waits after SIGTERM before SIGKILL.
+DOWN_TIMEOUT="${CLUSTER_DOWN_TIMEOUT:-20}"
+
+abs_dir() { mkdir -p "$1" && (cd "$1" && pwd); }
+
+# N distinct free loopback TCP ports, all bound at once so they differ. Another
+# process may still grab one before we use it: callers retry on "address in use".
+free_ports() {
+  python3 - "$1" <<'PY_EOF'
+import socket, sys
+socks = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    socks.append(s)
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+for s in socks:
+    s.close()
+PY_EOF
+}
+
+# Is PID alive (not a zombie) and does its command line contain MARKER? The marker
+# is a flag naming this cluster's DIR, so a recycled pid is never mistaken for ours.
+pid_is_ours() {
+  local pid=$1 marker=$2 state
+  [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
+  state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null || true)
+  [ -n "$state" ] && [ "$state" != Z ] || return 1
+  local args; args=$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null || true)
+  grep -qxF -- "$marker" <<<"$args"
+}
+
+# The marker flag each process carries (see pid_is_ours).
+etcd_marker() { printf -- '--data-dir=%s/etcd' "$1"; }
+apiserver_marker() { printf -- '--cert-dir=%s/pki' "$1"; }
+
+# stop_pid NAME PIDFILE MARKER: TERM, wait up to DOWN_TIMEOUT, then KILL.
+stop_pid() {
+  local name=$1 pidfile=$2 marker=$3 pid deadline
+  [ -f "$pidfile" ] || return 0
+  pid=$(cat "$pidfile" 2>/dev/null || true)
+  if pid_is_ours "$pid" "$marker"; then
+    log "stopping $name (pid $pid)"
+    kill -TERM "$pid" 2>/dev/null || true
+    deadline=$((SECONDS + DOWN_TIMEOUT))
+    while pid_is_ours "$pid" "$marker" && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+    if pid_is_ours "$pid" "$marker"; then
+      log "$name (pid $pid) ignored SIGTERM for ${DOWN_TIMEOUT}s: SIGKILL"
+      kill -KILL "$pid" 2>/dev/null || true
+      deadline=$((SECONDS + 10))
+      while pid_is_ours "$pid" "$marker" && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+      pid_is_ours "$pid" "$marker" && die "$name (pid $pid) survived SIGKILL"
+    fi
+  fi
+  rm -f "$pidfile"
+}
+
+cmd_down() {
+  [ -n "${1:-}" ] || die "usage: $0 down DIR"
+  [ -d "$1" ] || { log "$1 does not exist: nothing to stop"; return 0; }
+  local dir; dir=$(cd "$1" && pwd)
+  stop_pid kube-apiserver "$dir/apiserver.pid" "$(apiserver_marker "$dir")"
+  stop_pid etcd "$dir/etcd.pid" "$(etcd_marker "$dir")"
+}
+
+cmd_env() {
+  [ -n "${1:-}" ] || die "usage: $0 env DIR"
+  local dir; dir=$(cd "$1" && pwd)
+  [ -f "$dir/env" ] || die "$dir/env not found: run \`$0 up $dir\` first"
+  printf 'export KUBECONFIG=%q\n' "$dir/admin.kubeconfig"
+  sed -n 's/^\([A-Z_][A-Z0-9_]*=\)/export \1/p' "$dir/env"
+}
+
+log_tail() { [ -f "$1" ] && { printf -- '----- last lines of %s -----\n' "$1"; tail -n "${2:-40}" "$1"; printf -- '-----\n'; } >&2 || true; }
+
+# start_bg PIDFILE LOGFILE CMD...: start CMD detached from our stdio (so a caller
+# reading our output through a pipe is not kept waiting) and record its pid.
+start_bg() {
+  local pidfile=$1 logfile=$2; shift 2
+  "$@" </dev/null >>"$logfile" 2>&1 &
+  echo $! >"$pidfile"
+}
+
+# wait_ready NAME PID MARKER LOGFILE CHECK...: poll CHECK until it succeeds. Returns 0
+# when ready, 2 when the process died because its port was taken, dies otherwise.
+wait_ready() {
+  local name=$1 pid=$2 marker=$3 logfile=$4; shift 4
+  local deadline=$((SECONDS + UP_TIMEOUT))
+  while :; do
+    if "$@" >/dev/null 2>&1; then return 0; fi
+    if ! pid_is_ours "$pid" "$marker"; then
+      if grep -q 'address already in use' "$logfile" 2>/dev/null; then return 2; fi
+      log_tail "$logfile"
+      die "$name (pid $pid) exited during startup; its log is $logfile"
+    fi
+    if [ $SECONDS -ge $deadline ]; then
+      log_tail "$logfile"
+      die "$name did not become ready within ${UP_TIMEOUT}s; its log is $logfile"
+    fi
+    sleep 0.3
+  done
+}
+
+etcd_healthy() { [[ "$(curl -fsS --max-time 2 "http://127.0.0.1:$1/health")" == *'"health":"true"'* ]]; }
+apiserver_ready() {
+  # /readyz exists on 1.20 and includes the post-start hooks (RBAC bootstrap roles,
+  # CRD informers), so "ok" means cluster-admin and CRD endpoints are usable.
+  [ "$(curl -sS --max-time 3 --cacert "$2" -H "Authorization: Bearer $3" "https://127.0.0.1:$1/readyz")" = ok ]
+}
+
+# Write a kubeconfig: FILE SERVER CA_FILE USER TOKEN NAMESPACE
+write_kubeconfig() {
+  local file=$1 server=$2 ca=$3 user=$4 token=$5 ns=$6 ca_line
+  ca_line="certificate-authority-data: $(base64 -w0 "$ca")"
+  (umask 077; : >"$file.tmp")
+  cat >"$file.tmp" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: consul-resolver-e2e
+  cluster:
+    server: $server
+    $ca_line
+users:
+- name: $user
+  user:
+    token: $token
+contexts:
+- name: $user@consul-resolver-e2e
+  context:
+    cluster: consul-resolver-e2e
+    user: $user
+    namespace: $ns
+current-context: $user@consul-resolver-e2e
+EOF
+  mv "$file.tmp" "$file"
+}
+
+# State that survives `down`: etcd data, keys, tokens. `up` on the same DIR again
+# restarts the same cluster (same objects, same admin token, same ports if free).
+prepare_state() {
+  local dir=$1
+  mkdir -p "$dir/pki" "$dir/etcd"
+  chmod 700 "$dir/etcd" "$dir/pki"
+  if [ ! -s "$dir/sa.key" ]; then
+    openssl genrsa -out "$dir/sa.key.tmp" 2048 2>/dev/null
+    openssl rsa -in "$dir/sa.key.tmp" -pubout -out "$dir/sa.pub" 2>/dev/null
+    chmod 600 "$dir/sa.key.tmp"; mv "$dir/sa.key.tmp" "$dir/sa.key"
+  fi
+  if [ ! -s "$dir/tokens.csv" ]; then
+    # token,user,uid,"groups"
+    (umask 077; printf '%s,admin,admin,"system:masters"\n' "$(openssl rand -hex 32)" >"$dir/tokens.csv")
+  fi
+  # Every request at Metadata level. RequestReceived is omitted, so each request
+  # logs exactly one "ResponseComplete" event (long-running watches also log a
+  # "ResponseStarted" when the watch begins). Tests count watches from this file.
+  cat >"$dir/audit-policy.yaml" <<'EOF'
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+  - level: Metadata
+EOF
+}
+
+# A value from a previous `up`'s DIR/env ("" when there is none).
+env_value() { [ -f "$1/env" ] || return 0; sed -n "s/^$2=//p" "$1/env" | head -n1; }
+
+start_etcd() {
+  local dir=$1 attempt client peer rc
+  for attempt in 1 2 3 4 5; do
+    client= peer=
+    if [ "$attempt" = 1 ]; then client=$(env_value "$dir" ETCD_PORT); peer=$(env_value "$dir" ETCD_PEER_PORT); fi
+    if [ -z "$client" ] || [ -z "$peer" ]; then read -r client peer < <(free_ports 2); fi
+    log "starting etcd on 127.0.0.1:$client (peer $peer), data in $dir/etcd"
+    start_bg "$dir/etcd.pid" "$dir/etcd.log" "$ETCD_BIN" \
+      --name=default \
+      "$(etcd_marker "$dir")" \
+      --listen-client-urls="http://127.0.0.1:$client" \
+      --advertise-client-urls="http://127.0.0.1:$client" \
+      --listen-peer-urls="http://127.0.0.1:$peer" \
+      --initial-advertise-peer-urls="http://127.0.0.1:$peer" \
+      --initial-cluster="default=http://127.0.0.1:$peer" \
+      --initial-cluster-state=new \
+      --logger=zap --log-outputs=stderr --log-level=warn
+    rc=0; wait_ready etcd "$(cat "$dir/etcd.pid")" "$(etcd_marker "$dir")" "$dir/etcd.log" etcd_healthy "$client" || rc=$?
+    if [ $rc = 0 ]; then ETCD_PORT=$client ETCD_PEER_PORT=$peer; return 0; fi
+    log "etcd: port taken, retrying with other ports"
+  done
+  die "etcd: could not get free ports after 5 attempts"
+}
+
+start_apiserver() {
+  local dir=$1 attempt port rc token
+  token=$(cut -d, -f1 "$dir/tokens.csv")
+  for attempt in 1 2 3 4 5; do
+    port=
+    if [ "$attempt" = 1 ]; then port=$(env_value "$dir" APISERVER_PORT); fi
+    [ -n "$port" ] || port=$(free_ports 1)
+    log "starting kube-apiserver $KUBE_VERSION on https://127.0.0.1:$port"
+    start_bg "$dir/apiserver.pid" "$dir/apiserver.log" "$APISERVER_BIN" \
+      "$(apiserver_marker "$dir")" \
+      --bind-address=127.0.0.1 \
+      --advertise-address=127.0.0.1 \
+      --secure-port="$port" \
+      --insecure-port=0 \
+      --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+      --token-auth-file="$dir/tokens.csv" \
+      --authorization-mode=RBAC \
+      --service-account-key-file="$dir/sa.pub" \
+      --service-account-signing-key-file="$dir/sa.key" \
+      --service-account-issuer=https://kubernetes.default.svc.cluster.local \
+      --service-cluster-ip-range=10.0.0.0/24 \
+      --allow-privileged=true \
+      --audit-policy-file="$dir/audit-policy.yaml" \
+      --audit-log-path="$dir/audit.log" \
+      --audit-log-mode=blocking \
+      --endpoint-reconciler-type=none \
+      --disable-admission-plugins=ServiceAccount \
+      --profiling=false
+    # Why these:
+    #  --insecure-port=0: 1.20 still opens an unauthenticated port (8080) by default.
+    #  --endpoint-reconciler-type=none: the "kubernetes" Service's Endpoints cannot
+    #    hold a loopback address; the reconciler would log errors forever.
+    #  --disable-admission-plugins=ServiceAccount: no kube-controller-manager runs, so
+    #    no namespace ever gets its "default" ServiceAccount (nor legacy token Secrets)
+    #    and this plugin would reject every Pod. Tokens come from the TokenRequest API.
+    #  --audit-log-mode=blocking: an event is on disk before the response is sent, so
+    #    tests can read the audit log right after a request without racing a buffer.
+    rc=0; wait_ready kube-apiserver "$(cat "$dir/apiserver.pid")" "$(apiserver_marker "$dir")" "$dir/apiserver.log" \
+      apiserver_ready "$port" "$dir/pki/apiserver.crt" "$token" || rc=$?
+    if [ $rc = 0 ]; then APISERVER_PORT=$port; return 0; fi
+    log "kube-apiserver: port taken, retrying with another port"
+  done
+  die "kube-apiserver: could not get a free port after 5 attempts"
+}
+
+cmd_up() {
+  [ -n "${1:-}" ] || die "usage: $0 up DIR"
+  local dir; dir=$(abs_dir "$1")
+  [ -x "$APISERVER_BIN" ] || die "no kube-apiserver at $APISERVER_BIN: run \`$0 build\` first"
+  [ -x "$ETCD_BIN" ] || die "no etcd at $ETCD_BIN: run \`$0 deps\` first"
+  if pid_is_ours "$(cat "$dir/etcd.pid" 2>/dev/null || true)" "$(etcd_marker "$dir")" ||
+     pid_is_ours "$(cat "$dir/apiserver.pid" 2>/dev/null || true)" "$(apiserver_marker "$dir")"; then
+    die "a cluster is already running in $dir: run \`$0 down $dir\` first"
+  fi
+  # From here on, a failure (or Ctrl-C) stops whatever this call started.
+  UP_DIR=$dir
+  trap 'rc=$?; trap - EXIT; if [ $rc -ne 0 ]; then log "up failed: stopping what it started"; cmd_down "$UP_DIR" || true; fi; exit $rc' EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
+  local start=$SECONDS
+  prepare_state "$dir"
+  start_etcd "$dir"
+  # Without --tls-cert-file the apiserver writes a self-signed CA + serving cert
+  # (SANs include 127.0.0.1) to pki/apiserver.crt; the bundle verifies its own
+  # serving cert, so clients embed it as their CA. Regenerated only if missing.
+  start_apiserver "$dir"
+  local url="https://127.0.0.1:$APISERVER_PORT" ca="$dir/pki/apiserver.crt" token
+  token=$(cut -d, -f1 "$dir/tokens.csv")
+  write_kubeconfig "$dir/admin.kubeconfig" "$url" "$ca" admin "$token" default
+
+  local k=(kubectl --kubeconfig "$dir/admin.kubeconfig" --request-timeout=30s)
+  log "applying manifests/namespace.yaml and manifests/rbac.yaml"
+  "${k[@]}" apply -f "$REPO_ROOT/manifests/namespace.yaml" >/dev/null
+  "${k[@]}" apply -f "$REPO_ROOT/manifests/rbac.yaml" >/dev/null
+
+  # A bound ServiceAccount token from the TokenRequest API (kubectl >= 1.24).
+  local sa_token
+  sa_token=$("${k[@]}" create token "$OPERATOR_SA" -n "$OPERATOR_NS" --duration=24h)
+  [ -n "$sa_token" ] || die "TokenRequest returned an empty token"
+  write_kubeconfig "$dir/operator.kubeconfig" "$url" "$ca" "$OPERATOR_SA" "$sa_token" "$OPERATOR_NS"
+  # The token must authenticate as the ServiceAccount and be bound by its RBAC.
+  # (Core resources only: `kubectl auth can-i` on a custom resource whose CRD is not
+  # installed yet loses the API group and answers "no".)
+  local ko=(kubectl --kubeconfig "$dir/operator.kubeconfig" --request-timeout=30s)
+  [ "$("${ko[@]}" auth can-i list secrets --all-namespaces 2>/dev/null || true)" = yes ] ||
+    die "operator.kubeconfig cannot list secrets: ServiceAccount token or RBAC broken"
+  [ "$("${ko[@]}" auth can-i create deployments.apps -n "$OPERATOR_NS" 2>/dev/null || true)" = no ] ||
+    die "operator.kubeconfig may create deployments: RBAC is wider than manifests/rbac.yaml"
+
+  {
+    printf 'KUBECONFIG_ADMIN=%q\n' "$dir/admin.kubeconfig"
+    printf 'KUBECONFIG_OPERATOR=%q\n' "$dir/operator.kubeconfig"
+    printf 'APISERVER_URL=%q\n' "$url"
+    printf 'APISERVER_PORT=%q\n' "$APISERVER_PORT"
+    printf 'APISERVER_CA=%q\n' "$ca"
+    printf 'APISERVER_PID=%q\n' "$(cat "$dir/apiserver.pid")"
+    printf 'ETCD_URL=%q\n' "http://127.0.0.1:$ETCD_PORT"
+    printf 'ETCD_PORT=%q\n' "$ETCD_PORT"
+    printf 'ETCD_PEER_PORT=%q\n' "$ETCD_PEER_PORT"
+    printf 'ETCD_PID=%q\n' "$(cat "$dir/etcd.pid")"
+    printf 'AUDIT_LOG=%q\n' "$dir/audit.log"
+    printf 'CLUSTER_DIR=%q\n' "$dir"
+  } >"$dir/env.tmp"
+  mv "$dir/env.tmp" "$dir/env"
+  trap - EXIT INT TERM
+  log "up in $((SECONDS - start))s: $url (source <($0 env $dir))"
+}
+
 case "${1:-}" in
   deps) cmd_deps ;;
   build) cmd_deps; cmd_build ;;
   apiserver-path) echo "$APISERVER" ;;
+  up) shift; cmd_up "$@" ;;
+  down) shift; cmd_down "$@" ;;
+  env) shift; cmd_env "$@" ;;
   *) die "usage: $0 deps|build|up DIR|down DIR|env DIR|apiserver-path" ;;
 esac
