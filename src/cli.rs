@@ -1,0 +1,263 @@
+//! The command line. Every flag can also come from the environment variable named in
+//! `--help`, so the Deployment can be configured either way.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::core::assembler::ResolverName;
+use crate::core::keys::KubeKey;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "consul-resolver-operator",
+    version,
+    about = "Keeps Ambassador's view of its Consul and Kubernetes upstreams complete and current",
+    long_about = "Watches ConsulResolvers and Ambassador Mappings, watches exactly the Consul services and \
+Kubernetes endpoints they reference, and publishes one consistent snapshot to a ConfigMap, each \
+resolver's status, HTTP and an optional hook."
+)]
+pub struct Cli {
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the operator.
+    Run(Box<RunArgs>),
+    /// Print the ConsulResolver CRD as YAML.
+    Crd,
+    /// Print the version.
+    Version,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// Namespace to watch ConsulResolvers and Mappings in; repeat for several. Default: all.
+    #[arg(long = "namespace", env = "WATCH_NAMESPACES", value_delimiter = ',', value_parser = parse_name)]
+    pub namespaces: Vec<String>,
+
+    /// Only resolvers and Mappings whose ambassador_id contains this are read.
+    #[arg(long, env = "AMBASSADOR_ID", default_value = "default", value_parser = parse_name)]
+    pub ambassador_id: String,
+
+    /// Resolver (NAME or NAMESPACE/NAME) for Mappings that name none. Without it, such
+    /// Mappings route to Kubernetes Services, whose endpoints are watched.
+    #[arg(long, env = "DEFAULT_RESOLVER", value_parser = ResolverName::from_str)]
+    pub default_resolver: Option<ResolverName>,
+
+    /// ConfigMap (NAMESPACE/NAME) the snapshot is written to. Default: none.
+    #[arg(long, env = "SNAPSHOT_CONFIGMAP", value_parser = parse_configmap)]
+    pub snapshot_configmap: Option<ConfigMapRef>,
+
+    /// Changes within this window after a publication are coalesced into one trailing
+    /// publication (e.g. 250ms, 1s).
+    #[arg(long, env = "COALESCE_WINDOW", default_value = "250ms", value_parser = parse_duration)]
+    pub coalesce_window: Duration,
+
+    /// How long the first snapshot waits for Consul services to answer before it is
+    /// published with the silent ones marked unsynced. Kubernetes kinds always wait.
+    #[arg(long, env = "BOOTSTRAP_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub bootstrap_timeout: Duration,
+
+    /// Most connections the operator opens to one Consul address (Consul refuses more
+    /// than 200 per client by default).
+    #[arg(long, env = "CONSUL_MAX_CONNECTIONS", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub consul_max_connections: u32,
+
+    /// `wait` of Consul blocking queries (Consul caps it at 10m).
+    #[arg(long, env = "CONSUL_WAIT", default_value = "5m", value_parser = parse_duration)]
+    pub consul_wait: Duration,
+
+    /// Command run after each publication, with SNAPSHOT_ID and SNAPSHOT_FILE in its
+    /// environment; never two at once.
+    #[arg(long, env = "ON_SNAPSHOT")]
+    pub on_snapshot: Option<PathBuf>,
+
+    /// How long the --on-snapshot command may run before it is killed.
+    #[arg(long, env = "ON_SNAPSHOT_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub on_snapshot_timeout: Duration,
+
+    /// Address for /metrics, /healthz, /readyz, /snapshot and /snapshots/<id>.
+    #[arg(long, env = "LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
+
+    /// Extra Kubernetes watch, KIND[.GROUP][/NAMESPACE][?LABELSELECTOR]; its objects
+    /// appear in the snapshot. Repeatable.
+    #[arg(long = "watch", env = "STATIC_WATCHES", value_delimiter = ',', value_parser = parse_watch)]
+    pub watches: Vec<KubeKey>,
+}
+
+/// A ConfigMap by namespace and name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigMapRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+fn parse_name(s: &str) -> Result<String, String> {
+    if is_dns_label(s) {
+        Ok(s.to_owned())
+    } else {
+        Err(format!("{s:?} is not a valid name (lowercase letters, digits, '-', '.')"))
+    }
+}
+
+fn parse_configmap(s: &str) -> Result<ConfigMapRef, String> {
+    match s.split_once('/') {
+        Some((ns, name)) if is_dns_label(ns) && is_dns_label(name) => {
+            Ok(ConfigMapRef { namespace: ns.to_owned(), name: name.to_owned() })
+        }
+        _ => Err(format!("{s:?} is not NAMESPACE/NAME")),
+    }
+}
+
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration like 250ms, 30s or 5m: {e}"))
+}
+
+/// `KIND[.GROUP][/NAMESPACE][?LABELSELECTOR]`; the version is the one the API server
+/// prefers.
+pub fn parse_watch(s: &str) -> Result<KubeKey, String> {
+    let (rest, labels) = match s.split_once('?') {
+        Some((r, l)) if !l.is_empty() => (r, Some(l)),
+        Some(_) => return Err(format!("{s:?}: empty label selector after '?'")),
+        None => (s, None),
+    };
+    let (kind_group, namespace) = match rest.split_once('/') {
+        Some((kg, ns)) if is_dns_label(ns) => (kg, Some(ns)),
+        Some((_, ns)) => return Err(format!("{s:?}: {ns:?} is not a namespace name")),
+        None => (rest, None),
+    };
+    let (kind, group) = kind_group.split_once('.').unwrap_or((kind_group, ""));
+    let kind_ok =
+        kind.chars().next().is_some_and(|c| c.is_ascii_uppercase()) && kind.chars().all(|c| c.is_ascii_alphanumeric());
+    if !kind_ok {
+        return Err(format!("{s:?}: kind {kind:?} must be a Kind name such as Service or Mapping"));
+    }
+    if !group.is_empty() && !is_dns_label(group) {
+        return Err(format!("{s:?}: {group:?} is not an API group"));
+    }
+    if group.is_empty() && kind == "Secret" {
+        return Err(format!("{s:?}: Secrets cannot be watched into the snapshot"));
+    }
+    if labels.is_some_and(|l| l.chars().any(char::is_whitespace)) {
+        return Err(format!("{s:?}: the label selector must not contain spaces"));
+    }
+    let mut key = KubeKey::new(group, "", kind);
+    key.namespace = namespace.map(str::to_owned);
+    key.label_selector = labels.map(str::to_owned);
+    Ok(key)
+}
+
+/// Parses the command line; bad values give one line naming the flag, and exit code 2.
+pub fn parse() -> Cli {
+    match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(
+                e.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
+                e.exit();
+            }
+            let rendered = e.render().to_string();
+            let line = rendered.lines().find(|l| !l.trim().is_empty()).unwrap_or("error: invalid arguments");
+            eprintln!("{line}");
+            std::process::exit(2);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(args: &[&str]) -> Result<RunArgs, clap::Error> {
+        let mut argv = vec!["consul-resolver-operator", "run"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).map(|c| match c.command {
+            Command::Run(r) => *r,
+            other => panic!("{other:?}"),
+        })
+    }
+
+    #[test]
+    fn defaults() {
+        let r = run(&[]).unwrap();
+        assert_eq!(r.coalesce_window, Duration::from_millis(250));
+        assert_eq!(r.bootstrap_timeout, Duration::from_secs(30));
+        assert_eq!(r.consul_max_connections, 100);
+        assert_eq!(r.ambassador_id, "default");
+        assert!(r.namespaces.is_empty() && r.watches.is_empty());
+    }
+
+    #[test]
+    fn values_parse() {
+        let r = run(&[
+            "--namespace",
+            "a",
+            "--namespace",
+            "b",
+            "--snapshot-configmap",
+            "ops/snap",
+            "--coalesce-window",
+            "1s",
+            "--default-resolver",
+            "ops/consul",
+            "--watch",
+            "Service/shop?app=web",
+            "--watch",
+            "Mapping.getambassador.io",
+        ])
+        .unwrap();
+        assert_eq!(r.namespaces, ["a", "b"]);
+        assert_eq!(r.snapshot_configmap, Some(ConfigMapRef { namespace: "ops".into(), name: "snap".into() }));
+        assert_eq!(r.coalesce_window, Duration::from_secs(1));
+        assert_eq!(r.default_resolver, Some(ResolverName { namespace: Some("ops".into()), name: "consul".into() }));
+        assert_eq!(r.watches[0], KubeKey::new("", "", "Service").in_namespace("shop").with_labels("app=web"));
+        assert_eq!(r.watches[1], KubeKey::new("getambassador.io", "", "Mapping"));
+    }
+
+    #[test]
+    fn bad_values_name_the_flag() {
+        for (args, flag) in [
+            (&["--coalesce-window", "soon"][..], "--coalesce-window"),
+            (&["--snapshot-configmap", "nonamespace"][..], "--snapshot-configmap"),
+            (&["--consul-max-connections", "0"][..], "--consul-max-connections"),
+            (&["--watch", "service"][..], "--watch"),
+            (&["--watch", "Secret/shop"][..], "--watch"),
+            (&["--listen", "localhost"][..], "--listen"),
+        ] {
+            let e = run(args).unwrap_err();
+            let first = e.render().to_string();
+            let first = first.lines().next().unwrap();
+            assert!(first.contains(flag), "{args:?}: {first}");
+            assert_eq!(e.exit_code(), 2);
+        }
+    }
+}

@@ -1,0 +1,270 @@
+//! Reading ConsulResolvers out of the world into the settings their queries use.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use base64::Engine;
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::api::resolver::{ConsulResolverSpec, SecretKeyRef};
+use crate::core::aggregator::World;
+use crate::core::keys::{ConsulKey, ConsulServer, KubeKey, Secret, TlsSettings};
+
+pub const GROUP: &str = "consulresolver.io";
+pub const KIND: &str = "ConsulResolver";
+
+/// A resolver in scope (its ambassadorId matches), usable or not.
+#[derive(Debug, Clone)]
+pub struct Resolver {
+    pub namespace: String,
+    pub name: String,
+    pub spec: Option<ConsulResolverSpec>,
+    /// The settings for its queries, or why it cannot be used as written.
+    pub settings: Result<Settings, String>,
+}
+
+/// Everything about a resolver that goes into its Consul keys.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub server: ConsulServer,
+    pub datacenter: Option<String>,
+    pub namespace: Option<String>,
+    pub partition: Option<String>,
+    pub passing: bool,
+    pub tags: BTreeSet<String>,
+}
+
+impl Settings {
+    pub fn key(&self, service: &str) -> ConsulKey {
+        ConsulKey {
+            server: self.server.clone(),
+            datacenter: self.datacenter.clone(),
+            namespace: self.namespace.clone(),
+            partition: self.partition.clone(),
+            passing: self.passing,
+            tags: self.tags.clone(),
+            service: service.to_owned(),
+        }
+    }
+}
+
+/// The watch that brings a Secret named by a resolver: that one Secret, by name.
+pub fn secret_key(namespace: &str, name: &str) -> KubeKey {
+    KubeKey::new("", "v1", "Secret").in_namespace(namespace).with_fields(format!("metadata.name={name}"))
+}
+
+/// Reads every ConsulResolver of the operator's Ambassador ID. Secret keys the resolvers
+/// need are added to `desired`, whether or not the Secrets have arrived yet.
+pub fn read(
+    world: &World,
+    ambassador_id: &str,
+    env: &BTreeMap<String, String>,
+    desired_secrets: &mut BTreeSet<KubeKey>,
+) -> Vec<Resolver> {
+    let mut out: Vec<Resolver> = world
+        .objects_of(GROUP, KIND)
+        .filter_map(|obj| {
+            let namespace = obj.id.namespace.clone().unwrap_or_default();
+            let name = obj.id.name.clone();
+            let spec = match obj.value.get("spec") {
+                Some(spec) => ConsulResolverSpec::deserialize(spec).map_err(|e| format!("spec is not valid: {e}")),
+                None => Err("spec is missing".to_owned()),
+            };
+            match spec {
+                Ok(spec) if !spec.serves_ambassador_id(ambassador_id) => None,
+                Ok(spec) => {
+                    let settings = settings(world, &namespace, &spec, env, desired_secrets);
+                    Some(Resolver { namespace, name, spec: Some(spec), settings })
+                }
+                // We cannot tell whose it is; report it, a user needs to know.
+                Err(e) => Some(Resolver { namespace, name, spec: None, settings: Err(e) }),
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    out
+}
+
+fn settings(
+    world: &World,
+    namespace: &str,
+    spec: &ConsulResolverSpec,
+    env: &BTreeMap<String, String>,
+    desired_secrets: &mut BTreeSet<KubeKey>,
+) -> Result<Settings, String> {
+    let expanded = expand_env(&spec.address, env).map_err(|e| format!("spec.address: {e}"))?;
+    let address = normalise_address(&expanded).map_err(|e| format!("spec.address {:?}: {e}", spec.address))?;
+    let non_empty = |field: &str, v: &Option<String>| match v.as_deref() {
+        Some("") => Err(format!("spec.{field} must not be empty (omit it instead)")),
+        other => Ok(other.map(str::to_owned)),
+    };
+    let datacenter = non_empty("datacenter", &spec.datacenter)?;
+    let consul_ns = non_empty("namespace", &spec.namespace)?;
+    let partition = non_empty("partition", &spec.partition)?;
+    // Ask for the Secrets before reading them, so a missing one is watched and noticed
+    // when it appears.
+    let token_ref = spec.token_secret_ref.as_ref();
+    let ca_ref = spec.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref());
+    for r in token_ref.into_iter().chain(ca_ref) {
+        desired_secrets.insert(secret_key(namespace, &r.name));
+    }
+    let token = token_ref
+        .map(|r| read_secret(world, namespace, r, "spec.tokenSecretRef"))
+        .transpose()?
+        .map(|t| Secret::new(t.trim()));
+    let tls = match &spec.tls {
+        None => None,
+        Some(t) => {
+            if !address.starts_with("https://") {
+                return Err("spec.tls is set but spec.address is not https://".to_owned());
+            }
+            let ca_pem = ca_ref
+                .map(|r| read_secret(world, namespace, r, "spec.tls.caSecretRef"))
+                .transpose()?
+                .map(Arc::<str>::from);
+            Some(TlsSettings {
+                ca_pem,
+                server_name: non_empty("tls.serverName", &t.server_name)?,
+                insecure_skip_verify: t.insecure_skip_verify.unwrap_or(false),
+            })
+        }
+    };
+    let mut tags = BTreeSet::new();
+    for (i, t) in spec.tags.iter().flatten().enumerate() {
+        if t.is_empty() {
+            return Err(format!("spec.tags[{i}] is empty"));
+        }
+        tags.insert(t.0.clone());
+    }
+    Ok(Settings {
+        server: ConsulServer { address, token, tls },
+        datacenter,
+        namespace: consul_ns,
+        partition,
+        passing: spec.only_passing(),
+        tags,
+    })
+}
+
+fn read_secret(world: &World, namespace: &str, r: &SecretKeyRef, field: &str) -> Result<String, String> {
+    let key = secret_key(namespace, &r.name);
+    let Some(store) = world.kube().get(&key) else {
+        return Err(format!("{field}: waiting for Secret {namespace}/{}", r.name));
+    };
+    if !store.listed {
+        return Err(format!("{field}: waiting for Secret {namespace}/{}", r.name));
+    }
+    let secret = store
+        .objects
+        .values()
+        .find(|o| o.id.name == r.name)
+        .ok_or_else(|| format!("{field}: Secret {namespace}/{} not found", r.name))?;
+    let encoded = secret
+        .value
+        .pointer(&format!("/data/{}", r.key.replace('~', "~0").replace('/', "~1")))
+        .and_then(Value::as_str)
+        .ok_or_else(|| format!("{field}: Secret {namespace}/{} has no key {:?}", r.name, r.key))?;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .map_err(|_| format!("{field}: Secret {namespace}/{} key {:?} is not valid base64", r.name, r.key))?;
+    String::from_utf8(bytes).map_err(|_| format!("{field}: Secret {namespace}/{} key {:?} is not UTF-8", r.name, r.key))
+}
+
+/// Expands `${VAR}` from the operator's environment. An unset variable is an error: a
+/// resolver pointed at `:8500` would be worse than one reported as broken.
+pub fn expand_env(input: &str, env: &BTreeMap<String, String>) -> Result<String, String> {
+    let mut out = String::with_capacity(input.len());
+    let mut rest = input;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let end = after.find('}').ok_or_else(|| format!("unclosed ${{ in {input:?}"))?;
+        let var = &after[..end];
+        if var.is_empty() || !var.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(format!("invalid variable name {var:?} in {input:?}"));
+        }
+        let value = env.get(var).ok_or_else(|| format!("environment variable {var} is not set in the operator"))?;
+        out.push_str(value);
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// `host:port`, `http://host:port` or `https://host:port` (port defaults to 8500 for
+/// http and 8501 for https, Consul's defaults) to `scheme://host:port`.
+pub fn normalise_address(address: &str) -> Result<String, String> {
+    if address.is_empty() {
+        return Err("is empty".to_owned());
+    }
+    if address.chars().any(char::is_whitespace) {
+        return Err("contains whitespace".to_owned());
+    }
+    let (scheme, rest) = match address.split_once("://") {
+        Some((s, rest)) => match s.to_ascii_lowercase().as_str() {
+            "http" => ("http", rest),
+            "https" => ("https", rest),
+            _ => return Err(format!("scheme {s:?} is not http or https")),
+        },
+        None => ("http", address),
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.contains('/') || rest.contains('?') {
+        return Err("must not have a path or query".to_owned());
+    }
+    let default_port = if scheme == "https" { 8501 } else { 8500 };
+    let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+        let (ip, tail) = v6.split_once(']').ok_or("has an unclosed '['")?;
+        let port = match tail.strip_prefix(':') {
+            Some(p) => p,
+            None if tail.is_empty() => "",
+            None => return Err("has garbage after the IPv6 address".to_owned()),
+        };
+        (format!("[{ip}]"), port)
+    } else {
+        match rest.rsplit_once(':') {
+            Some((h, p)) => (h.to_owned(), p),
+            None => (rest.to_owned(), ""),
+        }
+    };
+    if host.is_empty() || host == "[]" {
+        return Err("has no host".to_owned());
+    }
+    let port: u16 = if port.is_empty() {
+        default_port
+    } else {
+        match port.parse::<u16>() {
+            Ok(p) if p > 0 => p,
+            _ => return Err(format!("port {port:?} is not a number in 1-65535")),
+        }
+    };
+    Ok(format!("{scheme}://{}:{port}", host.to_ascii_lowercase()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_normalise() {
+        assert_eq!(normalise_address("127.0.0.1:8500").unwrap(), "http://127.0.0.1:8500");
+        assert_eq!(normalise_address("consul").unwrap(), "http://consul:8500");
+        assert_eq!(normalise_address("HTTPS://Consul.Example/").unwrap(), "https://consul.example:8501");
+        assert_eq!(normalise_address("http://[::1]:9500").unwrap(), "http://[::1]:9500");
+        for bad in ["", "ftp://x", "x:0", "x:port", "http://x/v1", "a b:80", "http://:80"] {
+            assert!(normalise_address(bad).is_err(), "{bad:?} should be rejected");
+        }
+    }
+
+    #[test]
+    fn env_expands_and_unset_is_an_error() {
+        let env = BTreeMap::from([("HOST_IP".to_owned(), "10.1.2.3".to_owned())]);
+        assert_eq!(expand_env("${HOST_IP}:8500", &env).unwrap(), "10.1.2.3:8500");
+        assert_eq!(expand_env("plain:8500", &env).unwrap(), "plain:8500");
+        let e = expand_env("${NOPE}:8500", &env).unwrap_err();
+        assert!(e.contains("NOPE is not set"), "{e}");
+        assert!(expand_env("${HOST_IP:8500", &env).is_err());
+        assert!(expand_env("${}:1", &env).is_err());
+    }
+}

@@ -1,0 +1,179 @@
+//! The snapshot document: what publishers write out.
+//!
+//! Deterministic by construction: every list is sorted and every map is a `BTreeMap`, so
+//! equal worlds serialise to equal bytes. The `hash` covers everything except `id`, and
+//! is what "only changed content is written" compares.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::core::model::{Endpoint, KubeEndpoint};
+
+pub const API_VERSION: &str = "consulresolver.io/v1alpha1";
+pub const KIND: &str = "Snapshot";
+
+/// Everything a snapshot says, without its id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Content {
+    pub bootstrap: Bootstrap,
+    pub resolvers: Vec<ResolverEntry>,
+    pub mappings: Vec<MappingEntry>,
+    pub kubernetes_services: Vec<KubeServiceEntry>,
+    /// Objects of the static `--watch` keys, per key.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub watched: Vec<WatchedEntry>,
+    pub problems: Vec<Problem>,
+}
+
+/// The objects of one static `--watch`, sorted by namespace and name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WatchedEntry {
+    pub watch: String,
+    pub objects: Vec<serde_json::Value>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Bootstrap {
+    /// True when every watched service answered; false when the bootstrap timeout let the
+    /// snapshot out with some Consul services unsynced.
+    pub complete: bool,
+    /// The Consul services (as `resolver-namespace/resolver-name/service`) that have not
+    /// answered yet.
+    pub unsynced: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ResolverEntry {
+    pub namespace: String,
+    pub name: String,
+    /// Normalised address (`http(s)://host:port`).
+    pub address: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub datacenter: Option<String>,
+    /// Why the resolver cannot be used as written; `services` is empty then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub invalid: Option<String>,
+    pub services: Vec<ServiceEntry>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceEntry {
+    pub name: String,
+    /// Consul has answered for this service at least once.
+    pub synced: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    pub endpoints: Vec<Endpoint>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MappingEntry {
+    pub kind: String,
+    pub namespace: String,
+    pub name: String,
+    /// `spec.service` as written.
+    pub service: String,
+    pub target: Target,
+}
+
+/// Where a Mapping's traffic goes.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "camelCase")]
+pub enum Target {
+    /// A Consul service through a ConsulResolver.
+    #[serde(rename_all = "camelCase")]
+    Consul {
+        resolver_namespace: String,
+        resolver_name: String,
+        service: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        port: Option<u16>,
+    },
+    /// A Kubernetes Service.
+    #[serde(rename_all = "camelCase")]
+    Kubernetes {
+        namespace: String,
+        service: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        port: Option<u16>,
+    },
+    /// A literal address; nothing is watched.
+    Address { address: String },
+    /// Could not be resolved; see `problems`.
+    Unresolved,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KubeServiceEntry {
+    pub namespace: String,
+    pub name: String,
+    /// The Service's endpoints have been listed.
+    pub synced: bool,
+    pub endpoints: Vec<KubeEndpoint>,
+}
+
+/// Something wrong with an object, reported rather than guessed around.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Problem {
+    pub kind: String,
+    pub namespace: String,
+    pub name: String,
+    pub message: String,
+}
+
+/// A published snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Snapshot {
+    pub api_version: String,
+    pub kind: String,
+    /// Increases with every publication of this operator process.
+    pub id: u64,
+    /// `sha256:` of the canonical JSON of the content.
+    pub hash: String,
+    #[serde(flatten)]
+    pub content: Content,
+}
+
+impl Content {
+    /// The content hash: equal content, equal hash.
+    pub fn hash(&self) -> String {
+        let bytes = serde_json::to_vec(self).expect("snapshot content always serialises");
+        format!("sha256:{}", hex::encode(Sha256::digest(&bytes)))
+    }
+
+    pub fn into_snapshot(self, id: u64) -> Snapshot {
+        let hash = self.hash();
+        Snapshot { api_version: API_VERSION.into(), kind: KIND.into(), id, hash, content: self }
+    }
+
+    /// Counts per resolver `(services, endpoints)`, keyed by `(namespace, name)`.
+    pub fn resolver_counts(&self) -> BTreeMap<(&str, &str), (usize, usize)> {
+        self.resolvers
+            .iter()
+            .map(|r| {
+                let eps = r.services.iter().map(|s| s.endpoints.len()).sum();
+                ((r.namespace.as_str(), r.name.as_str()), (r.services.len(), eps))
+            })
+            .collect()
+    }
+}
+
+impl Snapshot {
+    /// The canonical bytes publishers write.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("snapshots always serialise")
+    }
+}

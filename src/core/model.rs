@@ -1,0 +1,73 @@
+//! Plain data that flows from the sources into the world. No Kubernetes or HTTP types:
+//! sources translate what they receive into these.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Identity of a Kubernetes object within one watch.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ObjectId {
+    pub namespace: Option<String>,
+    pub name: String,
+}
+
+/// A Kubernetes object as JSON, shared cheaply between the world and its readers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KubeObject {
+    pub id: ObjectId,
+    pub value: Arc<Value>,
+}
+
+impl KubeObject {
+    /// Reads the id from `metadata`; `None` when the object has no name.
+    pub fn from_value(value: Value) -> Option<Self> {
+        let name = value.pointer("/metadata/name")?.as_str()?.to_owned();
+        let namespace = value.pointer("/metadata/namespace").and_then(Value::as_str).map(str::to_owned);
+        Some(KubeObject { id: ObjectId { namespace, name }, value: Arc::new(value) })
+    }
+}
+
+/// Summary of an instance's health checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Health {
+    Passing,
+    Warning,
+    Critical,
+}
+
+/// One instance of a Consul service.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Endpoint {
+    /// `Service.Address`, or `Node.Address` when that is empty.
+    pub address: String,
+    pub port: u16,
+    pub node: String,
+    pub service_id: String,
+    /// Sorted.
+    pub tags: Vec<String>,
+    pub meta: BTreeMap<String, String>,
+    /// The worst status among the instance's checks (node checks included).
+    pub health: Health,
+}
+
+/// One address of a Kubernetes Service (from EndpointSlices or Endpoints).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KubeEndpoint {
+    pub address: String,
+    /// Named ports of the service, sorted by name.
+    pub ports: Vec<KubePort>,
+    pub ready: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct KubePort {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub port: u16,
+}

@@ -1,0 +1,16 @@
+//! Publishers: the edge that writes snapshots out. The runtime publishes to all of them
+//! in turn, one snapshot at a time; a publication that fails anywhere is retried later
+//! with whatever is current then.
+
+pub mod http;
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+
+use crate::core::assembler::Snapshot;
+
+pub trait Publisher: Send + Sync + 'static {
+    fn name(&self) -> &'static str;
+    fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), String>>;
+}

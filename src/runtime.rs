@@ -1,0 +1,185 @@
+//! The runtime: drives the pure pipeline with the real sources and publishers.
+//!
+//! One loop owns the pipeline. It drains events in batches (so a flood of 10,000 list
+//! events is one reconciliation, not 10,000), applies the registry's diffs to the running
+//! watches, and runs at most one publication at a time as its own task.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant as StdInstant;
+
+use anyhow::Context;
+use kube::Client;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::mapping::{self, MappingKind};
+use crate::cli::RunArgs;
+use crate::core::aggregator::Event;
+use crate::core::assembler::{self, EndpointsApi, Snapshot};
+use crate::core::keys::{KubeKey, WatchKey};
+use crate::core::pipeline::{Pipeline, Step};
+use crate::metrics::Metrics;
+use crate::publishers::Publisher;
+use crate::publishers::http::{self, HttpPublisher, ServerState, SnapshotStore};
+use crate::sources::kube::KubeSource;
+use crate::sources::{Source, Watches};
+
+/// Most events folded into the world per batch.
+const MAX_BATCH: usize = 10_000;
+
+/// The operator's fixed watches: its own CRD and Ambassador's route kinds (those the API
+/// server serves), per watched namespace, plus the static `--watch` keys.
+async fn fixed_keys(client: &Client, args: &RunArgs) -> anyhow::Result<BTreeSet<WatchKey>> {
+    let mut kinds = vec![KubeKey::new(assembler::resolvers::GROUP, "v1alpha1", assembler::resolvers::KIND)];
+    crate::sources::kube::resolve(client, &kinds[0])
+        .await
+        .map_err(anyhow::Error::msg)
+        .context("the ConsulResolver CRD is not installed (kubectl apply -f crds/)")?;
+    for kind in MappingKind::ALL {
+        let key = KubeKey::new(mapping::GROUP, "", kind.kind());
+        match crate::sources::kube::resolve(client, &key).await {
+            Ok(_) => kinds.push(key),
+            Err(e) => tracing::warn!(kind = kind.kind(), error = %e, "Ambassador kind not served; not watched"),
+        }
+    }
+    let mut keys = BTreeSet::new();
+    for kind in kinds {
+        if args.namespaces.is_empty() {
+            keys.insert(WatchKey::Kube(kind));
+        } else {
+            for ns in &args.namespaces {
+                keys.insert(WatchKey::Kube(kind.clone().in_namespace(ns.clone())));
+            }
+        }
+    }
+    keys.extend(args.watches.iter().cloned().map(WatchKey::Kube));
+    Ok(keys)
+}
+
+/// EndpointSlices where `discovery.k8s.io/v1` is served (1.21+), else core Endpoints.
+async fn endpoints_api(client: &Client) -> EndpointsApi {
+    let key = KubeKey::new("discovery.k8s.io", "v1", "EndpointSlice");
+    match crate::sources::kube::resolve(client, &key).await {
+        Ok(_) => EndpointsApi::EndpointSlices,
+        Err(_) => EndpointsApi::Endpoints,
+    }
+}
+
+pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let client = Client::try_default().await.context("cannot build a Kubernetes client (KUBECONFIG or in-cluster)")?;
+    let metrics = Metrics::new();
+    let store = Arc::new(SnapshotStore::default());
+    let ready = Arc::new(AtomicBool::new(false));
+    let state = ServerState { store: store.clone(), metrics: metrics.clone(), ready: ready.clone() };
+    let (bound, server) = http::serve(args.listen, state, shutdown.clone())
+        .await
+        .with_context(|| format!("--listen {}: cannot bind", args.listen))?;
+    tracing::info!(address = %bound, "serving /metrics /healthz /readyz /snapshot");
+
+    let fixed = fixed_keys(&client, &args).await?;
+    let config = assembler::Config {
+        ambassador_id: args.ambassador_id.clone(),
+        default_resolver: args.default_resolver.clone(),
+        endpoints_api: endpoints_api(&client).await,
+        env: std::env::vars().collect(),
+        static_watches: args.watches.clone(),
+    };
+    tracing::info!(endpoints = ?config.endpoints_api, watches = fixed.len(), "starting");
+
+    let (tx, mut rx) = mpsc::channel::<Event>(4096);
+    let sources: Vec<Arc<dyn Source>> = vec![Arc::new(KubeSource::new(client.clone()))];
+    let mut watches = Watches::new(sources, tx);
+    let mut pipeline = Pipeline::new(config, args.bootstrap_timeout, args.coalesce_window);
+    watches.apply(&pipeline.set_fixed(fixed, Instant::now()));
+
+    let publishers: Arc<Vec<Arc<dyn Publisher>>> = Arc::new(vec![Arc::new(HttpPublisher(store))]);
+    let mut in_flight: Option<(Arc<Snapshot>, tokio::task::JoinHandle<bool>)> = None;
+    let mut logged_waiting = false;
+
+    loop {
+        let step = if in_flight.is_none() { pipeline.poll(Instant::now()) } else { Step::Idle };
+        let wake = match step {
+            Step::Publish(snapshot) => {
+                let task = tokio::spawn(publish(publishers.clone(), snapshot.clone(), metrics.clone()));
+                in_flight = Some((snapshot, task));
+                continue;
+            }
+            Step::WaitUntil(at) => Some(at),
+            Step::Idle => None,
+        };
+        if !pipeline.has_published() && !logged_waiting {
+            tracing::info!(readiness = ?pipeline.readiness(Instant::now()), "waiting for a complete world before the first snapshot");
+            logged_waiting = true;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            Some(first) = rx.recv() => {
+                let mut batch = vec![first];
+                while batch.len() < MAX_BATCH {
+                    match rx.try_recv() {
+                        Ok(e) => batch.push(e),
+                        Err(_) => break,
+                    }
+                }
+                for e in &batch {
+                    let source = match e { Event::Kube(..) => "kubernetes", Event::Consul(..) => "consul" };
+                    metrics.events.with_label_values(&[source]).inc();
+                }
+                let diff = pipeline.apply(batch, Instant::now());
+                watches.apply(&diff);
+                for (source, n) in watches.counts() {
+                    metrics.watches.with_label_values(&[source]).set(n as i64);
+                }
+            }
+            done = async { (&mut in_flight.as_mut().expect("guarded by is_some").1).await }, if in_flight.is_some() => {
+                let (snapshot, _) = in_flight.take().expect("guarded by is_some");
+                let ok = done.unwrap_or(false);
+                pipeline.published(&snapshot, ok, Instant::now());
+                if ok {
+                    ready.store(true, Ordering::Relaxed);
+                    metrics.bootstrapped.set(1);
+                }
+            }
+            _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {}
+        }
+    }
+    // Let a publication in flight finish: a half-written snapshot helps nobody.
+    if let Some((_, task)) = in_flight {
+        let _ = task.await;
+    }
+    drop(watches);
+    let _ = server.await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn publish(publishers: Arc<Vec<Arc<dyn Publisher>>>, snapshot: Arc<Snapshot>, metrics: Metrics) -> bool {
+    let started = StdInstant::now();
+    let mut ok = true;
+    for p in publishers.iter() {
+        if let Err(e) = p.publish(snapshot.clone()).await {
+            tracing::warn!(publisher = p.name(), id = snapshot.id, error = %e, "publication failed; will retry");
+            metrics.publish_failures.with_label_values(&[p.name()]).inc();
+            ok = false;
+        }
+    }
+    metrics.publish_seconds.observe(started.elapsed().as_secs_f64());
+    if ok {
+        metrics.snapshots_published.inc();
+        metrics.snapshot_id.set(snapshot.id as i64);
+        metrics.problems.set(snapshot.content.problems.len() as i64);
+        tracing::info!(
+            id = snapshot.id,
+            hash = %snapshot.hash,
+            complete = snapshot.content.bootstrap.complete,
+            mappings = snapshot.content.mappings.len(),
+            resolvers = snapshot.content.resolvers.len(),
+            problems = snapshot.content.problems.len(),
+            "snapshot published"
+        );
+    }
+    ok
+}
