@@ -484,3 +484,19 @@ async fn snapshots_are_deterministic() {
     assert_eq!(a.hash(), b.hash());
     assert_eq!(a.clone().into_snapshot(1).hash, a.hash());
 }
+
+#[tokio::test(start_paused = true)]
+async fn resolver_entries_carry_the_generation_for_observed_generation() {
+    let mut with_generation = resolver("shop", "consul", json!({"address": "127.0.0.1:8500"}));
+    let mut value = (*with_generation.value).clone();
+    value["metadata"]["generation"] = json!(7);
+    with_generation.value = std::sync::Arc::new(value);
+    let a = assemble(
+        vec![with_generation, resolver("shop", "bare", json!({"address": "127.0.0.1:8500"}))],
+        vec![],
+        &Config::default(),
+    );
+    let generation = |name: &str| a.content.resolvers.iter().find(|r| r.name == name).unwrap().generation;
+    assert_eq!(generation("consul"), Some(7));
+    assert_eq!(generation("bare"), None, "absent stays absent (and out of the JSON)");
+}

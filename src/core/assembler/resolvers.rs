@@ -20,6 +20,8 @@ pub struct Resolver {
     pub namespace: String,
     pub name: String,
     pub spec: Option<ConsulResolverSpec>,
+    /// `metadata.generation`, for the status's `observedGeneration`.
+    pub generation: Option<i64>,
     /// The settings for its queries, or why it cannot be used as written.
     pub settings: Result<Settings, String>,
 }
@@ -67,6 +69,7 @@ pub fn read(
         .filter_map(|obj| {
             let namespace = obj.id.namespace.clone().unwrap_or_default();
             let name = obj.id.name.clone();
+            let generation = obj.value.pointer("/metadata/generation").and_then(Value::as_i64);
             let spec = match obj.value.get("spec") {
                 Some(spec) => ConsulResolverSpec::deserialize(spec).map_err(|e| format!("spec is not valid: {e}")),
                 None => Err("spec is missing".to_owned()),
@@ -75,10 +78,10 @@ pub fn read(
                 Ok(spec) if !spec.serves_ambassador_id(ambassador_id) => None,
                 Ok(spec) => {
                     let settings = settings(world, &namespace, &spec, env, desired_secrets);
-                    Some(Resolver { namespace, name, spec: Some(spec), settings })
+                    Some(Resolver { namespace, name, spec: Some(spec), generation, settings })
                 }
                 // We cannot tell whose it is; report it, a user needs to know.
-                Err(e) => Some(Resolver { namespace, name, spec: None, settings: Err(e) }),
+                Err(e) => Some(Resolver { namespace, name, spec: None, generation, settings: Err(e) }),
             }
         })
         .collect();

@@ -52,6 +52,10 @@ pub struct Bootstrap {
 pub struct ResolverEntry {
     pub namespace: String,
     pub name: String,
+    /// The resolver's `metadata.generation` this entry was built from, so its status can
+    /// say `observedGeneration` without reading the object again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<i64>,
     /// Normalised address (`http(s)://host:port`).
     pub address: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
