@@ -56,7 +56,7 @@ struct Args {
 impl Args {
     fn into_config(self) -> Config {
         let acl = (self.acl_enabled || !self.acl_tokens.is_empty())
-            .then(|| AclConfig { tokens: self.acl_tokens, anonymous_read: self.acl_anonymous_read });
+            .then_some(AclConfig { tokens: self.acl_tokens, anonymous_read: self.acl_anonymous_read });
         Config {
             listen: self.listen,
             datacenter: self.datacenter,

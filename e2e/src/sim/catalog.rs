@@ -327,9 +327,8 @@ impl Catalog {
     }
 
     /// The health rows of `key` whose instances carry every tag in `tags` (compared
-    /// case-insensitively, as Consul does), with the service's index.
-    pub fn health(&self, key: &ServiceKey, tags: &[String]) -> (u64, Vec<HealthEntry>) {
-        let index = self.service_index(key);
+    /// case-insensitively, as Consul does).
+    pub fn health(&self, key: &ServiceKey, tags: &[String]) -> Vec<HealthEntry> {
         let mut entries = Vec::new();
         for svc in self.services.values() {
             if svc.key != *key {
@@ -352,7 +351,7 @@ impl Catalog {
                 .collect();
             entries.push(HealthEntry { node: node.clone(), service: svc.clone(), checks });
         }
-        (index, entries)
+        entries
     }
 
     /// Service names in a namespace/partition with the union of their tags (sorted, unique).
@@ -705,7 +704,7 @@ mod tests {
         c.register(node_check("n1", "critical"), None, None).unwrap();
         assert!(c.service_index(&ServiceKey::new("a")) > ia);
         assert_eq!(c.service_index(&ServiceKey::new("b")), ib);
-        let (_, entries) = c.health(&ServiceKey::new("a"), &[]);
+        let entries = c.health(&ServiceKey::new("a"), &[]);
         assert_eq!(entries[0].checks.len(), 2);
         assert!(!entries[0].all_passing());
     }
@@ -733,7 +732,7 @@ mod tests {
         c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), None, None).unwrap();
         c.register(node_check("n1", "passing"), None, None).unwrap();
         assert!(c.deregister(dereg("n1", None)).unwrap());
-        assert!(c.health(&ServiceKey::new("a"), &[]).1.is_empty());
+        assert!(c.health(&ServiceKey::new("a"), &[]).is_empty());
         assert!(c.services(None, None).is_empty());
         assert!(!c.deregister(dereg("n1", None)).unwrap(), "second time is a no-op");
     }
@@ -746,18 +745,18 @@ mod tests {
         c.register(r, None, None).unwrap();
         c.register(reg("n2", "10.0.0.2", "a", "a2", "passing"), None, None).unwrap();
         let key = ServiceKey::new("a");
-        assert_eq!(c.health(&key, &[]).1.len(), 2);
-        assert_eq!(c.health(&key, &["blue".into()]).1.len(), 1);
-        assert_eq!(c.health(&key, &["blue".into(), "v2".into()]).1.len(), 1);
-        assert_eq!(c.health(&key, &["blue".into(), "v3".into()]).1.len(), 0);
+        assert_eq!(c.health(&key, &[]).len(), 2);
+        assert_eq!(c.health(&key, &["blue".into()]).len(), 1);
+        assert_eq!(c.health(&key, &["blue".into(), "v2".into()]).len(), 1);
+        assert_eq!(c.health(&key, &["blue".into(), "v3".into()]).len(), 0);
     }
 
     #[test]
     fn namespaces_are_part_of_the_identity() {
         let mut c = Catalog::new("dc1", 1);
         c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), Some("team"), None).unwrap();
-        assert!(c.health(&ServiceKey::new("a"), &[]).1.is_empty());
-        assert_eq!(c.health(&ServiceKey::scoped("a", Some("team"), None), &[]).1.len(), 1);
+        assert!(c.health(&ServiceKey::new("a"), &[]).is_empty());
+        assert_eq!(c.health(&ServiceKey::scoped("a", Some("team"), None), &[]).len(), 1);
     }
 
     #[test]
@@ -798,8 +797,8 @@ mod tests {
             c.register(reg("n1", "10.0.0.1", "a", &format!("a{i}"), "passing"), None, None).unwrap();
         }
         c.reset_indexes(2);
-        let (idx, entries) = c.health(&ServiceKey::new("a"), &[]);
-        assert_eq!(idx, 2);
+        let entries = c.health(&ServiceKey::new("a"), &[]);
+        assert_eq!(c.service_index(&ServiceKey::new("a")), 2);
         assert_eq!(entries.len(), 5);
         c.register(reg("n1", "10.0.0.1", "a", "a9", "passing"), None, None).unwrap();
         assert_eq!(c.service_index(&ServiceKey::new("a")), 3);

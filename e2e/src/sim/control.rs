@@ -170,6 +170,12 @@ pub struct RequestRecord {
     pub path: String,
     /// The raw query string, `""` if none.
     pub query: String,
+    /// For health queries: the service name (decoded).
+    pub service: Option<String>,
+    /// `?ns=` or `X-Consul-Namespace`, if sent.
+    pub namespace: Option<String>,
+    /// `?partition=`, if sent.
+    pub partition: Option<String>,
     /// The presented ACL token. Returned verbatim: this is a test tool and tests need to know
     /// which token was used.
     pub token: Option<String>,

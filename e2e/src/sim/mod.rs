@@ -62,8 +62,10 @@
 //!
 //! In-process: `let sim = Simulator::start(Config::default()).await?;` then talk to
 //! `sim.base_url()`; the server stops when the handle is dropped (or on
-//! [`RunningSim::shutdown`]). [`Simulator::start_background`] runs it on its own thread and
-//! runtime, for synchronous tests or tests that block their runtime.
+//! [`RunningSim::shutdown`]). [`Simulator::start`] serves on the caller's runtime, so it dies
+//! with it: each `#[tokio::test]` has its own runtime, hence a simulator shared between tests
+//! (or used from synchronous code, or next to code that blocks its runtime) must be started
+//! with [`Simulator::start_background`], which runs it on its own thread and runtime.
 //!
 //! As a process: `consul-sim --listen 127.0.0.1:0` prints `listening on <addr>` on stdout.
 //!

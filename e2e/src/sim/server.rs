@@ -23,7 +23,7 @@ use tokio::sync::watch;
 
 use super::acl::{Identity, extract_token};
 use super::catalog::{Catalog, CatalogError, DeregisterRequest, RegisterRequest, ServiceKey};
-use super::control::{self, Outcome};
+use super::control::{self, Outcome, RequestRecord};
 use super::duration::{effective_wait, jitter, parse_go_duration};
 use super::render;
 use super::state::{BlockingGuard, ConnGuard, LogGuard, Shared, lock};
@@ -123,9 +123,55 @@ fn text(status: StatusCode, body: impl Into<String>) -> Resp {
     resp
 }
 
-fn bad_request(body: &str) -> Resp {
-    text(StatusCode::BAD_REQUEST, body)
+/// An error answer: a status and a plain-text body, as Consul sends them (no index headers).
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
 }
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError { status, message: message.into() }
+    }
+
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    fn into_response(self) -> Resp {
+        text(self.status, self.message)
+    }
+}
+
+impl From<CatalogError> for ApiError {
+    fn from(e: CatalogError) -> Self {
+        match e {
+            CatalogError::BadRequest(m) => ApiError::bad_request(m),
+            CatalogError::Internal(m) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, m),
+        }
+    }
+}
+
+/// Why a handler did not produce its normal answer.
+enum Failure {
+    Api(ApiError),
+    Dropped,
+}
+
+impl From<ApiError> for Failure {
+    fn from(e: ApiError) -> Self {
+        Failure::Api(e)
+    }
+}
+
+impl From<Dropped> for Failure {
+    fn from(_: Dropped) -> Self {
+        Failure::Dropped
+    }
+}
+
+type Handled = Result<Resp, Failure>;
 
 fn plain_json(value: &Value) -> Resp {
     let mut resp = Response::new(Full::new(Bytes::from(value.to_string())));
@@ -133,8 +179,8 @@ fn plain_json(value: &Value) -> Resp {
     resp
 }
 
-fn method_not_allowed(method: &Method) -> Resp {
-    text(StatusCode::METHOD_NOT_ALLOWED, format!("method {method} not allowed"))
+fn method_not_allowed(method: &Method) -> ApiError {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, format!("method {method} not allowed"))
 }
 
 /// Decodes `%XX` escapes of a path segment; `None` on a bad escape or non-UTF-8 result.
@@ -202,26 +248,26 @@ struct ReadOptions {
 }
 
 /// Parses `stale`/`consistent`/`cached`, `wait` and `index` in Consul's order.
-fn parse_read_options(p: &Params) -> Result<ReadOptions, Resp> {
+fn parse_read_options(p: &Params) -> Result<ReadOptions, ApiError> {
     let stale = p.has("stale");
     let consistent = p.has("consistent");
     if stale && consistent {
-        return Err(bad_request("Cannot specify ?stale with ?consistent, conflicting semantics."));
+        return Err(ApiError::bad_request("Cannot specify ?stale with ?consistent, conflicting semantics."));
     }
     if p.has("cached") && consistent {
-        return Err(bad_request("Cannot specify ?cached with ?consistent, conflicting semantics."));
+        return Err(ApiError::bad_request("Cannot specify ?cached with ?consistent, conflicting semantics."));
     }
     let requested = match p.first_non_empty("wait") {
         None => None,
-        Some(w) => Some(parse_go_duration(w).map_err(|_| bad_request("Invalid wait time"))?),
+        Some(w) => Some(parse_go_duration(w).map_err(|_| ApiError::bad_request("Invalid wait time"))?),
     };
     let index = match p.first_non_empty("index") {
         None => 0,
         // Go's ParseUint: digits only (Rust's parse would also take a leading '+').
         Some(i) if i.bytes().all(|b| b.is_ascii_digit()) => {
-            i.parse::<u64>().map_err(|_| bad_request("Invalid index"))?
+            i.parse::<u64>().map_err(|_| ApiError::bad_request("Invalid index"))?
         }
-        Some(_) => return Err(bad_request("Invalid index")),
+        Some(_) => return Err(ApiError::bad_request("Invalid index")),
     };
     Ok(ReadOptions {
         index,
@@ -236,10 +282,10 @@ fn parse_read_options(p: &Params) -> Result<ReadOptions, Resp> {
     })
 }
 
-fn check_datacenter(shared: &Shared, dc: Option<&str>) -> Result<(), Resp> {
+fn check_datacenter(shared: &Shared, dc: Option<&str>) -> Result<(), ApiError> {
     match dc {
         Some(dc) if !dc.is_empty() && dc != shared.config.datacenter => {
-            Err(text(StatusCode::INTERNAL_SERVER_ERROR, "No path to datacenter"))
+            Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "No path to datacenter"))
         }
         _ => Ok(()),
     }
@@ -248,10 +294,6 @@ fn check_datacenter(shared: &Shared, dc: Option<&str>) -> Result<(), Resp> {
 fn namespace<'a>(p: &'a Params, headers: &'a HeaderMap) -> Option<&'a str> {
     p.first_non_empty("ns")
         .or_else(|| headers.get("x-consul-namespace").and_then(|v| v.to_str().ok()).filter(|v| !v.is_empty()))
-}
-
-fn acl_not_found() -> Resp {
-    text(StatusCode::FORBIDDEN, "ACL not found")
 }
 
 fn accepts_gzip(headers: &HeaderMap) -> bool {
@@ -293,7 +335,27 @@ async fn handle(shared: Arc<Shared>, peer: SocketAddr, req: Request<Incoming>) -
     let query = req.uri().query().unwrap_or("").to_owned();
     let params = Params::parse(&query);
     let token = extract_token(params.first("token"), req.headers());
-    let seq = shared.log_request(peer, req.method().as_str(), &path, &query, token.clone());
+    let service = path.strip_prefix("/v1/health/service/").and_then(percent_decode);
+    let (token_value, token_source) = token.clone().map_or((None, None), |(t, s)| (Some(t), Some(s)));
+    let seq = shared.log_request(RequestRecord {
+        seq: 0,
+        at_ms: 0,
+        peer: peer.to_string(),
+        method: req.method().to_string(),
+        path: path.clone(),
+        query: query.clone(),
+        service,
+        namespace: namespace(&params, req.headers()).map(str::to_owned),
+        partition: params.first_non_empty("partition").map(str::to_owned),
+        token: token_value,
+        token_source,
+        wait_ms: None,
+        timeout_ms: None,
+        outcome: Outcome::InFlight,
+        status: None,
+        index: None,
+        duration_ms: None,
+    });
     let log = LogGuard { shared: shared.clone(), seq, done: false };
     let wants_gzip = accepts_gzip(req.headers());
 
@@ -324,22 +386,29 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn identity(&self) -> Result<Identity<'_>, Resp> {
-        Identity::resolve(self.shared.config.acl.as_ref(), self.token.as_deref()).map_err(|_| acl_not_found())
+    fn identity(&self) -> Result<Identity<'_>, ApiError> {
+        Identity::resolve(self.shared.config.acl.as_ref(), self.token.as_deref())
+            .map_err(|_| ApiError::new(StatusCode::FORBIDDEN, "ACL not found"))
     }
 
-    /// Waits, if asked to, until `read` reports an index above the client's or the wait
-    /// passes; then returns the current result. Errors only when the fault injector drops
+    /// Waits, if asked to, until `index_of` is above the client's index or the wait passes;
+    /// then returns the current index and `read` result. Wake-ups only evaluate `index_of`
+    /// (cheap), the full read happens once. Errors only when the fault injector drops
     /// blocking queries.
     async fn block<T>(
         &self,
         opts: &ReadOptions,
         label: &str,
-        read: impl Fn(&Catalog) -> (u64, T),
+        index_of: impl Fn(&Catalog) -> u64,
+        read: impl Fn(&Catalog) -> T,
     ) -> Result<(u64, T), Dropped> {
         let shared = self.shared;
+        let snapshot = || {
+            let catalog = lock(&shared.catalog);
+            (index_of(&catalog), read(&catalog))
+        };
         if opts.index == 0 {
-            return Ok(read(&lock(&shared.catalog)));
+            return Ok(snapshot());
         }
         let timeout = opts.wait + jitter(opts.wait);
         shared.update_request(self.seq, |r| {
@@ -356,19 +425,18 @@ impl Ctx<'_> {
         loop {
             // Mark seen before reading, so a write between the read and the wait still wakes us.
             changes.mark_unchanged();
-            let (index, value) = read(&lock(&shared.catalog));
-            if index > opts.index {
-                return Ok((index, value));
+            if index_of(&lock(&shared.catalog)) > opts.index {
+                return Ok(snapshot());
             }
             tokio::select! {
                 r = changes.changed() => {
                     if r.is_err() {
                         // The sender lives as long as `shared`; unreachable in practice.
-                        return Ok(read(&lock(&shared.catalog)));
+                        return Ok(snapshot());
                     }
                 }
                 () = tokio::time::sleep_until(deadline) => {
-                    return Ok(read(&lock(&shared.catalog)));
+                    return Ok(snapshot());
                 }
                 _ = drops.changed() => return Err(Dropped),
             }
@@ -399,26 +467,34 @@ impl Ctx<'_> {
 }
 
 async fn route(ctx: &Ctx<'_>, req: Request<Incoming>) -> Result<Resp, Dropped> {
+    match dispatch(ctx, req).await {
+        Ok(resp) => Ok(resp),
+        Err(Failure::Api(e)) => Ok(e.into_response()),
+        Err(Failure::Dropped) => Err(Dropped),
+    }
+}
+
+async fn dispatch(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     if let Some(name) = path.strip_prefix("/v1/health/service/") {
         if method != Method::GET {
-            return Ok(method_not_allowed(&method));
+            return Err(method_not_allowed(&method).into());
         }
         return health_service(ctx, name, req.headers()).await;
     }
-    let resp = match (path.as_str(), &method) {
-        ("/v1/health/service", &Method::GET) => bad_request("Missing service name"),
+    match (path.as_str(), &method) {
+        ("/v1/health/service", &Method::GET) => Err(ApiError::bad_request("Missing service name").into()),
         ("/v1/catalog/register", &Method::PUT) => register(ctx, req).await,
         ("/v1/catalog/deregister", &Method::PUT) => deregister(ctx, req).await,
-        ("/v1/catalog/services", &Method::GET) => return catalog_services(ctx, req.headers()).await,
+        ("/v1/catalog/services", &Method::GET) => catalog_services(ctx, req.headers()).await,
         ("/v1/catalog/datacenters", &Method::GET) => {
-            plain_json(&Value::from(vec![ctx.shared.config.datacenter.clone()]))
+            Ok(plain_json(&Value::from(vec![ctx.shared.config.datacenter.clone()])))
         }
         ("/v1/status/leader", &Method::GET) => {
             let no_leader = ctx.shared.with_faults(|f| f.no_leader.is_active());
             let leader = if no_leader { String::new() } else { ctx.shared.config.leader_address.clone() };
-            plain_json(&Value::String(leader))
+            Ok(plain_json(&Value::String(leader)))
         }
         (
             "/v1/catalog/register"
@@ -427,65 +503,48 @@ async fn route(ctx: &Ctx<'_>, req: Request<Incoming>) -> Result<Resp, Dropped> {
             | "/v1/catalog/datacenters"
             | "/v1/status/leader",
             _,
-        ) => method_not_allowed(&method),
-        _ => text(StatusCode::NOT_FOUND, "404 page not found\n"),
-    };
-    Ok(resp)
+        ) => Err(method_not_allowed(&method).into()),
+        _ => Err(ApiError::new(StatusCode::NOT_FOUND, "404 page not found\n").into()),
+    }
 }
 
-async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap) -> Result<Resp, Dropped> {
+async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap) -> Handled {
     let shared = ctx.shared;
     let p = &ctx.params;
-    let Some(name) = percent_decode(raw_name) else {
-        return Ok(bad_request("Invalid URL path encoding"));
-    };
+    let name = percent_decode(raw_name).ok_or_else(|| ApiError::bad_request("Invalid URL path encoding"))?;
     if name.is_empty() {
-        return Ok(bad_request("Missing service name"));
+        return Err(ApiError::bad_request("Missing service name").into());
     }
-    let opts = match parse_read_options(p) {
-        Ok(o) => o,
-        Err(r) => return Ok(r),
-    };
-    let Ok(passing) = p.bool_flag("passing") else {
-        return Ok(bad_request("Invalid value for ?passing"));
-    };
+    let opts = parse_read_options(p)?;
+    let passing = p.bool_flag("passing").map_err(|()| ApiError::bad_request("Invalid value for ?passing"))?;
     if p.first_non_empty("filter").is_some() {
-        return Ok(bad_request("Failed to create evaluator for expression: consul-sim does not implement ?filter"));
+        return Err(ApiError::bad_request(
+            "Failed to create evaluator for expression: consul-sim does not implement ?filter",
+        )
+        .into());
     }
-    if let Err(r) = check_datacenter(shared, p.first("dc")) {
-        return Ok(r);
-    }
-    let identity = match ctx.identity() {
-        Ok(i) => i,
-        Err(r) => return Ok(r),
-    };
-    enum Injected {
-        TooMany,
-        NoLeader,
-    }
+    check_datacenter(shared, p.first("dc"))?;
+    let identity = ctx.identity()?;
     let injected = shared.with_faults(|f| {
         if f.too_many_requests.take() {
-            Some(Injected::TooMany)
+            Some(ApiError::new(StatusCode::TOO_MANY_REQUESTS, "Too Many Requests"))
         } else if f.no_leader.take() {
-            Some(Injected::NoLeader)
+            Some(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "No cluster leader"))
         } else {
             None
         }
     });
-    match injected {
-        Some(Injected::TooMany) => {
+    if let Some(e) = injected {
+        if e.status == StatusCode::TOO_MANY_REQUESTS {
             shared.count_injected_429();
-            return Ok(text(StatusCode::TOO_MANY_REQUESTS, "Too Many Requests"));
         }
-        Some(Injected::NoLeader) => {
-            return Ok(text(StatusCode::INTERNAL_SERVER_ERROR, "No cluster leader"));
-        }
-        None => {}
+        return Err(e.into());
     }
 
     let key = ServiceKey::scoped(name, namespace(p, headers), p.first_non_empty("partition"));
     let tags = p.all("tag");
-    let (index, mut entries) = ctx.block(&opts, &key.name, |c| c.health(&key, &tags)).await?;
+    let (index, mut entries) =
+        ctx.block(&opts, &key.name, |c| c.service_index(&key), |c| c.health(&key, &tags)).await?;
     let mut acl_filtered = false;
     if !identity.can_read_service(&key.name) {
         acl_filtered = !entries.is_empty();
@@ -499,24 +558,16 @@ async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap) -> R
     Ok(ctx.read_ok(&body, index, opts.consistency, acl_filtered))
 }
 
-async fn catalog_services(ctx: &Ctx<'_>, headers: &HeaderMap) -> Result<Resp, Dropped> {
+async fn catalog_services(ctx: &Ctx<'_>, headers: &HeaderMap) -> Handled {
     let shared = ctx.shared;
     let p = &ctx.params;
-    let opts = match parse_read_options(p) {
-        Ok(o) => o,
-        Err(r) => return Ok(r),
-    };
-    if let Err(r) = check_datacenter(shared, p.first("dc")) {
-        return Ok(r);
-    }
-    let identity = match ctx.identity() {
-        Ok(i) => i,
-        Err(r) => return Ok(r),
-    };
+    let opts = parse_read_options(p)?;
+    check_datacenter(shared, p.first("dc"))?;
+    let identity = ctx.identity()?;
     let ns = namespace(p, headers);
     let partition = p.first_non_empty("partition");
     let (index, mut services) =
-        ctx.block(&opts, CATALOG_SERVICES_LABEL, |c| (c.services_index(), c.services(ns, partition))).await?;
+        ctx.block(&opts, CATALOG_SERVICES_LABEL, Catalog::services_index, |c| c.services(ns, partition)).await?;
     let before = services.len();
     services.retain(|name, _| identity.can_read_service(name));
     let legacy = shared.with_faults(|f| f.null_variants);
@@ -524,59 +575,35 @@ async fn catalog_services(ctx: &Ctx<'_>, headers: &HeaderMap) -> Result<Resp, Dr
     Ok(ctx.read_ok(&body, index, opts.consistency, services.len() != before))
 }
 
-async fn read_body<T: serde::de::DeserializeOwned>(req: Request<Incoming>) -> Result<T, Resp> {
-    let bytes = Limited::new(req.into_body(), 4 << 20)
-        .collect()
-        .await
-        .map_err(|e| bad_request(&format!("Request decode failed: {e}")))?
-        .to_bytes();
-    serde_json::from_slice(&bytes).map_err(|e| bad_request(&format!("Request decode failed: {e}")))
-}
-
-fn catalog_error(e: CatalogError) -> Resp {
-    match e {
-        CatalogError::BadRequest(m) => bad_request(&m),
-        CatalogError::Internal(m) => text(StatusCode::INTERNAL_SERVER_ERROR, m),
-    }
+async fn read_body<T: serde::de::DeserializeOwned>(req: Request<Incoming>) -> Result<T, ApiError> {
+    let decode_failed = |e: &dyn std::fmt::Display| ApiError::bad_request(format!("Request decode failed: {e}"));
+    let bytes = Limited::new(req.into_body(), 4 << 20).collect().await.map_err(|e| decode_failed(&e))?.to_bytes();
+    serde_json::from_slice(&bytes).map_err(|e| decode_failed(&e))
 }
 
 /// Shared steps of the two writes: datacenter routing and the management-token check.
-fn authorize_write(ctx: &Ctx<'_>, datacenter: Option<&str>) -> Result<(), Resp> {
+fn authorize_write(ctx: &Ctx<'_>, datacenter: Option<&str>) -> Result<(), ApiError> {
     check_datacenter(ctx.shared, datacenter)?;
     if !ctx.identity()?.can_write() {
-        return Err(text(StatusCode::FORBIDDEN, "Permission denied"));
+        return Err(ApiError::new(StatusCode::FORBIDDEN, "Permission denied"));
     }
     Ok(())
 }
 
-async fn register(ctx: &Ctx<'_>, req: Request<Incoming>) -> Resp {
+async fn register(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
     let ns = namespace(&ctx.params, req.headers()).map(str::to_owned);
-    let body: RegisterRequest = match read_body(req).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    if let Err(r) = authorize_write(ctx, body.datacenter.as_deref()) {
-        return r;
-    }
-    let partition = ctx.params.first_non_empty("partition").map(str::to_owned);
-    match ctx.shared.write_catalog(|c| c.register(body, ns.as_deref(), partition.as_deref())) {
-        Ok(_) => plain_json(&Value::Bool(true)),
-        Err(e) => catalog_error(e),
-    }
+    let body: RegisterRequest = read_body(req).await?;
+    authorize_write(ctx, body.datacenter.as_deref())?;
+    let partition = ctx.params.first_non_empty("partition");
+    ctx.shared.write_catalog(|c| c.register(body, ns.as_deref(), partition)).map_err(ApiError::from)?;
+    Ok(plain_json(&Value::Bool(true)))
 }
 
-async fn deregister(ctx: &Ctx<'_>, req: Request<Incoming>) -> Resp {
-    let body: DeregisterRequest = match read_body(req).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    if let Err(r) = authorize_write(ctx, body.datacenter.as_deref()) {
-        return r;
-    }
-    match ctx.shared.write_catalog(|c| c.deregister(body)) {
-        Ok(_) => plain_json(&Value::Bool(true)),
-        Err(e) => catalog_error(e),
-    }
+async fn deregister(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
+    let body: DeregisterRequest = read_body(req).await?;
+    authorize_write(ctx, body.datacenter.as_deref())?;
+    ctx.shared.write_catalog(|c| c.deregister(body)).map_err(ApiError::from)?;
+    Ok(plain_json(&Value::Bool(true)))
 }
 
 #[cfg(test)]
@@ -615,7 +642,7 @@ mod tests {
 
     #[test]
     fn read_options() {
-        let ok = |q: &str| parse_read_options(&Params::parse(q)).map_err(|r| r.status());
+        let ok = |q: &str| parse_read_options(&Params::parse(q)).map_err(|e| e.status);
         assert_eq!(ok("").unwrap().wait, super::super::duration::DEFAULT_WAIT);
         assert_eq!(ok("wait=").unwrap().wait, super::super::duration::DEFAULT_WAIT);
         assert_eq!(ok("wait=20m").unwrap().wait, super::super::duration::MAX_WAIT);

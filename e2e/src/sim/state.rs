@@ -7,7 +7,7 @@
 //! to B wakes a blocker on A, which finds A's index unchanged and goes back to sleep).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use super::Config;
-use super::acl::TokenSource;
 use super::catalog::{Catalog, ServiceKey};
 use super::control::{Faults, FaultsPatch, Outcome, RequestRecord, Stats};
 
@@ -183,36 +182,15 @@ impl Shared {
 
     // ---- request log
 
-    pub fn log_request(
-        &self,
-        peer: SocketAddr,
-        method: &str,
-        path: &str,
-        query: &str,
-        token: Option<(String, TokenSource)>,
-    ) -> u64 {
+    /// Appends a record (its `seq` and `at_ms` are assigned here); returns its `seq`.
+    pub fn log_request(&self, mut record: RequestRecord) -> u64 {
         self.requests_total.fetch_add(1, Ordering::Relaxed);
-        let at_ms = millis(self.started.elapsed());
+        record.at_ms = millis(self.started.elapsed());
         let mut log = lock(&self.log);
-        let seq = log.next_seq;
+        record.seq = log.next_seq;
         log.next_seq += 1;
-        let (token, token_source) = token.map_or((None, None), |(t, s)| (Some(t), Some(s)));
-        log.records.push_back(RequestRecord {
-            seq,
-            at_ms,
-            peer: peer.to_string(),
-            method: method.to_owned(),
-            path: path.to_owned(),
-            query: query.to_owned(),
-            token,
-            token_source,
-            wait_ms: None,
-            timeout_ms: None,
-            outcome: Outcome::InFlight,
-            status: None,
-            index: None,
-            duration_ms: None,
-        });
+        let seq = record.seq;
+        log.records.push_back(record);
         while log.records.len() > log.capacity {
             log.records.pop_front();
         }
