@@ -1,1 +1,6 @@
+//! End-to-end support: the Consul API simulator, the Consul test client, and the harness
+//! that runs the operator against a real local control plane.
+
+pub mod consul;
+pub mod harness;
 pub mod sim;

@@ -1,0 +1,86 @@
+//! Consul for e2e tests, changed only through Consul's real HTTP API (catalog
+//! register/deregister), so the same tests run against a real agent: set
+//! `E2E_CONSUL_ADDR` (e.g. `127.0.0.1:8500`) and optionally `E2E_CONSUL_TOKEN`. Without
+//! them a simulator runs in this process on its own thread.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+
+use crate::sim::{self, RunningSim};
+
+pub struct Consul {
+    /// `http://host:port`.
+    pub base_url: String,
+    pub token: Option<String>,
+    /// The in-process simulator, when not testing a real agent.
+    pub sim: Option<RunningSim>,
+}
+
+static CONSUL: OnceLock<Consul> = OnceLock::new();
+
+impl Consul {
+    pub fn shared() -> &'static Consul {
+        CONSUL.get_or_init(|| Consul::start().expect("cannot start Consul for e2e"))
+    }
+
+    fn start() -> anyhow::Result<Consul> {
+        if let Ok(addr) = std::env::var("E2E_CONSUL_ADDR") {
+            let base_url = if addr.contains("://") { addr } else { format!("http://{addr}") };
+            return Ok(Consul { base_url, token: std::env::var("E2E_CONSUL_TOKEN").ok(), sim: None });
+        }
+        let running = sim::Simulator::start_background(sim::Config::default()).context("starting the simulator")?;
+        Ok(Consul { base_url: running.base_url(), token: None, sim: Some(running) })
+    }
+
+    /// `host:port`, as a ConsulResolver's `address`.
+    pub fn address(&self) -> String {
+        self.base_url.trim_start_matches("http://").to_owned()
+    }
+
+    fn put(&self, path: &str, body: &Value) -> anyhow::Result<()> {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        rt.block_on(async {
+            let mut req = reqwest::Client::new()
+                .put(format!("{}{path}", self.base_url))
+                .json(body)
+                .timeout(Duration::from_secs(10));
+            if let Some(t) = &self.token {
+                req = req.header("X-Consul-Token", t);
+            }
+            let resp = req.send().await.with_context(|| format!("PUT {path}"))?;
+            let status = resp.status();
+            if !status.is_success() {
+                bail!("PUT {path}: {status}: {}", resp.text().await.unwrap_or_default());
+            }
+            Ok(())
+        })
+    }
+
+    /// Registers (or updates) one service instance with one service check.
+    pub fn register(
+        &self,
+        node: &str,
+        address: &str,
+        service: &str,
+        id: &str,
+        port: u16,
+        status: &str,
+    ) -> anyhow::Result<()> {
+        self.put(
+            "/v1/catalog/register",
+            &json!({
+                "Node": node,
+                "Address": address,
+                "Service": {"ID": id, "Service": service, "Address": address, "Port": port, "Tags": [], "Meta": {}},
+                "Check": {"CheckID": format!("check-{id}"), "Name": format!("{service} health"), "Status": status, "ServiceID": id}
+            }),
+        )
+    }
+
+    pub fn deregister(&self, node: &str, id: &str) -> anyhow::Result<()> {
+        self.put("/v1/catalog/deregister", &json!({"Node": node, "ServiceID": id}))
+    }
+}

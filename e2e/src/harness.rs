@@ -1,0 +1,291 @@
+//! The e2e harness: a real control plane (etcd + kube-apiserver via `e2e/cluster.sh`),
+//! the Consul simulator, and the operator binary run as its own process with the
+//! ServiceAccount kubeconfig bound to the real RBAC in manifests/.
+//!
+//! One control plane serves every test of a test binary (tests isolate themselves by
+//! unique namespaces and names); it is torn down when the process exits, including after
+//! failed tests. `E2E_KUBECONFIG` runs the tests against an existing cluster instead
+//! (the operator then uses that kubeconfig too), and `E2E_CONSUL_ADDR` (with optional
+//! `E2E_CONSUL_TOKEN`) against a real Consul agent instead of the simulator.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::Value;
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("e2e/ is inside the repo").to_path_buf()
+}
+
+/// Waits for `cond` to hold, polling every 100 ms, failing after `timeout` with `what`.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut cond: impl FnMut() -> Option<T>) -> anyhow::Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = cond() {
+            return Ok(v);
+        }
+        if Instant::now() >= deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A control plane: ours (started by cluster.sh) or an existing one.
+pub struct Cluster {
+    /// State dir of a cluster we started; `None` for `E2E_KUBECONFIG`.
+    pub dir: Option<PathBuf>,
+    pub admin_kubeconfig: PathBuf,
+    pub operator_kubeconfig: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+static STARTED_DIR: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+extern "C" fn teardown_at_exit() {
+    if let Some(dir) = STARTED_DIR.lock().ok().and_then(|mut d| d.take()) {
+        let _ = Command::new("bash")
+            .arg(repo_root().join("e2e/cluster.sh"))
+            .arg("down")
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .status();
+    }
+}
+
+impl Cluster {
+    /// The shared control plane of this test process, started on first use, with our
+    /// CRDs and the test Ambassador CRDs applied.
+    pub fn shared() -> &'static Cluster {
+        CLUSTER.get_or_init(|| Cluster::start().expect("cannot start the e2e control plane"))
+    }
+
+    fn start() -> anyhow::Result<Cluster> {
+        let cluster = if let Ok(kc) = std::env::var("E2E_KUBECONFIG") {
+            Cluster { dir: None, admin_kubeconfig: kc.clone().into(), operator_kubeconfig: kc.into(), _tmp: None }
+        } else {
+            let tmp = tempfile::Builder::new().prefix("cro-e2e-").tempdir()?;
+            let dir = tmp.path().join("cluster");
+            // Register teardown before starting, so a half-started cluster is also stopped.
+            *STARTED_DIR.lock().expect("lock") = Some(dir.clone());
+            // SAFETY: registering a plain extern "C" fn with no captured state.
+            unsafe { libc::atexit(teardown_at_exit) };
+            let status = Command::new("bash")
+                .arg(repo_root().join("e2e/cluster.sh"))
+                .arg("up")
+                .arg(&dir)
+                .status()
+                .context("running e2e/cluster.sh up")?;
+            if !status.success() {
+                bail!("e2e/cluster.sh up {} failed ({status})", dir.display());
+            }
+            Cluster {
+                admin_kubeconfig: dir.join("admin.kubeconfig"),
+                operator_kubeconfig: dir.join("operator.kubeconfig"),
+                dir: Some(dir),
+                _tmp: Some(tmp),
+            }
+        };
+        cluster.kubectl(&["apply", "-f", &repo_root().join("crds").display().to_string()])?;
+        cluster.kubectl(&["apply", "-f", &repo_root().join("e2e/crds/ambassador.yaml").display().to_string()])?;
+        cluster.kubectl(&[
+            "wait",
+            "--for",
+            "condition=established",
+            "--timeout=60s",
+            "crd/consulresolvers.consulresolver.io",
+            "crd/mappings.getambassador.io",
+            "crd/tcpmappings.getambassador.io",
+        ])?;
+        Ok(cluster)
+    }
+
+    /// Runs kubectl as admin; returns stdout, or an error with stderr.
+    pub fn kubectl(&self, args: &[&str]) -> anyhow::Result<String> {
+        self.kubectl_stdin(args, None)
+    }
+
+    pub fn kubectl_stdin(&self, args: &[&str], stdin: Option<&str>) -> anyhow::Result<String> {
+        use std::io::Write;
+        let mut child = Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(&self.admin_kubeconfig)
+            .args(args)
+            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("kubectl is required")?;
+        if let Some(input) = stdin {
+            child.stdin.take().expect("piped").write_all(input.as_bytes())?;
+        }
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!("kubectl {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// `kubectl apply -f -` of a YAML document.
+    pub fn apply(&self, yaml: &str) -> anyhow::Result<String> {
+        self.kubectl_stdin(&["apply", "-f", "-"], Some(yaml))
+    }
+
+    /// A fresh namespace with a unique name (namespaces never finish deleting here: no
+    /// kube-controller-manager runs, so tests never reuse or delete them).
+    pub fn namespace(&self, prefix: &str) -> anyhow::Result<String> {
+        let n = format!("{prefix}-{}", unique());
+        self.kubectl(&["create", "namespace", &n])?;
+        Ok(n)
+    }
+
+    /// The apiserver's audit log (ours only).
+    pub fn audit_log(&self) -> Option<PathBuf> {
+        self.dir.as_ref().map(|d| d.join("audit.log"))
+    }
+}
+
+/// A short unique suffix for names.
+pub fn unique() -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!("{}{}", std::process::id() % 100_000, N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// A free loopback port (bound and released; the operator binds it right after).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free loopback port")
+}
+
+/// Builds the operator binary (a no-op when up to date) and returns its path.
+pub fn operator_binary() -> anyhow::Result<PathBuf> {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    if let Some(b) = BIN.get() {
+        return Ok(b.clone());
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .current_dir(repo_root())
+        .args(["build", "--quiet", "-p", "consul-resolver-operator", "--bin", "consul-resolver-operator"])
+        .status()
+        .context("building the operator")?;
+    if !status.success() {
+        bail!("cargo build of the operator failed");
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("target"));
+    let bin = target.join("debug/consul-resolver-operator");
+    Ok(BIN.get_or_init(|| bin).clone())
+}
+
+/// The operator, running as its own process. Killed (by pid) on drop if still running.
+pub struct Operator {
+    child: Option<Child>,
+    pub port: u16,
+    pub log: PathBuf,
+    _logdir: tempfile::TempDir,
+}
+
+impl Operator {
+    /// Starts the operator with the ServiceAccount kubeconfig and `args`.
+    pub fn start(cluster: &Cluster, args: &[&str]) -> anyhow::Result<Operator> {
+        let bin = operator_binary()?;
+        let port = free_port();
+        let logdir = tempfile::Builder::new().prefix("cro-operator-").tempdir()?;
+        let log = logdir.path().join("operator.log");
+        let logfile = std::fs::File::create(&log)?;
+        let child = Command::new(bin)
+            .arg("run")
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .args(args)
+            .env("KUBECONFIG", &cluster.operator_kubeconfig)
+            .env("RUST_LOG", "info,kube=warn")
+            .env_remove("CONSUL_HTTP_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(logfile.try_clone()?)
+            .stderr(logfile)
+            .spawn()
+            .context("starting the operator")?;
+        Ok(Operator { child: Some(child), port, log, _logdir: logdir })
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// GET on the operator's HTTP port: (status, body).
+    pub fn get(&self, path: &str) -> Option<(u16, String)> {
+        http_get(&self.url(path))
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until /readyz answers 200 (a first snapshot was published).
+    pub fn wait_ready(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let r = wait_for("the operator to become ready", timeout, || {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                return Some(Err(anyhow::anyhow!("operator exited early ({status})")));
+            }
+            matches!(self.get("/readyz"), Some((200, _))).then_some(Ok(()))
+        });
+        match r.and_then(|r| r) {
+            Ok(()) => Ok(()),
+            Err(e) => bail!("{e}\n--- operator log ---\n{}", self.logs()),
+        }
+    }
+
+    /// The latest published snapshot.
+    pub fn snapshot(&self) -> Option<Value> {
+        match self.get("/snapshot") {
+            Some((200, body)) => serde_json::from_str(&body).ok(),
+            _ => None,
+        }
+    }
+
+    /// Waits until the latest snapshot satisfies `cond`.
+    pub fn wait_snapshot(&self, what: &str, timeout: Duration, cond: impl Fn(&Value) -> bool) -> anyhow::Result<Value> {
+        wait_for(what, timeout, || self.snapshot().filter(|s| cond(s))).map_err(|e| {
+            anyhow::anyhow!("{e}\nlast snapshot: {:?}\n--- operator log ---\n{}", self.snapshot(), self.logs())
+        })
+    }
+
+    /// SIGTERM, then waits for the exit; returns the exit status.
+    pub fn terminate(&mut self, timeout: Duration) -> anyhow::Result<std::process::ExitStatus> {
+        let mut child = self.child.take().context("operator already stopped")?;
+        // SAFETY: signalling our own child by its pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let status = wait_for("the operator to exit after SIGTERM", timeout, || child.try_wait().ok().flatten());
+        if status.is_err() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        status
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A blocking HTTP GET on loopback: (status, body); `None` when nothing answers.
+pub fn http_get(url: &str) -> Option<(u16, String)> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+    rt.block_on(async {
+        let resp = reqwest::Client::new().get(url).timeout(Duration::from_secs(5)).send().await.ok()?;
+        let status = resp.status().as_u16();
+        Some((status, resp.text().await.ok()?))
+    })
+}
