@@ -24,6 +24,7 @@ use crate::core::pipeline::{Pipeline, Step};
 use crate::metrics::Metrics;
 use crate::publishers::Publisher;
 use crate::publishers::http::{self, HttpPublisher, ServerState, SnapshotStore};
+use crate::sources::consul::{ConsulSource, Settings as ConsulSettings};
 use crate::sources::kube::KubeSource;
 use crate::sources::{Source, Watches};
 
@@ -90,7 +91,12 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
     tracing::info!(endpoints = ?config.endpoints_api, watches = fixed.len(), "starting");
 
     let (tx, mut rx) = mpsc::channel::<Event>(4096);
-    let sources: Vec<Arc<dyn Source>> = vec![Arc::new(KubeSource::new(client.clone()))];
+    let consul = ConsulSource::new(ConsulSettings {
+        wait: args.consul_wait,
+        max_connections: args.consul_max_connections as usize,
+        ..ConsulSettings::default()
+    });
+    let sources: Vec<Arc<dyn Source>> = vec![Arc::new(KubeSource::new(client.clone())), Arc::new(consul)];
     let mut watches = Watches::new(sources, tx);
     let mut pipeline = Pipeline::new(config, args.bootstrap_timeout, args.coalesce_window);
     watches.apply(&pipeline.set_fixed(fixed, Instant::now()));

@@ -6,6 +6,7 @@
 //! new kind of source is a new `Source` implementation and a `WatchKey` variant; nothing
 //! else changes.
 
+pub mod consul;
 pub mod kube;
 
 use std::collections::BTreeMap;

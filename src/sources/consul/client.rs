@@ -1,0 +1,311 @@
+//! The HTTP side: one `reqwest::Client` per Consul address and TLS settings, and the health
+//! query with Consul's parameters and error statuses.
+//!
+//! The ACL token is a per-request header rather than part of the client, so watches with
+//! different tokens share one connection pool (and one connection budget). It is never put
+//! into an error message: errors name the address, never the request's headers.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use reqwest::header::HeaderMap;
+
+use super::parse;
+use crate::core::keys::{ConsulKey, Secret, TlsSettings};
+use crate::core::model::Endpoint;
+
+/// Why a query failed; the text is what the operator reports.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QueryError {
+    #[error("Consul at {address} rejected the request: ACL token rejected ({body})")]
+    Forbidden { address: String, body: String },
+    #[error("Consul at {address} is rate limiting (429 Too Many Requests)")]
+    RateLimited { address: String, retry_after: Option<Duration> },
+    #[error("Consul at {address} answered {status}: {body}")]
+    Status { address: String, status: u16, body: String },
+    #[error("cannot reach Consul at {address}: {cause}")]
+    Network { address: String, cause: String },
+    #[error("Consul at {address} sent an unreadable answer: {cause}")]
+    Body { address: String, cause: String },
+}
+
+impl QueryError {
+    /// A delay the server asked for (Retry-After), if any.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            QueryError::RateLimited { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
+}
+
+/// A successful read: the index (never below 1) and the parsed body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answer<T> {
+    pub index: u64,
+    pub value: T,
+}
+
+/// A connection pool to one Consul address.
+#[derive(Clone)]
+pub struct HttpClient {
+    http: reqwest::Client,
+    /// Where requests go (`https://<serverName>:port` when SNI is overridden).
+    base: String,
+    /// The address as configured, for messages.
+    address: String,
+}
+
+impl std::fmt::Debug for HttpClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpClient").field("address", &self.address).finish()
+    }
+}
+
+impl HttpClient {
+    /// Builds the pool. `max_connections` caps idle connections kept; the caller caps
+    /// concurrent requests (and so open connections) with its budget.
+    ///
+    /// `serverName` (SNI override): reqwest takes the TLS name from the URL host, so the
+    /// request goes to `https://<serverName>:<port>` with DNS for that name pinned to the
+    /// configured host's addresses, looked up once here. That sends the right SNI and
+    /// verifies the certificate against `serverName`; the cost is that a later DNS change of
+    /// the configured host needs a new client (a restart of the watches).
+    pub async fn new(address: &str, tls: Option<&TlsSettings>, max_connections: usize) -> Result<Self, String> {
+        let url = reqwest::Url::parse(address).map_err(|e| format!("invalid Consul address {address}: {e}"))?;
+        let mut builder = reqwest::Client::builder()
+            .pool_max_idle_per_host(max_connections)
+            // Idle connections beyond a blocking query's life are not worth keeping long.
+            .pool_idle_timeout(Duration::from_secs(30))
+            .connect_timeout(Duration::from_secs(10))
+            .user_agent(concat!("consul-resolver-operator/", env!("CARGO_PKG_VERSION")));
+        let mut base = address.trim_end_matches('/').to_owned();
+        if let Some(tls) = tls.filter(|_| url.scheme() == "https") {
+            if let Some(pem) = &tls.ca_pem {
+                let certs = reqwest::Certificate::from_pem_bundle(pem.as_bytes())
+                    .map_err(|e| format!("Consul at {address}: invalid CA bundle: {e}"))?;
+                if certs.is_empty() {
+                    return Err(format!("Consul at {address}: the CA bundle holds no certificate"));
+                }
+                builder = builder.tls_certs_only(certs);
+            }
+            if tls.insecure_skip_verify {
+                builder = builder.tls_danger_accept_invalid_certs(true);
+            }
+            if let Some(name) = tls.server_name.as_deref().filter(|n| !n.is_empty()) {
+                let host = url.host_str().ok_or_else(|| format!("Consul address {address} has no host"))?;
+                let port = url.port_or_known_default().unwrap_or(443);
+                let addrs: Vec<_> = tokio::net::lookup_host((host, port))
+                    .await
+                    .map_err(|e| format!("cannot resolve Consul at {address}: {e}"))?
+                    .collect();
+                builder = builder.resolve_to_addrs(name, &addrs);
+                base = format!("https://{name}:{port}");
+            }
+        }
+        let http = builder.build().map_err(|e| format!("Consul at {address}: cannot build a client: {e}"))?;
+        Ok(HttpClient { http, base, address: address.to_owned() })
+    }
+
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// `GET /v1/health/service/<name>` for `key`; blocking when `block` is `Some((index, wait))`.
+    pub async fn health(
+        &self,
+        key: &ConsulKey,
+        block: Option<(u64, Duration)>,
+    ) -> Result<Answer<Vec<Endpoint>>, QueryError> {
+        let url = format!("{}/v1/health/service/{}", self.base, encode_segment(&key.service));
+        let mut query: Vec<(&str, String)> = Vec::new();
+        scope_params(&mut query, key.datacenter.as_deref(), key.namespace.as_deref(), key.partition.as_deref());
+        if key.passing {
+            query.push(("passing", "1".into()));
+        }
+        for t in &key.tags {
+            query.push(("tag", t.clone()));
+        }
+        push_block(&mut query, block);
+        let (index, body) = self.get(&url, &query, key.server.token.as_ref()).await?;
+        let value = parse::health_service(&body).map_err(|cause| self.body_error(cause))?;
+        Ok(Answer { index, value })
+    }
+
+    /// `GET /v1/catalog/services`: only the index is used (the change feed).
+    pub async fn catalog_services(
+        &self,
+        scope: &Scope,
+        token: Option<&Secret>,
+        block: Option<(u64, Duration)>,
+    ) -> Result<u64, QueryError> {
+        let url = format!("{}/v1/catalog/services", self.base);
+        let mut query = Vec::new();
+        scope_params(&mut query, scope.datacenter.as_deref(), scope.namespace.as_deref(), scope.partition.as_deref());
+        push_block(&mut query, block);
+        let (index, body) = self.get(&url, &query, token).await?;
+        serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&body)
+            .map_err(|e| self.body_error(format!("malformed /v1/catalog/services body: {e}")))?;
+        Ok(index)
+    }
+
+    fn body_error(&self, cause: String) -> QueryError {
+        QueryError::Body { address: self.address.clone(), cause }
+    }
+
+    async fn get(
+        &self,
+        url: &str,
+        query: &[(&str, String)],
+        token: Option<&Secret>,
+    ) -> Result<(u64, bytes::Bytes), QueryError> {
+        let mut req = self.http.get(url).query(query);
+        if let Some(t) = token {
+            let mut h = reqwest::header::HeaderValue::from_str(t.expose()).map_err(|_| QueryError::Status {
+                address: self.address.clone(),
+                status: 0,
+                body: "the ACL token is not a valid header value".into(),
+            })?;
+            h.set_sensitive(true);
+            req = req.header("X-Consul-Token", h);
+        }
+        let address = &self.address;
+        // reqwest errors can include the URL (never headers); the URL holds no secret.
+        let network = |e: reqwest::Error| QueryError::Network { address: address.clone(), cause: cause_chain(&e) };
+        let resp = req.send().await.map_err(network)?;
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let body = resp.bytes().await.map_err(network)?;
+        if status.is_success() {
+            return Ok((index_header(&headers), body));
+        }
+        let text = String::from_utf8_lossy(&body).trim().chars().take(500).collect::<String>();
+        Err(match status {
+            StatusCode::FORBIDDEN => QueryError::Forbidden { address: address.clone(), body: text },
+            StatusCode::TOO_MANY_REQUESTS => {
+                QueryError::RateLimited { address: address.clone(), retry_after: retry_after(&headers) }
+            }
+            s => QueryError::Status { address: address.clone(), status: s.as_u16(), body: text },
+        })
+    }
+}
+
+/// What a change feed covers: one datacenter, namespace and partition.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Scope {
+    pub datacenter: Option<String>,
+    pub namespace: Option<String>,
+    pub partition: Option<String>,
+}
+
+impl Scope {
+    pub fn of(key: &ConsulKey) -> Self {
+        Scope { datacenter: key.datacenter.clone(), namespace: key.namespace.clone(), partition: key.partition.clone() }
+    }
+}
+
+fn scope_params(query: &mut Vec<(&str, String)>, dc: Option<&str>, ns: Option<&str>, partition: Option<&str>) {
+    for (name, value) in [("dc", dc), ("ns", ns), ("partition", partition)] {
+        if let Some(v) = value.filter(|v| !v.is_empty()) {
+            query.push((name, v.to_owned()));
+        }
+    }
+}
+
+fn push_block(query: &mut Vec<(&str, String)>, block: Option<(u64, Duration)>) {
+    if let Some((index, wait)) = block {
+        query.push(("index", index.to_string()));
+        query.push(("wait", go_duration(wait)));
+    }
+}
+
+/// A Go duration Consul accepts: whole milliseconds (`300000ms`), or seconds when exact.
+pub fn go_duration(d: Duration) -> String {
+    let ms = d.as_millis().max(1);
+    if ms.is_multiple_of(1000) { format!("{}s", ms / 1000) } else { format!("{ms}ms") }
+}
+
+/// `X-Consul-Index`; a missing, unparsable or zero value counts as 1 (never block on 0).
+fn index_header(headers: &HeaderMap) -> u64 {
+    headers.get("x-consul-index").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()).unwrap_or(1).max(1)
+}
+
+/// `Retry-After` in seconds (the HTTP-date form is not used by Consul).
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let secs: u64 = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim().parse().ok()?;
+    Some(Duration::from_secs(secs.min(300)))
+}
+
+/// Path segment encoding for a service name (names are usually plain, but never trust).
+fn encode_segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// An error with its sources, which is where reqwest puts the useful part ("connection
+/// refused").
+fn cause_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_durations() {
+        assert_eq!(go_duration(Duration::from_secs(300)), "300s");
+        assert_eq!(go_duration(Duration::from_millis(1500)), "1500ms");
+        assert_eq!(go_duration(Duration::ZERO), "1ms");
+    }
+
+    #[test]
+    fn index_never_below_one() {
+        let mut h = HeaderMap::new();
+        assert_eq!(index_header(&h), 1);
+        h.insert("x-consul-index", "0".parse().unwrap());
+        assert_eq!(index_header(&h), 1);
+        h.insert("x-consul-index", "42".parse().unwrap());
+        assert_eq!(index_header(&h), 42);
+    }
+
+    #[test]
+    fn segments_are_encoded() {
+        assert_eq!(encode_segment("web-1.v2"), "web-1.v2");
+        assert_eq!(encode_segment("a b/c"), "a%20b%2Fc");
+    }
+
+    #[tokio::test]
+    async fn builds_tls_clients_and_rejects_bad_settings() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let tls = TlsSettings { ca_pem: None, server_name: Some("consul.internal".into()), insecure_skip_verify: true };
+        let c = HttpClient::new("https://127.0.0.1:8501", Some(&tls), 4).await.unwrap();
+        assert_eq!(c.base, "https://consul.internal:8501");
+        let bad = TlsSettings { ca_pem: Some("not a pem".into()), ..Default::default() };
+        assert!(HttpClient::new("https://127.0.0.1:8501", Some(&bad), 4).await.is_err());
+        assert!(HttpClient::new("not a url", None, 4).await.is_err());
+    }
+
+    #[test]
+    fn errors_do_not_carry_tokens() {
+        let e = QueryError::Forbidden { address: "http://127.0.0.1:8500".into(), body: "ACL not found".into() };
+        assert!(e.to_string().contains("ACL token rejected"));
+    }
+}

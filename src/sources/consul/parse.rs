@@ -1,0 +1,207 @@
+//! Parsing `/v1/health/service/<name>` bodies into endpoints.
+//!
+//! Consul's response shape varies by version (see consul-api.md): `Meta`, `Tags` and
+//! `TaggedAddresses` may be `null` or objects, newer agents add fields. Every field we do
+//! not use is ignored, every field we use tolerates `null`, and anything else malformed is
+//! an error rather than a panic.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::core::model::{Endpoint, Health};
+
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct Entry {
+    node: Node,
+    service: Service,
+    #[serde(default)]
+    checks: Option<Vec<Check>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct Node {
+    #[serde(default)]
+    node: Option<String>,
+    #[serde(default)]
+    address: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct Service {
+    #[serde(rename = "ID", default)]
+    id: Option<String>,
+    #[serde(default)]
+    address: Option<String>,
+    #[serde(default)]
+    port: Option<u16>,
+    #[serde(default)]
+    tags: Option<Vec<String>>,
+    #[serde(default)]
+    meta: Option<BTreeMap<String, Value>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct Check {
+    #[serde(default)]
+    status: Option<String>,
+}
+
+/// Consul's check statuses; maintenance mode is a `critical` check. An unknown status is
+/// treated as critical: routing to an instance we cannot judge is the worse mistake.
+fn status(s: Option<&str>) -> Health {
+    match s {
+        Some("passing") => Health::Passing,
+        Some("warning") => Health::Warning,
+        _ => Health::Critical,
+    }
+}
+
+/// Parses a health body into endpoints, sorted.
+pub fn health_service(body: &[u8]) -> Result<Vec<Endpoint>, String> {
+    let entries: Vec<Entry> =
+        serde_json::from_slice(body).map_err(|e| format!("malformed /v1/health/service body: {e}"))?;
+    let mut out: Vec<Endpoint> = entries.into_iter().map(endpoint).collect();
+    out.sort();
+    Ok(out)
+}
+
+fn endpoint(e: Entry) -> Endpoint {
+    let address = match e.service.address {
+        Some(a) if !a.is_empty() => a,
+        _ => e.node.address.unwrap_or_default(),
+    };
+    let mut tags = e.service.tags.unwrap_or_default();
+    tags.sort();
+    let meta = e
+        .service
+        .meta
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| {
+            let v = match v {
+                Value::String(s) => s,
+                Value::Null => String::new(),
+                other => other.to_string(),
+            };
+            (k, v)
+        })
+        .collect();
+    // No checks at all means passing, as Consul's own `passing` filter treats it.
+    let health =
+        e.checks.unwrap_or_default().iter().map(|c| status(c.status.as_deref())).max().unwrap_or(Health::Passing);
+    Endpoint {
+        address,
+        port: e.service.port.unwrap_or(0),
+        node: e.node.node.unwrap_or_default(),
+        service_id: e.service.id.unwrap_or_default(),
+        tags,
+        meta,
+        health,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A modern agent's answer (1.15+ shape, trimmed of nothing we rely on).
+    const MODERN: &str = r#"[
+      {"Node":{"ID":"a1","Node":"node-b","Address":"10.0.0.2","Datacenter":"dc1",
+               "TaggedAddresses":{"lan":"10.0.0.2","wan":"10.0.0.2"},"Meta":{"consul-network-segment":""},
+               "CreateIndex":5,"ModifyIndex":5},
+       "Service":{"ID":"web-2","Service":"web","Tags":["v2","primary"],"Address":"",
+                  "TaggedAddresses":{"lan_ipv4":{"Address":"10.0.0.2","Port":8080}},
+                  "Meta":{"version":"2","weight":3,"canary":true},"Port":8080,
+                  "Weights":{"Passing":1,"Warning":1},"EnableTagOverride":false,
+                  "Proxy":{"Mode":"","MeshGateway":{},"Expose":{}},"Connect":{},
+                  "PeerName":"","Namespace":"default","Partition":"default","Locality":null,
+                  "CreateIndex":7,"ModifyIndex":7},
+       "Checks":[
+         {"Node":"node-b","CheckID":"serfHealth","Name":"Serf Health Status","Status":"passing","Output":"",
+          "ServiceID":"","ServiceName":"","ServiceTags":[],"Type":"","Interval":"","Timeout":"",
+          "ExposedPort":0,"Definition":{},"CreateIndex":5,"ModifyIndex":5},
+         {"Node":"node-b","CheckID":"service:web-2","Name":"http","Status":"warning","Output":"slow",
+          "ServiceID":"web-2","ServiceName":"web","ServiceTags":["v2"],"CreateIndex":7,"ModifyIndex":9}]},
+      {"Node":{"ID":"a0","Node":"node-a","Address":"10.0.0.1","Datacenter":"dc1","TaggedAddresses":{},"Meta":{}},
+       "Service":{"ID":"web-1","Service":"web","Tags":[],"Address":"192.168.1.1","Port":80,"Meta":{},
+                  "TaggedAddresses":{}},
+       "Checks":[]}
+    ]"#;
+
+    /// An old agent's answer: nulls everywhere an empty value could be.
+    const LEGACY: &str = r#"[
+      {"Node":{"ID":"","Node":"old","Address":"10.1.0.1","TaggedAddresses":null,"Meta":null,
+               "CreateIndex":3,"ModifyIndex":3},
+       "Service":{"ID":"api-1","Service":"api","Tags":null,"Address":"","Port":9000,"Meta":null,
+                  "EnableTagOverride":false,"CreateIndex":4,"ModifyIndex":4},
+       "Checks":[{"Node":"old","CheckID":"_node_maintenance","Name":"Node Maintenance Mode",
+                  "Status":"critical","Output":"","ServiceID":"","ServiceName":""},
+                 {"Node":"old","CheckID":"service:api-1","Status":"passing","ServiceID":"api-1"}]}
+    ]"#;
+
+    #[test]
+    fn modern_shape() {
+        let eps = health_service(MODERN.as_bytes()).unwrap();
+        assert_eq!(eps.len(), 2);
+        // Sorted by address first.
+        let (a, b) = (&eps[0], &eps[1]);
+        assert_eq!(
+            (a.address.as_str(), a.port, a.node.as_str(), a.service_id.as_str()),
+            ("10.0.0.2", 8080, "node-b", "web-2")
+        );
+        assert_eq!(a.tags, ["primary", "v2"]);
+        assert_eq!(a.meta.get("version").map(String::as_str), Some("2"));
+        assert_eq!(a.meta.get("weight").map(String::as_str), Some("3"));
+        assert_eq!(a.meta.get("canary").map(String::as_str), Some("true"));
+        assert_eq!(a.health, Health::Warning);
+        assert_eq!((b.address.as_str(), b.port), ("192.168.1.1", 80), "Service.Address wins when set");
+        assert_eq!(b.health, Health::Passing, "no checks means passing");
+        assert!(b.tags.is_empty() && b.meta.is_empty());
+    }
+
+    #[test]
+    fn legacy_nulls_and_maintenance() {
+        let eps = health_service(LEGACY.as_bytes()).unwrap();
+        assert_eq!(eps.len(), 1);
+        let e = &eps[0];
+        assert_eq!(e.address, "10.1.0.1");
+        assert!(e.tags.is_empty() && e.meta.is_empty());
+        assert_eq!(e.health, Health::Critical, "node maintenance is a critical node check");
+    }
+
+    #[test]
+    fn empty_and_null_lists() {
+        assert!(health_service(b"[]").unwrap().is_empty());
+        let null_checks = r#"[{"Node":{"Node":"n","Address":"1.2.3.4"},"Service":{"ID":"s","Port":1},"Checks":null}]"#;
+        assert_eq!(health_service(null_checks.as_bytes()).unwrap()[0].health, Health::Passing);
+    }
+
+    #[test]
+    fn malformed_bodies_are_errors() {
+        for body in [
+            &b""[..],
+            b"{}",
+            b"null",
+            b"[{\"Node\":1}]",
+            b"[{\"Node\":{},\"Service\":{\"Port\":70000}}]",
+            b"[{\"Node\":{},\"Service\":{\"Port\":-1}}]",
+            b"[{\"Node\":{}}]",
+            b"<html>",
+        ] {
+            assert!(health_service(body).is_err(), "{:?}", String::from_utf8_lossy(body));
+        }
+    }
+
+    #[test]
+    fn unknown_status_is_critical() {
+        let body = r#"[{"Node":{"Node":"n","Address":"a"},"Service":{"ID":"s","Port":1},
+                        "Checks":[{"Status":"passing"},{"Status":"maintenance"}]}]"#;
+        assert_eq!(health_service(body.as_bytes()).unwrap()[0].health, Health::Critical);
+    }
+}

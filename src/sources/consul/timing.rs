@@ -1,0 +1,138 @@
+//! The pure timing and index rules of a watch (consul-api.md, "Rules every client
+//! follows"), kept free of I/O so they are unit tested directly.
+
+use std::time::Duration;
+
+use rand::Rng;
+
+/// The blocking-query index of one watch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IndexState {
+    /// `None` until the first answer, and again after a reset: the next query answers at once.
+    index: Option<u64>,
+}
+
+impl IndexState {
+    /// The `(index, wait)` of the next query, or `None` for a non-blocking read. Never
+    /// blocks on an index below 1.
+    pub fn block(&self, wait: Duration) -> Option<(u64, Duration)> {
+        self.index.map(|i| (i.max(1), wait))
+    }
+
+    pub fn index(&self) -> Option<u64> {
+        self.index
+    }
+
+    /// Records an answer to a query that sent `sent` (`None`: non-blocking). An index lower
+    /// than the one sent means the server's history restarted (snapshot restore, new
+    /// cluster): forget ours so the next query re-reads at once instead of blocking on an
+    /// index the server may never reach again.
+    pub fn observe(&mut self, sent: Option<u64>, returned: u64) {
+        if sent.is_some_and(|s| returned < s) {
+            self.index = None;
+        } else {
+            self.index = Some(returned.max(1));
+        }
+    }
+}
+
+/// Exponential backoff with jitter: 250 ms doubling to a cap of 1 min, reset by a success
+/// (consul-template's values).
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    base: Duration,
+    cap: Duration,
+    next: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff::new(Duration::from_millis(250), Duration::from_secs(60))
+    }
+}
+
+impl Backoff {
+    pub fn new(base: Duration, cap: Duration) -> Self {
+        Backoff { base, cap, next: base }
+    }
+
+    /// The delay after one more failure: the current step with up to 25% shaved off at
+    /// random, so watches failing together do not retry in lockstep.
+    pub fn failure(&mut self, rng: &mut impl Rng) -> Duration {
+        let step = self.next;
+        self.next = (self.next * 2).min(self.cap);
+        let shave = rng.random_range(0.0..0.25);
+        step.mul_f64(1.0 - shave)
+    }
+
+    pub fn reset(&mut self) {
+        self.next = self.base;
+    }
+}
+
+/// The least time between two queries of one watch: `min` plus up to half of it at random.
+pub fn pace(min: Duration, rng: &mut impl Rng) -> Duration {
+    min + min.mul_f64(rng.random_range(0.0..0.5))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_query_does_not_block() {
+        let s = IndexState::default();
+        assert_eq!(s.block(Duration::from_secs(5)), None);
+    }
+
+    #[test]
+    fn index_follows_answers_and_never_goes_below_one() {
+        let mut s = IndexState::default();
+        s.observe(None, 0);
+        assert_eq!(s.block(Duration::from_secs(5)), Some((1, Duration::from_secs(5))));
+        s.observe(Some(1), 10);
+        assert_eq!(s.index(), Some(10));
+        s.observe(Some(10), 10); // timeout: same index
+        assert_eq!(s.index(), Some(10));
+    }
+
+    #[test]
+    fn index_going_backwards_resets() {
+        let mut s = IndexState::default();
+        s.observe(None, 100);
+        s.observe(Some(100), 7);
+        assert_eq!(s.block(Duration::from_secs(1)), None, "re-read without blocking");
+        s.observe(None, 7);
+        assert_eq!(s.index(), Some(7));
+        // A non-blocking read reporting a lower index is simply the current one.
+        s.observe(None, 3);
+        assert_eq!(s.index(), Some(3));
+    }
+
+    #[test]
+    fn backoff_doubles_caps_and_resets() {
+        let mut rng = rand::rng();
+        let mut b = Backoff::default();
+        let mut steps = Vec::new();
+        for _ in 0..12 {
+            steps.push(b.failure(&mut rng));
+        }
+        let ms = |d: Duration| d.as_millis() as u64;
+        assert!((187..=250).contains(&ms(steps[0])), "{steps:?}");
+        assert!((375..=500).contains(&ms(steps[1])), "{steps:?}");
+        assert!((750..=1000).contains(&ms(steps[2])), "{steps:?}");
+        assert!(steps.iter().all(|d| *d <= Duration::from_secs(60)));
+        assert!(ms(steps[11]) >= 45_000, "capped near 1 min: {steps:?}");
+        b.reset();
+        assert!(b.failure(&mut rng) <= Duration::from_millis(250));
+    }
+
+    #[test]
+    fn pacing_is_at_least_the_minimum() {
+        let mut rng = rand::rng();
+        for _ in 0..100 {
+            let d = pace(Duration::from_millis(100), &mut rng);
+            assert!(d >= Duration::from_millis(100) && d < Duration::from_millis(150), "{d:?}");
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! The watch of one Consul key.
+//!
+//! While the address's budget has a free slot the watch holds it and runs a plain blocking
+//! query loop. Otherwise it is "fed": it joins the change feed of its scope and re-reads
+//! (without blocking, through the small read pool) when the feed reports a catalog change,
+//! or every `sweep` at the latest, which is what catches check-only changes the feed cannot
+//! see. A fed watch takes a slot as soon as one frees up.
+//!
+//! Either way the protocol rules of consul-api.md hold: first query without index, index
+//! reset when it goes backwards and never below 1, a paced loop, backoff with jitter on
+//! errors, and content comparison before anything is called a change.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
+
+use super::client::{Answer, HttpClient, QueryError};
+use super::pool::{FeedMembership, Pool};
+use super::timing::{Backoff, IndexState, pace};
+use crate::core::aggregator::{ConsulEvent, Event};
+use crate::core::keys::ConsulKey;
+use crate::core::model::Endpoint;
+use crate::sources::EventSink;
+
+/// Settings shared by every watch.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// `wait` of blocking queries.
+    pub wait: Duration,
+    /// Connection budget per Consul address.
+    pub max_connections: usize,
+    /// Least time between two queries of one watch (plus up to half of it at random).
+    pub min_interval: Duration,
+    /// Longest time a fed watch goes without re-reading.
+    pub sweep: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            wait: Duration::from_secs(300),
+            max_connections: 100,
+            min_interval: Duration::from_millis(100),
+            sweep: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What the watch last reported, for content comparison.
+#[derive(Default)]
+struct Reported {
+    endpoints: Option<Vec<Endpoint>>,
+    error: Option<String>,
+}
+
+impl Reported {
+    /// The event an answer calls for: the first answer, a changed one, or any answer after
+    /// an error (so the error clears) is sent; an identical one is not.
+    fn answer(&mut self, index: u64, endpoints: Vec<Endpoint>) -> Option<ConsulEvent> {
+        if self.error.is_none() && self.endpoints.as_ref() == Some(&endpoints) {
+            return None;
+        }
+        self.error = None;
+        self.endpoints = Some(endpoints.clone());
+        Some(ConsulEvent::Answer { index, endpoints })
+    }
+
+    /// A failure is sent when its message differs from the last one sent.
+    fn failure(&mut self, message: String) -> Option<ConsulEvent> {
+        if self.error.as_ref() == Some(&message) {
+            return None;
+        }
+        self.error = Some(message.clone());
+        Some(ConsulEvent::Failed(message))
+    }
+}
+
+enum Mode {
+    /// Holds a slot: blocking queries.
+    Dedicated(#[allow(dead_code)] OwnedSemaphorePermit),
+    /// Re-reads on feed changes and sweeps.
+    Fed(FeedMembership),
+    /// Not decided yet (before the first answer).
+    Starting,
+}
+
+/// Runs the watch until the future is dropped or the event channel closes.
+pub async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, events: EventSink) {
+    let send = |ev: ConsulEvent| {
+        let events = events.clone();
+        let key = key.clone();
+        async move { events.send(Event::Consul(key, ev)).await.is_ok() }
+    };
+    let mut reported = Reported::default();
+    let mut backoff = Backoff::default();
+
+    let client = loop {
+        match pool.client(key.server.tls.as_ref()).await {
+            Ok(c) => break c,
+            Err(e) => {
+                if let Some(ev) = reported.failure(e)
+                    && !send(ev).await
+                {
+                    return;
+                }
+                let delay = backoff.failure(&mut rand::rng());
+                tokio::time::sleep(delay).await;
+            }
+        }
+    };
+
+    let mut state = IndexState::default();
+    let mut mode = Mode::Starting;
+    let mut last_query: Option<Instant> = None;
+    let mut not_before: Option<Instant> = None;
+    loop {
+        // Pacing and backoff: never two queries closer than the minimum interval.
+        let gap = pace(settings.min_interval, &mut rand::rng());
+        let mut earliest = last_query.map(|t| t + gap);
+        if let Some(nb) = not_before.take() {
+            earliest = Some(earliest.map_or(nb, |e| e.max(nb)));
+        }
+        if let Some(at) = earliest {
+            tokio::time::sleep_until(at).await;
+        }
+        // A fed (or new) watch takes a slot whenever one is free.
+        if !matches!(mode, Mode::Dedicated(_))
+            && let Ok(permit) = pool.slots.clone().try_acquire_owned()
+        {
+            mode = Mode::Dedicated(permit);
+        }
+        let (sent, result) = match &mut mode {
+            Mode::Dedicated(_) => {
+                let block = state.block(settings.wait);
+                last_query = Some(Instant::now());
+                (block.map(|b| b.0), client.health(&key, block).await)
+            }
+            Mode::Starting => {
+                last_query = Some(Instant::now());
+                (None, read(&pool, &client, &key).await)
+            }
+            Mode::Fed(member) => {
+                // Wait for a catalog change or the sweep, whichever comes first. A closed
+                // feed (cannot happen while we are a member) degrades to sweeping.
+                let sweep = tokio::time::sleep(settings.sweep);
+                tokio::select! {
+                    _ = member.changes.changed() => {}
+                    () = sweep => {}
+                }
+                last_query = Some(Instant::now());
+                (None, read(&pool, &client, &key).await)
+            }
+        };
+        match result {
+            Ok(Answer { index, value }) => {
+                backoff.reset();
+                state.observe(sent, index);
+                if let Some(ev) = reported.answer(index, value)
+                    && !send(ev).await
+                {
+                    return;
+                }
+                if matches!(mode, Mode::Starting) {
+                    // No slot was free: join the feed, then re-read at once, so a change
+                    // between the first read and joining is not lost.
+                    mode = Mode::Fed(pool.join_feed(&key, client.clone()));
+                    if let Mode::Fed(m) = &mut mode {
+                        m.changes.mark_changed();
+                    }
+                }
+            }
+            Err(e) => {
+                let delay = backoff.failure(&mut rand::rng()).max(e.retry_after().unwrap_or_default());
+                log_failure(&key, &e, delay);
+                not_before = Some(Instant::now() + delay);
+                if let Some(ev) = reported.failure(e.to_string())
+                    && !send(ev).await
+                {
+                    return;
+                }
+                if let Mode::Fed(m) = &mut mode {
+                    // Retry after the backoff rather than waiting for the next change.
+                    m.changes.mark_changed();
+                }
+            }
+        }
+    }
+}
+
+/// A non-blocking read through the address's read pool.
+async fn read(pool: &Pool, client: &HttpClient, key: &ConsulKey) -> Result<Answer<Vec<Endpoint>>, QueryError> {
+    let Ok(_permit) = pool.reads.acquire().await else {
+        // The semaphore is never closed; treat it as a transient failure anyway.
+        return Err(QueryError::Network { address: client.address().to_owned(), cause: "shutting down".into() });
+    };
+    client.health(key, None).await
+}
+
+fn log_failure(key: &ConsulKey, e: &QueryError, delay: Duration) {
+    tracing::warn!(watch = %key, error = %e, retry_in = ?delay, "Consul query failed; keeping the last endpoints");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::model::Health;
+
+    fn ep(port: u16) -> Endpoint {
+        Endpoint {
+            address: "10.0.0.1".into(),
+            port,
+            node: "n".into(),
+            service_id: "s".into(),
+            tags: vec![],
+            meta: Default::default(),
+            health: Health::Passing,
+        }
+    }
+
+    #[test]
+    fn content_comparison() {
+        let mut r = Reported::default();
+        assert!(r.answer(1, vec![]).is_some(), "the first answer is always sent, even empty");
+        assert!(r.answer(2, vec![]).is_none(), "same content, new index: not a change");
+        assert!(r.answer(3, vec![ep(80)]).is_some());
+        assert!(r.failure("boom".into()).is_some());
+        assert!(r.failure("boom".into()).is_none(), "the same error is not repeated");
+        assert!(r.answer(3, vec![ep(80)]).is_some(), "an answer after an error clears it");
+        assert!(r.answer(4, vec![ep(80)]).is_none());
+    }
+}
