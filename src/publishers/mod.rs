@@ -2,7 +2,9 @@
 //! in turn, one snapshot at a time; a publication that fails anywhere is retried later
 //! with whatever is current then.
 
+pub mod configmap;
 pub mod http;
+pub mod status;
 
 use std::sync::Arc;
 

@@ -1,0 +1,484 @@
+//! The snapshot ConfigMap, written with server-side apply under our field manager.
+//!
+//! A ConfigMap holds at most 1 MiB, and snapshots of large clusters are bigger than that.
+//! The encoding is chosen per snapshot, never truncating:
+//!
+//! - `data["snapshot.json"]` when the JSON fits the budget;
+//! - else `binaryData["snapshot.json.gz"]` when the gzip of it fits;
+//! - else the gzip bytes split over `NAME-1`..`NAME-n` (`binaryData["part"]`), and `NAME`
+//!   holds `data["index.json"]`: the parts, their sha256, and the sha256 of the whole.
+//!
+//! Parts are written before the index, so an index never names a part that does not exist
+//! yet; parts left over from an earlier, larger snapshot are deleted after the index. A
+//! reader that races a write sees a part whose sha256 does not match the index it read and
+//! reads again ([`decode`] checks).
+//!
+//! Encoding and decoding are pure ([`encode`], [`decode`]); [`ConfigMapPublisher`] only
+//! applies what [`encode`] returns.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::sync::{Arc, Mutex};
+
+use flate2::Compression;
+use flate2::read::GzDecoder;
+use flate2::write::GzEncoder;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Api;
+use kube::api::{DeleteParams, Patch, PatchParams};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::Publisher;
+use crate::cli::ConfigMapRef;
+use crate::core::assembler::Snapshot;
+
+pub const FIELD_MANAGER: &str = "consul-resolver-operator";
+pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+/// On parts: the name of the ConfigMap whose index they belong to. Stale parts are only
+/// deleted when they carry it, so a user's unrelated `NAME-1` is never touched.
+pub const LABEL_PART_OF: &str = "consulresolver.io/snapshot-part-of";
+pub const ANNOTATION_ID: &str = "consulresolver.io/snapshot-id";
+pub const ANNOTATION_HASH: &str = "consulresolver.io/snapshot-hash";
+
+pub const KEY_JSON: &str = "snapshot.json";
+pub const KEY_GZIP: &str = "snapshot.json.gz";
+pub const KEY_INDEX: &str = "index.json";
+pub const KEY_PART: &str = "part";
+
+/// Bytes of data per ConfigMap: well under the API server's 1 MiB, leaving room for
+/// metadata (labels, annotations, managedFields).
+pub const DATA_BUDGET: usize = 900 * 1024;
+
+/// `data["index.json"]` of a split snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Index {
+    /// What the concatenated parts are: always `gzip` (of the snapshot JSON).
+    pub encoding: String,
+    pub snapshot_id: u64,
+    pub snapshot_hash: String,
+    /// `sha256:` of the concatenated parts.
+    pub sha256: String,
+    /// Length of the concatenated parts.
+    pub size: usize,
+    pub parts: Vec<PartRef>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PartRef {
+    /// ConfigMap name, in the index's namespace.
+    pub name: String,
+    /// `sha256:` of this part's `binaryData["part"]`.
+    pub sha256: String,
+    pub size: usize,
+}
+
+/// The ConfigMaps of one snapshot, in the order they must be written.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Encoded {
+    /// `NAME-1`..`NAME-n`; empty unless split.
+    pub parts: Vec<ConfigMap>,
+    /// `NAME`: the snapshot itself, or the index of the parts.
+    pub main: ConfigMap,
+}
+
+fn sha256(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+}
+
+/// The name of part `i` (1-based) of `name`.
+pub fn part_name(name: &str, i: usize) -> String {
+    format!("{name}-{i}")
+}
+
+fn meta(target: &ConfigMapRef, name: String, id: u64, hash: &str, part_of: bool) -> ObjectMeta {
+    let mut labels = BTreeMap::from([(LABEL_MANAGED_BY.to_owned(), FIELD_MANAGER.to_owned())]);
+    if part_of {
+        labels.insert(LABEL_PART_OF.to_owned(), target.name.clone());
+    }
+    ObjectMeta {
+        name: Some(name),
+        namespace: Some(target.namespace.clone()),
+        labels: Some(labels),
+        annotations: Some(BTreeMap::from([
+            (ANNOTATION_ID.to_owned(), id.to_string()),
+            (ANNOTATION_HASH.to_owned(), hash.to_owned()),
+        ])),
+        ..ObjectMeta::default()
+    }
+}
+
+fn gzip(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    let mut enc = GzEncoder::new(Vec::with_capacity(bytes.len() / 4), Compression::default());
+    enc.write_all(bytes).and_then(|_| enc.finish()).map_err(|e| format!("gzip: {e}"))
+}
+
+fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    GzDecoder::new(bytes).read_to_end(&mut out).map_err(|e| format!("gunzip: {e}"))?;
+    Ok(out)
+}
+
+/// Chooses the encoding of `json` (a snapshot's bytes, id `id`, hash `hash`) for `target`,
+/// with at most `budget` bytes of data per ConfigMap.
+pub fn encode(target: &ConfigMapRef, id: u64, hash: &str, json: &[u8], budget: usize) -> Result<Encoded, String> {
+    let budget = budget.max(1);
+    let main_meta = || meta(target, target.name.clone(), id, hash, false);
+    if json.len() <= budget {
+        let text = std::str::from_utf8(json).map_err(|e| format!("snapshot JSON is not UTF-8: {e}"))?;
+        let main = ConfigMap {
+            metadata: main_meta(),
+            data: Some(BTreeMap::from([(KEY_JSON.to_owned(), text.to_owned())])),
+            ..ConfigMap::default()
+        };
+        return Ok(Encoded { parts: Vec::new(), main });
+    }
+    let gz = gzip(json)?;
+    if gz.len() <= budget {
+        let main = ConfigMap {
+            metadata: main_meta(),
+            binary_data: Some(BTreeMap::from([(KEY_GZIP.to_owned(), ByteString(gz))])),
+            ..ConfigMap::default()
+        };
+        return Ok(Encoded { parts: Vec::new(), main });
+    }
+    let mut parts = Vec::new();
+    let mut refs = Vec::new();
+    for (i, chunk) in gz.chunks(budget).enumerate() {
+        let name = part_name(&target.name, i + 1);
+        refs.push(PartRef { name: name.clone(), sha256: sha256(chunk), size: chunk.len() });
+        parts.push(ConfigMap {
+            metadata: meta(target, name, id, hash, true),
+            binary_data: Some(BTreeMap::from([(KEY_PART.to_owned(), ByteString(chunk.to_vec()))])),
+            ..ConfigMap::default()
+        });
+    }
+    let index = Index {
+        encoding: "gzip".into(),
+        snapshot_id: id,
+        snapshot_hash: hash.to_owned(),
+        sha256: sha256(&gz),
+        size: gz.len(),
+        parts: refs,
+    };
+    let index = serde_json::to_string(&index).map_err(|e| format!("index: {e}"))?;
+    let main = ConfigMap {
+        metadata: main_meta(),
+        data: Some(BTreeMap::from([(KEY_INDEX.to_owned(), index)])),
+        ..ConfigMap::default()
+    };
+    Ok(Encoded { parts, main })
+}
+
+/// The index of a split snapshot, if `main` is one.
+pub fn index_of(main: &ConfigMap) -> Result<Option<Index>, String> {
+    match main.data.as_ref().and_then(|d| d.get(KEY_INDEX)) {
+        None => Ok(None),
+        Some(text) => {
+            serde_json::from_str(text).map(Some).map_err(|e| format!("{KEY_INDEX} is not a valid index: {e}"))
+        }
+    }
+}
+
+/// The snapshot JSON from the main ConfigMap and (when split) its parts, looked up by
+/// name in `parts`. Every sha256 is checked: a mismatch means a write raced the read.
+pub fn decode(main: &ConfigMap, parts: &[ConfigMap]) -> Result<Vec<u8>, String> {
+    if let Some(text) = main.data.as_ref().and_then(|d| d.get(KEY_JSON)) {
+        return Ok(text.clone().into_bytes());
+    }
+    if let Some(gz) = main.binary_data.as_ref().and_then(|d| d.get(KEY_GZIP)) {
+        return gunzip(&gz.0);
+    }
+    let index = index_of(main)?.ok_or_else(|| {
+        format!("ConfigMap has none of {KEY_JSON}, {KEY_GZIP} (binaryData) or {KEY_INDEX}: not a snapshot")
+    })?;
+    if index.encoding != "gzip" {
+        return Err(format!("unknown index encoding {:?}", index.encoding));
+    }
+    let mut gz = Vec::with_capacity(index.size);
+    for r in &index.parts {
+        let part = parts
+            .iter()
+            .find(|p| p.metadata.name.as_deref() == Some(r.name.as_str()))
+            .ok_or_else(|| format!("part {} is missing", r.name))?;
+        let bytes = part
+            .binary_data
+            .as_ref()
+            .and_then(|d| d.get(KEY_PART))
+            .ok_or_else(|| format!("part {} has no binaryData[{KEY_PART:?}]", r.name))?;
+        if sha256(&bytes.0) != r.sha256 {
+            return Err(format!("part {} does not match the index (written meanwhile?); read again", r.name));
+        }
+        gz.extend_from_slice(&bytes.0);
+    }
+    if sha256(&gz) != index.sha256 {
+        return Err("the parts together do not match the index's sha256".into());
+    }
+    gunzip(&gz)
+}
+
+/// Reads the snapshot JSON back from the cluster (for tools and tests).
+pub async fn read(api: &Api<ConfigMap>, name: &str) -> Result<Vec<u8>, String> {
+    let main = api.get(name).await.map_err(|e| format!("get ConfigMap {name}: {e}"))?;
+    let mut parts = Vec::new();
+    if let Some(index) = index_of(&main)? {
+        for r in index.parts {
+            parts.push(api.get(&r.name).await.map_err(|e| format!("get ConfigMap {}: {e}", r.name))?);
+        }
+    }
+    decode(&main, &parts)
+}
+
+/// Writes each snapshot to the `--snapshot-configmap`.
+pub struct ConfigMapPublisher {
+    api: Api<ConfigMap>,
+    target: ConfigMapRef,
+    budget: usize,
+    /// Hash of the last snapshot written completely; equal content is not rewritten.
+    last_hash: Arc<Mutex<Option<String>>>,
+}
+
+impl ConfigMapPublisher {
+    pub fn new(client: kube::Client, target: ConfigMapRef) -> Self {
+        Self::with_budget(client, target, DATA_BUDGET)
+    }
+
+    pub fn with_budget(client: kube::Client, target: ConfigMapRef, budget: usize) -> Self {
+        let api = Api::namespaced(client, &target.namespace);
+        ConfigMapPublisher { api, target, budget, last_hash: Arc::default() }
+    }
+}
+
+fn is_not_found(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 404)
+}
+
+async fn apply(api: &Api<ConfigMap>, cm: &ConfigMap) -> Result<(), String> {
+    let name = cm.metadata.name.as_deref().unwrap_or_default();
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    api.patch(name, &params, &Patch::Apply(cm)).await.map_err(|e| format!("apply ConfigMap {name}: {e}"))?;
+    Ok(())
+}
+
+/// Deletes `NAME-(from)`, `NAME-(from+1)`, ... while they exist and are our parts. Parts
+/// are always written as `1..n`, so the first gap ends the stale ones.
+async fn delete_stale_parts(api: &Api<ConfigMap>, target: &ConfigMapRef, from: usize) -> Result<usize, String> {
+    let mut deleted = 0;
+    for i in from.. {
+        let name = part_name(&target.name, i);
+        let existing = match api.get_opt(&name).await {
+            Ok(Some(cm)) => cm,
+            Ok(None) => break,
+            Err(e) => return Err(format!("get ConfigMap {name}: {e}")),
+        };
+        let ours = existing.metadata.labels.as_ref().and_then(|l| l.get(LABEL_PART_OF)) == Some(&target.name);
+        if !ours {
+            break;
+        }
+        match api.delete(&name, &DeleteParams::default()).await {
+            Ok(_) => deleted += 1,
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => return Err(format!("delete stale part ConfigMap {name}: {e}")),
+        }
+    }
+    Ok(deleted)
+}
+
+impl Publisher for ConfigMapPublisher {
+    fn name(&self) -> &'static str {
+        "configmap"
+    }
+
+    fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), String>> {
+        if self.last_hash.lock().expect("last_hash lock").as_deref() == Some(snapshot.hash.as_str()) {
+            return futures::future::ready(Ok(())).boxed();
+        }
+        let (api, target, budget, last_hash) =
+            (self.api.clone(), self.target.clone(), self.budget, self.last_hash.clone());
+        async move {
+            let json = snapshot.to_json();
+            let encoded = encode(&target, snapshot.id, &snapshot.hash, &json, budget)?;
+            for part in &encoded.parts {
+                apply(&api, part).await?;
+            }
+            apply(&api, &encoded.main).await?;
+            let deleted = delete_stale_parts(&api, &target, encoded.parts.len() + 1).await?;
+            tracing::debug!(
+                configmap = %format!("{}/{}", target.namespace, target.name),
+                id = snapshot.id,
+                bytes = json.len(),
+                parts = encoded.parts.len(),
+                stale_parts_deleted = deleted,
+                "snapshot ConfigMap written"
+            );
+            *last_hash.lock().expect("last_hash lock") = Some(snapshot.hash.clone());
+            Ok(())
+        }
+        .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::assembler::snapshot::{Bootstrap, Content, ResolverEntry, ServiceEntry};
+    use crate::core::model::{Endpoint, Health};
+
+    fn target() -> ConfigMapRef {
+        ConfigMapRef { namespace: "ops".into(), name: "snap".into() }
+    }
+
+    /// xorshift64*: deterministic, dependency-free, and incompressible enough for gzip.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+        fn token(&mut self, len: usize) -> String {
+            const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+            (0..len).map(|_| ALPHABET[(self.next() % 64) as usize] as char).collect()
+        }
+    }
+
+    /// A snapshot with `n` endpoints, each with `meta_len` random bytes of meta.
+    fn snapshot(n: usize, meta_len: usize) -> Snapshot {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let endpoints = (0..n)
+            .map(|i| Endpoint {
+                address: format!("10.{}.{}.{}", i / 65536 % 256, i / 256 % 256, i % 256),
+                port: 8080,
+                node: format!("node-{}", i % 97),
+                service_id: format!("web-{i}"),
+                tags: vec!["v1".into()],
+                meta: BTreeMap::from([("build".to_owned(), rng.token(meta_len))]),
+                health: Health::Passing,
+            })
+            .collect();
+        Content {
+            bootstrap: Bootstrap { complete: true, unsynced: vec![] },
+            resolvers: vec![ResolverEntry {
+                namespace: "shop".into(),
+                name: "consul".into(),
+                generation: Some(1),
+                address: "http://127.0.0.1:8500".into(),
+                datacenter: None,
+                invalid: None,
+                services: vec![ServiceEntry {
+                    name: "web".into(),
+                    synced: true,
+                    index: Some(4),
+                    error: None,
+                    endpoints,
+                }],
+            }],
+            mappings: vec![],
+            kubernetes_services: vec![],
+            watched: vec![],
+            problems: vec![],
+        }
+        .into_snapshot(42)
+    }
+
+    fn check_metadata(cm: &ConfigMap, s: &Snapshot) {
+        let labels = cm.metadata.labels.as_ref().unwrap();
+        assert_eq!(labels[LABEL_MANAGED_BY], FIELD_MANAGER);
+        let ann = cm.metadata.annotations.as_ref().unwrap();
+        assert_eq!(ann[ANNOTATION_ID], s.id.to_string());
+        assert_eq!(ann[ANNOTATION_HASH], s.hash);
+        assert_eq!(cm.metadata.namespace.as_deref(), Some("ops"));
+    }
+
+    fn roundtrip(s: &Snapshot) -> Encoded {
+        let json = s.to_json();
+        let e = encode(&target(), s.id, &s.hash, &json, DATA_BUDGET).unwrap();
+        assert_eq!(decode(&e.main, &e.parts).unwrap(), json, "decode(encode(x)) == x");
+        assert_eq!(serde_json::from_slice::<Snapshot>(&decode(&e.main, &e.parts).unwrap()).unwrap(), *s);
+        assert_eq!(e.main.metadata.name.as_deref(), Some("snap"));
+        for cm in e.parts.iter().chain([&e.main]) {
+            check_metadata(cm, s);
+            let size: usize = cm.data.iter().flatten().map(|(_, v)| v.len()).sum::<usize>()
+                + cm.binary_data.iter().flatten().map(|(_, v)| v.0.len()).sum::<usize>();
+            assert!(size <= DATA_BUDGET, "{size} bytes in one ConfigMap");
+        }
+        e
+    }
+
+    #[test]
+    fn a_small_snapshot_is_plain_json() {
+        let s = snapshot(3, 16);
+        let e = roundtrip(&s);
+        assert!(e.parts.is_empty());
+        assert_eq!(e.main.data.as_ref().unwrap()[KEY_JSON].as_bytes(), s.to_json());
+        assert!(e.main.binary_data.is_none());
+    }
+
+    #[test]
+    fn a_compressible_large_snapshot_is_gzipped_in_one_configmap() {
+        let s = snapshot(20_000, 0);
+        assert!(s.to_json().len() > 2 * 1024 * 1024, "{}", s.to_json().len());
+        let e = roundtrip(&s);
+        assert!(e.parts.is_empty());
+        assert!(e.main.data.is_none());
+        assert!(e.main.binary_data.as_ref().unwrap().contains_key(KEY_GZIP));
+    }
+
+    #[test]
+    fn an_incompressible_snapshot_over_a_mebibyte_is_split_with_an_index() {
+        let s = snapshot(8_000, 200);
+        let json = s.to_json();
+        assert!(gzip(&json).unwrap().len() > 1024 * 1024, "over 1 MiB even compressed");
+        let e = roundtrip(&s);
+        assert!(e.parts.len() >= 2, "{} parts", e.parts.len());
+        for (i, part) in e.parts.iter().enumerate() {
+            assert_eq!(part.metadata.name, Some(format!("snap-{}", i + 1)));
+            assert_eq!(part.metadata.labels.as_ref().unwrap()[LABEL_PART_OF], "snap");
+        }
+        let index = index_of(&e.main).unwrap().unwrap();
+        assert_eq!(index.snapshot_id, 42);
+        assert_eq!(index.snapshot_hash, s.hash);
+        let names: Vec<_> = index.parts.iter().map(|p| p.name.clone()).collect();
+        assert_eq!(names, (1..=e.parts.len()).map(|i| format!("snap-{i}")).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_part_from_another_write_or_a_missing_part_is_an_error_not_garbage() {
+        let s = snapshot(8_000, 200);
+        let e = encode(&target(), s.id, &s.hash, &s.to_json(), DATA_BUDGET).unwrap();
+        let err = decode(&e.main, &e.parts[..1]).unwrap_err();
+        assert!(err.contains("snap-2 is missing"), "{err}");
+
+        let other = snapshot(8_001, 200);
+        let o = encode(&target(), other.id, &other.hash, &other.to_json(), DATA_BUDGET).unwrap();
+        let mixed = vec![e.parts[0].clone(), o.parts[1].clone()];
+        let err = decode(&e.main, &mixed).unwrap_err();
+        assert!(err.contains("snap-2 does not match the index"), "{err}");
+    }
+
+    #[test]
+    fn not_a_snapshot_is_an_error() {
+        assert!(decode(&ConfigMap::default(), &[]).unwrap_err().contains("not a snapshot"));
+        let bad = ConfigMap { data: Some(BTreeMap::from([(KEY_INDEX.into(), "{".into())])), ..ConfigMap::default() };
+        assert!(decode(&bad, &[]).unwrap_err().contains("not a valid index"));
+    }
+
+    #[test]
+    fn a_tiny_budget_splits_into_many_parts_in_order() {
+        let s = snapshot(50, 64);
+        let json = s.to_json();
+        let e = encode(&target(), s.id, &s.hash, &json, 1000).unwrap();
+        assert!(e.parts.len() > 2);
+        assert_eq!(decode(&e.main, &e.parts).unwrap(), json);
+        let mut reversed = e.parts.clone();
+        reversed.reverse();
+        assert_eq!(decode(&e.main, &reversed).unwrap(), json, "parts are found by name, not position");
+    }
+}

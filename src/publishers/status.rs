@@ -1,0 +1,436 @@
+//! Each ConsulResolver's status: what the last snapshot says about that resolver.
+//!
+//! [`status_for`] is pure; [`StatusPublisher`] applies its result to the `status`
+//! subresource with server-side apply (so fields we stop setting, like a cleared
+//! `servicesTruncated`, are removed rather than left behind as a merge patch would).
+//!
+//! Statuses are only written when they change. `lastSnapshot` is left out of that
+//! comparison: otherwise every publication would rewrite every resolver's status, even
+//! those the change was not about. It names the snapshot in which the status last changed.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+
+use super::Publisher;
+use crate::api::resolver::{ConsulResolver, ConsulResolverStatus, ServiceStatus, SnapshotRef, condition};
+use crate::core::assembler::Snapshot;
+use crate::core::assembler::snapshot::ResolverEntry;
+
+/// Most entries in `serviceDetails`; the counts stay exact beyond it.
+pub const MAX_SERVICE_DETAILS: usize = 50;
+/// Most services named in one condition message.
+const MAX_NAMED: usize = 5;
+
+const FIELD_MANAGER: &str = "consul-resolver-operator";
+
+fn truncate_to_seconds(t: Timestamp) -> Timestamp {
+    Timestamp::from_second(t.as_second()).unwrap_or(t)
+}
+
+/// `a, b, c and 4 more`.
+fn name_some<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
+    let names: Vec<&str> = names.into_iter().collect();
+    let shown = names.iter().take(MAX_NAMED).copied().collect::<Vec<_>>().join(", ");
+    match names.len().saturating_sub(MAX_NAMED) {
+        0 => shown,
+        more => format!("{shown} and {more} more"),
+    }
+}
+
+struct Cond {
+    type_: &'static str,
+    status: &'static str,
+    reason: &'static str,
+    message: String,
+}
+
+/// The status `entry` gives its resolver in snapshot `snapshot_id` published at `now`.
+/// `previous` (the status on the object, or the one last written) keeps each condition's
+/// `lastTransitionTime` unless that condition's status flipped.
+pub fn status_for(
+    entry: &ResolverEntry,
+    snapshot_id: u64,
+    now: Timestamp,
+    previous: Option<&ConsulResolverStatus>,
+) -> ConsulResolverStatus {
+    let now = truncate_to_seconds(now);
+    let services = &entry.services;
+    let endpoints: usize = services.iter().map(|s| s.endpoints.len()).sum();
+    let failing: Vec<_> = services.iter().filter(|s| s.error.is_some()).collect();
+    let unsynced: Vec<&str> = services.iter().filter(|s| !s.synced).map(|s| s.name.as_str()).collect();
+
+    let reachable = if let Some(problem) = &entry.invalid {
+        Cond {
+            type_: condition::CONSUL_REACHABLE,
+            status: "Unknown",
+            reason: condition::REASON_INVALID_SPEC,
+            message: format!("not queried: {problem}"),
+        }
+    } else if let Some(first) = failing.first() {
+        // The errors come from the Consul source, which never puts the token in them.
+        let error = first.error.as_deref().unwrap_or_default();
+        let others = match failing.len() - 1 {
+            0 => String::new(),
+            n => format!(" (and {n} other services: {})", name_some(failing[1..].iter().map(|s| s.name.as_str()))),
+        };
+        Cond {
+            type_: condition::CONSUL_REACHABLE,
+            status: "False",
+            reason: "QueryFailed",
+            message: format!(
+                "querying Consul at {} for service {:?} failed: {error}{others}; check the address, the network \
+                 policy and the ACL token",
+                entry.address, first.name
+            ),
+        }
+    } else if services.is_empty() {
+        Cond {
+            type_: condition::CONSUL_REACHABLE,
+            status: "Unknown",
+            reason: "NoServices",
+            message: "no Mapping uses this resolver and spec.services is empty: nothing to query".into(),
+        }
+    } else if !unsynced.is_empty() {
+        Cond {
+            type_: condition::CONSUL_REACHABLE,
+            status: "Unknown",
+            reason: "Waiting",
+            message: format!("waiting for Consul at {} to answer for {}", entry.address, name_some(unsynced.clone())),
+        }
+    } else {
+        Cond {
+            type_: condition::CONSUL_REACHABLE,
+            status: "True",
+            reason: "QueriesSucceeded",
+            message: format!("Consul at {} answered for all {} services", entry.address, services.len()),
+        }
+    };
+
+    let bootstrapped = if entry.invalid.is_some() {
+        Cond {
+            type_: condition::BOOTSTRAPPED,
+            status: "False",
+            reason: condition::REASON_INVALID_SPEC,
+            message: "the spec must be fixed first (see the Ready condition)".into(),
+        }
+    } else if unsynced.is_empty() {
+        Cond {
+            type_: condition::BOOTSTRAPPED,
+            status: "True",
+            reason: "AllServicesAnswered",
+            message: "every service of this resolver has answered at least once".into(),
+        }
+    } else {
+        Cond {
+            type_: condition::BOOTSTRAPPED,
+            status: "False",
+            reason: "ServicesUnsynced",
+            message: format!(
+                "{} of {} services have not answered yet ({}); the snapshot was published without their endpoints",
+                unsynced.len(),
+                services.len(),
+                name_some(unsynced.clone())
+            ),
+        }
+    };
+
+    let ready = if let Some(problem) = &entry.invalid {
+        Cond {
+            type_: condition::READY,
+            status: "False",
+            reason: condition::REASON_INVALID_SPEC,
+            message: problem.clone(),
+        }
+    } else if reachable.status == "False" {
+        Cond {
+            type_: condition::READY,
+            status: "False",
+            reason: "ConsulUnreachable",
+            message: reachable.message.clone(),
+        }
+    } else if bootstrapped.status == "False" {
+        Cond {
+            type_: condition::READY,
+            status: "False",
+            reason: "BootstrapIncomplete",
+            message: bootstrapped.message.clone(),
+        }
+    } else {
+        Cond {
+            type_: condition::READY,
+            status: "True",
+            reason: "Published",
+            message: format!("{} services with {endpoints} endpoints are in the snapshot", services.len()),
+        }
+    };
+
+    let conditions = [ready, reachable, bootstrapped]
+        .into_iter()
+        .map(|c| {
+            let kept = previous
+                .and_then(|p| p.conditions.iter().find(|old| old.type_ == c.type_))
+                .filter(|old| old.status == c.status)
+                .map(|old| old.last_transition_time.clone());
+            Condition {
+                type_: c.type_.into(),
+                status: c.status.into(),
+                reason: c.reason.into(),
+                message: c.message,
+                observed_generation: entry.generation,
+                last_transition_time: kept.unwrap_or(Time(now)),
+            }
+        })
+        .collect();
+
+    let mut details: Vec<ServiceStatus> = services
+        .iter()
+        .map(|s| ServiceStatus {
+            name: s.name.clone(),
+            endpoints: u32::try_from(s.endpoints.len()).unwrap_or(u32::MAX),
+            index: s.index,
+            last_change: None,
+            last_error: s.error.clone(),
+        })
+        .collect();
+    details.sort_by(|a, b| a.name.cmp(&b.name));
+    let services_truncated = details.len() > MAX_SERVICE_DETAILS;
+    details.truncate(MAX_SERVICE_DETAILS);
+
+    ConsulResolverStatus {
+        observed_generation: entry.generation,
+        conditions,
+        services: Some(u32::try_from(services.len()).unwrap_or(u32::MAX)),
+        endpoints: Some(u32::try_from(endpoints).unwrap_or(u32::MAX)),
+        last_snapshot: Some(SnapshotRef { id: snapshot_id, time: now.to_string() }),
+        service_details: details,
+        services_truncated,
+    }
+}
+
+/// Whether two statuses say the same, apart from which snapshot said it.
+fn same_apart_from_snapshot(a: &ConsulResolverStatus, b: &ConsulResolverStatus) -> bool {
+    let strip = |s: &ConsulResolverStatus| ConsulResolverStatus { last_snapshot: None, ..s.clone() };
+    strip(a) == strip(b)
+}
+
+type Key = (String, String);
+
+/// Writes each resolver's status when it changed.
+pub struct StatusPublisher {
+    client: kube::Client,
+    /// What this process last wrote (or found) per resolver.
+    written: Arc<Mutex<HashMap<Key, ConsulResolverStatus>>>,
+}
+
+impl StatusPublisher {
+    pub fn new(client: kube::Client) -> Self {
+        StatusPublisher { client, written: Arc::default() }
+    }
+}
+
+fn is_not_found(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 404)
+}
+
+impl Publisher for StatusPublisher {
+    fn name(&self) -> &'static str {
+        "status"
+    }
+
+    fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), String>> {
+        let (client, written) = (self.client.clone(), self.written.clone());
+        async move {
+            let now = Timestamp::now();
+            let mut errors = Vec::new();
+            let present: BTreeSet<Key> =
+                snapshot.content.resolvers.iter().map(|r| (r.namespace.clone(), r.name.clone())).collect();
+            // Forget resolvers that left the snapshot, so a re-created one is written again.
+            written.lock().expect("written lock").retain(|k, _| present.contains(k));
+
+            for entry in &snapshot.content.resolvers {
+                let key = (entry.namespace.clone(), entry.name.clone());
+                let api: Api<ConsulResolver> = Api::namespaced(client.clone(), &entry.namespace);
+                let known = written.lock().expect("written lock").get(&key).cloned();
+                // After a restart, the status on the object is the previous one: its
+                // transition times must survive us.
+                let previous = match known {
+                    Some(p) => Some(p),
+                    None => match api.get_opt(&entry.name).await {
+                        Ok(Some(r)) => r.status,
+                        Ok(None) => continue, // deleted meanwhile
+                        Err(e) => {
+                            errors.push(format!("get ConsulResolver {}/{}: {e}", entry.namespace, entry.name));
+                            continue;
+                        }
+                    },
+                };
+                let status = status_for(entry, snapshot.id, now, previous.as_ref());
+                if previous.as_ref().is_some_and(|p| same_apart_from_snapshot(p, &status)) {
+                    written.lock().expect("written lock").insert(key, previous.unwrap_or(status));
+                    continue;
+                }
+                let patch = serde_json::json!({
+                    "apiVersion": "consulresolver.io/v1alpha1",
+                    "kind": "ConsulResolver",
+                    "status": status,
+                });
+                let params = PatchParams::apply(FIELD_MANAGER).force();
+                match api.patch_status(&entry.name, &params, &Patch::Apply(&patch)).await {
+                    Ok(_) => {
+                        written.lock().expect("written lock").insert(key, status);
+                    }
+                    Err(e) if is_not_found(&e) => {}
+                    Err(e) => errors.push(format!("status of ConsulResolver {}/{}: {e}", entry.namespace, entry.name)),
+                }
+            }
+            if errors.is_empty() { Ok(()) } else { Err(errors.join("; ")) }
+        }
+        .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::assembler::snapshot::ServiceEntry;
+    use crate::core::model::{Endpoint, Health};
+
+    fn ep(i: usize) -> Endpoint {
+        Endpoint {
+            address: format!("10.0.0.{i}"),
+            port: 80,
+            node: "n".into(),
+            service_id: format!("s{i}"),
+            tags: vec![],
+            meta: Default::default(),
+            health: Health::Passing,
+        }
+    }
+    fn service(name: &str, endpoints: usize) -> ServiceEntry {
+        ServiceEntry {
+            name: name.into(),
+            synced: true,
+            index: Some(7),
+            error: None,
+            endpoints: (0..endpoints).map(ep).collect(),
+        }
+    }
+    fn entry(services: Vec<ServiceEntry>) -> ResolverEntry {
+        ResolverEntry {
+            namespace: "shop".into(),
+            name: "consul".into(),
+            generation: Some(3),
+            address: "http://127.0.0.1:8500".into(),
+            datacenter: None,
+            invalid: None,
+            services,
+        }
+    }
+    fn t(s: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + s).unwrap()
+    }
+    fn cond<'a>(s: &'a ConsulResolverStatus, type_: &str) -> &'a Condition {
+        s.conditions.iter().find(|c| c.type_ == type_).unwrap()
+    }
+
+    #[test]
+    fn ready_when_every_service_answered() {
+        let s = status_for(&entry(vec![service("web", 2), service("api", 1)]), 9, t(0), None);
+        assert_eq!(s.observed_generation, Some(3));
+        assert_eq!((s.services, s.endpoints), (Some(2), Some(3)));
+        assert_eq!(s.last_snapshot, Some(SnapshotRef { id: 9, time: "2023-11-14T22:13:20Z".into() }));
+        for c in [condition::READY, condition::CONSUL_REACHABLE, condition::BOOTSTRAPPED] {
+            assert_eq!(cond(&s, c).status, "True", "{c}");
+            assert_eq!(cond(&s, c).observed_generation, Some(3));
+        }
+        let names: Vec<_> = s.service_details.iter().map(|d| (d.name.as_str(), d.endpoints)).collect();
+        assert_eq!(names, [("api", 1), ("web", 2)], "sorted by name");
+        assert!(!s.services_truncated);
+    }
+
+    #[test]
+    fn invalid_spec_is_ready_false_with_the_problem() {
+        let mut e = entry(vec![]);
+        e.invalid = Some("spec.address: \"::\" is not host:port".into());
+        let s = status_for(&e, 1, t(0), None);
+        let ready = cond(&s, condition::READY);
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", condition::REASON_INVALID_SPEC));
+        assert_eq!(ready.message, "spec.address: \"::\" is not host:port");
+        assert_eq!(cond(&s, condition::CONSUL_REACHABLE).status, "Unknown");
+    }
+
+    #[test]
+    fn unreachable_consul_names_the_address_and_the_cause() {
+        let mut down = service("web", 0);
+        down.synced = false;
+        down.error = Some("connect 127.0.0.1:8500: connection refused".into());
+        let s = status_for(&entry(vec![down, service("api", 1)]), 1, t(0), None);
+        let c = cond(&s, condition::CONSUL_REACHABLE);
+        assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", "QueryFailed"));
+        assert!(
+            c.message.contains("http://127.0.0.1:8500") && c.message.contains("connection refused"),
+            "{}",
+            c.message
+        );
+        assert_eq!(cond(&s, condition::READY).reason, "ConsulUnreachable");
+        let web = s.service_details.iter().find(|d| d.name == "web").unwrap();
+        assert_eq!(web.last_error.as_deref(), Some("connect 127.0.0.1:8500: connection refused"));
+    }
+
+    #[test]
+    fn bootstrap_incomplete_names_the_silent_services() {
+        let mut silent = service("web", 0);
+        silent.synced = false;
+        silent.index = None;
+        let s = status_for(&entry(vec![silent, service("api", 1)]), 1, t(0), None);
+        let b = cond(&s, condition::BOOTSTRAPPED);
+        assert_eq!((b.status.as_str(), b.reason.as_str()), ("False", "ServicesUnsynced"));
+        assert!(b.message.contains("1 of 2") && b.message.contains("web"), "{}", b.message);
+        assert_eq!(cond(&s, condition::READY).reason, "BootstrapIncomplete");
+        assert_eq!(cond(&s, condition::CONSUL_REACHABLE).status, "Unknown");
+    }
+
+    #[test]
+    fn service_details_are_bounded_and_counts_stay_exact() {
+        let services = (0..MAX_SERVICE_DETAILS + 10).rev().map(|i| service(&format!("svc-{i:03}"), 1)).collect();
+        let s = status_for(&entry(services), 1, t(0), None);
+        assert_eq!(s.services, Some(60));
+        assert_eq!(s.endpoints, Some(60));
+        assert_eq!(s.service_details.len(), MAX_SERVICE_DETAILS);
+        assert_eq!(s.service_details[0].name, "svc-000");
+        assert!(s.services_truncated);
+    }
+
+    #[test]
+    fn transition_time_only_moves_when_a_condition_flips() {
+        let healthy = entry(vec![service("web", 1)]);
+        let first = status_for(&healthy, 1, t(0), None);
+        let again = status_for(&healthy, 2, t(60), Some(&first));
+        for c in &again.conditions {
+            assert_eq!(c.last_transition_time, Time(t(0)), "{} unchanged", c.type_);
+        }
+        assert!(same_apart_from_snapshot(&first, &again), "nothing to write");
+
+        let mut broken = healthy.clone();
+        broken.services[0].error = Some("timeout".into());
+        let flipped = status_for(&broken, 3, t(120), Some(&again));
+        assert_eq!(cond(&flipped, condition::READY).last_transition_time, Time(t(120)));
+        assert_eq!(cond(&flipped, condition::CONSUL_REACHABLE).last_transition_time, Time(t(120)));
+        assert_eq!(cond(&flipped, condition::BOOTSTRAPPED).last_transition_time, Time(t(0)), "still bootstrapped");
+        assert!(!same_apart_from_snapshot(&again, &flipped));
+    }
+
+    #[test]
+    fn no_services_is_ready_with_nothing_to_query() {
+        let s = status_for(&entry(vec![]), 1, t(0), None);
+        assert_eq!(cond(&s, condition::READY).status, "True");
+        assert_eq!(cond(&s, condition::CONSUL_REACHABLE).reason, "NoServices");
+    }
+}
