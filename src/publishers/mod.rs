@@ -3,6 +3,7 @@
 //! with whatever is current then.
 
 pub mod configmap;
+pub mod hook;
 pub mod http;
 pub mod status;
 
