@@ -23,7 +23,10 @@ use crate::core::keys::{KubeKey, WatchKey};
 use crate::core::pipeline::{Pipeline, Step};
 use crate::metrics::Metrics;
 use crate::publishers::Publisher;
+use crate::publishers::configmap::ConfigMapPublisher;
+use crate::publishers::hook::HookPublisher;
 use crate::publishers::http::{self, HttpPublisher, ServerState, SnapshotStore};
+use crate::publishers::status::StatusPublisher;
 use crate::sources::consul::{ConsulSource, Settings as ConsulSettings};
 use crate::sources::kube::KubeSource;
 use crate::sources::{Source, Watches};
@@ -101,7 +104,16 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
     let mut pipeline = Pipeline::new(config, args.bootstrap_timeout, args.coalesce_window);
     watches.apply(&pipeline.set_fixed(fixed, Instant::now()));
 
-    let publishers: Arc<Vec<Arc<dyn Publisher>>> = Arc::new(vec![Arc::new(HttpPublisher(store))]);
+    let mut publishers: Vec<Arc<dyn Publisher>> = vec![Arc::new(HttpPublisher(store))];
+    if let Some(target) = args.snapshot_configmap.clone() {
+        publishers.push(Arc::new(ConfigMapPublisher::new(client.clone(), target)));
+    }
+    publishers.push(Arc::new(StatusPublisher::new(client.clone())));
+    if let Some(command) = args.on_snapshot.clone() {
+        let dir = std::env::temp_dir().join("consul-resolver-operator");
+        publishers.push(Arc::new(HookPublisher::new(command, args.on_snapshot_timeout, dir)));
+    }
+    let publishers = Arc::new(publishers);
     let mut in_flight: Option<(Arc<Snapshot>, tokio::task::JoinHandle<bool>)> = None;
     let mut logged_waiting = false;
 
