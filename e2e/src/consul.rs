@@ -43,7 +43,7 @@ impl Consul {
     fn put(&self, path: &str, body: &Value) -> anyhow::Result<()> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         rt.block_on(async {
-            let mut req = reqwest::Client::new()
+            let mut req = crate::harness::http_client()
                 .put(format!("{}{path}", self.base_url))
                 .json(body)
                 .timeout(Duration::from_secs(10));

@@ -280,11 +280,18 @@ impl Drop for Operator {
     }
 }
 
+/// An HTTP client for tests. reqwest is built without a default TLS provider (the
+/// operator installs ring at start-up), so tests install the same one first.
+pub fn http_client() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
 /// A blocking HTTP GET on loopback: (status, body); `None` when nothing answers.
 pub fn http_get(url: &str) -> Option<(u16, String)> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
     rt.block_on(async {
-        let resp = reqwest::Client::new().get(url).timeout(Duration::from_secs(5)).send().await.ok()?;
+        let resp = http_client().get(url).timeout(Duration::from_secs(5)).send().await.ok()?;
         let status = resp.status().as_u16();
         Some((status, resp.text().await.ok()?))
     })

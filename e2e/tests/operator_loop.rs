@@ -1,0 +1,167 @@
+//! The operator's main job end to end, black box: kubectl on one side, Consul's HTTP API on
+//! the other, and the published snapshot (HTTP) in between. The operator runs as its own
+//! process with the ServiceAccount kubeconfig bound to manifests/rbac.yaml.
+
+use std::time::Duration;
+
+use e2e::consul::Consul;
+use e2e::harness::{Cluster, Operator, free_port, unique, wait_for};
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(30);
+
+fn resolver_yaml(ns: &str, name: &str, address: &str, extra: &str) -> String {
+    format!(
+        "apiVersion: consulresolver.io/v1alpha1\nkind: ConsulResolver\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  address: \"{address}\"\n{extra}"
+    )
+}
+
+fn mapping_yaml(ns: &str, name: &str, service: &str, resolver: &str) -> String {
+    format!(
+        "apiVersion: getambassador.io/v3alpha1\nkind: Mapping\nmetadata: {{name: {name}, namespace: {ns}}}\nspec: {{prefix: /{name}/, service: \"{service}\", resolver: {resolver}}}\n"
+    )
+}
+
+/// Ports of the endpoints of `service` under resolver `ns/name` in a snapshot.
+fn ports(snapshot: &Value, ns: &str, name: &str, service: &str) -> Option<Vec<u64>> {
+    let r = snapshot["resolvers"].as_array()?.iter().find(|r| r["namespace"] == ns && r["name"] == name)?;
+    let s = r["services"].as_array()?.iter().find(|s| s["name"] == service)?;
+    let mut p: Vec<u64> = s["endpoints"].as_array()?.iter().filter_map(|e| e["port"].as_u64()).collect();
+    p.sort();
+    Some(p)
+}
+
+/// In-flight blocking queries the simulator holds for `service` (simulator only).
+fn blocking(consul: &Consul, service: &str) -> Option<usize> {
+    consul.sim.as_ref().map(|s| s.stats().blocking.get(service).copied().unwrap_or(0))
+}
+
+#[test]
+fn consul_endpoints_follow_the_catalog_and_shared_services_are_queried_once() {
+    let cluster = Cluster::shared();
+    let consul = Consul::shared();
+    let (a, b) = (cluster.namespace("loop-a").unwrap(), cluster.namespace("loop-b").unwrap());
+    let svc = format!("pay{}", unique());
+    let svc2 = format!("{svc}-next");
+    consul.register("node-1", "127.0.0.1", &svc, &format!("{svc}-1"), 21001, "passing").unwrap();
+
+    let addr = consul.address();
+    cluster.apply(&resolver_yaml(&a, "consul", &addr, "  datacenter: dc1\n")).unwrap();
+    // Same settings in another namespace: its queries are the same queries.
+    cluster.apply(&resolver_yaml(&b, "consul", &format!("http://{addr}"), "  datacenter: dc1\n")).unwrap();
+    cluster.apply(&mapping_yaml(&a, "m1", &format!("{svc}:8080"), "consul")).unwrap();
+    cluster.apply(&mapping_yaml(&a, "m2", &format!("http://{svc}"), "consul")).unwrap();
+    cluster.apply(&mapping_yaml(&b, "m3", &svc, "consul")).unwrap();
+
+    let mut op = Operator::start(cluster, &["--namespace", &a, "--namespace", &b]).unwrap();
+    op.wait_ready(T).unwrap();
+    op.wait_snapshot("the first instance under both resolvers", T, |s| {
+        ports(s, &a, "consul", &svc) == Some(vec![21001]) && ports(s, &b, "consul", &svc) == Some(vec![21001])
+    })
+    .unwrap();
+    if consul.sim.is_some() {
+        // Three Mappings, two resolvers: one blocking query for the service.
+        wait_for("exactly one blocking query for the shared service", T, || {
+            (blocking(consul, &svc) == Some(1)).then_some(())
+        })
+        .unwrap();
+        let dc_sent = consul
+            .sim
+            .as_ref()
+            .unwrap()
+            .requests()
+            .iter()
+            .any(|r| r.service.as_deref() == Some(svc.as_str()) && r.query.contains("dc=dc1"));
+        assert!(dc_sent, "the datacenter is sent as ?dc=");
+    }
+
+    consul.register("node-2", "127.0.0.1", &svc, &format!("{svc}-2"), 21002, "passing").unwrap();
+    op.wait_snapshot("a second instance", T, |s| ports(s, &a, "consul", &svc) == Some(vec![21001, 21002])).unwrap();
+    consul.register("node-2", "127.0.0.1", &svc, &format!("{svc}-2"), 21002, "critical").unwrap();
+    op.wait_snapshot("the critical instance filtered out", T, |s| ports(s, &a, "consul", &svc) == Some(vec![21001]))
+        .unwrap();
+    consul.register("node-2", "127.0.0.1", &svc, &format!("{svc}-2"), 21002, "passing").unwrap();
+    op.wait_snapshot("the instance back once passing", T, |s| ports(s, &a, "consul", &svc) == Some(vec![21001, 21002]))
+        .unwrap();
+    consul.deregister("node-1", &format!("{svc}-1")).unwrap();
+    op.wait_snapshot("the deregistered instance gone", T, |s| ports(s, &a, "consul", &svc) == Some(vec![21002]))
+        .unwrap();
+
+    // Every Mapping moves to another service: the old watch stops, the new one starts.
+    consul.register("node-3", "127.0.0.1", &svc2, &format!("{svc2}-1"), 21003, "passing").unwrap();
+    for (ns, m) in [(&a, "m1"), (&a, "m2"), (&b, "m3")] {
+        cluster.apply(&mapping_yaml(ns, m, &svc2, "consul")).unwrap();
+    }
+    let snap = op
+        .wait_snapshot("the Mappings on the new service", T, |s| {
+            [&a, &b]
+                .iter()
+                .all(|ns| ports(s, ns, "consul", &svc2) == Some(vec![21003]) && ports(s, ns, "consul", &svc).is_none())
+        })
+        .unwrap();
+    assert!(snap["mappings"].as_array().unwrap().iter().all(|m| m["target"]["service"] == svc2.as_str()));
+    if consul.sim.is_some() {
+        wait_for("the old watch to stop and the new one to run", T, || {
+            (blocking(consul, &svc) == Some(0) && blocking(consul, &svc2) == Some(1)).then_some(())
+        })
+        .unwrap();
+    }
+    let status = op.terminate(T).unwrap();
+    assert!(status.success(), "{status}\n{}", op.logs());
+}
+
+#[test]
+fn problems_are_reported_not_guessed() {
+    let cluster = Cluster::shared();
+    let consul = Consul::shared();
+    let ns = cluster.namespace("problems").unwrap();
+    // The API server itself rejects a resolver without an address (schema validation).
+    let err = cluster.apply(&format!("apiVersion: consulresolver.io/v1alpha1\nkind: ConsulResolver\nmetadata: {{name: bad, namespace: {ns}}}\nspec: {{datacenter: dc1}}\n")).unwrap_err();
+    assert!(err.to_string().contains("address"), "{err}");
+
+    cluster.apply(&resolver_yaml(&ns, "broken", "${NOT_SET_ANYWHERE}:8500", "")).unwrap();
+    cluster.apply(&resolver_yaml(&ns, "good", &consul.address(), "")).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "via-broken", "web", "broken")).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "nowhere", "web", "no-such-resolver")).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "bad-port", "web:99999", "good")).unwrap();
+
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    op.wait_ready(T).unwrap();
+    let snap = op.snapshot().unwrap();
+    let broken = snap["resolvers"].as_array().unwrap().iter().find(|r| r["name"] == "broken").unwrap();
+    assert!(broken["invalid"].as_str().unwrap().contains("NOT_SET_ANYWHERE is not set"), "{broken}");
+    let problems: Vec<String> = snap["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| format!("{}: {}", p["name"].as_str().unwrap(), p["message"].as_str().unwrap()))
+        .collect();
+    for (who, what) in [
+        ("via-broken", "cannot be used"),
+        ("nowhere", "no ConsulResolver"),
+        ("bad-port", "out of range"),
+        ("broken", "NOT_SET_ANYWHERE"),
+    ] {
+        assert!(problems.iter().any(|p| p.starts_with(who) && p.contains(what)), "{who}: {problems:?}");
+    }
+    op.terminate(T).unwrap();
+}
+
+#[test]
+fn unreachable_consul_publishes_after_the_bootstrap_timeout() {
+    let cluster = Cluster::shared();
+    let ns = cluster.namespace("dead").unwrap();
+    // A loopback port nothing listens on.
+    let dead = format!("127.0.0.1:{}", free_port());
+    cluster.apply(&resolver_yaml(&ns, "dead", &dead, "")).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "m", "ghost", "dead")).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns, "--bootstrap-timeout", "3s"]).unwrap();
+    op.wait_ready(T).unwrap();
+    let snap = op.snapshot().unwrap();
+    assert_eq!(snap["bootstrap"]["complete"], false, "{snap}");
+    assert_eq!(snap["bootstrap"]["unsynced"][0], format!("{ns}/dead/ghost"));
+    let svc = &snap["resolvers"][0]["services"][0];
+    assert_eq!(svc["synced"], false);
+    assert!(svc["error"].as_str().unwrap_or_default().contains(&dead), "the error names the address: {svc}");
+    op.terminate(T).unwrap();
+}
