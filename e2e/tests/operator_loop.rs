@@ -59,19 +59,14 @@ fn consul_endpoints_follow_the_catalog_and_shared_services_are_queried_once() {
         ports(s, &a, "consul", &svc) == Some(vec![21001]) && ports(s, &b, "consul", &svc) == Some(vec![21001])
     })
     .unwrap();
-    if consul.sim.is_some() {
+    if let Some(sim) = &consul.sim {
         // Three Mappings, two resolvers: one blocking query for the service.
         wait_for("exactly one blocking query for the shared service", T, || {
             (blocking(consul, &svc) == Some(1)).then_some(())
         })
         .unwrap();
-        let dc_sent = consul
-            .sim
-            .as_ref()
-            .unwrap()
-            .requests()
-            .iter()
-            .any(|r| r.service.as_deref() == Some(svc.as_str()) && r.query.contains("dc=dc1"));
+        let dc_sent =
+            sim.requests().iter().any(|r| r.service.as_deref() == Some(svc.as_str()) && r.query.contains("dc=dc1"));
         assert!(dc_sent, "the datacenter is sent as ?dc=");
     }
 
