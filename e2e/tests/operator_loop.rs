@@ -53,12 +53,42 @@ fn consul_endpoints_follow_the_catalog_and_shared_services_are_queried_once() {
     cluster.apply(&mapping_yaml(&a, "m2", &format!("http://{svc}"), "consul")).unwrap();
     cluster.apply(&mapping_yaml(&b, "m3", &svc, "consul")).unwrap();
 
-    let mut op = Operator::start(cluster, &["--namespace", &a, "--namespace", &b]).unwrap();
+    let cm = format!("snap-{}", unique());
+    let cm_arg = format!("consul-resolver-system/{cm}");
+    let mut op =
+        Operator::start(cluster, &["--namespace", &a, "--namespace", &b, "--snapshot-configmap", &cm_arg]).unwrap();
     op.wait_ready(T).unwrap();
-    op.wait_snapshot("the first instance under both resolvers", T, |s| {
-        ports(s, &a, "consul", &svc) == Some(vec![21001]) && ports(s, &b, "consul", &svc) == Some(vec![21001])
+    let snap = op
+        .wait_snapshot("the first instance under both resolvers", T, |s| {
+            ports(s, &a, "consul", &svc) == Some(vec![21001]) && ports(s, &b, "consul", &svc) == Some(vec![21001])
+        })
+        .unwrap();
+
+    // The same snapshot reaches the ConfigMap and the resolver's status (`kubectl get cres`).
+    wait_for("the snapshot in the ConfigMap", T, || {
+        let data = cluster
+            .kubectl(&[
+                "-n",
+                "consul-resolver-system",
+                "get",
+                "configmap",
+                &cm,
+                "-o",
+                "jsonpath={.data.snapshot\\.json}",
+            ])
+            .ok()?;
+        let published: Value = serde_json::from_str(&data).ok()?;
+        (published["id"].as_u64()? >= snap["id"].as_u64()?).then_some(())
     })
     .unwrap();
+    let row = wait_for("Ready=True with counts in kubectl get cres", T, || {
+        let out = cluster.kubectl(&["-n", &a, "get", "cres", "consul", "--no-headers"]).ok()?;
+        let cols: Vec<String> = out.split_whitespace().map(str::to_owned).collect();
+        (cols.get(1).map(String::as_str) == Some("True") && cols.get(2).map(String::as_str) == Some("1"))
+            .then_some(cols)
+    })
+    .unwrap();
+    assert_eq!(row[3], "1", "one endpoint: {row:?}");
     if let Some(sim) = &consul.sim {
         // Three Mappings, two resolvers: one blocking query for the service.
         wait_for("exactly one blocking query for the shared service", T, || {
@@ -124,6 +154,11 @@ fn problems_are_reported_not_guessed() {
     op.wait_ready(T).unwrap();
     let snap = op.snapshot().unwrap();
     let broken = snap["resolvers"].as_array().unwrap().iter().find(|r| r["name"] == "broken").unwrap();
+    let reason = wait_for("InvalidSpec on the broken resolver's status", T, || {
+        let jp = "jsonpath={.status.conditions[?(@.type==\"Ready\")].reason}";
+        cluster.kubectl(&["-n", &ns, "get", "cres", "broken", "-o", jp]).ok().filter(|r| r == "InvalidSpec")
+    });
+    assert!(reason.is_ok(), "{reason:?}\n{}", op.logs());
     assert!(broken["invalid"].as_str().unwrap().contains("NOT_SET_ANYWHERE is not set"), "{broken}");
     let problems: Vec<String> = snap["problems"]
         .as_array()
