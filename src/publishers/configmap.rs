@@ -470,76 +470,29 @@ mod tests {
         assert!(decode(&bad, &[]).unwrap_err().contains("not a valid index"));
     }
 
-    /// A loopback stand-in for the API server's ConfigMap endpoints: records each
-    /// request, applies are echoed, and `existing` parts answer GETs (labelled as ours
-    /// when `true`).
-    async fn fake_api(
-        existing: BTreeMap<String, bool>,
-    ) -> (kube::Client, Arc<Mutex<Vec<String>>>, tokio_util::sync::CancellationToken) {
-        use http_body_util::{BodyExt, Full};
-        use hyper::{Request, Response};
-
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let existing = Arc::new(Mutex::new(existing));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let stop = tokio_util::sync::CancellationToken::new();
-        let (log2, stop2) = (log.clone(), stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let stream = tokio::select! {
-                    _ = stop2.cancelled() => return,
-                    a = listener.accept() => a.unwrap().0,
-                };
-                let (log, existing) = (log2.clone(), existing.clone());
-                let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                    let (log, existing) = (log.clone(), existing.clone());
-                    async move {
-                        let method = req.method().clone();
-                        let name = req.uri().path().rsplit('/').next().unwrap_or_default().to_owned();
-                        log.lock().unwrap().push(format!("{method} {name}"));
-                        let body = req.into_body().collect().await.unwrap().to_bytes();
-                        let not_found = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                            "reason": "NotFound", "code": 404, "message": format!("{name} not found")});
-                        let (code, out) = match method.as_str() {
-                            "PATCH" => (200, body.to_vec()),
-                            "GET" | "DELETE" => {
-                                let mut existing = existing.lock().unwrap();
-                                match existing.get(&name).copied() {
-                                    None => (404, serde_json::to_vec(&not_found).unwrap()),
-                                    Some(ours) => {
-                                        if method == "DELETE" {
-                                            existing.remove(&name);
-                                        }
-                                        let labels = if ours {
-                                            serde_json::json!({LABEL_PART_OF: "snap"})
-                                        } else {
-                                            serde_json::json!({})
-                                        };
-                                        let cm = serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap",
-                                            "metadata": {"name": name, "namespace": "ops", "labels": labels}});
-                                        (200, serde_json::to_vec(&cm).unwrap())
-                                    }
-                                }
-                            }
-                            _ => (405, Vec::new()),
-                        };
-                        let resp = Response::builder()
-                            .status(code)
-                            .header("content-type", "application/json")
-                            .body(Full::new(bytes::Bytes::from(out)))
-                            .unwrap();
-                        Ok::<_, std::convert::Infallible>(resp)
-                    }
-                });
-                tokio::spawn(async move {
-                    let io = hyper_util::rt::TokioIo::new(stream);
-                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
-                });
+    /// The API server's ConfigMap endpoints: applies are echoed, and `existing` parts
+    /// answer GET and DELETE (labelled as ours when `true`).
+    async fn fake_api(existing: BTreeMap<String, bool>) -> crate::publishers::test_api::FakeApi {
+        use crate::publishers::test_api::{not_found, serve};
+        let existing = Mutex::new(existing);
+        serve(Arc::new(move |method: &str, path: &str, body: &[u8]| {
+            let name = path.rsplit('/').next().unwrap_or_default().to_owned();
+            if method == "PATCH" {
+                return (200, serde_json::from_slice(body).unwrap());
             }
-        });
-        let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
-        (kube::Client::try_from(config).unwrap(), log, stop)
+            let mut existing = existing.lock().unwrap();
+            let Some(ours) = existing.get(&name).copied() else { return not_found(&name) };
+            if method == "DELETE" {
+                existing.remove(&name);
+            }
+            let labels = if ours { serde_json::json!({LABEL_PART_OF: "snap"}) } else { serde_json::json!({}) };
+            (
+                200,
+                serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap",
+                                     "metadata": {"name": name, "namespace": "ops", "labels": labels}}),
+            )
+        }))
+        .await
     }
 
     #[tokio::test]
@@ -553,8 +506,8 @@ mod tests {
             (part_name("snap", n + 2), true),
             (part_name("snap", n + 4), false),
         ]);
-        let (client, log, stop) = fake_api(existing).await;
-        let publisher = ConfigMapPublisher::with_budget(client, target(), 1000);
+        let api = fake_api(existing).await;
+        let publisher = ConfigMapPublisher::with_budget(api.client.clone(), target(), 1000);
 
         publisher.publish(s.clone()).await.unwrap();
         let mut expected: Vec<String> = (1..=n).map(|i| format!("PATCH snap-{i}")).collect();
@@ -563,21 +516,19 @@ mod tests {
             expected.extend([format!("GET snap-{i}"), format!("DELETE snap-{i}")]);
         }
         expected.push(format!("GET snap-{}", n + 3));
-        assert_eq!(std::mem::take(&mut *log.lock().unwrap()), expected);
+        assert_eq!(api.take(), expected);
 
         let same_content = Arc::new(s.content.clone().into_snapshot(s.id + 1));
         publisher.publish(same_content).await.unwrap();
-        assert!(log.lock().unwrap().is_empty(), "equal hash: nothing written");
-        stop.cancel();
+        assert!(api.take().is_empty(), "equal hash: nothing written");
     }
 
     #[tokio::test]
     async fn a_part_name_that_is_not_ours_is_never_deleted() {
-        let (client, log, stop) = fake_api(BTreeMap::from([("snap-1".into(), false)])).await;
-        let publisher = ConfigMapPublisher::new(client, target());
+        let api = fake_api(BTreeMap::from([("snap-1".into(), false)])).await;
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target());
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
-        assert_eq!(*log.lock().unwrap(), ["PATCH snap", "GET snap-1"]);
-        stop.cancel();
+        assert_eq!(api.take(), ["PATCH snap", "GET snap-1"]);
     }
 
     #[test]

@@ -6,6 +6,8 @@ pub mod configmap;
 pub mod hook;
 pub mod http;
 pub mod status;
+#[cfg(test)]
+mod test_api;
 
 use std::sync::Arc;
 

@@ -427,6 +427,69 @@ mod tests {
         assert!(!same_apart_from_snapshot(&again, &flipped));
     }
 
+    fn snapshot(id: u64, resolvers: Vec<ResolverEntry>) -> Arc<Snapshot> {
+        use crate::core::assembler::snapshot::{Bootstrap, Content};
+        let content = Content {
+            bootstrap: Bootstrap { complete: true, unsynced: vec![] },
+            resolvers,
+            mappings: vec![],
+            kubernetes_services: vec![],
+            watched: vec![],
+            problems: vec![],
+        };
+        Arc::new(content.into_snapshot(id))
+    }
+
+    #[tokio::test]
+    async fn writes_only_changes_keeps_transition_times_and_ignores_deleted_resolvers() {
+        use crate::publishers::test_api::{not_found, serve};
+        // shop/consul exists with an old Ready=True status; shop/gone was deleted.
+        let old = serde_json::json!({"conditions": [{"type": "Ready", "status": "True", "reason": "Published",
+            "message": "", "lastTransitionTime": "2023-01-01T00:00:00Z"}]});
+        let patches = Arc::new(Mutex::new(Vec::new()));
+        let seen = patches.clone();
+        let api = serve(Arc::new(move |method: &str, path: &str, body: &[u8]| {
+            let resolver = |status: serde_json::Value| {
+                serde_json::json!({"apiVersion": "consulresolver.io/v1alpha1", "kind": "ConsulResolver",
+                    "metadata": {"namespace": "shop", "name": "consul", "generation": 3},
+                    "spec": {"address": "127.0.0.1:8500"}, "status": status})
+            };
+            match (method, path) {
+                (_, p) if p.contains("/gone") => not_found("gone"),
+                ("GET", _) => (200, resolver(old.clone())),
+                ("PATCH", p) if p.ends_with("/status") => {
+                    let body: serde_json::Value = serde_json::from_slice(body).unwrap();
+                    seen.lock().unwrap().push(body["status"].clone());
+                    (200, resolver(body["status"].clone()))
+                }
+                _ => (405, serde_json::json!({})),
+            }
+        }))
+        .await;
+        let publisher = StatusPublisher::new(api.client.clone());
+        let mut gone = entry(vec![]);
+        gone.name = "gone".into();
+
+        publisher.publish(snapshot(1, vec![entry(vec![service("web", 2)]), gone.clone()])).await.unwrap();
+        assert_eq!(api.take(), ["GET consul", "PATCH status", "GET gone"]);
+        let written = patches.lock().unwrap().remove(0);
+        let status: ConsulResolverStatus = serde_json::from_value(written).unwrap();
+        assert_eq!(status.observed_generation, Some(3));
+        assert_eq!(
+            cond(&status, condition::READY).last_transition_time.0.to_string(),
+            "2023-01-01T00:00:00Z",
+            "Ready was already True: its transition time survives a restart"
+        );
+
+        // Same content in a new snapshot: nothing to write, nothing to read.
+        publisher.publish(snapshot(2, vec![entry(vec![service("web", 2)]), gone.clone()])).await.unwrap();
+        assert_eq!(api.take(), ["GET gone"], "only the deleted one is looked up again");
+
+        // A change is written.
+        publisher.publish(snapshot(3, vec![entry(vec![service("web", 3)])])).await.unwrap();
+        assert_eq!(api.take(), ["PATCH status"]);
+    }
+
     #[test]
     fn no_services_is_ready_with_nothing_to_query() {
         let s = status_for(&entry(vec![]), 1, t(0), None);

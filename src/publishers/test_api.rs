@@ -1,0 +1,78 @@
+//! A loopback stand-in for the Kubernetes API server in publisher tests: each request is
+//! recorded as `METHOD last-path-segment` and answered by a handler.
+
+use std::sync::{Arc, Mutex};
+
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, Response};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+pub type Handler = dyn Fn(&str, &str, &[u8]) -> (u16, Value) + Send + Sync;
+
+pub struct FakeApi {
+    pub client: kube::Client,
+    pub log: Arc<Mutex<Vec<String>>>,
+    stop: CancellationToken,
+}
+
+impl Drop for FakeApi {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl FakeApi {
+    /// Takes the requests recorded so far.
+    pub fn take(&self) -> Vec<String> {
+        std::mem::take(&mut *self.log.lock().unwrap())
+    }
+}
+
+/// A `kind: Status` 404 body.
+pub fn not_found(name: &str) -> (u16, Value) {
+    let status = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+        "reason": "NotFound", "code": 404, "message": format!("{name} not found")});
+    (404, status)
+}
+
+/// Serves `handler(method, path, body)` on 127.0.0.1 until dropped.
+pub async fn serve(handler: Arc<Handler>) -> FakeApi {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let (log2, stop2) = (log.clone(), stop.clone());
+    tokio::spawn(async move {
+        loop {
+            let stream = tokio::select! {
+                _ = stop2.cancelled() => return,
+                a = listener.accept() => a.unwrap().0,
+            };
+            let (log, handler) = (log2.clone(), handler.clone());
+            let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let (log, handler) = (log.clone(), handler.clone());
+                async move {
+                    let method = req.method().to_string();
+                    let path = req.uri().path().to_owned();
+                    let name = path.rsplit('/').next().unwrap_or_default();
+                    log.lock().unwrap().push(format!("{method} {name}"));
+                    let body = req.into_body().collect().await.unwrap().to_bytes();
+                    let (code, out) = handler(&method, &path, &body);
+                    let resp = Response::builder()
+                        .status(code)
+                        .header("content-type", "application/json")
+                        .body(Full::new(bytes::Bytes::from(serde_json::to_vec(&out).unwrap())))
+                        .unwrap();
+                    Ok::<_, std::convert::Infallible>(resp)
+                }
+            });
+            tokio::spawn(async move {
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
+            });
+        }
+    });
+    let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
+    FakeApi { client: kube::Client::try_from(config).unwrap(), log, stop }
+}
