@@ -1,0 +1,429 @@
+//! The Consul source against the simulator (or a real agent: set `E2E_CONSUL_ADDR`, and
+//! `E2E_CONSUL_TOKEN` if ACLs are on; fault-injection tests are then skipped with a reason).
+//!
+//! Each test drives watches directly (no Kubernetes) and waits for conditions with
+//! deadlines; blocking queries use a 1 s wait so that everything finishes in seconds.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use consul_resolver_operator::core::aggregator::{ConsulEvent, Event};
+use consul_resolver_operator::core::keys::{ConsulKey, ConsulServer, Secret, WatchKey};
+use consul_resolver_operator::core::model::{Endpoint, Health};
+use consul_resolver_operator::sources::Source;
+use consul_resolver_operator::sources::consul::{ConsulSource, Settings};
+use e2e::sim::{AclConfig, AclToken, Budget, Config, FaultsPatch, RunningSim, Simulator};
+use serde_json::json;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::task::AbortOnDropHandle;
+
+const DEADLINE: Duration = Duration::from_secs(10);
+
+/// Where Consul is: a real agent from the environment, or a fresh simulator.
+struct Env {
+    address: String,
+    /// A token allowed to write the catalog (real agent with ACLs, or the simulator's).
+    admin_token: Option<String>,
+    sim: Option<RunningSim>,
+    http: reqwest::Client,
+}
+
+impl Env {
+    async fn start(config: Config) -> Env {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let http = reqwest::Client::new();
+        if let Ok(addr) = std::env::var("E2E_CONSUL_ADDR") {
+            let address = if addr.contains("://") { addr } else { format!("http://{addr}") };
+            return Env { address, admin_token: std::env::var("E2E_CONSUL_TOKEN").ok(), sim: None, http };
+        }
+        let admin_token = config.acl.as_ref().map(|_| "admin-secret".to_owned());
+        let sim = Simulator::start(config).await.expect("simulator starts");
+        Env { address: sim.base_url(), admin_token, sim: Some(sim), http }
+    }
+
+    async fn sim() -> Env {
+        Env::start(Config::default()).await
+    }
+
+    /// The simulator for fault injection, or `None` (with the reason printed) on a real agent.
+    fn faults(&self, test: &str) -> Option<&RunningSim> {
+        if self.sim.is_none() {
+            println!("{test}: skipped against a real agent (needs the simulator's fault injection or request log)");
+        }
+        self.sim.as_ref()
+    }
+
+    fn key(&self, service: &str) -> ConsulKey {
+        ConsulKey {
+            server: ConsulServer {
+                address: self.address.clone(),
+                token: self.admin_token.clone().map(Secret::new),
+                tls: None,
+            },
+            datacenter: None,
+            namespace: None,
+            partition: None,
+            passing: false,
+            tags: BTreeSet::new(),
+            service: service.to_owned(),
+        }
+    }
+
+    async fn put(&self, path: &str, body: serde_json::Value) {
+        let mut req = self.http.put(format!("{}{path}", self.address)).json(&body);
+        if let Some(t) = &self.admin_token {
+            req = req.header("X-Consul-Token", t);
+        }
+        let resp = req.send().await.expect("write reaches Consul");
+        assert!(resp.status().is_success(), "{path}: {}", resp.status());
+    }
+
+    async fn register(&self, node: &str, id: &str, service: &str, port: u16, status: &str, tags: &[&str]) {
+        self.put(
+            "/v1/catalog/register",
+            json!({
+                "Node": node, "Address": "127.0.0.1",
+                "Service": {"ID": id, "Service": service, "Port": port, "Tags": tags, "Address": ""},
+                "Check": {"CheckID": format!("service:{id}"), "Name": "check", "Status": status, "ServiceID": id},
+            }),
+        )
+        .await;
+    }
+
+    async fn deregister(&self, node: &str, id: &str) {
+        self.put("/v1/catalog/deregister", json!({"Node": node, "ServiceID": id})).await;
+    }
+}
+
+/// A unique service name, so tests can share a real agent.
+fn unique(prefix: &str) -> String {
+    format!("{prefix}-{:08x}", rand::random::<u32>())
+}
+
+fn settings(max_connections: usize) -> Settings {
+    Settings { wait: Duration::from_secs(1), max_connections, ..Settings::default() }
+}
+
+/// Running watches and the events they send.
+struct Watches {
+    source: ConsulSource,
+    tx: mpsc::Sender<Event>,
+    rx: mpsc::Receiver<Event>,
+    tasks: Vec<AbortOnDropHandle<()>>,
+}
+
+impl Watches {
+    fn new(settings: Settings) -> Self {
+        let (tx, rx) = mpsc::channel(100_000);
+        Watches { source: ConsulSource::new(settings), tx, rx, tasks: Vec::new() }
+    }
+
+    fn start(&mut self, key: &ConsulKey) {
+        let fut = self.source.watch(WatchKey::Consul(key.clone()), self.tx.clone());
+        self.tasks.push(AbortOnDropHandle::new(tokio::spawn(fut)));
+    }
+
+    /// Waits for an event of `key` satisfying `pred`; panics at the deadline.
+    async fn until(&mut self, key: &ConsulKey, what: &str, pred: impl Fn(&ConsulEvent) -> bool) -> ConsulEvent {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+                Ok(Some(Event::Consul(k, ev))) if &k == key && pred(&ev) => return ev,
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("event channel closed"),
+                Err(_) => panic!("timed out waiting for {what} of {key}"),
+            }
+        }
+    }
+
+    async fn answer(&mut self, key: &ConsulKey, what: &str, pred: impl Fn(&[Endpoint]) -> bool) -> Vec<Endpoint> {
+        match self.until(key, what, |ev| matches!(ev, ConsulEvent::Answer { endpoints, .. } if pred(endpoints))).await {
+            ConsulEvent::Answer { endpoints, .. } => endpoints,
+            _ => unreachable!(),
+        }
+    }
+
+    async fn failure(&mut self, key: &ConsulKey, what: &str) -> String {
+        match self.until(key, what, |ev| matches!(ev, ConsulEvent::Failed(_))).await {
+            ConsulEvent::Failed(m) => m,
+            _ => unreachable!(),
+        }
+    }
+}
+
+fn ports(eps: &[Endpoint]) -> Vec<u16> {
+    eps.iter().map(|e| e.port).collect()
+}
+
+#[tokio::test]
+async fn unknown_service_is_an_empty_answer() {
+    let env = Env::sim().await;
+    let mut w = Watches::new(settings(10));
+    let key = env.key(&unique("nothing"));
+    w.start(&key);
+    w.answer(&key, "the first answer", |e| e.is_empty()).await;
+}
+
+#[tokio::test]
+async fn instances_added_and_removed() {
+    let env = Env::sim().await;
+    let svc = unique("web");
+    let mut w = Watches::new(settings(10));
+    let key = env.key(&svc);
+    w.start(&key);
+    w.answer(&key, "empty", |e| e.is_empty()).await;
+    env.register("n1", &format!("{svc}-1"), &svc, 8081, "passing", &["b", "a"]).await;
+    let eps = w.answer(&key, "one instance", |e| e.len() == 1).await;
+    assert_eq!(eps[0].address, "127.0.0.1", "Node.Address when Service.Address is empty");
+    assert_eq!(eps[0].tags, ["a", "b"]);
+    assert_eq!(eps[0].node, "n1");
+    env.register("n2", &format!("{svc}-2"), &svc, 8082, "passing", &[]).await;
+    let eps = w.answer(&key, "two instances", |e| e.len() == 2).await;
+    assert_eq!(ports(&eps), [8081, 8082]);
+    env.deregister("n1", &format!("{svc}-1")).await;
+    let eps = w.answer(&key, "one left", |e| e.len() == 1).await;
+    assert_eq!(ports(&eps), [8082]);
+    env.deregister("n2", &format!("{svc}-2")).await;
+}
+
+#[tokio::test]
+async fn check_going_critical_and_back() {
+    let env = Env::sim().await;
+    let svc = unique("api");
+    let id = format!("{svc}-1");
+    // One event stream per watch: `until` skips other keys' events.
+    let mut w = Watches::new(settings(10));
+    let mut wp = Watches::new(settings(10));
+    let all = env.key(&svc);
+    let passing = ConsulKey { passing: true, ..env.key(&svc) };
+    env.register("n1", &id, &svc, 9000, "passing", &[]).await;
+    w.start(&all);
+    wp.start(&passing);
+    w.answer(&all, "passing instance", |e| e.len() == 1 && e[0].health == Health::Passing).await;
+    wp.answer(&passing, "passing instance (onlyPassing)", |e| e.len() == 1).await;
+    env.register("n1", &id, &svc, 9000, "critical", &[]).await;
+    w.answer(&all, "critical instance", |e| e.len() == 1 && e[0].health == Health::Critical).await;
+    wp.answer(&passing, "instance filtered out", |e| e.is_empty()).await;
+    env.register("n1", &id, &svc, 9000, "passing", &[]).await;
+    w.answer(&all, "passing again", |e| e.len() == 1 && e[0].health == Health::Passing).await;
+    wp.answer(&passing, "back (onlyPassing)", |e| e.len() == 1).await;
+    env.deregister("n1", &id).await;
+}
+
+#[tokio::test]
+async fn tags_filter_instances() {
+    let env = Env::sim().await;
+    let svc = unique("tagged");
+    env.register("n1", &format!("{svc}-1"), &svc, 1, "passing", &["blue", "v1"]).await;
+    env.register("n2", &format!("{svc}-2"), &svc, 2, "passing", &["green", "v1"]).await;
+    let mut w = Watches::new(settings(10));
+    let key = ConsulKey { tags: ["blue".to_owned(), "v1".to_owned()].into(), ..env.key(&svc) };
+    w.start(&key);
+    let eps = w.answer(&key, "the blue instance", |e| !e.is_empty()).await;
+    assert_eq!(ports(&eps), [1]);
+    env.deregister("n1", &format!("{svc}-1")).await;
+    env.deregister("n2", &format!("{svc}-2")).await;
+}
+
+#[tokio::test]
+async fn dc_ns_partition_and_tags_are_sent() {
+    let env = Env::sim().await;
+    let Some(sim) = env.faults("dc_ns_partition_and_tags_are_sent") else { return };
+    let mut w = Watches::new(settings(10));
+    let key = ConsulKey {
+        datacenter: Some("dc1".into()),
+        namespace: Some("team-a".into()),
+        partition: Some("part-1".into()),
+        passing: true,
+        tags: ["x".to_owned(), "y".to_owned()].into(),
+        ..env.key("billing")
+    };
+    w.start(&key);
+    w.answer(&key, "an answer", |_| true).await;
+    let reqs = sim.requests();
+    let r = reqs.iter().find(|r| r.service.as_deref() == Some("billing")).expect("a health request");
+    for part in ["dc=dc1", "ns=team-a", "partition=part-1", "passing", "tag=x", "tag=y"] {
+        assert!(r.query.split('&').any(|p| p == part || p.starts_with(&format!("{part}="))), "{part} in {}", r.query);
+    }
+    assert!(!r.query.contains("index="), "the first query does not block: {}", r.query);
+    // The next query blocks with the index and a Go duration.
+    let (_, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking.get("billing").copied().unwrap_or(0) > 0).await;
+    assert!(ok, "a blocking query follows");
+    let reqs = sim.requests();
+    let blocking = reqs.iter().filter(|r| r.service.as_deref() == Some("billing")).nth(1).unwrap();
+    assert!(blocking.query.contains("index=") && blocking.query.contains("wait=1s"), "{}", blocking.query);
+}
+
+fn acl_config() -> Config {
+    Config {
+        acl: Some(AclConfig {
+            tokens: vec![
+                AclToken::management("admin-secret"),
+                AclToken::service_read("reader-secret-1234", ["pay"]),
+                AclToken::service_read("narrow-secret-5678", ["other"]),
+            ],
+            anonymous_read: false,
+        }),
+        ..Config::default()
+    }
+}
+
+#[tokio::test]
+async fn tokens_accepted_rejected_and_insufficient() {
+    let env = Env::start(acl_config()).await;
+    let Some(sim) = env.faults("tokens_accepted_rejected_and_insufficient") else { return };
+    env.register("n1", "pay-1", "pay", 443, "passing", &[]).await;
+    let mut w = Watches::new(settings(10));
+    let with = |t: &str| {
+        let mut k = env.key("pay");
+        k.server.token = Some(Secret::new(t));
+        k
+    };
+    let good = with("reader-secret-1234");
+    let bad = with("unknown-secret-9999");
+    let narrow = with("narrow-secret-5678");
+    let (mut wb, mut wn) = (Watches::new(settings(10)), Watches::new(settings(10)));
+    w.start(&good);
+    wb.start(&bad);
+    wn.start(&narrow);
+    w.answer(&good, "the instance", |e| e.len() == 1).await;
+    let msg = wb.failure(&bad, "an auth failure").await;
+    assert!(msg.contains("ACL token rejected") && msg.contains(&env.address), "{msg}");
+    assert!(!msg.contains("unknown-secret"), "the token must not appear: {msg}");
+    wn.answer(&narrow, "a filtered (empty) answer", |e| e.is_empty()).await;
+    let sent: Vec<_> = sim.requests().into_iter().filter_map(|r| r.token).collect();
+    assert!(sent.iter().any(|t| t == "reader-secret-1234"), "sent as a header");
+}
+
+#[tokio::test]
+async fn index_going_backwards_is_reset() {
+    let env = Env::sim().await;
+    let Some(sim) = env.faults("index_going_backwards_is_reset") else { return };
+    env.register("n1", "db-1", "db", 5432, "passing", &[]).await;
+    for i in 0..20 {
+        env.register("other", &format!("o-{i}"), "other", 1, "passing", &[]).await;
+    }
+    env.register("n1", "db-1", "db", 5433, "passing", &[]).await;
+    let mut w = Watches::new(settings(10));
+    let key = env.key("db");
+    w.start(&key);
+    w.answer(&key, "the instance", |e| ports(e) == [5433]).await;
+    let (_, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking.get("db").copied().unwrap_or(0) > 0).await;
+    assert!(ok);
+    // The server "restarts" with lower indexes; the watch must notice and re-read.
+    sim.reset_indexes(2);
+    sim.clear_requests();
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let reset = sim.requests().iter().any(|r| r.service.as_deref() == Some("db") && !r.query.contains("index="));
+        if reset {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no non-blocking re-read after the index went backwards");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    env.register("n1", "db-1", "db", 5434, "passing", &[]).await;
+    w.answer(&key, "the change after the reset", |e| ports(e) == [5434]).await;
+}
+
+/// Counts health requests for `service` over `period`.
+async fn count_requests(sim: &RunningSim, service: &str, period: Duration) -> usize {
+    sim.clear_requests();
+    tokio::time::sleep(period).await;
+    sim.requests().iter().filter(|r| r.service.as_deref() == Some(service)).count()
+}
+
+#[tokio::test]
+async fn server_errors_back_off_and_recover() {
+    let env = Env::sim().await;
+    let Some(sim) = env.faults("server_errors_back_off_and_recover") else { return };
+    env.register("n1", "q-1", "queue", 1, "passing", &[]).await;
+    let mut w = Watches::new(settings(10));
+    let key = env.key("queue");
+    w.start(&key);
+    w.answer(&key, "the instance", |e| e.len() == 1).await;
+    sim.set_faults(FaultsPatch { no_leader: Some(Budget::Always), ..Default::default() });
+    // Wake the blocking query so the next one fails.
+    env.register("n1", "q-1", "queue", 2, "passing", &[]).await;
+    let msg = w.failure(&key, "a 500").await;
+    assert!(msg.contains("500") && msg.contains("No cluster leader"), "{msg}");
+    // Backoff 250 ms, 500, 1 s, 2 s...: a few requests in 3 s, not a hot loop.
+    let n = count_requests(sim, "queue", Duration::from_secs(3)).await;
+    assert!((1..=6).contains(&n), "{n} requests in 3 s while failing");
+    sim.clear_faults();
+    // An answer after errors is always sent, so the error clears.
+    w.answer(&key, "recovery", |e| ports(e) == [2]).await;
+}
+
+#[tokio::test]
+async fn rate_limits_back_off() {
+    let env = Env::sim().await;
+    let Some(sim) = env.faults("rate_limits_back_off") else { return };
+    sim.set_faults(FaultsPatch { too_many_requests: Some(Budget::Always), ..Default::default() });
+    let mut w = Watches::new(settings(10));
+    let key = env.key("limited");
+    w.start(&key);
+    let msg = w.failure(&key, "a 429").await;
+    assert!(msg.contains("429"), "{msg}");
+    let n = count_requests(sim, "limited", Duration::from_secs(3)).await;
+    assert!(n <= 6, "{n} requests in 3 s while rate limited");
+    sim.clear_faults();
+    w.answer(&key, "an answer after the limit lifts", |e| e.is_empty()).await;
+}
+
+#[tokio::test]
+async fn thousand_services_within_a_small_budget() {
+    const SERVICES: usize = 1000;
+    const BUDGET: usize = 20;
+    let env = Env::start(Config { max_conns_per_client: 25, ..Config::default() }).await;
+    let prefix = unique("many");
+    let names: Vec<String> = (0..SERVICES).map(|i| format!("{prefix}-{i}")).collect();
+    for (i, n) in names.iter().enumerate().filter(|(i, _)| i % 2 == 0) {
+        env.register("bulk", n, n, 1000 + (i % 1000) as u16, "passing", &[]).await;
+    }
+    let mut w = Watches::new(settings(BUDGET));
+    let keys: Vec<ConsulKey> = names.iter().map(|n| env.key(n)).collect();
+    for k in &keys {
+        w.start(k);
+    }
+    // Every watch answers once.
+    let mut answered = BTreeSet::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while answered.len() < SERVICES {
+        match tokio::time::timeout_at(deadline, w.rx.recv()).await {
+            Ok(Some(Event::Consul(k, ConsulEvent::Answer { .. }))) => {
+                answered.insert(k.service);
+            }
+            Ok(Some(Event::Consul(k, ConsulEvent::Failed(m)))) => panic!("{k}: {m}"),
+            Ok(_) => {}
+            Err(_) => panic!("only {} of {SERVICES} answered", answered.len()),
+        }
+    }
+    // Changes to a dedicated-looking and a fed-looking service, and a new instance, arrive.
+    for i in [1usize, 500, 998, 999] {
+        env.register("late", &format!("{}-late", names[i]), &names[i], 7000, "passing", &[]).await;
+        w.answer(&keys[i], "the new instance", |e| e.iter().any(|e| e.port == 7000)).await;
+    }
+    if let Some(sim) = &env.sim {
+        let stats = sim.stats();
+        assert_eq!(stats.total_429, 0, "{stats:?}");
+        let peak = stats.peak_connections.get("127.0.0.1").copied().unwrap_or(0);
+        assert!(peak <= BUDGET + 1, "peak {peak} connections for a budget of {BUDGET} (+1 for the test's writes)");
+    }
+}
+
+#[tokio::test]
+async fn dropping_a_watch_cancels_its_query() {
+    let env = Env::sim().await;
+    let Some(sim) = env.faults("dropping_a_watch_cancels_its_query") else { return };
+    let mut w = Watches::new(Settings { wait: Duration::from_secs(60), ..settings(10) });
+    let key = env.key("gone");
+    w.start(&key);
+    w.answer(&key, "first", |_| true).await;
+    let (_, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking.get("gone").copied().unwrap_or(0) == 1).await;
+    assert!(ok, "blocking");
+    w.tasks.clear();
+    let (_, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking.get("gone").copied().unwrap_or(0) == 0).await;
+    assert!(ok, "the blocking query is cancelled when the watch is dropped");
+}
