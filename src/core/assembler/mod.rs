@@ -187,7 +187,7 @@ pub fn assemble(world: &World, cfg: &Config) -> Assembly {
                 namespace: r.namespace.clone(),
                 name: r.name.clone(),
                 generation: r.generation,
-                address: r.settings.as_ref().map(|s| s.server.address.clone()).unwrap_or_default(),
+                address: r.settings.as_ref().map(|s| s.server().address.clone()).unwrap_or_default(),
                 datacenter: r.spec.as_ref().and_then(|s| s.datacenter.clone()),
                 invalid: r.settings.as_ref().err().cloned(),
                 services,

@@ -26,28 +26,20 @@ pub struct Resolver {
     pub settings: Result<Settings, String>,
 }
 
-/// Everything about a resolver that goes into its Consul keys.
+/// Everything about a resolver that goes into its Consul keys: a key with the service
+/// left blank, filled in per service.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    pub server: ConsulServer,
-    pub datacenter: Option<String>,
-    pub namespace: Option<String>,
-    pub partition: Option<String>,
-    pub passing: bool,
-    pub tags: BTreeSet<String>,
+    template: ConsulKey,
 }
 
 impl Settings {
     pub fn key(&self, service: &str) -> ConsulKey {
-        ConsulKey {
-            server: self.server.clone(),
-            datacenter: self.datacenter.clone(),
-            namespace: self.namespace.clone(),
-            partition: self.partition.clone(),
-            passing: self.passing,
-            tags: self.tags.clone(),
-            service: service.to_owned(),
-        }
+        ConsulKey { service: service.to_owned(), ..self.template.clone() }
+    }
+
+    pub fn server(&self) -> &ConsulServer {
+        &self.template.server
     }
 }
 
@@ -141,12 +133,15 @@ fn settings(
         tags.insert(t.0.clone());
     }
     Ok(Settings {
-        server: ConsulServer { address, token, tls },
-        datacenter,
-        namespace: consul_ns,
-        partition,
-        passing: spec.only_passing(),
-        tags,
+        template: ConsulKey {
+            server: ConsulServer { address, token, tls },
+            datacenter,
+            namespace: consul_ns,
+            partition,
+            passing: spec.only_passing(),
+            tags,
+            service: String::new(),
+        },
     })
 }
 
