@@ -162,7 +162,8 @@ pub struct ConsulResolverStatus {
     /// Number of endpoints across those services in the last snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoints: Option<u32>,
-    /// The last snapshot that included this resolver.
+    /// The snapshot in which this status last changed (statuses are written only when
+    /// they change, not on every publication).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_snapshot: Option<SnapshotRef>,
     /// Per-service detail, sorted by name and bounded (see `servicesTruncated`).
