@@ -41,6 +41,9 @@ pub struct Pipeline {
     window: Duration,
     /// Revision of the world the registry was last reconciled against.
     reconciled_revision: Option<u64>,
+    /// The content read at `reconciled_revision`, so a publication of an unchanged world
+    /// does not assemble it a second time.
+    assembled: Option<(u64, assembler::Content)>,
     last_published_hash: Option<String>,
     last_id: u64,
     failures: u32,
@@ -69,6 +72,7 @@ impl Pipeline {
             config,
             window,
             reconciled_revision: None,
+            assembled: None,
             last_published_hash: None,
             last_id: 0,
             failures: 0,
@@ -100,6 +104,7 @@ impl Pipeline {
     pub fn set_config(&mut self, config: assembler::Config, now: Instant) -> Diff<WatchKey> {
         self.config = config;
         self.reconciled_revision = None;
+        self.assembled = None;
         self.limiter.changed();
         self.reconcile(now)
     }
@@ -120,10 +125,13 @@ impl Pipeline {
         if self.reconciled_revision == Some(self.world.revision()) {
             return Diff::default();
         }
-        let Assembly { desired, .. } = assembler::assemble(&self.world, &self.config);
+        let Assembly { desired, content } = assembler::assemble(&self.world, &self.config);
         let diff = self.registry.set(&Self::assembler_consumer(), desired);
         self.track(&diff, now);
         self.reconciled_revision = Some(self.world.revision());
+        // Starting or stopping watches changed the world after it was read: then the
+        // content is read again at publication.
+        self.assembled = diff.is_empty().then(|| (self.world.revision(), content));
         diff
     }
 
@@ -160,7 +168,10 @@ impl Pipeline {
                 Next::Idle => return Step::Idle,
                 Next::WaitUntil(at) => return Step::WaitUntil(at),
                 Next::Publish => {
-                    let content = assembler::assemble(&self.world, &self.config).content;
+                    let content = match &self.assembled {
+                        Some((rev, content)) if *rev == self.world.revision() => content.clone(),
+                        _ => assembler::assemble(&self.world, &self.config).content,
+                    };
                     let hash = content.hash();
                     if self.last_published_hash.as_deref() == Some(hash.as_str()) {
                         self.limiter.skipped();
