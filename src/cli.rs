@@ -60,8 +60,8 @@ pub struct RunArgs {
     pub default_resolver: Option<ResolverName>,
 
     /// ConfigMap (NAMESPACE/NAME) the snapshot is written to. Default: none.
-    #[arg(long, env = "SNAPSHOT_CONFIGMAP", value_parser = parse_configmap)]
-    pub snapshot_configmap: Option<ConfigMapRef>,
+    #[arg(long, env = "SNAPSHOT_CONFIGMAP", value_parser = parse_namespaced_name)]
+    pub snapshot_configmap: Option<NamespacedName>,
 
     /// Changes within this window after a publication are coalesced into one trailing
     /// publication (e.g. 250ms, 1s).
@@ -95,18 +95,42 @@ pub struct RunArgs {
     #[arg(long, env = "LISTEN", default_value = "0.0.0.0:8080")]
     pub listen: SocketAddr,
 
+    /// Lease (NAMESPACE/NAME) for leader election. Every replica watches and serves HTTP;
+    /// only the lease holder writes the ConfigMap, statuses and Events. Without it this
+    /// process always writes: run a single replica.
+    #[arg(long, env = "LEADER_ELECTION_LEASE", value_parser = parse_namespaced_name)]
+    pub leader_election_lease: Option<LeaseRef>,
+
+    /// This replica's name in the lease (the pod name). Default: HOSTNAME-PID.
+    #[arg(long, env = "POD_NAME")]
+    pub leader_election_identity: Option<String>,
+
+    /// How long a lease lasts without renewal before another replica takes over; the
+    /// holder stops writing after two thirds of it without a successful renewal.
+    #[arg(long, env = "LEADER_ELECTION_DURATION", default_value = "15s", value_parser = parse_lease_duration)]
+    pub leader_election_duration: Duration,
+
     /// Extra Kubernetes watch, KIND[.GROUP][/NAMESPACE][?LABELSELECTOR]; its objects
     /// appear in the snapshot. Repeatable.
     #[arg(long = "watch", env = "STATIC_WATCHES", value_delimiter = ',', value_parser = parse_watch)]
     pub watches: Vec<KubeKey>,
 }
 
-/// A ConfigMap by namespace and name.
+/// An object by namespace and name (`NAMESPACE/NAME`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigMapRef {
+pub struct NamespacedName {
     pub namespace: String,
     pub name: String,
 }
+
+impl std::fmt::Display for NamespacedName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// The leader-election Lease.
+pub type LeaseRef = NamespacedName;
 
 fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
@@ -124,13 +148,21 @@ fn parse_name(s: &str) -> Result<String, String> {
     }
 }
 
-fn parse_configmap(s: &str) -> Result<ConfigMapRef, String> {
+fn parse_namespaced_name(s: &str) -> Result<NamespacedName, String> {
     match s.split_once('/') {
         Some((ns, name)) if is_dns_label(ns) && is_dns_label(name) => {
-            Ok(ConfigMapRef { namespace: ns.to_owned(), name: name.to_owned() })
+            Ok(NamespacedName { namespace: ns.to_owned(), name: name.to_owned() })
         }
         _ => Err(format!("{s:?} is not NAMESPACE/NAME")),
     }
+}
+
+fn parse_lease_duration(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_secs(2) || d.subsec_nanos() != 0 {
+        return Err(format!("{s:?}: a lease lasts whole seconds, at least 2s"));
+    }
+    Ok(d)
 }
 
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -236,7 +268,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(r.namespaces, ["a", "b"]);
-        assert_eq!(r.snapshot_configmap, Some(ConfigMapRef { namespace: "ops".into(), name: "snap".into() }));
+        assert_eq!(r.snapshot_configmap, Some(NamespacedName { namespace: "ops".into(), name: "snap".into() }));
         assert_eq!(r.coalesce_window, Duration::from_secs(1));
         assert_eq!(r.default_resolver, Some(ResolverName { namespace: Some("ops".into()), name: "consul".into() }));
         assert_eq!(r.watches[0], KubeKey::new("", "", "Service").in_namespace("shop").with_labels("app=web"));
@@ -252,6 +284,8 @@ mod tests {
             (&["--watch", "service"][..], "--watch"),
             (&["--watch", "Secret/shop"][..], "--watch"),
             (&["--listen", "localhost"][..], "--listen"),
+            (&["--leader-election-lease", "lease"][..], "--leader-election-lease"),
+            (&["--leader-election-duration", "1500ms"][..], "--leader-election-duration"),
         ] {
             let e = run(args).unwrap_err();
             let first = e.render().to_string();

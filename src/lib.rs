@@ -14,6 +14,7 @@ pub mod api;
 pub mod cli;
 pub mod core;
 pub mod crdgen;
+pub mod lease;
 pub mod metrics;
 pub mod publishers;
 pub mod runtime;

@@ -16,6 +16,7 @@ pub struct Metrics {
     pub events: IntCounterVec,
     pub bootstrapped: IntGauge,
     pub problems: IntGauge,
+    pub leader: IntGauge,
 }
 
 impl Default for Metrics {
@@ -45,6 +46,11 @@ impl Metrics {
             bootstrapped: IntGauge::new("bootstrapped", "1 once the world is complete and a snapshot was published")
                 .unwrap(),
             problems: IntGauge::new("problems", "Problems reported in the last snapshot").unwrap(),
+            leader: IntGauge::new(
+                "leader",
+                "1 while this replica writes to the cluster (holds the lease, or runs without one)",
+            )
+            .unwrap(),
             registry,
         };
         for c in [
@@ -56,6 +62,7 @@ impl Metrics {
             Box::new(m.events.clone()),
             Box::new(m.bootstrapped.clone()),
             Box::new(m.problems.clone()),
+            Box::new(m.leader.clone()),
         ] {
             m.registry.register(c).expect("metric names are unique");
         }

@@ -3,6 +3,11 @@
 //! One loop owns the pipeline. It drains events in batches (so a flood of 10,000 list
 //! events is one reconciliation, not 10,000), applies the registry's diffs to the running
 //! watches, and runs at most one publication at a time as its own task.
+//!
+//! With leader election, every replica watches, assembles and serves HTTP (and runs its
+//! hook), but only the lease holder writes to the cluster (ConfigMap, statuses, Events).
+//! A replica that becomes leader writes the current snapshot at once, numbered after the
+//! one already in the ConfigMap.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -11,7 +16,7 @@ use std::time::Instant as StdInstant;
 
 use anyhow::Context;
 use kube::Client;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -21,9 +26,11 @@ use crate::core::aggregator::Event;
 use crate::core::assembler::{self, EndpointsApi, Snapshot};
 use crate::core::keys::{KubeKey, WatchKey};
 use crate::core::pipeline::{Pipeline, Step};
+use crate::lease::{Leadership, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::publishers::Publisher;
 use crate::publishers::configmap::ConfigMapPublisher;
+use crate::publishers::events::EventPublisher;
 use crate::publishers::hook::HookPublisher;
 use crate::publishers::http::{self, HttpPublisher, ServerState, SnapshotStore};
 use crate::publishers::status::StatusPublisher;
@@ -72,6 +79,21 @@ async fn endpoints_api(client: &Client) -> EndpointsApi {
     }
 }
 
+/// This replica's name in the lease and in Events' `reportingInstance`.
+fn identity(args: &RunArgs) -> String {
+    args.leader_election_identity.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let host = host.trim();
+        format!("{}-{}", if host.is_empty() { "consul-resolver-operator" } else { host }, std::process::id())
+    })
+}
+
+/// Where snapshots go: `local` ones on every replica, `cluster` ones only on the leader.
+struct Publishers {
+    local: Vec<Arc<dyn Publisher>>,
+    cluster: Vec<Arc<dyn Publisher>>,
+}
+
 pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
     let client = Client::try_default().await.context("cannot build a Kubernetes client (KUBECONFIG or in-cluster)")?;
     let metrics = Metrics::new();
@@ -104,16 +126,35 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
     let mut pipeline = Pipeline::new(config, args.bootstrap_timeout, args.coalesce_window);
     watches.apply(&pipeline.set_fixed(fixed, Instant::now()));
 
-    let mut publishers: Vec<Arc<dyn Publisher>> = vec![Arc::new(HttpPublisher(store))];
-    if let Some(target) = args.snapshot_configmap.clone() {
-        publishers.push(Arc::new(ConfigMapPublisher::new(client.clone(), target)));
-    }
-    publishers.push(Arc::new(StatusPublisher::new(client.clone())));
+    let identity = identity(&args);
+    let mut local: Vec<Arc<dyn Publisher>> = vec![Arc::new(HttpPublisher(store))];
     if let Some(command) = args.on_snapshot.clone() {
         let dir = std::env::temp_dir().join("consul-resolver-operator");
-        publishers.push(Arc::new(HookPublisher::new(command, args.on_snapshot_timeout, dir)));
+        local.push(Arc::new(HookPublisher::new(command, args.on_snapshot_timeout, dir)));
     }
-    let publishers = Arc::new(publishers);
+    let configmap = args.snapshot_configmap.clone().map(|t| Arc::new(ConfigMapPublisher::new(client.clone(), t)));
+    let mut cluster: Vec<Arc<dyn Publisher>> = Vec::new();
+    if let Some(c) = &configmap {
+        cluster.push(c.clone());
+    }
+    cluster.push(Arc::new(StatusPublisher::new(client.clone())));
+    cluster.push(Arc::new(EventPublisher::new(client.clone(), identity.clone(), metrics.clone())));
+    let publishers = Arc::new(Publishers { local, cluster });
+
+    // Without a lease this process always leads; the sender lives as long as the loop.
+    let (_always, mut leader, leadership) = match args.leader_election_lease.clone() {
+        Some(lease) => {
+            tracing::info!(%lease, %identity, "campaigning for the leader lease");
+            let config = LeaseConfig { lease, identity: identity.clone(), duration: args.leader_election_duration };
+            let (rx, leadership) = Leadership::spawn(client.clone(), config);
+            (None, rx, Some(leadership))
+        }
+        None => {
+            let (tx, rx) = watch::channel(true);
+            (Some(tx), rx, None)
+        }
+    };
+    let mut leading = false;
     let mut in_flight: Option<(Arc<Snapshot>, tokio::task::JoinHandle<bool>)> = None;
     let mut logged_waiting = false;
 
@@ -121,7 +162,7 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
         let step = if in_flight.is_none() { pipeline.poll(Instant::now()) } else { Step::Idle };
         let wake = match step {
             Step::Publish(snapshot) => {
-                let task = tokio::spawn(publish(publishers.clone(), snapshot.clone(), metrics.clone()));
+                let task = tokio::spawn(publish(publishers.clone(), leader.clone(), snapshot.clone(), metrics.clone()));
                 in_flight = Some((snapshot, task));
                 continue;
             }
@@ -134,6 +175,26 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
         }
         tokio::select! {
             _ = shutdown.cancelled() => break,
+            Ok(()) = leader.changed() => {
+                let now_leading = *leader.borrow_and_update();
+                metrics.leader.set(now_leading as i64);
+                if now_leading && !leading {
+                    // Another replica may have written since we last did (or we never
+                    // did): write everything again, continuing its snapshot ids.
+                    for p in &publishers.cluster {
+                        p.forget();
+                    }
+                    let floor = match &configmap {
+                        Some(c) => c.published_id().await.unwrap_or_else(|e| {
+                            tracing::warn!(error = %e, "cannot read the last snapshot id; continuing from ours");
+                            None
+                        }),
+                        None => None,
+                    };
+                    pipeline.republish(floor.unwrap_or(0));
+                }
+                leading = now_leading;
+            }
             Some(first) = rx.recv() => {
                 let mut batch = vec![first];
                 while batch.len() < MAX_BATCH {
@@ -168,16 +229,28 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
     if let Some((_, task)) = in_flight {
         let _ = task.await;
     }
+    if let Some(leadership) = leadership {
+        leadership.release().await;
+    }
     drop(watches);
     let _ = server.await;
     tracing::info!("stopped");
     Ok(())
 }
 
-async fn publish(publishers: Arc<Vec<Arc<dyn Publisher>>>, snapshot: Arc<Snapshot>, metrics: Metrics) -> bool {
+async fn publish(
+    publishers: Arc<Publishers>,
+    leader: watch::Receiver<bool>,
+    snapshot: Arc<Snapshot>,
+    metrics: Metrics,
+) -> bool {
     let started = StdInstant::now();
     let mut ok = true;
-    for p in publishers.iter() {
+    // Leadership is checked before each cluster write, so a replica that loses the lease
+    // mid-publication stops writing at the next publisher (it lost it with a third of the
+    // lease duration to spare).
+    let cluster = publishers.cluster.iter().filter(|_| *leader.borrow());
+    for p in publishers.local.iter().chain(cluster) {
         if let Err(e) = p.publish(snapshot.clone()).await {
             tracing::warn!(publisher = p.name(), id = snapshot.id, error = %e, "publication failed; will retry");
             metrics.publish_failures.with_label_values(&[p.name()]).inc();

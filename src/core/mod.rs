@@ -4,6 +4,7 @@
 
 pub mod aggregator;
 pub mod assembler;
+pub mod election;
 pub mod keys;
 pub mod limiter;
 pub mod model;

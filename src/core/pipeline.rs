@@ -45,6 +45,8 @@ pub struct Pipeline {
     /// does not assemble it a second time.
     assembled: Option<(u64, assembler::Content)>,
     last_published_hash: Option<String>,
+    /// Publish the next snapshot even if its content was published already.
+    force: bool,
     last_id: u64,
     failures: u32,
     retry_at: Option<Instant>,
@@ -74,6 +76,7 @@ impl Pipeline {
             reconciled_revision: None,
             assembled: None,
             last_published_hash: None,
+            force: false,
             last_id: 0,
             failures: 0,
             retry_at: None,
@@ -173,7 +176,7 @@ impl Pipeline {
                         _ => assembler::assemble(&self.world, &self.config).content,
                     };
                     let hash = content.hash();
-                    if self.last_published_hash.as_deref() == Some(hash.as_str()) {
+                    if !self.force && self.last_published_hash.as_deref() == Some(hash.as_str()) {
                         self.limiter.skipped();
                         continue;
                     }
@@ -184,12 +187,22 @@ impl Pipeline {
         }
     }
 
+    /// Publishes the current world once more even if it is unchanged, with an id above
+    /// `floor`: a new leader writes the cluster's copies again (another replica may have
+    /// written them last) and continues that replica's ids instead of going back.
+    pub fn republish(&mut self, floor: u64) {
+        self.last_id = self.last_id.max(floor);
+        self.force = true;
+        self.limiter.changed();
+    }
+
     /// The publication of `snapshot` finished. A failed one is retried with backoff, with
     /// whatever is current by then.
     pub fn published(&mut self, snapshot: &Snapshot, ok: bool, now: Instant) {
         self.limiter.finished();
         if ok {
             self.last_published_hash = Some(snapshot.hash.clone());
+            self.force = false;
             self.failures = 0;
             self.retry_at = None;
         } else {

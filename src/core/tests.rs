@@ -13,6 +13,8 @@ use super::keys::{ConsulKey, KubeKey, WatchKey};
 use super::model::{Endpoint, Health, KubeObject};
 use super::pipeline::{Pipeline, Step};
 
+const MAX_RETRY: Duration = Duration::from_secs(30);
+
 const WINDOW: Duration = Duration::from_millis(250);
 const BOOTSTRAP: Duration = Duration::from_secs(30);
 
@@ -217,6 +219,32 @@ async fn unchanged_content_is_not_republished_and_failures_are_retried() {
     tokio::time::advance(retry - Instant::now()).await;
     let again = publish(&mut p).expect("retried");
     assert_eq!(again.hash, s.hash);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_leader_republishes_unchanged_content_above_the_previous_leaders_id() {
+    let (mut p, key) = bootstrapped_pipeline();
+    p.apply(
+        [Event::Consul(key, ConsulEvent::Answer { index: 1, endpoints: vec![ep("10.0.0.1", 80)] })],
+        Instant::now(),
+    );
+    let first = publish(&mut p).unwrap();
+    tokio::time::advance(WINDOW).await;
+    assert_eq!(p.poll(Instant::now()), Step::Idle);
+    // The ConfigMap says another replica got to id 41 with this same world.
+    p.republish(41);
+    let Step::Publish(again) = p.poll(Instant::now()) else { panic!("republished although unchanged") };
+    assert_eq!((again.id, &again.hash), (42, &first.hash));
+    // A failed republication is retried, still forced.
+    p.published(&again, false, Instant::now());
+    tokio::time::advance(MAX_RETRY).await;
+    let retried = publish(&mut p).expect("retried");
+    assert_eq!((retried.id, &retried.hash), (43, &first.hash));
+    tokio::time::advance(WINDOW).await;
+    assert_eq!(p.poll(Instant::now()), Step::Idle, "once is enough");
+    // A floor below our own ids never moves them back.
+    p.republish(3);
+    assert_eq!(publish(&mut p).unwrap().id, 44);
 }
 
 #[tokio::test(start_paused = true)]

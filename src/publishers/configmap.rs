@@ -34,7 +34,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::Publisher;
-use crate::cli::ConfigMapRef;
+use crate::cli::NamespacedName;
 use crate::core::assembler::Snapshot;
 
 pub const FIELD_MANAGER: &str = "consul-resolver-operator";
@@ -97,7 +97,7 @@ pub fn part_name(name: &str, i: usize) -> String {
     format!("{name}-{i}")
 }
 
-fn meta(target: &ConfigMapRef, name: String, id: u64, hash: &str, part_of: bool) -> ObjectMeta {
+fn meta(target: &NamespacedName, name: String, id: u64, hash: &str, part_of: bool) -> ObjectMeta {
     let mut labels = BTreeMap::from([(LABEL_MANAGED_BY.to_owned(), FIELD_MANAGER.to_owned())]);
     if part_of {
         labels.insert(LABEL_PART_OF.to_owned(), target.name.clone());
@@ -127,7 +127,7 @@ fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, String> {
 
 /// Chooses the encoding of `json` (a snapshot's bytes, id `id`, hash `hash`) for `target`,
 /// with at most `budget` bytes of data per ConfigMap.
-pub fn encode(target: &ConfigMapRef, id: u64, hash: &str, json: &[u8], budget: usize) -> Result<Encoded, String> {
+pub fn encode(target: &NamespacedName, id: u64, hash: &str, json: &[u8], budget: usize) -> Result<Encoded, String> {
     let budget = budget.max(1);
     let main_meta = || meta(target, target.name.clone(), id, hash, false);
     if json.len() <= budget {
@@ -238,18 +238,18 @@ pub async fn read(api: &Api<ConfigMap>, name: &str) -> Result<Vec<u8>, String> {
 /// Writes each snapshot to the `--snapshot-configmap`.
 pub struct ConfigMapPublisher {
     api: Api<ConfigMap>,
-    target: ConfigMapRef,
+    target: NamespacedName,
     budget: usize,
     /// Hash of the last snapshot written completely; equal content is not rewritten.
     last_hash: Arc<Mutex<Option<String>>>,
 }
 
 impl ConfigMapPublisher {
-    pub fn new(client: kube::Client, target: ConfigMapRef) -> Self {
+    pub fn new(client: kube::Client, target: NamespacedName) -> Self {
         Self::with_budget(client, target, DATA_BUDGET)
     }
 
-    pub fn with_budget(client: kube::Client, target: ConfigMapRef, budget: usize) -> Self {
+    pub fn with_budget(client: kube::Client, target: NamespacedName, budget: usize) -> Self {
         let api = Api::namespaced(client, &target.namespace);
         ConfigMapPublisher { api, target, budget, last_hash: Arc::default() }
     }
@@ -268,7 +268,7 @@ async fn apply(api: &Api<ConfigMap>, cm: &ConfigMap) -> Result<(), String> {
 
 /// Deletes `NAME-(from)`, `NAME-(from+1)`, ... while they exist and are our parts. Parts
 /// are always written as `1..n`, so the first gap ends the stale ones.
-async fn delete_stale_parts(api: &Api<ConfigMap>, target: &ConfigMapRef, from: usize) -> Result<usize, String> {
+async fn delete_stale_parts(api: &Api<ConfigMap>, target: &NamespacedName, from: usize) -> Result<usize, String> {
     let mut deleted = 0;
     for i in from.. {
         let name = part_name(&target.name, i);
@@ -290,9 +290,23 @@ async fn delete_stale_parts(api: &Api<ConfigMap>, target: &ConfigMapRef, from: u
     Ok(deleted)
 }
 
+impl ConfigMapPublisher {
+    /// The id of the snapshot in the ConfigMap now (whoever wrote it), `None` if there is
+    /// none yet.
+    pub async fn published_id(&self) -> Result<Option<u64>, String> {
+        let name = &self.target.name;
+        let cm = self.api.get_opt(name).await.map_err(|e| format!("get ConfigMap {}: {e}", self.target))?;
+        Ok(cm.and_then(|cm| cm.metadata.annotations?.get(ANNOTATION_ID)?.parse().ok()))
+    }
+}
+
 impl Publisher for ConfigMapPublisher {
     fn name(&self) -> &'static str {
         "configmap"
+    }
+
+    fn forget(&self) {
+        *self.last_hash.lock().expect("last_hash lock") = None;
     }
 
     fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), String>> {
@@ -330,8 +344,8 @@ mod tests {
     use crate::core::assembler::snapshot::{Bootstrap, Content, ResolverEntry, ServiceEntry};
     use crate::core::model::{Endpoint, Health};
 
-    fn target() -> ConfigMapRef {
-        ConfigMapRef { namespace: "ops".into(), name: "snap".into() }
+    fn target() -> NamespacedName {
+        NamespacedName { namespace: "ops".into(), name: "snap".into() }
     }
 
     /// xorshift64*: deterministic, dependency-free, and incompressible enough for gzip.

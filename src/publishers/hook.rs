@@ -130,7 +130,7 @@ mod tests {
     use std::os::unix::fs::PermissionsExt;
 
     use super::*;
-    use crate::core::assembler::snapshot::{Bootstrap, Content};
+    use crate::publishers::test_api::content;
 
     /// Held by each test: a script written by one test while another forks can make
     /// exec fail with ETXTBSY (the fork briefly holds the write descriptor).
@@ -159,17 +159,9 @@ mod tests {
     }
 
     fn snapshot(id: u64, unsynced: &[&str]) -> Arc<Snapshot> {
-        let content = Content {
-            bootstrap: Bootstrap {
-                complete: unsynced.is_empty(),
-                unsynced: unsynced.iter().map(|s| s.to_string()).collect(),
-            },
-            resolvers: vec![],
-            mappings: vec![],
-            kubernetes_services: vec![],
-            watched: vec![],
-            problems: vec![],
-        };
+        let mut content = content(vec![]);
+        content.bootstrap.complete = unsynced.is_empty();
+        content.bootstrap.unsynced = unsynced.iter().map(|s| s.to_string()).collect();
         Arc::new(content.into_snapshot(id))
     }
 

@@ -3,6 +3,7 @@
 //! with whatever is current then.
 
 pub mod configmap;
+pub mod events;
 pub mod hook;
 pub mod http;
 pub mod status;
@@ -18,4 +19,9 @@ use crate::core::assembler::Snapshot;
 pub trait Publisher: Send + Sync + 'static {
     fn name(&self) -> &'static str;
     fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), String>>;
+
+    /// Forgets what this publisher believes it has already written, so the next
+    /// publication writes everything: another writer (an earlier leader) may have written
+    /// since.
+    fn forget(&self) {}
 }

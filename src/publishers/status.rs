@@ -244,6 +244,10 @@ impl Publisher for StatusPublisher {
         "status"
     }
 
+    fn forget(&self) {
+        self.written.lock().expect("written lock").clear();
+    }
+
     fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), String>> {
         let (client, written) = (self.client.clone(), self.written.clone());
         async move {
@@ -301,6 +305,7 @@ mod tests {
     use super::*;
     use crate::core::assembler::snapshot::ServiceEntry;
     use crate::core::model::{Endpoint, Health};
+    use crate::publishers::test_api::{content, resolver_entry};
 
     fn ep(i: usize) -> Endpoint {
         Endpoint {
@@ -323,15 +328,7 @@ mod tests {
         }
     }
     fn entry(services: Vec<ServiceEntry>) -> ResolverEntry {
-        ResolverEntry {
-            namespace: "shop".into(),
-            name: "consul".into(),
-            generation: Some(3),
-            address: "http://127.0.0.1:8500".into(),
-            datacenter: None,
-            invalid: None,
-            services,
-        }
+        ResolverEntry { services, ..resolver_entry("shop", "consul") }
     }
     fn t(s: i64) -> Timestamp {
         Timestamp::from_second(1_700_000_000 + s).unwrap()
@@ -428,16 +425,7 @@ mod tests {
     }
 
     fn snapshot(id: u64, resolvers: Vec<ResolverEntry>) -> Arc<Snapshot> {
-        use crate::core::assembler::snapshot::{Bootstrap, Content};
-        let content = Content {
-            bootstrap: Bootstrap { complete: true, unsynced: vec![] },
-            resolvers,
-            mappings: vec![],
-            kubernetes_services: vec![],
-            watched: vec![],
-            problems: vec![],
-        };
-        Arc::new(content.into_snapshot(id))
+        Arc::new(content(resolvers).into_snapshot(id))
     }
 
     #[tokio::test]

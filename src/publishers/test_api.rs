@@ -1,5 +1,5 @@
-//! A loopback stand-in for the Kubernetes API server in publisher tests: each request is
-//! recorded as `METHOD last-path-segment` and answered by a handler.
+//! A loopback stand-in for the Kubernetes API server in publisher tests (each request is
+//! recorded as `METHOD last-path-segment` and answered by a handler), and snapshot fixtures.
 
 use std::sync::{Arc, Mutex};
 
@@ -7,6 +7,8 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
+
+use crate::core::assembler::snapshot::{Bootstrap, Content, ResolverEntry};
 
 pub type Handler = dyn Fn(&str, &str, &[u8]) -> (u16, Value) + Send + Sync;
 
@@ -75,4 +77,29 @@ pub async fn serve(handler: Arc<Handler>) -> FakeApi {
     });
     let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
     FakeApi { client: kube::Client::try_from(config).unwrap(), log, stop }
+}
+
+/// Snapshot content with these resolvers and nothing else, bootstrap complete.
+pub fn content(resolvers: Vec<ResolverEntry>) -> Content {
+    Content {
+        bootstrap: Bootstrap { complete: true, unsynced: vec![] },
+        resolvers,
+        mappings: vec![],
+        kubernetes_services: vec![],
+        watched: vec![],
+        problems: vec![],
+    }
+}
+
+/// A valid resolver at generation 3 with no services.
+pub fn resolver_entry(namespace: &str, name: &str) -> ResolverEntry {
+    ResolverEntry {
+        namespace: namespace.into(),
+        name: name.into(),
+        generation: Some(3),
+        address: "http://127.0.0.1:8500".into(),
+        datacenter: None,
+        invalid: None,
+        services: vec![],
+    }
 }
