@@ -159,6 +159,21 @@ fn problems_are_reported_not_guessed() {
         cluster.kubectl(&["-n", &ns, "get", "cres", "broken", "-o", jp]).ok().filter(|r| r == "InvalidSpec")
     });
     assert!(reason.is_ok(), "{reason:?}\n{}", op.logs());
+    // ... and a Warning Event on it that `kubectl describe cres broken` shows.
+    let event = wait_for("an InvalidSpec Event on the broken resolver", T, || {
+        let out = cluster.kubectl(&["-n", &ns, "get", "events", "-o", "json"]).ok()?;
+        let list: Value = serde_json::from_str(&out).ok()?;
+        list["items"]
+            .as_array()?
+            .iter()
+            .find(|e| e["reason"] == "InvalidSpec" && e["involvedObject"]["name"] == "broken")
+            .cloned()
+    });
+    let event = event.unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert_eq!(event["type"], "Warning");
+    assert!(event["message"].as_str().unwrap_or_default().contains("NOT_SET_ANYWHERE"), "{event}");
+    let described = cluster.kubectl(&["-n", &ns, "describe", "cres", "broken"]).unwrap();
+    assert!(described.contains("InvalidSpec"), "{described}");
     assert!(broken["invalid"].as_str().unwrap().contains("NOT_SET_ANYWHERE is not set"), "{broken}");
     let problems: Vec<String> = snap["problems"]
         .as_array()
