@@ -192,7 +192,7 @@ pub struct ServiceStatus {
     /// Consul's `X-Consul-Index` for the last answer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index: Option<u64>,
-    /// RFC 3339 time the endpoints last changed.
+    /// RFC 3339 time the operator saw this service's endpoints change (or first saw them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_change: Option<String>,
     /// The last error querying this service, if the last query failed.

@@ -191,12 +191,23 @@ pub fn status_for(
 
     let mut details: Vec<ServiceStatus> = services
         .iter()
-        .map(|s| ServiceStatus {
-            name: s.name.clone(),
-            endpoints: u32::try_from(s.endpoints.len()).unwrap_or(u32::MAX),
-            index: s.index,
-            last_change: None,
-            last_error: s.error.clone(),
+        .map(|s| {
+            let endpoints = u32::try_from(s.endpoints.len()).unwrap_or(u32::MAX);
+            // The snapshot's index only moves when the endpoints did (an answer with the
+            // same endpoints is not a change), so an equal index and count mean no change
+            // since the previous status; a service we have no record of changed now.
+            let last_change = previous
+                .and_then(|p| p.service_details.iter().find(|old| old.name == s.name))
+                .filter(|old| old.index == s.index && old.endpoints == endpoints)
+                .and_then(|old| old.last_change.clone())
+                .unwrap_or_else(|| now.to_string());
+            ServiceStatus {
+                name: s.name.clone(),
+                endpoints,
+                index: s.index,
+                last_change: Some(last_change),
+                last_error: s.error.clone(),
+            }
         })
         .collect();
     details.sort_by(|a, b| a.name.cmp(&b.name));
@@ -403,6 +414,22 @@ mod tests {
         assert_eq!(s.service_details.len(), MAX_SERVICE_DETAILS);
         assert_eq!(s.service_details[0].name, "svc-000");
         assert!(s.services_truncated);
+    }
+
+    #[test]
+    fn last_change_moves_only_when_the_endpoints_do() {
+        let first = status_for(&entry(vec![service("web", 1), service("api", 1)]), 1, t(0), None);
+        let changed_at = |s: &ConsulResolverStatus, name: &str| {
+            s.service_details.iter().find(|d| d.name == name).unwrap().last_change.clone().unwrap()
+        };
+        assert_eq!(changed_at(&first, "web"), t(0).to_string());
+        let mut next = entry(vec![service("web", 2), service("api", 1)]);
+        next.services[0].index = Some(8);
+        let second = status_for(&next, 2, t(60), Some(&first));
+        assert_eq!(changed_at(&second, "web"), t(60).to_string(), "web's endpoints changed");
+        assert_eq!(changed_at(&second, "api"), t(0).to_string(), "api's did not");
+        let third = status_for(&next, 3, t(120), Some(&second));
+        assert!(same_apart_from_snapshot(&second, &third), "nothing new to write");
     }
 
     #[test]
