@@ -14,11 +14,12 @@ TARGET="${CARGO_TARGET_DIR:-$ROOT/target}/debug"
 DIR="$(mktemp -d -t cro-demo-XXXXXX)"
 SIM_PID=
 OP_PID=
+OP2_PID=
 cleanup() {
   trap - EXIT INT TERM
   say "tearing down"
   # Background jobs of a script ignore Ctrl-C, so the operator is stopped here, by pid.
-  [ -n "$OP_PID" ] && kill "$OP_PID" 2>/dev/null && wait "$OP_PID" 2>/dev/null || true
+  for pid in $OP_PID $OP2_PID; do kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true; done
   [ -n "$SIM_PID" ] && kill "$SIM_PID" 2>/dev/null && wait "$SIM_PID" 2>/dev/null || true
   bash "$ROOT/e2e/cluster.sh" down "$DIR/cluster" || true
   rm -rf "$DIR"
@@ -59,24 +60,93 @@ kubectl create namespace demo-blog > /dev/null
 kubectl apply -f e2e/demo/example.yaml > /dev/null
 
 PORT="${DEMO_PORT:-8080}"
+PORT2=$((PORT + 1))
 cat <<MSG
 
   Where to look (in another terminal):
     export KUBECONFIG=$KUBECONFIG
     kubectl get cres -A
     kubectl get mappings -A
+    kubectl -n consul-resolver-system get lease consul-resolver-operator
     curl -s http://127.0.0.1:$PORT/snapshot | python3 -m json.tool | less
     curl -s http://127.0.0.1:$PORT/metrics | grep consul_resolver
     kubectl -n consul-resolver-system get configmap consul-resolver-snapshot -o yaml
   Change the world through Consul's HTTP API, e.g.:
     curl -X PUT http://$CONSUL_ADDR/v1/catalog/deregister -d '{"Node":"node-1","ServiceID":"billing-1"}'
-  The operator runs as the ServiceAccount consul-resolver-operator with the RBAC of manifests/.
-  Ctrl-C stops everything.
+  Both replicas run as the ServiceAccount consul-resolver-operator with the RBAC of manifests/.
+  Ctrl-C stops everything. DEMO_TOUR=0 skips the guided tour.
 
 MSG
-say "running the operator"
-DEMO_CONSUL_ADDR="$CONSUL_ADDR" KUBECONFIG="$DIR/cluster/operator.kubeconfig" RUST_LOG="${RUST_LOG:-info,kube=warn}" \
-  "$TARGET/consul-resolver-operator" run --listen "127.0.0.1:$PORT" --bootstrap-timeout 10s \
-  --snapshot-configmap consul-resolver-system/consul-resolver-snapshot &
+
+# Two replicas on one Lease, as manifests/deployment.yaml runs them: both serve
+# /snapshot, the lease holder writes the ConfigMap, statuses and Events.
+start_replica() { # name port
+  DEMO_CONSUL_ADDR="$CONSUL_ADDR" KUBECONFIG="$DIR/cluster/operator.kubeconfig" RUST_LOG="${RUST_LOG:-info,kube=warn}" \
+    "$TARGET/consul-resolver-operator" run --listen "127.0.0.1:$2" --bootstrap-timeout 10s \
+    --snapshot-configmap consul-resolver-system/consul-resolver-snapshot \
+    --leader-election-lease consul-resolver-system/consul-resolver-operator \
+    --leader-election-identity "$1" --leader-election-duration 5s > "$DIR/$1.log" 2>&1 &
+}
+say "running two replicas of the operator (replica-a on :$PORT, replica-b on :$PORT2)"
+say "their logs: tail -f $DIR/replica-a.log $DIR/replica-b.log"
+start_replica replica-a "$PORT"
 OP_PID=$!
-wait "$OP_PID" || true
+start_replica replica-b "$PORT2"
+OP2_PID=$!
+
+# Waits (up to 30 s) until the command succeeds; says what it waited for.
+until_ok() { # description command...
+  local what=$1; shift
+  for _ in $(seq 300); do "$@" > /dev/null 2>&1 && { say "  ok: $what"; return 0; }; sleep 0.1; done
+  say "  still waiting for: $what (giving up on the tour)"; return 1
+}
+LIVE_PORT=$PORT
+snapshot_has() { # python expression over s (the snapshot)
+  curl -fsS "http://127.0.0.1:$LIVE_PORT/snapshot" | python3 -c "import json,sys; s=json.load(sys.stdin); sys.exit(0 if ($1) else 1)"
+}
+endpoints_of() { # resolver-namespace service -> python expression: its endpoint count
+  echo "sum(len(v['endpoints']) for r in s['resolvers'] if r['namespace']=='$1' for v in r['services'] if v['name']=='$2')"
+}
+tour() {
+  until_ok "first snapshot published" curl -fsS "http://127.0.0.1:$PORT/readyz" || return
+  say "kubectl get cres -A:"; kubectl get cres -A
+  say "leader: $(kubectl -n consul-resolver-system get lease consul-resolver-operator -o jsonpath='{.spec.holderIdentity}')"
+
+  say "1. deregistering billing-1 in Consul: the snapshot, the ConfigMap and the status follow"
+  curl -fsS -X PUT "http://$CONSUL_ADDR/v1/catalog/deregister" -d '{"Node":"node-1","ServiceID":"billing-1"}' > /dev/null
+  until_ok "billing has 1 endpoint in the snapshot" snapshot_has "$(endpoints_of demo-shop billing) == 1" || return
+  kubectl get cres -A
+
+  say "2. checkout-3's check turns passing: it joins checkout's endpoints"
+  register node-3 192.0.2.99 checkout checkout-3 9000 passing
+  until_ok "checkout has 3 endpoints" snapshot_has "$(endpoints_of demo-shop checkout) == 3" || return
+
+  say "3. a resolver with an unset variable in its address: InvalidSpec, and an Event"
+  kubectl apply -f - > /dev/null <<'YAML'
+apiVersion: consulresolver.io/v1alpha1
+kind: ConsulResolver
+metadata: {name: broken, namespace: demo-shop}
+spec: {address: "${NOT_SET_ANYWHERE}:8500"}
+YAML
+  until_ok "Ready=False reason InvalidSpec" sh -c "kubectl -n demo-shop get cres broken -o jsonpath='{.status.conditions[0].reason}' | grep -qx InvalidSpec" || return
+  kubectl -n demo-shop describe cres broken | sed -n '/^Status:/,$p'
+
+  say "4. the cart Mapping moves to the search service: cart's Consul watch stops, search's is shared"
+  kubectl -n demo-shop patch mapping cart --type merge -p '{"spec":{"service":"search"}}' > /dev/null
+  until_ok "cart gone from the snapshot's services" snapshot_has "$(endpoints_of demo-shop cart) == 0 and not any(v['name']=='cart' for r in s['resolvers'] for v in r['services'])" || return
+
+  say "5. the leader stops: the other replica takes the lease and carries on"
+  local leader; leader=$(kubectl -n consul-resolver-system get lease consul-resolver-operator -o jsonpath='{.spec.holderIdentity}')
+  local pid=$OP_PID; LIVE_PORT=$PORT2
+  if [ "$leader" = replica-b ]; then pid=$OP2_PID; LIVE_PORT=$PORT; fi
+  kill "$pid"
+  until_ok "the lease moved from $leader" sh -c "kubectl -n consul-resolver-system get lease consul-resolver-operator -o jsonpath='{.spec.holderIdentity}' | grep -qv '^$leader\$'" || return
+  say "leader now: $(kubectl -n consul-resolver-system get lease consul-resolver-operator -o jsonpath='{.spec.holderIdentity}')"
+  say "6. a change after the handover reaches the ConfigMap through the new leader"
+  curl -fsS -X PUT "http://$CONSUL_ADDR/v1/catalog/deregister" -d '{"Node":"node-2","ServiceID":"billing-2"}' > /dev/null
+  until_ok "billing has no endpoints in the ConfigMap" sh -c "kubectl -n consul-resolver-system get configmap consul-resolver-snapshot -o jsonpath='{.data.snapshot\\.json}' | python3 -c \"import json,sys; s=json.load(sys.stdin); sys.exit(0 if ($(endpoints_of demo-shop billing)) == 0 else 1)\"" || return
+  kubectl get cres -A
+  say "tour done; the remaining replica keeps running. Ctrl-C stops everything."
+}
+if [ "${DEMO_TOUR:-1}" != 0 ]; then tour || true; fi
+wait "$OP_PID" "$OP2_PID" || true
