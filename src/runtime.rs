@@ -154,7 +154,8 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
             (Some(tx), rx, None)
         }
     };
-    let mut leading = false;
+    let mut leading = *leader.borrow_and_update();
+    metrics.leader.set(leading as i64);
     let mut in_flight: Option<(Arc<Snapshot>, tokio::task::JoinHandle<bool>)> = None;
     let mut logged_waiting = false;
 

@@ -42,6 +42,7 @@ fn operator_starts_publishes_and_stops_cleanly() {
 
     let metrics = op.get("/metrics").unwrap().1;
     assert!(metrics.contains("consul_resolver_snapshots_published_total"), "{metrics}");
+    assert!(metrics.contains("consul_resolver_leader 1"), "without a lease the one process writes: {metrics}");
 
     let status = op.terminate(Duration::from_secs(20)).unwrap();
     assert!(status.success(), "exit status after SIGTERM: {status}\n{}", op.logs());
