@@ -80,7 +80,63 @@ impl Consul {
         )
     }
 
+    /// Registers (or updates) many service instances, each with its tags, meta and one
+    /// service check, over one client with up to `concurrency` requests in flight.
+    pub fn register_many(&self, instances: &[Instance], concurrency: usize) -> anyhow::Result<()> {
+        use futures::{StreamExt, TryStreamExt};
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let client = crate::harness::http_client();
+        let url = format!("{}/v1/catalog/register", self.base_url);
+        rt.block_on(
+            futures::stream::iter(instances.iter().map(|i| {
+                let mut req = client.put(&url).json(&i.registration()).timeout(Duration::from_secs(10));
+                if let Some(t) = &self.token {
+                    req = req.header("X-Consul-Token", t);
+                }
+                async move {
+                    let resp = req.send().await.with_context(|| format!("registering {}", i.id))?;
+                    let status = resp.status();
+                    if !status.is_success() {
+                        bail!("registering {}: {status}: {}", i.id, resp.text().await.unwrap_or_default());
+                    }
+                    Ok(())
+                }
+            }))
+            .buffer_unordered(concurrency.max(1))
+            .try_collect::<Vec<()>>(),
+        )?;
+        Ok(())
+    }
+
     pub fn deregister(&self, node: &str, id: &str) -> anyhow::Result<()> {
         self.put("/v1/catalog/deregister", &json!({"Node": node, "ServiceID": id}))
+    }
+}
+
+/// A service instance for [`Consul::register_many`]: like [`Consul::register`], plus tags
+/// and meta (Consul allows up to 64 meta pairs, values up to 512 characters).
+#[derive(Debug, Clone, Default)]
+pub struct Instance {
+    pub node: String,
+    pub address: String,
+    pub service: String,
+    pub id: String,
+    pub port: u16,
+    /// The service check's status: `passing`, `warning` or `critical`.
+    pub status: String,
+    pub tags: Vec<String>,
+    pub meta: std::collections::BTreeMap<String, String>,
+}
+
+impl Instance {
+    /// The `/v1/catalog/register` body.
+    fn registration(&self) -> Value {
+        let Instance { node, address, service, id, port, status, tags, meta } = self;
+        json!({
+            "Node": node,
+            "Address": address,
+            "Service": {"ID": id, "Service": service, "Address": address, "Port": port, "Tags": tags, "Meta": meta},
+            "Check": {"CheckID": format!("check-{id}"), "Name": format!("{service} health"), "Status": status, "ServiceID": id}
+        })
     }
 }

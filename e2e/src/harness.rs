@@ -149,6 +149,63 @@ impl Cluster {
     pub fn audit_log(&self) -> Option<PathBuf> {
         self.dir.as_ref().map(|d| d.join("audit.log"))
     }
+
+    /// The events of the audit log, one JSON object per line, in the order they were
+    /// written; `None` without one (`E2E_KUBECONFIG`). The log is written in blocking mode,
+    /// so a request's event is on disk before its response; a last line still being
+    /// written is left out.
+    pub fn audit_events(&self) -> anyhow::Result<Option<Vec<Value>>> {
+        let Some(path) = self.audit_log() else { return Ok(None) };
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let mut events = Vec::new();
+        let mut lines = text.lines().peekable();
+        while let Some(line) = lines.next() {
+            match serde_json::from_str(line) {
+                Ok(v) => events.push(v),
+                Err(_) if lines.peek().is_none() && !text.ends_with('\n') => {}
+                Err(e) => bail!("{}: not a JSON event ({e}): {line}", path.display()),
+            }
+        }
+        Ok(Some(events))
+    }
+
+    /// The user name the API server gives the operator's kubeconfig: the `sub` claim of
+    /// its bearer token (a ServiceAccount token names `system:serviceaccount:NS:NAME`).
+    /// An error for kubeconfigs without a JWT bearer token.
+    pub fn operator_username(&self) -> anyhow::Result<String> {
+        let path = &self.operator_kubeconfig;
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let kc: Value = serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let token = kc["users"][0]["user"]["token"].as_str().context("the operator kubeconfig has no token")?;
+        let payload = token.split('.').nth(1).context("the operator token is not a JWT")?;
+        let claims: Value = serde_json::from_slice(&base64_decode(payload)?)?;
+        claims["sub"].as_str().map(str::to_owned).context("the operator token has no sub claim")
+    }
+}
+
+/// Decodes base64, standard (`+/`, as in `binaryData`) or URL-safe (`-_`, as in JWTs)
+/// alphabet, padding optional.
+pub fn base64_decode(text: &str) -> anyhow::Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(text.len() * 3 / 4);
+    let (mut acc, mut bits) = (0u32, 0u32);
+    for c in text.bytes().filter(|&c| c != b'=') {
+        let v = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' | b'-' => 62,
+            b'/' | b'_' => 63,
+            _ => bail!("invalid base64 byte {c:#04x}"),
+        };
+        acc = (acc << 6) | u32::from(v);
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+            acc &= (1 << bits) - 1;
+        }
+    }
+    Ok(out)
 }
 
 /// A short unique suffix for names.
