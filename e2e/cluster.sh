@@ -274,8 +274,10 @@ prepare_state() {
     (umask 077; printf '%s,admin,admin,"system:masters"\n' "$(openssl rand -hex 32)" >"$dir/tokens.csv")
   fi
   # Every request at Metadata level. RequestReceived is omitted, so each request
-  # logs exactly one "ResponseComplete" event (long-running watches also log a
-  # "ResponseStarted" when the watch begins). Tests count watches from this file.
+  # logs one "ResponseComplete" event. A watch is logged only when it ends: 1.20 writes
+  # its "ResponseStarted" together with its "ResponseComplete", not when it begins.
+  # So a running watch shows as the list its watcher made just before it (same field
+  # selector), and every watch shows once the operator has exited. Tests count from this.
   cat >"$dir/audit-policy.yaml" <<'EOF'
 apiVersion: audit.k8s.io/v1
 kind: Policy
