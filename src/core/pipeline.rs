@@ -6,6 +6,14 @@
 //! service starts that service's watch). Publication is gated on the world being complete
 //! (see the aggregator), paced by the limiter, and skipped when the content hash equals
 //! the last successful publication.
+//!
+//! This is the ConsulResolver controller, level-triggered over the whole world rather than
+//! a kube-runtime `Controller` with a per-object queue: a Mapping change re-reads every
+//! resolver it could name (the mapper is the assembler's resolver lookup), and a resolver's
+//! desired keys, validation problems and status all come from the same read of the world
+//! that the snapshot does. A per-object `Controller` would need its own reflector cache
+//! (or a second watch) of resolvers and Mappings beside the world, and its reconciles would
+//! publish desired keys from a different moment than the snapshot's.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
