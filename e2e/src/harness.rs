@@ -220,23 +220,25 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free loopback port")
 }
 
-/// Builds the operator binary (a no-op when up to date) and returns its path.
+/// Builds the operator binary (a no-op when up to date) and returns its path. The debug
+/// build, unless `E2E_OPERATOR_PROFILE=release` (benchmarks).
 pub fn operator_binary() -> anyhow::Result<PathBuf> {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     if let Some(b) = BIN.get() {
         return Ok(b.clone());
     }
+    let release = std::env::var("E2E_OPERATOR_PROFILE").is_ok_and(|p| p == "release");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(repo_root())
-        .args(["build", "--quiet", "-p", "consul-resolver-operator", "--bin", "consul-resolver-operator"])
-        .status()
-        .context("building the operator")?;
+    let mut args = vec!["build", "--quiet", "-p", "consul-resolver-operator", "--bin", "consul-resolver-operator"];
+    if release {
+        args.push("--release");
+    }
+    let status = Command::new(cargo).current_dir(repo_root()).args(&args).status().context("building the operator")?;
     if !status.success() {
         bail!("cargo build of the operator failed");
     }
     let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("target"));
-    let bin = target.join("debug/consul-resolver-operator");
+    let bin = target.join(if release { "release" } else { "debug" }).join("consul-resolver-operator");
     Ok(BIN.get_or_init(|| bin).clone())
 }
 
@@ -270,6 +272,11 @@ impl Operator {
             .spawn()
             .context("starting the operator")?;
         Ok(Operator { child: Some(child), port, log, _logdir: logdir })
+    }
+
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     pub fn url(&self, path: &str) -> String {
