@@ -1,7 +1,7 @@
 # consul-resolver-operator. `make test` is what CI runs (.ci/run).
 CARGO ?= cargo
 
-.PHONY: build release test unit cluster-selftest e2e-deps crds fmt lint demo
+.PHONY: build release test unit cluster-selftest e2e-deps crds fmt lint demo bench-operator
 
 build:
 	$(CARGO) build --workspace --all-targets
@@ -24,6 +24,11 @@ cluster-selftest:
 # Debian packages and the cached kube-apiserver the e2e suite needs (built once, ~8 min).
 e2e-deps:
 	bash e2e/cluster.sh build
+
+# The operator at scale (10,000 Mappings, 1,000 Consul services) against the local control
+# plane and the simulator; results in docs/benchmarks.md. Not part of `make test`.
+bench-operator:
+	$(CARGO) run --release -p e2e --bin operator-bench
 
 # Regenerate the committed CRD from the Rust types (a unit test fails on drift).
 crds:

@@ -1,0 +1,964 @@
+//! Benchmark of the whole operator at scale, against the local control plane (etcd +
+//! kube-apiserver from `e2e/cluster.sh`) and the in-process Consul simulator, on loopback
+//! only (not a timed test): `cargo run --release -p e2e --bin operator-bench`.
+//!
+//! Setup, made before the operator starts (its duration is not a measure): 1,000 Consul
+//! services with one instance each; 10,000 Mappings (10 per service, spread over 5
+//! namespaces, so every service is referenced from every namespace) and one ConsulResolver
+//! per namespace pointing at the simulator. Then, once per `--consul-max-connections`
+//! value (default 100 and 1200; 1200 gives every service a dedicated blocking query):
+//!
+//! 1. a bare kube-runtime reflector (in this process, the operator's kubeconfig, one per
+//!    namespace like the operator) lists and watches the same Mappings, median of 3;
+//! 2. the operator (release build, its own process) starts: time from spawn to the first
+//!    complete snapshot holding every Mapping at `GET /snapshot` (polled every 10 ms),
+//!    and to its "snapshot published" log line (HTTP, ConfigMap and statuses written);
+//! 3. Consul changes (one instance's port, through the catalog API), each timed until the
+//!    snapshot ConfigMap (watched, decoded with the operator's own `configmap::decode`)
+//!    holds the new port: spaced (each after a quiet coalescing window: the leading edge)
+//!    and back to back (each inside the window of the previous publication);
+//! 4. watches the operator opened (the audit log: verb `watch` by its ServiceAccount),
+//!    the simulator's blocking queries per service and request counts;
+//! 5. the operator's peak RSS (VmHWM) just before SIGTERM.
+//!
+//! Sizes: `BENCH_SERVICES` (1000), `BENCH_MAPPINGS_PER_SERVICE` (10), `BENCH_NAMESPACES`
+//! (5), `BENCH_CHANGES` (200 of each kind), `BENCH_MODES` (`100,1200`),
+//! `BENCH_COALESCE_WINDOW` (`250ms`, passed as `--coalesce-window`).
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::{Read, Seek, SeekFrom};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{Context, bail, ensure};
+use consul_resolver_operator::publishers::configmap;
+use e2e::harness::{Cluster, Operator, operator_binary, unique};
+use e2e::sim::{Config as SimConfig, RunningSim, Simulator};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::{reflector, watcher};
+use serde::Deserialize;
+use serde::de::IgnoredAny;
+use serde_json::json;
+use tokio::runtime::Runtime;
+use tokio::sync::mpsc;
+
+/// The operator's identity in the test cluster (e2e/cluster.sh, manifests/rbac.yaml).
+const OPERATOR_USER: &str = "system:serviceaccount:consul-resolver-system:consul-resolver-operator";
+const OPERATOR_NS: &str = "consul-resolver-system";
+const COLD_START_LIMIT: Duration = Duration::from_secs(120);
+const CHANGE_LIMIT: Duration = Duration::from_secs(60);
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+struct Settings {
+    services: usize,
+    per_service: usize,
+    namespaces: usize,
+    changes: usize,
+    modes: Vec<u32>,
+    window: String,
+}
+
+impl Settings {
+    fn from_env() -> anyhow::Result<Settings> {
+        let modes = std::env::var("BENCH_MODES").unwrap_or_else(|_| "100,1200".into());
+        let modes = modes.split(',').map(|m| m.trim().parse::<u32>()).collect::<Result<Vec<_>, _>>()?;
+        let s = Settings {
+            services: env_usize("BENCH_SERVICES", 1000),
+            per_service: env_usize("BENCH_MAPPINGS_PER_SERVICE", 10),
+            namespaces: env_usize("BENCH_NAMESPACES", 5),
+            changes: env_usize("BENCH_CHANGES", 200),
+            modes,
+            window: std::env::var("BENCH_COALESCE_WINDOW").unwrap_or_else(|_| "250ms".into()),
+        };
+        ensure!(s.services > 0 && s.services < 10_000, "BENCH_SERVICES must be 1..9999");
+        ensure!(s.per_service > 0 && s.namespaces > 0, "BENCH_MAPPINGS_PER_SERVICE and BENCH_NAMESPACES must be > 0");
+        humantime::parse_duration(&s.window).context("BENCH_COALESCE_WINDOW")?;
+        Ok(s)
+    }
+
+    fn mappings(&self) -> usize {
+        self.services * self.per_service
+    }
+
+    fn window(&self) -> Duration {
+        humantime::parse_duration(&self.window).expect("checked in from_env")
+    }
+}
+
+fn service_name(i: usize) -> String {
+    format!("svc-{i:04}")
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.2} s", d.as_secs_f64())
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+async fn kube_client(kubeconfig: &Path) -> anyhow::Result<kube::Client> {
+    let kc = Kubeconfig::read_from(kubeconfig).with_context(|| format!("reading {}", kubeconfig.display()))?;
+    let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
+    Ok(kube::Client::try_from(config)?)
+}
+
+fn mapping_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("getambassador.io", "v3alpha1", "Mapping"), "mappings")
+}
+
+fn resolver_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("consulresolver.io", "v1alpha1", "ConsulResolver"),
+        "consulresolvers",
+    )
+}
+
+/// One catalog write through Consul's HTTP API: service `name`'s only instance on `port`.
+async fn register(http: &reqwest::Client, base: &str, name: &str, port: u16) -> anyhow::Result<()> {
+    let body = json!({"Node": "bench", "Address": "127.0.0.1",
+        "Service": {"ID": name, "Service": name, "Address": "127.0.0.1", "Port": port},
+        "Check": {"CheckID": format!("service:{name}"), "Name": "c", "Status": "passing", "ServiceID": name}});
+    let r = http.put(format!("{base}/v1/catalog/register")).json(&body).send().await?;
+    ensure!(r.status().is_success(), "register {name}: {}", r.status());
+    Ok(())
+}
+
+struct Setup {
+    namespaces: Vec<String>,
+    sim_addr: SocketAddr,
+    base_url: String,
+    mappings_created_in: Duration,
+    /// Where the audit log ended once the objects were created.
+    audit_offset: u64,
+}
+
+/// A simulator on `listen` holding the benchmark's services (port 10000 + i). Each operator
+/// run gets a fresh one on the same address, so no connection, blocking query or counter
+/// of an earlier run is left in its figures.
+fn fresh_sim(rt: &Runtime, listen: SocketAddr, s: &Settings) -> anyhow::Result<RunningSim> {
+    let sim = Simulator::start_background(SimConfig {
+        listen,
+        // Room for a dedicated connection per service (real Consul: limits.http_max_conns_per_client).
+        max_conns_per_client: 5000,
+        request_log_capacity: 200_000,
+        ..SimConfig::default()
+    })?;
+    let base = sim.base_url();
+    rt.block_on(async {
+        let http = reqwest::Client::builder().no_proxy().build()?;
+        futures::stream::iter(0..s.services)
+            .map(|i| {
+                let (http, base) = (&http, &base);
+                async move { register(http, base, &service_name(i), 10_000 + i as u16).await }
+            })
+            .buffer_unordered(32)
+            .try_collect::<Vec<()>>()
+            .await
+    })?;
+    sim.reset_stats();
+    sim.clear_requests();
+    Ok(sim)
+}
+
+/// Resolvers and Mappings, created before any operator runs.
+async fn setup(cluster: &Cluster, sim: &RunningSim, s: &Settings, namespaces: Vec<String>) -> anyhow::Result<Setup> {
+    let base = sim.base_url();
+    let client = kube_client(&cluster.admin_kubeconfig).await?;
+    let rr = resolver_resource();
+    for ns in &namespaces {
+        let mut r = DynamicObject::new("consul", &rr).within(ns);
+        r.data = json!({"spec": {"address": sim.addr().to_string()}});
+        Api::<DynamicObject>::namespaced_with(client.clone(), ns, &rr).create(&PostParams::default(), &r).await?;
+    }
+    let mr = mapping_resource();
+    let started = Instant::now();
+    let objects: Vec<(String, DynamicObject)> = (0..s.services)
+        .flat_map(|i| (0..s.per_service).map(move |m| (i, m)))
+        .map(|(i, m)| {
+            let ns = namespaces[m % namespaces.len()].clone();
+            let svc = service_name(i);
+            let name = format!("{svc}-m{m}");
+            let mut o = DynamicObject::new(&name, &mr).within(&ns);
+            o.data = json!({"spec": {"prefix": format!("/{name}/"), "service": format!("{svc}:8080"), "resolver": "consul"}});
+            (ns, o)
+        })
+        .collect();
+    futures::stream::iter(objects)
+        .map(|(ns, o)| {
+            let api = Api::<DynamicObject>::namespaced_with(client.clone(), &ns, &mr);
+            async move { api.create(&PostParams::default(), &o).await.map(|_| ()) }
+        })
+        .buffer_unordered(48)
+        .try_collect::<Vec<()>>()
+        .await?;
+    let mappings_created_in = started.elapsed();
+    let audit_offset = cluster.audit_log().and_then(|p| std::fs::metadata(p).ok()).map_or(0, |m| m.len());
+    Ok(Setup { namespaces, sim_addr: sim.addr(), base_url: base, mappings_created_in, audit_offset })
+}
+
+/// A bare kube-runtime reflector on the Mappings, one per namespace as the operator
+/// watches them: time from building the client (kubeconfig, discovery) to every store
+/// ready, and the objects in the stores.
+async fn reflector_once(kubeconfig: &Path, namespaces: &[String]) -> anyhow::Result<(Duration, usize)> {
+    let started = Instant::now();
+    let client = kube_client(kubeconfig).await?;
+    let group = kube::discovery::group(&client, "getambassador.io").await?;
+    let (resource, _) = group.recommended_kind("Mapping").context("Mapping is not served")?;
+    let mut stores = Vec::new();
+    let mut tasks = Vec::new();
+    for ns in namespaces {
+        let api = Api::<DynamicObject>::namespaced_with(client.clone(), ns, &resource);
+        let writer = reflector::store::Writer::new(resource.clone());
+        stores.push(writer.as_reader());
+        let stream = reflector::reflector(writer, watcher(api, watcher::Config::default()));
+        tasks.push(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(stream.for_each(|_| async {}))));
+    }
+    for store in &stores {
+        tokio::time::timeout(COLD_START_LIMIT, store.wait_until_ready()).await??;
+    }
+    let elapsed = started.elapsed();
+    Ok((elapsed, stores.iter().map(|s| s.len()).sum()))
+}
+
+#[derive(Deserialize)]
+struct Head {
+    id: u64,
+    bootstrap: Boot,
+    mappings: Vec<IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct Boot {
+    complete: bool,
+}
+
+/// The part of a snapshot the change measurement reads.
+#[derive(Deserialize)]
+struct Ports {
+    resolvers: Vec<PortsResolver>,
+}
+
+#[derive(Deserialize)]
+struct PortsResolver {
+    #[serde(default)]
+    services: Vec<PortsService>,
+}
+
+#[derive(Deserialize)]
+struct PortsService {
+    name: String,
+    #[serde(default)]
+    endpoints: Vec<PortsEndpoint>,
+}
+
+#[derive(Deserialize)]
+struct PortsEndpoint {
+    port: u16,
+}
+
+impl Ports {
+    /// Whether every resolver listing `service` lists exactly one endpoint, on `port`.
+    fn has(&self, service: &str, port: u16) -> bool {
+        let mut seen = false;
+        for r in &self.resolvers {
+            if let Some(s) = r.services.iter().find(|s| s.name == service) {
+                seen = true;
+                if s.endpoints.len() != 1 || s.endpoints[0].port != port {
+                    return false;
+                }
+            }
+        }
+        seen
+    }
+}
+
+fn process_exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/status")) {
+        Ok(status) => status.lines().any(|l| l.starts_with("State:") && l.contains('Z')),
+        Err(_) => true,
+    }
+}
+
+/// `VmHWM` and `VmRSS` of a process, in KiB.
+fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+            .with_context(|| format!("no {name} in /proc/{pid}/status"))
+    };
+    Ok((field("VmHWM:")?, field("VmRSS:")?))
+}
+
+/// Polls `GET /snapshot` every 10 ms until it serves a complete snapshot with `mappings`
+/// Mappings; returns the time since `spawned`, its id and size.
+async fn first_snapshot(
+    op: &Operator,
+    pid: u32,
+    spawned: Instant,
+    mappings: usize,
+) -> anyhow::Result<(Duration, u64, usize)> {
+    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build()?;
+    let url = op.url("/snapshot");
+    loop {
+        if spawned.elapsed() > COLD_START_LIMIT {
+            bail!("no complete snapshot after {COLD_START_LIMIT:?}\n--- operator log ---\n{}", op.logs());
+        }
+        if process_exited(pid) {
+            bail!("the operator exited\n--- operator log ---\n{}", op.logs());
+        }
+        if let Ok(resp) = http.get(&url).send().await
+            && resp.status().is_success()
+        {
+            let at = spawned.elapsed();
+            let body = resp.bytes().await?;
+            let head: Head = serde_json::from_slice(&body)?;
+            if head.bootstrap.complete && head.mappings.len() == mappings {
+                return Ok((at, head.id, body.len()));
+            }
+            println!(
+                "  (snapshot {} at {}: complete={} mappings={}; waiting)",
+                head.id,
+                ms(at),
+                head.bootstrap.complete,
+                head.mappings.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// A `key=value` field of a text log line.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let at = line.find(&format!(" {key}="))? + key.len() + 2;
+    line[at..].split_whitespace().next().map(|v| v.trim_matches('"'))
+}
+
+/// Milestones of the operator's log, as offsets from `spawned_at`.
+#[derive(Default, Debug)]
+struct Milestones {
+    first_line: Option<Duration>,
+    starting: Option<Duration>,
+    first_consul_watch: Option<Duration>,
+    last_consul_watch: Option<Duration>,
+    consul_watches: usize,
+    kube_watches: usize,
+    watches_stopped: usize,
+    published: Option<Duration>,
+    warnings: usize,
+}
+
+fn milestones(log: &str, spawned_at: SystemTime) -> Milestones {
+    let mut m = Milestones::default();
+    for line in log.lines().map(strip_ansi) {
+        let Some(at) = line
+            .split_whitespace()
+            .next()
+            .and_then(|t| humantime::parse_rfc3339_weak(t).ok())
+            .map(|t| t.duration_since(spawned_at).unwrap_or_default())
+        else {
+            continue;
+        };
+        m.first_line.get_or_insert(at);
+        if line.contains(" WARN ") || line.contains(" ERROR ") {
+            m.warnings += 1;
+        }
+        if line.contains(": starting ") {
+            m.starting.get_or_insert(at);
+        } else if line.contains(": watch started ") {
+            if field(&line, "source") == Some("consul") {
+                m.consul_watches += 1;
+                m.first_consul_watch.get_or_insert(at);
+                m.last_consul_watch = Some(at);
+            } else {
+                m.kube_watches += 1;
+            }
+        } else if line.contains(": watch stopped ") {
+            m.watches_stopped += 1;
+        } else if line.contains(": snapshot published ") && m.published.is_none() {
+            m.published = Some(at);
+        }
+    }
+    m
+}
+
+/// Requests by the operator's ServiceAccount in the audit log after `offset`, received
+/// at `since` or later: distinct watches per `resource namespace`, and requests per verb.
+/// A watch is logged when it ends (stage ResponseComplete), so this is read after the
+/// operator has exited.
+#[derive(Default)]
+struct Audit {
+    watches: BTreeMap<String, usize>,
+    verbs: BTreeMap<String, usize>,
+}
+
+fn audit_since(path: &Path, offset: u64, since: SystemTime) -> anyhow::Result<Audit> {
+    let mut f = std::fs::File::open(path)?;
+    f.seek(SeekFrom::Start(offset))?;
+    let mut text = String::new();
+    f.read_to_string(&mut text)?;
+    let mut seen = HashSet::new();
+    let mut audit = Audit::default();
+    for line in text.lines() {
+        let Ok(e) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        let received = e["requestReceivedTimestamp"].as_str().and_then(|t| humantime::parse_rfc3339_weak(t).ok());
+        if e["user"]["username"] != OPERATOR_USER
+            || received.is_none_or(|t| t < since)
+            || !seen.insert(e["auditID"].as_str().unwrap_or_default().to_owned())
+        {
+            continue;
+        }
+        let verb = e["verb"].as_str().unwrap_or_default();
+        *audit.verbs.entry(verb.to_owned()).or_default() += 1;
+        if verb == "watch" {
+            let o = &e["objectRef"];
+            let key = format!("{} {}", o["resource"].as_str().unwrap_or("?"), o["namespace"].as_str().unwrap_or("*"));
+            *audit.watches.entry(key).or_default() += 1;
+        }
+    }
+    Ok(audit)
+}
+
+/// Watches the operator's namespace's snapshot ConfigMaps and sends, for each version of
+/// `name`, the time it arrived (before decoding) and its ports.
+async fn watch_configmap(
+    client: kube::Client,
+    name: String,
+    tx: mpsc::UnboundedSender<(Instant, anyhow::Result<Ports>)>,
+) {
+    let api = Api::<ConfigMap>::namespaced(client, OPERATOR_NS);
+    let config = watcher::Config::default().labels("app.kubernetes.io/managed-by=consul-resolver-operator");
+    let mut parts: BTreeMap<String, ConfigMap> = BTreeMap::new();
+    let mut stream = watcher(api, config).boxed();
+    while let Some(ev) = stream.next().await {
+        let at = Instant::now();
+        let cm = match ev {
+            Ok(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm)) => cm,
+            Ok(_) => continue,
+            Err(e) => {
+                eprintln!("  ConfigMap watch: {e}");
+                continue;
+            }
+        };
+        let cm_name = cm.metadata.name.clone().unwrap_or_default();
+        if cm_name != name {
+            parts.insert(cm_name, cm);
+            continue;
+        }
+        let parts: Vec<ConfigMap> = parts.values().cloned().collect();
+        let decoded = configmap::decode(&cm, &parts)
+            .map_err(anyhow::Error::msg)
+            .and_then(|json| Ok(serde_json::from_slice::<Ports>(&json)?));
+        if tx.send((at, decoded)).is_err() {
+            return;
+        }
+    }
+}
+
+/// The operator's `publish_duration_seconds` histogram: (sum, count).
+async fn publish_seconds(op: &Operator) -> Option<(f64, u64)> {
+    let text = reqwest::Client::builder().no_proxy().build().ok()?.get(op.url("/metrics")).send().await.ok()?;
+    let text = text.text().await.ok()?;
+    let value =
+        |name: &str| text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' '))).map(str::trim);
+    Some((
+        value("consul_resolver_publish_duration_seconds_sum")?.parse().ok()?,
+        value("consul_resolver_publish_duration_seconds_count")?.parse().ok()?,
+    ))
+}
+
+struct Latencies(Vec<Duration>);
+
+impl Latencies {
+    fn summary(&self) -> String {
+        let mut v = self.0.clone();
+        v.sort();
+        if v.is_empty() {
+            return "n/a".into();
+        }
+        format!(
+            "p50 {}, p99 {}, max {}",
+            ms(percentile(&v, 0.5)),
+            ms(percentile(&v, 0.99)),
+            ms(*v.last().expect("not empty"))
+        )
+    }
+
+    fn p99(&self) -> Duration {
+        let mut v = self.0.clone();
+        v.sort();
+        percentile(&v, 0.99)
+    }
+}
+
+/// Changes one service's port per step and times each until the ConfigMap holds it.
+/// `spaced`: wait a quiet window after each, so each change is a leading edge. The
+/// operator's VmRSS is printed every 50 changes (does memory level off?).
+#[allow(clippy::too_many_arguments)]
+async fn changes(
+    pid: u32,
+    http: &reqwest::Client,
+    base: &str,
+    rx: &mut mpsc::UnboundedReceiver<(Instant, anyhow::Result<Ports>)>,
+    s: &Settings,
+    port_base: u16,
+    offset: usize,
+    spaced: bool,
+) -> anyhow::Result<Latencies> {
+    let mut out = Vec::with_capacity(s.changes);
+    let mut rss = Vec::new();
+    for i in 0..s.changes {
+        let svc = service_name((i * 7919 + offset) % s.services);
+        let port = port_base + i as u16;
+        while rx.try_recv().is_ok() {}
+        let t0 = Instant::now();
+        register(http, base, &svc, port).await?;
+        loop {
+            let left = CHANGE_LIMIT.saturating_sub(t0.elapsed());
+            match tokio::time::timeout(left, rx.recv()).await {
+                Err(_) => bail!("change {i} ({svc} -> port {port}) not in the ConfigMap after {CHANGE_LIMIT:?}"),
+                Ok(None) => bail!("the ConfigMap watch ended"),
+                Ok(Some((_, Err(e)))) => eprintln!("  ConfigMap not decodable (retrying): {e:#}"),
+                Ok(Some((at, Ok(p)))) if p.has(&svc, port) => {
+                    out.push(at.duration_since(t0));
+                    break;
+                }
+                Ok(Some(_)) => {}
+            }
+        }
+        if spaced {
+            tokio::time::sleep(s.window() + Duration::from_millis(50)).await;
+        }
+        if (i + 1) % 50 == 0 {
+            rss.push(format!("{}: {} MiB", i + 1, memory_kib(pid)?.1 / 1024));
+        }
+    }
+    println!("  operator VmRSS after n changes: {}", rss.join(", "));
+    Ok(Latencies(out))
+}
+
+/// One operator process, from spawn to its first complete snapshot.
+struct Instance {
+    op: Operator,
+    pid: u32,
+    spawned_at: SystemTime,
+    cm: String,
+    cold_http: Duration,
+    snapshot_bytes: usize,
+    bootstrap_requests: u64,
+    bootstrap_services_queried: usize,
+    /// VmHWM, VmRSS (KiB) right after the first snapshot.
+    memory_first: (u64, u64),
+}
+
+fn cold_start(
+    rt: &Runtime,
+    cluster: &Cluster,
+    sim: &RunningSim,
+    setup: &Setup,
+    s: &Settings,
+    max_connections: u32,
+) -> anyhow::Result<Instance> {
+    let cm = format!("bench-snap-{}", unique());
+    let mut args: Vec<String> = Vec::new();
+    for ns in &setup.namespaces {
+        args.extend(["--namespace".into(), ns.clone()]);
+    }
+    args.extend([
+        "--snapshot-configmap".into(),
+        format!("{OPERATOR_NS}/{cm}"),
+        "--coalesce-window".into(),
+        s.window.clone(),
+        "--consul-max-connections".into(),
+        max_connections.to_string(),
+    ]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let spawned_at = SystemTime::now();
+    let spawned = Instant::now();
+    let op = Operator::start(cluster, &args)?;
+    let pid = op.pid().context("the operator is not running")?;
+    let (cold_http, first_id, snapshot_bytes) = rt.block_on(first_snapshot(&op, pid, spawned, s.mappings()))?;
+    let memory_first = memory_kib(pid)?;
+    let bootstrap_requests = sim.stats().requests_total;
+    let bootstrap_services_queried: usize =
+        sim.requests().iter().filter_map(|r| r.service.clone()).collect::<HashSet<_>>().len();
+    // The "snapshot published" line follows the ConfigMap and status writes.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut milestones = milestones(&op.logs(), spawned_at);
+    while milestones.published.is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+        milestones = self::milestones(&op.logs(), spawned_at);
+    }
+    if milestones.watches_stopped > 0 || milestones.consul_watches != s.services {
+        let copy = std::env::temp_dir().join(format!("operator-bench-{pid}.log"));
+        std::fs::copy(&op.log, &copy)?;
+        println!("  note: watches restarted during the cold start; log kept at {}", copy.display());
+    }
+    println!(
+        "  operator pid {pid}: first complete snapshot (id {first_id}, {snapshot_bytes} bytes) at GET /snapshot after {}; {milestones:?}",
+        ms(cold_http)
+    );
+    Ok(Instance {
+        op,
+        pid,
+        spawned_at,
+        cm,
+        cold_http,
+        snapshot_bytes,
+        bootstrap_requests,
+        bootstrap_services_queried,
+        memory_first,
+    })
+}
+
+/// SIGTERM, and what the simulator still counts once the operator is gone.
+fn stop(mut op: Operator, sim: &RunningSim) -> anyhow::Result<String> {
+    let status = op.terminate(Duration::from_secs(30))?;
+    std::thread::sleep(Duration::from_secs(2));
+    let after = sim.stats();
+    println!(
+        "  operator exited ({status}); 2 s later the simulator counts {} open connections, {} blocking queries",
+        after.open_connections_total, after.blocking_total
+    );
+    Ok(status.to_string())
+}
+
+struct Run {
+    max_connections: u32,
+    reflector: Vec<Duration>,
+    cold: Vec<Duration>,
+    last: Milestones,
+    snapshot_bytes: usize,
+    encoding: String,
+    spaced: Latencies,
+    back_to_back: Latencies,
+    audit: Option<Audit>,
+    blocking_services: usize,
+    blocking_max_per_service: usize,
+    blocking_catalog: usize,
+    peak_sim_connections_start: usize,
+    peak_sim_connections: usize,
+    publish_mean: Option<Duration>,
+    bootstrap_requests: u64,
+    bootstrap_services_queried: usize,
+    change_requests: u64,
+    memory_first: (u64, u64),
+    memory_end: (u64, u64),
+    exit: String,
+}
+
+fn median(v: &[Duration]) -> Duration {
+    let mut v = v.to_vec();
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn min_med_max(v: &[Duration], f: fn(Duration) -> String) -> String {
+    let mut v = v.to_vec();
+    v.sort();
+    format!("{} / {} / {}", f(v[0]), f(v[v.len() / 2]), f(v[v.len() - 1]))
+}
+
+/// Three cold starts, each after a bare reflector run; the third operator then goes on to
+/// the change measurements.
+fn run_operator(
+    rt: &Runtime,
+    cluster: &Cluster,
+    sim: &mut Option<RunningSim>,
+    setup: &Setup,
+    s: &Settings,
+    max_connections: u32,
+) -> anyhow::Result<Run> {
+    println!("== --consul-max-connections {max_connections}");
+    let mut reflector = Vec::new();
+    let mut cold = Vec::new();
+    let mut instance = None;
+    for k in 0..3 {
+        let (t, n) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, &setup.namespaces))?;
+        ensure!(n == s.mappings(), "the reflector saw {n} Mappings, not {}", s.mappings());
+        println!("  bare reflector: {} ({n} Mappings)", ms(t));
+        reflector.push(t);
+        sim.take();
+        let fresh = sim.insert(fresh_sim(rt, setup.sim_addr, s)?);
+        let i = cold_start(rt, cluster, fresh, setup, s, max_connections)?;
+        cold.push(i.cold_http);
+        if k < 2 {
+            stop(i.op, fresh)?;
+        } else {
+            instance = Some(i);
+        }
+    }
+    let Instance {
+        op,
+        pid,
+        spawned_at,
+        cm,
+        snapshot_bytes,
+        bootstrap_requests,
+        bootstrap_services_queried,
+        memory_first,
+        ..
+    } = instance.expect("three runs");
+    let sim = sim.as_ref().expect("started above");
+
+    std::thread::sleep(Duration::from_secs(2));
+    let settled = sim.stats();
+    let blocking_catalog = settled.blocking.get(e2e::sim::CATALOG_SERVICES_LABEL).copied().unwrap_or(0);
+    let per_service: Vec<usize> = settled
+        .blocking
+        .iter()
+        .filter(|(k, _)| k.as_str() != e2e::sim::CATALOG_SERVICES_LABEL)
+        .map(|(_, v)| *v)
+        .collect();
+    println!(
+        "  blocking queries: {} services, max {} per service, {} on the catalog; requests so far {}",
+        per_service.len(),
+        per_service.iter().max().unwrap_or(&0),
+        blocking_catalog,
+        settled.requests_total
+    );
+    let peak_sim_connections_start = settled.peak_connections_total;
+
+    // Changes, timed at the ConfigMap.
+    let admin = rt.block_on(kube_client(&cluster.admin_kubeconfig))?;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let watch = rt.spawn(watch_configmap(admin.clone(), cm.clone(), tx));
+    let encoding = rt.block_on(async {
+        let api = Api::<ConfigMap>::namespaced(admin.clone(), OPERATOR_NS);
+        let main = api.get(&cm).await?;
+        let how = if main.data.as_ref().is_some_and(|d| d.contains_key(configmap::KEY_JSON)) {
+            "data[snapshot.json]".to_owned()
+        } else if main.binary_data.as_ref().is_some_and(|d| d.contains_key(configmap::KEY_GZIP)) {
+            let gz = main.binary_data.as_ref().and_then(|d| d.get(configmap::KEY_GZIP)).map_or(0, |b| b.0.len());
+            format!("binaryData[snapshot.json.gz], {gz} bytes")
+        } else {
+            let parts = configmap::index_of(&main).map_err(anyhow::Error::msg)?.map_or(0, |i| i.parts.len());
+            format!("split into {parts} parts")
+        };
+        anyhow::Ok(how)
+    })?;
+    let http = reqwest::Client::builder().no_proxy().build()?;
+    let before_changes = sim.stats().requests_total;
+    let publish_before = rt.block_on(publish_seconds(&op));
+    let spaced = rt.block_on(changes(pid, &http, &setup.base_url, &mut rx, s, 20_000, 0, true))?;
+    println!("  spaced changes: {}", spaced.summary());
+    let back_to_back =
+        rt.block_on(changes(pid, &http, &setup.base_url, &mut rx, s, 20_000 + s.changes as u16, 13, false))?;
+    println!("  back-to-back changes: {}", back_to_back.summary());
+    let change_requests = sim.stats().requests_total - before_changes;
+    let publish_mean = match (publish_before, rt.block_on(publish_seconds(&op))) {
+        (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some(Duration::from_secs_f64((s1 - s0) / (n1 - n0) as f64)),
+        _ => None,
+    };
+    watch.abort();
+
+    let memory_end = memory_kib(pid)?;
+    let peak_sim_connections = sim.stats().peak_connections_total;
+    let log = op.logs();
+    let exit = stop(op, sim)?;
+    // The API server logs a watch when it ends (the operator has exited by now).
+    let audit = cluster.audit_log().map(|p| audit_since(&p, setup.audit_offset, spawned_at)).transpose()?;
+    if let Some(a) = &audit {
+        println!("  audit: watches {:?}; verbs {:?}", a.watches, a.verbs);
+    }
+    Ok(Run {
+        max_connections,
+        reflector,
+        cold,
+        last: milestones(&log, spawned_at),
+        snapshot_bytes,
+        encoding,
+        spaced,
+        back_to_back,
+        audit,
+        blocking_services: per_service.len(),
+        blocking_max_per_service: per_service.iter().copied().max().unwrap_or(0),
+        blocking_catalog,
+        peak_sim_connections_start,
+        peak_sim_connections,
+        publish_mean,
+        bootstrap_requests,
+        bootstrap_services_queried,
+        change_requests,
+        memory_first,
+        memory_end,
+        exit,
+    })
+}
+
+fn main() -> anyhow::Result<()> {
+    let wall = Instant::now();
+    if std::env::var_os("E2E_OPERATOR_PROFILE").is_none() {
+        // SAFETY: nothing else runs yet: no thread has been started.
+        unsafe { std::env::set_var("E2E_OPERATOR_PROFILE", "release") };
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let s = Settings::from_env()?;
+    let load_start = loadavg();
+    let bin: PathBuf = operator_binary()?;
+    println!("operator binary: {}", bin.display());
+    let cluster = Cluster::shared();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut sim = Some(fresh_sim(&rt, SocketAddr::from(([127, 0, 0, 1], 0)), &s)?);
+    let namespaces = (0..s.namespaces).map(|_| cluster.namespace("bench")).collect::<anyhow::Result<Vec<_>>>()?;
+    let setup = rt.block_on(setup(cluster, sim.as_ref().expect("started"), &s, namespaces))?;
+    println!(
+        "setup: {} services, {} Mappings in {} namespaces (created in {})",
+        s.services,
+        s.mappings(),
+        s.namespaces,
+        secs(setup.mappings_created_in)
+    );
+
+    let mut runs = Vec::new();
+    for &max in &s.modes {
+        runs.push(run_operator(&rt, cluster, &mut sim, &setup, &s, max)?);
+    }
+    let load_end = loadavg();
+    let window = s.window();
+    let budget = window + Duration::from_millis(250);
+
+    println!();
+    println!(
+        "{} Consul services, {} Mappings ({} per service) in {} namespaces, a ConsulResolver per namespace; \
+         --coalesce-window {}; {} changes of each kind; load average {} at start, {} at end",
+        s.services,
+        s.mappings(),
+        s.per_service,
+        s.namespaces,
+        s.window,
+        s.changes,
+        load_start,
+        load_end
+    );
+    println!();
+    let mut header = "| measure | target |".to_owned();
+    let mut sep = "|---|---|".to_owned();
+    for r in &runs {
+        header += &format!(" --consul-max-connections {} |", r.max_connections);
+        sep += "---|";
+    }
+    println!("{header}\n{sep}");
+    let row = |name: &str, target: &str, f: &dyn Fn(&Run) -> String| {
+        let mut line = format!("| {name} | {target} |");
+        for r in &runs {
+            line += &format!(" {} |", f(r));
+        }
+        println!("{line}");
+    };
+    row("cold start: spawn -> complete snapshot at GET /snapshot (min / median / max of 3)", "< 5 s", &|r| {
+        min_med_max(&r.cold, secs)
+    });
+    row("bare reflector on the same Mappings (min / median / max of 3)", "", &|r| min_med_max(&r.reflector, secs));
+    row("cold start / bare reflector (medians)", "<= 1.5x", &|r| {
+        format!("{:.2}x", median(&r.cold).as_secs_f64() / median(&r.reflector).as_secs_f64())
+    });
+    row("last cold start: spawn -> `starting` (client, discovery)", "", &|r| r.last.starting.map_or("n/a".into(), ms));
+    row("last cold start: spawn -> first / last Consul watch started (Mappings listed)", "", &|r| {
+        format!(
+            "{} / {}",
+            r.last.first_consul_watch.map_or("n/a".into(), ms),
+            r.last.last_consul_watch.map_or("n/a".into(), ms)
+        )
+    });
+    row("last cold start: spawn -> `snapshot published` (HTTP + ConfigMap + statuses)", "", &|r| {
+        r.last.published.map_or("n/a".into(), ms)
+    });
+    row("snapshot size; ConfigMap encoding", "", &|r| format!("{} bytes; {}", r.snapshot_bytes, r.encoding));
+    row("Consul change -> ConfigMap, spaced (leading edge)", "", &|r| r.spaced.summary());
+    row("Consul change -> ConfigMap, back to back (inside the window)", &format!("p99 < {}", ms(budget)), &|r| {
+        r.back_to_back.summary()
+    });
+    row("Kubernetes watches opened (audit log, verb watch)", "one per key", &|r| match &r.audit {
+        Some(a) => format!(
+            "{} for {} keys (max {} per key)",
+            a.watches.values().sum::<usize>(),
+            a.watches.len(),
+            a.watches.values().max().unwrap_or(&0)
+        ),
+        None => "n/a (no audit log)".into(),
+    });
+    row("Kubernetes requests by the operator, by verb", "", &|r| match &r.audit {
+        Some(a) => a.verbs.iter().map(|(v, n)| format!("{v} {n}")).collect::<Vec<_>>().join(", "),
+        None => "n/a".into(),
+    });
+    row("Consul blocking queries held after start", "one per key", &|r| {
+        format!(
+            "{} services (max {} per service) + {} on /v1/catalog/services",
+            r.blocking_services, r.blocking_max_per_service, r.blocking_catalog
+        )
+    });
+    row("Consul requests to the first snapshot (services queried)", "", &|r| {
+        format!("{} ({})", r.bootstrap_requests, r.bootstrap_services_queried)
+    });
+    row("Consul requests per change", "", &|r| {
+        format!("{:.1}", r.change_requests as f64 / (2 * s.changes).max(1) as f64)
+    });
+    row("mean publication (HTTP + ConfigMap + statuses) during the changes", "", &|r| {
+        r.publish_mean.map_or("n/a".into(), ms)
+    });
+    row("peak connections to the simulator: to the first snapshot + 2 s; whole run", "", &|r| {
+        format!("{}; {}", r.peak_sim_connections_start, r.peak_sim_connections)
+    });
+    let mib = |kib: u64| format!("{:.0} MiB", kib as f64 / 1024.0);
+    row("operator peak RSS (VmHWM) at the end", "< 150 MiB", &|r| mib(r.memory_end.0));
+    row("operator VmHWM / VmRSS at the first snapshot; VmRSS at the end", "", &|r| {
+        format!("{} / {}; {}", mib(r.memory_first.0), mib(r.memory_first.1), mib(r.memory_end.1))
+    });
+    row("warnings in the operator log; exit", "", &|r| format!("{}; {}", r.last.warnings, r.exit));
+    println!();
+    for r in &runs {
+        let (cold, reflector) = (median(&r.cold), median(&r.reflector));
+        println!(
+            "--consul-max-connections {}: cold start {}, p99 {}, overhead {}, RSS {}",
+            r.max_connections,
+            if cold < Duration::from_secs(5) { "met" } else { "MISSED" },
+            if r.back_to_back.p99() < budget { "met" } else { "MISSED" },
+            if cold.as_secs_f64() <= 1.5 * reflector.as_secs_f64() { "met" } else { "MISSED" },
+            if r.memory_end.0 < 150 * 1024 { "met" } else { "MISSED" },
+        );
+    }
+    println!("wall time: {}", secs(wall.elapsed()));
+    Ok(())
+}
