@@ -1,6 +1,7 @@
 //! Benchmark of the whole operator at scale, against the local control plane (etcd +
 //! kube-apiserver from `e2e/cluster.sh`) and the in-process Consul simulator, on loopback
-//! only (not a timed test): `cargo run --release -p e2e --bin operator-bench`.
+//! only (not a timed test): `make bench-operator`, i.e.
+//! `cargo run --release -p e2e --bin operator-bench`. Results: docs/benchmarks.md.
 //!
 //! Setup, made before the operator starts (its duration is not a measure): 1,000 Consul
 //! services with one instance each; 10,000 Mappings (10 per service, spread over 5
@@ -8,18 +9,20 @@
 //! per namespace pointing at the simulator. Then, once per `--consul-max-connections`
 //! value (default 100 and 1200; 1200 gives every service a dedicated blocking query):
 //!
-//! 1. a bare kube-runtime reflector (in this process, the operator's kubeconfig, one per
-//!    namespace like the operator) lists and watches the same Mappings, median of 3;
-//! 2. the operator (release build, its own process) starts: time from spawn to the first
-//!    complete snapshot holding every Mapping at `GET /snapshot` (polled every 10 ms),
-//!    and to its "snapshot published" log line (HTTP, ConfigMap and statuses written);
-//! 3. Consul changes (one instance's port, through the catalog API), each timed until the
-//!    snapshot ConfigMap (watched, decoded with the operator's own `configmap::decode`)
-//!    holds the new port: spaced (each after a quiet coalescing window: the leading edge)
-//!    and back to back (each inside the window of the previous publication);
-//! 4. watches the operator opened (the audit log: verb `watch` by its ServiceAccount),
-//!    the simulator's blocking queries per service and request counts;
-//! 5. the operator's peak RSS (VmHWM) just before SIGTERM.
+//! 1. three times, interleaved: a bare kube-runtime reflector (in this process, with the
+//!    operator's kubeconfig, one per namespace like the operator) lists and watches the
+//!    same Mappings; then the operator (release build, its own process, a fresh simulator
+//!    on the same address) starts, timed from spawn to the first complete snapshot holding
+//!    every Mapping at `GET /snapshot` (polled every 10 ms); its log gives milestones;
+//! 2. with the third operator: Consul changes (one instance's port, through the catalog
+//!    API), each timed until the snapshot ConfigMap (watched, decoded with the operator's
+//!    own `configmap::decode`) holds the new port: spaced (each after a quiet coalescing
+//!    window: the leading edge) and back to back (each inside the window of the previous
+//!    publication);
+//! 3. watches the operator opened (the audit log: verb `watch` by its ServiceAccount, read
+//!    after it exits since a 1.20 API server audits a watch when it ends), the simulator's
+//!    blocking queries per service and request counts;
+//! 4. the operator's peak RSS (VmHWM) just before SIGTERM.
 //!
 //! Sizes: `BENCH_SERVICES` (1000), `BENCH_MAPPINGS_PER_SERVICE` (10), `BENCH_NAMESPACES`
 //! (5), `BENCH_CHANGES` (200 of each kind), `BENCH_MODES` (`100,1200`),
