@@ -2,5 +2,6 @@
 //! that runs the operator against a real local control plane.
 
 pub mod consul;
+pub mod fixtures;
 pub mod harness;
 pub mod sim;

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use consul_resolver_operator::publishers::configmap;
 use e2e::consul::{Consul, Instance};
+use e2e::fixtures::{mapping_yaml, ports, resolver_yaml};
 use e2e::harness::{Cluster, Operator, base64_decode, unique, wait_for};
 use e2e::sim::Outcome;
 use serde_json::Value;
@@ -19,30 +20,6 @@ const T: Duration = Duration::from_secs(30);
 /// Where `--snapshot-configmap` writes in these tests (the operator's RBAC allows it).
 const CM_NAMESPACE: &str = "consul-resolver-system";
 const MIB: usize = 1 << 20;
-
-fn resolver_yaml(ns: &str, name: &str, address: &str, extra: &str) -> String {
-    format!(
-        "apiVersion: consulresolver.io/v1alpha1\nkind: ConsulResolver\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  address: \"{address}\"\n{extra}"
-    )
-}
-
-/// A Mapping; `resolver: None` leaves `spec.resolver` out (a Kubernetes Service, or the
-/// `--default-resolver`).
-fn mapping_yaml(ns: &str, name: &str, service: &str, resolver: Option<&str>) -> String {
-    let resolver = resolver.map(|r| format!(", resolver: \"{r}\"")).unwrap_or_default();
-    format!(
-        "apiVersion: getambassador.io/v3alpha1\nkind: Mapping\nmetadata: {{name: {name}, namespace: {ns}}}\nspec: {{prefix: /{name}/, service: \"{service}\"{resolver}}}\n"
-    )
-}
-
-/// Ports of the endpoints of `service` under resolver `ns/name` in a snapshot.
-fn ports(snapshot: &Value, ns: &str, name: &str, service: &str) -> Option<Vec<u64>> {
-    let r = snapshot["resolvers"].as_array()?.iter().find(|r| r["namespace"] == ns && r["name"] == name)?;
-    let s = r["services"].as_array()?.iter().find(|s| s["name"] == service)?;
-    let mut p: Vec<u64> = s["endpoints"].as_array()?.iter().filter_map(|e| e["port"].as_u64()).collect();
-    p.sort();
-    Some(p)
-}
 
 /// The snapshot's entry for Mapping `ns/name`.
 fn mapping<'a>(snapshot: &'a Value, ns: &str, name: &str) -> Option<&'a Value> {

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use e2e::fixtures::mapping_yaml;
 use e2e::harness::{Cluster, Operator, unique, wait_for};
 use serde_json::Value;
 
@@ -29,11 +30,7 @@ fn metric(op: &Operator, name: &str) -> Option<f64> {
 }
 
 fn mapping(cluster: &Cluster, ns: &str, name: &str) {
-    cluster
-        .apply(&format!(
-            "apiVersion: getambassador.io/v3alpha1\nkind: Mapping\nmetadata: {{name: {name}, namespace: {ns}}}\nspec: {{prefix: /{name}/, service: 'svc-{name}:80'}}\n"
-        ))
-        .unwrap();
+    cluster.apply(&mapping_yaml(ns, name, &format!("svc-{name}:80"), None)).unwrap();
 }
 
 fn has(op: &Operator, name: &str) -> bool {

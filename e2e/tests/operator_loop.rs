@@ -5,31 +5,11 @@
 use std::time::Duration;
 
 use e2e::consul::Consul;
+use e2e::fixtures::{mapping_yaml, ports, resolver_yaml};
 use e2e::harness::{Cluster, Operator, free_port, unique, wait_for};
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(30);
-
-fn resolver_yaml(ns: &str, name: &str, address: &str, extra: &str) -> String {
-    format!(
-        "apiVersion: consulresolver.io/v1alpha1\nkind: ConsulResolver\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  address: \"{address}\"\n{extra}"
-    )
-}
-
-fn mapping_yaml(ns: &str, name: &str, service: &str, resolver: &str) -> String {
-    format!(
-        "apiVersion: getambassador.io/v3alpha1\nkind: Mapping\nmetadata: {{name: {name}, namespace: {ns}}}\nspec: {{prefix: /{name}/, service: \"{service}\", resolver: {resolver}}}\n"
-    )
-}
-
-/// Ports of the endpoints of `service` under resolver `ns/name` in a snapshot.
-fn ports(snapshot: &Value, ns: &str, name: &str, service: &str) -> Option<Vec<u64>> {
-    let r = snapshot["resolvers"].as_array()?.iter().find(|r| r["namespace"] == ns && r["name"] == name)?;
-    let s = r["services"].as_array()?.iter().find(|s| s["name"] == service)?;
-    let mut p: Vec<u64> = s["endpoints"].as_array()?.iter().filter_map(|e| e["port"].as_u64()).collect();
-    p.sort();
-    Some(p)
-}
 
 /// In-flight blocking queries the simulator holds for `service` (simulator only).
 fn blocking(consul: &Consul, service: &str) -> Option<usize> {
@@ -49,9 +29,9 @@ fn consul_endpoints_follow_the_catalog_and_shared_services_are_queried_once() {
     cluster.apply(&resolver_yaml(&a, "consul", &addr, "  datacenter: dc1\n")).unwrap();
     // Same settings in another namespace: its queries are the same queries.
     cluster.apply(&resolver_yaml(&b, "consul", &format!("http://{addr}"), "  datacenter: dc1\n")).unwrap();
-    cluster.apply(&mapping_yaml(&a, "m1", &format!("{svc}:8080"), "consul")).unwrap();
-    cluster.apply(&mapping_yaml(&a, "m2", &format!("http://{svc}"), "consul")).unwrap();
-    cluster.apply(&mapping_yaml(&b, "m3", &svc, "consul")).unwrap();
+    cluster.apply(&mapping_yaml(&a, "m1", &format!("{svc}:8080"), Some("consul"))).unwrap();
+    cluster.apply(&mapping_yaml(&a, "m2", &format!("http://{svc}"), Some("consul"))).unwrap();
+    cluster.apply(&mapping_yaml(&b, "m3", &svc, Some("consul"))).unwrap();
 
     let cm = format!("snap-{}", unique());
     let cm_arg = format!("consul-resolver-system/{cm}");
@@ -115,7 +95,7 @@ fn consul_endpoints_follow_the_catalog_and_shared_services_are_queried_once() {
     // Every Mapping moves to another service: the old watch stops, the new one starts.
     consul.register("node-3", "127.0.0.1", &svc2, &format!("{svc2}-1"), 21003, "passing").unwrap();
     for (ns, m) in [(&a, "m1"), (&a, "m2"), (&b, "m3")] {
-        cluster.apply(&mapping_yaml(ns, m, &svc2, "consul")).unwrap();
+        cluster.apply(&mapping_yaml(ns, m, &svc2, Some("consul"))).unwrap();
     }
     let snap = op
         .wait_snapshot("the Mappings on the new service", T, |s| {
@@ -146,9 +126,9 @@ fn problems_are_reported_not_guessed() {
 
     cluster.apply(&resolver_yaml(&ns, "broken", "${NOT_SET_ANYWHERE}:8500", "")).unwrap();
     cluster.apply(&resolver_yaml(&ns, "good", &consul.address(), "")).unwrap();
-    cluster.apply(&mapping_yaml(&ns, "via-broken", "web", "broken")).unwrap();
-    cluster.apply(&mapping_yaml(&ns, "nowhere", "web", "no-such-resolver")).unwrap();
-    cluster.apply(&mapping_yaml(&ns, "bad-port", "web:99999", "good")).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "via-broken", "web", Some("broken"))).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "nowhere", "web", Some("no-such-resolver"))).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "bad-port", "web:99999", Some("good"))).unwrap();
 
     let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
     op.wait_ready(T).unwrap();
@@ -199,7 +179,7 @@ fn unreachable_consul_publishes_after_the_bootstrap_timeout() {
     // A loopback port nothing listens on.
     let dead = format!("127.0.0.1:{}", free_port());
     cluster.apply(&resolver_yaml(&ns, "dead", &dead, "")).unwrap();
-    cluster.apply(&mapping_yaml(&ns, "m", "ghost", "dead")).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "m", "ghost", Some("dead"))).unwrap();
     let mut op = Operator::start(cluster, &["--namespace", &ns, "--bootstrap-timeout", "3s"]).unwrap();
     op.wait_ready(T).unwrap();
     let snap = op.snapshot().unwrap();
