@@ -79,6 +79,18 @@ fn seconds(d: Duration) -> i32 {
     d.as_secs().clamp(1, i32::MAX as u64) as i32
 }
 
+/// The spec of a lease we have just taken, at `now`.
+fn held(config: &LeaseConfig, now: Option<MicroTime>, transitions: i32) -> LeaseSpec {
+    LeaseSpec {
+        holder_identity: Some(config.identity.clone()),
+        lease_duration_seconds: Some(seconds(config.duration)),
+        acquire_time: now.clone(),
+        renew_time: now,
+        lease_transitions: Some(transitions),
+        ..Default::default()
+    }
+}
+
 async fn campaign(api: Api<Lease>, config: LeaseConfig, tx: watch::Sender<bool>, stop: CancellationToken) {
     let name = config.lease.name.clone();
     let mut election = Election::new(config.identity.clone(), config.duration, config.renew_deadline());
@@ -98,14 +110,7 @@ async fn campaign(api: Api<Lease>, config: LeaseConfig, tx: watch::Sender<bool>,
                     (Action::Create, _) => {
                         let lease = Lease {
                             metadata: ObjectMeta { name: Some(name.clone()), ..Default::default() },
-                            spec: Some(LeaseSpec {
-                                holder_identity: Some(config.identity.clone()),
-                                lease_duration_seconds: Some(seconds(config.duration)),
-                                acquire_time: stamp.clone(),
-                                renew_time: stamp,
-                                lease_transitions: Some(0),
-                                ..Default::default()
-                            }),
+                            spec: Some(held(&config, stamp, 0)),
                         };
                         Some(api.create(&PostParams::default(), &lease).await)
                     }
@@ -116,14 +121,7 @@ async fn campaign(api: Api<Lease>, config: LeaseConfig, tx: watch::Sender<bool>,
                         Some(api.replace(&name, &PostParams::default(), &lease).await)
                     }
                     (Action::Acquire { transitions, .. }, Some(mut lease)) => {
-                        lease.spec = Some(LeaseSpec {
-                            holder_identity: Some(config.identity.clone()),
-                            lease_duration_seconds: Some(seconds(config.duration)),
-                            acquire_time: stamp.clone(),
-                            renew_time: stamp,
-                            lease_transitions: Some(transitions),
-                            ..Default::default()
-                        });
+                        lease.spec = Some(held(&config, stamp, transitions));
                         Some(api.replace(&name, &PostParams::default(), &lease).await)
                     }
                     (Action::Renew { .. } | Action::Acquire { .. }, None) => None,
