@@ -189,7 +189,7 @@ impl Pipeline {
                         continue;
                     }
                     self.last_id += 1;
-                    return Step::Publish(Arc::new(content.into_snapshot(self.last_id)));
+                    return Step::Publish(Arc::new(content.into_snapshot_with_hash(self.last_id, hash)));
                 }
             }
         }

@@ -160,6 +160,14 @@ impl Content {
 
     pub fn into_snapshot(self, id: u64) -> Snapshot {
         let hash = self.hash();
+        self.into_snapshot_with_hash(id, hash)
+    }
+
+    /// [`Content::into_snapshot`] for a caller that has just computed `self.hash()`: at
+    /// scale, serialising the content for its hash is the costliest step of a publication,
+    /// so it is done once.
+    pub fn into_snapshot_with_hash(self, id: u64, hash: String) -> Snapshot {
+        debug_assert_eq!(hash, self.hash());
         Snapshot { api_version: API_VERSION.into(), kind: KIND.into(), id, hash, content: self }
     }
 
