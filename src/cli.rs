@@ -91,6 +91,22 @@ pub struct RunArgs {
     #[arg(long, env = "ON_SNAPSHOT_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub on_snapshot_timeout: Duration,
 
+    /// Deadline of every Kubernetes request that is not a watch (lists, discovery, the
+    /// ConfigMap, statuses, Events, the Lease): a silent API server fails it instead of
+    /// holding it for minutes.
+    #[arg(long, env = "KUBE_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
+    pub kube_timeout: Duration,
+
+    /// Deadline of each publisher's part of one publication (the hook has its own,
+    /// --on-snapshot-timeout): a hung publisher fails the publication, which is retried.
+    #[arg(long, env = "PUBLISH_TIMEOUT", default_value = "60s", value_parser = parse_positive_duration)]
+    pub publish_timeout: Duration,
+
+    /// How often the snapshot ConfigMap and each resolver's status are compared with the
+    /// cluster and repaired when deleted or edited.
+    #[arg(long, env = "RESYNC_PERIOD", default_value = "5m", value_parser = parse_positive_duration)]
+    pub resync_period: Duration,
+
     /// Address for /metrics, /healthz, /readyz, /snapshot and /snapshots/<id>.
     #[arg(long, env = "LISTEN", default_value = "0.0.0.0:8080")]
     pub listen: SocketAddr,
@@ -163,6 +179,13 @@ fn parse_lease_duration(s: &str) -> Result<Duration, String> {
         return Err(format!("{s:?}: a lease lasts whole seconds, at least 2s"));
     }
     Ok(d)
+}
+
+fn parse_positive_duration(s: &str) -> Result<Duration, String> {
+    match parse_duration(s)? {
+        d if d.is_zero() => Err(format!("{s:?} must be more than zero")),
+        d => Ok(d),
+    }
 }
 
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -246,6 +269,8 @@ mod tests {
         assert_eq!(r.consul_max_connections, 100);
         assert_eq!(r.ambassador_id, "default");
         assert!(r.namespaces.is_empty() && r.watches.is_empty());
+        assert_eq!((r.kube_timeout, r.publish_timeout), (Duration::from_secs(10), Duration::from_secs(60)));
+        assert_eq!(r.resync_period, Duration::from_secs(300));
     }
 
     #[test]
@@ -286,6 +311,8 @@ mod tests {
             (&["--listen", "localhost"][..], "--listen"),
             (&["--leader-election-lease", "lease"][..], "--leader-election-lease"),
             (&["--leader-election-duration", "1500ms"][..], "--leader-election-duration"),
+            (&["--kube-timeout", "0s"][..], "--kube-timeout"),
+            (&["--resync-period", "never"][..], "--resync-period"),
         ] {
             let e = run(args).unwrap_err();
             let first = e.render().to_string();

@@ -12,10 +12,14 @@
 
 pub mod api;
 pub mod cli;
+pub mod controller;
 pub mod core;
 pub mod crdgen;
-pub mod lease;
+pub mod kube_client;
+pub mod leadership;
 pub mod metrics;
 pub mod publishers;
 pub mod runtime;
 pub mod sources;
+#[cfg(test)]
+mod test_fixtures;

@@ -8,6 +8,18 @@ use prometheus::{
 #[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
+    /// Watch failures by source and reason (`forbidden`, `bad_request`, `gone`, `transport`,
+    /// ...): a rejected watch is reported on its object and counted here.
+    pub watch_errors: IntCounterVec,
+    /// Resolver reconciles by result (`success`, `error`), as controller-runtime counts them.
+    pub reconciles: IntCounterVec,
+    /// Failed resolver reconciles by reason (`conflict`, `timeout`, `not_leading`, ...).
+    pub reconcile_errors: IntCounterVec,
+    pub reconcile_seconds: Histogram,
+    /// Events that could not be written (they never fail a reconcile).
+    pub event_failures: IntCounter,
+    /// Cluster copies found deleted or edited and written again, by what (`configmap`).
+    pub repairs: IntCounterVec,
     pub snapshots_published: IntCounter,
     pub snapshot_id: IntGauge,
     pub publish_failures: IntCounterVec,
@@ -29,6 +41,32 @@ impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new_custom(Some("consul_resolver".into()), None).expect("valid prefix");
         let m = Metrics {
+            watch_errors: IntCounterVec::new(
+                Opts::new("watch_errors_total", "Failed watches by source and reason"),
+                &["source", "reason"],
+            )
+            .unwrap(),
+            reconciles: IntCounterVec::new(
+                Opts::new("reconcile_total", "ConsulResolver reconciles (status and Events) by result"),
+                &["result"],
+            )
+            .unwrap(),
+            reconcile_errors: IntCounterVec::new(
+                Opts::new("reconcile_errors_total", "Failed ConsulResolver reconciles by reason"),
+                &["reason"],
+            )
+            .unwrap(),
+            reconcile_seconds: Histogram::with_opts(HistogramOpts::new(
+                "reconcile_duration_seconds",
+                "Time to reconcile one ConsulResolver (status and Events)",
+            ))
+            .unwrap(),
+            event_failures: IntCounter::new("event_failures_total", "Events that could not be written").unwrap(),
+            repairs: IntCounterVec::new(
+                Opts::new("repairs_total", "Cluster copies found deleted or edited and written again"),
+                &["object"],
+            )
+            .unwrap(),
             snapshots_published: IntCounter::new("snapshots_published_total", "Snapshots published").unwrap(),
             snapshot_id: IntGauge::new("snapshot_id", "Id of the last published snapshot").unwrap(),
             publish_failures: IntCounterVec::new(
@@ -54,7 +92,13 @@ impl Metrics {
             registry,
         };
         for c in [
-            Box::new(m.snapshots_published.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(m.watch_errors.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(m.reconciles.clone()),
+            Box::new(m.reconcile_errors.clone()),
+            Box::new(m.reconcile_seconds.clone()),
+            Box::new(m.event_failures.clone()),
+            Box::new(m.repairs.clone()),
+            Box::new(m.snapshots_published.clone()),
             Box::new(m.snapshot_id.clone()),
             Box::new(m.publish_failures.clone()),
             Box::new(m.publish_seconds.clone()),

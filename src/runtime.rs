@@ -2,38 +2,41 @@
 //!
 //! One loop owns the pipeline. It drains events in batches (so a flood of 10,000 list
 //! events is one reconciliation, not 10,000), applies the registry's diffs to the running
-//! watches, and runs at most one publication at a time as its own task.
+//! watches, feeds the resolver controller's store, and runs at most one task at a time
+//! against the publishers: a publication, or (every resync period) a repair of the
+//! snapshot ConfigMap. Every publisher's part has a deadline, so a hung one fails the
+//! publication (retried with backoff) instead of holding back every later one.
 //!
 //! With leader election, every replica watches, assembles and serves HTTP (and runs its
-//! hook), but only the lease holder writes to the cluster (ConfigMap, statuses, Events).
-//! A replica that becomes leader writes the current snapshot at once, numbered after the
-//! one already in the ConfigMap.
+//! hook), but only the lease holder writes to the cluster (ConfigMap, statuses, Events),
+//! each write bounded by its leadership deadline. A replica that becomes leader writes the
+//! current snapshot at once, numbered after the one already in the ConfigMap.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant as StdInstant;
+use std::time::{Duration, Instant as StdInstant, SystemTime};
 
 use anyhow::Context;
 use kube::Client;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::mapping::{self, MappingKind};
 use crate::cli::RunArgs;
+use crate::controller::ResolverController;
 use crate::core::aggregator::Event;
 use crate::core::assembler::{self, EndpointsApi, Snapshot};
 use crate::core::keys::{KubeKey, WatchKey};
-use crate::core::pipeline::{Pipeline, Step};
-use crate::lease::{Leadership, LeaseConfig};
+use crate::core::pipeline::{Pipeline, Step, WallClock};
+use crate::leadership::{Campaign, Leadership, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::publishers::Publisher;
 use crate::publishers::configmap::ConfigMapPublisher;
-use crate::publishers::events::EventPublisher;
 use crate::publishers::hook::HookPublisher;
 use crate::publishers::http::{self, HttpPublisher, ServerState, SnapshotStore};
-use crate::publishers::status::StatusPublisher;
 use crate::sources::consul::{ConsulSource, Settings as ConsulSettings};
 use crate::sources::kube::KubeSource;
 use crate::sources::{Source, Watches};
@@ -79,7 +82,8 @@ async fn endpoints_api(client: &Client) -> EndpointsApi {
     }
 }
 
-/// This replica's name in the lease and in Events' `reportingInstance`.
+/// This replica's name in the lease, in Events' `reportingInstance` and in its
+/// User-Agent.
 fn identity(args: &RunArgs) -> String {
     args.leader_election_identity.clone().unwrap_or_else(|| {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
@@ -88,14 +92,26 @@ fn identity(args: &RunArgs) -> String {
     })
 }
 
-/// Where snapshots go: `local` ones on every replica, `cluster` ones only on the leader.
+/// Where snapshots go: `local` ones on every replica, the ConfigMap only on the leader.
 struct Publishers {
     local: Vec<Arc<dyn Publisher>>,
-    cluster: Vec<Arc<dyn Publisher>>,
+    configmap: Option<Arc<ConfigMapPublisher>>,
+    leadership: Leadership,
+    timeout: Duration,
+    metrics: Metrics,
+}
+
+/// What the one task against the publishers is doing.
+enum Task {
+    Publication(Arc<Snapshot>, JoinHandle<bool>),
+    Repair(JoinHandle<()>),
 }
 
 pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let client = Client::try_default().await.context("cannot build a Kubernetes client (KUBECONFIG or in-cluster)")?;
+    let identity = identity(&args);
+    let client = crate::kube_client::client(&identity, args.kube_timeout)
+        .await
+        .context("cannot build a Kubernetes client (KUBECONFIG or in-cluster)")?;
     let metrics = Metrics::new();
     let store = Arc::new(SnapshotStore::default());
     let ready = Arc::new(AtomicBool::new(false));
@@ -113,7 +129,7 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
         env: std::env::vars().collect(),
         static_watches: args.watches.clone(),
     };
-    tracing::info!(endpoints = ?config.endpoints_api, watches = fixed.len(), "starting");
+    tracing::info!(endpoints = ?config.endpoints_api, watches = fixed.len(), %identity, "starting");
 
     let (tx, mut rx) = mpsc::channel::<Event>(4096);
     let consul = ConsulSource::new(ConsulSettings {
@@ -121,50 +137,61 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
         max_connections: args.consul_max_connections as usize,
         ..ConsulSettings::default()
     });
-    let sources: Vec<Arc<dyn Source>> = vec![Arc::new(KubeSource::new(client.clone())), Arc::new(consul)];
+    let sources: Vec<Arc<dyn Source>> =
+        vec![Arc::new(KubeSource::new(client.clone(), metrics.clone())), Arc::new(consul)];
     let mut watches = Watches::new(sources, tx);
-    let mut pipeline = Pipeline::new(config, args.bootstrap_timeout, args.coalesce_window);
+    let clock = WallClock { instant: Instant::now(), wall: SystemTime::now() };
+    let mut pipeline = Pipeline::new(config, args.bootstrap_timeout, args.coalesce_window, clock);
     watches.apply(&pipeline.set_fixed(fixed, Instant::now()));
 
-    let identity = identity(&args);
+    let (mut leadership, campaign) = match args.leader_election_lease.clone() {
+        Some(lease) => {
+            tracing::info!(%lease, %identity, "campaigning for the leader lease");
+            let config = LeaseConfig { lease, identity: identity.clone(), duration: args.leader_election_duration };
+            let (leadership, campaign) = Campaign::spawn(client.clone(), config);
+            (leadership, Some(campaign))
+        }
+        None => (Leadership::always(), None),
+    };
+
     let mut local: Vec<Arc<dyn Publisher>> = vec![Arc::new(HttpPublisher(store))];
     if let Some(command) = args.on_snapshot.clone() {
         let dir = std::env::temp_dir().join("consul-resolver-operator");
         local.push(Arc::new(HookPublisher::new(command, args.on_snapshot_timeout, dir)));
     }
-    let configmap = args.snapshot_configmap.clone().map(|t| Arc::new(ConfigMapPublisher::new(client.clone(), t)));
-    let mut cluster: Vec<Arc<dyn Publisher>> = Vec::new();
-    if let Some(c) = &configmap {
-        cluster.push(c.clone());
-    }
-    cluster.push(Arc::new(StatusPublisher::new(client.clone())));
-    cluster.push(Arc::new(EventPublisher::new(client.clone(), identity.clone(), metrics.clone())));
-    let publishers = Arc::new(Publishers { local, cluster });
+    let configmap = args
+        .snapshot_configmap
+        .clone()
+        .map(|t| Arc::new(ConfigMapPublisher::new(client.clone(), t, leadership.clone())));
+    // The hook has its own limit, which kills it: give it that, plus a moment to reap.
+    let publish_timeout = args.publish_timeout.max(args.on_snapshot_timeout + Duration::from_secs(5));
+    let publishers = Arc::new(Publishers {
+        local,
+        configmap: configmap.clone(),
+        leadership: leadership.clone(),
+        timeout: publish_timeout,
+        metrics: metrics.clone(),
+    });
+    let mut controller = ResolverController::spawn(
+        client.clone(),
+        leadership.clone(),
+        identity.clone(),
+        metrics.clone(),
+        args.resync_period,
+    );
 
-    // Without a lease this process always leads; the sender lives as long as the loop.
-    let (_always, mut leader, leadership) = match args.leader_election_lease.clone() {
-        Some(lease) => {
-            tracing::info!(%lease, %identity, "campaigning for the leader lease");
-            let config = LeaseConfig { lease, identity: identity.clone(), duration: args.leader_election_duration };
-            let (rx, leadership) = Leadership::spawn(client.clone(), config);
-            (None, rx, Some(leadership))
-        }
-        None => {
-            let (tx, rx) = watch::channel(true);
-            (Some(tx), rx, None)
-        }
-    };
-    let mut leading = *leader.borrow_and_update();
+    let mut leading = leadership.is_leading();
     metrics.leader.set(leading as i64);
-    let mut in_flight: Option<(Arc<Snapshot>, tokio::task::JoinHandle<bool>)> = None;
+    let mut task: Option<Task> = None;
     let mut logged_waiting = false;
+    let mut repair_due = Instant::now() + args.resync_period;
 
     loop {
-        let step = if in_flight.is_none() { pipeline.poll(Instant::now()) } else { Step::Idle };
+        let step = if task.is_none() { pipeline.poll(Instant::now()) } else { Step::Idle };
         let wake = match step {
             Step::Publish(snapshot) => {
-                let task = tokio::spawn(publish(publishers.clone(), leader.clone(), snapshot.clone(), metrics.clone()));
-                in_flight = Some((snapshot, task));
+                let handle = tokio::spawn(publish(publishers.clone(), snapshot.clone()));
+                task = Some(Task::Publication(snapshot, handle));
                 continue;
             }
             Step::WaitUntil(at) => Some(at),
@@ -176,14 +203,17 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
         }
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            Ok(()) = leader.changed() => {
-                let now_leading = *leader.borrow_and_update();
-                metrics.leader.set(now_leading as i64);
+            () = leadership.changed() => {
+                let now_leading = leadership.is_leading();
+                if now_leading != leading {
+                    tracing::info!(%identity, leading = now_leading, "leadership changed");
+                    metrics.leader.set(now_leading as i64);
+                }
                 if now_leading && !leading {
                     // Another replica may have written since we last did (or we never
                     // did): write everything again, continuing its snapshot ids.
-                    for p in &publishers.cluster {
-                        p.forget();
+                    if let Some(c) = &configmap {
+                        c.forget();
                     }
                     let floor = match &configmap {
                         Some(c) => c.published_id().await.unwrap_or_else(|e| {
@@ -193,6 +223,7 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
                         None => None,
                     };
                     pipeline.republish(floor.unwrap_or(0));
+                    controller.leading();
                 }
                 leading = now_leading;
             }
@@ -210,28 +241,49 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
                 }
                 let diff = pipeline.apply(batch, Instant::now());
                 watches.apply(&diff);
+                controller.sync(pipeline.world());
                 for (source, n) in watches.counts() {
                     metrics.watches.with_label_values(&[source]).set(n as i64);
                 }
             }
-            done = async { (&mut in_flight.as_mut().expect("guarded by is_some").1).await }, if in_flight.is_some() => {
-                let (snapshot, _) = in_flight.take().expect("guarded by is_some");
-                let ok = done.unwrap_or(false);
-                pipeline.published(&snapshot, ok, Instant::now());
-                if ok {
-                    ready.store(true, Ordering::Relaxed);
-                    metrics.bootstrapped.set(1);
+            done = finished(&mut task), if task.is_some() => {
+                match (task.take(), done) {
+                    (Some(Task::Publication(snapshot, _)), ok) => {
+                        pipeline.published(&snapshot, ok, Instant::now());
+                        controller.published(snapshot);
+                        if ok {
+                            ready.store(true, Ordering::Relaxed);
+                            metrics.bootstrapped.set(1);
+                        }
+                    }
+                    (Some(Task::Repair(_)), _) | (None, _) => {}
+                }
+            }
+            _ = tokio::time::sleep_until(repair_due), if task.is_none() => {
+                repair_due = Instant::now() + args.resync_period;
+                if let Some(c) = configmap.clone().filter(|_| leadership.is_leading()) {
+                    let metrics = metrics.clone();
+                    task = Some(Task::Repair(tokio::spawn(async move {
+                        match c.repair().await {
+                            Ok(names) if names.is_empty() => {}
+                            Ok(names) => {
+                                tracing::warn!(configmaps = ?names, "the snapshot ConfigMap was deleted or edited; written again");
+                                metrics.repairs.with_label_values(&["configmap"]).inc();
+                            }
+                            Err(e) => tracing::warn!(error = %e, "cannot check the snapshot ConfigMap; trying again at the next resync"),
+                        }
+                    })));
                 }
             }
             _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {}
         }
     }
-    // Let a publication in flight finish: a half-written snapshot helps nobody.
-    if let Some((_, task)) = in_flight {
-        let _ = task.await;
-    }
-    if let Some(leadership) = leadership {
-        leadership.release().await;
+    // Let the task in flight finish: a half-written snapshot helps nobody (each write is
+    // bounded by the leadership deadline and the publish timeout).
+    let _ = finished(&mut task).await;
+    controller.shutdown(args.kube_timeout).await;
+    if let Some(campaign) = campaign {
+        campaign.release().await;
     }
     drop(watches);
     let _ = server.await;
@@ -239,20 +291,35 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
     Ok(())
 }
 
-async fn publish(
-    publishers: Arc<Publishers>,
-    leader: watch::Receiver<bool>,
-    snapshot: Arc<Snapshot>,
-    metrics: Metrics,
-) -> bool {
+/// Waits for the task in flight: `true` for a publication that succeeded.
+async fn finished(task: &mut Option<Task>) -> bool {
+    match task {
+        Some(Task::Publication(_, handle)) => handle.await.unwrap_or(false),
+        Some(Task::Repair(handle)) => {
+            let _ = handle.await;
+            true
+        }
+        None => true,
+    }
+}
+
+/// One publication: every local publisher, then the ConfigMap while leading, each within
+/// the publish timeout.
+async fn publish(publishers: Arc<Publishers>, snapshot: Arc<Snapshot>) -> bool {
     let started = StdInstant::now();
+    let metrics = &publishers.metrics;
     let mut ok = true;
-    // Leadership is checked before each cluster write, so a replica that loses the lease
-    // mid-publication stops writing at the next publisher (it lost it with a third of the
-    // lease duration to spare).
-    let cluster = publishers.cluster.iter().filter(|_| *leader.borrow());
-    for p in publishers.local.iter().chain(cluster) {
-        if let Err(e) = p.publish(snapshot.clone()).await {
+    let cluster = publishers
+        .configmap
+        .iter()
+        .filter(|_| publishers.leadership.is_leading())
+        .map(|c| c.clone() as Arc<dyn Publisher>);
+    for p in publishers.local.iter().cloned().chain(cluster) {
+        let result = match tokio::time::timeout(publishers.timeout, p.publish(snapshot.clone())).await {
+            Ok(r) => r,
+            Err(_) => Err(format!("did not finish within {:?} (--publish-timeout)", publishers.timeout)),
+        };
+        if let Err(e) = result {
             tracing::warn!(publisher = p.name(), id = snapshot.id, error = %e, "publication failed; will retry");
             metrics.publish_failures.with_label_values(&[p.name()]).inc();
             ok = false;

@@ -1,15 +1,16 @@
 //! docs/snapshot.schema.json describes what the operator really publishes: a snapshot
 //! assembled by the core from a realistic world (every kind of target, problems, an
-//! invalid resolver, a Consul service that never answered) validates against it.
+//! invalid resolver, a Consul service that never answered, a service whose endpoints are
+//! stale, a Kubernetes Service the operator may not watch) validates against it.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use consul_resolver_operator::core::aggregator::{ConsulEvent, Event, KubeEvent};
+use consul_resolver_operator::core::aggregator::{ConsulEvent, Event, KubeEvent, WatchFailure};
 use consul_resolver_operator::core::assembler::{Config, EndpointsApi, Snapshot};
 use consul_resolver_operator::core::keys::{KubeKey, WatchKey};
 use consul_resolver_operator::core::model::{Endpoint, Health, KubeObject};
-use consul_resolver_operator::core::pipeline::{Pipeline, Step};
+use consul_resolver_operator::core::pipeline::{Pipeline, Step, WallClock};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
@@ -46,7 +47,9 @@ async fn realistic_snapshot() -> Snapshot {
         static_watches: vec![configmaps.clone()],
         ..Config::default()
     };
-    let mut p = Pipeline::new(cfg, BOOTSTRAP, Duration::from_millis(250));
+    let clock =
+        WallClock { instant: Instant::now(), wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_413_600) };
+    let mut p = Pipeline::new(cfg, BOOTSTRAP, Duration::from_millis(250), clock);
     let now = Instant::now();
     let fixed: BTreeSet<WatchKey> =
         [resolvers.clone(), mappings.clone(), configmaps.clone()].into_iter().map(WatchKey::Kube).collect();
@@ -77,6 +80,8 @@ async fn realistic_snapshot() -> Snapshot {
                 mapping("literal", json!({"service": "10.9.9.9:443", "prefix": "/l/"})),
                 mapping("missing", json!({"service": "api", "resolver": "nope", "prefix": "/m/"})),
                 mapping("via-broken", json!({"service": "api", "resolver": "broken", "prefix": "/x/"})),
+                mapping("flaky", json!({"service": "flaky", "resolver": "consul", "prefix": "/f/"})),
+                mapping("vault", json!({"service": "vault.locked:8200", "prefix": "/v/"})),
             ],
         ),
         now,
@@ -106,7 +111,29 @@ async fn realistic_snapshot() -> Snapshot {
             WatchKey::Kube(_) => None,
         })
         .collect();
+    p.apply(
+        [Event::Kube(
+            EndpointsApi::Endpoints.key("locked", "vault"),
+            KubeEvent::Failed(WatchFailure::rejected("the API server answered 403 Forbidden: endpoints is forbidden")),
+        )],
+        now,
+    );
     for key in consul_keys {
+        if key.service == "flaky" {
+            // Answers, then fails: its endpoints are kept, stale.
+            let endpoints = vec![Endpoint {
+                address: "10.0.0.8".into(),
+                port: 9000,
+                node: "node-2".into(),
+                service_id: "flaky-1".into(),
+                tags: vec![],
+                meta: BTreeMap::new(),
+                health: Health::Passing,
+            }];
+            p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 7, endpoints })], now);
+            p.apply([Event::Consul(key, ConsulEvent::Failed("500 No cluster leader".into()))], now);
+            continue;
+        }
         let event = if key.service == "billing" {
             ConsulEvent::Answer {
                 index: 41,
@@ -144,9 +171,13 @@ async fn a_published_snapshot_validates_against_the_schema() {
     assert_eq!(doc["bootstrap"]["complete"], json!(false));
     assert_eq!(doc["bootstrap"]["unsynced"], json!(["shop/consul/silent"]));
     assert!(!doc["problems"].as_array().unwrap().is_empty());
-    assert!(doc["resolvers"].as_array().unwrap().iter().any(|r| r.get("invalid").is_some()));
+    assert!(doc["resolvers"].as_array().unwrap().iter().any(|r| r.get("unusable").is_some()));
+    let services = doc["resolvers"].as_array().unwrap().iter().flat_map(|r| r["services"].as_array().unwrap());
+    assert!(services.clone().any(|s| s.get("stale").is_some()), "{doc:#}");
+    assert!(doc["kubernetesServices"].as_array().unwrap().iter().any(|s| s.get("error").is_some()), "{doc:#}");
     assert!(doc["resolvers"].as_array().unwrap().iter().any(|r| r["generation"] == json!(2)));
-    assert_eq!(doc["kubernetesServices"][0]["endpoints"].as_array().unwrap().len(), 2);
+    let web = doc["kubernetesServices"].as_array().unwrap().iter().find(|s| s["name"] == "web").unwrap();
+    assert_eq!(web["endpoints"].as_array().unwrap().len(), 2);
     assert_eq!(doc["watched"][0]["objects"][0]["metadata"]["name"], json!("extra"));
 
     let validator = schema();
@@ -161,7 +192,13 @@ async fn the_schema_rejects_what_the_operator_never_writes() {
     let validator = schema();
     // Resolvers are sorted: [0] is shop/broken, [1] is shop/consul.
     type Mutation = (&'static str, fn(&mut Value));
-    let mutations: [Mutation; 5] = [
+    let mutations: [Mutation; 7] = [
+        ("unknown unusable reason", |d| d["resolvers"][0]["unusable"]["reason"] = json!("Broken")),
+        ("stale without since", |d| {
+            let services = d["resolvers"][1]["services"].as_array_mut().unwrap();
+            let flaky = services.iter_mut().find(|s| s["name"] == "flaky").unwrap();
+            flaky["stale"].as_object_mut().unwrap().remove("since");
+        }),
         ("unknown target type", |d| d["mappings"][0]["target"]["type"] = json!("dns")),
         ("port out of range", |d| d["resolvers"][1]["services"][0]["endpoints"][0]["port"] = json!(70000)),
         ("null instead of absent", |d| d["resolvers"][1]["datacenter"] = Value::Null),

@@ -2,6 +2,7 @@
 //! Ambassador's `Mapping`/`TCPMapping`, plus the parser for a Mapping's `service`.
 
 pub mod mapping;
+pub mod names;
 pub mod resolver;
 pub mod service;
 

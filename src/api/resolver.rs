@@ -18,6 +18,8 @@ pub mod condition {
     pub const BOOTSTRAPPED: &str = "Bootstrapped";
     /// Reason used on `Ready=False` when the spec cannot be used as written.
     pub const REASON_INVALID_SPEC: &str = "InvalidSpec";
+    /// Reason used when a Secret the spec names is missing or unreadable.
+    pub const REASON_SECRET_UNAVAILABLE: &str = "SecretUnavailable";
 }
 
 /// Where and how to query Consul for the services of Mappings that name this resolver.
@@ -198,6 +200,20 @@ pub struct ServiceStatus {
     /// The last error querying this service, if the last query failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
+    /// Present when the endpoints published for this service are the ones last obtained,
+    /// not a current answer (the resolver's settings changed, its spec or Secret is not
+    /// usable, or its queries fail).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stale: Option<StaleStatus>,
+}
+
+/// Since when, and why, a service's published endpoints are not current.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StaleStatus {
+    /// RFC 3339 time from which they have been stale.
+    pub since: String,
+    pub reason: String,
 }
 
 impl ConsulResolverSpec {

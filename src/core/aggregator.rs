@@ -5,12 +5,15 @@
 //! store, sharing a watch shares its cache, and a delete reaches every consumer (which
 //! kube-runtime's shared streams do not do on their own).
 //!
-//! Completeness (bootstrap): a Kubernetes key is synced once it has listed; it has no
-//! timeout, because publishing half the Mappings black-holes the other half. A Consul key
-//! is synced once Consul answered (an empty list is an answer), or once the bootstrap
-//! timeout has passed since the key was added, so one dead Consul cannot block all
-//! configuration; such a key is published as unsynced. Time is passed in, never read, so
-//! this module is tested with a paused clock and no I/O.
+//! Completeness (bootstrap) gates only the first publication (see the pipeline). The
+//! operator's fixed keys (its own kinds, `--watch`) must have listed; they have no timeout,
+//! because publishing half the Mappings black-holes the other half. A key the world implies
+//! (a Secret, a Service's endpoints, a Consul service) is settled once it has listed or
+//! answered (an empty list is an answer), once the API server has rejected its watch, or
+//! once the bootstrap timeout has passed since it was added: one dead Consul or one
+//! forbidden namespace cannot block all configuration; such a key is published as
+//! unsynced. Time is passed in, never read, so this module is tested with a paused clock
+//! and no I/O.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -31,7 +34,28 @@ pub enum KubeEvent {
     Applied(KubeObject),
     Deleted(ObjectId),
     /// The watch failed; the source retries with backoff. The store keeps its objects.
-    Failed(String),
+    Failed(WatchFailure),
+}
+
+/// Why a Kubernetes watch failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchFailure {
+    pub message: String,
+    /// The API server refused the request itself (a 4xx other than 410 Gone and 429): the
+    /// same request keeps failing until something else changes (RBAC, the object that
+    /// implied the watch). It is reported on that object; transient failures (the API
+    /// server restarting, a dropped connection) are retried without a word in the snapshot.
+    pub rejected: bool,
+}
+
+impl WatchFailure {
+    pub fn transient(message: impl Into<String>) -> Self {
+        WatchFailure { message: message.into(), rejected: false }
+    }
+
+    pub fn rejected(message: impl Into<String>) -> Self {
+        WatchFailure { message: message.into(), rejected: true }
+    }
 }
 
 /// What a Consul source reports.
@@ -50,12 +74,25 @@ pub enum Event {
 }
 
 /// The store of one Kubernetes key.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct KubeStore {
+    pub added_at: Instant,
     pub objects: BTreeMap<ObjectId, KubeObject>,
     relisting: Option<BTreeMap<ObjectId, KubeObject>>,
     pub listed: bool,
-    pub last_error: Option<String>,
+    /// The last failure, cleared by the next success.
+    pub failure: Option<WatchFailure>,
+}
+
+impl KubeStore {
+    fn new(added_at: Instant) -> Self {
+        KubeStore { added_at, objects: BTreeMap::new(), relisting: None, listed: false, failure: None }
+    }
+
+    /// Why the API server refuses this watch, while it does.
+    pub fn rejection(&self) -> Option<&str> {
+        self.failure.as_ref().filter(|f| f.rejected).map(|f| f.message.as_str())
+    }
 }
 
 /// The state of one Consul key.
@@ -75,14 +112,14 @@ impl ConsulStore {
     }
 }
 
-/// Whether the world may be published.
+/// Whether the world is complete enough for the first publication.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Readiness {
-    /// Complete: every Kubernetes key listed; every Consul key answered, except
-    /// `unsynced` ones whose bootstrap timeout has passed.
-    Ready { unsynced: Vec<ConsulKey> },
-    /// Still waiting. `deadline` is when the next Consul timeout passes (the caller
-    /// re-checks then); `None` when only Kubernetes keys are pending.
+    /// Every fixed key listed; every other key listed, answered, rejected or past the
+    /// bootstrap timeout.
+    Ready,
+    /// Still waiting. `deadline` is when the next timeout passes (the caller re-checks
+    /// then); `None` when only fixed keys are pending.
     Waiting { kube_pending: usize, consul_pending: usize, deadline: Option<Instant> },
 }
 
@@ -108,7 +145,7 @@ impl World {
     pub fn track(&mut self, key: &WatchKey, now: Instant) {
         match key {
             WatchKey::Kube(k) => {
-                self.kube.entry(k.clone()).or_default();
+                self.kube.entry(k.clone()).or_insert_with(|| KubeStore::new(now));
             }
             WatchKey::Consul(k) => {
                 self.consul.entry(k.clone()).or_insert_with(|| ConsulStore {
@@ -153,25 +190,32 @@ impl World {
         changed
     }
 
-    pub fn readiness(&self, now: Instant) -> Readiness {
-        let kube_pending = self.kube.values().filter(|s| !s.listed).count();
-        let mut consul_pending = 0;
+    /// Whether the world is complete; `fixed` says which Kubernetes keys are the
+    /// operator's own (they must list, however long it takes).
+    pub fn readiness(&self, now: Instant, fixed: impl Fn(&KubeKey) -> bool) -> Readiness {
+        let (mut kube_pending, mut consul_pending) = (0, 0);
         let mut deadline: Option<Instant> = None;
-        let mut unsynced = Vec::new();
-        for (key, store) in &self.consul {
-            if store.answered() {
-                continue;
-            }
-            let due = store.added_at + self.bootstrap_timeout;
-            if now >= due {
-                unsynced.push(key.clone());
-            } else {
-                consul_pending += 1;
+        let mut wait_until = |added_at: Instant| {
+            let due = added_at + self.bootstrap_timeout;
+            let pending = now < due;
+            if pending {
                 deadline = Some(deadline.map_or(due, |d| d.min(due)));
             }
+            pending
+        };
+        for (key, store) in &self.kube {
+            let pending = if fixed(key) {
+                !store.listed
+            } else {
+                !store.listed && store.rejection().is_none() && wait_until(store.added_at)
+            };
+            kube_pending += usize::from(pending);
+        }
+        for store in self.consul.values() {
+            consul_pending += usize::from(!store.answered() && wait_until(store.added_at));
         }
         if kube_pending == 0 && consul_pending == 0 {
-            Readiness::Ready { unsynced }
+            Readiness::Ready
         } else {
             Readiness::Waiting { kube_pending, consul_pending, deadline }
         }
@@ -198,6 +242,8 @@ impl World {
 }
 
 fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> bool {
+    // A rejection is content (the snapshot reports it), so its start and end are changes.
+    let was_rejected = store.rejection().is_some();
     match ev {
         KubeEvent::ListStarted => {
             store.relisting = Some(BTreeMap::new());
@@ -212,18 +258,22 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> bool {
             let changed = !store.listed || fresh != store.objects;
             store.objects = fresh;
             store.listed = true;
-            store.last_error = None;
-            changed
+            store.failure = None;
+            changed || was_rejected
         }
         KubeEvent::Applied(obj) => {
-            store.last_error = None;
+            store.failure = None;
             let old = store.objects.insert(obj.id.clone(), obj.clone());
-            old.as_ref() != Some(&obj)
+            old.as_ref() != Some(&obj) || was_rejected
         }
-        KubeEvent::Deleted(id) => store.objects.remove(&id).is_some(),
-        KubeEvent::Failed(e) => {
-            store.last_error = Some(e);
-            false
+        KubeEvent::Deleted(id) => {
+            store.failure = None;
+            store.objects.remove(&id).is_some() || was_rejected
+        }
+        KubeEvent::Failed(f) => {
+            let changed = (f.rejected || was_rejected) && store.failure.as_ref() != Some(&f);
+            store.failure = Some(f);
+            changed
         }
     }
 }
@@ -298,13 +348,14 @@ mod tests {
         let now = Instant::now();
         let mut w = World::new(TIMEOUT);
         w.track(&mappings().into(), now);
-        assert_eq!(w.readiness(now), Readiness::Waiting { kube_pending: 1, consul_pending: 0, deadline: None });
+        let fixed = |_: &KubeKey| true;
+        assert_eq!(w.readiness(now, fixed), Readiness::Waiting { kube_pending: 1, consul_pending: 0, deadline: None });
         w.apply(Event::Kube(mappings(), KubeEvent::ListStarted), now);
         w.apply(Event::Kube(mappings(), KubeEvent::Listed(obj("a", "m1", 1))), now);
         // Half listed is still not ready, however long it takes: Kubernetes has no timeout.
-        assert!(matches!(w.readiness(now + TIMEOUT * 10), Readiness::Waiting { .. }));
+        assert!(matches!(w.readiness(now + TIMEOUT * 10, fixed), Readiness::Waiting { .. }));
         assert!(w.apply(Event::Kube(mappings(), KubeEvent::ListDone), now));
-        assert_eq!(w.readiness(now), Readiness::Ready { unsynced: vec![] });
+        assert_eq!(w.readiness(now, fixed), Readiness::Ready);
         assert_eq!(w.kube()[&mappings()].objects.len(), 1);
     }
 
@@ -314,11 +365,11 @@ mod tests {
         let mut w = World::new(TIMEOUT);
         w.track(&consul("a").into(), now);
         assert_eq!(
-            w.readiness(now),
+            w.readiness(now, |_| true),
             Readiness::Waiting { kube_pending: 0, consul_pending: 1, deadline: Some(now + TIMEOUT) }
         );
         assert!(w.apply(Event::Consul(consul("a"), ConsulEvent::Answer { index: 5, endpoints: vec![] }), now));
-        assert_eq!(w.readiness(now), Readiness::Ready { unsynced: vec![] });
+        assert_eq!(w.readiness(now, |_| true), Readiness::Ready);
     }
 
     #[tokio::test(start_paused = true)]
@@ -333,12 +384,58 @@ mod tests {
         );
         w.apply(Event::Consul(consul("dead"), ConsulEvent::Failed("connection refused".into())), start);
         tokio::time::advance(TIMEOUT - Duration::from_millis(1)).await;
-        assert!(matches!(w.readiness(Instant::now()), Readiness::Waiting { consul_pending: 1, .. }));
+        assert!(matches!(w.readiness(Instant::now(), |_| true), Readiness::Waiting { consul_pending: 1, .. }));
         tokio::time::advance(Duration::from_millis(1)).await;
-        assert_eq!(w.readiness(Instant::now()), Readiness::Ready { unsynced: vec![consul("dead")] });
+        assert_eq!(w.readiness(Instant::now(), |_| true), Readiness::Ready);
+        assert!(!w.consul()[&consul("dead")].answered(), "published as unsynced");
         // A key added later gets its own full timeout.
         w.track(&consul("late").into(), Instant::now());
-        assert!(matches!(w.readiness(Instant::now()), Readiness::Waiting { consul_pending: 1, .. }));
+        assert!(matches!(w.readiness(Instant::now(), |_| true), Readiness::Waiting { consul_pending: 1, .. }));
+    }
+
+    fn secret() -> KubeKey {
+        KubeKey::new("", "v1", "Secret").in_namespace("a").with_fields("metadata.name=t")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn implied_kube_keys_settle_when_listed_rejected_or_late_fixed_ones_only_when_listed() {
+        let start = Instant::now();
+        let mut w = World::new(TIMEOUT);
+        w.track(&mappings().into(), start);
+        w.track(&secret().into(), start);
+        let fixed = |k: &KubeKey| *k == mappings();
+        w.apply(Event::Kube(mappings(), KubeEvent::ListStarted), start);
+        w.apply(Event::Kube(mappings(), KubeEvent::ListDone), start);
+        assert_eq!(
+            w.readiness(start, fixed),
+            Readiness::Waiting { kube_pending: 1, consul_pending: 0, deadline: Some(start + TIMEOUT) }
+        );
+        // A transient failure keeps it pending; a rejection settles it at once.
+        assert!(!w.apply(Event::Kube(secret(), KubeEvent::Failed(WatchFailure::transient("connection reset"))), start));
+        assert!(matches!(w.readiness(start, fixed), Readiness::Waiting { kube_pending: 1, .. }));
+        let forbidden = WatchFailure::rejected("secrets is forbidden");
+        assert!(w.apply(Event::Kube(secret(), KubeEvent::Failed(forbidden.clone())), start), "a rejection is news");
+        assert!(!w.apply(Event::Kube(secret(), KubeEvent::Failed(forbidden)), start), "the same one is not");
+        assert_eq!(w.readiness(start, fixed), Readiness::Ready);
+        assert_eq!(w.kube()[&secret()].rejection(), Some("secrets is forbidden"));
+        // Listing clears it, and that is news too.
+        w.apply(Event::Kube(secret(), KubeEvent::ListStarted), start);
+        assert!(w.apply(Event::Kube(secret(), KubeEvent::ListDone), start));
+        assert_eq!(w.kube()[&secret()].rejection(), None);
+
+        // A silent implied key is waited for until the bootstrap timeout; a fixed one forever.
+        let mut w = World::new(TIMEOUT);
+        w.track(&mappings().into(), start);
+        w.track(&secret().into(), start);
+        tokio::time::advance(TIMEOUT).await;
+        assert_eq!(
+            w.readiness(Instant::now(), fixed),
+            Readiness::Waiting { kube_pending: 1, consul_pending: 0, deadline: None },
+            "only the fixed key is still waited for"
+        );
+        let rejected_fixed = WatchFailure::rejected("mappings is forbidden");
+        w.apply(Event::Kube(mappings(), KubeEvent::Failed(rejected_fixed)), Instant::now());
+        assert!(matches!(w.readiness(Instant::now(), fixed), Readiness::Waiting { kube_pending: 1, .. }));
     }
 
     #[tokio::test(start_paused = true)]

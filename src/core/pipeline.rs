@@ -3,27 +3,25 @@
 //!
 //! After every batch of events the world is re-read and the registry reconciled, so new
 //! watches start as soon as the data that implies them arrives (a Mapping naming a new
-//! service starts that service's watch). Publication is gated on the world being complete
-//! (see the aggregator), paced by the limiter, and skipped when the content hash equals
-//! the last successful publication.
+//! service starts that service's watch). The first publication waits for the world to be
+//! complete (see the aggregator); after that nothing holds publication back: a new, slow or
+//! failing key is published unsynced, with its error, and its answers as they come.
+//! Publications are paced by the limiter and skipped when the content hash equals the last
+//! successful publication.
 //!
-//! This is the ConsulResolver controller, level-triggered over the whole world rather than
-//! a kube-runtime `Controller` with a per-object queue: a Mapping change re-reads every
-//! resolver it could name (the mapper is the assembler's resolver lookup), and a resolver's
-//! desired keys, validation problems and status all come from the same read of the world
-//! that the snapshot does. A per-object `Controller` would need its own reflector cache
-//! (or a second watch) of resolvers and Mappings beside the world, and its reconciles would
-//! publish desired keys from a different moment than the snapshot's.
+//! The snapshot and the watch set come from one reading of the world, so they always agree.
+//! Resolver statuses are written from the published snapshot by the resolver controller
+//! (`crate::controller`), per resolver, with its own retries.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
 use super::aggregator::{Event, Readiness, World};
-use super::assembler::{self, Assembly, Snapshot};
-use super::keys::WatchKey;
+use super::assembler::{self, Assembly, Kept, Snapshot};
+use super::keys::{KubeKey, WatchKey};
 use super::limiter::{Limiter, Next};
 use super::registry::{ConsumerId, Diff, Registry};
 
@@ -41,18 +39,47 @@ pub enum Step {
 /// Backoff after failed publications: doubling from the window, capped.
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
 
+/// The wall-clock time of one instant of the monotonic clock, so the core can show times
+/// (a service stale since ...) without reading a clock.
+#[derive(Debug, Clone, Copy)]
+pub struct WallClock {
+    pub instant: Instant,
+    pub wall: SystemTime,
+}
+
+impl WallClock {
+    /// The wall-clock time of `at` (on the monotonic clock's scale: a later step of the
+    /// system clock does not move it).
+    pub fn at(&self, at: Instant) -> SystemTime {
+        match at.checked_duration_since(self.instant) {
+            Some(after) => self.wall + after,
+            None => self.wall - (self.instant - at),
+        }
+    }
+}
+
 pub struct Pipeline {
     world: World,
     registry: Registry<WatchKey>,
     limiter: Limiter,
     config: assembler::Config,
+    clock: WallClock,
     window: Duration,
+    /// The operator's own watches: the first publication waits for them however long.
+    fixed: BTreeSet<KubeKey>,
+    /// The world has been complete once; publication no longer waits for anything.
+    bootstrapped: bool,
     /// Revision of the world the registry was last reconciled against.
     reconciled_revision: Option<u64>,
     /// The content read at `reconciled_revision`, so a publication of an unchanged world
     /// does not assemble it a second time.
     assembled: Option<(u64, assembler::Content)>,
+    /// Endpoints last obtained per resolver service (last known good).
+    kept: Kept,
     last_published_hash: Option<String>,
+    /// The snapshot of the failed publication being retried: a retry of the same content
+    /// keeps its id.
+    retrying: Option<(String, u64)>,
     /// Publish the next snapshot even if its content was published already.
     force: bool,
     last_id: u64,
@@ -71,7 +98,7 @@ impl Pipeline {
         ConsumerId::new("assembler")
     }
 
-    pub fn new(config: assembler::Config, bootstrap_timeout: Duration, window: Duration) -> Self {
+    pub fn new(config: assembler::Config, bootstrap_timeout: Duration, window: Duration, clock: WallClock) -> Self {
         let mut limiter = Limiter::new(window);
         // The first complete world is always published, even if it is empty.
         limiter.changed();
@@ -80,10 +107,15 @@ impl Pipeline {
             registry: Registry::new(),
             limiter,
             config,
+            clock,
             window,
+            fixed: BTreeSet::new(),
+            bootstrapped: false,
             reconciled_revision: None,
             assembled: None,
+            kept: Kept::default(),
             last_published_hash: None,
+            retrying: None,
             force: false,
             last_id: 0,
             failures: 0,
@@ -99,25 +131,19 @@ impl Pipeline {
         &self.registry
     }
 
-    pub fn config(&self) -> &assembler::Config {
-        &self.config
-    }
-
     /// Sets the fixed watches; returns the watches to start and stop.
     pub fn set_fixed(&mut self, keys: BTreeSet<WatchKey>, now: Instant) -> Diff<WatchKey> {
+        self.fixed = keys
+            .iter()
+            .filter_map(|k| match k {
+                WatchKey::Kube(k) => Some(k.clone()),
+                WatchKey::Consul(_) => None,
+            })
+            .collect();
         let diff = self.registry.set(&Self::fixed_consumer(), keys);
         self.track(&diff, now);
         let more = self.reconcile(now);
         merge(diff, more)
-    }
-
-    /// Changes how the assembler reads the world (e.g. after discovery).
-    pub fn set_config(&mut self, config: assembler::Config, now: Instant) -> Diff<WatchKey> {
-        self.config = config;
-        self.reconciled_revision = None;
-        self.assembled = None;
-        self.limiter.changed();
-        self.reconcile(now)
     }
 
     /// Folds a batch of events in; returns the watches to start and stop.
@@ -132,11 +158,17 @@ impl Pipeline {
         self.reconcile(now)
     }
 
+    fn read(&mut self, now: Instant) -> Assembly {
+        let assembly = assembler::assemble(&self.world, &self.config, &self.kept, self.clock.at(now));
+        self.kept = assembly.kept.clone();
+        assembly
+    }
+
     fn reconcile(&mut self, now: Instant) -> Diff<WatchKey> {
         if self.reconciled_revision == Some(self.world.revision()) {
             return Diff::default();
         }
-        let Assembly { desired, content } = assembler::assemble(&self.world, &self.config);
+        let Assembly { desired, content, .. } = self.read(now);
         let diff = self.registry.set(&Self::assembler_consumer(), desired);
         self.track(&diff, now);
         self.reconciled_revision = Some(self.world.revision());
@@ -158,8 +190,9 @@ impl Pipeline {
         }
     }
 
+    /// Whether the world is complete enough for the first publication.
     pub fn readiness(&self, now: Instant) -> Readiness {
-        self.world.readiness(now)
+        self.world.readiness(now, |k| self.fixed.contains(k))
     }
 
     /// Whether a snapshot has been published (the operator is ready).
@@ -167,9 +200,17 @@ impl Pipeline {
         self.last_published_hash.is_some()
     }
 
+    /// The id of the last snapshot handed out.
+    pub fn last_id(&self) -> u64 {
+        self.last_id
+    }
+
     pub fn poll(&mut self, now: Instant) -> Step {
-        if let Readiness::Waiting { deadline, .. } = self.world.readiness(now) {
-            return deadline.map_or(Step::Idle, Step::WaitUntil);
+        if !self.bootstrapped {
+            if let Readiness::Waiting { deadline, .. } = self.readiness(now) {
+                return deadline.map_or(Step::Idle, Step::WaitUntil);
+            }
+            self.bootstrapped = true;
         }
         if let Some(at) = self.retry_at.filter(|&at| now < at) {
             return Step::WaitUntil(at);
@@ -179,17 +220,28 @@ impl Pipeline {
                 Next::Idle => return Step::Idle,
                 Next::WaitUntil(at) => return Step::WaitUntil(at),
                 Next::Publish => {
-                    let content = match &self.assembled {
-                        Some((rev, content)) if *rev == self.world.revision() => content.clone(),
-                        _ => assembler::assemble(&self.world, &self.config).content,
+                    let content = match self.assembled.take() {
+                        Some((rev, content)) if rev == self.world.revision() => {
+                            self.assembled = Some((rev, content.clone()));
+                            content
+                        }
+                        _ => self.read(now).content,
                     };
                     let hash = content.hash();
                     if !self.force && self.last_published_hash.as_deref() == Some(hash.as_str()) {
+                        self.retrying = None;
                         self.limiter.skipped();
                         continue;
                     }
-                    self.last_id += 1;
-                    return Step::Publish(Arc::new(content.into_snapshot_with_hash(self.last_id, hash)));
+                    let id = match &self.retrying {
+                        Some((h, id)) if *h == hash => *id,
+                        _ => {
+                            self.last_id += 1;
+                            self.last_id
+                        }
+                    };
+                    self.retrying = Some((hash.clone(), id));
+                    return Step::Publish(Arc::new(content.into_snapshot_with_hash(id, hash)));
                 }
             }
         }
@@ -200,16 +252,20 @@ impl Pipeline {
     /// written them last) and continues that replica's ids instead of going back.
     pub fn republish(&mut self, floor: u64) {
         self.last_id = self.last_id.max(floor);
+        if self.retrying.as_ref().is_some_and(|(_, id)| *id <= floor) {
+            self.retrying = None;
+        }
         self.force = true;
         self.limiter.changed();
     }
 
     /// The publication of `snapshot` finished. A failed one is retried with backoff, with
-    /// whatever is current by then.
+    /// whatever is current by then (the same id if that is still the same content).
     pub fn published(&mut self, snapshot: &Snapshot, ok: bool, now: Instant) {
         self.limiter.finished();
         if ok {
             self.last_published_hash = Some(snapshot.hash.clone());
+            self.retrying = None;
             self.force = false;
             self.failures = 0;
             self.retry_at = None;

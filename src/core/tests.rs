@@ -6,12 +6,14 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
-use super::aggregator::{ConsulEvent, Event, KubeEvent};
-use super::assembler::snapshot::Target;
-use super::assembler::{self, Config, EndpointsApi};
+use std::time::SystemTime;
+
+use super::aggregator::{ConsulEvent, Event, KubeEvent, WatchFailure};
+use super::assembler::snapshot::{Target, UnusableReason};
+use super::assembler::{self, Config, EndpointsApi, Kept};
 use super::keys::{ConsulKey, KubeKey, WatchKey};
 use super::model::{Endpoint, Health, KubeObject};
-use super::pipeline::{Pipeline, Step};
+use super::pipeline::{Pipeline, Step, WallClock};
 
 const MAX_RETRY: Duration = Duration::from_secs(30);
 
@@ -24,6 +26,14 @@ fn resolvers_key() -> KubeKey {
 fn mappings_key() -> KubeKey {
     KubeKey::new("getambassador.io", "v3alpha1", "Mapping")
 }
+/// 2026-11-23T06:00:00Z at the test's start.
+const WALL_START: u64 = 1_795_413_600;
+
+fn pipeline(cfg: Config) -> Pipeline {
+    let clock = WallClock { instant: Instant::now(), wall: SystemTime::UNIX_EPOCH + Duration::from_secs(WALL_START) };
+    Pipeline::new(cfg, BOOTSTRAP, WINDOW, clock)
+}
+
 fn fixed() -> BTreeSet<WatchKey> {
     [resolvers_key().into(), mappings_key().into()].into_iter().collect()
 }
@@ -77,7 +87,7 @@ fn publish(p: &mut Pipeline) -> Option<std::sync::Arc<super::assembler::Snapshot
 
 /// A world with one resolver and one Mapping through it, listed; the Consul key started.
 fn bootstrapped_pipeline() -> (Pipeline, ConsulKey) {
-    let mut p = Pipeline::new(Config::default(), BOOTSTRAP, WINDOW);
+    let mut p = pipeline(Config::default());
     let now = Instant::now();
     p.set_fixed(fixed(), now);
     p.apply(listed(&resolvers_key(), vec![resolver("shop", "consul", json!({"address": "127.0.0.1:8500"}))]), now);
@@ -95,7 +105,7 @@ fn bootstrapped_pipeline() -> (Pipeline, ConsulKey) {
 
 #[tokio::test(start_paused = true)]
 async fn nothing_publishes_before_bootstrap() {
-    let mut p = Pipeline::new(Config::default(), BOOTSTRAP, WINDOW);
+    let mut p = pipeline(Config::default());
     let now = Instant::now();
     p.set_fixed(fixed(), now);
     assert_eq!(p.poll(now), Step::Idle, "Kubernetes kinds not listed: no timeout, no publication");
@@ -218,7 +228,7 @@ async fn unchanged_content_is_not_republished_and_failures_are_retried() {
     assert!(retry > Instant::now());
     tokio::time::advance(retry - Instant::now()).await;
     let again = publish(&mut p).expect("retried");
-    assert_eq!(again.hash, s.hash);
+    assert_eq!((again.id, &again.hash), (s.id, &s.hash), "a retry of the same content keeps its id");
 }
 
 #[tokio::test(start_paused = true)]
@@ -235,21 +245,21 @@ async fn a_new_leader_republishes_unchanged_content_above_the_previous_leaders_i
     p.republish(41);
     let Step::Publish(again) = p.poll(Instant::now()) else { panic!("republished although unchanged") };
     assert_eq!((again.id, &again.hash), (42, &first.hash));
-    // A failed republication is retried, still forced.
+    // A failed republication is retried, still forced, with the same id.
     p.published(&again, false, Instant::now());
     tokio::time::advance(MAX_RETRY).await;
     let retried = publish(&mut p).expect("retried");
-    assert_eq!((retried.id, &retried.hash), (43, &first.hash));
+    assert_eq!((retried.id, &retried.hash), (42, &first.hash));
     tokio::time::advance(WINDOW).await;
     assert_eq!(p.poll(Instant::now()), Step::Idle, "once is enough");
     // A floor below our own ids never moves them back.
     p.republish(3);
-    assert_eq!(publish(&mut p).unwrap().id, 44);
+    assert_eq!(publish(&mut p).unwrap().id, 43);
 }
 
 #[tokio::test(start_paused = true)]
 async fn mappings_drive_consul_watches_and_sharing() {
-    let mut p = Pipeline::new(Config::default(), BOOTSTRAP, WINDOW);
+    let mut p = pipeline(Config::default());
     let now = Instant::now();
     p.set_fixed(fixed(), now);
     p.apply(
@@ -307,7 +317,7 @@ async fn mappings_drive_consul_watches_and_sharing() {
 #[tokio::test(start_paused = true)]
 async fn kubernetes_services_watch_only_their_own_endpoints() {
     let cfg = Config { endpoints_api: EndpointsApi::Endpoints, ..Config::default() };
-    let mut p = Pipeline::new(cfg, BOOTSTRAP, WINDOW);
+    let mut p = pipeline(cfg);
     let now = Instant::now();
     p.set_fixed(fixed(), now);
     p.apply(listed(&resolvers_key(), vec![]), now);
@@ -331,7 +341,7 @@ async fn kubernetes_services_watch_only_their_own_endpoints() {
         kube,
         ["Endpoints/v1 in backend fields metadata.name=api", "Endpoints/v1 in shop fields metadata.name=web"]
     );
-    assert_eq!(p.poll(now), Step::Idle, "their endpoints have not listed yet");
+    assert_eq!(p.poll(now), Step::WaitUntil(now + BOOTSTRAP), "their endpoints have not listed yet");
     let web = EndpointsApi::Endpoints.key("shop", "web");
     let api = EndpointsApi::Endpoints.key("backend", "api");
     p.apply(
@@ -354,12 +364,12 @@ async fn kubernetes_services_watch_only_their_own_endpoints() {
 }
 
 fn assemble(resolvers: Vec<KubeObject>, mappings: Vec<KubeObject>, cfg: &Config) -> assembler::Assembly {
-    let mut p = Pipeline::new(cfg.clone(), BOOTSTRAP, WINDOW);
+    let mut p = pipeline(cfg.clone());
     let now = Instant::now();
     p.set_fixed(fixed(), now);
     p.apply(listed(&resolvers_key(), resolvers), now);
     p.apply(listed(&mappings_key(), mappings), now);
-    assembler::assemble(p.world(), cfg)
+    assembler::assemble(p.world(), cfg, &Kept::default(), SystemTime::UNIX_EPOCH)
 }
 
 #[tokio::test(start_paused = true)]
@@ -431,7 +441,9 @@ async fn invalid_resolvers_and_ambassador_ids() {
     );
     let names: Vec<_> = a.content.resolvers.iter().map(|r| r.name.as_str()).collect();
     assert_eq!(names, ["broken", "consul"], "green belongs to another Ambassador");
-    assert!(a.content.resolvers[0].invalid.as_deref().unwrap().contains("NOT_SET is not set"));
+    let unusable = a.content.resolvers[0].unusable.as_ref().unwrap();
+    assert_eq!(unusable.reason, UnusableReason::InvalidSpec);
+    assert!(unusable.message.contains("NOT_SET is not set"), "{unusable:?}");
     let services: Vec<_> = a.content.resolvers[1].services.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(services, ["always", "web"], "spec.services plus the defaulted Mapping");
     assert_eq!(a.content.mappings.len(), 2, "not-ours is ignored");
@@ -441,7 +453,7 @@ async fn invalid_resolvers_and_ambassador_ids() {
 #[tokio::test(start_paused = true)]
 async fn tokens_come_from_secrets_and_never_reach_the_snapshot() {
     let token = "0f7e6d5c-4b3a-2918-7654-32100fedcba9";
-    let mut p = Pipeline::new(Config::default(), BOOTSTRAP, WINDOW);
+    let mut p = pipeline(Config::default());
     let now = Instant::now();
     p.set_fixed(fixed(), now);
     let diff = p.apply(
@@ -527,4 +539,316 @@ async fn resolver_entries_carry_the_generation_for_observed_generation() {
     let generation = |name: &str| a.content.resolvers.iter().find(|r| r.name == name).unwrap().generation;
     assert_eq!(generation("consul"), Some(7));
     assert_eq!(generation("bare"), None, "absent stays absent (and out of the JSON)");
+}
+
+fn secret_object(ns: &str, name: &str, token: &str) -> KubeObject {
+    use base64::Engine;
+    let encoded = base64::engine::general_purpose::STANDARD.encode(token);
+    object(json!({"metadata": {"namespace": ns, "name": name}, "data": {"token": encoded}}))
+}
+
+fn answer(key: &ConsulKey, index: u64, endpoints: Vec<Endpoint>) -> Event {
+    Event::Consul(key.clone(), ConsulEvent::Answer { index, endpoints })
+}
+
+/// Publishes whatever is due, waiting out the window first.
+async fn next_publication(p: &mut Pipeline) -> std::sync::Arc<super::assembler::Snapshot> {
+    loop {
+        match p.poll(Instant::now()) {
+            Step::Publish(s) => {
+                p.published(&s, true, Instant::now());
+                return s;
+            }
+            Step::WaitUntil(t) => tokio::time::advance(t - Instant::now()).await,
+            Step::Idle => panic!("nothing to publish"),
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_the_first_publication_a_new_or_silent_key_holds_nothing_back() {
+    let (mut p, billing) = bootstrapped_pipeline();
+    p.apply([answer(&billing, 1, vec![ep("10.0.0.1", 80)])], Instant::now());
+    publish(&mut p).expect("the first, complete snapshot");
+    tokio::time::advance(WINDOW).await;
+    // Another team adds a Mapping to a service whose Consul never answers.
+    let diff = p.apply(
+        [Event::Kube(
+            mappings_key(),
+            KubeEvent::Applied(mapping("shop", "orders", json!({"service": "orders", "resolver": "consul"}))),
+        )],
+        Instant::now(),
+    );
+    assert_eq!(diff.start.len(), 1);
+    let snap = publish(&mut p).expect("published at once, not after the bootstrap timeout");
+    let orders = snap.content.resolvers[0].services.iter().find(|s| s.name == "orders").unwrap();
+    assert!(!orders.synced && orders.endpoints.is_empty());
+    assert!(!snap.content.bootstrap.complete);
+    // A healthy service's change a moment later goes out within the window, though
+    // orders is still silent.
+    tokio::time::advance(WINDOW / 2).await;
+    p.apply([answer(&billing, 2, vec![ep("10.0.0.1", 81)])], Instant::now());
+    let snap = next_publication(&mut p).await;
+    let billing_entry = snap.content.resolvers[0].services.iter().find(|s| s.name == "billing").unwrap();
+    assert_eq!(billing_entry.endpoints, vec![ep("10.0.0.1", 81)]);
+    // orders fails, then answers: each is published as it comes.
+    let orders_key = consul_keys(&p).into_iter().find(|k| k.service == "orders").unwrap();
+    p.apply([Event::Consul(orders_key.clone(), ConsulEvent::Failed("connection refused".into()))], Instant::now());
+    let snap = next_publication(&mut p).await;
+    let orders = snap.content.resolvers[0].services.iter().find(|s| s.name == "orders").unwrap();
+    assert_eq!(orders.error.as_deref(), Some("connection refused"));
+    p.apply([answer(&orders_key, 7, vec![ep("10.0.0.9", 90)])], Instant::now());
+    let snap = next_publication(&mut p).await;
+    assert!(snap.content.bootstrap.complete);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_watch_the_api_server_rejects_is_a_problem_on_its_mappings_and_holds_nothing_back() {
+    let cfg = Config { endpoints_api: EndpointsApi::Endpoints, ..Config::default() };
+    let mut p = pipeline(cfg);
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![]), now);
+    p.apply(listed(&mappings_key(), vec![mapping("shop", "web", json!({"service": "web:80"}))]), now);
+    let web = EndpointsApi::Endpoints.key("shop", "web");
+    p.apply(listed(&web, vec![]), now);
+    publish(&mut p).expect("first snapshot");
+    tokio::time::advance(WINDOW).await;
+    // A Mapping to a Service in a namespace the operator may not read.
+    p.apply(
+        [Event::Kube(mappings_key(), KubeEvent::Applied(mapping("shop", "vault", json!({"service": "vault.locked"}))))],
+        Instant::now(),
+    );
+    let locked = EndpointsApi::Endpoints.key("locked", "vault");
+    let forbidden = "the API server answered 403 Forbidden: endpoints is forbidden";
+    p.apply([Event::Kube(locked.clone(), KubeEvent::Failed(WatchFailure::rejected(forbidden)))], Instant::now());
+    let snap = next_publication(&mut p).await;
+    let entry = snap.content.kubernetes_services.iter().find(|s| s.namespace == "locked").unwrap();
+    assert_eq!((entry.synced, entry.error.as_deref()), (false, Some(forbidden)));
+    let problem = snap.content.problems.iter().find(|p| p.name == "vault").expect("a problem on the Mapping");
+    assert_eq!(
+        problem.message,
+        format!("cannot watch the endpoints of Service locked/vault: {forbidden}"),
+        "names what and where"
+    );
+    assert!(snap.content.problems.iter().all(|p| p.name == "vault"), "nobody else is affected");
+    // The watch is still wanted (the source retries it with backoff); once it lists, the
+    // problem goes.
+    assert!(p.registry().contains(&WatchKey::Kube(locked.clone())));
+    p.apply(listed(&locked, vec![]), Instant::now());
+    let snap = next_publication(&mut p).await;
+    assert!(snap.content.problems.is_empty(), "{:?}", snap.content.problems);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_rejected_secret_watch_does_not_hold_back_the_first_publication() {
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    let spec = json!({"address": "127.0.0.1:8500", "tokenSecretRef": {"name": "acl", "key": "token"}});
+    p.apply(listed(&resolvers_key(), vec![resolver("locked", "consul", spec)]), now);
+    p.apply(listed(&mappings_key(), vec![]), now);
+    assert_eq!(p.poll(now), Step::WaitUntil(now + BOOTSTRAP), "the Secret is waited for");
+    let secret = assembler::resolvers::secret_key("locked", "acl");
+    p.apply([Event::Kube(secret, KubeEvent::Failed(WatchFailure::rejected("secrets is forbidden")))], now);
+    let snap = publish(&mut p).expect("rejected is settled: published at once");
+    let unusable = snap.content.resolvers[0].unusable.as_ref().unwrap();
+    assert_eq!(unusable.reason, UnusableReason::SecretUnavailable);
+    assert_eq!(unusable.message, "spec.tokenSecretRef: Secret locked/acl cannot be read: secrets is forbidden");
+}
+
+#[tokio::test(start_paused = true)]
+async fn names_that_cannot_be_selected_are_reported_and_never_watched() {
+    let long = "a".repeat(64);
+    let a = assemble(
+        vec![
+            resolver(
+                "other",
+                "bad",
+                json!({"address": "127.0.0.1:8500", "tokenSecretRef": {"name": "a,b", "key": "token"}}),
+            ),
+            resolver("shop", "good", json!({"address": "127.0.0.1:8500"})),
+        ],
+        vec![
+            mapping("shop", "fine", json!({"service": "web", "resolver": "good"})),
+            mapping("shop", "dash", json!({"service": "-x"})),
+            mapping("shop", "trailing", json!({"service": "x-"})),
+            mapping("shop", "underscore", json!({"service": "_x"})),
+            mapping("shop", "long", json!({"service": long})),
+        ],
+        &Config::default(),
+    );
+    let bad = a.content.resolvers.iter().find(|r| r.name == "bad").unwrap();
+    let unusable = bad.unusable.as_ref().unwrap();
+    assert_eq!(unusable.reason, UnusableReason::InvalidSpec);
+    assert!(
+        unusable.message.starts_with("spec.tokenSecretRef: name \"a,b\" is not a valid Secret name"),
+        "{}",
+        unusable.message
+    );
+    for name in ["dash", "trailing", "underscore", "long"] {
+        let problem = a.content.problems.iter().find(|p| p.name == name).unwrap_or_else(|| panic!("{name}"));
+        assert!(problem.message.contains("is not a valid Kubernetes Service name"), "{name}: {}", problem.message);
+    }
+    let watched: Vec<String> = a.desired.iter().map(ToString::to_string).collect();
+    assert_eq!(watched, ["consul web at http://127.0.0.1:8500 passing"], "no Secret, no endpoints watch");
+}
+
+#[tokio::test(start_paused = true)]
+async fn endpoints_last_obtained_outlive_a_token_rotation_a_lost_secret_and_a_broken_spec() {
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    let spec = json!({"address": "127.0.0.1:8500", "tokenSecretRef": {"name": "acl", "key": "token"}});
+    p.apply(listed(&resolvers_key(), vec![resolver("shop", "consul", spec.clone())]), now);
+    p.apply(
+        listed(&mappings_key(), vec![mapping("shop", "m", json!({"service": "billing", "resolver": "consul"}))]),
+        now,
+    );
+    let secret = assembler::resolvers::secret_key("shop", "acl");
+    p.apply(listed(&secret, vec![secret_object("shop", "acl", "old-token")]), now);
+    let old = consul_keys(&p).remove(0);
+    p.apply([answer(&old, 5, vec![ep("10.0.0.1", 80)])], now);
+    let snap = publish(&mut p).unwrap();
+    assert_eq!(snap.content.resolvers[0].services[0].stale, None);
+    let service = |snap: &super::assembler::Snapshot| snap.content.resolvers[0].services[0].clone();
+
+    // The token is rotated: the old query stops, the new one has not answered.
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let diff = p.apply(
+        [Event::Kube(secret.clone(), KubeEvent::Applied(secret_object("shop", "acl", "new-token")))],
+        Instant::now(),
+    );
+    assert_eq!((diff.start.len(), diff.stop, &diff.start), (1, vec![WatchKey::Consul(old.clone())], &diff.start));
+    let new = consul_keys(&p).remove(0);
+    let snap = next_publication(&mut p).await;
+    let s = service(&snap);
+    assert_eq!((s.synced, s.endpoints.clone(), s.index), (false, vec![ep("10.0.0.1", 80)], Some(5)));
+    let stale = s.stale.unwrap();
+    assert_eq!(stale.since, "2026-11-23T06:01:00Z");
+    assert_eq!(stale.reason, "the resolver's token changed: waiting for Consul to answer with the new settings");
+    assert_eq!(
+        snap.content.mappings[0].target,
+        Target::Consul {
+            resolver_namespace: "shop".into(),
+            resolver_name: "consul".into(),
+            service: "billing".into(),
+            port: None,
+        }
+    );
+
+    // Consul rejects the new token: still the old endpoints, the cause named, same since.
+    tokio::time::advance(Duration::from_secs(30)).await;
+    let rejected = "Consul at http://127.0.0.1:8500 rejected the request: ACL token rejected (ACL not found)";
+    p.apply([Event::Consul(new.clone(), ConsulEvent::Failed(rejected.into()))], Instant::now());
+    let s = service(&*next_publication(&mut p).await);
+    assert_eq!(s.endpoints, vec![ep("10.0.0.1", 80)]);
+    assert_eq!(s.error.as_deref(), Some(rejected));
+    let stale = s.stale.unwrap();
+    assert_eq!(stale.since, "2026-11-23T06:01:00Z", "stale since it first was");
+    assert_eq!(
+        stale.reason,
+        format!("the resolver's token changed, and the query with the new settings failed: {rejected}")
+    );
+
+    // The new token answers: current again.
+    p.apply([answer(&new, 9, vec![ep("10.0.0.2", 80)])], Instant::now());
+    let s = service(&*next_publication(&mut p).await);
+    assert_eq!((s.synced, s.stale, s.endpoints), (true, None, vec![ep("10.0.0.2", 80)]));
+
+    // The Secret is deleted: nothing can be queried; the last endpoints stay.
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let diff =
+        p.apply([Event::Kube(secret.clone(), KubeEvent::Deleted(secret_object("shop", "acl", "").id))], Instant::now());
+    assert_eq!(diff.stop, vec![WatchKey::Consul(new)]);
+    let snap = next_publication(&mut p).await;
+    let unusable = snap.content.resolvers[0].unusable.clone().unwrap();
+    assert_eq!(unusable.reason, UnusableReason::SecretUnavailable);
+    let s = service(&snap);
+    assert_eq!(s.endpoints, vec![ep("10.0.0.2", 80)]);
+    assert_eq!(s.stale.clone().unwrap().reason, "spec.tokenSecretRef: Secret shop/acl not found");
+    assert_eq!(s.stale.unwrap().since, "2026-11-23T06:02:30Z");
+    assert!(matches!(snap.content.mappings[0].target, Target::Consul { .. }), "the route stays");
+
+    // A broken edit of the spec on top: still kept, now for that reason.
+    let broken = json!({"address": "${NOPE}:8500", "tokenSecretRef": {"name": "acl", "key": "token"}});
+    p.apply([Event::Kube(resolvers_key(), KubeEvent::Applied(resolver("shop", "consul", broken)))], Instant::now());
+    let snap = next_publication(&mut p).await;
+    assert_eq!(snap.content.resolvers[0].unusable.as_ref().unwrap().reason, UnusableReason::InvalidSpec);
+    let s = service(&snap);
+    assert_eq!(s.endpoints, vec![ep("10.0.0.2", 80)]);
+    assert!(s.stale.unwrap().reason.contains("NOPE is not set"));
+
+    // Only deleting the Mapping lets them go; a new Mapping gets nothing from before.
+    p.apply([Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("shop", "m", json!({})).id))], Instant::now());
+    let snap = next_publication(&mut p).await;
+    assert!(snap.content.resolvers[0].services.is_empty());
+    p.apply(
+        [Event::Kube(
+            mappings_key(),
+            KubeEvent::Applied(mapping("shop", "m", json!({"service": "billing", "resolver": "consul"}))),
+        )],
+        Instant::now(),
+    );
+    let snap = next_publication(&mut p).await;
+    assert!(snap.content.resolvers[0].services.is_empty());
+    assert_eq!(snap.content.mappings[0].target, Target::Unresolved);
+}
+
+#[tokio::test(start_paused = true)]
+async fn deleting_the_resolver_lets_its_kept_endpoints_go() {
+    let (mut p, key) = bootstrapped_pipeline();
+    p.apply([answer(&key, 1, vec![ep("10.0.0.1", 80)])], Instant::now());
+    publish(&mut p).unwrap();
+    // The resolver's address changes: kept, stale.
+    p.apply(
+        [Event::Kube(
+            resolvers_key(),
+            KubeEvent::Applied(resolver("shop", "consul", json!({"address": "127.0.0.2:8500"}))),
+        )],
+        Instant::now(),
+    );
+    let snap = next_publication(&mut p).await;
+    let s = &snap.content.resolvers[0].services[0];
+    assert!(s.stale.as_ref().unwrap().reason.starts_with("the resolver's address changed"));
+    p.apply(
+        [Event::Kube(resolvers_key(), KubeEvent::Deleted(resolver("shop", "consul", json!({})).id))],
+        Instant::now(),
+    );
+    let snap = next_publication(&mut p).await;
+    assert!(snap.content.resolvers.is_empty());
+    // Re-created with the old address: nothing kept from before.
+    p.apply(
+        [Event::Kube(
+            resolvers_key(),
+            KubeEvent::Applied(resolver("shop", "consul", json!({"address": "127.0.0.1:8500"}))),
+        )],
+        Instant::now(),
+    );
+    let snap = next_publication(&mut p).await;
+    let s = &snap.content.resolvers[0].services[0];
+    assert!(!s.synced && s.endpoints.is_empty() && s.stale.is_none(), "{s:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_query_failing_after_answers_keeps_its_endpoints_stale_since_the_first_failure() {
+    let (mut p, key) = bootstrapped_pipeline();
+    p.apply([answer(&key, 1, vec![ep("10.0.0.1", 80)])], Instant::now());
+    publish(&mut p).unwrap();
+    tokio::time::advance(Duration::from_secs(10)).await;
+    p.apply([Event::Consul(key.clone(), ConsulEvent::Failed("500 No cluster leader".into()))], Instant::now());
+    let s = next_publication(&mut p).await.content.resolvers[0].services[0].clone();
+    assert!(s.synced, "it has answered before");
+    assert_eq!(s.endpoints, vec![ep("10.0.0.1", 80)]);
+    assert_eq!(s.stale.unwrap().since, "2026-11-23T06:00:10Z");
+    tokio::time::advance(Duration::from_secs(10)).await;
+    p.apply([Event::Consul(key.clone(), ConsulEvent::Failed("connection refused".into()))], Instant::now());
+    let s = next_publication(&mut p).await.content.resolvers[0].services[0].clone();
+    assert_eq!(
+        s.stale.unwrap(),
+        super::assembler::snapshot::Stale { since: "2026-11-23T06:00:10Z".into(), reason: "connection refused".into() }
+    );
+    p.apply([answer(&key, 2, vec![ep("10.0.0.1", 80)])], Instant::now());
+    let s = next_publication(&mut p).await.content.resolvers[0].services[0].clone();
+    assert_eq!((s.stale, s.error), (None, None));
 }

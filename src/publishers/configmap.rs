@@ -13,6 +13,13 @@
 //! reader that races a write sees a part whose sha256 does not match the index it read and
 //! reads again ([`decode`] checks).
 //!
+//! Writes happen only while this replica leads, each bounded by the leadership deadline,
+//! and each is conditional on the resourceVersion this replica last wrote or read: a write
+//! delayed past a change of leader (sent just before the deadline, applied by an API server
+//! that was frozen) then fails with a conflict instead of overwriting the new leader's
+//! snapshot. What was written is compared with the cluster every resync period, so a
+//! deleted or edited snapshot ConfigMap is written again ([`ConfigMapPublisher::repair`]).
+//!
 //! Encoding and decoding are pure ([`encode`], [`decode`]); [`ConfigMapPublisher`] only
 //! applies what [`encode`] returns.
 
@@ -36,8 +43,9 @@ use sha2::{Digest, Sha256};
 use super::Publisher;
 use crate::cli::NamespacedName;
 use crate::core::assembler::Snapshot;
+use crate::kube_client::{FIELD_MANAGER, status_code};
+use crate::leadership::Leadership;
 
-pub const FIELD_MANAGER: &str = "consul-resolver-operator";
 pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 /// On parts: the name of the ConfigMap whose index they belong to. Stale parts are only
 /// deleted when they carry it, so a user's unrelated `NAME-1` is never touched.
@@ -240,30 +248,124 @@ pub struct ConfigMapPublisher {
     api: Api<ConfigMap>,
     target: NamespacedName,
     budget: usize,
-    /// Hash of the last snapshot written completely; equal content is not rewritten.
-    last_hash: Arc<Mutex<Option<String>>>,
+    leadership: Leadership,
+    state: Arc<Mutex<State>>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Bumped by [`Publisher::forget`]: a write that started before does not record itself.
+    epoch: u64,
+    /// The hash and ConfigMaps of the last snapshot written completely.
+    written: Option<(String, Arc<Encoded>)>,
+    /// The resourceVersion of each of our ConfigMaps as we last wrote or read it.
+    versions: BTreeMap<String, String>,
 }
 
 impl ConfigMapPublisher {
-    pub fn new(client: kube::Client, target: NamespacedName) -> Self {
-        Self::with_budget(client, target, DATA_BUDGET)
+    pub fn new(client: kube::Client, target: NamespacedName, leadership: Leadership) -> Self {
+        Self::with_budget(client, target, leadership, DATA_BUDGET)
     }
 
-    pub fn with_budget(client: kube::Client, target: NamespacedName, budget: usize) -> Self {
+    pub fn with_budget(client: kube::Client, target: NamespacedName, leadership: Leadership, budget: usize) -> Self {
         let api = Api::namespaced(client, &target.namespace);
-        ConfigMapPublisher { api, target, budget, last_hash: Arc::default() }
+        ConfigMapPublisher { api, target, budget, leadership, state: Arc::default() }
+    }
+
+    /// The id of the snapshot in the ConfigMap now (whoever wrote it), `None` if there is
+    /// none yet.
+    pub async fn published_id(&self) -> Result<Option<u64>, String> {
+        let name = &self.target.name;
+        let cm = self.api.get_opt(name).await.map_err(|e| format!("get ConfigMap {}: {e}", self.target))?;
+        Ok(cm.and_then(|cm| cm.metadata.annotations?.get(ANNOTATION_ID)?.parse().ok()))
+    }
+
+    /// Compares what was last written with the cluster and writes again whatever was
+    /// deleted or edited since. Returns the names written again.
+    pub async fn repair(&self) -> Result<Vec<String>, String> {
+        let Some(until) = self.leadership.until() else { return Ok(Vec::new()) };
+        let (epoch, written, mut versions) = {
+            let st = self.state.lock().expect("configmap state lock");
+            (st.epoch, st.written.clone(), st.versions.clone())
+        };
+        let Some((_, encoded)) = written else { return Ok(Vec::new()) };
+        let api = &self.api;
+        let repaired = tokio::time::timeout_at(until, async {
+            let mut damaged = Vec::new();
+            for expected in encoded.parts.iter().chain([&encoded.main]) {
+                let name = expected.metadata.name.clone().unwrap_or_default();
+                match api.get_opt(&name).await.map_err(|e| format!("get ConfigMap {name}: {e}"))? {
+                    Some(live) if same_content(&live, expected) => {
+                        versions.insert(name, live.metadata.resource_version.unwrap_or_default());
+                    }
+                    Some(live) => {
+                        versions.insert(name.clone(), live.metadata.resource_version.unwrap_or_default());
+                        damaged.push(expected);
+                    }
+                    None => {
+                        versions.remove(&name);
+                        damaged.push(expected);
+                    }
+                }
+            }
+            for cm in &damaged {
+                apply(api, cm, &mut versions).await?;
+            }
+            Ok::<_, String>(damaged.iter().filter_map(|cm| cm.metadata.name.clone()).collect::<Vec<_>>())
+        })
+        .await
+        .map_err(|_| "leadership lapsed while repairing the snapshot ConfigMap".to_owned())??;
+        let mut st = self.state.lock().expect("configmap state lock");
+        if st.epoch == epoch {
+            st.versions = versions;
+        }
+        Ok(repaired)
     }
 }
 
-fn is_not_found(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 404)
+/// Whether `live` holds what we wrote as `expected` (data, labels and annotations ours).
+fn same_content(live: &ConfigMap, expected: &ConfigMap) -> bool {
+    let ours = |m: &Option<BTreeMap<String, String>>, keys: &Option<BTreeMap<String, String>>| {
+        keys.iter().flatten().all(|(k, v)| m.as_ref().and_then(|m| m.get(k)) == Some(v))
+    };
+    live.data == expected.data
+        && live.binary_data == expected.binary_data
+        && ours(&live.metadata.labels, &expected.metadata.labels)
+        && ours(&live.metadata.annotations, &expected.metadata.annotations)
 }
 
-async fn apply(api: &Api<ConfigMap>, cm: &ConfigMap) -> Result<(), String> {
-    let name = cm.metadata.name.as_deref().unwrap_or_default();
+/// Server-side apply of `cm`, conditional on the resourceVersion in `versions`. A
+/// conflict (someone wrote it since) is read and written over once: we lead, and the
+/// leadership deadline bounds the whole.
+async fn apply(api: &Api<ConfigMap>, cm: &ConfigMap, versions: &mut BTreeMap<String, String>) -> Result<(), String> {
+    let name = cm.metadata.name.clone().unwrap_or_default();
     let params = PatchParams::apply(FIELD_MANAGER).force();
-    api.patch(name, &params, &Patch::Apply(cm)).await.map_err(|e| format!("apply ConfigMap {name}: {e}"))?;
-    Ok(())
+    let mut cm = cm.clone();
+    for attempt in 0..2 {
+        cm.metadata.resource_version = versions.get(&name).cloned();
+        match api.patch(&name, &params, &Patch::Apply(&cm)).await {
+            Ok(written) => {
+                match written.metadata.resource_version {
+                    Some(v) => versions.insert(name, v),
+                    None => versions.remove(&name),
+                };
+                return Ok(());
+            }
+            Err(e) if status_code(&e) == Some(409) && attempt == 0 => {
+                tracing::info!(configmap = %name, "the snapshot ConfigMap was written by someone else; reading it and writing ours");
+                let current = api.get_opt(&name).await.map_err(|e| format!("get ConfigMap {name}: {e}"))?;
+                match current.and_then(|c| c.metadata.resource_version) {
+                    Some(v) => versions.insert(name.clone(), v),
+                    None => versions.remove(&name),
+                };
+            }
+            Err(e) => {
+                versions.remove(&name);
+                return Err(format!("apply ConfigMap {name}: {e}"));
+            }
+        }
+    }
+    Err(format!("apply ConfigMap {name}: conflicting writes"))
 }
 
 /// Deletes `NAME-(from)`, `NAME-(from+1)`, ... while they exist and are our parts. Parts
@@ -283,21 +385,11 @@ async fn delete_stale_parts(api: &Api<ConfigMap>, target: &NamespacedName, from:
         }
         match api.delete(&name, &DeleteParams::default()).await {
             Ok(_) => deleted += 1,
-            Err(e) if is_not_found(&e) => {}
+            Err(e) if status_code(&e) == Some(404) => {}
             Err(e) => return Err(format!("delete stale part ConfigMap {name}: {e}")),
         }
     }
     Ok(deleted)
-}
-
-impl ConfigMapPublisher {
-    /// The id of the snapshot in the ConfigMap now (whoever wrote it), `None` if there is
-    /// none yet.
-    pub async fn published_id(&self) -> Result<Option<u64>, String> {
-        let name = &self.target.name;
-        let cm = self.api.get_opt(name).await.map_err(|e| format!("get ConfigMap {}: {e}", self.target))?;
-        Ok(cm.and_then(|cm| cm.metadata.annotations?.get(ANNOTATION_ID)?.parse().ok()))
-    }
 }
 
 impl Publisher for ConfigMapPublisher {
@@ -306,32 +398,51 @@ impl Publisher for ConfigMapPublisher {
     }
 
     fn forget(&self) {
-        *self.last_hash.lock().expect("last_hash lock") = None;
+        let mut st = self.state.lock().expect("configmap state lock");
+        st.epoch += 1;
+        st.written = None;
+        st.versions.clear();
     }
 
     fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), String>> {
-        if self.last_hash.lock().expect("last_hash lock").as_deref() == Some(snapshot.hash.as_str()) {
-            return futures::future::ready(Ok(())).boxed();
-        }
-        let (api, target, budget, last_hash) =
-            (self.api.clone(), self.target.clone(), self.budget, self.last_hash.clone());
-        async move {
-            let json = snapshot.to_json();
-            let encoded = encode(&target, snapshot.id, &snapshot.hash, &json, budget)?;
-            for part in &encoded.parts {
-                apply(&api, part).await?;
+        let (epoch, mut versions) = {
+            let st = self.state.lock().expect("configmap state lock");
+            if st.written.as_ref().is_some_and(|(hash, _)| *hash == snapshot.hash) {
+                return futures::future::ready(Ok(())).boxed();
             }
-            apply(&api, &encoded.main).await?;
-            let deleted = delete_stale_parts(&api, &target, encoded.parts.len() + 1).await?;
+            (st.epoch, st.versions.clone())
+        };
+        let (api, target, budget, leadership, state) =
+            (self.api.clone(), self.target.clone(), self.budget, self.leadership.clone(), self.state.clone());
+        async move {
+            let until = leadership.until().ok_or("no longer leading: the snapshot ConfigMap is not written")?;
+            let json = snapshot.to_json();
+            let encoded = Arc::new(encode(&target, snapshot.id, &snapshot.hash, &json, budget)?);
+            let deleted = tokio::time::timeout_at(until, async {
+                for part in &encoded.parts {
+                    apply(&api, part, &mut versions).await?;
+                }
+                apply(&api, &encoded.main, &mut versions).await?;
+                delete_stale_parts(&api, &target, encoded.parts.len() + 1).await
+            })
+            .await
+            .map_err(|_| "leadership lapsed while writing the snapshot ConfigMap".to_owned())?;
+            let mut st = state.lock().expect("configmap state lock");
+            if st.epoch == epoch {
+                st.versions = versions;
+            }
+            let deleted = deleted?;
             tracing::debug!(
-                configmap = %format!("{}/{}", target.namespace, target.name),
+                configmap = %target,
                 id = snapshot.id,
                 bytes = json.len(),
                 parts = encoded.parts.len(),
                 stale_parts_deleted = deleted,
                 "snapshot ConfigMap written"
             );
-            *last_hash.lock().expect("last_hash lock") = Some(snapshot.hash.clone());
+            if st.epoch == epoch {
+                st.written = Some((snapshot.hash.clone(), encoded));
+            }
             Ok(())
         }
         .boxed()
@@ -385,12 +496,13 @@ mod tests {
                 generation: Some(1),
                 address: "http://127.0.0.1:8500".into(),
                 datacenter: None,
-                invalid: None,
+                unusable: None,
                 services: vec![ServiceEntry {
                     name: "web".into(),
                     synced: true,
                     index: Some(4),
                     error: None,
+                    stale: None,
                     endpoints,
                 }],
             }],
@@ -486,8 +598,8 @@ mod tests {
 
     /// The API server's ConfigMap endpoints: applies are echoed, and `existing` parts
     /// answer GET and DELETE (labelled as ours when `true`).
-    async fn fake_api(existing: BTreeMap<String, bool>) -> crate::publishers::test_api::FakeApi {
-        use crate::publishers::test_api::{not_found, serve};
+    async fn fake_api(existing: BTreeMap<String, bool>) -> crate::test_fixtures::FakeApi {
+        use crate::test_fixtures::{not_found, serve};
         let existing = Mutex::new(existing);
         serve(Arc::new(move |method: &str, path: &str, body: &[u8]| {
             let name = path.rsplit('/').next().unwrap_or_default().to_owned();
@@ -521,7 +633,7 @@ mod tests {
             (part_name("snap", n + 4), false),
         ]);
         let api = fake_api(existing).await;
-        let publisher = ConfigMapPublisher::with_budget(api.client.clone(), target(), 1000);
+        let publisher = ConfigMapPublisher::with_budget(api.client.clone(), target(), Leadership::always(), 1000);
 
         publisher.publish(s.clone()).await.unwrap();
         let mut expected: Vec<String> = (1..=n).map(|i| format!("PATCH snap-{i}")).collect();
@@ -540,7 +652,7 @@ mod tests {
     #[tokio::test]
     async fn a_part_name_that_is_not_ours_is_never_deleted() {
         let api = fake_api(BTreeMap::from([("snap-1".into(), false)])).await;
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target());
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
         assert_eq!(api.take(), ["PATCH snap", "GET snap-1"]);
     }
@@ -555,5 +667,108 @@ mod tests {
         let mut reversed = e.parts.clone();
         reversed.reverse();
         assert_eq!(decode(&e.main, &reversed).unwrap(), json, "parts are found by name, not position");
+    }
+
+    /// ConfigMaps held by a loopback API server with resourceVersions: a write naming a
+    /// version other than the stored one is a 409, as on a real API server.
+    #[derive(Default)]
+    struct Stored {
+        objects: BTreeMap<String, serde_json::Value>,
+        version: u64,
+    }
+
+    async fn stored_api(stored: Arc<Mutex<Stored>>) -> crate::test_fixtures::FakeApi {
+        use crate::test_fixtures::{not_found, serve};
+        serve(Arc::new(move |method: &str, path: &str, body: &[u8]| {
+            let name = path.rsplit('/').next().unwrap_or_default().to_owned();
+            let mut st = stored.lock().unwrap();
+            match method {
+                "PATCH" => {
+                    let mut cm: serde_json::Value = serde_json::from_slice(body).unwrap();
+                    let current = st.objects.get(&name).map(|o| o["metadata"]["resourceVersion"].clone());
+                    let sent = cm["metadata"].get("resourceVersion").cloned();
+                    if sent.is_some() && sent != current {
+                        return (
+                            409,
+                            serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                            "reason": "Conflict", "code": 409, "message": "the object has been modified"}),
+                        );
+                    }
+                    st.version += 1;
+                    cm["metadata"]["resourceVersion"] = serde_json::json!(st.version.to_string());
+                    st.objects.insert(name, cm.clone());
+                    (200, cm)
+                }
+                "GET" => match st.objects.get(&name) {
+                    Some(cm) => (200, cm.clone()),
+                    None => not_found(&name),
+                },
+                "DELETE" => match st.objects.remove(&name) {
+                    Some(cm) => (200, cm),
+                    None => not_found(&name),
+                },
+                _ => (405, serde_json::json!({})),
+            }
+        }))
+        .await
+    }
+
+    #[tokio::test]
+    async fn a_deleted_or_edited_configmap_is_written_again_by_repair() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let api = stored_api(stored.clone()).await;
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
+        api.take();
+        assert!(publisher.repair().await.unwrap().is_empty(), "intact: nothing to repair");
+        assert_eq!(api.take(), ["GET snap"], "one read, no write");
+
+        stored.lock().unwrap().objects.remove("snap");
+        assert_eq!(publisher.repair().await.unwrap(), ["snap"]);
+        assert_eq!(api.take(), ["GET snap", "PATCH snap"]);
+
+        let edited = {
+            let mut st = stored.lock().unwrap();
+            let cm = st.objects.get_mut("snap").unwrap();
+            cm["data"][KEY_JSON] = serde_json::json!("{}");
+            cm["metadata"]["resourceVersion"] = serde_json::json!("edited");
+            cm.clone()
+        };
+        assert_eq!(publisher.repair().await.unwrap(), ["snap"], "an edit is repaired too");
+        let back = stored.lock().unwrap().objects["snap"].clone();
+        assert_ne!(back["data"], edited["data"]);
+        assert_eq!(back["data"][KEY_JSON].as_str().unwrap().as_bytes(), snapshot(2, 8).to_json());
+    }
+
+    #[tokio::test]
+    async fn writes_are_conditional_and_a_conflict_is_read_and_written_over() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let api = stored_api(stored.clone()).await;
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
+        // Someone else writes it in between.
+        stored.lock().unwrap().objects.get_mut("snap").unwrap()["metadata"]["resourceVersion"] =
+            serde_json::json!("other");
+        api.take();
+        publisher.publish(Arc::new(snapshot(3, 8))).await.unwrap();
+        assert_eq!(api.take(), ["PATCH snap", "GET snap", "PATCH snap", "GET snap-1"]);
+        let back = stored.lock().unwrap().objects["snap"].clone();
+        assert_eq!(back["data"][KEY_JSON].as_str().unwrap().as_bytes(), snapshot(3, 8).to_json());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_is_written_without_leadership_and_writing_stops_at_its_deadline() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let api = stored_api(stored.clone()).await;
+        let (lead, leadership) = Leadership::manual();
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), leadership);
+        let err = publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap_err();
+        assert!(err.contains("no longer leading"), "{err}");
+        assert!(api.take().is_empty());
+        // Leading until a deadline already passed: nothing is sent either.
+        lead.send_replace(Some(tokio::time::Instant::now()));
+        assert!(publisher.publish(Arc::new(snapshot(2, 8))).await.is_err());
+        assert!(publisher.repair().await.unwrap().is_empty());
+        assert!(api.take().is_empty());
     }
 }

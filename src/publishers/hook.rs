@@ -130,7 +130,7 @@ mod tests {
     use std::os::unix::fs::PermissionsExt;
 
     use super::*;
-    use crate::publishers::test_api::content;
+    use crate::test_fixtures::content;
 
     /// Held by each test: a script written by one test while another forks can make
     /// exec fail with ETXTBSY (the fork briefly holds the write descriptor).

@@ -1,14 +1,12 @@
-//! Publishers: the edge that writes snapshots out. The runtime publishes to all of them
-//! in turn, one snapshot at a time; a publication that fails anywhere is retried later
-//! with whatever is current then.
+//! Publishers: the edge that writes whole snapshots out (HTTP, the hook, the ConfigMap).
+//! The runtime publishes to all of them in turn, one snapshot at a time, each within a
+//! deadline; a publication that fails anywhere is retried later with whatever is current
+//! then. Resolver statuses and Events are per resolver, written by the resolver controller
+//! (`crate::controller`), so one resolver's failing status never holds back a publication.
 
 pub mod configmap;
-pub mod events;
 pub mod hook;
 pub mod http;
-pub mod status;
-#[cfg(test)]
-mod test_api;
 
 use std::sync::Arc;
 

@@ -16,17 +16,19 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 
 use super::{EventSink, Source};
-use crate::core::aggregator::{Event, KubeEvent};
+use crate::core::aggregator::{Event, KubeEvent, WatchFailure};
 use crate::core::keys::{KubeKey, WatchKey};
 use crate::core::model::{KubeObject, ObjectId};
+use crate::metrics::Metrics;
 
 pub struct KubeSource {
     client: Client,
+    metrics: Metrics,
 }
 
 impl KubeSource {
-    pub fn new(client: Client) -> Self {
-        KubeSource { client }
+    pub fn new(client: Client, metrics: Metrics) -> Self {
+        KubeSource { client, metrics }
     }
 }
 
@@ -43,7 +45,7 @@ impl Source for KubeSource {
         let WatchKey::Kube(key) = key else {
             return futures::future::ready(()).boxed();
         };
-        run(self.client.clone(), key, events).boxed()
+        run(self.client.clone(), key, events, self.metrics.clone()).boxed()
     }
 }
 
@@ -61,7 +63,33 @@ pub async fn resolve(client: &Client, key: &KubeKey) -> Result<(ApiResource, Api
         .ok_or_else(|| format!("the API server does not serve kind {} in group {:?}", key.kind, key.group))
 }
 
-async fn run(client: Client, key: KubeKey, events: EventSink) {
+/// What a failed watch means: a status the API server gave (4xx other than 410 Gone and
+/// 429 is a rejection of the request itself), or a transport failure.
+fn failure(e: &watcher::Error) -> (WatchFailure, &'static str) {
+    let status = match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+        | watcher::Error::WatchFailed(kube::Error::Api(s)) => Some(&**s),
+        watcher::Error::WatchError(s) => Some(&**s),
+        _ => None,
+    };
+    let Some(s) = status else { return (WatchFailure::transient(e.to_string()), "transport") };
+    let message = format!("the API server answered {} {}: {}", s.code, s.reason, s.message);
+    let reason = match s.code {
+        400 => "bad_request",
+        401 => "unauthorized",
+        403 => "forbidden",
+        404 => "not_found",
+        410 => "gone",
+        429 => "throttled",
+        c if c >= 500 => "server_error",
+        _ => "rejected",
+    };
+    let rejected = (400..500).contains(&s.code) && s.code != 410 && s.code != 429;
+    (WatchFailure { message, rejected }, reason)
+}
+
+async fn run(client: Client, key: KubeKey, events: EventSink, metrics: Metrics) {
     let send = |ev: KubeEvent| {
         let events = events.clone();
         let key = key.clone();
@@ -74,7 +102,8 @@ async fn run(client: Client, key: KubeKey, events: EventSink) {
             Ok(found) => break found,
             Err(e) => {
                 tracing::warn!(watch = %key, error = %e, "cannot watch yet; retrying");
-                if !send(KubeEvent::Failed(e)).await {
+                metrics.watch_errors.with_label_values(&["kubernetes", "discovery"]).inc();
+                if !send(KubeEvent::Failed(WatchFailure::transient(e))).await {
                     return;
                 }
                 tokio::time::sleep(delay).await;
@@ -111,8 +140,10 @@ async fn run(client: Client, key: KubeKey, events: EventSink) {
                 name: o.metadata.name.clone().unwrap_or_default(),
             }),
             Err(e) => {
-                tracing::warn!(watch = %key, error = %e, "watch error; retrying with backoff");
-                KubeEvent::Failed(e.to_string())
+                let (failure, reason) = failure(&e);
+                tracing::warn!(watch = %key, error = %failure.message, rejected = failure.rejected, "watch error; retrying with backoff");
+                metrics.watch_errors.with_label_values(&["kubernetes", reason]).inc();
+                KubeEvent::Failed(failure)
             }
         };
         if !send(ev).await {
@@ -128,4 +159,30 @@ fn to_object(o: DynamicObject) -> Option<KubeObject> {
         meta.remove("managedFields");
     }
     KubeObject::from_value(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::core::Status;
+
+    fn status(code: u16, reason: &str) -> Box<Status> {
+        Box::new(Status::failure("secrets is forbidden", reason).with_code(code))
+    }
+
+    #[test]
+    fn four_hundreds_are_rejections_but_gone_and_throttling_are_not() {
+        let list = |code, reason| failure(&watcher::Error::InitialListFailed(kube::Error::Api(status(code, reason))));
+        let (f, reason) = list(403, "Forbidden");
+        assert!(f.rejected);
+        assert_eq!(reason, "forbidden");
+        assert_eq!(f.message, "the API server answered 403 Forbidden: secrets is forbidden");
+        assert!(list(400, "BadRequest").0.rejected);
+        assert!(!list(429, "TooManyRequests").0.rejected);
+        assert!(!list(500, "InternalError").0.rejected);
+        let gone = failure(&watcher::Error::WatchError(status(410, "Gone")));
+        assert_eq!((gone.0.rejected, gone.1), (false, "gone"));
+        let (f, reason) = failure(&watcher::Error::NoResourceVersion);
+        assert_eq!((f.rejected, reason), (false, "transport"));
+    }
 }

@@ -1,4 +1,7 @@
 //! Reading ConsulResolvers out of the world into the settings their queries use.
+//!
+//! Everything a resolver's spec names is validated before it is watched: a Secret name the
+//! API server would refuse in a field selector is an `InvalidSpec`, never a request.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -7,6 +10,8 @@ use base64::Engine;
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::snapshot::{Unusable, UnusableReason};
+use crate::api::names;
 use crate::api::resolver::{ConsulResolverSpec, SecretKeyRef};
 use crate::core::aggregator::World;
 use crate::core::keys::{ConsulKey, ConsulServer, KubeKey, Secret, TlsSettings};
@@ -22,8 +27,18 @@ pub struct Resolver {
     pub spec: Option<ConsulResolverSpec>,
     /// `metadata.generation`, for the status's `observedGeneration`.
     pub generation: Option<i64>,
-    /// The settings for its queries, or why it cannot be used as written.
-    pub settings: Result<Settings, String>,
+    /// The settings for its queries, or why it cannot be queried as it stands.
+    pub settings: Result<Settings, Unusable>,
+    /// The Secrets its spec names (validly): watched whether or not the rest of the spec
+    /// is usable, so fixing the spec does not wait for a Secret to be read.
+    pub secrets: Vec<KubeKey>,
+}
+
+impl Resolver {
+    /// The services it always watches (`spec.services`), whatever Mappings name.
+    pub fn listed_services(&self) -> impl Iterator<Item = &str> {
+        self.spec.iter().flat_map(|s| s.services.iter().flatten()).map(|s| &**s)
+    }
 }
 
 /// Everything about a resolver that goes into its Consul keys: a key with the service
@@ -48,14 +63,12 @@ pub fn secret_key(namespace: &str, name: &str) -> KubeKey {
     KubeKey::new("", "v1", "Secret").in_namespace(namespace).with_fields(format!("metadata.name={name}"))
 }
 
-/// Reads every ConsulResolver of the operator's Ambassador ID. Secret keys the resolvers
-/// need are added to `desired`, whether or not the Secrets have arrived yet.
-pub fn read(
-    world: &World,
-    ambassador_id: &str,
-    env: &BTreeMap<String, String>,
-    desired_secrets: &mut BTreeSet<KubeKey>,
-) -> Vec<Resolver> {
+fn invalid(message: String) -> Unusable {
+    Unusable { reason: UnusableReason::InvalidSpec, message }
+}
+
+/// Reads every ConsulResolver of the operator's Ambassador ID, sorted by namespace and name.
+pub fn read(world: &World, ambassador_id: &str, env: &BTreeMap<String, String>) -> Vec<Resolver> {
     let mut out: Vec<Resolver> = world
         .objects_of(GROUP, KIND)
         .filter_map(|obj| {
@@ -69,11 +82,22 @@ pub fn read(
             match spec {
                 Ok(spec) if !spec.serves_ambassador_id(ambassador_id) => None,
                 Ok(spec) => {
-                    let settings = settings(world, &namespace, &spec, env, desired_secrets);
-                    Some(Resolver { namespace, name, spec: Some(spec), generation, settings })
+                    let refs = secret_refs(&spec);
+                    let secrets =
+                        refs.iter().filter_map(|(_, r)| valid_ref(r).ok()).map(|r| secret_key(&namespace, &r.name));
+                    let secrets = secrets.collect();
+                    let settings = settings(world, &namespace, &spec, &refs, env);
+                    Some(Resolver { namespace, name, spec: Some(spec), generation, settings, secrets })
                 }
                 // We cannot tell whose it is; report it, a user needs to know.
-                Err(e) => Some(Resolver { namespace, name, spec: None, generation, settings: Err(e) }),
+                Err(e) => Some(Resolver {
+                    namespace,
+                    name,
+                    spec: None,
+                    generation,
+                    settings: Err(invalid(e)),
+                    secrets: Vec::new(),
+                }),
             }
         })
         .collect();
@@ -81,57 +105,73 @@ pub fn read(
     out
 }
 
+/// The Secret references of a spec, with the field each is in.
+fn secret_refs(spec: &ConsulResolverSpec) -> Vec<(&'static str, &SecretKeyRef)> {
+    let token = spec.token_secret_ref.as_ref().map(|r| ("spec.tokenSecretRef", r));
+    let ca = spec.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()).map(|r| ("spec.tls.caSecretRef", r));
+    token.into_iter().chain(ca).collect()
+}
+
+/// A reference whose name can go into a field selector and whose key can be in a Secret.
+fn valid_ref(r: &SecretKeyRef) -> Result<&SecretKeyRef, String> {
+    names::dns1123_subdomain(&r.name)
+        .map_err(|why| format!("name {:?} is not a valid Secret name: it {why}", r.name))?;
+    names::data_key(&r.key).map_err(|why| format!("key {:?} is not a valid Secret key: it {why}", r.key))?;
+    Ok(r)
+}
+
 fn settings(
     world: &World,
     namespace: &str,
     spec: &ConsulResolverSpec,
+    refs: &[(&'static str, &SecretKeyRef)],
     env: &BTreeMap<String, String>,
-    desired_secrets: &mut BTreeSet<KubeKey>,
-) -> Result<Settings, String> {
-    let expanded = expand_env(&spec.address, env).map_err(|e| format!("spec.address: {e}"))?;
-    let address = normalise_address(&expanded).map_err(|e| format!("spec.address {:?}: {e}", spec.address))?;
+) -> Result<Settings, Unusable> {
+    // First everything the spec alone decides (InvalidSpec), then the Secrets.
+    let expanded = expand_env(&spec.address, env).map_err(|e| invalid(format!("spec.address: {e}")))?;
+    let address = normalise_address(&expanded).map_err(|e| invalid(format!("spec.address {:?}: {e}", spec.address)))?;
     let non_empty = |field: &str, v: &Option<String>| match v.as_deref() {
-        Some("") => Err(format!("spec.{field} must not be empty (omit it instead)")),
+        Some("") => Err(invalid(format!("spec.{field} must not be empty (omit it instead)"))),
         other => Ok(other.map(str::to_owned)),
     };
     let datacenter = non_empty("datacenter", &spec.datacenter)?;
     let consul_ns = non_empty("namespace", &spec.namespace)?;
     let partition = non_empty("partition", &spec.partition)?;
-    // Ask for the Secrets before reading them, so a missing one is watched and noticed
-    // when it appears.
-    let token_ref = spec.token_secret_ref.as_ref();
-    let ca_ref = spec.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref());
-    for r in token_ref.into_iter().chain(ca_ref) {
-        desired_secrets.insert(secret_key(namespace, &r.name));
+    for (field, r) in refs {
+        valid_ref(r).map_err(|e| invalid(format!("{field}: {e}")))?;
     }
-    let token = token_ref
+    let server_name = match &spec.tls {
+        Some(_) if !address.starts_with("https://") => {
+            return Err(invalid("spec.tls is set but spec.address is not https://".to_owned()));
+        }
+        Some(t) => non_empty("tls.serverName", &t.server_name)?,
+        None => None,
+    };
+    let mut tags = BTreeSet::new();
+    for (i, t) in spec.tags.iter().flatten().enumerate() {
+        if t.is_empty() {
+            return Err(invalid(format!("spec.tags[{i}] is empty")));
+        }
+        tags.insert(t.0.clone());
+    }
+    let token = spec
+        .token_secret_ref
+        .as_ref()
         .map(|r| read_secret(world, namespace, r, "spec.tokenSecretRef"))
         .transpose()?
         .map(|t| Secret::new(t.trim()));
     let tls = match &spec.tls {
         None => None,
         Some(t) => {
-            if !address.starts_with("https://") {
-                return Err("spec.tls is set but spec.address is not https://".to_owned());
-            }
-            let ca_pem = ca_ref
+            let ca_pem = t
+                .ca_secret_ref
+                .as_ref()
                 .map(|r| read_secret(world, namespace, r, "spec.tls.caSecretRef"))
                 .transpose()?
                 .map(Arc::<str>::from);
-            Some(TlsSettings {
-                ca_pem,
-                server_name: non_empty("tls.serverName", &t.server_name)?,
-                insecure_skip_verify: t.insecure_skip_verify.unwrap_or(false),
-            })
+            Some(TlsSettings { ca_pem, server_name, insecure_skip_verify: t.insecure_skip_verify.unwrap_or(false) })
         }
     };
-    let mut tags = BTreeSet::new();
-    for (i, t) in spec.tags.iter().flatten().enumerate() {
-        if t.is_empty() {
-            return Err(format!("spec.tags[{i}] is empty"));
-        }
-        tags.insert(t.0.clone());
-    }
     Ok(Settings {
         template: ConsulKey {
             server: ConsulServer { address, token, tls },
@@ -145,28 +185,32 @@ fn settings(
     })
 }
 
-fn read_secret(world: &World, namespace: &str, r: &SecretKeyRef, field: &str) -> Result<String, String> {
-    let key = secret_key(namespace, &r.name);
-    let Some(store) = world.kube().get(&key) else {
-        return Err(format!("{field}: waiting for Secret {namespace}/{}", r.name));
+fn read_secret(world: &World, namespace: &str, r: &SecretKeyRef, field: &str) -> Result<String, Unusable> {
+    let shown = format!("{field}: Secret {namespace}/{}", r.name);
+    let unavailable = |what: String| Unusable { reason: UnusableReason::SecretUnavailable, message: what };
+    let store = world.kube().get(&secret_key(namespace, &r.name));
+    let Some(store) = store.filter(|s| s.listed) else {
+        return Err(match store.and_then(|s| s.rejection()) {
+            Some(why) => unavailable(format!("{shown} cannot be read: {why}")),
+            None => {
+                Unusable { reason: UnusableReason::WaitingForSecret, message: format!("{shown}: waiting to read it") }
+            }
+        });
     };
-    if !store.listed {
-        return Err(format!("{field}: waiting for Secret {namespace}/{}", r.name));
-    }
     let secret = store
         .objects
         .values()
         .find(|o| o.id.name == r.name)
-        .ok_or_else(|| format!("{field}: Secret {namespace}/{} not found", r.name))?;
+        .ok_or_else(|| unavailable(format!("{shown} not found")))?;
     let encoded = secret
         .value
         .pointer(&format!("/data/{}", r.key.replace('~', "~0").replace('/', "~1")))
         .and_then(Value::as_str)
-        .ok_or_else(|| format!("{field}: Secret {namespace}/{} has no key {:?}", r.name, r.key))?;
+        .ok_or_else(|| unavailable(format!("{shown} has no key {:?}", r.key)))?;
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(encoded)
-        .map_err(|_| format!("{field}: Secret {namespace}/{} key {:?} is not valid base64", r.name, r.key))?;
-    String::from_utf8(bytes).map_err(|_| format!("{field}: Secret {namespace}/{} key {:?} is not UTF-8", r.name, r.key))
+        .map_err(|_| unavailable(format!("{shown} key {:?} is not valid base64", r.key)))?;
+    String::from_utf8(bytes).map_err(|_| unavailable(format!("{shown} key {:?} is not UTF-8", r.key)))
 }
 
 /// Expands `${VAR}` from the operator's environment. An unset variable is an error: a

@@ -4,8 +4,6 @@
 //! equal worlds serialise to equal bytes. The `hash` covers everything except `id`, and
 //! is what "only changed content is written" compares.
 
-use std::collections::BTreeMap;
-
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -60,10 +58,52 @@ pub struct ResolverEntry {
     pub address: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub datacenter: Option<String>,
-    /// Why the resolver cannot be used as written; `services` is empty then.
+    /// Why the resolver cannot be queried as it stands. Its `services` then hold only the
+    /// endpoints last obtained before, marked `stale`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub invalid: Option<String>,
+    pub unusable: Option<Unusable>,
     pub services: Vec<ServiceEntry>,
+}
+
+/// Why a resolver cannot be queried.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Unusable {
+    pub reason: UnusableReason,
+    /// Names the field or the Secret, and what is wrong with it.
+    pub message: String,
+}
+
+/// The kinds of [`Unusable`]; the names are also the resolver's condition reasons.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum UnusableReason {
+    /// The spec cannot be used as written (fixed by editing the resolver).
+    InvalidSpec,
+    /// A Secret it names is missing, unreadable or does not hold what the spec says.
+    SecretUnavailable,
+    /// A Secret it names has not been read yet (a moment after the resolver names it).
+    WaitingForSecret,
+}
+
+impl UnusableReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UnusableReason::InvalidSpec => "InvalidSpec",
+            UnusableReason::SecretUnavailable => "SecretUnavailable",
+            UnusableReason::WaitingForSecret => "WaitingForSecret",
+        }
+    }
+}
+
+/// Endpoints that are not the current answer of the resolver's current settings: they are
+/// the ones last obtained, kept so a broken token or spec does not empty the upstreams.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Stale {
+    /// RFC 3339 time from which they have been stale.
+    pub since: String,
+    /// Why they are not current.
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -76,6 +116,9 @@ pub struct ServiceEntry {
     pub index: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Present when `endpoints` are not current (see [`Stale`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stale: Option<Stale>,
     pub endpoints: Vec<Endpoint>,
 }
 
@@ -124,6 +167,9 @@ pub struct KubeServiceEntry {
     pub name: String,
     /// The Service's endpoints have been listed.
     pub synced: bool,
+    /// Why the API server refuses to let the operator watch them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
     pub endpoints: Vec<KubeEndpoint>,
 }
 
@@ -170,22 +216,16 @@ impl Content {
         debug_assert_eq!(hash, self.hash());
         Snapshot { api_version: API_VERSION.into(), kind: KIND.into(), id, hash, content: self }
     }
-
-    /// Counts per resolver `(services, endpoints)`, keyed by `(namespace, name)`.
-    pub fn resolver_counts(&self) -> BTreeMap<(&str, &str), (usize, usize)> {
-        self.resolvers
-            .iter()
-            .map(|r| {
-                let eps = r.services.iter().map(|s| s.endpoints.len()).sum();
-                ((r.namespace.as_str(), r.name.as_str()), (r.services.len(), eps))
-            })
-            .collect()
-    }
 }
 
 impl Snapshot {
     /// The canonical bytes publishers write.
     pub fn to_json(&self) -> Vec<u8> {
         serde_json::to_vec(self).expect("snapshots always serialise")
+    }
+
+    /// This snapshot's part about resolver `namespace/name`, if it is in scope.
+    pub fn resolver(&self, namespace: &str, name: &str) -> Option<&ResolverEntry> {
+        self.content.resolvers.iter().find(|r| r.namespace == namespace && r.name == name)
     }
 }

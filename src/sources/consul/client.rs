@@ -39,6 +39,20 @@ impl QueryError {
     }
 }
 
+/// How much longer than its `wait` (plus the server's random extra of up to wait/16) a
+/// request may take before the client gives up on it: a non-blocking read gets this alone.
+/// A connection that silently died (a NAT or firewall forgot it, the server vanished)
+/// is noticed by this, or sooner by TCP keepalive.
+pub const REQUEST_MARGIN: Duration = Duration::from_secs(15);
+
+/// The client-side limit of a request that blocks for `block` (`None`: does not block).
+pub fn request_timeout(block: Option<(u64, Duration)>) -> Duration {
+    match block {
+        Some((_, wait)) => wait + wait / 16 + REQUEST_MARGIN,
+        None => REQUEST_MARGIN,
+    }
+}
+
 /// A successful read: the index (never below 1) and the parsed body.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Answer<T> {
@@ -78,6 +92,11 @@ impl HttpClient {
             // Idle connections beyond a blocking query's life are not worth keeping long.
             .pool_idle_timeout(Duration::from_secs(30))
             .connect_timeout(Duration::from_secs(10))
+            // A peer that vanished without a FIN or RST is noticed within about 30 s, even
+            // in the middle of a five-minute blocking query.
+            .tcp_keepalive(Duration::from_secs(15))
+            .tcp_keepalive_interval(Duration::from_secs(5))
+            .tcp_keepalive_retries(3)
             .user_agent(concat!("consul-resolver-operator/", env!("CARGO_PKG_VERSION")));
         let mut base = address.trim_end_matches('/').to_owned();
         if let Some(tls) = tls.filter(|_| url.scheme() == "https") {
@@ -127,7 +146,7 @@ impl HttpClient {
             query.push(("tag", t.clone()));
         }
         push_block(&mut query, block);
-        let (index, body) = self.get(&url, &query, key.server.token.as_ref()).await?;
+        let (index, body) = self.get(&url, &query, key.server.token.as_ref(), request_timeout(block)).await?;
         let value = parse::health_service(&body).map_err(|cause| self.body_error(cause))?;
         Ok(Answer { index, value })
     }
@@ -143,7 +162,7 @@ impl HttpClient {
         let mut query = Vec::new();
         scope_params(&mut query, scope.datacenter.as_deref(), scope.namespace.as_deref(), scope.partition.as_deref());
         push_block(&mut query, block);
-        let (index, body) = self.get(&url, &query, token).await?;
+        let (index, body) = self.get(&url, &query, token, request_timeout(block)).await?;
         serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&body)
             .map_err(|e| self.body_error(format!("malformed /v1/catalog/services body: {e}")))?;
         Ok(index)
@@ -158,8 +177,9 @@ impl HttpClient {
         url: &str,
         query: &[(&str, String)],
         token: Option<&Secret>,
+        timeout: Duration,
     ) -> Result<(u64, bytes::Bytes), QueryError> {
-        let mut req = self.http.get(url).query(query);
+        let mut req = self.http.get(url).query(query).timeout(timeout);
         if let Some(t) = token {
             let mut h = reqwest::header::HeaderValue::from_str(t.expose()).map_err(|_| QueryError::Status {
                 address: self.address.clone(),
@@ -171,7 +191,14 @@ impl HttpClient {
         }
         let address = &self.address;
         // reqwest errors can include the URL (never headers); the URL holds no secret.
-        let network = |e: reqwest::Error| QueryError::Network { address: address.clone(), cause: cause_chain(&e) };
+        let network = |e: reqwest::Error| {
+            let cause = if e.is_timeout() {
+                format!("no complete answer within {timeout:?} (the blocking wait plus a margin)")
+            } else {
+                cause_chain(&e)
+            };
+            QueryError::Network { address: address.clone(), cause }
+        };
         let resp = req.send().await.map_err(network)?;
         let status = resp.status();
         let headers = resp.headers().clone();
@@ -268,6 +295,40 @@ fn cause_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn requests_may_take_their_wait_its_jitter_and_a_margin() {
+        assert_eq!(request_timeout(None), REQUEST_MARGIN);
+        let five_minutes = Duration::from_secs(300);
+        assert_eq!(
+            request_timeout(Some((7, five_minutes))),
+            five_minutes + Duration::from_millis(18_750) + REQUEST_MARGIN
+        );
+    }
+
+    /// A server that accepts the connection and never answers (a dropped connection
+    /// looks the same): the request fails at its limit instead of hanging.
+    #[tokio::test]
+    async fn a_silent_server_fails_the_query_at_its_limit() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let held = tokio::spawn(async move {
+            let mut conns = Vec::new();
+            while let Ok((c, _)) = listener.accept().await {
+                conns.push(c);
+            }
+        });
+        let c = HttpClient::new(&format!("http://{addr}"), None, 4).await.unwrap();
+        let started = std::time::Instant::now();
+        let err = c
+            .get(&format!("http://{addr}/v1/health/service/web"), &[], None, Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+        assert!(err.to_string().contains("no complete answer within 300ms"), "{err}");
+        held.abort();
+    }
 
     #[test]
     fn go_durations() {

@@ -1,5 +1,6 @@
-//! A loopback stand-in for the Kubernetes API server in publisher tests (each request is
-//! recorded as `METHOD last-path-segment` and answered by a handler), and snapshot fixtures.
+//! Test fixtures shared by the edge modules: a loopback stand-in for the Kubernetes API
+//! server (each request is recorded as `METHOD last-path-segment` and answered by a
+//! handler), and snapshot fixtures.
 
 use std::sync::{Arc, Mutex};
 
@@ -99,7 +100,7 @@ pub fn resolver_entry(namespace: &str, name: &str) -> ResolverEntry {
         generation: Some(3),
         address: "http://127.0.0.1:8500".into(),
         datacenter: None,
-        invalid: None,
+        unusable: None,
         services: vec![],
     }
 }

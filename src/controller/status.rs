@@ -1,34 +1,20 @@
-//! Each ConsulResolver's status: what the last snapshot says about that resolver.
+//! What a resolver's status says, computed from its part of the published snapshot. Pure:
+//! the controller compares the result with the live object and writes the difference.
 //!
-//! [`status_for`] is pure; [`StatusPublisher`] applies its result to the `status`
-//! subresource with server-side apply (so fields we stop setting, like a cleared
-//! `servicesTruncated`, are removed rather than left behind as a merge patch would).
-//!
-//! Statuses are only written when they change. `lastSnapshot` is left out of that
-//! comparison: otherwise every publication would rewrite every resolver's status, even
-//! those the change was not about. It names the snapshot in which the status last changed.
+//! `lastSnapshot` is left out of that comparison: otherwise every publication would
+//! rewrite every resolver's status, even those the change was not about. It names the
+//! snapshot in which the status last changed.
 
-use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex};
-
-use futures::FutureExt;
-use futures::future::BoxFuture;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::Api;
-use kube::api::{Patch, PatchParams};
 
-use super::Publisher;
-use crate::api::resolver::{ConsulResolver, ConsulResolverStatus, ServiceStatus, SnapshotRef, condition};
-use crate::core::assembler::Snapshot;
-use crate::core::assembler::snapshot::ResolverEntry;
+use crate::api::resolver::{ConsulResolverStatus, ServiceStatus, SnapshotRef, StaleStatus, condition};
+use crate::core::assembler::snapshot::{ResolverEntry, UnusableReason};
 
 /// Most entries in `serviceDetails`; the counts stay exact beyond it.
 pub const MAX_SERVICE_DETAILS: usize = 50;
 /// Most services named in one condition message.
 const MAX_NAMED: usize = 5;
-
-const FIELD_MANAGER: &str = "consul-resolver-operator";
 
 fn truncate_to_seconds(t: Timestamp) -> Timestamp {
     Timestamp::from_second(t.as_second()).unwrap_or(t)
@@ -66,59 +52,66 @@ pub fn status_for(
     let failing: Vec<_> = services.iter().filter(|s| s.error.is_some()).collect();
     let unsynced: Vec<&str> = services.iter().filter(|s| !s.synced).map(|s| s.name.as_str()).collect();
 
-    let reachable = if let Some(problem) = &entry.invalid {
-        Cond {
-            type_: condition::CONSUL_REACHABLE,
-            status: "Unknown",
-            reason: condition::REASON_INVALID_SPEC,
-            message: format!("not queried: {problem}"),
-        }
-    } else if let Some(first) = failing.first() {
-        // The errors come from the Consul source, which never puts the token in them.
-        let error = first.error.as_deref().unwrap_or_default();
-        let others = match failing.len() - 1 {
-            0 => String::new(),
-            n => format!(" (and {n} other services: {})", name_some(failing[1..].iter().map(|s| s.name.as_str()))),
-        };
-        Cond {
+    let stale: Vec<_> = services.iter().filter_map(|s| Some((s.name.as_str(), s.stale.as_ref()?))).collect();
+
+    let reachable = match &entry.unusable {
+        Some(u) if u.reason == UnusableReason::SecretUnavailable => Cond {
             type_: condition::CONSUL_REACHABLE,
             status: "False",
-            reason: "QueryFailed",
-            message: format!(
-                "querying Consul at {} for service {:?} failed: {error}{others}; check the address, the network \
-                 policy and the ACL token",
-                entry.address, first.name
-            ),
+            reason: u.reason.as_str(),
+            message: format!("cannot query Consul at {}: {}", entry.address, u.message),
+        },
+        Some(u) => Cond {
+            type_: condition::CONSUL_REACHABLE,
+            status: "Unknown",
+            reason: u.reason.as_str(),
+            message: format!("not queried: {}", u.message),
+        },
+        None if !failing.is_empty() => {
+            let first = failing[0];
+            // The errors come from the Consul source, which never puts the token in them.
+            let error = first.error.as_deref().unwrap_or_default();
+            let others = match failing.len() - 1 {
+                0 => String::new(),
+                n => format!(" (and {n} other services: {})", name_some(failing[1..].iter().map(|s| s.name.as_str()))),
+            };
+            Cond {
+                type_: condition::CONSUL_REACHABLE,
+                status: "False",
+                reason: "QueryFailed",
+                message: format!(
+                    "querying Consul at {} for service {:?} failed: {error}{others}; check the address, the network \
+                     policy and the ACL token",
+                    entry.address, first.name
+                ),
+            }
         }
-    } else if services.is_empty() {
-        Cond {
+        None if services.is_empty() => Cond {
             type_: condition::CONSUL_REACHABLE,
             status: "Unknown",
             reason: "NoServices",
             message: "no Mapping uses this resolver and spec.services is empty: nothing to query".into(),
-        }
-    } else if !unsynced.is_empty() {
-        Cond {
+        },
+        None if !unsynced.is_empty() => Cond {
             type_: condition::CONSUL_REACHABLE,
             status: "Unknown",
             reason: "Waiting",
             message: format!("waiting for Consul at {} to answer for {}", entry.address, name_some(unsynced.clone())),
-        }
-    } else {
-        Cond {
+        },
+        None => Cond {
             type_: condition::CONSUL_REACHABLE,
             status: "True",
             reason: "QueriesSucceeded",
             message: format!("Consul at {} answered for all {} services", entry.address, services.len()),
-        }
+        },
     };
 
-    let bootstrapped = if entry.invalid.is_some() {
+    let bootstrapped = if let Some(u) = &entry.unusable {
         Cond {
             type_: condition::BOOTSTRAPPED,
             status: "False",
-            reason: condition::REASON_INVALID_SPEC,
-            message: "the spec must be fixed first (see the Ready condition)".into(),
+            reason: u.reason.as_str(),
+            message: "nothing is queried until the resolver is usable (see the Ready condition)".into(),
         }
     } else if unsynced.is_empty() {
         Cond {
@@ -133,7 +126,7 @@ pub fn status_for(
             status: "False",
             reason: "ServicesUnsynced",
             message: format!(
-                "{} of {} services have not answered yet ({}); the snapshot was published without their endpoints",
+                "{} of {} services have not answered yet ({}); the snapshot was published without their current endpoints",
                 unsynced.len(),
                 services.len(),
                 name_some(unsynced.clone())
@@ -141,26 +134,35 @@ pub fn status_for(
         }
     };
 
-    let ready = if let Some(problem) = &entry.invalid {
+    // What Ready says about endpoints kept from before.
+    let kept = match stale.as_slice() {
+        [] => String::new(),
+        [(_, first), ..] => format!(
+            "; the endpoints last obtained are still published for {} (stale since {})",
+            name_some(stale.iter().map(|(name, _)| *name)),
+            first.since
+        ),
+    };
+    let ready = if let Some(u) = &entry.unusable {
         Cond {
             type_: condition::READY,
             status: "False",
-            reason: condition::REASON_INVALID_SPEC,
-            message: problem.clone(),
+            reason: u.reason.as_str(),
+            message: format!("{}{kept}", u.message),
         }
     } else if reachable.status == "False" {
         Cond {
             type_: condition::READY,
             status: "False",
             reason: "ConsulUnreachable",
-            message: reachable.message.clone(),
+            message: format!("{}{kept}", reachable.message),
         }
     } else if bootstrapped.status == "False" {
         Cond {
             type_: condition::READY,
             status: "False",
             reason: "BootstrapIncomplete",
-            message: bootstrapped.message.clone(),
+            message: format!("{}{kept}", bootstrapped.message),
         }
     } else {
         Cond {
@@ -207,6 +209,7 @@ pub fn status_for(
                 index: s.index,
                 last_change: Some(last_change),
                 last_error: s.error.clone(),
+                stale: s.stale.as_ref().map(|st| StaleStatus { since: st.since.clone(), reason: st.reason.clone() }),
             }
         })
         .collect();
@@ -226,97 +229,17 @@ pub fn status_for(
 }
 
 /// Whether two statuses say the same, apart from which snapshot said it.
-fn same_apart_from_snapshot(a: &ConsulResolverStatus, b: &ConsulResolverStatus) -> bool {
+pub fn same_apart_from_snapshot(a: &ConsulResolverStatus, b: &ConsulResolverStatus) -> bool {
     let strip = |s: &ConsulResolverStatus| ConsulResolverStatus { last_snapshot: None, ..s.clone() };
     strip(a) == strip(b)
-}
-
-type Key = (String, String);
-
-/// Writes each resolver's status when it changed.
-pub struct StatusPublisher {
-    client: kube::Client,
-    /// What this process last wrote (or found) per resolver.
-    written: Arc<Mutex<HashMap<Key, ConsulResolverStatus>>>,
-}
-
-impl StatusPublisher {
-    pub fn new(client: kube::Client) -> Self {
-        StatusPublisher { client, written: Arc::default() }
-    }
-}
-
-fn is_not_found(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 404)
-}
-
-impl Publisher for StatusPublisher {
-    fn name(&self) -> &'static str {
-        "status"
-    }
-
-    fn forget(&self) {
-        self.written.lock().expect("written lock").clear();
-    }
-
-    fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), String>> {
-        let (client, written) = (self.client.clone(), self.written.clone());
-        async move {
-            let now = Timestamp::now();
-            let mut errors = Vec::new();
-            let present: BTreeSet<Key> =
-                snapshot.content.resolvers.iter().map(|r| (r.namespace.clone(), r.name.clone())).collect();
-            // Forget resolvers that left the snapshot, so a re-created one is written again.
-            written.lock().expect("written lock").retain(|k, _| present.contains(k));
-
-            for entry in &snapshot.content.resolvers {
-                let key = (entry.namespace.clone(), entry.name.clone());
-                let api: Api<ConsulResolver> = Api::namespaced(client.clone(), &entry.namespace);
-                let known = written.lock().expect("written lock").get(&key).cloned();
-                // After a restart, the status on the object is the previous one: its
-                // transition times must survive us.
-                let previous = match known {
-                    Some(p) => Some(p),
-                    None => match api.get_opt(&entry.name).await {
-                        Ok(Some(r)) => r.status,
-                        Ok(None) => continue, // deleted meanwhile
-                        Err(e) => {
-                            errors.push(format!("get ConsulResolver {}/{}: {e}", entry.namespace, entry.name));
-                            continue;
-                        }
-                    },
-                };
-                let status = status_for(entry, snapshot.id, now, previous.as_ref());
-                if previous.as_ref().is_some_and(|p| same_apart_from_snapshot(p, &status)) {
-                    written.lock().expect("written lock").insert(key, previous.unwrap_or(status));
-                    continue;
-                }
-                let patch = serde_json::json!({
-                    "apiVersion": "consulresolver.io/v1alpha1",
-                    "kind": "ConsulResolver",
-                    "status": status,
-                });
-                let params = PatchParams::apply(FIELD_MANAGER).force();
-                match api.patch_status(&entry.name, &params, &Patch::Apply(&patch)).await {
-                    Ok(_) => {
-                        written.lock().expect("written lock").insert(key, status);
-                    }
-                    Err(e) if is_not_found(&e) => {}
-                    Err(e) => errors.push(format!("status of ConsulResolver {}/{}: {e}", entry.namespace, entry.name)),
-                }
-            }
-            if errors.is_empty() { Ok(()) } else { Err(errors.join("; ")) }
-        }
-        .boxed()
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::assembler::snapshot::ServiceEntry;
+    use crate::core::assembler::snapshot::{ServiceEntry, Unusable};
     use crate::core::model::{Endpoint, Health};
-    use crate::publishers::test_api::{content, resolver_entry};
+    use crate::test_fixtures::resolver_entry;
 
     fn ep(i: usize) -> Endpoint {
         Endpoint {
@@ -335,6 +258,7 @@ mod tests {
             synced: true,
             index: Some(7),
             error: None,
+            stale: None,
             endpoints: (0..endpoints).map(ep).collect(),
         }
     }
@@ -366,7 +290,10 @@ mod tests {
     #[test]
     fn invalid_spec_is_ready_false_with_the_problem() {
         let mut e = entry(vec![]);
-        e.invalid = Some("spec.address: \"::\" is not host:port".into());
+        e.unusable = Some(Unusable {
+            reason: UnusableReason::InvalidSpec,
+            message: "spec.address: \"::\" is not host:port".into(),
+        });
         let s = status_for(&e, 1, t(0), None);
         let ready = cond(&s, condition::READY);
         assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", condition::REASON_INVALID_SPEC));
@@ -451,64 +378,79 @@ mod tests {
         assert!(!same_apart_from_snapshot(&again, &flipped));
     }
 
-    fn snapshot(id: u64, resolvers: Vec<ResolverEntry>) -> Arc<Snapshot> {
-        Arc::new(content(resolvers).into_snapshot(id))
-    }
-
-    #[tokio::test]
-    async fn writes_only_changes_keeps_transition_times_and_ignores_deleted_resolvers() {
-        use crate::publishers::test_api::{not_found, serve};
-        // shop/consul exists with an old Ready=True status; shop/gone was deleted.
-        let old = serde_json::json!({"conditions": [{"type": "Ready", "status": "True", "reason": "Published",
-            "message": "", "lastTransitionTime": "2023-01-01T00:00:00Z"}]});
-        let patches = Arc::new(Mutex::new(Vec::new()));
-        let seen = patches.clone();
-        let api = serve(Arc::new(move |method: &str, path: &str, body: &[u8]| {
-            let resolver = |status: serde_json::Value| {
-                serde_json::json!({"apiVersion": "consulresolver.io/v1alpha1", "kind": "ConsulResolver",
-                    "metadata": {"namespace": "shop", "name": "consul", "generation": 3},
-                    "spec": {"address": "127.0.0.1:8500"}, "status": status})
-            };
-            match (method, path) {
-                (_, p) if p.contains("/gone") => not_found("gone"),
-                ("GET", _) => (200, resolver(old.clone())),
-                ("PATCH", p) if p.ends_with("/status") => {
-                    let body: serde_json::Value = serde_json::from_slice(body).unwrap();
-                    seen.lock().unwrap().push(body["status"].clone());
-                    (200, resolver(body["status"].clone()))
-                }
-                _ => (405, serde_json::json!({})),
-            }
-        }))
-        .await;
-        let publisher = StatusPublisher::new(api.client.clone());
-        let mut gone = entry(vec![]);
-        gone.name = "gone".into();
-
-        publisher.publish(snapshot(1, vec![entry(vec![service("web", 2)]), gone.clone()])).await.unwrap();
-        assert_eq!(api.take(), ["GET consul", "PATCH status", "GET gone"]);
-        let written = patches.lock().unwrap().remove(0);
-        let status: ConsulResolverStatus = serde_json::from_value(written).unwrap();
-        assert_eq!(status.observed_generation, Some(3));
-        assert_eq!(
-            cond(&status, condition::READY).last_transition_time.0.to_string(),
-            "2023-01-01T00:00:00Z",
-            "Ready was already True: its transition time survives a restart"
-        );
-
-        // Same content in a new snapshot: nothing to write, nothing to read.
-        publisher.publish(snapshot(2, vec![entry(vec![service("web", 2)]), gone.clone()])).await.unwrap();
-        assert_eq!(api.take(), ["GET gone"], "only the deleted one is looked up again");
-
-        // A change is written.
-        publisher.publish(snapshot(3, vec![entry(vec![service("web", 3)])])).await.unwrap();
-        assert_eq!(api.take(), ["PATCH status"]);
-    }
-
     #[test]
     fn no_services_is_ready_with_nothing_to_query() {
         let s = status_for(&entry(vec![]), 1, t(0), None);
         assert_eq!(cond(&s, condition::READY).status, "True");
         assert_eq!(cond(&s, condition::CONSUL_REACHABLE).reason, "NoServices");
+    }
+}
+
+#[cfg(test)]
+mod stale_tests {
+    use super::*;
+    use crate::core::assembler::snapshot::{ServiceEntry, Stale, Unusable};
+    use crate::core::model::{Endpoint, Health};
+    use crate::test_fixtures::resolver_entry;
+
+    fn kept(name: &str, reason: &str) -> ServiceEntry {
+        let ep = Endpoint {
+            address: "10.0.0.1".into(),
+            port: 80,
+            node: "n".into(),
+            service_id: "s".into(),
+            tags: vec![],
+            meta: Default::default(),
+            health: Health::Passing,
+        };
+        ServiceEntry {
+            name: name.into(),
+            synced: false,
+            index: Some(4),
+            error: None,
+            stale: Some(Stale { since: "2026-11-23T06:00:00Z".into(), reason: reason.into() }),
+            endpoints: vec![ep],
+        }
+    }
+
+    fn cond<'a>(s: &'a ConsulResolverStatus, type_: &str) -> &'a Condition {
+        s.conditions.iter().find(|c| c.type_ == type_).unwrap()
+    }
+
+    #[test]
+    fn a_missing_secret_is_consul_unreachable_naming_it_and_the_kept_endpoints() {
+        let mut e = resolver_entry("shop", "consul");
+        let message = "spec.tokenSecretRef: Secret shop/acl not found";
+        e.unusable = Some(Unusable { reason: UnusableReason::SecretUnavailable, message: message.into() });
+        e.services = vec![kept("web", message)];
+        let s = status_for(&e, 1, Timestamp::from_second(1_800_000_000).unwrap(), None);
+        let reachable = cond(&s, condition::CONSUL_REACHABLE);
+        assert_eq!((reachable.status.as_str(), reachable.reason.as_str()), ("False", "SecretUnavailable"));
+        assert!(reachable.message.contains("Secret shop/acl not found"), "{}", reachable.message);
+        let ready = cond(&s, condition::READY);
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "SecretUnavailable"));
+        assert!(
+            ready.message.contains("still published for web (stale since 2026-11-23T06:00:00Z)"),
+            "{}",
+            ready.message
+        );
+        assert_eq!(s.endpoints, Some(1), "the kept endpoints are counted: they are published");
+        let web = &s.service_details[0];
+        assert_eq!(web.stale, Some(StaleStatus { since: "2026-11-23T06:00:00Z".into(), reason: message.into() }));
+    }
+
+    #[test]
+    fn a_rejected_new_token_is_query_failed_with_the_cause() {
+        let mut e = resolver_entry("shop", "consul");
+        let mut web =
+            kept("web", "the resolver's token changed, and the query with the new settings failed: ACL not found");
+        web.error =
+            Some("Consul at http://127.0.0.1:8500 rejected the request: ACL token rejected (ACL not found)".into());
+        e.services = vec![web];
+        let s = status_for(&e, 1, Timestamp::from_second(1_800_000_000).unwrap(), None);
+        let reachable = cond(&s, condition::CONSUL_REACHABLE);
+        assert_eq!((reachable.status.as_str(), reachable.reason.as_str()), ("False", "QueryFailed"));
+        assert!(reachable.message.contains("ACL token rejected"), "{}", reachable.message);
+        assert_eq!(cond(&s, condition::READY).reason, "ConsulUnreachable");
     }
 }

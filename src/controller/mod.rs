@@ -1,0 +1,474 @@
+//! The ConsulResolver controller: each resolver's status and Events, written from the
+//! published snapshot by a kube-runtime `Controller`, one resolver at a time.
+//!
+//! The snapshot and the watch set come from one reading of the whole world (the pipeline);
+//! what this controller adds is per-resolver delivery: each resolver is reconciled on its
+//! own, so one resolver's failing status write (a conflict, a webhook, a deleted object)
+//! retries with its own backoff and never fails the ConfigMap or another resolver's status.
+//! Each reconcile compares the status the snapshot implies with the live object's, so a
+//! status edited or wiped with kubectl is repaired, and statuses are written only while
+//! this replica leads, each write bounded by the leadership deadline.
+//!
+//! No second list or watch: the Controller's store is fed from the world, which already
+//! watches ConsulResolvers (the runtime calls [`ResolverController::sync`] after each
+//! batch of events). Reconciles are triggered when a resolver object changes, after each
+//! publication for the resolvers whose part of the snapshot changed (`reconcile_on`), on
+//! gaining leadership, and every `--resync-period`.
+
+mod events;
+pub mod status;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::channel::{mpsc, oneshot};
+use futures::{FutureExt, StreamExt};
+use kube::api::{ApiResource, DynamicObject, Patch, PatchParams};
+use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::reflector::{ObjectRef, store::Writer};
+use kube::runtime::watcher;
+use kube::{Api, ResourceExt};
+use serde_json::Value;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::api::resolver::{ConsulResolver, ConsulResolverStatus};
+use crate::core::aggregator::World;
+use crate::core::assembler::Snapshot;
+use crate::core::assembler::resolvers::{GROUP, KIND};
+use crate::kube_client::{FIELD_MANAGER, error_reason, status_code};
+use crate::leadership::Leadership;
+use crate::metrics::Metrics;
+use events::Events;
+
+type Ref = ObjectRef<DynamicObject>;
+
+/// Reconciles running at once: enough to catch up quickly after gaining leadership, few
+/// enough not to flood the API server with status writes.
+const CONCURRENCY: u16 = 8;
+/// Retries of a failing resolver: doubling from this, capped.
+const RETRY_BASE: Duration = Duration::from_millis(500);
+const RETRY_CAP: Duration = Duration::from_secs(300);
+
+/// Why a reconcile failed; the resolver is retried with its own backoff.
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error("leadership lapsed while writing the status of {0}")]
+    LeadershipLapsed(String),
+    #[error("writing the status of {0}: {1}")]
+    Write(String, #[source] kube::Error),
+}
+
+impl ReconcileError {
+    fn reason(&self) -> &'static str {
+        match self {
+            ReconcileError::LeadershipLapsed(_) => "leadership_lapsed",
+            ReconcileError::Write(_, e) => error_reason(e),
+        }
+    }
+}
+
+/// Our last status write to a resolver, until the watch brings it back: a reconcile in
+/// between compares with (and writes on top of) what we wrote, not the older object.
+struct Written {
+    before: Option<String>,
+    after: Option<String>,
+    status: ConsulResolverStatus,
+}
+
+struct Context {
+    client: kube::Client,
+    resource: ApiResource,
+    leadership: Leadership,
+    latest: watch::Receiver<Option<Arc<Snapshot>>>,
+    events: Events,
+    metrics: Metrics,
+    resync: Duration,
+    failures: Mutex<HashMap<Ref, u32>>,
+    written: Mutex<HashMap<Ref, Written>>,
+}
+
+impl Context {
+    /// The live status and resourceVersion of `obj`, counting our own write the store has
+    /// not seen yet.
+    fn live(&self, obj: &DynamicObject, at: &Ref) -> (Option<ConsulResolverStatus>, Option<String>) {
+        let rv = obj.resource_version();
+        if let Some(w) = self.written.lock().expect("written lock").get(at)
+            && w.before == rv
+        {
+            return (Some(w.status.clone()), w.after.clone());
+        }
+        // A status that does not parse (edited by hand) is treated as absent: rewritten.
+        let status = obj.data.get("status").cloned().and_then(|s| serde_json::from_value(s).ok());
+        (status, rv)
+    }
+}
+
+async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
+    let started = std::time::Instant::now();
+    let at = ObjectRef::from_obj_with(&*obj, ctx.resource.clone());
+    let result = reconcile_status(&obj, &at, &ctx).await;
+    ctx.metrics.reconcile_seconds.observe(started.elapsed().as_secs_f64());
+    match &result {
+        Ok(_) => {
+            ctx.metrics.reconciles.with_label_values(&["success"]).inc();
+            ctx.failures.lock().expect("failures lock").remove(&at);
+        }
+        Err(e) => {
+            ctx.metrics.reconciles.with_label_values(&["error"]).inc();
+            ctx.metrics.reconcile_errors.with_label_values(&[e.reason()]).inc();
+        }
+    }
+    result
+}
+
+async fn reconcile_status(obj: &DynamicObject, at: &Ref, ctx: &Context) -> Result<Action, ReconcileError> {
+    // Followers write nothing; gaining leadership triggers every resolver again.
+    let Some(until) = ctx.leadership.until() else { return Ok(Action::await_change()) };
+    let snapshot = ctx.latest.borrow().clone();
+    let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
+    // Not in a snapshot yet, or not ours (another Ambassador ID): nothing to say.
+    let Some(entry) = snapshot.as_ref().and_then(|s| s.resolver(&namespace, &name)) else {
+        return Ok(Action::await_change());
+    };
+    let snapshot = snapshot.as_ref().expect("entry found in it");
+    ctx.events.report(obj, entry, until).await;
+
+    let (live, rv) = ctx.live(obj, at);
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let desired = status::status_for(entry, snapshot.id, now, live.as_ref());
+    if live.as_ref().is_some_and(|l| status::same_apart_from_snapshot(l, &desired)) {
+        return Ok(Action::requeue(ctx.resync));
+    }
+    // Conditional on the version we compared with: a status written meanwhile (by another
+    // replica that believed it led, or by a user) is a conflict, retried with the new one.
+    let patch = serde_json::json!({
+        "apiVersion": <ConsulResolver as kube::Resource>::api_version(&()),
+        "kind": KIND,
+        "metadata": {"name": name, "resourceVersion": rv},
+        "status": desired,
+    });
+    let api: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), &namespace, &ctx.resource);
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    let shown = format!("ConsulResolver {namespace}/{name}");
+    match tokio::time::timeout_at(until, api.patch_status(&name, &params, &Patch::Apply(&patch))).await {
+        Err(_) => Err(ReconcileError::LeadershipLapsed(shown)),
+        // Deleted meanwhile: nothing to write.
+        Ok(Err(e)) if status_code(&e) == Some(404) => Ok(Action::await_change()),
+        Ok(Err(e)) => {
+            ctx.written.lock().expect("written lock").remove(at);
+            Err(ReconcileError::Write(shown, e))
+        }
+        Ok(Ok(updated)) => {
+            tracing::debug!(resolver = %format!("{namespace}/{name}"), snapshot = snapshot.id, "status written");
+            let w = Written { before: rv, after: updated.resource_version(), status: desired };
+            ctx.written.lock().expect("written lock").insert(at.clone(), w);
+            Ok(Action::requeue(ctx.resync))
+        }
+    }
+}
+
+fn error_policy(obj: Arc<DynamicObject>, error: &ReconcileError, ctx: Arc<Context>) -> Action {
+    let at = ObjectRef::from_obj_with(&*obj, ctx.resource.clone());
+    let failures = {
+        let mut f = ctx.failures.lock().expect("failures lock");
+        let n = f.entry(at).or_insert(0);
+        *n = n.saturating_add(1);
+        *n
+    };
+    let delay = retry_delay(failures, rand::random_range(0.0..0.2));
+    tracing::warn!(error = %error, retry_in = ?delay, "resolver reconcile failed");
+    Action::requeue(delay)
+}
+
+/// The wait before retry `failures` (1-based) of one resolver: doubling from
+/// [`RETRY_BASE`], capped at [`RETRY_CAP`], `shave` (0..1) taken off so resolvers failing
+/// together do not retry in lockstep.
+fn retry_delay(failures: u32, shave: f64) -> Duration {
+    let step = RETRY_BASE.saturating_mul(2u32.saturating_pow(failures.saturating_sub(1).min(20)));
+    step.min(RETRY_CAP).mul_f64(1.0 - shave.clamp(0.0, 0.5))
+}
+
+/// The running controller, and the store it reads, fed from the world.
+pub struct ResolverController {
+    writer: Writer<DynamicObject>,
+    resource: ApiResource,
+    /// The resolvers in the store, as the world holds them.
+    fed: BTreeMap<(String, String), (Arc<Value>, DynamicObject)>,
+    /// The store is filled (at the first publication: before it, there is nothing to say).
+    ready: bool,
+    objects: mpsc::UnboundedSender<Arc<DynamicObject>>,
+    refs: mpsc::UnboundedSender<Ref>,
+    latest: watch::Sender<Option<Arc<Snapshot>>>,
+    ctx: Arc<Context>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+impl ResolverController {
+    /// Starts the controller; statuses are written every `resync` at the latest.
+    pub fn spawn(
+        client: kube::Client,
+        leadership: Leadership,
+        identity: String,
+        metrics: Metrics,
+        resync: Duration,
+    ) -> ResolverController {
+        let resource = ApiResource::erase::<ConsulResolver>(&());
+        let writer = Writer::new(resource.clone());
+        let reader = writer.as_reader();
+        let (objects, objects_rx) = mpsc::unbounded();
+        let (refs, refs_rx) = mpsc::unbounded();
+        let (latest, latest_rx) = watch::channel(None);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let ctx = Arc::new(Context {
+            events: Events::new(client.clone(), FIELD_MANAGER, identity, metrics.clone()),
+            client,
+            resource: resource.clone(),
+            leadership,
+            latest: latest_rx,
+            metrics,
+            resync,
+            failures: Mutex::default(),
+            written: Mutex::default(),
+        });
+        let controller = Controller::for_shared_stream_with(objects_rx, reader, resource.clone())
+            .with_config(ControllerConfig::default().concurrency(CONCURRENCY))
+            .reconcile_on(refs_rx)
+            .graceful_shutdown_on(stopped.map(|_| ()))
+            .run(reconcile, error_policy, ctx.clone())
+            .for_each(|result| async move {
+                // Reconcile failures were logged and counted by the error policy; a
+                // trigger for a resolver deleted meanwhile is nothing.
+                if let Err(e) = result
+                    && !matches!(e, kube::runtime::controller::Error::ReconcilerFailed(..))
+                {
+                    tracing::debug!(error = %e, "resolver controller");
+                }
+            });
+        ResolverController {
+            writer,
+            resource,
+            fed: BTreeMap::new(),
+            ready: false,
+            objects,
+            refs,
+            latest,
+            ctx,
+            stop: Some(stop),
+            task: tokio::spawn(controller),
+        }
+    }
+
+    /// Brings the store up to date with the world's resolvers, triggering a reconcile of
+    /// each one that changed (a spec edit, a status wiped by hand).
+    pub fn sync(&mut self, world: &World) {
+        let mut seen = std::collections::BTreeSet::new();
+        for obj in world.objects_of(GROUP, KIND) {
+            let id = (obj.id.namespace.clone().unwrap_or_default(), obj.id.name.clone());
+            seen.insert(id.clone());
+            let unchanged = self.fed.get(&id).is_some_and(|(v, _)| Arc::ptr_eq(v, &obj.value) || *v == obj.value);
+            if unchanged {
+                continue;
+            }
+            let Ok(dynamic) = serde_json::from_value::<DynamicObject>((*obj.value).clone()) else { continue };
+            if self.ready {
+                self.writer.apply_watcher_event(&watcher::Event::Apply(dynamic.clone()));
+                let _ = self.objects.unbounded_send(Arc::new(dynamic.clone()));
+            }
+            self.fed.insert(id, (obj.value.clone(), dynamic));
+        }
+        let gone: Vec<_> = self.fed.keys().filter(|id| !seen.contains(*id)).cloned().collect();
+        for id in gone {
+            if let Some((_, dynamic)) = self.fed.remove(&id)
+                && self.ready
+            {
+                let at = ObjectRef::from_obj_with(&dynamic, self.resource.clone());
+                self.ctx.written.lock().expect("written lock").remove(&at);
+                self.ctx.failures.lock().expect("failures lock").remove(&at);
+                self.writer.apply_watcher_event(&watcher::Event::Delete(dynamic));
+            }
+        }
+    }
+
+    /// `snapshot` was published: reconcile the resolvers whose part of it changed.
+    pub fn published(&mut self, snapshot: Arc<Snapshot>) {
+        let previous = self.latest.send_replace(Some(snapshot.clone()));
+        if !self.ready {
+            // The first snapshot: the store is filled with what the world has listed.
+            self.writer.apply_watcher_event(&watcher::Event::Init);
+            for (_, dynamic) in self.fed.values() {
+                self.writer.apply_watcher_event(&watcher::Event::InitApply(dynamic.clone()));
+            }
+            self.writer.apply_watcher_event(&watcher::Event::InitDone);
+            self.ready = true;
+            self.trigger_all();
+            return;
+        }
+        for entry in &snapshot.content.resolvers {
+            let before = previous.as_ref().and_then(|p| p.resolver(&entry.namespace, &entry.name));
+            if before != Some(entry) {
+                let at = ObjectRef::new_with(&entry.name, self.resource.clone()).within(&entry.namespace);
+                let _ = self.refs.unbounded_send(at);
+            }
+        }
+    }
+
+    /// This replica just became leader: whatever it believed was written may have been
+    /// overwritten since, so every resolver is reconciled again.
+    pub fn leading(&mut self) {
+        self.ctx.events.forget();
+        self.ctx.written.lock().expect("written lock").clear();
+        if self.ready {
+            self.trigger_all();
+        }
+    }
+
+    fn trigger_all(&self) {
+        for (_, dynamic) in self.fed.values() {
+            let _ = self.refs.unbounded_send(ObjectRef::from_obj_with(dynamic, self.resource.clone()));
+        }
+    }
+
+    /// Lets the reconciles in flight finish (each is bounded by the leadership deadline),
+    /// then stops.
+    pub async fn shutdown(mut self, within: Duration) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if tokio::time::timeout(within, &mut self.task).await.is_err() {
+            self.task.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::aggregator::{Event as WorldEvent, KubeEvent};
+    use crate::core::keys::{KubeKey, WatchKey};
+    use crate::core::model::KubeObject;
+    use crate::test_fixtures::{content, resolver_entry, serve};
+    use serde_json::json;
+
+    fn resolvers() -> KubeKey {
+        KubeKey::new(GROUP, "v1alpha1", KIND)
+    }
+
+    fn resolver(rv: &str, status: Value) -> KubeObject {
+        KubeObject::from_value(json!({"apiVersion": "consulresolver.io/v1alpha1", "kind": "ConsulResolver",
+            "metadata": {"namespace": "shop", "name": "consul", "uid": "u-1", "resourceVersion": rv, "generation": 3},
+            "spec": {"address": "127.0.0.1:8500"}, "status": status}))
+        .unwrap()
+    }
+
+    fn world_with(obj: KubeObject) -> World {
+        let mut w = World::new(Duration::from_secs(30));
+        let now = tokio::time::Instant::now();
+        w.track(&WatchKey::Kube(resolvers()), now);
+        for e in [KubeEvent::ListStarted, KubeEvent::Listed(obj), KubeEvent::ListDone] {
+            w.apply(WorldEvent::Kube(resolvers(), e), now);
+        }
+        w
+    }
+
+    /// Status patches the fake API server received: (resourceVersion sent, status).
+    type Patches = Arc<Mutex<Vec<(Value, Value)>>>;
+
+    async fn wait_until(what: &str, cond: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(std::time::Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn statuses_are_written_conditionally_repaired_and_retried_only_while_leading() {
+        let patches: Patches = Arc::default();
+        let conflicts = Arc::new(Mutex::new(0u32));
+        let (seen, conflict) = (patches.clone(), conflicts.clone());
+        let api = serve(Arc::new(move |method: &str, path: &str, body: &[u8]| {
+            if method != "PATCH" || !path.ends_with("/status") {
+                return (405, json!({}));
+            }
+            let body: Value = serde_json::from_slice(body).unwrap();
+            let mut pending = conflict.lock().unwrap();
+            if *pending > 0 {
+                *pending -= 1;
+                return (
+                    409,
+                    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "reason": "Conflict", "code": 409, "message": "the object has been modified"}),
+                );
+            }
+            let mut seen = seen.lock().unwrap();
+            seen.push((body["metadata"]["resourceVersion"].clone(), body["status"].clone()));
+            let rv = format!("w{}", seen.len());
+            (
+                200,
+                json!({"apiVersion": "consulresolver.io/v1alpha1", "kind": "ConsulResolver",
+                "metadata": {"namespace": "shop", "name": "consul", "resourceVersion": rv}, "status": body["status"]}),
+            )
+        }))
+        .await;
+        let (lead, leadership) = Leadership::manual();
+        let metrics = Metrics::new();
+        let mut c = ResolverController::spawn(
+            api.client.clone(),
+            leadership,
+            "test".into(),
+            metrics.clone(),
+            Duration::from_secs(3600),
+        );
+        let snapshot = |id| Arc::new(content(vec![resolver_entry("shop", "consul")]).into_snapshot(id));
+
+        let reconciled = || metrics.reconciles.with_label_values(&["success"]).get();
+        let written = || patches.lock().unwrap().len();
+
+        // A follower reconciles but writes nothing.
+        c.sync(&world_with(resolver("1", json!(null))));
+        c.published(snapshot(1));
+        wait_until("the first reconcile", || reconciled() == 1).await;
+        assert_eq!(written(), 0, "written without leading");
+
+        // Leading: the status is written, conditional on the version it was computed from.
+        lead.send_replace(Some(tokio::time::Instant::now() + Duration::from_secs(3600)));
+        c.leading();
+        wait_until("a status patch", || written() == 1).await;
+        let (rv, status) = patches.lock().unwrap()[0].clone();
+        assert_eq!(rv, "1");
+        assert_eq!(status["observedGeneration"], 3);
+        assert_eq!(status["conditions"][0]["type"], "Ready");
+
+        // The watch brings our write back; a new snapshot with the same content, and the
+        // object changing, reconcile it again: nothing to write.
+        wait_until("the write's reconcile to finish", || reconciled() == 2).await;
+        c.published(snapshot(2));
+        c.sync(&world_with(resolver("w1", status.clone())));
+        wait_until("a reconcile of the unchanged status", || reconciled() == 3).await;
+        assert_eq!(written(), 1, "an unchanged status is not written again");
+
+        // Someone wipes the status (the watch brings it back empty, at a new version):
+        // repaired, on top of that version. The first attempt conflicts and is retried.
+        *conflicts.lock().unwrap() = 1;
+        c.sync(&world_with(resolver("5", json!(null))));
+        wait_until("the repair", || written() == 2).await;
+        let (rv, status) = patches.lock().unwrap()[1].clone();
+        assert_eq!(rv, "5");
+        assert_eq!(status["lastSnapshot"]["id"], 2, "the snapshot it is written from");
+        assert_eq!(metrics.reconcile_errors.with_label_values(&["conflict"]).get(), 1);
+        assert!(metrics.reconciles.with_label_values(&["success"]).get() >= 2);
+        c.shutdown(Duration::from_secs(5)).await;
+    }
+
+    #[test]
+    fn retries_double_per_resolver_and_are_capped() {
+        assert_eq!(retry_delay(1, 0.0), RETRY_BASE);
+        assert_eq!(retry_delay(2, 0.0), RETRY_BASE * 2);
+        assert_eq!(retry_delay(4, 0.0), RETRY_BASE * 8);
+        assert_eq!(retry_delay(40, 0.0), RETRY_CAP);
+        assert!(retry_delay(3, 0.2) < retry_delay(3, 0.0));
+    }
+}

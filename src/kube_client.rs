@@ -1,0 +1,211 @@
+//! The Kubernetes client, with a deadline on every request that is not a watch.
+//!
+//! kube's client has no overall request timeout by default: a request to an API server
+//! that accepted the connection and then went silent (frozen, overloaded, a half-open
+//! connection) waits for minutes. Every non-watch request of this operator (lists,
+//! discovery, the Lease, the ConfigMap, statuses, Events) therefore gets `--kube-timeout`
+//! from sending it to the end of its response body, enforced by a layer of the client
+//! itself so no call site can forget it. Watches are left alone: they are long by design and
+//! kube-runtime's watcher has its own idle timeout.
+//!
+//! The client also names this replica in its User-Agent, so the API server's audit log can
+//! tell which replica wrote what.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, Uri};
+use http_body::{Body, Frame, SizeHint};
+use kube::client::ClientBuilder;
+use tokio::time::{Instant, Sleep};
+use tower_layer::Layer;
+use tower_service::Service;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The field manager of everything the operator writes with server-side apply, and the
+/// controller name in its Events.
+pub const FIELD_MANAGER: &str = "consul-resolver-operator";
+
+/// The API server's answer, when the error is one.
+pub fn status_code(e: &kube::Error) -> Option<u16> {
+    match e {
+        kube::Error::Api(s) => Some(s.code),
+        _ => None,
+    }
+}
+
+/// A short, bounded label for an error, for metrics: `conflict`, `forbidden`, `timeout`, ...
+pub fn error_reason(e: &kube::Error) -> &'static str {
+    match status_code(e) {
+        Some(404) => "not_found",
+        Some(409) => "conflict",
+        Some(403) => "forbidden",
+        Some(422) => "invalid",
+        Some(429) => "throttled",
+        Some(c) if c >= 500 => "server_error",
+        Some(_) => "rejected",
+        None if matches!(e, kube::Error::Service(b) if b.is::<DeadlineExceeded>()) => "timeout",
+        None => "transport",
+    }
+}
+
+/// A request that did not complete within its deadline.
+#[derive(Debug, thiserror::Error)]
+#[error("no complete response from the API server within {0:?} (--kube-timeout)")]
+pub struct DeadlineExceeded(pub Duration);
+
+/// The operator's client: the kubeconfig (or in-cluster config), a User-Agent naming
+/// `identity`, and `timeout` on every request that is not a watch.
+pub async fn client(identity: &str, timeout: Duration) -> anyhow::Result<kube::Client> {
+    let mut config = kube::Config::infer().await?;
+    let agent = format!("consul-resolver-operator/{} ({identity})", env!("CARGO_PKG_VERSION"));
+    let agent = http::HeaderValue::from_str(&agent)
+        .or_else(|_| http::HeaderValue::from_str(concat!("consul-resolver-operator/", env!("CARGO_PKG_VERSION"))))?;
+    config.headers.push((http::header::USER_AGENT, agent));
+    Ok(ClientBuilder::try_from(config)?.with_layer(&DeadlineLayer { timeout }).build())
+}
+
+/// Puts a deadline on every request that is not a watch.
+#[derive(Debug, Clone, Copy)]
+pub struct DeadlineLayer {
+    pub timeout: Duration,
+}
+
+impl<S> Layer<S> for DeadlineLayer {
+    type Service = DeadlineService<S>;
+
+    fn layer(&self, inner: S) -> DeadlineService<S> {
+        DeadlineService { inner, timeout: self.timeout }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DeadlineService<S> {
+    inner: S,
+    timeout: Duration,
+}
+
+/// `?watch=true` (or `1`) is a watch; everything else is a request with an end.
+fn is_watch(uri: &Uri) -> bool {
+    uri.query().is_some_and(|q| q.split('&').any(|p| p == "watch=true" || p == "watch=1"))
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for DeadlineService<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<DeadlineBody<ResBody>>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let timeout = self.timeout;
+        let deadline = (!is_watch(req.uri())).then(|| Instant::now() + timeout);
+        let response = self.inner.call(req);
+        Box::pin(async move {
+            let response = match deadline {
+                None => response.await.map_err(Into::into)?,
+                Some(at) => match tokio::time::timeout_at(at, response).await {
+                    Ok(r) => r.map_err(Into::into)?,
+                    Err(_) => return Err(Box::new(DeadlineExceeded(timeout)) as BoxError),
+                },
+            };
+            Ok(response.map(|body| DeadlineBody {
+                body,
+                deadline: deadline.map(|at| Box::pin(tokio::time::sleep_until(at))),
+                timeout,
+            }))
+        })
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response body that fails once the request's deadline passes.
+    pub struct DeadlineBody<B> {
+        #[pin]
+        body: B,
+        deadline: Option<Pin<Box<Sleep>>>,
+        timeout: Duration,
+    }
+}
+
+impl<B> Body for DeadlineBody<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        if let Some(deadline) = this.deadline.as_mut()
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            return Poll::Ready(Some(Err(Box::new(DeadlineExceeded(*this.timeout)))));
+        }
+        this.body.poll_frame(cx).map_err(Into::into)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watches_are_told_apart() {
+        let uri = |s: &str| s.parse::<Uri>().unwrap();
+        assert!(is_watch(&uri("/api/v1/secrets?fieldSelector=metadata.name%3Dx&watch=true&timeoutSeconds=290")));
+        assert!(is_watch(&uri("/api/v1/secrets?watch=1")));
+        assert!(!is_watch(&uri("/api/v1/secrets?fieldSelector=metadata.name%3Dx")));
+        assert!(!is_watch(&uri("/api/v1/namespaces/a/configmaps/watch-true")));
+        assert!(!is_watch(&uri("/api/v1/secrets?allowWatchBookmarks=true")));
+    }
+
+    /// An API server that accepts and answers nothing: a request fails at its deadline
+    /// rather than waiting for ever, while a watch is not cut.
+    #[tokio::test]
+    async fn a_silent_api_server_fails_requests_at_their_deadline_but_not_watches() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Accept and hold connections, never answering.
+        let held = tokio::spawn(async move {
+            let mut conns = Vec::new();
+            while let Ok((c, _)) = listener.accept().await {
+                conns.push(c);
+            }
+        });
+        let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
+        let timeout = Duration::from_millis(300);
+        let client = ClientBuilder::try_from(config).unwrap().with_layer(&DeadlineLayer { timeout }).build();
+        let api: kube::Api<k8s_openapi::api::core::v1::ConfigMap> = kube::Api::namespaced(client.clone(), "a");
+        let started = std::time::Instant::now();
+        let err = api.get("x").await.unwrap_err();
+        let took = started.elapsed();
+        assert_eq!(error_reason(&err), "timeout", "{err:?}");
+        assert!(took >= timeout && took < Duration::from_secs(5), "{took:?}");
+        // A watch is still waiting well past the deadline.
+        let params = kube::api::WatchParams::default();
+        let watch = api.watch(&params, "0");
+        assert!(tokio::time::timeout(timeout * 3, watch).await.is_err(), "the watch was cut by the request deadline");
+        held.abort();
+    }
+}

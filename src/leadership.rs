@@ -1,0 +1,290 @@
+//! Who may write to the cluster, and until when: the Lease edge of leader election
+//! ([`crate::core::election`] decides) and the [`Leadership`] handle every cluster writer
+//! holds.
+//!
+//! Leadership is a deadline, not a flag: a replica leads *until* its renew deadline after
+//! its last successful renewal. Writers ask for the deadline before each write and bound
+//! the write by it (`tokio::time::timeout_at`), so when renewals stop (the API server
+//! frozen, the network cut) writing stops at the deadline by a timer, whether or not a
+//! request is hung, and well before another replica may take over (after the full lease
+//! duration, measured on its own clock from when it saw our last renewal).
+//!
+//! Lease writes are conditional on the resourceVersion just read, so two replicas racing
+//! for a free lease cannot both win: the loser gets a 409 and sees the winner next time.
+
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::Api;
+use kube::api::{PostParams, ResourceExt};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::LeaseRef;
+use crate::core::election::{Action, Election, LeaseRecord};
+
+/// Whether, and until when, this replica may write to the cluster. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Leadership {
+    until: watch::Receiver<Option<Instant>>,
+}
+
+impl Leadership {
+    /// Without leader election: this process always writes (one replica).
+    pub fn always() -> Leadership {
+        // Far enough never to pass, near enough not to overflow the clock.
+        let (_, until) = watch::channel(Some(Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600)));
+        Leadership { until }
+    }
+
+    /// The instant this replica must stop writing by, while it leads.
+    pub fn until(&self) -> Option<Instant> {
+        (*self.until.borrow()).filter(|&u| u > Instant::now())
+    }
+
+    /// A leadership the caller decides, for tests.
+    #[cfg(test)]
+    pub(crate) fn manual() -> (watch::Sender<Option<Instant>>, Leadership) {
+        let (tx, until) = watch::channel(None);
+        (tx, Leadership { until })
+    }
+
+    pub fn is_leading(&self) -> bool {
+        self.until().is_some()
+    }
+
+    /// Resolves when leadership may have changed: a renewal, acquisition or loss reported
+    /// by the lease task, or the current deadline passing.
+    pub async fn changed(&mut self) {
+        let until = *self.until.borrow_and_update();
+        let lapse = async move {
+            match until {
+                Some(u) if u > Instant::now() => tokio::time::sleep_until(u).await,
+                _ => std::future::pending().await,
+            }
+        };
+        tokio::pin!(lapse);
+        tokio::select! {
+            changed = self.until.changed() => {
+                if changed.is_err() {
+                    // The sender is gone (no election, or it stopped): only the deadline
+                    // can still change anything.
+                    (&mut lapse).await;
+                }
+            }
+            () = &mut lapse => {}
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct LeaseConfig {
+    pub lease: LeaseRef,
+    pub identity: String,
+    /// Written into the lease; others take over this long after our last renewal.
+    pub duration: Duration,
+}
+
+impl LeaseConfig {
+    /// We stop writing this long after our last renewal: two thirds of the duration, as
+    /// client-go's defaults (15 s / 10 s), leaving a third as margin for slow writes.
+    fn renew_deadline(&self) -> Duration {
+        self.duration * 2 / 3
+    }
+
+    /// How often the lease is read (and renewed while held).
+    fn retry_period(&self) -> Duration {
+        (self.duration / 5).max(Duration::from_millis(100))
+    }
+
+    /// Each Lease request's own limit: half the renew deadline, so a hung request leaves
+    /// time for another attempt before leadership lapses.
+    fn request_timeout(&self) -> Duration {
+        self.renew_deadline() / 2
+    }
+}
+
+/// The running election. Dropping it without [`Campaign::release`] lets the lease
+/// expire on its own.
+pub struct Campaign {
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl Campaign {
+    /// Starts campaigning.
+    pub fn spawn(client: kube::Client, config: LeaseConfig) -> (Leadership, Campaign) {
+        let (tx, until) = watch::channel(None);
+        let stop = CancellationToken::new();
+        let api: Api<Lease> = Api::namespaced(client, &config.lease.namespace);
+        let task = tokio::spawn(campaign(api, config, tx, stop.clone()));
+        (Leadership { until }, Campaign { stop, task })
+    }
+
+    /// Stops campaigning and, if we hold the lease, hands it back so another replica
+    /// takes over at once instead of after the lease duration.
+    pub async fn release(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+    }
+}
+
+fn record(lease: &Lease) -> LeaseRecord {
+    let spec = lease.spec.clone().unwrap_or_default();
+    LeaseRecord {
+        holder: spec.holder_identity,
+        version: lease.resource_version().unwrap_or_default(),
+        duration: Duration::from_secs(spec.lease_duration_seconds.unwrap_or(0).max(0) as u64),
+        transitions: spec.lease_transitions.unwrap_or(0),
+    }
+}
+
+fn seconds(d: Duration) -> i32 {
+    d.as_secs().clamp(1, i32::MAX as u64) as i32
+}
+
+/// The spec of a lease we have just taken, at `now`.
+fn held(config: &LeaseConfig, now: Option<MicroTime>, transitions: i32) -> LeaseSpec {
+    LeaseSpec {
+        holder_identity: Some(config.identity.clone()),
+        lease_duration_seconds: Some(seconds(config.duration)),
+        acquire_time: now.clone(),
+        renew_time: now,
+        lease_transitions: Some(transitions),
+        ..Default::default()
+    }
+}
+
+async fn campaign(api: Api<Lease>, config: LeaseConfig, tx: watch::Sender<Option<Instant>>, stop: CancellationToken) {
+    let name = config.lease.name.clone();
+    let limit = config.request_timeout();
+    let mut election = Election::new(config.identity.clone(), config.duration, config.renew_deadline());
+    let mut last: Option<Lease> = None;
+    loop {
+        match tokio::time::timeout(limit, api.get_opt(&name)).await {
+            Err(_) => tracing::warn!(lease = %config.lease, timeout = ?limit, "reading the leader lease timed out"),
+            Ok(Err(e)) => tracing::warn!(lease = %config.lease, error = %e, "cannot read the leader lease"),
+            Ok(Ok(current)) => {
+                // Observed when the answer arrived: a slow read must not make another
+                // replica's lease look older than it is.
+                let action = election.observe(current.as_ref().map(record).as_ref(), Instant::now());
+                let stamp = Some(MicroTime(Timestamp::now()));
+                // Leadership counts from before the write is sent: the others can only
+                // see it later.
+                let sent = Instant::now();
+                let write = match (action, current) {
+                    (Action::Wait, current) => {
+                        last = current;
+                        None
+                    }
+                    (Action::Create, _) => {
+                        let lease = Lease {
+                            metadata: ObjectMeta { name: Some(name.clone()), ..Default::default() },
+                            spec: Some(held(&config, stamp, 0)),
+                        };
+                        Some(tokio::time::timeout(limit, api.create(&PostParams::default(), &lease)).await)
+                    }
+                    (Action::Renew { .. }, Some(mut lease)) => {
+                        let spec = lease.spec.get_or_insert_with(Default::default);
+                        spec.renew_time = stamp;
+                        spec.lease_duration_seconds = Some(seconds(config.duration));
+                        Some(tokio::time::timeout(limit, api.replace(&name, &PostParams::default(), &lease)).await)
+                    }
+                    (Action::Acquire { transitions, .. }, Some(mut lease)) => {
+                        lease.spec = Some(held(&config, stamp, transitions));
+                        Some(tokio::time::timeout(limit, api.replace(&name, &PostParams::default(), &lease)).await)
+                    }
+                    (Action::Renew { .. } | Action::Acquire { .. }, None) => None,
+                };
+                match write {
+                    Some(Ok(Ok(lease))) => {
+                        election.written(sent);
+                        last = Some(lease);
+                    }
+                    Some(Ok(Err(kube::Error::Api(s)))) if s.code == 409 || s.code == 404 => {
+                        tracing::debug!(lease = %config.lease, "lost a race for the leader lease")
+                    }
+                    Some(Ok(Err(e))) => {
+                        tracing::warn!(lease = %config.lease, error = %e, "cannot write the leader lease")
+                    }
+                    Some(Err(_)) => {
+                        tracing::warn!(lease = %config.lease, timeout = ?limit, "writing the leader lease timed out")
+                    }
+                    None => {}
+                }
+            }
+        }
+        let until = election.leader_until();
+        if tx.send_if_modified(|u| std::mem::replace(u, until) != until) {
+            let holder = last.as_ref().and_then(|l| l.spec.as_ref()?.holder_identity.clone());
+            tracing::debug!(lease = %config.lease, identity = %config.identity, leading = until.is_some(), holder, "lease observed");
+        }
+        let next = Instant::now() + config.retry_period();
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = tokio::time::sleep_until(next) => {}
+        }
+    }
+    if election.is_leader(Instant::now()) {
+        election.released();
+        tx.send_replace(None);
+        if let Some(mut lease) = last {
+            let spec = lease.spec.get_or_insert_with(Default::default);
+            spec.holder_identity = None;
+            spec.lease_duration_seconds = Some(1);
+            match tokio::time::timeout(limit, api.replace(&name, &PostParams::default(), &lease)).await {
+                Ok(Ok(_)) => tracing::info!(lease = %config.lease, "released the leader lease"),
+                Ok(Err(e)) => {
+                    tracing::warn!(lease = %config.lease, error = %e, "cannot release the leader lease; it expires")
+                }
+                Err(_) => tracing::warn!(lease = %config.lease, "releasing the leader lease timed out; it expires"),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn leadership_lapses_by_the_clock_without_any_news() {
+        let (tx, until) = watch::channel(None);
+        let mut l = Leadership { until };
+        assert!(!l.is_leading());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        tx.send_replace(Some(deadline));
+        assert_eq!(l.until(), Some(deadline));
+        // Nothing more is sent (the renewals hang): the deadline alone ends it, and
+        // wakes whoever waits for a change.
+        let started = Instant::now();
+        l.changed().await;
+        assert_eq!(Instant::now() - started, Duration::from_secs(10));
+        assert!(!l.is_leading());
+        assert_eq!(l.until(), None);
+        // A renewal is news at once.
+        let renewed = Instant::now() + Duration::from_secs(10);
+        let waiting = tokio::spawn(async move {
+            l.changed().await;
+            l
+        });
+        tokio::task::yield_now().await;
+        tx.send_replace(Some(renewed));
+        let l = waiting.await.unwrap();
+        assert_eq!(Instant::now() - started, Duration::from_secs(10), "no wait for the renewal");
+        assert_eq!(l.until(), Some(renewed));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn always_leads_and_never_wakes() {
+        let mut l = Leadership::always();
+        assert!(l.is_leading());
+        let woke = tokio::time::timeout(Duration::from_secs(3600), l.changed()).await;
+        assert!(woke.is_err(), "nothing changes without an election");
+        assert!(l.is_leading());
+    }
+}
