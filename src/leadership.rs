@@ -31,14 +31,22 @@ use crate::core::election::{Action, Election, LeaseRecord};
 #[derive(Debug, Clone)]
 pub struct Leadership {
     until: watch::Receiver<Option<Instant>>,
+    /// What [`Leadership::changed`] last reported through this handle.
+    reported: bool,
 }
 
 impl Leadership {
+    fn new(until: watch::Receiver<Option<Instant>>) -> Leadership {
+        let mut l = Leadership { until, reported: false };
+        l.reported = l.is_leading();
+        l
+    }
+
     /// Without leader election: this process always writes (one replica).
     pub fn always() -> Leadership {
         // Far enough never to pass, near enough not to overflow the clock.
         let (_, until) = watch::channel(Some(Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600)));
-        Leadership { until }
+        Leadership::new(until)
     }
 
     /// The instant this replica must stop writing by, while it leads.
@@ -50,33 +58,42 @@ impl Leadership {
     #[cfg(test)]
     pub(crate) fn manual() -> (watch::Sender<Option<Instant>>, Leadership) {
         let (tx, until) = watch::channel(None);
-        (tx, Leadership { until })
+        (tx, Leadership::new(until))
     }
 
     pub fn is_leading(&self) -> bool {
         self.until().is_some()
     }
 
-    /// Resolves when leadership may have changed: a renewal, acquisition or loss reported
-    /// by the lease task, or the current deadline passing.
-    pub async fn changed(&mut self) {
-        let until = *self.until.borrow_and_update();
-        let lapse = async move {
-            match until {
-                Some(u) if u > Instant::now() => tokio::time::sleep_until(u).await,
-                _ => std::future::pending().await,
+    /// Resolves when this replica starts or stops leading, as last reported through this
+    /// handle, and returns whether it leads now. Renewals that change nothing are not
+    /// reported; a lapse is, by the deadline alone (the lease task may be stuck in a hung
+    /// request), also when it passed while nobody was waiting.
+    pub async fn changed(&mut self) -> bool {
+        loop {
+            let leading = self.is_leading();
+            if leading != self.reported {
+                self.reported = leading;
+                return leading;
             }
-        };
-        tokio::pin!(lapse);
-        tokio::select! {
-            changed = self.until.changed() => {
-                if changed.is_err() {
-                    // The sender is gone (no election, or it stopped): only the deadline
-                    // can still change anything.
-                    (&mut lapse).await;
+            let until = *self.until.borrow_and_update();
+            let lapse = async move {
+                match until {
+                    Some(u) if u > Instant::now() => tokio::time::sleep_until(u).await,
+                    _ => std::future::pending().await,
                 }
+            };
+            tokio::pin!(lapse);
+            tokio::select! {
+                changed = self.until.changed() => {
+                    if changed.is_err() {
+                        // The sender is gone (no election, or it stopped): only the
+                        // deadline can still change anything.
+                        (&mut lapse).await;
+                    }
+                }
+                () = &mut lapse => {}
             }
-            () = &mut lapse => {}
         }
     }
 }
@@ -122,7 +139,7 @@ impl Campaign {
         let stop = CancellationToken::new();
         let api: Api<Lease> = Api::namespaced(client, &config.lease.namespace);
         let task = tokio::spawn(campaign(api, config, tx, stop.clone()));
-        (Leadership { until }, Campaign { stop, task })
+        (Leadership::new(until), Campaign { stop, task })
     }
 
     /// Stops campaigning and, if we hold the lease, hands it back so another replica
@@ -253,30 +270,41 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn leadership_lapses_by_the_clock_without_any_news() {
-        let (tx, until) = watch::channel(None);
-        let mut l = Leadership { until };
+        let (tx, mut l) = Leadership::manual();
         assert!(!l.is_leading());
-        let deadline = Instant::now() + Duration::from_secs(10);
-        tx.send_replace(Some(deadline));
-        assert_eq!(l.until(), Some(deadline));
-        // Nothing more is sent (the renewals hang): the deadline alone ends it, and
-        // wakes whoever waits for a change.
         let started = Instant::now();
-        l.changed().await;
-        assert_eq!(Instant::now() - started, Duration::from_secs(10));
-        assert!(!l.is_leading());
+        tx.send_replace(Some(started + Duration::from_secs(10)));
+        assert!(l.changed().await, "acquired: reported at once");
+        // Renewals change nothing worth reporting; the deadline alone ends it (the
+        // renewals hang), and wakes whoever waits.
+        tx.send_replace(Some(started + Duration::from_secs(12)));
+        assert!(!l.changed().await);
+        assert_eq!(Instant::now() - started, Duration::from_secs(12));
         assert_eq!(l.until(), None);
         // A renewal is news at once.
-        let renewed = Instant::now() + Duration::from_secs(10);
         let waiting = tokio::spawn(async move {
-            l.changed().await;
-            l
+            let leading = l.changed().await;
+            (leading, l)
         });
         tokio::task::yield_now().await;
+        let renewed = Instant::now() + Duration::from_secs(10);
         tx.send_replace(Some(renewed));
-        let l = waiting.await.unwrap();
-        assert_eq!(Instant::now() - started, Duration::from_secs(10), "no wait for the renewal");
+        let (leading, l) = waiting.await.unwrap();
+        assert!(leading);
+        assert_eq!(Instant::now() - started, Duration::from_secs(12), "no wait for the renewal");
         assert_eq!(l.until(), Some(renewed));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lapse_while_nobody_waits_is_reported_by_the_next_wait() {
+        // The runtime may be busy (handling the publication that the same deadline just
+        // failed) at the very moment leadership lapses.
+        let (tx, mut l) = Leadership::manual();
+        tx.send_replace(Some(Instant::now() + Duration::from_secs(2)));
+        assert!(l.changed().await);
+        tokio::time::advance(Duration::from_secs(3)).await;
+        let reported = tokio::time::timeout(Duration::from_millis(1), l.changed()).await;
+        assert_eq!(reported, Ok(false), "the lapse that passed unobserved is reported at once");
     }
 
     #[tokio::test(start_paused = true)]

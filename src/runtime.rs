@@ -203,8 +203,7 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
         }
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            () = leadership.changed() => {
-                let now_leading = leadership.is_leading();
+            now_leading = leadership.changed() => {
                 if now_leading != leading {
                     tracing::info!(%identity, leading = now_leading, "leadership changed");
                     metrics.leader.set(now_leading as i64);
