@@ -263,8 +263,9 @@ check create    getambassador.io    mappings        ""     default false
 check watch     discovery.k8s.io    endpointslices  ""     ""      true
 check get       discovery.k8s.io    endpointslices  ""     default false
 check list      ""                  endpoints       ""     ""      true
-check list      ""                  secrets         ""     ""      true
-check watch     ""                  secrets         ""     ""      true
+# Secrets only where a RoleBinding grants consul-resolver-operator-secrets (none here).
+check list      ""                  secrets         ""     ""      false
+check list      ""                  secrets         ""     default false
 check get       ""                  secrets         ""     default false
 check create    ""                  events          ""     default true
 check patch     events.k8s.io       events          ""     default true
@@ -275,6 +276,14 @@ check update    coordination.k8s.io leases          ""     "$NS"   true
 check create    coordination.k8s.io leases          ""     default false
 check create    apps                deployments     ""     "$NS"   false
 check list      ""                  pods            ""     ""      false
+# The documented grant opens exactly one namespace's Secrets.
+"${K[@]}" -n default create rolebinding consul-resolver-operator-secrets \
+  --clusterrole=consul-resolver-operator-secrets \
+  --serviceaccount=consul-resolver-system:consul-resolver-operator >/dev/null
+check list      ""                  secrets         ""     default true
+check watch     ""                  secrets         ""     default true
+check get       ""                  secrets         ""     default false
+check list      ""                  secrets         ""     "$NS"   false
 # And black-box, as a user would ask (the getambassador.io CRDs exist by now).
 expect_eq "kubectl auth can-i list mappings -A" \
   "$("${KO[@]}" auth can-i list mappings.getambassador.io --all-namespaces 2>/dev/null || true)" yes

@@ -398,8 +398,10 @@ cmd_up() {
   # (Core resources only: `kubectl auth can-i` on a custom resource whose CRD is not
   # installed yet loses the API group and answers "no".)
   local ko=(kubectl --kubeconfig "$dir/operator.kubeconfig" --request-timeout=30s)
-  [ "$("${ko[@]}" auth can-i list secrets --all-namespaces 2>/dev/null || true)" = yes ] ||
-    die "operator.kubeconfig cannot list secrets: ServiceAccount token or RBAC broken"
+  [ "$("${ko[@]}" auth can-i list endpoints --all-namespaces 2>/dev/null || true)" = yes ] ||
+    die "operator.kubeconfig cannot list endpoints: ServiceAccount token or RBAC broken"
+  [ "$("${ko[@]}" auth can-i list secrets --all-namespaces 2>/dev/null || true)" = no ] ||
+    die "operator.kubeconfig may list every Secret: RBAC is wider than manifests/rbac.yaml"
   [ "$("${ko[@]}" auth can-i create deployments.apps -n "$OPERATOR_NS" 2>/dev/null || true)" = no ] ||
     die "operator.kubeconfig may create deployments: RBAC is wider than manifests/rbac.yaml"
 
