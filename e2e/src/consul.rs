@@ -35,6 +35,29 @@ impl Consul {
         Ok(Consul { base_url: running.base_url(), token: None, sim: Some(running) })
     }
 
+    /// A Consul with ACLs enforced (default deny), and a token that may read every service,
+    /// for the operator. A simulator of its own, with a management token for the test's
+    /// writes; or, with `E2E_CONSUL_ADDR`, the real agent and `E2E_CONSUL_TOKEN` for both
+    /// (tests that need this are ignored when it is not set: see e2e/build.rs).
+    pub fn with_acls() -> anyhow::Result<(Consul, String)> {
+        if let Ok(addr) = std::env::var("E2E_CONSUL_ADDR") {
+            let token = std::env::var("E2E_CONSUL_TOKEN").context("E2E_CONSUL_TOKEN is required with ACLs")?;
+            let base_url = if addr.contains("://") { addr } else { format!("http://{addr}") };
+            return Ok((Consul { base_url, token: Some(token.clone()), sim: None }, token));
+        }
+        let (admin, reader) = ("e2e-admin-token", "e2e-reader-token");
+        let acl = sim::AclConfig {
+            tokens: vec![sim::AclToken::management(admin), sim::AclToken::service_read(reader, [""])],
+            anonymous_read: false,
+        };
+        let running = sim::Simulator::start_background(sim::Config { acl: Some(acl), ..sim::Config::default() })
+            .context("starting the simulator")?;
+        Ok((
+            Consul { base_url: running.base_url(), token: Some(admin.to_owned()), sim: Some(running) },
+            reader.to_owned(),
+        ))
+    }
+
     /// `host:port`, as a ConsulResolver's `address`.
     pub fn address(&self) -> String {
         self.base_url.trim_start_matches("http://").to_owned()

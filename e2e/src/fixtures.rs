@@ -19,6 +19,19 @@ pub fn mapping_yaml(ns: &str, name: &str, service: &str, resolver: Option<&str>)
     )
 }
 
+/// A Secret holding `token` under the key `token`.
+pub fn secret_yaml(ns: &str, name: &str, token: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Secret\nmetadata: {{name: {name}, namespace: {ns}}}\nstringData: {{token: \"{token}\"}}\n"
+    )
+}
+
+/// The entry of `service` under resolver `ns/name` in a snapshot.
+pub fn service<'a>(snapshot: &'a Value, ns: &str, name: &str, service: &str) -> Option<&'a Value> {
+    let r = snapshot["resolvers"].as_array()?.iter().find(|r| r["namespace"] == ns && r["name"] == name)?;
+    r["services"].as_array()?.iter().find(|s| s["name"] == service)
+}
+
 /// Ports of the endpoints of `service` under resolver `ns/name` in a snapshot, sorted.
 pub fn ports(snapshot: &Value, ns: &str, name: &str, service: &str) -> Option<Vec<u64>> {
     let r = snapshot["resolvers"].as_array()?.iter().find(|r| r["namespace"] == ns && r["name"] == name)?;

@@ -145,6 +145,41 @@ impl Cluster {
         Ok(n)
     }
 
+    /// The condition `type_` of resolver `ns/name`'s status, as JSON.
+    pub fn resolver_condition(&self, ns: &str, name: &str, type_: &str) -> Option<Value> {
+        let out = self.kubectl(&["-n", ns, "get", "cres", name, "-o", "json"]).ok()?;
+        let obj: Value = serde_json::from_str(&out).ok()?;
+        obj["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == type_).cloned()
+    }
+
+    /// The Events in `ns` about the object named `name`.
+    pub fn events_about(&self, ns: &str, name: &str) -> Vec<Value> {
+        let out = self.kubectl(&["-n", ns, "get", "events", "-o", "json"]).unwrap_or_default();
+        let list: Value = serde_json::from_str(&out).unwrap_or_default();
+        list["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|e| e["involvedObject"]["name"] == name)
+            .cloned()
+            .collect()
+    }
+
+    /// Lets the operator read Secrets in `namespace`, as manifests/rbac.yaml documents
+    /// (Secrets are not readable cluster-wide).
+    pub fn grant_secrets(&self, namespace: &str) -> anyhow::Result<()> {
+        self.kubectl(&[
+            "-n",
+            namespace,
+            "create",
+            "rolebinding",
+            "consul-resolver-operator-secrets",
+            "--clusterrole=consul-resolver-operator-secrets",
+            "--serviceaccount=consul-resolver-system:consul-resolver-operator",
+        ])?;
+        Ok(())
+    }
+
     /// The apiserver's audit log (ours only).
     pub fn audit_log(&self) -> Option<PathBuf> {
         self.dir.as_ref().map(|d| d.join("audit.log"))
@@ -286,6 +321,13 @@ impl Operator {
     /// GET on the operator's HTTP port: (status, body).
     pub fn get(&self, path: &str) -> Option<(u16, String)> {
         http_get(&self.url(path))
+    }
+
+    /// A sample of `/metrics`: `series` is the metric name with its labels as exposed
+    /// (`consul_resolver_leader`, `consul_resolver_repairs_total{object="configmap"}`).
+    pub fn metric(&self, series: &str) -> Option<f64> {
+        let text = self.get("/metrics")?.1;
+        text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
     }
 
     pub fn logs(&self) -> String {

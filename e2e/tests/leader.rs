@@ -24,11 +24,6 @@ fn configmap(cluster: &Cluster, name: &str) -> Option<(u64, Vec<String>)> {
     Some((s["id"].as_u64()?, names))
 }
 
-fn metric(op: &Operator, name: &str) -> Option<f64> {
-    let text = op.get("/metrics")?.1;
-    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
 fn mapping(cluster: &Cluster, ns: &str, name: &str) {
     cluster.apply(&mapping_yaml(ns, name, &format!("svc-{name}:80"), None)).unwrap();
 }
@@ -73,8 +68,8 @@ fn only_the_lease_holder_writes_and_a_successor_takes_over() {
     let mut b = start("replica-b");
     b.wait_ready(T).unwrap();
     assert!(has(&b, "m3"), "the follower serves the same world over HTTP");
-    assert_eq!(metric(&a, "consul_resolver_leader"), Some(1.0));
-    assert_eq!(metric(&b, "consul_resolver_leader"), Some(0.0), "{}", b.logs());
+    assert_eq!(a.metric("consul_resolver_leader"), Some(1.0));
+    assert_eq!(b.metric("consul_resolver_leader"), Some(0.0), "{}", b.logs());
 
     // A change: both replicas see it; the ConfigMap carries the leader's numbering.
     mapping(cluster, &ns, "m4");
@@ -102,7 +97,7 @@ fn only_the_lease_holder_writes_and_a_successor_takes_over() {
     // A leader that dies without releasing: the new replica waits out the lease.
     let mut c = start("replica-c");
     c.wait_ready(T).unwrap();
-    assert_eq!(metric(&c, "consul_resolver_leader"), Some(0.0));
+    assert_eq!(c.metric("consul_resolver_leader"), Some(0.0));
     let pid = b.pid().unwrap();
     // SAFETY: kill(2) on the pid of a child we started and have not reaped.
     assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);

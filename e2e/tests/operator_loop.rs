@@ -154,7 +154,8 @@ fn problems_are_reported_not_guessed() {
     assert!(event["message"].as_str().unwrap_or_default().contains("NOT_SET_ANYWHERE"), "{event}");
     let described = cluster.kubectl(&["-n", &ns, "describe", "cres", "broken"]).unwrap();
     assert!(described.contains("InvalidSpec"), "{described}");
-    assert!(broken["invalid"].as_str().unwrap().contains("NOT_SET_ANYWHERE is not set"), "{broken}");
+    assert_eq!(broken["unusable"]["reason"], "InvalidSpec", "{broken}");
+    assert!(broken["unusable"]["message"].as_str().unwrap().contains("NOT_SET_ANYWHERE is not set"), "{broken}");
     let problems: Vec<String> = snap["problems"]
         .as_array()
         .unwrap()
