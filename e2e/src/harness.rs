@@ -256,11 +256,19 @@ pub fn free_port() -> u16 {
 }
 
 /// Builds the operator binary (a no-op when up to date) and returns its path. The debug
-/// build, unless `E2E_OPERATOR_PROFILE=release` (benchmarks).
+/// build, unless `E2E_OPERATOR_PROFILE=release` (benchmarks); `E2E_OPERATOR_BIN` names a
+/// binary to use instead (a benchmark of an earlier build, measured in the same session).
 pub fn operator_binary() -> anyhow::Result<PathBuf> {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     if let Some(b) = BIN.get() {
         return Ok(b.clone());
+    }
+    if let Some(given) = std::env::var_os("E2E_OPERATOR_BIN") {
+        let given = PathBuf::from(given);
+        if !given.is_file() {
+            bail!("E2E_OPERATOR_BIN={} is not a file", given.display());
+        }
+        return Ok(BIN.get_or_init(|| given).clone());
     }
     let release = std::env::var("E2E_OPERATOR_PROFILE").is_ok_and(|p| p == "release");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());

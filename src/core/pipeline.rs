@@ -158,17 +158,19 @@ impl Pipeline {
         self.reconcile(now)
     }
 
-    fn read(&mut self, now: Instant) -> Assembly {
-        let assembly = assembler::assemble(&self.world, &self.config, &self.kept, self.clock.at(now));
-        self.kept = assembly.kept.clone();
-        assembly
+    /// One reading of the world; what it keeps becomes the memory for the next.
+    fn read(&mut self, now: Instant) -> (assembler::Content, BTreeSet<WatchKey>) {
+        let Assembly { content, desired, kept } =
+            assembler::assemble(&self.world, &self.config, &self.kept, self.clock.at(now));
+        self.kept = kept;
+        (content, desired)
     }
 
     fn reconcile(&mut self, now: Instant) -> Diff<WatchKey> {
         if self.reconciled_revision == Some(self.world.revision()) {
             return Diff::default();
         }
-        let Assembly { desired, content, .. } = self.read(now);
+        let (content, desired) = self.read(now);
         let diff = self.registry.set(&Self::assembler_consumer(), desired);
         self.track(&diff, now);
         self.reconciled_revision = Some(self.world.revision());
@@ -225,7 +227,7 @@ impl Pipeline {
                             self.assembled = Some((rev, content.clone()));
                             content
                         }
-                        _ => self.read(now).content,
+                        _ => self.read(now).0,
                     };
                     let hash = content.hash();
                     if !self.force && self.last_published_hash.as_deref() == Some(hash.as_str()) {

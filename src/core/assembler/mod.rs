@@ -247,11 +247,13 @@ impl<'a> Reading<'a> {
         match self.lookup.find(&m.namespace, &wanted) {
             Found::One(i) => {
                 let r = &self.resolvers[i];
-                let kept = self.kept.get(&service_of(r, name)).is_some();
                 match &r.settings {
-                    // Served from the endpoints last obtained, or waiting a moment for a
-                    // Secret: the Mapping keeps its route.
-                    Err(u) if !kept && u.reason != UnusableReason::WaitingForSecret => {
+                    // Unless served from the endpoints last obtained, or waiting a moment
+                    // for a Secret: then the Mapping keeps its route.
+                    Err(u)
+                        if u.reason != UnusableReason::WaitingForSecret
+                            && self.kept.get(&service_of(r, name)).is_none() =>
+                    {
                         Route::Unresolved(format!("resolver {}/{} cannot be used: {}", r.namespace, r.name, u.message))
                     }
                     _ => Route::Consul { resolver: i, service: name.clone(), port: svc.port },
