@@ -249,7 +249,7 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
                 match (task.take(), done) {
                     (Some(Task::Publication(snapshot, _)), ok) => {
                         pipeline.published(&snapshot, ok, Instant::now());
-                        controller.published(snapshot);
+                        controller.published(&snapshot);
                         if ok {
                             ready.store(true, Ordering::Relaxed);
                             metrics.bootstrapped.set(1);

@@ -37,6 +37,7 @@ use crate::api::resolver::{ConsulResolver, ConsulResolverStatus};
 use crate::core::aggregator::World;
 use crate::core::assembler::Snapshot;
 use crate::core::assembler::resolvers::{GROUP, KIND};
+use crate::core::assembler::snapshot::ResolverEntry;
 use crate::kube_client::{FIELD_MANAGER, error_reason, status_code};
 use crate::leadership::Leadership;
 use crate::metrics::Metrics;
@@ -69,6 +70,25 @@ impl ReconcileError {
     }
 }
 
+/// The resolvers' part of the latest snapshot: all a reconcile reads, kept without the
+/// rest of the snapshot (at scale, Mappings are most of it).
+struct Published {
+    snapshot_id: u64,
+    resolvers: BTreeMap<(String, String), ResolverEntry>,
+}
+
+impl Published {
+    fn of(snapshot: &Snapshot) -> Published {
+        let resolvers =
+            snapshot.content.resolvers.iter().map(|r| ((r.namespace.clone(), r.name.clone()), r.clone())).collect();
+        Published { snapshot_id: snapshot.id, resolvers }
+    }
+
+    fn resolver(&self, namespace: &str, name: &str) -> Option<&ResolverEntry> {
+        self.resolvers.get(&(namespace.to_owned(), name.to_owned()))
+    }
+}
+
 /// Our last status write to a resolver, until the watch brings it back: a reconcile in
 /// between compares with (and writes on top of) what we wrote, not the older object.
 struct Written {
@@ -81,7 +101,7 @@ struct Context {
     client: kube::Client,
     resource: ApiResource,
     leadership: Leadership,
-    latest: watch::Receiver<Option<Arc<Snapshot>>>,
+    latest: watch::Receiver<Option<Arc<Published>>>,
     events: Events,
     metrics: Metrics,
     resync: Duration,
@@ -126,18 +146,17 @@ async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action,
 async fn reconcile_status(obj: &DynamicObject, at: &Ref, ctx: &Context) -> Result<Action, ReconcileError> {
     // Followers write nothing; gaining leadership triggers every resolver again.
     let Some(until) = ctx.leadership.until() else { return Ok(Action::await_change()) };
-    let snapshot = ctx.latest.borrow().clone();
+    let published = ctx.latest.borrow().clone();
     let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
     // Not in a snapshot yet, or not ours (another Ambassador ID): nothing to say.
-    let Some(entry) = snapshot.as_ref().and_then(|s| s.resolver(&namespace, &name)) else {
+    let Some((published, entry)) = published.as_ref().and_then(|p| Some((p, p.resolver(&namespace, &name)?))) else {
         return Ok(Action::await_change());
     };
-    let snapshot = snapshot.as_ref().expect("entry found in it");
     ctx.events.report(obj, entry, until).await;
 
     let (live, rv) = ctx.live(obj, at);
     let now = k8s_openapi::jiff::Timestamp::now();
-    let desired = status::status_for(entry, snapshot.id, now, live.as_ref());
+    let desired = status::status_for(entry, published.snapshot_id, now, live.as_ref());
     if live.as_ref().is_some_and(|l| status::same_apart_from_snapshot(l, &desired)) {
         return Ok(Action::requeue(ctx.resync));
     }
@@ -161,7 +180,7 @@ async fn reconcile_status(obj: &DynamicObject, at: &Ref, ctx: &Context) -> Resul
             Err(ReconcileError::Write(shown, e))
         }
         Ok(Ok(updated)) => {
-            tracing::debug!(resolver = %format!("{namespace}/{name}"), snapshot = snapshot.id, "status written");
+            tracing::debug!(resolver = %format!("{namespace}/{name}"), snapshot = published.snapshot_id, "status written");
             let w = Written { before: rv, after: updated.resource_version(), status: desired };
             ctx.written.lock().expect("written lock").insert(at.clone(), w);
             Ok(Action::requeue(ctx.resync))
@@ -200,7 +219,7 @@ pub struct ResolverController {
     ready: bool,
     objects: mpsc::UnboundedSender<Arc<DynamicObject>>,
     refs: mpsc::UnboundedSender<Ref>,
-    latest: watch::Sender<Option<Arc<Snapshot>>>,
+    latest: watch::Sender<Option<Arc<Published>>>,
     ctx: Arc<Context>,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
@@ -293,8 +312,8 @@ impl ResolverController {
     }
 
     /// `snapshot` was published: reconcile the resolvers whose part of it changed.
-    pub fn published(&mut self, snapshot: Arc<Snapshot>) {
-        let previous = self.latest.send_replace(Some(snapshot.clone()));
+    pub fn published(&mut self, snapshot: &Snapshot) {
+        let previous = self.latest.send_replace(Some(Arc::new(Published::of(snapshot))));
         if !self.ready {
             // The first snapshot: the store is filled with what the world has listed.
             self.writer.apply_watcher_event(&watcher::Event::Init);
@@ -429,7 +448,7 @@ mod tests {
 
         // A follower reconciles but writes nothing.
         c.sync(&world_with(resolver("1", json!(null))));
-        c.published(snapshot(1));
+        c.published(&snapshot(1));
         wait_until("the first reconcile", || reconciled() == 1).await;
         assert_eq!(written(), 0, "written without leading");
 
@@ -445,7 +464,7 @@ mod tests {
         // The watch brings our write back; a new snapshot with the same content, and the
         // object changing, reconcile it again: nothing to write.
         wait_until("the write's reconcile to finish", || reconciled() == 2).await;
-        c.published(snapshot(2));
+        c.published(&snapshot(2));
         c.sync(&world_with(resolver("w1", status.clone())));
         wait_until("a reconcile of the unchanged status", || reconciled() == 3).await;
         assert_eq!(written(), 1, "an unchanged status is not written again");

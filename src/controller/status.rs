@@ -191,8 +191,14 @@ pub fn status_for(
         })
         .collect();
 
-    let mut details: Vec<ServiceStatus> = services
-        .iter()
+    // Only the first services by name are detailed: build just those.
+    let mut shown: Vec<_> = services.iter().collect();
+    shown.sort_by(|a, b| a.name.cmp(&b.name));
+    let services_truncated = shown.len() > MAX_SERVICE_DETAILS;
+    shown.truncate(MAX_SERVICE_DETAILS);
+    let now_text = now.to_string();
+    let details: Vec<ServiceStatus> = shown
+        .into_iter()
         .map(|s| {
             let endpoints = u32::try_from(s.endpoints.len()).unwrap_or(u32::MAX);
             // The snapshot's index only moves when the endpoints did (an answer with the
@@ -202,7 +208,7 @@ pub fn status_for(
                 .and_then(|p| p.service_details.iter().find(|old| old.name == s.name))
                 .filter(|old| old.index == s.index && old.endpoints == endpoints)
                 .and_then(|old| old.last_change.clone())
-                .unwrap_or_else(|| now.to_string());
+                .unwrap_or_else(|| now_text.clone());
             ServiceStatus {
                 name: s.name.clone(),
                 endpoints,
@@ -213,9 +219,6 @@ pub fn status_for(
             }
         })
         .collect();
-    details.sort_by(|a, b| a.name.cmp(&b.name));
-    let services_truncated = details.len() > MAX_SERVICE_DETAILS;
-    details.truncate(MAX_SERVICE_DETAILS);
 
     ConsulResolverStatus {
         observed_generation: entry.generation,

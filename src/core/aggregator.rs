@@ -15,9 +15,10 @@
 //! unsynced. Time is passed in, never read, so this module is tested with a paused clock
 //! and no I/O.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use serde_json::Value;
 use tokio::time::Instant;
 
 use super::keys::{ConsulKey, KubeKey, WatchKey};
@@ -128,13 +129,29 @@ pub struct World {
     kube: BTreeMap<KubeKey, KubeStore>,
     consul: BTreeMap<ConsulKey, ConsulStore>,
     bootstrap_timeout: Duration,
+    /// Keys whose objects the snapshot copies whole (`--watch`): any change of them is a
+    /// change. Of the others only what the assembler reads matters, so a write of
+    /// `status` alone (the operator's own status writes, echoed by the watch) is not.
+    verbatim: BTreeSet<KubeKey>,
     /// Bumped by every change to content; lets callers skip work when nothing changed.
     revision: u64,
 }
 
 impl World {
     pub fn new(bootstrap_timeout: Duration) -> Self {
-        World { kube: BTreeMap::new(), consul: BTreeMap::new(), bootstrap_timeout, revision: 0 }
+        World {
+            kube: BTreeMap::new(),
+            consul: BTreeMap::new(),
+            bootstrap_timeout,
+            verbatim: BTreeSet::new(),
+            revision: 0,
+        }
+    }
+
+    /// Marks `keys` as copied whole into the snapshot.
+    pub fn copy_verbatim(mut self, keys: impl IntoIterator<Item = KubeKey>) -> Self {
+        self.verbatim.extend(keys);
+        self
     }
 
     pub fn revision(&self) -> u64 {
@@ -175,10 +192,13 @@ impl World {
     /// that are not tracked (a stopped watch's last words) are ignored.
     pub fn apply(&mut self, event: Event, now: Instant) -> bool {
         let changed = match event {
-            Event::Kube(key, ev) => match self.kube.get_mut(&key) {
-                Some(store) => apply_kube(store, ev),
-                None => false,
-            },
+            Event::Kube(key, ev) => {
+                let verbatim = self.verbatim.contains(&key);
+                match self.kube.get_mut(&key) {
+                    Some(store) => apply_kube(store, ev, verbatim),
+                    None => false,
+                }
+            }
             Event::Consul(key, ev) => match self.consul.get_mut(&key) {
                 Some(store) => apply_consul(store, ev, now),
                 None => false,
@@ -241,7 +261,31 @@ impl World {
     }
 }
 
-fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> bool {
+/// Whether two versions of an object agree on everything but `status` and
+/// `metadata.resourceVersion`.
+fn same_apart_from_status(a: &Value, b: &Value) -> bool {
+    match (a.as_object(), b.as_object()) {
+        (Some(a), Some(b)) => {
+            same_except(a, b, &["status", "metadata"])
+                && match (a.get("metadata").and_then(Value::as_object), b.get("metadata").and_then(Value::as_object)) {
+                    (Some(ma), Some(mb)) => same_except(ma, mb, &["resourceVersion"]),
+                    (ma, mb) => ma == mb,
+                }
+        }
+        _ => a == b,
+    }
+}
+
+/// Whether two JSON objects agree on every key but `skip`.
+fn same_except(a: &serde_json::Map<String, Value>, b: &serde_json::Map<String, Value>, skip: &[&str]) -> bool {
+    let kept = |o: &serde_json::Map<String, Value>| o.keys().filter(|k| !skip.contains(&k.as_str())).count();
+    kept(a) == kept(b) && a.iter().filter(|(k, _)| !skip.contains(&k.as_str())).all(|(k, v)| b.get(k) == Some(v))
+}
+
+fn apply_kube(store: &mut KubeStore, ev: KubeEvent, verbatim: bool) -> bool {
+    let same = |a: &KubeObject, b: &KubeObject| {
+        if verbatim { a == b } else { a.id == b.id && same_apart_from_status(&a.value, &b.value) }
+    };
     // A rejection is content (the snapshot reports it), so its start and end are changes.
     let was_rejected = store.rejection().is_some();
     match ev {
@@ -255,7 +299,9 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> bool {
         }
         KubeEvent::ListDone => {
             let fresh = store.relisting.take().unwrap_or_default();
-            let changed = !store.listed || fresh != store.objects;
+            let changed = !store.listed
+                || fresh.len() != store.objects.len()
+                || fresh.iter().any(|(id, o)| store.objects.get(id).is_none_or(|old| !same(old, o)));
             store.objects = fresh;
             store.listed = true;
             store.failure = None;
@@ -264,7 +310,7 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> bool {
         KubeEvent::Applied(obj) => {
             store.failure = None;
             let old = store.objects.insert(obj.id.clone(), obj.clone());
-            old.as_ref() != Some(&obj) || was_rejected
+            old.is_none_or(|old| !same(&old, &obj)) || was_rejected
         }
         KubeEvent::Deleted(id) => {
             store.failure = None;
@@ -478,6 +524,27 @@ mod tests {
         assert!(w.apply(Event::Kube(mappings(), KubeEvent::Deleted(obj("a", "m1", 2).id)), now));
         assert!(w.kube()[&mappings()].objects.is_empty());
         assert!(w.apply(Event::Kube(mappings(), KubeEvent::Applied(obj("a", "m3", 1))), now));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_status_write_alone_changes_nothing_unless_the_key_is_copied_whole() {
+        let now = Instant::now();
+        let with_status = |rv: &str, status: &str, spec: i64| {
+            KubeObject::from_value(json!({"metadata": {"namespace": "a", "name": "r", "resourceVersion": rv},
+                "spec": {"v": spec}, "status": {"s": status}}))
+            .unwrap()
+        };
+        let copied = KubeKey::new("", "", "Service");
+        let mut w = World::new(TIMEOUT).copy_verbatim([copied.clone()]);
+        for k in [mappings(), copied.clone()] {
+            w.track(&k.clone().into(), now);
+            w.apply(Event::Kube(k.clone(), KubeEvent::Applied(with_status("1", "old", 1))), now);
+        }
+        let echo = Event::Kube(mappings(), KubeEvent::Applied(with_status("2", "new", 1)));
+        assert!(!w.apply(echo, now), "only status and resourceVersion moved");
+        assert_eq!(w.kube()[&mappings()].objects.values().next().unwrap().value["status"]["s"], "new", "kept current");
+        assert!(w.apply(Event::Kube(mappings(), KubeEvent::Applied(with_status("3", "new", 2))), now));
+        assert!(w.apply(Event::Kube(copied, KubeEvent::Applied(with_status("2", "new", 1))), now), "copied whole");
     }
 
     #[tokio::test(start_paused = true)]

@@ -103,7 +103,7 @@ impl Pipeline {
         // The first complete world is always published, even if it is empty.
         limiter.changed();
         Pipeline {
-            world: World::new(bootstrap_timeout),
+            world: World::new(bootstrap_timeout).copy_verbatim(config.static_watches.iter().cloned()),
             registry: Registry::new(),
             limiter,
             config,
