@@ -1,7 +1,7 @@
 # consul-resolver-operator. `make test` is what CI runs (.ci/run).
 CARGO ?= cargo
 
-.PHONY: build release test unit cluster-selftest e2e-deps crds fmt lint demo bench-operator
+.PHONY: build release test check e2e unit cluster-selftest e2e-deps crds fmt lint demo bench-operator
 
 build:
 	$(CARGO) build --workspace --all-targets
@@ -9,13 +9,23 @@ build:
 release:
 	$(CARGO) build --release --bin consul-resolver-operator
 
-# Unit tests of every crate, then the end-to-end suite against a real local control plane.
-test: lint unit cluster-selftest
+# Everything CI runs: the fast checks, then the end-to-end suite.
+test: check e2e
 
-# Unit tests of every crate, the simulator's tests, and the e2e suite (which starts its
-# own etcd + kube-apiserver through e2e/cluster.sh, and the operator as a process).
+# The inner loop (under a minute on a warm build): formatting, lints and crate boundaries,
+# the unit tests of every crate, and the pure crates' own integration tests (the snapshot
+# schema, the Consul simulator).
+check: lint unit
+	$(CARGO) test -p consul-resolver-core -p consul-sim --test '*'
+
 unit:
-	$(CARGO) test --workspace --all-targets
+	$(CARGO) test --workspace --lib --bins
+
+# The end-to-end suite against a real local control plane (each test binary starts its own
+# etcd + kube-apiserver through e2e/cluster.sh, and runs the operator as its own process),
+# then the control plane's self-test.
+e2e: cluster-selftest
+	$(CARGO) test -p e2e --test '*'
 
 # Proves the control plane itself: CRs, status subresource, watch, RBAC, teardown.
 cluster-selftest:
@@ -37,9 +47,13 @@ crds:
 fmt:
 	$(CARGO) fmt --all
 
+# Lints are errors (unreachable_pub and dead_code included, see Cargo.toml), and the core's
+# dependency list is its boundary: no Kubernetes client, HTTP or network crate.
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	@if $(CARGO) tree -p consul-resolver-core -e normal --prefix none | grep -E '^(kube|k8s-openapi|reqwest|hyper|mio|socket2) '; then \
+		echo "consul-resolver-core depends on a network or Kubernetes crate (above): it must stay pure"; exit 1; fi
 
 # A local control plane, the Consul simulator and an example, with the operator in the
 # foreground; Ctrl-C tears it all down.

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::core::assembler::ResolverName;
-use crate::core::keys::KubeKey;
+use consul_resolver_core::assembler::ResolverName;
+use consul_resolver_core::keys::KubeKey;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -20,7 +20,7 @@ use crate::core::keys::KubeKey;
 Kubernetes endpoints they reference, and publishes one consistent snapshot to a ConfigMap, each \
 resolver's status, HTTP and an optional hook."
 )]
-pub struct Cli {
+pub(crate) struct Cli {
     /// Log format.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub log_format: LogFormat,
@@ -29,13 +29,13 @@ pub struct Cli {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
+pub(crate) enum LogFormat {
     Text,
     Json,
 }
 
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// Run the operator.
     Run(Box<RunArgs>),
     /// Print the ConsulResolver CRD as YAML.
@@ -45,7 +45,7 @@ pub enum Command {
 }
 
 #[derive(Debug, Clone, Args)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     /// Namespace to watch ConsulResolvers and Mappings in; repeat for several. Default: all.
     #[arg(long = "namespace", env = "WATCH_NAMESPACES", value_delimiter = ',', value_parser = parse_name)]
     pub namespaces: Vec<String>,
@@ -134,7 +134,7 @@ pub struct RunArgs {
 
 /// An object by namespace and name (`NAMESPACE/NAME`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NamespacedName {
+pub(crate) struct NamespacedName {
     pub namespace: String,
     pub name: String,
 }
@@ -146,7 +146,7 @@ impl std::fmt::Display for NamespacedName {
 }
 
 /// The leader-election Lease.
-pub type LeaseRef = NamespacedName;
+pub(crate) type LeaseRef = NamespacedName;
 
 fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
@@ -188,13 +188,13 @@ fn parse_positive_duration(s: &str) -> Result<Duration, String> {
     }
 }
 
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration like 250ms, 30s or 5m: {e}"))
 }
 
 /// `KIND[.GROUP][/NAMESPACE][?LABELSELECTOR]`; the version is the one the API server
 /// prefers.
-pub fn parse_watch(s: &str) -> Result<KubeKey, String> {
+pub(crate) fn parse_watch(s: &str) -> Result<KubeKey, String> {
     let (rest, labels) = match s.split_once('?') {
         Some((r, l)) if !l.is_empty() => (r, Some(l)),
         Some(_) => return Err(format!("{s:?}: empty label selector after '?'")),
@@ -227,7 +227,7 @@ pub fn parse_watch(s: &str) -> Result<KubeKey, String> {
 }
 
 /// Parses the command line; bad values give one line naming the flag, and exit code 2.
-pub fn parse() -> Cli {
+pub(crate) fn parse() -> Cli {
     match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

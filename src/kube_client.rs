@@ -28,10 +28,10 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The field manager of everything the operator writes with server-side apply, and the
 /// controller name in its Events.
-pub const FIELD_MANAGER: &str = "consul-resolver-operator";
+pub(crate) const FIELD_MANAGER: &str = "consul-resolver-operator";
 
 /// The API server's answer, when the error is one.
-pub fn status_code(e: &kube::Error) -> Option<u16> {
+pub(crate) fn status_code(e: &kube::Error) -> Option<u16> {
     match e {
         kube::Error::Api(s) => Some(s.code),
         _ => None,
@@ -39,7 +39,7 @@ pub fn status_code(e: &kube::Error) -> Option<u16> {
 }
 
 /// A short, bounded label for an error, for metrics: `conflict`, `forbidden`, `timeout`, ...
-pub fn error_reason(e: &kube::Error) -> &'static str {
+pub(crate) fn error_reason(e: &kube::Error) -> &'static str {
     match status_code(e) {
         Some(404) => "not_found",
         Some(409) => "conflict",
@@ -56,11 +56,11 @@ pub fn error_reason(e: &kube::Error) -> &'static str {
 /// A request that did not complete within its deadline.
 #[derive(Debug, thiserror::Error)]
 #[error("no complete response from the API server within {0:?} (--kube-timeout)")]
-pub struct DeadlineExceeded(pub Duration);
+pub(crate) struct DeadlineExceeded(pub Duration);
 
 /// The operator's client: the kubeconfig (or in-cluster config), a User-Agent naming
 /// `identity`, and `timeout` on every request that is not a watch.
-pub async fn client(identity: &str, timeout: Duration) -> anyhow::Result<kube::Client> {
+pub(crate) async fn client(identity: &str, timeout: Duration) -> anyhow::Result<kube::Client> {
     let mut config = kube::Config::infer().await?;
     let agent = format!("consul-resolver-operator/{} ({identity})", env!("CARGO_PKG_VERSION"));
     let agent = http::HeaderValue::from_str(&agent)
@@ -71,7 +71,7 @@ pub async fn client(identity: &str, timeout: Duration) -> anyhow::Result<kube::C
 
 /// Puts a deadline on every request that is not a watch.
 #[derive(Debug, Clone, Copy)]
-pub struct DeadlineLayer {
+pub(crate) struct DeadlineLayer {
     pub timeout: Duration,
 }
 
@@ -84,7 +84,7 @@ impl<S> Layer<S> for DeadlineLayer {
 }
 
 #[derive(Debug, Clone)]
-pub struct DeadlineService<S> {
+pub(crate) struct DeadlineService<S> {
     inner: S,
     timeout: Duration,
 }

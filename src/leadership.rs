@@ -1,5 +1,5 @@
 //! Who may write to the cluster, and until when: the Lease edge of leader election
-//! ([`crate::core::election`] decides) and the [`Leadership`] handle every cluster writer
+//! ([`consul_resolver_core::election`] decides) and the [`Leadership`] handle every cluster writer
 //! holds.
 //!
 //! Leadership is a deadline, not a flag: a replica leads *until* its renew deadline after
@@ -25,11 +25,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::LeaseRef;
-use crate::core::election::{Action, Election, LeaseRecord};
+use consul_resolver_core::election::{Action, Election, LeaseRecord};
 
 /// Whether, and until when, this replica may write to the cluster. Cheap to clone.
 #[derive(Debug, Clone)]
-pub struct Leadership {
+pub(crate) struct Leadership {
     until: watch::Receiver<Option<Instant>>,
     /// What [`Leadership::changed`] last reported through this handle.
     reported: bool,
@@ -43,14 +43,14 @@ impl Leadership {
     }
 
     /// Without leader election: this process always writes (one replica).
-    pub fn always() -> Leadership {
+    pub(crate) fn always() -> Leadership {
         // Far enough never to pass, near enough not to overflow the clock.
         let (_, until) = watch::channel(Some(Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600)));
         Leadership::new(until)
     }
 
     /// The instant this replica must stop writing by, while it leads.
-    pub fn until(&self) -> Option<Instant> {
+    pub(crate) fn until(&self) -> Option<Instant> {
         (*self.until.borrow()).filter(|&u| u > Instant::now())
     }
 
@@ -61,7 +61,7 @@ impl Leadership {
         (tx, Leadership::new(until))
     }
 
-    pub fn is_leading(&self) -> bool {
+    pub(crate) fn is_leading(&self) -> bool {
         self.until().is_some()
     }
 
@@ -69,7 +69,7 @@ impl Leadership {
     /// handle, and returns whether it leads now. Renewals that change nothing are not
     /// reported; a lapse is, by the deadline alone (the lease task may be stuck in a hung
     /// request), also when it passed while nobody was waiting.
-    pub async fn changed(&mut self) -> bool {
+    pub(crate) async fn changed(&mut self) -> bool {
         loop {
             let leading = self.is_leading();
             if leading != self.reported {
@@ -99,7 +99,7 @@ impl Leadership {
 }
 
 #[derive(Debug, Clone)]
-pub struct LeaseConfig {
+pub(crate) struct LeaseConfig {
     pub lease: LeaseRef,
     pub identity: String,
     /// Written into the lease; others take over this long after our last renewal.
@@ -127,14 +127,14 @@ impl LeaseConfig {
 
 /// The running election. Dropping it without [`Campaign::release`] lets the lease
 /// expire on its own.
-pub struct Campaign {
+pub(crate) struct Campaign {
     stop: CancellationToken,
     task: JoinHandle<()>,
 }
 
 impl Campaign {
     /// Starts campaigning.
-    pub fn spawn(client: kube::Client, config: LeaseConfig) -> (Leadership, Campaign) {
+    pub(crate) fn spawn(client: kube::Client, config: LeaseConfig) -> (Leadership, Campaign) {
         let (tx, until) = watch::channel(None);
         let stop = CancellationToken::new();
         let api: Api<Lease> = Api::namespaced(client, &config.lease.namespace);
@@ -144,7 +144,7 @@ impl Campaign {
 
     /// Stops campaigning and, if we hold the lease, hands it back so another replica
     /// takes over at once instead of after the lease duration.
-    pub async fn release(self) {
+    pub(crate) async fn release(self) {
         self.stop.cancel();
         let _ = self.task.await;
     }

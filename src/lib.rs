@@ -1,25 +1,40 @@
 //! consul-resolver-operator: keeps an ingress controller's view of its upstreams complete
-//! and current.
-//!
-//! The pipeline, from design.md, is readable from the module layout:
+//! and current. The pipeline, and where each stage lives, is in docs/architecture.md:
 //!
 //! ```text
-//! sources -> core::registry -> core::aggregator -> core::limiter -> core::assembler -> publishers
+//! sources -> registry -> world -> limiter -> assembler -> publishers
 //! ```
 //!
-//! `core` is pure logic (no I/O, time passed in); `sources` and `publishers` are the edges
-//! that talk to Kubernetes, Consul and HTTP; `runtime` drives the core with them.
+//! The pure stages are the `consul-resolver-core` crate (no I/O, time passed in). This crate
+//! is the edges around it: `sources` watch Kubernetes and Consul, `publishers` write whole
+//! snapshots, `controller` writes each resolver's status, `runtime` drives the core with
+//! them. Its public API is small on purpose: the process entry point, and what tests and
+//! readers of the snapshot need.
 
-pub mod api;
-pub mod cli;
-pub mod controller;
-pub mod core;
-pub mod crdgen;
-pub mod kube_client;
-pub mod leadership;
-pub mod metrics;
-pub mod publishers;
-pub mod runtime;
-pub mod sources;
+mod cli;
+mod controller;
+mod crdgen;
+mod kube_client;
+mod leadership;
+mod metrics;
+mod process;
+mod publishers;
+mod runtime;
+mod sources;
 #[cfg(test)]
 mod test_fixtures;
+
+pub use process::main;
+
+/// The Consul source, for tests and benchmarks that drive it directly.
+pub mod consul {
+    pub use crate::sources::EventSink;
+    pub use crate::sources::consul::{ConsulSource, Settings};
+}
+
+/// The snapshot ConfigMap format (docs/snapshot.md), for readers of it.
+pub mod snapshot_configmap {
+    pub use crate::publishers::configmap::{
+        ANNOTATION_HASH, ANNOTATION_ID, DATA_BUDGET, KEY_GZIP, KEY_JSON, KEY_PART, LABEL_PART_OF, decode, index_of,
+    };
+}

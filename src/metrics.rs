@@ -6,7 +6,7 @@ use prometheus::{
 };
 
 #[derive(Clone)]
-pub struct Metrics {
+pub(crate) struct Metrics {
     registry: Registry,
     /// Watch failures by source and reason (`forbidden`, `bad_request`, `gone`, `transport`,
     /// ...): a rejected watch is reported on its object and counted here.
@@ -38,7 +38,7 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let registry = Registry::new_custom(Some("consul_resolver".into()), None).expect("valid prefix");
         let m = Metrics {
             watch_errors: IntCounterVec::new(
@@ -114,7 +114,7 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition.
-    pub fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding cannot fail");
         String::from_utf8(buf).expect("prometheus text is UTF-8")

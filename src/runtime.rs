@@ -24,22 +24,23 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::mapping::{self, MappingKind};
 use crate::cli::RunArgs;
 use crate::controller::ResolverController;
-use crate::core::aggregator::Event;
-use crate::core::assembler::{self, EndpointsApi, Snapshot};
-use crate::core::keys::{KubeKey, WatchKey};
-use crate::core::pipeline::{Pipeline, Step, WallClock};
 use crate::leadership::{Campaign, Leadership, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::publishers::Publisher;
 use crate::publishers::configmap::ConfigMapPublisher;
 use crate::publishers::hook::HookPublisher;
 use crate::publishers::http::{self, HttpPublisher, ServerState, SnapshotStore};
+use crate::sources::Watches;
 use crate::sources::consul::{ConsulSource, Settings as ConsulSettings};
 use crate::sources::kube::KubeSource;
-use crate::sources::{Source, Watches};
+use consul_resolver_api::mapping::{self, MappingKind};
+use consul_resolver_api::resolver;
+use consul_resolver_core::assembler::{self, EndpointsApi, Snapshot};
+use consul_resolver_core::keys::{KubeKey, WatchKey};
+use consul_resolver_core::model::Event;
+use consul_resolver_core::pipeline::{Pipeline, Step, WallClock};
 
 /// Most events folded into the world per batch.
 const MAX_BATCH: usize = 10_000;
@@ -47,7 +48,7 @@ const MAX_BATCH: usize = 10_000;
 /// The operator's fixed watches: its own CRD and Ambassador's route kinds (those the API
 /// server serves), per watched namespace, plus the static `--watch` keys.
 async fn fixed_keys(client: &Client, args: &RunArgs) -> anyhow::Result<BTreeSet<WatchKey>> {
-    let mut kinds = vec![KubeKey::new(assembler::resolvers::GROUP, "v1alpha1", assembler::resolvers::KIND)];
+    let mut kinds = vec![KubeKey::new(resolver::GROUP, resolver::VERSION, resolver::KIND)];
     crate::sources::kube::resolve(client, &kinds[0])
         .await
         .map_err(anyhow::Error::msg)
@@ -107,7 +108,7 @@ enum Task {
     Repair(JoinHandle<()>),
 }
 
-pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
+pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
     let identity = identity(&args);
     let client = crate::kube_client::client(&identity, args.kube_timeout)
         .await
@@ -137,9 +138,7 @@ pub async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<(
         max_connections: args.consul_max_connections as usize,
         ..ConsulSettings::default()
     });
-    let sources: Vec<Arc<dyn Source>> =
-        vec![Arc::new(KubeSource::new(client.clone(), metrics.clone())), Arc::new(consul)];
-    let mut watches = Watches::new(sources, tx);
+    let mut watches = Watches::new(KubeSource::new(client.clone(), metrics.clone()), consul, tx);
     let clock = WallClock { instant: Instant::now(), wall: SystemTime::now() };
     let mut pipeline = Pipeline::new(config, args.bootstrap_timeout, args.coalesce_window, clock);
     watches.apply(&pipeline.set_fixed(fixed, Instant::now()));

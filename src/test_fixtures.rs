@@ -9,13 +9,13 @@ use hyper::{Request, Response};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-use crate::core::assembler::snapshot::{Bootstrap, Content, ResolverEntry};
+use consul_resolver_core::assembler::snapshot::{Bootstrap, Content, ResolverEntry};
 
-pub type Handler = dyn Fn(&str, &str, &[u8]) -> (u16, Value) + Send + Sync;
+pub(crate) type Handler = dyn Fn(&str, &str, &[u8]) -> (u16, Value) + Send + Sync;
 
-pub struct FakeApi {
-    pub client: kube::Client,
-    pub log: Arc<Mutex<Vec<String>>>,
+pub(crate) struct FakeApi {
+    pub(crate) client: kube::Client,
+    pub(crate) log: Arc<Mutex<Vec<String>>>,
     stop: CancellationToken,
 }
 
@@ -27,20 +27,20 @@ impl Drop for FakeApi {
 
 impl FakeApi {
     /// Takes the requests recorded so far.
-    pub fn take(&self) -> Vec<String> {
+    pub(crate) fn take(&self) -> Vec<String> {
         std::mem::take(&mut *self.log.lock().unwrap())
     }
 }
 
 /// A `kind: Status` 404 body.
-pub fn not_found(name: &str) -> (u16, Value) {
+pub(crate) fn not_found(name: &str) -> (u16, Value) {
     let status = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
         "reason": "NotFound", "code": 404, "message": format!("{name} not found")});
     (404, status)
 }
 
 /// Serves `handler(method, path, body)` on 127.0.0.1 until dropped.
-pub async fn serve(handler: Arc<Handler>) -> FakeApi {
+pub(crate) async fn serve(handler: Arc<Handler>) -> FakeApi {
     let log = Arc::new(Mutex::new(Vec::new()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -81,7 +81,7 @@ pub async fn serve(handler: Arc<Handler>) -> FakeApi {
 }
 
 /// Snapshot content with these resolvers and nothing else, bootstrap complete.
-pub fn content(resolvers: Vec<ResolverEntry>) -> Content {
+pub(crate) fn content(resolvers: Vec<ResolverEntry>) -> Content {
     Content {
         bootstrap: Bootstrap { complete: true, unsynced: vec![] },
         resolvers,
@@ -93,7 +93,7 @@ pub fn content(resolvers: Vec<ResolverEntry>) -> Content {
 }
 
 /// A valid resolver at generation 3 with no services.
-pub fn resolver_entry(namespace: &str, name: &str) -> ResolverEntry {
+pub(crate) fn resolver_entry(namespace: &str, name: &str) -> ResolverEntry {
     ResolverEntry {
         namespace: namespace.into(),
         name: name.into(),

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
 
-use crate::sim::{self, RunningSim};
+use consul_sim::{self as sim, RunningSim};
 
 pub struct Consul {
     /// `http://host:port`.

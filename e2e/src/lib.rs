@@ -4,4 +4,3 @@
 pub mod consul;
 pub mod fixtures;
 pub mod harness;
-pub mod sim;

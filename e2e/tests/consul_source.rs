@@ -7,12 +7,11 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use consul_resolver_operator::core::aggregator::{ConsulEvent, Event};
-use consul_resolver_operator::core::keys::{ConsulKey, ConsulServer, Secret, WatchKey};
-use consul_resolver_operator::core::model::{Endpoint, Health};
-use consul_resolver_operator::sources::Source;
-use consul_resolver_operator::sources::consul::{ConsulSource, Settings};
-use e2e::sim::{AclConfig, AclToken, Budget, Config, FaultsPatch, RunningSim, Simulator};
+use consul_resolver_core::keys::{ConsulKey, ConsulServer, Secret};
+use consul_resolver_core::model::{ConsulEvent, Event};
+use consul_resolver_core::model::{Endpoint, Health};
+use consul_resolver_operator::consul::{ConsulSource, Settings};
+use consul_sim::{AclConfig, AclToken, Budget, Config, FaultsPatch, RunningSim, Simulator};
 use serde_json::json;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -120,7 +119,7 @@ impl Watches {
     }
 
     fn start(&mut self, key: &ConsulKey) {
-        let fut = self.source.watch(WatchKey::Consul(key.clone()), self.tx.clone());
+        let fut = self.source.watch(key.clone(), self.tx.clone());
         self.tasks.push(AbortOnDropHandle::new(tokio::spawn(fut)));
     }
 

@@ -9,11 +9,11 @@ use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use consul_resolver_operator::publishers::configmap;
+use consul_resolver_operator::snapshot_configmap as configmap;
+use consul_sim::Outcome;
 use e2e::consul::{Consul, Instance};
 use e2e::fixtures::{mapping_yaml, ports, resolver_yaml};
 use e2e::harness::{Cluster, Operator, base64_decode, unique, wait_for};
-use e2e::sim::Outcome;
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(30);

@@ -14,8 +14,8 @@ use kube::api::DynamicObject;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tokio::time::Instant;
 
-use crate::core::assembler::snapshot::{ResolverEntry, UnusableReason};
 use crate::metrics::Metrics;
+use consul_resolver_core::assembler::snapshot::{ResolverEntry, UnusableReason};
 
 /// Events hold at most 1 kB of note.
 const MAX_NOTE: usize = 1000;
@@ -111,8 +111,8 @@ impl Events {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::assembler::snapshot::Unusable;
     use crate::test_fixtures::{resolver_entry, serve};
+    use consul_resolver_core::assembler::snapshot::Unusable;
     use std::sync::Arc;
     use std::time::Duration;
 

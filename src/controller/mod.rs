@@ -16,7 +16,7 @@
 //! gaining leadership, and every `--resync-period`.
 
 mod events;
-pub mod status;
+pub(crate) mod status;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -33,14 +33,15 @@ use serde_json::Value;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::api::resolver::{ConsulResolver, ConsulResolverStatus};
-use crate::core::aggregator::World;
-use crate::core::assembler::Snapshot;
-use crate::core::assembler::resolvers::{GROUP, KIND};
-use crate::core::assembler::snapshot::ResolverEntry;
 use crate::kube_client::{FIELD_MANAGER, error_reason, status_code};
 use crate::leadership::Leadership;
 use crate::metrics::Metrics;
+use consul_resolver_api::resolver::ConsulResolver;
+use consul_resolver_api::resolver::{GROUP, KIND};
+use consul_resolver_api::status::ConsulResolverStatus;
+use consul_resolver_core::assembler::Snapshot;
+use consul_resolver_core::assembler::snapshot::ResolverEntry;
+use consul_resolver_core::world::World;
 use events::Events;
 
 type Ref = ObjectRef<DynamicObject>;
@@ -54,7 +55,7 @@ const RETRY_CAP: Duration = Duration::from_secs(300);
 
 /// Why a reconcile failed; the resolver is retried with its own backoff.
 #[derive(Debug, thiserror::Error)]
-pub enum ReconcileError {
+pub(crate) enum ReconcileError {
     #[error("leadership lapsed while writing the status of {0}")]
     LeadershipLapsed(String),
     #[error("writing the status of {0}: {1}")]
@@ -210,7 +211,7 @@ fn retry_delay(failures: u32, shave: f64) -> Duration {
 }
 
 /// The running controller, and the store it reads, fed from the world.
-pub struct ResolverController {
+pub(crate) struct ResolverController {
     writer: Writer<DynamicObject>,
     resource: ApiResource,
     /// The resolvers in the store, as the world holds them.
@@ -227,7 +228,7 @@ pub struct ResolverController {
 
 impl ResolverController {
     /// Starts the controller; statuses are written every `resync` at the latest.
-    pub fn spawn(
+    pub(crate) fn spawn(
         client: kube::Client,
         leadership: Leadership,
         identity: String,
@@ -282,7 +283,7 @@ impl ResolverController {
 
     /// Brings the store up to date with the world's resolvers, triggering a reconcile of
     /// each one that changed (a spec edit, a status wiped by hand).
-    pub fn sync(&mut self, world: &World) {
+    pub(crate) fn sync(&mut self, world: &World) {
         let mut seen = std::collections::BTreeSet::new();
         for obj in world.objects_of(GROUP, KIND) {
             let id = (obj.id.namespace.clone().unwrap_or_default(), obj.id.name.clone());
@@ -312,7 +313,7 @@ impl ResolverController {
     }
 
     /// `snapshot` was published: reconcile the resolvers whose part of it changed.
-    pub fn published(&mut self, snapshot: &Snapshot) {
+    pub(crate) fn published(&mut self, snapshot: &Snapshot) {
         let previous = self.latest.send_replace(Some(Arc::new(Published::of(snapshot))));
         if !self.ready {
             // The first snapshot: the store is filled with what the world has listed.
@@ -336,7 +337,7 @@ impl ResolverController {
 
     /// This replica just became leader: whatever it believed was written may have been
     /// overwritten since, so every resolver is reconciled again.
-    pub fn leading(&mut self) {
+    pub(crate) fn leading(&mut self) {
         self.ctx.events.forget();
         self.ctx.written.lock().expect("written lock").clear();
         if self.ready {
@@ -352,7 +353,7 @@ impl ResolverController {
 
     /// Lets the reconciles in flight finish (each is bounded by the leadership deadline),
     /// then stops.
-    pub async fn shutdown(mut self, within: Duration) {
+    pub(crate) async fn shutdown(mut self, within: Duration) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -365,10 +366,10 @@ impl ResolverController {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::aggregator::{Event as WorldEvent, KubeEvent};
-    use crate::core::keys::{KubeKey, WatchKey};
-    use crate::core::model::KubeObject;
     use crate::test_fixtures::{content, resolver_entry, serve};
+    use consul_resolver_core::keys::{KubeKey, WatchKey};
+    use consul_resolver_core::model::KubeObject;
+    use consul_resolver_core::model::{Event as WorldEvent, KubeEvent};
     use serde_json::json;
 
     fn resolvers() -> KubeKey {

@@ -8,11 +8,11 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
-use crate::api::resolver::{ConsulResolverStatus, ServiceStatus, SnapshotRef, StaleStatus, condition};
-use crate::core::assembler::snapshot::{ResolverEntry, UnusableReason};
+use consul_resolver_api::status::{ConsulResolverStatus, ServiceStatus, SnapshotRef, StaleStatus, condition};
+use consul_resolver_core::assembler::snapshot::{ResolverEntry, UnusableReason};
 
 /// Most entries in `serviceDetails`; the counts stay exact beyond it.
-pub const MAX_SERVICE_DETAILS: usize = 50;
+pub(crate) const MAX_SERVICE_DETAILS: usize = 50;
 /// Most services named in one condition message.
 const MAX_NAMED: usize = 5;
 
@@ -40,7 +40,7 @@ struct Cond {
 /// The status `entry` gives its resolver in snapshot `snapshot_id` published at `now`.
 /// `previous` (the status on the object, or the one last written) keeps each condition's
 /// `lastTransitionTime` unless that condition's status flipped.
-pub fn status_for(
+pub(crate) fn status_for(
     entry: &ResolverEntry,
     snapshot_id: u64,
     now: Timestamp,
@@ -232,7 +232,7 @@ pub fn status_for(
 }
 
 /// Whether two statuses say the same, apart from which snapshot said it.
-pub fn same_apart_from_snapshot(a: &ConsulResolverStatus, b: &ConsulResolverStatus) -> bool {
+pub(crate) fn same_apart_from_snapshot(a: &ConsulResolverStatus, b: &ConsulResolverStatus) -> bool {
     let strip = |s: &ConsulResolverStatus| ConsulResolverStatus { last_snapshot: None, ..s.clone() };
     strip(a) == strip(b)
 }
@@ -240,9 +240,9 @@ pub fn same_apart_from_snapshot(a: &ConsulResolverStatus, b: &ConsulResolverStat
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::assembler::snapshot::{ServiceEntry, Unusable};
-    use crate::core::model::{Endpoint, Health};
     use crate::test_fixtures::resolver_entry;
+    use consul_resolver_core::assembler::snapshot::{ServiceEntry, Unusable};
+    use consul_resolver_core::model::{Endpoint, Health};
 
     fn ep(i: usize) -> Endpoint {
         Endpoint {
@@ -392,9 +392,9 @@ mod tests {
 #[cfg(test)]
 mod stale_tests {
     use super::*;
-    use crate::core::assembler::snapshot::{ServiceEntry, Stale, Unusable};
-    use crate::core::model::{Endpoint, Health};
     use crate::test_fixtures::resolver_entry;
+    use consul_resolver_core::assembler::snapshot::{ServiceEntry, Stale, Unusable};
+    use consul_resolver_core::model::{Endpoint, Health};
 
     fn kept(name: &str, reason: &str) -> ServiceEntry {
         let ep = Endpoint {

@@ -42,11 +42,11 @@ use sha2::{Digest, Sha256};
 
 use super::Publisher;
 use crate::cli::NamespacedName;
-use crate::core::assembler::Snapshot;
 use crate::kube_client::{FIELD_MANAGER, status_code};
 use crate::leadership::Leadership;
+use consul_resolver_core::assembler::Snapshot;
 
-pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+pub(crate) const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 /// On parts: the name of the ConfigMap whose index they belong to. Stale parts are only
 /// deleted when they carry it, so a user's unrelated `NAME-1` is never touched.
 pub const LABEL_PART_OF: &str = "consulresolver.io/snapshot-part-of";
@@ -55,7 +55,7 @@ pub const ANNOTATION_HASH: &str = "consulresolver.io/snapshot-hash";
 
 pub const KEY_JSON: &str = "snapshot.json";
 pub const KEY_GZIP: &str = "snapshot.json.gz";
-pub const KEY_INDEX: &str = "index.json";
+pub(crate) const KEY_INDEX: &str = "index.json";
 pub const KEY_PART: &str = "part";
 
 /// Bytes of data per ConfigMap: well under the API server's 1 MiB, leaving room for
@@ -89,7 +89,7 @@ pub struct PartRef {
 
 /// The ConfigMaps of one snapshot, in the order they must be written.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Encoded {
+pub(crate) struct Encoded {
     /// `NAME-1`..`NAME-n`; empty unless split.
     pub parts: Vec<ConfigMap>,
     /// `NAME`: the snapshot itself, or the index of the parts.
@@ -101,7 +101,7 @@ fn sha256(bytes: &[u8]) -> String {
 }
 
 /// The name of part `i` (1-based) of `name`.
-pub fn part_name(name: &str, i: usize) -> String {
+pub(crate) fn part_name(name: &str, i: usize) -> String {
     format!("{name}-{i}")
 }
 
@@ -135,7 +135,13 @@ fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, String> {
 
 /// Chooses the encoding of `json` (a snapshot's bytes, id `id`, hash `hash`) for `target`,
 /// with at most `budget` bytes of data per ConfigMap.
-pub fn encode(target: &NamespacedName, id: u64, hash: &str, json: &[u8], budget: usize) -> Result<Encoded, String> {
+pub(crate) fn encode(
+    target: &NamespacedName,
+    id: u64,
+    hash: &str,
+    json: &[u8],
+    budget: usize,
+) -> Result<Encoded, String> {
     let budget = budget.max(1);
     let main_meta = || meta(target, target.name.clone(), id, hash, false);
     if json.len() <= budget {
@@ -231,20 +237,8 @@ pub fn decode(main: &ConfigMap, parts: &[ConfigMap]) -> Result<Vec<u8>, String> 
     gunzip(&gz)
 }
 
-/// Reads the snapshot JSON back from the cluster (for tools and tests).
-pub async fn read(api: &Api<ConfigMap>, name: &str) -> Result<Vec<u8>, String> {
-    let main = api.get(name).await.map_err(|e| format!("get ConfigMap {name}: {e}"))?;
-    let mut parts = Vec::new();
-    if let Some(index) = index_of(&main)? {
-        for r in index.parts {
-            parts.push(api.get(&r.name).await.map_err(|e| format!("get ConfigMap {}: {e}", r.name))?);
-        }
-    }
-    decode(&main, &parts)
-}
-
 /// Writes each snapshot to the `--snapshot-configmap`.
-pub struct ConfigMapPublisher {
+pub(crate) struct ConfigMapPublisher {
     api: Api<ConfigMap>,
     target: NamespacedName,
     budget: usize,
@@ -263,18 +257,23 @@ struct State {
 }
 
 impl ConfigMapPublisher {
-    pub fn new(client: kube::Client, target: NamespacedName, leadership: Leadership) -> Self {
+    pub(crate) fn new(client: kube::Client, target: NamespacedName, leadership: Leadership) -> Self {
         Self::with_budget(client, target, leadership, DATA_BUDGET)
     }
 
-    pub fn with_budget(client: kube::Client, target: NamespacedName, leadership: Leadership, budget: usize) -> Self {
+    pub(crate) fn with_budget(
+        client: kube::Client,
+        target: NamespacedName,
+        leadership: Leadership,
+        budget: usize,
+    ) -> Self {
         let api = Api::namespaced(client, &target.namespace);
         ConfigMapPublisher { api, target, budget, leadership, state: Arc::default() }
     }
 
     /// The id of the snapshot in the ConfigMap now (whoever wrote it), `None` if there is
     /// none yet.
-    pub async fn published_id(&self) -> Result<Option<u64>, String> {
+    pub(crate) async fn published_id(&self) -> Result<Option<u64>, String> {
         let name = &self.target.name;
         let cm = self.api.get_opt(name).await.map_err(|e| format!("get ConfigMap {}: {e}", self.target))?;
         Ok(cm.and_then(|cm| cm.metadata.annotations?.get(ANNOTATION_ID)?.parse().ok()))
@@ -282,7 +281,7 @@ impl ConfigMapPublisher {
 
     /// Compares what was last written with the cluster and writes again whatever was
     /// deleted or edited since. Returns the names written again.
-    pub async fn repair(&self) -> Result<Vec<String>, String> {
+    pub(crate) async fn repair(&self) -> Result<Vec<String>, String> {
         let Some(until) = self.leadership.until() else { return Ok(Vec::new()) };
         let (epoch, written, mut versions) = {
             let st = self.state.lock().expect("configmap state lock");
@@ -452,8 +451,8 @@ impl Publisher for ConfigMapPublisher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::assembler::snapshot::{Bootstrap, Content, ResolverEntry, ServiceEntry};
-    use crate::core::model::{Endpoint, Health};
+    use consul_resolver_core::assembler::snapshot::{Bootstrap, Content, ResolverEntry, ServiceEntry};
+    use consul_resolver_core::model::{Endpoint, Health};
 
     fn target() -> NamespacedName {
         NamespacedName { namespace: "ops".into(), name: "snap".into() }

@@ -17,14 +17,14 @@ use tokio::io::AsyncReadExt;
 use tokio::process::Command;
 
 use super::Publisher;
-use crate::core::assembler::Snapshot;
+use consul_resolver_core::assembler::Snapshot;
 
 /// The file the command reads, in the hook's directory.
-pub const FILE_NAME: &str = "snapshot.json";
+pub(crate) const FILE_NAME: &str = "snapshot.json";
 /// How much of the command's stderr goes into the error message.
 const STDERR_TAIL: usize = 2048;
 
-pub struct HookPublisher {
+pub(crate) struct HookPublisher {
     command: PathBuf,
     timeout: Duration,
     dir: PathBuf,
@@ -38,7 +38,7 @@ pub struct HookPublisher {
 
 impl HookPublisher {
     /// `dir` holds the snapshot file; it is created when missing.
-    pub fn new(command: PathBuf, timeout: Duration, dir: PathBuf) -> Self {
+    pub(crate) fn new(command: PathBuf, timeout: Duration, dir: PathBuf) -> Self {
         HookPublisher { command, timeout, dir, running: Arc::default(), last_hash: Arc::default() }
     }
 }

@@ -17,20 +17,20 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use super::Publisher;
-use crate::core::assembler::Snapshot;
 use crate::metrics::Metrics;
+use consul_resolver_core::assembler::Snapshot;
 
 /// How many snapshots `/snapshots/<id>` keeps.
-pub const KEPT: usize = 10;
+pub(crate) const KEPT: usize = 10;
 
 /// The latest snapshots, as the bytes served.
 #[derive(Default)]
-pub struct SnapshotStore {
+pub(crate) struct SnapshotStore {
     kept: Mutex<VecDeque<(u64, Bytes)>>,
 }
 
 impl SnapshotStore {
-    pub fn push(&self, snapshot: &Snapshot) {
+    pub(crate) fn push(&self, snapshot: &Snapshot) {
         let mut kept = self.kept.lock().expect("store lock");
         kept.push_back((snapshot.id, Bytes::from(snapshot.to_json())));
         while kept.len() > KEPT {
@@ -38,17 +38,17 @@ impl SnapshotStore {
         }
     }
 
-    pub fn latest(&self) -> Option<Bytes> {
+    pub(crate) fn latest(&self) -> Option<Bytes> {
         self.kept.lock().expect("store lock").back().map(|(_, b)| b.clone())
     }
 
-    pub fn get(&self, id: u64) -> Option<Bytes> {
+    pub(crate) fn get(&self, id: u64) -> Option<Bytes> {
         self.kept.lock().expect("store lock").iter().find(|(i, _)| *i == id).map(|(_, b)| b.clone())
     }
 }
 
 /// Publishing to HTTP is keeping the snapshot for the server.
-pub struct HttpPublisher(pub Arc<SnapshotStore>);
+pub(crate) struct HttpPublisher(pub Arc<SnapshotStore>);
 
 impl Publisher for HttpPublisher {
     fn name(&self) -> &'static str {
@@ -62,7 +62,7 @@ impl Publisher for HttpPublisher {
 
 /// Shared state the server reads.
 #[derive(Clone)]
-pub struct ServerState {
+pub(crate) struct ServerState {
     pub store: Arc<SnapshotStore>,
     pub metrics: Metrics,
     /// Ready once a snapshot was published (and, with leader election, also on
@@ -110,7 +110,7 @@ fn route(state: &ServerState, req: &Request<Incoming>) -> Response<Full<Bytes>> 
 }
 
 /// Binds `addr` and serves until `shutdown`. Returns the bound address (for `:0`).
-pub async fn serve(
+pub(crate) async fn serve(
     addr: SocketAddr,
     state: ServerState,
     shutdown: CancellationToken,

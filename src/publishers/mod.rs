@@ -4,17 +4,17 @@
 //! then. Resolver statuses and Events are per resolver, written by the resolver controller
 //! (`crate::controller`), so one resolver's failing status never holds back a publication.
 
-pub mod configmap;
-pub mod hook;
-pub mod http;
+pub(crate) mod configmap;
+pub(crate) mod hook;
+pub(crate) mod http;
 
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
 
-use crate::core::assembler::Snapshot;
+use consul_resolver_core::assembler::Snapshot;
 
-pub trait Publisher: Send + Sync + 'static {
+pub(crate) trait Publisher: Send + Sync + 'static {
     fn name(&self) -> &'static str;
     fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), String>>;
 

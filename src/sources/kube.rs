@@ -8,49 +8,38 @@
 
 use std::time::Duration;
 
-use futures::future::BoxFuture;
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use kube::api::DynamicObject;
 use kube::discovery::{self, ApiCapabilities, ApiResource, Scope};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 
-use super::{EventSink, Source};
-use crate::core::aggregator::{Event, KubeEvent, WatchFailure};
-use crate::core::keys::{KubeKey, WatchKey};
-use crate::core::model::{KubeObject, ObjectId};
+use super::EventSink;
 use crate::metrics::Metrics;
+use consul_resolver_core::keys::KubeKey;
+use consul_resolver_core::model::{Event, KubeEvent, WatchFailure};
+use consul_resolver_core::model::{KubeObject, ObjectId};
 
-pub struct KubeSource {
+pub(crate) struct KubeSource {
     client: Client,
     metrics: Metrics,
 }
 
 impl KubeSource {
-    pub fn new(client: Client, metrics: Metrics) -> Self {
+    pub(crate) fn new(client: Client, metrics: Metrics) -> Self {
         KubeSource { client, metrics }
     }
 }
 
-impl Source for KubeSource {
-    fn name(&self) -> &'static str {
-        "kubernetes"
-    }
-
-    fn accepts(&self, key: &WatchKey) -> bool {
-        matches!(key, WatchKey::Kube(_))
-    }
-
-    fn watch(&self, key: WatchKey, events: EventSink) -> BoxFuture<'static, ()> {
-        let WatchKey::Kube(key) = key else {
-            return futures::future::ready(()).boxed();
-        };
-        run(self.client.clone(), key, events, self.metrics.clone()).boxed()
+impl KubeSource {
+    /// The watch of `key`: runs until dropped, reporting into `events`.
+    pub(crate) fn watch(&self, key: KubeKey, events: EventSink) -> impl Future<Output = ()> + Send + 'static {
+        run(self.client.clone(), key, events, self.metrics.clone())
     }
 }
 
 /// Finds the API resource for a key: the pinned version, or the preferred one.
-pub async fn resolve(client: &Client, key: &KubeKey) -> Result<(ApiResource, ApiCapabilities), String> {
+pub(crate) async fn resolve(client: &Client, key: &KubeKey) -> Result<(ApiResource, ApiCapabilities), String> {
     let group = if key.version.is_empty() {
         discovery::group(client, &key.group).await
     } else {

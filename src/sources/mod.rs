@@ -1,83 +1,75 @@
 //! Sources: the edge that watches things and reports events into the pipeline.
 //!
-//! A [`Source`] says which keys it can watch and runs one watch per key. [`Watches`]
-//! applies the registry's diffs: it starts a task per new key on the source that accepts
-//! it and aborts the task (cancelling any request in flight) when the key is stopped. A
-//! new kind of source is a new `Source` implementation and a `WatchKey` variant; nothing
-//! else changes.
+//! One source per kind of [`WatchKey`]: Kubernetes (kube-runtime watchers) and Consul
+//! (blocking queries). [`Watches`] applies the registry's diffs: it starts a task per new key
+//! on the source of its kind, chosen by a `match` the compiler checks for exhaustiveness,
+//! and aborts the task (cancelling any request in flight) when the key is stopped. A new
+//! kind of source is a new `WatchKey` variant, its events in the core's model and its
+//! store in the world, and a new arm here.
 
-pub mod consul;
-pub mod kube;
+pub(crate) mod consul;
+pub(crate) mod kube;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
-use futures::future::BoxFuture;
+use consul_resolver_core::keys::WatchKey;
+use consul_resolver_core::model::Event;
+use consul_resolver_core::registry::Diff;
 use tokio::sync::mpsc;
 use tokio_util::task::AbortOnDropHandle;
 
-use crate::core::aggregator::Event;
-use crate::core::keys::WatchKey;
-use crate::core::registry::Diff;
+use consul::ConsulSource;
+use kube::KubeSource;
 
 /// Where sources send events. Bounded, so a flood applies backpressure to the sources
 /// rather than memory.
 pub type EventSink = mpsc::Sender<Event>;
 
-pub trait Source: Send + Sync + 'static {
-    /// A short name for logs and metrics (`kubernetes`, `consul`).
-    fn name(&self) -> &'static str;
-    /// Whether this source watches keys like `key`.
-    fn accepts(&self, key: &WatchKey) -> bool;
-    /// The watch of `key`: runs until dropped, reporting into `events`.
-    fn watch(&self, key: WatchKey, events: EventSink) -> BoxFuture<'static, ()>;
-}
-
 /// The running watches, one task per key.
-pub struct Watches {
-    sources: Vec<Arc<dyn Source>>,
+pub(crate) struct Watches {
+    kube: KubeSource,
+    consul: ConsulSource,
     running: BTreeMap<WatchKey, AbortOnDropHandle<()>>,
     events: EventSink,
 }
 
+/// A source's name, for logs and metrics.
+fn source(key: &WatchKey) -> &'static str {
+    match key {
+        WatchKey::Kube(_) => "kubernetes",
+        WatchKey::Consul(_) => "consul",
+    }
+}
+
 impl Watches {
-    pub fn new(sources: Vec<Arc<dyn Source>>, events: EventSink) -> Self {
-        Watches { sources, running: BTreeMap::new(), events }
+    pub(crate) fn new(kube: KubeSource, consul: ConsulSource, events: EventSink) -> Self {
+        Watches { kube, consul, running: BTreeMap::new(), events }
     }
 
-    pub fn apply(&mut self, diff: &Diff<WatchKey>) {
+    pub(crate) fn apply(&mut self, diff: &Diff<WatchKey>) {
         for key in &diff.stop {
             if self.running.remove(key).is_some() {
                 tracing::info!(watch = %key, "watch stopped");
             }
         }
         for key in &diff.start {
-            let Some(source) = self.sources.iter().find(|s| s.accepts(key)) else {
-                tracing::error!(watch = %key, "no source can watch this key");
-                continue;
+            tracing::info!(watch = %key, source = source(key), "watch started");
+            let events = self.events.clone();
+            let task = match key {
+                WatchKey::Kube(k) => tokio::spawn(self.kube.watch(k.clone(), events)),
+                WatchKey::Consul(k) => tokio::spawn(self.consul.watch(k.clone(), events)),
             };
-            tracing::info!(watch = %key, source = source.name(), "watch started");
-            let task = tokio::spawn(source.watch(key.clone(), self.events.clone()));
             self.running.insert(key.clone(), AbortOnDropHandle::new(task));
         }
     }
 
-    pub fn len(&self) -> usize {
-        self.running.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.running.is_empty()
-    }
-
-    /// Running watches per source name.
-    pub fn counts(&self) -> BTreeMap<&'static str, usize> {
-        let mut out = BTreeMap::new();
+    /// Running watches per source name, every source named (zero included).
+    pub(crate) fn counts(&self) -> [(&'static str, usize); 2] {
+        let mut counts = [("kubernetes", 0), ("consul", 0)];
         for key in self.running.keys() {
-            if let Some(s) = self.sources.iter().find(|s| s.accepts(key)) {
-                *out.entry(s.name()).or_default() += 1;
-            }
+            let i = usize::from(matches!(key, WatchKey::Consul(_)));
+            counts[i].1 += 1;
         }
-        out
+        counts
     }
 }

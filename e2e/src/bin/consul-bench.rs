@@ -10,11 +10,10 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use consul_resolver_operator::core::aggregator::{ConsulEvent, Event};
-use consul_resolver_operator::core::keys::{ConsulKey, ConsulServer, WatchKey};
-use consul_resolver_operator::sources::Source;
-use consul_resolver_operator::sources::consul::{ConsulSource, Settings};
-use e2e::sim::{Config, Simulator};
+use consul_resolver_core::keys::{ConsulKey, ConsulServer};
+use consul_resolver_core::model::{ConsulEvent, Event};
+use consul_resolver_operator::consul::{ConsulSource, Settings};
+use consul_sim::{Config, Simulator};
 use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_util::task::AbortOnDropHandle;
@@ -71,10 +70,8 @@ async fn main() -> anyhow::Result<()> {
         .collect();
     sim.reset_stats();
     let started = Instant::now();
-    let _tasks: Vec<_> = keys
-        .iter()
-        .map(|k| AbortOnDropHandle::new(tokio::spawn(source.watch(WatchKey::Consul(k.clone()), tx.clone()))))
-        .collect();
+    let _tasks: Vec<_> =
+        keys.iter().map(|k| AbortOnDropHandle::new(tokio::spawn(source.watch(k.clone(), tx.clone())))).collect();
     let mut answered = HashSet::new();
     while answered.len() < services {
         if let Some(Event::Consul(k, ConsulEvent::Answer { .. })) = rx.recv().await {

@@ -35,9 +35,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, bail, ensure};
-use consul_resolver_operator::publishers::configmap;
+use consul_resolver_operator::snapshot_configmap as configmap;
+use consul_sim::{Config as SimConfig, RunningSim, Simulator};
 use e2e::harness::{Cluster, Operator, operator_binary, unique};
-use e2e::sim::{Config as SimConfig, RunningSim, Simulator};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
@@ -747,11 +747,11 @@ fn run_operator(
 
     std::thread::sleep(Duration::from_secs(2));
     let settled = sim.stats();
-    let blocking_catalog = settled.blocking.get(e2e::sim::CATALOG_SERVICES_LABEL).copied().unwrap_or(0);
+    let blocking_catalog = settled.blocking.get(consul_sim::CATALOG_SERVICES_LABEL).copied().unwrap_or(0);
     let per_service: Vec<usize> = settled
         .blocking
         .iter()
-        .filter(|(k, _)| k.as_str() != e2e::sim::CATALOG_SERVICES_LABEL)
+        .filter(|(k, _)| k.as_str() != consul_sim::CATALOG_SERVICES_LABEL)
         .map(|(_, v)| *v)
         .collect();
     println!(

@@ -11,12 +11,12 @@ use reqwest::StatusCode;
 use reqwest::header::HeaderMap;
 
 use super::parse;
-use crate::core::keys::{ConsulKey, Secret, TlsSettings};
-use crate::core::model::Endpoint;
+use consul_resolver_core::keys::{ConsulKey, Secret, TlsSettings};
+use consul_resolver_core::model::Endpoint;
 
 /// Why a query failed; the text is what the operator reports.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum QueryError {
+pub(crate) enum QueryError {
     #[error("Consul at {address} rejected the request: ACL token rejected ({body})")]
     Forbidden { address: String, body: String },
     #[error("Consul at {address} is rate limiting (429 Too Many Requests)")]
@@ -31,7 +31,7 @@ pub enum QueryError {
 
 impl QueryError {
     /// A delay the server asked for (Retry-After), if any.
-    pub fn retry_after(&self) -> Option<Duration> {
+    pub(crate) fn retry_after(&self) -> Option<Duration> {
         match self {
             QueryError::RateLimited { retry_after, .. } => *retry_after,
             _ => None,
@@ -43,10 +43,10 @@ impl QueryError {
 /// request may take before the client gives up on it: a non-blocking read gets this alone.
 /// A connection that silently died (a NAT or firewall forgot it, the server vanished)
 /// is noticed by this, or sooner by TCP keepalive.
-pub const REQUEST_MARGIN: Duration = Duration::from_secs(15);
+pub(crate) const REQUEST_MARGIN: Duration = Duration::from_secs(15);
 
 /// The client-side limit of a request that blocks for `block` (`None`: does not block).
-pub fn request_timeout(block: Option<(u64, Duration)>) -> Duration {
+pub(crate) fn request_timeout(block: Option<(u64, Duration)>) -> Duration {
     match block {
         Some((_, wait)) => wait + wait / 16 + REQUEST_MARGIN,
         None => REQUEST_MARGIN,
@@ -55,14 +55,14 @@ pub fn request_timeout(block: Option<(u64, Duration)>) -> Duration {
 
 /// A successful read: the index (never below 1) and the parsed body.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Answer<T> {
+pub(crate) struct Answer<T> {
     pub index: u64,
     pub value: T,
 }
 
 /// A connection pool to one Consul address.
 #[derive(Clone)]
-pub struct HttpClient {
+pub(crate) struct HttpClient {
     http: reqwest::Client,
     /// Where requests go (`https://<serverName>:port` when SNI is overridden).
     base: String,
@@ -85,7 +85,7 @@ impl HttpClient {
     /// configured host's addresses, looked up once here. That sends the right SNI and
     /// verifies the certificate against `serverName`; the cost is that a later DNS change of
     /// the configured host needs a new client (a restart of the watches).
-    pub async fn new(address: &str, tls: Option<&TlsSettings>, max_connections: usize) -> Result<Self, String> {
+    pub(crate) async fn new(address: &str, tls: Option<&TlsSettings>, max_connections: usize) -> Result<Self, String> {
         let url = reqwest::Url::parse(address).map_err(|e| format!("invalid Consul address {address}: {e}"))?;
         let mut builder = reqwest::Client::builder()
             .pool_max_idle_per_host(max_connections)
@@ -126,12 +126,12 @@ impl HttpClient {
         Ok(HttpClient { http, base, address: address.to_owned() })
     }
 
-    pub fn address(&self) -> &str {
+    pub(crate) fn address(&self) -> &str {
         &self.address
     }
 
     /// `GET /v1/health/service/<name>` for `key`; blocking when `block` is `Some((index, wait))`.
-    pub async fn health(
+    pub(crate) async fn health(
         &self,
         key: &ConsulKey,
         block: Option<(u64, Duration)>,
@@ -152,7 +152,7 @@ impl HttpClient {
     }
 
     /// `GET /v1/catalog/services`: only the index is used (the change feed).
-    pub async fn catalog_services(
+    pub(crate) async fn catalog_services(
         &self,
         scope: &Scope,
         token: Option<&Secret>,
@@ -219,14 +219,14 @@ impl HttpClient {
 
 /// What a change feed covers: one datacenter, namespace and partition.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Scope {
+pub(crate) struct Scope {
     pub datacenter: Option<String>,
     pub namespace: Option<String>,
     pub partition: Option<String>,
 }
 
 impl Scope {
-    pub fn of(key: &ConsulKey) -> Self {
+    pub(crate) fn of(key: &ConsulKey) -> Self {
         Scope { datacenter: key.datacenter.clone(), namespace: key.namespace.clone(), partition: key.partition.clone() }
     }
 }
@@ -247,7 +247,7 @@ fn push_block(query: &mut Vec<(&str, String)>, block: Option<(u64, Duration)>) {
 }
 
 /// A Go duration Consul accepts: whole milliseconds (`300000ms`), or seconds when exact.
-pub fn go_duration(d: Duration) -> String {
+pub(crate) fn go_duration(d: Duration) -> String {
     let ms = d.as_millis().max(1);
     if ms.is_multiple_of(1000) { format!("{}s", ms / 1000) } else { format!("{ms}ms") }
 }

@@ -1,22 +1,19 @@
 //! The Consul source: one watch per [`ConsulKey`] on `/v1/health/service/<name>`, within a
 //! connection budget per Consul address. See docs/consul.md for the strategy and its costs.
 
-pub mod client;
-pub mod parse;
-pub mod pool;
-pub mod timing;
-pub mod watch;
+pub(crate) mod client;
+pub(crate) mod parse;
+pub(crate) mod pool;
+pub(crate) mod timing;
+pub(crate) mod watch;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use futures::FutureExt;
-use futures::future::BoxFuture;
-
 pub use watch::Settings;
 
-use super::{EventSink, Source};
-use crate::core::keys::WatchKey;
+use super::EventSink;
+use consul_resolver_core::keys::ConsulKey;
 use pool::Pool;
 
 pub struct ConsulSource {
@@ -39,20 +36,10 @@ impl ConsulSource {
     }
 }
 
-impl Source for ConsulSource {
-    fn name(&self) -> &'static str {
-        "consul"
-    }
-
-    fn accepts(&self, key: &WatchKey) -> bool {
-        matches!(key, WatchKey::Consul(_))
-    }
-
-    fn watch(&self, key: WatchKey, events: EventSink) -> BoxFuture<'static, ()> {
-        let WatchKey::Consul(key) = key else {
-            return futures::future::ready(()).boxed();
-        };
+impl ConsulSource {
+    /// The watch of `key`: runs until dropped, reporting into `events`.
+    pub fn watch(&self, key: ConsulKey, events: EventSink) -> impl Future<Output = ()> + Send + 'static {
         let pool = self.pool(&key.server.address);
-        watch::run(pool, key, self.settings.clone(), events).boxed()
+        watch::run(pool, key, self.settings.clone(), events)
     }
 }

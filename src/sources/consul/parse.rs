@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::core::model::{Endpoint, Health};
+use consul_resolver_core::model::{Endpoint, Health};
 
 #[derive(Deserialize)]
 #[serde(rename_all = "PascalCase")]
@@ -63,7 +63,7 @@ fn status(s: Option<&str>) -> Health {
 }
 
 /// Parses a health body into endpoints, sorted.
-pub fn health_service(body: &[u8]) -> Result<Vec<Endpoint>, String> {
+pub(crate) fn health_service(body: &[u8]) -> Result<Vec<Endpoint>, String> {
     let entries: Vec<Entry> =
         serde_json::from_slice(body).map_err(|e| format!("malformed /v1/health/service body: {e}"))?;
     let mut out: Vec<Endpoint> = entries.into_iter().map(endpoint).collect();

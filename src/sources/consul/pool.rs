@@ -19,11 +19,11 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::client::{HttpClient, Scope};
 use super::timing::{Backoff, IndexState};
-use crate::core::keys::{ConsulKey, ConsulServer, TlsSettings};
+use consul_resolver_core::keys::{ConsulKey, ConsulServer, TlsSettings};
 
 /// How the budget is split.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Split {
+pub(crate) struct Split {
     pub slots: usize,
     pub feeds: usize,
     pub reads: usize,
@@ -32,7 +32,7 @@ pub struct Split {
 impl Split {
     /// A tenth (at least one) for reads, up to two for feeds when there is room, the rest
     /// for dedicated blocking queries.
-    pub fn of(budget: usize) -> Split {
+    pub(crate) fn of(budget: usize) -> Split {
         let budget = budget.max(1);
         let reads = (budget / 10).max(1);
         let rest = budget.saturating_sub(reads);
@@ -51,7 +51,7 @@ struct Feed {
     _task: AbortOnDropHandle<()>,
 }
 
-pub struct Pool {
+pub(crate) struct Pool {
     address: String,
     max_connections: usize,
     wait: Duration,
@@ -63,7 +63,7 @@ pub struct Pool {
 }
 
 impl Pool {
-    pub fn new(address: &str, max_connections: usize, wait: Duration) -> Arc<Pool> {
+    pub(crate) fn new(address: &str, max_connections: usize, wait: Duration) -> Arc<Pool> {
         let split = Split::of(max_connections);
         Arc::new(Pool {
             address: address.to_owned(),
@@ -78,7 +78,7 @@ impl Pool {
     }
 
     /// The client for these TLS settings, built once.
-    pub async fn client(&self, tls: Option<&TlsSettings>) -> Result<HttpClient, String> {
+    pub(crate) async fn client(&self, tls: Option<&TlsSettings>) -> Result<HttpClient, String> {
         let mut clients = self.clients.lock().await;
         if let Some(c) = clients.get(&tls.cloned()) {
             return Ok(c.clone());
@@ -91,7 +91,7 @@ impl Pool {
     /// Joins (starting if needed) the change feed of `key`'s scope. The receiver's value
     /// changes whenever the feed sees the catalog change, and once after the feed's own
     /// first read (so nothing between a member's last read and the feed's start is lost).
-    pub fn join_feed(self: &Arc<Self>, key: &ConsulKey, client: HttpClient) -> FeedMembership {
+    pub(crate) fn join_feed(self: &Arc<Self>, key: &ConsulKey, client: HttpClient) -> FeedMembership {
         let fk: FeedKey = (Scope::of(key), key.server.clone());
         let mut feeds = self.feeds.lock().expect("feed map poisoned");
         let feed = feeds.entry(fk.clone()).or_insert_with(|| {
@@ -118,7 +118,7 @@ impl Pool {
 }
 
 /// A fed watch's subscription; leaving is dropping it (the last member stops the feed).
-pub struct FeedMembership {
+pub(crate) struct FeedMembership {
     pool: Arc<Pool>,
     key: FeedKey,
     pub changes: watch::Receiver<u64>,

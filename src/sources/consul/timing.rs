@@ -7,7 +7,7 @@ use rand::Rng;
 
 /// The blocking-query index of one watch.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct IndexState {
+pub(crate) struct IndexState {
     /// `None` until the first answer, and again after a reset: the next query answers at once.
     index: Option<u64>,
 }
@@ -15,11 +15,11 @@ pub struct IndexState {
 impl IndexState {
     /// The `(index, wait)` of the next query, or `None` for a non-blocking read. Never
     /// blocks on an index below 1.
-    pub fn block(&self, wait: Duration) -> Option<(u64, Duration)> {
+    pub(crate) fn block(&self, wait: Duration) -> Option<(u64, Duration)> {
         self.index.map(|i| (i.max(1), wait))
     }
 
-    pub fn index(&self) -> Option<u64> {
+    pub(crate) fn index(&self) -> Option<u64> {
         self.index
     }
 
@@ -27,7 +27,7 @@ impl IndexState {
     /// than the one sent means the server's history restarted (snapshot restore, new
     /// cluster): forget ours so the next query re-reads at once instead of blocking on an
     /// index the server may never reach again.
-    pub fn observe(&mut self, sent: Option<u64>, returned: u64) {
+    pub(crate) fn observe(&mut self, sent: Option<u64>, returned: u64) {
         if sent.is_some_and(|s| returned < s) {
             self.index = None;
         } else {
@@ -39,7 +39,7 @@ impl IndexState {
 /// Exponential backoff with jitter: 250 ms doubling to a cap of 1 min, reset by a success
 /// (consul-template's values).
 #[derive(Debug, Clone)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     base: Duration,
     cap: Duration,
     next: Duration,
@@ -52,26 +52,26 @@ impl Default for Backoff {
 }
 
 impl Backoff {
-    pub fn new(base: Duration, cap: Duration) -> Self {
+    pub(crate) fn new(base: Duration, cap: Duration) -> Self {
         Backoff { base, cap, next: base }
     }
 
     /// The delay after one more failure: the current step with up to 25% shaved off at
     /// random, so watches failing together do not retry in lockstep.
-    pub fn failure(&mut self, rng: &mut impl Rng) -> Duration {
+    pub(crate) fn failure(&mut self, rng: &mut impl Rng) -> Duration {
         let step = self.next;
         self.next = (self.next * 2).min(self.cap);
         let shave = rng.random_range(0.0..0.25);
         step.mul_f64(1.0 - shave)
     }
 
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.next = self.base;
     }
 }
 
 /// The least time between two queries of one watch: `min` plus up to half of it at random.
-pub fn pace(min: Duration, rng: &mut impl Rng) -> Duration {
+pub(crate) fn pace(min: Duration, rng: &mut impl Rng) -> Duration {
     min + min.mul_f64(rng.random_range(0.0..0.5))
 }
 

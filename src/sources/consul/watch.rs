@@ -19,10 +19,10 @@ use tokio::time::Instant;
 use super::client::{Answer, HttpClient, QueryError};
 use super::pool::{FeedMembership, Pool};
 use super::timing::{Backoff, IndexState, pace};
-use crate::core::aggregator::{ConsulEvent, Event};
-use crate::core::keys::ConsulKey;
-use crate::core::model::Endpoint;
 use crate::sources::EventSink;
+use consul_resolver_core::keys::ConsulKey;
+use consul_resolver_core::model::Endpoint;
+use consul_resolver_core::model::{ConsulEvent, Event};
 
 /// Settings shared by every watch.
 #[derive(Debug, Clone)]
@@ -87,7 +87,7 @@ enum Mode {
 }
 
 /// Runs the watch until the future is dropped or the event channel closes.
-pub async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, events: EventSink) {
+pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, events: EventSink) {
     let send = |ev: ConsulEvent| {
         let events = events.clone();
         let key = key.clone();
@@ -205,7 +205,7 @@ fn log_failure(key: &ConsulKey, e: &QueryError, delay: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::model::Health;
+    use consul_resolver_core::model::Health;
 
     fn ep(port: u16) -> Endpoint {
         Endpoint {

@@ -1,0 +1,166 @@
+//! Read-only models of Ambassador's `Mapping` and `TCPMapping` (`getambassador.io`,
+//! `v3alpha1` and `v2`).
+//!
+//! We read three fields (`service`, `resolver`, `ambassador_id`) and keep everything else
+//! as it came, so nothing is lost when these models are re-serialised. Both versions use
+//! the same names for the fields we read; `ambassador_id` is a string or a list in both.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::Value;
+
+use super::DEFAULT_AMBASSADOR_ID;
+
+pub const GROUP: &str = "getambassador.io";
+
+/// Which of Ambassador's route kinds an object is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum MappingKind {
+    Mapping,
+    #[serde(rename = "TCPMapping")]
+    TcpMapping,
+}
+
+impl MappingKind {
+    pub const ALL: [MappingKind; 2] = [MappingKind::Mapping, MappingKind::TcpMapping];
+
+    pub fn kind(self) -> &'static str {
+        match self {
+            MappingKind::Mapping => "Mapping",
+            MappingKind::TcpMapping => "TCPMapping",
+        }
+    }
+}
+
+/// A Mapping or TCPMapping as we read it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mapping {
+    pub kind: MappingKind,
+    pub namespace: String,
+    pub name: String,
+    pub spec: MappingSpec,
+}
+
+/// The part of a Mapping's spec we read; every other field is kept in `other`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct MappingSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolver: Option<String>,
+    #[serde(default, deserialize_with = "string_or_list", skip_serializing_if = "Option::is_none")]
+    pub ambassador_id: Option<Vec<String>>,
+    #[serde(flatten)]
+    pub other: BTreeMap<String, Value>,
+}
+
+impl MappingSpec {
+    /// Whether this Mapping belongs to the operator's Ambassador ID (absent or empty
+    /// means `default`, as in Ambassador).
+    pub fn serves_ambassador_id(&self, id: &str) -> bool {
+        match self.ambassador_id.as_deref() {
+            None | Some([]) => id == DEFAULT_AMBASSADOR_ID,
+            Some(ids) => ids.iter().any(|i| i == id),
+        }
+    }
+}
+
+/// Errors reading a Mapping object.
+#[derive(Debug, thiserror::Error)]
+pub enum MappingError {
+    #[error("{kind} has no metadata.{field}")]
+    MissingMeta { kind: &'static str, field: &'static str },
+    #[error("{kind} {namespace}/{name}: spec is not valid: {source}")]
+    Spec { kind: &'static str, namespace: String, name: String, source: serde_json::Error },
+}
+
+impl Mapping {
+    /// Reads a Mapping from the object JSON the API server returned, of either version.
+    pub fn from_object(kind: MappingKind, object: &Value) -> Result<Self, MappingError> {
+        let meta = |field: &'static str| {
+            object
+                .pointer(&format!("/metadata/{field}"))
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+                .ok_or(MappingError::MissingMeta { kind: kind.kind(), field })
+        };
+        let namespace = meta("namespace")?;
+        let name = meta("name")?;
+        let spec = match object.get("spec") {
+            None | Some(Value::Null) => MappingSpec::default(),
+            Some(spec) => MappingSpec::deserialize(spec).map_err(|source| MappingError::Spec {
+                kind: kind.kind(),
+                namespace: namespace.clone(),
+                name: name.clone(),
+                source,
+            })?,
+        };
+        Ok(Mapping { kind, namespace, name, spec })
+    }
+}
+
+fn string_or_list<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<String>>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match Option::<OneOrMany>::deserialize(d)? {
+        None => None,
+        Some(OneOrMany::One(s)) => Some(vec![s]),
+        Some(OneOrMany::Many(v)) => Some(v),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn reads_v3alpha1_and_keeps_unknown_fields() {
+        let obj = json!({
+            "apiVersion": "getambassador.io/v3alpha1", "kind": "Mapping",
+            "metadata": {"name": "billing", "namespace": "shop"},
+            "spec": {"prefix": "/billing/", "service": "billing:8080", "resolver": "consul-dc1",
+                     "ambassador_id": ["blue"], "hostname": "*", "timeout_ms": 3000}
+        });
+        let m = Mapping::from_object(MappingKind::Mapping, &obj).unwrap();
+        assert_eq!((m.namespace.as_str(), m.name.as_str()), ("shop", "billing"));
+        assert_eq!(m.spec.service.as_deref(), Some("billing:8080"));
+        assert_eq!(m.spec.resolver.as_deref(), Some("consul-dc1"));
+        assert!(m.spec.serves_ambassador_id("blue"));
+        assert!(!m.spec.serves_ambassador_id("default"));
+        assert_eq!(m.spec.other["timeout_ms"], json!(3000));
+        let back = serde_json::to_value(&m.spec).unwrap();
+        assert_eq!(back, obj["spec"], "re-serialising loses nothing");
+    }
+
+    #[test]
+    fn reads_v2_string_ambassador_id() {
+        let obj = json!({"metadata": {"name": "t", "namespace": "n"},
+                         "spec": {"service": "db:5432", "port": 5432, "ambassador_id": "green"}});
+        let m = Mapping::from_object(MappingKind::TcpMapping, &obj).unwrap();
+        assert_eq!(m.spec.ambassador_id, Some(vec!["green".to_owned()]));
+        assert!(m.spec.serves_ambassador_id("green"));
+    }
+
+    #[test]
+    fn absent_ambassador_id_means_default() {
+        let obj = json!({"metadata": {"name": "t", "namespace": "n"}, "spec": {"service": "a"}});
+        let m = Mapping::from_object(MappingKind::Mapping, &obj).unwrap();
+        assert!(m.spec.serves_ambassador_id("default"));
+        assert!(!m.spec.serves_ambassador_id("blue"));
+    }
+
+    #[test]
+    fn bad_spec_is_an_error_naming_the_object() {
+        let obj = json!({"metadata": {"name": "t", "namespace": "n"}, "spec": {"service": 42}});
+        let e = Mapping::from_object(MappingKind::Mapping, &obj).unwrap_err();
+        assert!(e.to_string().starts_with("Mapping n/t: spec is not valid"), "{e}");
+        let e = Mapping::from_object(MappingKind::Mapping, &json!({"metadata": {"name": "x"}})).unwrap_err();
+        assert!(e.to_string().contains("metadata.namespace"), "{e}");
+    }
+}

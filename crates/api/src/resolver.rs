@@ -1,0 +1,180 @@
+//! The `ConsulResolver` spec: where a set of Mappings finds its Consul. With the `crd`
+//! feature it is also the custom resource (`ConsulResolver`, status in [`crate::status`]).
+//!
+//! The doc comments on the spec fields become the CRD schema's descriptions, so they are
+//! written for `kubectl explain consulresolver.spec`.
+
+#[cfg(feature = "crd")]
+use kube::CustomResource;
+#[cfg(feature = "crd")]
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+#[cfg(feature = "crd")]
+use crate::status::ConsulResolverStatus;
+
+/// The custom resource's API group, version and kind (the `crd` derive below spells them
+/// out again: attributes cannot name constants; a test checks they agree).
+pub const GROUP: &str = "consulresolver.io";
+pub const VERSION: &str = "v1alpha1";
+pub const KIND: &str = "ConsulResolver";
+
+/// Where and how to query Consul for the services of Mappings that name this resolver.
+// clippy reads the repeated `type_ = "integer"` of two printcolumns as a duplicated attribute.
+#[allow(clippy::duplicated_attributes)]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "crd", derive(CustomResource, JsonSchema))]
+#[cfg_attr(
+    feature = "crd",
+    kube(
+        group = "consulresolver.io",
+        version = "v1alpha1",
+        kind = "ConsulResolver",
+        plural = "consulresolvers",
+        singular = "consulresolver",
+        shortname = "cres",
+        namespaced,
+        status = "ConsulResolverStatus",
+        derive = "PartialEq",
+        doc = "A Consul agent or server that Ambassador Mappings resolve their services through.",
+        printcolumn(name = "Ready", type_ = "string", json_path = ".status.conditions[?(@.type==\"Ready\")].status"),
+        printcolumn(name = "Services", type_ = "integer", json_path = ".status.services"),
+        printcolumn(name = "Endpoints", type_ = "integer", json_path = ".status.endpoints"),
+        printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ConsulResolverSpec {
+    /// Consul HTTP address: `host:port` or `http(s)://host:port`. `${VAR}` is expanded from
+    /// the operator's environment, e.g. `${HOST_IP}:8500` for the node-local agent.
+    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    pub address: String,
+
+    /// Consul datacenter, sent as `?dc=`. Empty means the agent's own datacenter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    pub datacenter: Option<String>,
+
+    /// Consul Enterprise namespace, sent as `ns`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    pub namespace: Option<String>,
+
+    /// Consul Enterprise admin partition, sent as `partition`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    pub partition: Option<String>,
+
+    /// Secret in this resolver's namespace holding the Consul ACL token, sent as
+    /// `X-Consul-Token`. The token is re-read when the Secret changes and is never logged
+    /// or shown in status.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_secret_ref: Option<SecretKeyRef>,
+
+    /// TLS settings for an `https://` address. Certificates are verified by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<ConsulTls>,
+
+    /// Only instances whose every check is passing (Consul's `?passing`). Default `true`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub only_passing: Option<bool>,
+
+    /// Only instances carrying all of these tags.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tags: Option<Vec<NonEmpty>>,
+
+    /// Consul services to always watch through this resolver, even when no Mapping
+    /// references them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub services: Option<Vec<NonEmpty>>,
+
+    /// Ambassador IDs this resolver belongs to. The resolver is ignored unless the list
+    /// contains the operator's `--ambassador-id` (default `default`). Empty or absent means
+    /// `["default"]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ambassador_id: Option<Vec<NonEmpty>>,
+}
+
+/// A non-empty string (the schema rejects `""` so mistakes surface at `kubectl apply`).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[serde(transparent)]
+pub struct NonEmpty(pub String);
+
+#[cfg(feature = "crd")]
+impl JsonSchema for NonEmpty {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "NonEmptyString".into()
+    }
+    fn inline_schema() -> bool {
+        true
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({ "type": "string", "minLength": 1 })
+    }
+}
+
+impl std::ops::Deref for NonEmpty {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A key of a Secret in the resolver's own namespace.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "crd", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKeyRef {
+    /// Name of the Secret (same namespace as the resolver).
+    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    pub name: String,
+    /// Key within the Secret's data.
+    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    pub key: String,
+}
+
+/// TLS to Consul.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "crd", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ConsulTls {
+    /// Secret key holding the PEM CA bundle that signs Consul's certificate. Absent means
+    /// the system roots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_secret_ref: Option<SecretKeyRef>,
+    /// Name to verify the server certificate against (SNI), when it differs from the
+    /// address's host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    pub server_name: Option<String>,
+    /// Skip certificate verification. Off by default; for test clusters only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub insecure_skip_verify: Option<bool>,
+}
+
+impl ConsulResolverSpec {
+    /// Whether this resolver belongs to the operator's Ambassador ID.
+    pub fn serves_ambassador_id(&self, id: &str) -> bool {
+        match self.ambassador_id.as_deref() {
+            None | Some([]) => id == crate::DEFAULT_AMBASSADOR_ID,
+            Some(ids) => ids.iter().any(|i| i.0 == id),
+        }
+    }
+
+    pub fn only_passing(&self) -> bool {
+        self.only_passing.unwrap_or(true)
+    }
+}
+
+#[cfg(all(test, feature = "crd"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_constants_name_the_custom_resource() {
+        use kube::Resource;
+        assert_eq!(ConsulResolver::group(&()), GROUP);
+        assert_eq!(ConsulResolver::version(&()), VERSION);
+        assert_eq!(ConsulResolver::kind(&()), KIND);
+    }
+}

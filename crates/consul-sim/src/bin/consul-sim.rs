@@ -1,0 +1,121 @@
+//! `consul-sim`: the Consul HTTP API simulator as a process, for harnesses and manual runs.
+//!
+//! Prints `listening on <addr>` on stdout once bound (one line, flushed), so a harness can
+//! start it on port 0 and read the real port. Logs go to stderr (`RUST_LOG` filters them).
+//! Exits cleanly on SIGTERM or Ctrl-C. See the `consul_sim` crate docs for the API it serves,
+//! including the `/_sim/` control endpoints.
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+
+use anyhow::Context as _;
+use clap::Parser;
+use consul_sim::{AclConfig, AclToken, Config, Simulator};
+
+#[derive(Debug, Parser)]
+#[command(name = "consul-sim", about = "A Consul HTTP API simulator for tests")]
+struct Args {
+    /// Address to listen on; port 0 picks a free port (printed on stdout).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+
+    /// The agent's datacenter; any other `?dc=` answers 500 `No path to datacenter`.
+    #[arg(long, default_value = "dc1")]
+    datacenter: String,
+
+    /// Concurrent connections allowed per client IP before answering 429 (0 = unlimited).
+    #[arg(long, default_value_t = 200)]
+    max_conns_per_client: usize,
+
+    /// An ACL token: `SECRET=management` or `SECRET=service-read:PREFIX[,PREFIX...]`
+    /// (`service-read:` alone reads every service). Repeatable; any token enables ACLs.
+    #[arg(long = "acl-token", value_name = "SECRET=POLICY")]
+    acl_tokens: Vec<AclToken>,
+
+    /// Enable ACLs even without tokens (everything anonymous is then denied or filtered).
+    #[arg(long)]
+    acl_enabled: bool,
+
+    /// With ACLs on, let requests without a token read every service.
+    #[arg(long)]
+    acl_anonymous_read: bool,
+
+    /// Answer with the legacy `null` shapes for empty Meta, TaggedAddresses and Tags.
+    #[arg(long)]
+    null_variants: bool,
+
+    /// What `/v1/status/leader` answers.
+    #[arg(long, default_value = "127.0.0.1:8300")]
+    leader_address: String,
+
+    /// The raft index of the empty catalog.
+    #[arg(long, default_value_t = 1)]
+    initial_index: u64,
+}
+
+impl Args {
+    fn into_config(self) -> Config {
+        let acl = (self.acl_enabled || !self.acl_tokens.is_empty())
+            .then_some(AclConfig { tokens: self.acl_tokens, anonymous_read: self.acl_anonymous_read });
+        Config {
+            listen: self.listen,
+            datacenter: self.datacenter,
+            max_conns_per_client: self.max_conns_per_client,
+            acl,
+            null_variants: self.null_variants,
+            leader_address: self.leader_address,
+            initial_index: self.initial_index,
+            ..Config::default()
+        }
+    }
+}
+
+async fn terminated() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+
+    let config = Args::parse().into_config();
+    if !config.listen.ip().is_loopback() {
+        tracing::warn!(listen = %config.listen, "listening on a non-loopback address");
+    }
+    let sim = Simulator::start(config).await.context("starting consul-sim")?;
+
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "listening on {}", sim.addr()).context("writing the address")?;
+    out.flush().context("flushing stdout")?;
+    drop(out);
+    tracing::info!(addr = %sim.addr(), "consul-sim ready");
+
+    terminated().await;
+    tracing::info!("shutting down");
+    sim.shutdown().await;
+    Ok(())
+}

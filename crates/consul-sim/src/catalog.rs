@@ -1,0 +1,806 @@
+//! The catalog: nodes, service instances and checks, with Consul's index bookkeeping.
+//!
+//! Pure data and logic, no I/O, so the index rules can be unit tested directly.
+//!
+//! Index rules (after Consul's state store, `agent/consul/state/catalog.go`):
+//! - every write that changes something takes the next raft index; a write that changes
+//!   nothing (re-registering identical data) takes none, exactly like Consul skipping
+//!   identical updates, so anti-entropy style re-registration does not wake watchers;
+//! - a service's index moves when one of its instances or one of its checks changes, and
+//!   when a node it runs on changes (address, meta, or a node-level check such as
+//!   `serfHealth`);
+//! - when a service loses its final instance its index entry is dropped and the "extinction"
+//!   index is set; an unknown service reports the extinction index, or the catalog maximum if
+//!   no service ever went extinct;
+//! - `/v1/catalog/services` reports the index of the last change to any service instance.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use serde::Deserialize;
+
+/// The default Consul Enterprise namespace and partition (the only ones in Consul OSS).
+pub(crate) const DEFAULT_SCOPE: &str = "default";
+
+/// What identifies a service for health queries and indexes.
+///
+/// Namespaces and partitions are Consul Enterprise features; they are modelled only as part of
+/// this identity so that a query scoped to `ns=a` does not see services registered in `ns=b`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey {
+    pub partition: String,
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ServiceKey {
+    /// A key in the default namespace and partition.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self::scoped(name, None, None)
+    }
+
+    /// A key with optional namespace and partition; empty or absent means `default`.
+    pub fn scoped(name: impl Into<String>, namespace: Option<&str>, partition: Option<&str>) -> Self {
+        let scope = |s: Option<&str>| match s {
+            Some(s) if !s.is_empty() => s.to_owned(),
+            _ => DEFAULT_SCOPE.to_owned(),
+        };
+        Self { partition: scope(partition), namespace: scope(namespace), name: name.into() }
+    }
+}
+
+/// A check's health. Consul's `maintenance` is stored (and shown) as `critical`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CheckStatus {
+    Passing,
+    Warning,
+    Critical,
+}
+
+impl CheckStatus {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            CheckStatus::Passing => "passing",
+            CheckStatus::Warning => "warning",
+            CheckStatus::Critical => "critical",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "passing" => Some(CheckStatus::Passing),
+            "warning" => Some(CheckStatus::Warning),
+            "critical" | "maintenance" => Some(CheckStatus::Critical),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Node {
+    pub id: String,
+    pub name: String,
+    pub address: String,
+    pub datacenter: String,
+    pub tagged_addresses: BTreeMap<String, String>,
+    pub meta: BTreeMap<String, String>,
+    pub create_index: u64,
+    pub modify_index: u64,
+}
+
+impl Node {
+    fn same_data(&self, other: &Node) -> bool {
+        self.id == other.id
+            && self.address == other.address
+            && self.tagged_addresses == other.tagged_addresses
+            && self.meta == other.meta
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub(crate) struct TaggedAddress {
+    #[serde(default)]
+    pub address: String,
+    #[serde(default)]
+    pub port: u16,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub(crate) struct Weights {
+    #[serde(default = "one")]
+    pub passing: i32,
+    #[serde(default = "one")]
+    pub warning: i32,
+}
+
+fn one() -> i32 {
+    1
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Weights { passing: 1, warning: 1 }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ServiceInstance {
+    pub node: String,
+    pub id: String,
+    pub key: ServiceKey,
+    pub tags: Vec<String>,
+    pub address: String,
+    pub port: u16,
+    pub meta: BTreeMap<String, String>,
+    pub tagged_addresses: BTreeMap<String, TaggedAddress>,
+    pub weights: Weights,
+    pub enable_tag_override: bool,
+    pub create_index: u64,
+    pub modify_index: u64,
+}
+
+impl ServiceInstance {
+    fn same_data(&self, other: &ServiceInstance) -> bool {
+        self.key == other.key
+            && self.tags == other.tags
+            && self.address == other.address
+            && self.port == other.port
+            && self.meta == other.meta
+            && self.tagged_addresses == other.tagged_addresses
+            && self.weights == other.weights
+            && self.enable_tag_override == other.enable_tag_override
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Check {
+    pub node: String,
+    pub check_id: String,
+    pub name: String,
+    pub status: CheckStatus,
+    pub notes: String,
+    pub output: String,
+    /// Empty for a node-level check.
+    pub service_id: String,
+    pub create_index: u64,
+    pub modify_index: u64,
+}
+
+impl Check {
+    fn same_data(&self, other: &Check) -> bool {
+        self.name == other.name
+            && self.status == other.status
+            && self.notes == other.notes
+            && self.output == other.output
+            && self.service_id == other.service_id
+    }
+}
+
+/// A write that was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum CatalogError {
+    /// 400: the request is malformed.
+    #[error("{0}")]
+    BadRequest(String),
+    /// 500: the request is well-formed but cannot be applied (Consul answers 500 for these).
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// `PUT /v1/catalog/register` body. Field names are Consul's (PascalCase); unknown fields are
+/// ignored. Unlike Go's decoder, key matching is case-sensitive.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "PascalCase", default)]
+pub(crate) struct RegisterRequest {
+    #[serde(rename = "ID")]
+    pub id: Option<String>,
+    pub node: Option<String>,
+    pub address: Option<String>,
+    pub datacenter: Option<String>,
+    pub tagged_addresses: Option<BTreeMap<String, String>>,
+    pub node_meta: Option<BTreeMap<String, String>>,
+    pub service: Option<ServiceRegistration>,
+    pub check: Option<CheckRegistration>,
+    pub checks: Option<Vec<CheckRegistration>>,
+    pub skip_node_update: bool,
+    pub namespace: Option<String>,
+    pub partition: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "PascalCase", default)]
+pub(crate) struct ServiceRegistration {
+    #[serde(rename = "ID")]
+    pub id: Option<String>,
+    pub service: Option<String>,
+    pub tags: Option<Vec<String>>,
+    pub address: Option<String>,
+    pub port: Option<u16>,
+    pub meta: Option<BTreeMap<String, String>>,
+    pub tagged_addresses: Option<BTreeMap<String, TaggedAddress>>,
+    pub weights: Option<Weights>,
+    pub enable_tag_override: bool,
+    pub namespace: Option<String>,
+    pub partition: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "PascalCase", default)]
+pub(crate) struct CheckRegistration {
+    pub node: Option<String>,
+    #[serde(rename = "CheckID")]
+    pub check_id: Option<String>,
+    pub name: Option<String>,
+    pub status: Option<String>,
+    pub notes: Option<String>,
+    pub output: Option<String>,
+    #[serde(rename = "ServiceID")]
+    pub service_id: Option<String>,
+}
+
+/// `PUT /v1/catalog/deregister` body.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "PascalCase", default)]
+pub(crate) struct DeregisterRequest {
+    pub node: Option<String>,
+    pub datacenter: Option<String>,
+    #[serde(rename = "ServiceID")]
+    pub service_id: Option<String>,
+    #[serde(rename = "CheckID")]
+    pub check_id: Option<String>,
+}
+
+/// One row of a health answer, before rendering.
+#[derive(Clone, Debug)]
+pub(crate) struct HealthEntry {
+    pub node: Node,
+    pub service: ServiceInstance,
+    /// Node-level checks then the service's checks, sorted by check ID.
+    pub checks: Vec<Check>,
+}
+
+impl HealthEntry {
+    /// `?passing`: every check, node checks included, is `passing`.
+    pub(crate) fn all_passing(&self) -> bool {
+        self.checks.iter().all(|c| c.status == CheckStatus::Passing)
+    }
+}
+
+/// Bookkeeping of one write transaction.
+#[derive(Default)]
+struct Tx {
+    changed: bool,
+    services_table_changed: bool,
+    dirty: BTreeSet<ServiceKey>,
+}
+
+fn non_empty(s: Option<String>) -> Option<String> {
+    s.filter(|s| !s.is_empty())
+}
+
+#[derive(Debug)]
+pub(crate) struct Catalog {
+    datacenter: String,
+    raft_index: u64,
+    nodes: BTreeMap<String, Node>,
+    /// Keyed by (node, service ID).
+    services: BTreeMap<(String, String), ServiceInstance>,
+    /// Keyed by (node, check ID).
+    checks: BTreeMap<(String, String), Check>,
+    service_indexes: HashMap<ServiceKey, u64>,
+    services_table_index: u64,
+    last_extinction: Option<u64>,
+}
+
+impl Catalog {
+    pub(crate) fn new(datacenter: impl Into<String>, initial_index: u64) -> Self {
+        Catalog {
+            datacenter: datacenter.into(),
+            raft_index: initial_index,
+            nodes: BTreeMap::new(),
+            services: BTreeMap::new(),
+            checks: BTreeMap::new(),
+            service_indexes: HashMap::new(),
+            services_table_index: 0,
+            last_extinction: None,
+        }
+    }
+
+    /// The last raft index used by a write (the catalog maximum).
+    #[cfg(test)]
+    pub(crate) fn raft_index(&self) -> u64 {
+        self.raft_index
+    }
+
+    /// The index a health query for `key` reports (before the `1` minimum is applied).
+    pub(crate) fn service_index(&self, key: &ServiceKey) -> u64 {
+        match self.service_indexes.get(key) {
+            Some(&index) => index,
+            None => self.last_extinction.unwrap_or(self.raft_index),
+        }
+    }
+
+    /// The index `/v1/catalog/services` reports.
+    pub(crate) fn services_index(&self) -> u64 {
+        self.services_table_index
+    }
+
+    /// The health rows of `key` whose instances carry every tag in `tags` (compared
+    /// case-insensitively, as Consul does).
+    pub(crate) fn health(&self, key: &ServiceKey, tags: &[String]) -> Vec<HealthEntry> {
+        let mut entries = Vec::new();
+        for svc in self.services.values() {
+            if svc.key != *key {
+                continue;
+            }
+            let has_all_tags = tags.iter().all(|want| svc.tags.iter().any(|t| t.eq_ignore_ascii_case(want)));
+            if !has_all_tags {
+                continue;
+            }
+            let Some(node) = self.nodes.get(&svc.node) else {
+                continue;
+            };
+            let checks = self
+                .checks
+                .range((svc.node.clone(), String::new())..)
+                .take_while(|((n, _), _)| *n == svc.node)
+                .map(|(_, c)| c)
+                .filter(|c| c.service_id.is_empty() || c.service_id == svc.id)
+                .cloned()
+                .collect();
+            entries.push(HealthEntry { node: node.clone(), service: svc.clone(), checks });
+        }
+        entries
+    }
+
+    /// Service names in a namespace/partition with the union of their tags (sorted, unique).
+    pub(crate) fn services(&self, namespace: Option<&str>, partition: Option<&str>) -> BTreeMap<String, Vec<String>> {
+        let scope = ServiceKey::scoped("", namespace, partition);
+        let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for svc in self.services.values() {
+            if svc.key.namespace == scope.namespace && svc.key.partition == scope.partition {
+                out.entry(svc.key.name.clone()).or_default().extend(svc.tags.iter().cloned());
+            }
+        }
+        out.into_iter().map(|(name, tags)| (name, tags.into_iter().collect())).collect()
+    }
+
+    /// Applies a registration atomically; returns whether anything changed.
+    ///
+    /// `namespace`/`partition` are the request's `?ns=`/`?partition=`, used when the body
+    /// does not name them.
+    pub(crate) fn register(
+        &mut self,
+        req: RegisterRequest,
+        namespace: Option<&str>,
+        partition: Option<&str>,
+    ) -> Result<bool, CatalogError> {
+        let node_name = non_empty(req.node).ok_or_else(|| CatalogError::BadRequest("Must provide node".into()))?;
+        let address = non_empty(req.address);
+        let keep_node = req.skip_node_update && self.nodes.contains_key(&node_name);
+        if address.is_none() && !keep_node {
+            return Err(CatalogError::BadRequest("Must provide address".into()));
+        }
+
+        let idx = self.raft_index + 1;
+        let top_ns = non_empty(req.namespace).or_else(|| namespace.map(str::to_owned));
+        let top_partition = non_empty(req.partition).or_else(|| partition.map(str::to_owned));
+
+        // Normalise the service.
+        let service = match req.service {
+            None => None,
+            Some(s) => {
+                let name =
+                    non_empty(s.service).ok_or_else(|| CatalogError::BadRequest("Must provide service name".into()))?;
+                let id = non_empty(s.id).unwrap_or_else(|| name.clone());
+                let ns = non_empty(s.namespace).or_else(|| top_ns.clone());
+                let part = non_empty(s.partition).or_else(|| top_partition.clone());
+                Some(ServiceInstance {
+                    node: node_name.clone(),
+                    id,
+                    key: ServiceKey::scoped(name, ns.as_deref(), part.as_deref()),
+                    tags: s.tags.unwrap_or_default(),
+                    address: s.address.unwrap_or_default(),
+                    port: s.port.unwrap_or(0),
+                    meta: s.meta.unwrap_or_default(),
+                    tagged_addresses: s.tagged_addresses.unwrap_or_default(),
+                    weights: s.weights.unwrap_or_default(),
+                    enable_tag_override: s.enable_tag_override,
+                    create_index: idx,
+                    modify_index: idx,
+                })
+            }
+        };
+
+        // Normalise the checks, validating everything before touching state.
+        let mut checks = Vec::new();
+        for c in req.check.into_iter().chain(req.checks.into_iter().flatten()) {
+            let name = c.name.unwrap_or_default();
+            let check_id = non_empty(c.check_id)
+                .or_else(|| non_empty(Some(name.clone())))
+                .ok_or_else(|| CatalogError::BadRequest("Must provide check ID or name".into()))?;
+            if let Some(n) = non_empty(c.node)
+                && n != node_name
+            {
+                return Err(CatalogError::BadRequest(format!(
+                    "Check node {n:?} does not match registration node {node_name:?}"
+                )));
+            }
+            let status = match non_empty(c.status) {
+                None => CheckStatus::Critical,
+                Some(s) => CheckStatus::parse(&s)
+                    .ok_or_else(|| CatalogError::BadRequest(format!("Invalid check status: {s:?}")))?,
+            };
+            let service_id = c.service_id.unwrap_or_default();
+            if !service_id.is_empty() {
+                let in_request = service.as_ref().is_some_and(|s| s.id == service_id);
+                let existing = self.services.contains_key(&(node_name.clone(), service_id.clone()));
+                if !in_request && !existing {
+                    return Err(CatalogError::Internal(format!(
+                        "Missing service registration for check {check_id:?} (service ID {service_id:?})"
+                    )));
+                }
+            }
+            checks.push(Check {
+                node: node_name.clone(),
+                check_id,
+                name,
+                status,
+                notes: c.notes.unwrap_or_default(),
+                output: c.output.unwrap_or_default(),
+                service_id,
+                create_index: idx,
+                modify_index: idx,
+            });
+        }
+
+        let mut tx = Tx::default();
+
+        // The node.
+        if !keep_node {
+            let node = Node {
+                id: req.id.unwrap_or_default(),
+                name: node_name.clone(),
+                address: address.unwrap_or_default(),
+                datacenter: self.datacenter.clone(),
+                tagged_addresses: req.tagged_addresses.unwrap_or_default(),
+                meta: req.node_meta.unwrap_or_default(),
+                create_index: idx,
+                modify_index: idx,
+            };
+            match self.nodes.get_mut(&node_name) {
+                Some(existing) if existing.same_data(&node) => {}
+                Some(existing) => {
+                    *existing = Node { create_index: existing.create_index, ..node };
+                    tx.changed = true;
+                    tx.dirty.extend(self.node_service_keys(&node_name));
+                }
+                None => {
+                    self.nodes.insert(node_name.clone(), node);
+                    tx.changed = true;
+                }
+            }
+        }
+
+        // The service.
+        if let Some(svc) = service {
+            let k = (node_name.clone(), svc.id.clone());
+            match self.services.get_mut(&k) {
+                Some(existing) if existing.same_data(&svc) => {}
+                Some(existing) => {
+                    tx.dirty.insert(existing.key.clone());
+                    tx.dirty.insert(svc.key.clone());
+                    *existing = ServiceInstance { create_index: existing.create_index, ..svc };
+                    tx.changed = true;
+                    tx.services_table_changed = true;
+                }
+                None => {
+                    tx.dirty.insert(svc.key.clone());
+                    self.services.insert(k, svc);
+                    tx.changed = true;
+                    tx.services_table_changed = true;
+                }
+            }
+        }
+
+        // The checks.
+        for check in checks {
+            let k = (node_name.clone(), check.check_id.clone());
+            let previous_service = match self.checks.get(&k) {
+                Some(existing) if existing.same_data(&check) => continue,
+                Some(existing) => Some(existing.service_id.clone()),
+                None => None,
+            };
+            for sid in previous_service.iter().chain(std::iter::once(&check.service_id)) {
+                self.mark_check_owner(&node_name, sid, &mut tx);
+            }
+            let create_index = self.checks.get(&k).map_or(idx, |c| c.create_index);
+            self.checks.insert(k, Check { create_index, ..check });
+            tx.changed = true;
+        }
+
+        Ok(self.commit(idx, tx))
+    }
+
+    /// Applies a deregistration; returns whether anything changed. Deregistering something
+    /// that does not exist is not an error (Consul answers `true`).
+    pub(crate) fn deregister(&mut self, req: DeregisterRequest) -> Result<bool, CatalogError> {
+        let node = non_empty(req.node).ok_or_else(|| CatalogError::BadRequest("Must provide node".into()))?;
+        let service_id = non_empty(req.service_id);
+        let check_id = non_empty(req.check_id);
+        let idx = self.raft_index + 1;
+        let mut tx = Tx::default();
+
+        if service_id.is_none() && check_id.is_none() {
+            if self.nodes.remove(&node).is_some() {
+                tx.changed = true;
+            }
+            let ids: Vec<_> = self.node_services(&node).map(|s| s.id.clone()).collect();
+            for id in ids {
+                self.remove_service(&node, &id, &mut tx);
+            }
+            let checks: Vec<_> = self.node_check_ids(&node);
+            for id in checks {
+                self.checks.remove(&(node.clone(), id));
+                tx.changed = true;
+            }
+        }
+        if let Some(id) = service_id {
+            self.remove_service(&node, &id, &mut tx);
+        }
+        if let Some(id) = check_id
+            && let Some(check) = self.checks.remove(&(node.clone(), id))
+        {
+            tx.changed = true;
+            self.mark_check_owner(&node, &check.service_id, &mut tx);
+        }
+        Ok(self.commit(idx, tx))
+    }
+
+    /// Overrides one service's index (fault injection: "index goes backwards").
+    pub(crate) fn set_service_index(&mut self, key: &ServiceKey, index: u64) -> bool {
+        match self.service_indexes.get_mut(key) {
+            Some(i) => {
+                *i = index;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Sets every index, stored and derived, to `index` while keeping the data, as after a
+    /// restore from an older snapshot or a rebuilt cluster. The next write takes `index + 1`.
+    pub(crate) fn reset_indexes(&mut self, index: u64) {
+        self.raft_index = index;
+        self.services_table_index = index;
+        if self.last_extinction.is_some() {
+            self.last_extinction = Some(index);
+        }
+        for i in self.service_indexes.values_mut() {
+            *i = index;
+        }
+        for n in self.nodes.values_mut() {
+            n.create_index = index;
+            n.modify_index = index;
+        }
+        for s in self.services.values_mut() {
+            s.create_index = index;
+            s.modify_index = index;
+        }
+        for c in self.checks.values_mut() {
+            c.create_index = index;
+            c.modify_index = index;
+        }
+    }
+
+    fn node_services<'a>(&'a self, node: &'a str) -> impl Iterator<Item = &'a ServiceInstance> + 'a {
+        self.services.range((node.to_owned(), String::new())..).take_while(move |((n, _), _)| n == node).map(|(_, s)| s)
+    }
+
+    fn node_service_keys(&self, node: &str) -> Vec<ServiceKey> {
+        self.node_services(node).map(|s| s.key.clone()).collect()
+    }
+
+    fn node_check_ids(&self, node: &str) -> Vec<String> {
+        self.checks
+            .range((node.to_owned(), String::new())..)
+            .take_while(|((n, _), _)| n == node)
+            .map(|((_, id), _)| id.clone())
+            .collect()
+    }
+
+    /// A check change dirties its service, or every service of the node for a node check.
+    fn mark_check_owner(&self, node: &str, service_id: &str, tx: &mut Tx) {
+        if service_id.is_empty() {
+            tx.dirty.extend(self.node_service_keys(node));
+        } else if let Some(s) = self.services.get(&(node.to_owned(), service_id.to_owned())) {
+            tx.dirty.insert(s.key.clone());
+        }
+    }
+
+    fn remove_service(&mut self, node: &str, id: &str, tx: &mut Tx) {
+        let Some(svc) = self.services.remove(&(node.to_owned(), id.to_owned())) else {
+            return;
+        };
+        tx.changed = true;
+        tx.services_table_changed = true;
+        tx.dirty.insert(svc.key);
+        self.checks.retain(|(n, _), c| !(n == node && c.service_id == id));
+    }
+
+    fn commit(&mut self, idx: u64, tx: Tx) -> bool {
+        if !tx.changed {
+            return false;
+        }
+        self.raft_index = idx;
+        if tx.services_table_changed {
+            self.services_table_index = idx;
+        }
+        for key in tx.dirty {
+            let alive = self.services.values().any(|s| s.key == key);
+            if alive {
+                self.service_indexes.insert(key, idx);
+            } else if self.service_indexes.remove(&key).is_some() {
+                self.last_extinction = Some(idx);
+            }
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reg(node: &str, addr: &str, svc: &str, id: &str, status: &str) -> RegisterRequest {
+        serde_json::from_value(serde_json::json!({
+            "Node": node,
+            "Address": addr,
+            "Service": {"ID": id, "Service": svc, "Port": 80, "Tags": ["a"]},
+            "Check": {"CheckID": format!("check-{id}"), "Name": "c", "Status": status, "ServiceID": id}
+        }))
+        .unwrap()
+    }
+
+    fn node_check(node: &str, status: &str) -> RegisterRequest {
+        serde_json::from_value(serde_json::json!({
+            "Node": node,
+            "Address": "10.0.0.1",
+            "Check": {"CheckID": "serfHealth", "Name": "Serf", "Status": status}
+        }))
+        .unwrap()
+    }
+
+    fn dereg(node: &str, service_id: Option<&str>) -> DeregisterRequest {
+        DeregisterRequest { node: Some(node.into()), service_id: service_id.map(Into::into), ..Default::default() }
+    }
+
+    #[test]
+    fn per_service_indexes_are_isolated() {
+        let mut c = Catalog::new("dc1", 1);
+        let a = ServiceKey::new("a");
+        let b = ServiceKey::new("b");
+        assert!(c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), None, None).unwrap());
+        let ia = c.service_index(&a);
+        assert!(c.register(reg("n2", "10.0.0.2", "b", "b1", "passing"), None, None).unwrap());
+        assert_eq!(c.service_index(&a), ia, "b's change must not move a");
+        assert!(c.service_index(&b) > ia);
+        // Identical re-registration changes nothing.
+        assert!(!c.register(reg("n2", "10.0.0.2", "b", "b1", "passing"), None, None).unwrap());
+        // A check flip moves only its service.
+        let ib = c.service_index(&b);
+        assert!(c.register(reg("n2", "10.0.0.2", "b", "b1", "critical"), None, None).unwrap());
+        assert!(c.service_index(&b) > ib);
+        assert_eq!(c.service_index(&a), ia);
+    }
+
+    #[test]
+    fn node_checks_move_services_of_the_node() {
+        let mut c = Catalog::new("dc1", 1);
+        c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), None, None).unwrap();
+        c.register(reg("n2", "10.0.0.2", "b", "b1", "passing"), None, None).unwrap();
+        let (ia, ib) = (c.service_index(&ServiceKey::new("a")), c.service_index(&ServiceKey::new("b")));
+        c.register(node_check("n1", "critical"), None, None).unwrap();
+        assert!(c.service_index(&ServiceKey::new("a")) > ia);
+        assert_eq!(c.service_index(&ServiceKey::new("b")), ib);
+        let entries = c.health(&ServiceKey::new("a"), &[]);
+        assert_eq!(entries[0].checks.len(), 2);
+        assert!(!entries[0].all_passing());
+    }
+
+    #[test]
+    fn unknown_service_index_is_catalog_max_then_extinction() {
+        let mut c = Catalog::new("dc1", 1);
+        let x = ServiceKey::new("x");
+        assert_eq!(c.service_index(&x), 1);
+        c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), None, None).unwrap();
+        c.register(reg("n1", "10.0.0.1", "b", "b1", "passing"), None, None).unwrap();
+        assert_eq!(c.service_index(&x), c.raft_index(), "no extinction yet: catalog max");
+        c.deregister(dereg("n1", Some("a1"))).unwrap();
+        let extinct = c.raft_index();
+        assert_eq!(c.service_index(&x), extinct);
+        assert_eq!(c.service_index(&ServiceKey::new("a")), extinct);
+        // Later changes to other services do not move the unknown service's index.
+        c.register(reg("n1", "10.0.0.1", "b", "b1", "critical"), None, None).unwrap();
+        assert_eq!(c.service_index(&x), extinct);
+    }
+
+    #[test]
+    fn deregistering_a_node_removes_everything() {
+        let mut c = Catalog::new("dc1", 1);
+        c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), None, None).unwrap();
+        c.register(node_check("n1", "passing"), None, None).unwrap();
+        assert!(c.deregister(dereg("n1", None)).unwrap());
+        assert!(c.health(&ServiceKey::new("a"), &[]).is_empty());
+        assert!(c.services(None, None).is_empty());
+        assert!(!c.deregister(dereg("n1", None)).unwrap(), "second time is a no-op");
+    }
+
+    #[test]
+    fn tags_all_must_match_case_insensitively() {
+        let mut c = Catalog::new("dc1", 1);
+        let mut r = reg("n1", "10.0.0.1", "a", "a1", "passing");
+        r.service.as_mut().unwrap().tags = Some(vec!["Blue".into(), "v2".into()]);
+        c.register(r, None, None).unwrap();
+        c.register(reg("n2", "10.0.0.2", "a", "a2", "passing"), None, None).unwrap();
+        let key = ServiceKey::new("a");
+        assert_eq!(c.health(&key, &[]).len(), 2);
+        assert_eq!(c.health(&key, &["blue".into()]).len(), 1);
+        assert_eq!(c.health(&key, &["blue".into(), "v2".into()]).len(), 1);
+        assert_eq!(c.health(&key, &["blue".into(), "v3".into()]).len(), 0);
+    }
+
+    #[test]
+    fn namespaces_are_part_of_the_identity() {
+        let mut c = Catalog::new("dc1", 1);
+        c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), Some("team"), None).unwrap();
+        assert!(c.health(&ServiceKey::new("a"), &[]).is_empty());
+        assert_eq!(c.health(&ServiceKey::scoped("a", Some("team"), None), &[]).len(), 1);
+    }
+
+    #[test]
+    fn validation() {
+        let mut c = Catalog::new("dc1", 1);
+        let bad = |v: serde_json::Value| serde_json::from_value::<RegisterRequest>(v).unwrap();
+        assert!(matches!(
+            c.register(bad(serde_json::json!({"Address": "1.2.3.4"})), None, None),
+            Err(CatalogError::BadRequest(_))
+        ));
+        assert!(matches!(
+            c.register(bad(serde_json::json!({"Node": "n"})), None, None),
+            Err(CatalogError::BadRequest(_))
+        ));
+        assert!(matches!(
+            c.register(
+                bad(serde_json::json!({"Node": "n", "Address": "1.2.3.4", "Check": {"CheckID": "c", "ServiceID": "nope"}})),
+                None,
+                None
+            ),
+            Err(CatalogError::Internal(_))
+        ));
+        assert!(matches!(
+            c.register(
+                bad(serde_json::json!({"Node": "n", "Address": "1.2.3.4", "Check": {"CheckID": "c", "Status": "sad"}})),
+                None,
+                None
+            ),
+            Err(CatalogError::BadRequest(_))
+        ));
+        assert_eq!(c.raft_index(), 1, "refused writes change nothing");
+    }
+
+    #[test]
+    fn reset_indexes_keeps_data() {
+        let mut c = Catalog::new("dc1", 1);
+        for i in 0..5 {
+            c.register(reg("n1", "10.0.0.1", "a", &format!("a{i}"), "passing"), None, None).unwrap();
+        }
+        c.reset_indexes(2);
+        let entries = c.health(&ServiceKey::new("a"), &[]);
+        assert_eq!(c.service_index(&ServiceKey::new("a")), 2);
+        assert_eq!(entries.len(), 5);
+        c.register(reg("n1", "10.0.0.1", "a", "a9", "passing"), None, None).unwrap();
+        assert_eq!(c.service_index(&ServiceKey::new("a")), 3);
+    }
+}

@@ -1,0 +1,236 @@
+//! What the `/_sim/` control API sets and reports: injected faults, the request log and
+//! connection statistics. Plain data, shared by the simulator's state and its control API.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::acl::TokenSource;
+
+/// How many requests a fault applies to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Budget {
+    /// Not active. JSON `0`.
+    #[default]
+    Off,
+    /// The next `n` matching requests. JSON `n`.
+    Count(u64),
+    /// Every matching request until cleared. JSON `"always"`.
+    Always,
+}
+
+impl Budget {
+    /// Consumes one use; true if the fault applies to this request.
+    pub fn take(&mut self) -> bool {
+        match *self {
+            Budget::Off => false,
+            Budget::Always => true,
+            Budget::Count(n) => {
+                *self = if n <= 1 { Budget::Off } else { Budget::Count(n - 1) };
+                n >= 1
+            }
+        }
+    }
+
+    pub fn is_active(&self) -> bool {
+        !matches!(self, Budget::Off | Budget::Count(0))
+    }
+}
+
+impl Serialize for Budget {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Budget::Off => s.serialize_u64(0),
+            Budget::Count(n) => s.serialize_u64(*n),
+            Budget::Always => s.serialize_str("always"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Budget {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Count(u64),
+            Word(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Count(0) => Ok(Budget::Off),
+            Raw::Count(n) => Ok(Budget::Count(n)),
+            Raw::Word(w) if w == "always" => Ok(Budget::Always),
+            Raw::Word(w) if w == "off" => Ok(Budget::Off),
+            Raw::Word(w) => {
+                Err(serde::de::Error::custom(format!("expected a count, \"always\" or \"off\", got {w:?}")))
+            }
+        }
+    }
+}
+
+/// The simulator's current misbehaviour. `GET /_sim/faults` returns it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Faults {
+    /// Added before every `/v1/` request is handled.
+    pub latency_ms: u64,
+    /// Health queries answer 500 `No cluster leader`; while active, `/v1/status/leader`
+    /// answers `""` (without consuming the budget).
+    pub no_leader: Budget,
+    /// Health queries answer 429 `Too Many Requests` (the RPC rate limit; the connection stays
+    /// open, unlike the connection-limit 429).
+    pub too_many_requests: Budget,
+    /// Answer with the legacy `null` shapes (see [`crate`]).
+    pub null_variants: bool,
+    /// The `X-Consul-KnownLeader` header value (`false` is normal with the streaming backend).
+    pub known_leader: bool,
+}
+
+impl Faults {
+    pub(crate) fn defaults(null_variants: bool) -> Self {
+        Faults {
+            latency_ms: 0,
+            no_leader: Budget::Off,
+            too_many_requests: Budget::Off,
+            null_variants,
+            known_leader: true,
+        }
+    }
+
+    pub(crate) fn apply(&mut self, patch: FaultsPatch) {
+        let FaultsPatch { latency_ms, no_leader, too_many_requests, null_variants, known_leader } = patch;
+        if let Some(v) = latency_ms {
+            self.latency_ms = v;
+        }
+        if let Some(v) = no_leader {
+            self.no_leader = v;
+        }
+        if let Some(v) = too_many_requests {
+            self.too_many_requests = v;
+        }
+        if let Some(v) = null_variants {
+            self.null_variants = v;
+        }
+        if let Some(v) = known_leader {
+            self.known_leader = v;
+        }
+    }
+}
+
+/// A partial update of [`Faults`]: `PUT /_sim/faults` body. Absent fields are left alone;
+/// unknown fields are rejected so that a typo in a test does not silently do nothing.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FaultsPatch {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub latency_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub no_leader: Option<Budget>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub too_many_requests: Option<Budget>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub null_variants: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub known_leader: Option<bool>,
+}
+
+/// What became of a logged request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// Still being handled (typically blocked).
+    InFlight,
+    /// A response was sent (any status).
+    Answered,
+    /// Closed without a response by `POST /_sim/drop-blocking`.
+    Dropped,
+    /// The client went away (or the simulator shut down) before the answer.
+    Cancelled,
+}
+
+/// One `/v1/` request as the simulator saw it. `GET /_sim/requests` returns a list of these.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestRecord {
+    /// Increasing from 1, never reused (not even after a clear).
+    pub seq: u64,
+    /// Milliseconds since the simulator started.
+    pub at_ms: u64,
+    /// The client's `ip:port`.
+    pub peer: String,
+    pub method: String,
+    /// The path as sent (still percent-encoded).
+    pub path: String,
+    /// The raw query string, `""` if none.
+    pub query: String,
+    /// For health queries: the service name (decoded).
+    pub service: Option<String>,
+    /// `?ns=` or `X-Consul-Namespace`, if sent.
+    pub namespace: Option<String>,
+    /// `?partition=`, if sent.
+    pub partition: Option<String>,
+    /// The presented ACL token. Returned verbatim: this is a test tool and tests need to know
+    /// which token was used.
+    pub token: Option<String>,
+    pub token_source: Option<TokenSource>,
+    /// For blocking queries: the effective wait after defaulting and capping.
+    pub wait_ms: Option<u64>,
+    /// For blocking queries: the wait plus the random extra actually applied.
+    pub timeout_ms: Option<u64>,
+    pub outcome: Outcome,
+    pub status: Option<u16>,
+    /// The `X-Consul-Index` answered, if any.
+    pub index: Option<u64>,
+    pub duration_ms: Option<u64>,
+}
+
+/// `GET /_sim/stats`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Open connections per client IP (IPs with none are left out).
+    pub open_connections: BTreeMap<String, usize>,
+    /// The most connections each client IP held at once since start or the last reset.
+    pub peak_connections: BTreeMap<String, usize>,
+    pub open_connections_total: usize,
+    pub peak_connections_total: usize,
+    /// Connections refused with 429 because their client IP was at the limit.
+    pub rejected_connections: u64,
+    /// 429s produced by the `too_many_requests` fault.
+    pub injected_429: u64,
+    /// Every 429 sent: `rejected_connections + injected_429`.
+    pub total_429: u64,
+    /// `/v1/` requests received.
+    pub requests_total: u64,
+    /// Blocking queries currently waiting, per service name (`/v1/catalog/services` blockers
+    /// are counted under `"_catalog_services"`).
+    pub blocking: BTreeMap<String, usize>,
+    pub blocking_total: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budget_counts_down_and_serialises() {
+        let mut b = Budget::Count(2);
+        assert!(b.take());
+        assert_eq!(b, Budget::Count(1));
+        assert!(b.take());
+        assert_eq!(b, Budget::Off);
+        assert!(!b.take());
+        let mut a = Budget::Always;
+        assert!(a.take() && a.take());
+        assert_eq!(serde_json::to_string(&Budget::Always).unwrap(), "\"always\"");
+        assert_eq!(serde_json::from_str::<Budget>("3").unwrap(), Budget::Count(3));
+        assert_eq!(serde_json::from_str::<Budget>("0").unwrap(), Budget::Off);
+        assert!(serde_json::from_str::<Budget>("\"sometimes\"").is_err());
+    }
+
+    #[test]
+    fn patch_rejects_unknown_fields() {
+        assert!(serde_json::from_str::<FaultsPatch>(r#"{"latency": 5}"#).is_err());
+        let p: FaultsPatch = serde_json::from_str(r#"{"no_leader": "always"}"#).unwrap();
+        let mut f = Faults::defaults(false);
+        f.apply(p);
+        assert_eq!(f.no_leader, Budget::Always);
+        assert_eq!(f.latency_ms, 0);
+    }
+}

@@ -1,0 +1,310 @@
+//! A Consul HTTP API simulator for tests.
+//!
+//! No Consul server can be installed in the test environment, so this stands in for an agent.
+//! It implements exactly the slice of the API described in `docs/consul-api.md` and follows
+//! the behaviour real agents show there (blocking queries, per-service indexes, error texts,
+//! ACL filtering, the per-client connection limit), because the operator's client is tested
+//! against it and the same e2e tests must pass unchanged against a real agent. Tests
+//! therefore change the world only through Consul's own write API (`/v1/catalog/register`,
+//! `/v1/catalog/deregister`); only failure injection and observation use the simulator's own
+//! `/_sim/` endpoints, which a real agent lacks.
+//!
+//! # Consul endpoints
+//!
+//! - `GET /v1/health/service/<name>`: `passing`, `tag` (repeatable, all must match,
+//!   case-insensitive), `dc` (another datacenter answers 500 `No path to datacenter`), `ns`
+//!   (or header `X-Consul-Namespace`) and `partition` (part of the service's identity),
+//!   `index`, `wait`, `stale`, `consistent`, `cached` (accepted, no cache is modelled),
+//!   `token`. A non-empty `filter` answers 400: expressions are not implemented, and failing
+//!   loudly beats silently returning unfiltered data.
+//! - `PUT /v1/catalog/register`, `PUT /v1/catalog/deregister` (answer `true`).
+//! - `GET /v1/catalog/services` (blocking on the index of the last change to any service).
+//! - `GET /v1/catalog/datacenters`, `GET /v1/status/leader`.
+//!
+//! Successful reads carry `X-Consul-Index` (at least 1), `X-Consul-KnownLeader`,
+//! `X-Consul-LastContact: 0`, `X-Consul-Effective-Consistency`, `X-Consul-Query-Backend`, and
+//! with ACLs on `X-Consul-Default-ACL-Policy` (plus `X-Consul-Results-Filtered-By-ACLs` when
+//! entries were hidden). Errors carry none of them. Successful responses are gzipped when the
+//! request sends `Accept-Encoding: gzip`, whatever their size (real agents skip bodies under
+//! about 1.4 kB; clients must handle both).
+//!
+//! Response shapes: by default the modern one (`{}`/`[]` for empty maps and lists, plus
+//! fields older agents lack). With [`Config::null_variants`] (`--null-variants`, or the
+//! `null_variants` fault at run time) empty `Meta`, `TaggedAddresses` and `Tags` are `null`
+//! and the newer fields are left out, as older agents answered.
+//!
+//! # Control endpoints (`/_sim/...`, not in real Consul)
+//!
+//! All bodies are JSON. Control requests bypass faults, ACLs and the request log, but their
+//! TCP connections do count towards the per-client connection statistics and limit.
+//!
+//! | request | body | answer |
+//! |---|---|---|
+//! | `GET /_sim/faults` | | [`Faults`] |
+//! | `PUT /_sim/faults` | [`FaultsPatch`], e.g. `{"latency_ms": 200, "no_leader": 3, "too_many_requests": "always", "null_variants": true, "known_leader": false}` | [`Faults`] after the change |
+//! | `DELETE /_sim/faults` | | [`Faults`] back to the start-up defaults |
+//! | `POST /_sim/drop-blocking` | | `{"dropped": n}`: every blocking query in flight is closed without a response |
+//! | `PUT /_sim/services/<name>/index[?ns=&partition=]` | `{"index": n}` | `{"service", "index"}`, 404 for an unknown service: the service's index becomes `n` (may go backwards), data unchanged |
+//! | `POST /_sim/reset-index` | `{"index": n}` (optional, default 1) | `{"index": n}`: every index becomes `n` while data is kept ("restart with a lower index"); the next write takes `n + 1` |
+//! | `GET /_sim/requests[?path_prefix=/v1/health/service/web]` | | `[`[`RequestRecord`]`]`, oldest first |
+//! | `DELETE /_sim/requests` | | `{"cleared": n}` |
+//! | `GET /_sim/stats` | | [`Stats`]: open and peak connections per client IP, 429 counts, blocking queries per service |
+//! | `DELETE /_sim/stats` | | [`Stats`] after resetting counters (peaks restart from the open counts) |
+//!
+//! Fault budgets ([`Budget`]) are `0` (off), a count `n` (the next `n` health queries), or
+//! `"always"` (until cleared). `no_leader` and `too_many_requests` apply to
+//! `/v1/health/service` only, checked after parameter validation and before blocking (so
+//! writes and the catalog keep working while a test breaks the read path); `latency_ms`
+//! applies to every `/v1/` request. The in-process handle [`RunningSim`] offers the same
+//! operations as methods.
+//!
+//! # Running it
+//!
+//! In-process: `let sim = Simulator::start(Config::default()).await?;` then talk to
+//! `sim.base_url()`; the server stops when the handle is dropped (or on
+//! [`RunningSim::shutdown`]). [`Simulator::start`] serves on the caller's runtime, so it dies
+//! with it: each `#[tokio::test]` has its own runtime, hence a simulator shared between tests
+//! (or used from synchronous code, or next to code that blocks its runtime) must be started
+//! with [`Simulator::start_background`], which runs it on its own thread and runtime.
+//!
+//! As a process: `consul-sim --listen 127.0.0.1:0` prints `listening on <addr>` on stdout.
+//!
+//! # Deliberate simplifications
+//!
+//! Request bodies use Consul's exact (PascalCase) field names; Go's decoder would also accept
+//! other capitalisations. No node ACL rules, no `node-meta` filter, no agent endpoints, no
+//! sessions or KV. Plain HTTP/1.1 only (as Consul without TLS).
+
+mod acl;
+mod catalog;
+mod control;
+mod duration;
+mod faults;
+mod render;
+mod server;
+mod state;
+mod urls;
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+pub use acl::{AclConfig, AclToken, TokenPolicy, TokenSource};
+pub use catalog::ServiceKey;
+pub use duration::{DEFAULT_WAIT, DurationError, MAX_WAIT, effective_wait, parse_go_duration};
+pub use faults::{Budget, Faults, FaultsPatch, Outcome, RequestRecord, Stats};
+pub use server::CATALOG_SERVICES_LABEL;
+
+use state::Shared;
+
+/// Start-up settings. `Config::default()` listens on an ephemeral loopback port.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub listen: SocketAddr,
+    /// The agent's datacenter; `?dc=` naming any other answers 500 `No path to datacenter`.
+    pub datacenter: String,
+    /// Concurrent connections allowed per client IP (Consul's
+    /// `limits.http_max_conns_per_client`, default 200); beyond it a connection gets a 429
+    /// and is closed. 0 disables the limit.
+    pub max_conns_per_client: usize,
+    /// `None` disables ACLs (tokens are ignored).
+    pub acl: Option<AclConfig>,
+    /// Start with the legacy `null` response shapes.
+    pub null_variants: bool,
+    /// What `/v1/status/leader` answers.
+    pub leader_address: String,
+    /// The raft index before the first write (the catalog maximum of an empty catalog).
+    pub initial_index: u64,
+    /// How many request records `/_sim/requests` keeps (oldest dropped first).
+    pub request_log_capacity: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+            datacenter: "dc1".to_owned(),
+            max_conns_per_client: 200,
+            acl: None,
+            null_variants: false,
+            leader_address: "127.0.0.1:8300".to_owned(),
+            initial_index: 1,
+            request_log_capacity: 100_000,
+        }
+    }
+}
+
+/// Why the simulator could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("binding {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("starting the simulator's runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+}
+
+/// Starts simulators.
+pub struct Simulator;
+
+impl Simulator {
+    /// Binds and serves on the current tokio runtime.
+    pub async fn start(config: Config) -> Result<RunningSim, SimError> {
+        let listen = config.listen;
+        let listener = TcpListener::bind(listen).await.map_err(|source| SimError::Bind { addr: listen, source })?;
+        let addr = listener.local_addr().map_err(|source| SimError::Bind { addr: listen, source })?;
+        let shared = Arc::new(Shared::new(config));
+        let (shutdown, rx) = watch::channel(false);
+        let task = tokio::spawn(server::accept_loop(listener, shared.clone(), rx));
+        Ok(RunningSim { addr, shared, shutdown, task: Some(task), thread: None })
+    }
+
+    /// Binds and serves on a dedicated thread with its own runtime, so the simulator keeps
+    /// answering even while the caller's thread or runtime is blocked. Callable from sync code.
+    pub fn start_background(config: Config) -> Result<RunningSim, SimError> {
+        let listen = config.listen;
+        let std_listener = std::net::TcpListener::bind(listen)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .map_err(|source| SimError::Bind { addr: listen, source })?;
+        let addr = std_listener.local_addr().map_err(|source| SimError::Bind { addr: listen, source })?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("consul-sim")
+            .enable_all()
+            .build()
+            .map_err(SimError::Runtime)?;
+        let shared = Arc::new(Shared::new(config));
+        let (shutdown, rx) = watch::channel(false);
+        let serve_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("consul-sim".to_owned())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    match TcpListener::from_std(std_listener) {
+                        Ok(listener) => server::accept_loop(listener, serve_shared, rx).await,
+                        Err(e) => tracing::error!(error = %e, "consul-sim: cannot register listener"),
+                    }
+                });
+                // Dropping the runtime here cancels every connection task.
+                runtime.shutdown_timeout(Duration::from_secs(1));
+            })
+            .map_err(SimError::Runtime)?;
+        Ok(RunningSim { addr, shared, shutdown, task: None, thread: Some(thread) })
+    }
+}
+
+/// A running simulator. Dropping it stops the server and closes every connection.
+pub struct RunningSim {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    shutdown: watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RunningSim {
+    /// The bound address (the real port when started on port 0).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://<addr>`, without a trailing slash.
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn faults(&self) -> Faults {
+        self.shared.faults()
+    }
+
+    /// Applies a partial fault change; returns the resulting faults.
+    pub fn set_faults(&self, patch: FaultsPatch) -> Faults {
+        self.shared.set_faults(patch)
+    }
+
+    /// Back to the start-up defaults.
+    pub fn clear_faults(&self) -> Faults {
+        self.shared.clear_faults()
+    }
+
+    /// Closes every in-flight blocking query without a response; returns how many.
+    pub fn drop_blocking(&self) -> usize {
+        self.shared.drop_blocking()
+    }
+
+    /// Sets a registered service's index (it may go backwards); false if the service is
+    /// unknown.
+    pub fn set_service_index(&self, key: &ServiceKey, index: u64) -> bool {
+        self.shared.set_service_index(key, index)
+    }
+
+    /// Sets every index to `index`, keeping the data ("restart with a lower index").
+    pub fn reset_indexes(&self, index: u64) {
+        self.shared.reset_indexes(index);
+    }
+
+    pub fn requests(&self) -> Vec<RequestRecord> {
+        self.shared.requests()
+    }
+
+    /// Empties the request log; returns how many records it held.
+    pub fn clear_requests(&self) -> usize {
+        self.shared.clear_requests()
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.shared.stats()
+    }
+
+    pub fn reset_stats(&self) {
+        self.shared.reset_stats();
+    }
+
+    /// Polls the stats until `cond` holds or `timeout` passes; returns the last stats and
+    /// whether the condition held. For waiting on a condition rather than sleeping and hoping.
+    pub async fn wait_for_stats(&self, timeout: Duration, cond: impl Fn(&Stats) -> bool) -> (Stats, bool) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let stats = self.stats();
+            if cond(&stats) {
+                return (stats, true);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return (stats, false);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Stops accepting, closes every connection, and waits for the accept loop to end.
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown.send(true);
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
+    }
+}
+
+impl Drop for RunningSim {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for RunningSim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunningSim").field("addr", &self.addr).finish()
+    }
+}

@@ -1,0 +1,641 @@
+//! The HTTP side: our own accept loop (for the per-client connection limit), hyper 1 serving
+//! HTTP/1.1 on each connection, and the Consul endpoints.
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use flate2::Compression;
+use flate2::write::GzEncoder;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{self, HeaderMap, HeaderValue};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+use super::acl::{Identity, extract_token};
+use super::catalog::{Catalog, CatalogError, DeregisterRequest, RegisterRequest, ServiceKey};
+use super::control;
+use super::duration::{effective_wait, jitter, parse_go_duration};
+use super::faults::{Outcome, RequestRecord};
+use super::render;
+use super::state::{BlockingGuard, ConnGuard, LogGuard, Shared, lock};
+use super::urls::percent_decode;
+
+type Resp = Response<Full<Bytes>>;
+
+/// Label under which `/v1/catalog/services` blockers are counted in the stats.
+pub const CATALOG_SERVICES_LABEL: &str = "_catalog_services";
+
+/// Returned by the service to make hyper close the connection without writing a response.
+#[derive(Debug, thiserror::Error)]
+#[error("connection dropped by fault injection")]
+pub(crate) struct Dropped;
+
+/// Accepts connections until `shutdown` flips to true.
+pub(crate) async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
+    loop {
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        };
+        let (stream, peer) = match accepted {
+            Ok(x) => x,
+            Err(e) => {
+                // Typically EMFILE; back off briefly rather than spin.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let ip = peer.ip();
+        if !shared.try_open_connection(ip) {
+            tracing::debug!(%peer, "connection limit reached: 429");
+            tokio::spawn(reject_connection(stream));
+            continue;
+        }
+        let guard = ConnGuard { shared: shared.clone(), ip };
+        let shared = shared.clone();
+        let mut shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let _guard = guard;
+            let _ = stream.set_nodelay(true);
+            let svc = {
+                let shared = shared.clone();
+                service_fn(move |req| handle(shared.clone(), peer, req))
+            };
+            let conn = http1::Builder::new().keep_alive(true).serve_connection(TokioIo::new(stream), svc);
+            tokio::select! {
+                r = conn => {
+                    if let Err(e) = r {
+                        tracing::debug!(%peer, error = %e, "connection ended");
+                    }
+                }
+                // Dropping the connection closes the socket, aborting in-flight requests.
+                _ = shutdown.wait_for(|stop| *stop) => {}
+            }
+        });
+    }
+}
+
+/// The connection-limit answer: read (and discard) the request head so that closing the
+/// socket does not turn into a reset that hides our reply, write a 429, and close.
+async fn reject_connection(mut stream: TcpStream) {
+    let mut buf = [0u8; 4096];
+    let mut head = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_millis(500), async {
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 64 * 1024 {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    let body = "Too Many Requests";
+    let reply = format!(
+        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.write_all(reply.as_bytes()).await;
+    let _ = stream.shutdown().await;
+    // Drain briefly so the peer reads our reply before the socket goes away.
+    let _ = tokio::time::timeout(Duration::from_millis(200), async {
+        while let Ok(n) = stream.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
+fn text(status: StatusCode, body: impl Into<String>) -> Resp {
+    let mut resp = Response::new(Full::new(Bytes::from(body.into())));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    resp
+}
+
+/// An error answer: a status and a plain-text body, as Consul sends them (no index headers).
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError { status, message: message.into() }
+    }
+
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    fn into_response(self) -> Resp {
+        text(self.status, self.message)
+    }
+}
+
+impl From<CatalogError> for ApiError {
+    fn from(e: CatalogError) -> Self {
+        match e {
+            CatalogError::BadRequest(m) => ApiError::bad_request(m),
+            CatalogError::Internal(m) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, m),
+        }
+    }
+}
+
+/// Why a handler did not produce its normal answer.
+enum Failure {
+    Api(ApiError),
+    Dropped,
+}
+
+impl From<ApiError> for Failure {
+    fn from(e: ApiError) -> Self {
+        Failure::Api(e)
+    }
+}
+
+impl From<Dropped> for Failure {
+    fn from(_: Dropped) -> Self {
+        Failure::Dropped
+    }
+}
+
+type Handled = Result<Resp, Failure>;
+
+fn plain_json(value: &Value) -> Resp {
+    let mut resp = Response::new(Full::new(Bytes::from(value.to_string())));
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+fn method_not_allowed(method: &Method) -> ApiError {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, format!("method {method} not allowed"))
+}
+
+/// Query parameters as Go's `url.Values` sees them.
+struct Params(Vec<(String, String)>);
+
+impl Params {
+    fn parse(query: &str) -> Self {
+        Params(url::form_urlencoded::parse(query.as_bytes()).map(|(k, v)| (k.into_owned(), v.into_owned())).collect())
+    }
+
+    fn has(&self, key: &str) -> bool {
+        self.0.iter().any(|(k, _)| k == key)
+    }
+
+    /// Like Go's `Values.Get`: the first value, possibly empty.
+    fn first(&self, key: &str) -> Option<&str> {
+        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    }
+
+    fn first_non_empty(&self, key: &str) -> Option<&str> {
+        self.first(key).filter(|v| !v.is_empty())
+    }
+
+    fn all(&self, key: &str) -> Vec<String> {
+        self.0.iter().filter(|(k, _)| k == key).map(|(_, v)| v.clone()).collect()
+    }
+
+    /// Consul's `getBoolQueryParam`: presence with an empty value is true, otherwise Go's
+    /// `strconv.ParseBool`.
+    fn bool_flag(&self, key: &str) -> Result<bool, ()> {
+        match self.first(key) {
+            None => Ok(false),
+            Some("") => Ok(true),
+            Some("1" | "t" | "T" | "TRUE" | "true" | "True") => Ok(true),
+            Some("0" | "f" | "F" | "FALSE" | "false" | "False") => Ok(false),
+            Some(_) => Err(()),
+        }
+    }
+}
+
+/// The blocking and consistency options of a read.
+struct ReadOptions {
+    index: u64,
+    wait: Duration,
+    consistency: &'static str,
+}
+
+/// Parses `stale`/`consistent`/`cached`, `wait` and `index` in Consul's order.
+fn parse_read_options(p: &Params) -> Result<ReadOptions, ApiError> {
+    let stale = p.has("stale");
+    let consistent = p.has("consistent");
+    if stale && consistent {
+        return Err(ApiError::bad_request("Cannot specify ?stale with ?consistent, conflicting semantics."));
+    }
+    if p.has("cached") && consistent {
+        return Err(ApiError::bad_request("Cannot specify ?cached with ?consistent, conflicting semantics."));
+    }
+    let requested = match p.first_non_empty("wait") {
+        None => None,
+        Some(w) => Some(parse_go_duration(w).map_err(|_| ApiError::bad_request("Invalid wait time"))?),
+    };
+    let index = match p.first_non_empty("index") {
+        None => 0,
+        // Go's ParseUint: digits only (Rust's parse would also take a leading '+').
+        Some(i) if i.bytes().all(|b| b.is_ascii_digit()) => {
+            i.parse::<u64>().map_err(|_| ApiError::bad_request("Invalid index"))?
+        }
+        Some(_) => return Err(ApiError::bad_request("Invalid index")),
+    };
+    Ok(ReadOptions {
+        index,
+        wait: effective_wait(requested),
+        consistency: if stale {
+            "stale"
+        } else if consistent {
+            "consistent"
+        } else {
+            "leader"
+        },
+    })
+}
+
+fn check_datacenter(shared: &Shared, dc: Option<&str>) -> Result<(), ApiError> {
+    match dc {
+        Some(dc) if !dc.is_empty() && dc != shared.config.datacenter => {
+            Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "No path to datacenter"))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn namespace<'a>(p: &'a Params, headers: &'a HeaderMap) -> Option<&'a str> {
+    p.first_non_empty("ns")
+        .or_else(|| headers.get("x-consul-namespace").and_then(|v| v.to_str().ok()).filter(|v| !v.is_empty()))
+}
+
+fn accepts_gzip(headers: &HeaderMap) -> bool {
+    headers.get_all(header::ACCEPT_ENCODING).iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(',')).any(
+        |item| {
+            let mut parts = item.split(';').map(str::trim);
+            let coding = parts.next().unwrap_or("");
+            let q_zero = parts.any(|p| p.strip_prefix("q=").is_some_and(|q| q.parse::<f32>().is_ok_and(|q| q <= 0.0)));
+            coding.eq_ignore_ascii_case("gzip") && !q_zero
+        },
+    )
+}
+
+fn gzip(resp: Resp) -> Resp {
+    let (mut parts, body) = resp.into_parts();
+    // Full<Bytes> is infallible and ready: take its bytes without an executor.
+    let bytes = match futures::FutureExt::now_or_never(body.collect()) {
+        Some(Ok(c)) => c.to_bytes(),
+        _ => return Response::from_parts(parts, Full::new(Bytes::new())),
+    };
+    let mut enc = GzEncoder::new(Vec::new(), Compression::fast());
+    let compressed = enc.write_all(&bytes).and_then(|()| enc.finish());
+    match compressed {
+        Ok(out) => {
+            parts.headers.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+            parts.headers.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+            Response::from_parts(parts, Full::new(Bytes::from(out)))
+        }
+        Err(_) => Response::from_parts(parts, Full::new(bytes)),
+    }
+}
+
+/// Entry point for every request on a connection.
+async fn handle(shared: Arc<Shared>, peer: SocketAddr, req: Request<Incoming>) -> Result<Resp, Dropped> {
+    let path = req.uri().path().to_owned();
+    if path == "/_sim" || path.starts_with("/_sim/") {
+        return Ok(control::handle(&shared, req).await);
+    }
+    let query = req.uri().query().unwrap_or("").to_owned();
+    let params = Params::parse(&query);
+    let token = extract_token(params.first("token"), req.headers());
+    let service = path.strip_prefix("/v1/health/service/").and_then(percent_decode);
+    let (token_value, token_source) = token.clone().map_or((None, None), |(t, s)| (Some(t), Some(s)));
+    let seq = shared.log_request(RequestRecord {
+        seq: 0,
+        at_ms: 0,
+        peer: peer.to_string(),
+        method: req.method().to_string(),
+        path: path.clone(),
+        query: query.clone(),
+        service,
+        namespace: namespace(&params, req.headers()).map(str::to_owned),
+        partition: params.first_non_empty("partition").map(str::to_owned),
+        token: token_value,
+        token_source,
+        wait_ms: None,
+        timeout_ms: None,
+        outcome: Outcome::InFlight,
+        status: None,
+        index: None,
+        duration_ms: None,
+    });
+    let log = LogGuard { shared: shared.clone(), seq, done: false };
+    let wants_gzip = accepts_gzip(req.headers());
+
+    let latency = shared.with_faults(|f| f.latency_ms);
+    if latency > 0 {
+        tokio::time::sleep(Duration::from_millis(latency)).await;
+    }
+
+    let ctx = Ctx { shared: &shared, params, token: token.map(|(t, _)| t), seq };
+    match route(&ctx, req).await {
+        Ok(resp) => {
+            let index = resp.headers().get("x-consul-index").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok());
+            log.finish(Outcome::Answered, Some(resp.status().as_u16()), index);
+            Ok(if wants_gzip && resp.status().is_success() { gzip(resp) } else { resp })
+        }
+        Err(Dropped) => {
+            log.finish(Outcome::Dropped, None, None);
+            Err(Dropped)
+        }
+    }
+}
+
+struct Ctx<'a> {
+    shared: &'a Arc<Shared>,
+    params: Params,
+    token: Option<String>,
+    seq: u64,
+}
+
+impl Ctx<'_> {
+    fn identity(&self) -> Result<Identity<'_>, ApiError> {
+        Identity::resolve(self.shared.config.acl.as_ref(), self.token.as_deref())
+            .map_err(|_| ApiError::new(StatusCode::FORBIDDEN, "ACL not found"))
+    }
+
+    /// Waits, if asked to, until `index_of` is above the client's index or the wait passes;
+    /// then returns the current index and `read` result. Wake-ups only evaluate `index_of`
+    /// (cheap), the full read happens once. Errors only when the fault injector drops
+    /// blocking queries.
+    async fn block<T>(
+        &self,
+        opts: &ReadOptions,
+        label: &str,
+        index_of: impl Fn(&Catalog) -> u64,
+        read: impl Fn(&Catalog) -> T,
+    ) -> Result<(u64, T), Dropped> {
+        let shared = self.shared;
+        let snapshot = || {
+            let catalog = lock(&shared.catalog);
+            (index_of(&catalog), read(&catalog))
+        };
+        if opts.index == 0 {
+            return Ok(snapshot());
+        }
+        let timeout = opts.wait + jitter(opts.wait);
+        shared.update_request(self.seq, |r| {
+            r.wait_ms = u64::try_from(opts.wait.as_millis()).ok();
+            r.timeout_ms = u64::try_from(timeout.as_millis()).ok();
+        });
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut changes = shared.changes.subscribe();
+        // Subscribe to drops before counting ourselves as blocked, so that a drop which counts
+        // us is guaranteed to reach us.
+        let mut drops = shared.drops.subscribe();
+        drops.mark_unchanged();
+        let _blocking = BlockingGuard::new(shared, label);
+        loop {
+            // Mark seen before reading, so a write between the read and the wait still wakes us.
+            changes.mark_unchanged();
+            if index_of(&lock(&shared.catalog)) > opts.index {
+                return Ok(snapshot());
+            }
+            tokio::select! {
+                r = changes.changed() => {
+                    if r.is_err() {
+                        // The sender lives as long as `shared`; unreachable in practice.
+                        return Ok(snapshot());
+                    }
+                }
+                () = tokio::time::sleep_until(deadline) => {
+                    return Ok(snapshot());
+                }
+                _ = drops.changed() => return Err(Dropped),
+            }
+        }
+    }
+
+    /// A successful read with Consul's headers. The index is never below 1.
+    fn read_ok(&self, body: &Value, index: u64, consistency: &'static str, acl_filtered: bool) -> Resp {
+        let known_leader = self.shared.with_faults(|f| f.known_leader);
+        let mut resp = plain_json(body);
+        let h = resp.headers_mut();
+        h.insert("x-consul-index", HeaderValue::from(index.max(1)));
+        h.insert("x-consul-knownleader", HeaderValue::from_static(if known_leader { "true" } else { "false" }));
+        h.insert("x-consul-lastcontact", HeaderValue::from_static("0"));
+        h.insert("x-consul-effective-consistency", HeaderValue::from_static(consistency));
+        h.insert("x-consul-query-backend", HeaderValue::from_static("blocking-query"));
+        if let Some(acl) = &self.shared.config.acl {
+            h.insert(
+                "x-consul-default-acl-policy",
+                HeaderValue::from_static(if acl.anonymous_read { "allow" } else { "deny" }),
+            );
+        }
+        if acl_filtered {
+            h.insert("x-consul-results-filtered-by-acls", HeaderValue::from_static("true"));
+        }
+        resp
+    }
+}
+
+async fn route(ctx: &Ctx<'_>, req: Request<Incoming>) -> Result<Resp, Dropped> {
+    match dispatch(ctx, req).await {
+        Ok(resp) => Ok(resp),
+        Err(Failure::Api(e)) => Ok(e.into_response()),
+        Err(Failure::Dropped) => Err(Dropped),
+    }
+}
+
+async fn dispatch(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    if let Some(name) = path.strip_prefix("/v1/health/service/") {
+        if method != Method::GET {
+            return Err(method_not_allowed(&method).into());
+        }
+        return health_service(ctx, name, req.headers()).await;
+    }
+    match (path.as_str(), &method) {
+        ("/v1/health/service", &Method::GET) => Err(ApiError::bad_request("Missing service name").into()),
+        ("/v1/catalog/register", &Method::PUT) => register(ctx, req).await,
+        ("/v1/catalog/deregister", &Method::PUT) => deregister(ctx, req).await,
+        ("/v1/catalog/services", &Method::GET) => catalog_services(ctx, req.headers()).await,
+        ("/v1/catalog/datacenters", &Method::GET) => {
+            Ok(plain_json(&Value::from(vec![ctx.shared.config.datacenter.clone()])))
+        }
+        ("/v1/status/leader", &Method::GET) => {
+            let no_leader = ctx.shared.with_faults(|f| f.no_leader.is_active());
+            let leader = if no_leader { String::new() } else { ctx.shared.config.leader_address.clone() };
+            Ok(plain_json(&Value::String(leader)))
+        }
+        (
+            "/v1/catalog/register"
+            | "/v1/catalog/deregister"
+            | "/v1/catalog/services"
+            | "/v1/catalog/datacenters"
+            | "/v1/status/leader",
+            _,
+        ) => Err(method_not_allowed(&method).into()),
+        _ => Err(ApiError::new(StatusCode::NOT_FOUND, "404 page not found\n").into()),
+    }
+}
+
+async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap) -> Handled {
+    let shared = ctx.shared;
+    let p = &ctx.params;
+    let name = percent_decode(raw_name).ok_or_else(|| ApiError::bad_request("Invalid URL path encoding"))?;
+    if name.is_empty() {
+        return Err(ApiError::bad_request("Missing service name").into());
+    }
+    let opts = parse_read_options(p)?;
+    let passing = p.bool_flag("passing").map_err(|()| ApiError::bad_request("Invalid value for ?passing"))?;
+    if p.first_non_empty("filter").is_some() {
+        return Err(ApiError::bad_request(
+            "Failed to create evaluator for expression: consul-sim does not implement ?filter",
+        )
+        .into());
+    }
+    check_datacenter(shared, p.first("dc"))?;
+    let identity = ctx.identity()?;
+    let injected = shared.with_faults(|f| {
+        if f.too_many_requests.take() {
+            Some(ApiError::new(StatusCode::TOO_MANY_REQUESTS, "Too Many Requests"))
+        } else if f.no_leader.take() {
+            Some(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "No cluster leader"))
+        } else {
+            None
+        }
+    });
+    if let Some(e) = injected {
+        if e.status == StatusCode::TOO_MANY_REQUESTS {
+            shared.count_injected_429();
+        }
+        return Err(e.into());
+    }
+
+    let key = ServiceKey::scoped(name, namespace(p, headers), p.first_non_empty("partition"));
+    let tags = p.all("tag");
+    let (index, mut entries) =
+        ctx.block(&opts, &key.name, |c| c.service_index(&key), |c| c.health(&key, &tags)).await?;
+    let mut acl_filtered = false;
+    if !identity.can_read_service(&key.name) {
+        acl_filtered = !entries.is_empty();
+        entries.clear();
+    }
+    if passing {
+        entries.retain(|e| e.all_passing());
+    }
+    let legacy = shared.with_faults(|f| f.null_variants);
+    let body = render::health(&entries, legacy);
+    Ok(ctx.read_ok(&body, index, opts.consistency, acl_filtered))
+}
+
+async fn catalog_services(ctx: &Ctx<'_>, headers: &HeaderMap) -> Handled {
+    let shared = ctx.shared;
+    let p = &ctx.params;
+    let opts = parse_read_options(p)?;
+    check_datacenter(shared, p.first("dc"))?;
+    let identity = ctx.identity()?;
+    let ns = namespace(p, headers);
+    let partition = p.first_non_empty("partition");
+    let (index, mut services) =
+        ctx.block(&opts, CATALOG_SERVICES_LABEL, Catalog::services_index, |c| c.services(ns, partition)).await?;
+    let before = services.len();
+    services.retain(|name, _| identity.can_read_service(name));
+    let legacy = shared.with_faults(|f| f.null_variants);
+    let body = render::services(&services, legacy);
+    Ok(ctx.read_ok(&body, index, opts.consistency, services.len() != before))
+}
+
+async fn read_body<T: serde::de::DeserializeOwned>(req: Request<Incoming>) -> Result<T, ApiError> {
+    let decode_failed = |e: &dyn std::fmt::Display| ApiError::bad_request(format!("Request decode failed: {e}"));
+    let bytes = Limited::new(req.into_body(), 4 << 20).collect().await.map_err(|e| decode_failed(&e))?.to_bytes();
+    serde_json::from_slice(&bytes).map_err(|e| decode_failed(&e))
+}
+
+/// Shared steps of the two writes: datacenter routing and the management-token check.
+fn authorize_write(ctx: &Ctx<'_>, datacenter: Option<&str>) -> Result<(), ApiError> {
+    check_datacenter(ctx.shared, datacenter)?;
+    if !ctx.identity()?.can_write() {
+        return Err(ApiError::new(StatusCode::FORBIDDEN, "Permission denied"));
+    }
+    Ok(())
+}
+
+async fn register(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
+    let ns = namespace(&ctx.params, req.headers()).map(str::to_owned);
+    let body: RegisterRequest = read_body(req).await?;
+    authorize_write(ctx, body.datacenter.as_deref())?;
+    let partition = ctx.params.first_non_empty("partition");
+    ctx.shared.write_catalog(|c| c.register(body, ns.as_deref(), partition)).map_err(ApiError::from)?;
+    Ok(plain_json(&Value::Bool(true)))
+}
+
+async fn deregister(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
+    let body: DeregisterRequest = read_body(req).await?;
+    authorize_write(ctx, body.datacenter.as_deref())?;
+    ctx.shared.write_catalog(|c| c.deregister(body)).map_err(ApiError::from)?;
+    Ok(plain_json(&Value::Bool(true)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percent_decoding() {
+        assert_eq!(percent_decode("web%20api").as_deref(), Some("web api"));
+        assert_eq!(percent_decode("plain").as_deref(), Some("plain"));
+        assert_eq!(percent_decode("bad%2"), None);
+        assert_eq!(percent_decode("bad%zz"), None);
+        assert_eq!(percent_decode("%ff"), None);
+    }
+
+    #[test]
+    fn bool_flags_follow_go() {
+        let p = Params::parse("passing&b=true&c=0&d=yes&e=");
+        assert_eq!(p.bool_flag("passing"), Ok(true));
+        assert_eq!(p.bool_flag("b"), Ok(true));
+        assert_eq!(p.bool_flag("c"), Ok(false));
+        assert_eq!(p.bool_flag("d"), Err(()));
+        assert_eq!(p.bool_flag("e"), Ok(true));
+        assert_eq!(p.bool_flag("absent"), Ok(false));
+    }
+
+    #[test]
+    fn gzip_negotiation() {
+        let mut h = HeaderMap::new();
+        assert!(!accepts_gzip(&h));
+        h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("br, GZIP;q=0.5"));
+        assert!(accepts_gzip(&h));
+        h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip;q=0"));
+        assert!(!accepts_gzip(&h));
+    }
+
+    #[test]
+    fn read_options() {
+        let ok = |q: &str| parse_read_options(&Params::parse(q)).map_err(|e| e.status);
+        assert_eq!(ok("").unwrap().wait, super::super::duration::DEFAULT_WAIT);
+        assert_eq!(ok("wait=").unwrap().wait, super::super::duration::DEFAULT_WAIT);
+        assert_eq!(ok("wait=20m").unwrap().wait, super::super::duration::MAX_WAIT);
+        assert_eq!(ok("wait=1m30s&index=7").unwrap().index, 7);
+        assert_eq!(ok("wait=10").err(), Some(StatusCode::BAD_REQUEST));
+        assert_eq!(ok("index=+5").err(), Some(StatusCode::BAD_REQUEST));
+        assert_eq!(ok("index=-1").err(), Some(StatusCode::BAD_REQUEST));
+        assert_eq!(ok("index=x").err(), Some(StatusCode::BAD_REQUEST));
+        assert_eq!(ok("stale&consistent").err(), Some(StatusCode::BAD_REQUEST));
+        assert_eq!(ok("cached&consistent").err(), Some(StatusCode::BAD_REQUEST));
+        assert_eq!(ok("stale").unwrap().consistency, "stale");
+    }
+}

@@ -1,0 +1,317 @@
+//! The simulator's shared state: the catalog, change notification, faults, the connection
+//! table, the request log and counters.
+//!
+//! One `std::sync::Mutex` per concern, never held across an `.await`. Blocking queries wait on
+//! a single `watch` channel that is bumped after every catalog write and re-check their own
+//! service's index: simple, and per-service isolation follows from the index check (a change
+//! to B wakes a blocker on A, which finds A's index unchanged and goes back to sleep).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use super::Config;
+use super::catalog::{Catalog, ServiceKey};
+use super::faults::{Faults, FaultsPatch, Outcome, RequestRecord, Stats};
+
+/// Locks, ignoring poisoning: the protected data stays consistent because no code panics
+/// while holding a lock, and a test tool should keep answering regardless.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[derive(Default)]
+struct ConnTable {
+    open: HashMap<IpAddr, usize>,
+    peak: HashMap<IpAddr, usize>,
+    open_total: usize,
+    peak_total: usize,
+}
+
+struct RequestLog {
+    capacity: usize,
+    next_seq: u64,
+    records: VecDeque<RequestRecord>,
+}
+
+impl RequestLog {
+    fn get_mut(&mut self, seq: u64) -> Option<&mut RequestRecord> {
+        let first = self.records.front()?.seq;
+        let i = usize::try_from(seq.checked_sub(first)?).ok()?;
+        self.records.get_mut(i)
+    }
+}
+
+pub(crate) struct Shared {
+    pub config: Config,
+    pub catalog: Mutex<Catalog>,
+    /// Bumped after every catalog write (and index override): wakes blocking queries.
+    pub changes: watch::Sender<()>,
+    /// Bumped by `drop_blocking`: in-flight blocking queries close their connection.
+    pub drops: watch::Sender<()>,
+    faults: Mutex<Faults>,
+    conns: Mutex<ConnTable>,
+    log: Mutex<RequestLog>,
+    blocking: Mutex<BTreeMap<String, usize>>,
+    rejected_connections: AtomicU64,
+    injected_429: AtomicU64,
+    requests_total: AtomicU64,
+    started: Instant,
+}
+
+impl Shared {
+    pub(crate) fn new(config: Config) -> Self {
+        let catalog = Catalog::new(config.datacenter.clone(), config.initial_index);
+        let faults = Faults::defaults(config.null_variants);
+        let capacity = config.request_log_capacity;
+        Shared {
+            config,
+            catalog: Mutex::new(catalog),
+            changes: watch::Sender::new(()),
+            drops: watch::Sender::new(()),
+            faults: Mutex::new(faults),
+            conns: Mutex::new(ConnTable::default()),
+            log: Mutex::new(RequestLog { capacity, next_seq: 1, records: VecDeque::new() }),
+            blocking: Mutex::new(BTreeMap::new()),
+            rejected_connections: AtomicU64::new(0),
+            injected_429: AtomicU64::new(0),
+            requests_total: AtomicU64::new(0),
+            started: Instant::now(),
+        }
+    }
+
+    /// Runs a catalog write and wakes blocking queries.
+    pub(crate) fn write_catalog<R>(&self, f: impl FnOnce(&mut Catalog) -> R) -> R {
+        let r = f(&mut lock(&self.catalog));
+        self.changes.send_replace(());
+        r
+    }
+
+    // ---- faults
+
+    pub(crate) fn faults(&self) -> Faults {
+        lock(&self.faults).clone()
+    }
+
+    pub(crate) fn set_faults(&self, patch: FaultsPatch) -> Faults {
+        let mut f = lock(&self.faults);
+        f.apply(patch);
+        f.clone()
+    }
+
+    pub(crate) fn clear_faults(&self) -> Faults {
+        let mut f = lock(&self.faults);
+        *f = Faults::defaults(self.config.null_variants);
+        f.clone()
+    }
+
+    pub(crate) fn with_faults<R>(&self, f: impl FnOnce(&mut Faults) -> R) -> R {
+        f(&mut lock(&self.faults))
+    }
+
+    pub(crate) fn count_injected_429(&self) {
+        self.injected_429.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Closes every in-flight blocking query without a response; returns how many there were.
+    pub(crate) fn drop_blocking(&self) -> usize {
+        let n = lock(&self.blocking).values().sum();
+        self.drops.send_replace(());
+        n
+    }
+
+    pub(crate) fn set_service_index(&self, key: &ServiceKey, index: u64) -> bool {
+        self.write_catalog(|c| c.set_service_index(key, index))
+    }
+
+    pub(crate) fn reset_indexes(&self, index: u64) {
+        self.write_catalog(|c| c.reset_indexes(index));
+    }
+
+    // ---- connections
+
+    /// Counts a new connection from `ip` unless it is at the limit (0 = unlimited).
+    pub(crate) fn try_open_connection(&self, ip: IpAddr) -> bool {
+        let limit = self.config.max_conns_per_client;
+        let mut t = lock(&self.conns);
+        let open = t.open.entry(ip).or_insert(0);
+        if limit > 0 && *open >= limit {
+            drop(t);
+            self.rejected_connections.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        *open += 1;
+        let now = *open;
+        let peak = t.peak.entry(ip).or_insert(0);
+        *peak = (*peak).max(now);
+        t.open_total += 1;
+        t.peak_total = t.peak_total.max(t.open_total);
+        true
+    }
+
+    pub(crate) fn close_connection(&self, ip: IpAddr) {
+        let mut t = lock(&self.conns);
+        if let Some(open) = t.open.get_mut(&ip) {
+            *open = open.saturating_sub(1);
+            if *open == 0 {
+                t.open.remove(&ip);
+            }
+        }
+        t.open_total = t.open_total.saturating_sub(1);
+    }
+
+    // ---- blocking bookkeeping
+
+    pub(crate) fn blocking_started(&self, label: &str) {
+        *lock(&self.blocking).entry(label.to_owned()).or_insert(0) += 1;
+    }
+
+    pub(crate) fn blocking_ended(&self, label: &str) {
+        let mut b = lock(&self.blocking);
+        if let Some(n) = b.get_mut(label) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                b.remove(label);
+            }
+        }
+    }
+
+    // ---- request log
+
+    /// Appends a record (its `seq` and `at_ms` are assigned here); returns its `seq`.
+    pub(crate) fn log_request(&self, mut record: RequestRecord) -> u64 {
+        self.requests_total.fetch_add(1, Ordering::Relaxed);
+        record.at_ms = millis(self.started.elapsed());
+        let mut log = lock(&self.log);
+        record.seq = log.next_seq;
+        log.next_seq += 1;
+        let seq = record.seq;
+        log.records.push_back(record);
+        while log.records.len() > log.capacity {
+            log.records.pop_front();
+        }
+        seq
+    }
+
+    pub(crate) fn update_request(&self, seq: u64, f: impl FnOnce(&mut RequestRecord)) {
+        if let Some(r) = lock(&self.log).get_mut(seq) {
+            f(r);
+        }
+    }
+
+    pub(crate) fn finish_request(&self, seq: u64, outcome: Outcome, status: Option<u16>, index: Option<u64>) {
+        let now = millis(self.started.elapsed());
+        self.update_request(seq, |r| {
+            r.outcome = outcome;
+            r.status = status;
+            r.index = index;
+            r.duration_ms = Some(now.saturating_sub(r.at_ms));
+        });
+    }
+
+    pub(crate) fn requests(&self) -> Vec<RequestRecord> {
+        lock(&self.log).records.iter().cloned().collect()
+    }
+
+    pub(crate) fn clear_requests(&self) -> usize {
+        let mut log = lock(&self.log);
+        let n = log.records.len();
+        log.records.clear();
+        n
+    }
+
+    // ---- stats
+
+    pub(crate) fn stats(&self) -> Stats {
+        let conns = lock(&self.conns);
+        let blocking = lock(&self.blocking).clone();
+        let rejected = self.rejected_connections.load(Ordering::Relaxed);
+        let injected = self.injected_429.load(Ordering::Relaxed);
+        Stats {
+            open_connections: conns.open.iter().map(|(ip, n)| (ip.to_string(), *n)).collect(),
+            peak_connections: conns.peak.iter().map(|(ip, n)| (ip.to_string(), *n)).collect(),
+            open_connections_total: conns.open_total,
+            peak_connections_total: conns.peak_total,
+            rejected_connections: rejected,
+            injected_429: injected,
+            total_429: rejected + injected,
+            requests_total: self.requests_total.load(Ordering::Relaxed),
+            blocking_total: blocking.values().sum(),
+            blocking,
+        }
+    }
+
+    /// Resets counters; peaks restart from the current open counts.
+    pub(crate) fn reset_stats(&self) {
+        let mut conns = lock(&self.conns);
+        let ConnTable { open, peak, open_total, peak_total } = &mut *conns;
+        *peak = open.clone();
+        *peak_total = *open_total;
+        drop(conns);
+        self.rejected_connections.store(0, Ordering::Relaxed);
+        self.injected_429.store(0, Ordering::Relaxed);
+        self.requests_total.store(0, Ordering::Relaxed);
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Decrements the per-IP connection count when the connection ends, however it ends.
+pub(crate) struct ConnGuard {
+    pub shared: Arc<Shared>,
+    pub ip: IpAddr,
+}
+
+impl Drop for ConnGuard {
+    fn drop(&mut self) {
+        self.shared.close_connection(self.ip);
+    }
+}
+
+/// Counts a blocking query as in flight until dropped.
+pub(crate) struct BlockingGuard {
+    shared: Arc<Shared>,
+    label: String,
+}
+
+impl BlockingGuard {
+    pub(crate) fn new(shared: &Arc<Shared>, label: &str) -> Self {
+        shared.blocking_started(label);
+        BlockingGuard { shared: shared.clone(), label: label.to_owned() }
+    }
+}
+
+impl Drop for BlockingGuard {
+    fn drop(&mut self) {
+        self.shared.blocking_ended(&self.label);
+    }
+}
+
+/// Marks a logged request `cancelled` if its handler is dropped before finishing (the client
+/// went away, or the simulator shut down).
+pub(crate) struct LogGuard {
+    pub shared: Arc<Shared>,
+    pub seq: u64,
+    pub done: bool,
+}
+
+impl LogGuard {
+    pub(crate) fn finish(mut self, outcome: Outcome, status: Option<u16>, index: Option<u64>) {
+        self.done = true;
+        self.shared.finish_request(self.seq, outcome, status, index);
+    }
+}
+
+impl Drop for LogGuard {
+    fn drop(&mut self) {
+        if !self.done {
+            self.shared.finish_request(self.seq, Outcome::Cancelled, None, None);
+        }
+    }
+}

@@ -1,0 +1,949 @@
+//! Black-box tests of the Consul simulator over HTTP, one per rule of `docs/consul-api.md`
+//! ("Blocking queries", "Errors") plus the control endpoints and the binary.
+//!
+//! The client is a minimal raw HTTP/1.1 client so that tests control connections exactly
+//! (the connection-limit tests need to hold sockets open). Timing assertions use short waits
+//! and bounded `timeout`s; nothing sleeps "to be safe".
+
+use std::io::Read as _;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use consul_sim::{
+    AclConfig, AclToken, Budget, Config, FaultsPatch, Outcome, RunningSim, ServiceKey, Simulator, TokenSource,
+};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const LONG: Duration = Duration::from_secs(5);
+
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+
+    fn index(&self) -> u64 {
+        self.header("X-Consul-Index").expect("X-Consul-Index").parse().expect("numeric index")
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// A kept-alive HTTP/1.1 connection.
+struct Conn {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Conn {
+    async fn open(addr: SocketAddr) -> Conn {
+        Conn { stream: TcpStream::connect(addr).await.expect("connect"), buf: Vec::new() }
+    }
+
+    async fn send(&mut self, method: &str, target: &str, headers: &[(&str, &str)], body: Option<&str>) {
+        let mut req = format!("{method} {target} HTTP/1.1\r\nHost: consul\r\n");
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+        if let Some(b) = body {
+            req.push_str(&format!("Content-Length: {}\r\n", b.len()));
+        }
+        req.push_str("\r\n");
+        if let Some(b) = body {
+            req.push_str(b);
+        }
+        self.stream.write_all(req.as_bytes()).await.expect("write");
+    }
+
+    /// Reads one response; `Err` if the connection closed before a complete one.
+    async fn read(&mut self) -> std::io::Result<Reply> {
+        let eof = || std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+        let head_end = loop {
+            if let Some(p) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break p;
+            }
+            let mut chunk = [0u8; 8192];
+            let n = self.stream.read(&mut chunk).await?;
+            if n == 0 {
+                return Err(eof());
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        };
+        let head = String::from_utf8_lossy(&self.buf[..head_end]).into_owned();
+        let mut lines = head.split("\r\n");
+        let status: u16 =
+            lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|s| s.parse().ok()).expect("status line");
+        let headers: Vec<(String, String)> =
+            lines.filter_map(|l| l.split_once(':')).map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned())).collect();
+        let len: usize = headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
+            .map_or(0, |(_, v)| v.parse().expect("content-length"));
+        self.buf.drain(..head_end + 4);
+        while self.buf.len() < len {
+            let mut chunk = [0u8; 8192];
+            let n = self.stream.read(&mut chunk).await?;
+            if n == 0 {
+                return Err(eof());
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+        let body = self.buf.drain(..len).collect();
+        Ok(Reply { status, headers, body })
+    }
+
+    async fn call(
+        &mut self,
+        method: &str,
+        target: &str,
+        headers: &[(&str, &str)],
+        body: Option<&str>,
+    ) -> std::io::Result<Reply> {
+        self.send(method, target, headers, body).await;
+        self.read().await
+    }
+
+    /// True once the peer has closed the connection (EOF or reset).
+    async fn closed(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.stream.read(&mut b).await, Ok(0) | Err(_))
+    }
+}
+
+async fn call(addr: SocketAddr, method: &str, target: &str, headers: &[(&str, &str)], body: Option<&str>) -> Reply {
+    let mut c = Conn::open(addr).await;
+    let mut h = headers.to_vec();
+    h.push(("Connection", "close"));
+    c.call(method, target, &h, body).await.expect("response")
+}
+
+async fn get(addr: SocketAddr, target: &str) -> Reply {
+    call(addr, "GET", target, &[], None).await
+}
+
+async fn put(addr: SocketAddr, target: &str, body: &Value) -> Reply {
+    call(addr, "PUT", target, &[], Some(&body.to_string())).await
+}
+
+/// Registers one instance with a service check, as tests against a real agent would.
+async fn register(addr: SocketAddr, node: &str, service: &str, id: &str, status: &str, tags: &[&str]) {
+    let r = put(
+        addr,
+        "/v1/catalog/register",
+        &json!({
+            "Node": node,
+            "Address": format!("10.0.0.{}", node.len()),
+            "Service": {"ID": id, "Service": service, "Port": 8080, "Tags": tags},
+            "Check": {"CheckID": format!("service:{id}"), "Name": "alive", "Status": status, "ServiceID": id},
+        }),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json(), json!(true));
+}
+
+async fn start(config: Config) -> RunningSim {
+    Simulator::start(config).await.expect("start simulator")
+}
+
+async fn start_default() -> RunningSim {
+    start(Config::default()).await
+}
+
+fn spawn_get(addr: SocketAddr, target: String) -> tokio::task::JoinHandle<Reply> {
+    tokio::spawn(async move { get(addr, &target).await })
+}
+
+async fn wait_blocking(sim: &RunningSim, label: &str, n: usize) {
+    let (stats, ok) = sim.wait_for_stats(LONG, |s| s.blocking.get(label).copied().unwrap_or(0) >= n).await;
+    assert!(ok, "expected {n} blocking on {label}: {stats:?}");
+}
+
+async fn still_pending<T>(h: &mut tokio::task::JoinHandle<T>, for_: Duration) -> bool {
+    tokio::time::timeout(for_, h).await.is_err()
+}
+
+// ---------------------------------------------------------------- reads and shapes
+
+#[tokio::test]
+async fn index_absent_or_zero_answers_at_once() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &["v1"]).await;
+    for target in ["/v1/health/service/web", "/v1/health/service/web?index=0&wait=10m"] {
+        let r = tokio::time::timeout(Duration::from_secs(2), get(a, target)).await.expect("answers at once");
+        assert_eq!(r.status, 200);
+        assert!(r.index() >= 1);
+        assert_eq!(r.json().as_array().unwrap().len(), 1);
+    }
+}
+
+#[tokio::test]
+async fn body_and_headers_follow_the_contract() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    let r = put(
+        a,
+        "/v1/catalog/register",
+        &json!({
+            "Node": "n1", "Address": "10.1.1.1", "NodeMeta": {"rack": "r1"},
+            "TaggedAddresses": {"lan": "10.1.1.1"},
+            "Service": {
+                "ID": "web-1", "Service": "web", "Address": "10.2.2.2", "Port": 80, "Tags": ["blue"],
+                "Meta": {"version": "3"},
+                "TaggedAddresses": {"lan": {"Address": "10.2.2.2", "Port": 80}},
+            },
+            "Check": {"CheckID": "c1", "Name": "http", "Status": "passing", "ServiceID": "web-1", "Output": "ok"},
+        }),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let r = get(a, "/v1/health/service/web").await;
+    assert_eq!(r.header("X-Consul-KnownLeader"), Some("true"));
+    assert_eq!(r.header("X-Consul-LastContact"), Some("0"));
+    assert_eq!(r.header("Content-Type"), Some("application/json"));
+    let e = &r.json()[0];
+    for f in ["ID", "Node", "Address", "Datacenter", "TaggedAddresses", "Meta", "CreateIndex", "ModifyIndex"] {
+        assert!(e["Node"].get(f).is_some(), "Node.{f}");
+    }
+    for f in [
+        "ID",
+        "Service",
+        "Tags",
+        "Address",
+        "Port",
+        "Meta",
+        "TaggedAddresses",
+        "Weights",
+        "EnableTagOverride",
+        "CreateIndex",
+        "ModifyIndex",
+    ] {
+        assert!(e["Service"].get(f).is_some(), "Service.{f}");
+    }
+    let c = &e["Checks"][0];
+    for f in ["Node", "CheckID", "Name", "Status", "Output", "ServiceID", "ServiceName", "ServiceTags"] {
+        assert!(c.get(f).is_some(), "Checks.{f}");
+    }
+    assert_eq!(e["Node"]["Datacenter"], "dc1");
+    assert_eq!(e["Node"]["Meta"], json!({"rack": "r1"}));
+    assert_eq!(e["Service"]["TaggedAddresses"]["lan"], json!({"Address": "10.2.2.2", "Port": 80}));
+    assert_eq!(e["Service"]["Weights"], json!({"Passing": 1, "Warning": 1}));
+    assert_eq!(c["ServiceName"], "web");
+    assert_eq!(c["ServiceTags"], json!(["blue"]));
+    assert_eq!(c["Output"], "ok");
+    assert_eq!(r.index(), e["Service"]["ModifyIndex"].as_u64().unwrap());
+}
+
+#[tokio::test]
+async fn null_variants_at_start_and_at_run_time() {
+    let sim = start(Config { null_variants: true, ..Config::default() }).await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    let e = get(a, "/v1/health/service/web").await.json()[0].clone();
+    assert_eq!(e["Node"]["Meta"], Value::Null);
+    assert_eq!(e["Node"]["TaggedAddresses"], Value::Null);
+    assert_eq!(e["Service"]["Tags"], Value::Null);
+    assert_eq!(e["Service"]["Meta"], Value::Null);
+    assert_eq!(e["Service"]["TaggedAddresses"], Value::Null);
+    assert!(e["Service"].get("Proxy").is_none());
+
+    let r = put(a, "/_sim/faults", &json!({"null_variants": false})).await;
+    assert_eq!(r.json()["null_variants"], false);
+    let e = get(a, "/v1/health/service/web").await.json()[0].clone();
+    assert_eq!(e["Node"]["Meta"], json!({}));
+    assert_eq!(e["Service"]["Tags"], json!([]));
+    assert_eq!(e["Service"]["TaggedAddresses"], json!({}));
+    assert!(e["Service"].get("Proxy").is_some(), "modern shape has newer fields");
+}
+
+#[tokio::test]
+async fn unknown_service_is_an_empty_200() {
+    let sim = start_default().await;
+    let r = get(sim.addr(), "/v1/health/service/nope").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json(), json!([]));
+    assert!(r.index() >= 1);
+}
+
+#[tokio::test]
+async fn gzip_when_asked() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    let r = call(a, "GET", "/v1/health/service/web", &[("Accept-Encoding", "gzip")], None).await;
+    assert_eq!(r.header("Content-Encoding"), Some("gzip"));
+    let mut plain = String::new();
+    flate2::read::GzDecoder::new(&r.body[..]).read_to_string(&mut plain).unwrap();
+    let v: Value = serde_json::from_str(&plain).unwrap();
+    assert_eq!(v[0]["Service"]["ID"], "web-1");
+    let r = get(a, "/v1/health/service/web").await;
+    assert_eq!(r.header("Content-Encoding"), None);
+}
+
+// ---------------------------------------------------------------- blocking
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_query_wakes_on_change() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    let i = get(a, "/v1/health/service/web").await.index();
+    let mut h = spawn_get(a, format!("/v1/health/service/web?index={i}&wait=5s"));
+    wait_blocking(&sim, "web", 1).await;
+    assert!(still_pending(&mut h, Duration::from_millis(200)).await);
+    // Flip the check critical by registering it again.
+    register(a, "n1", "web", "web-1", "critical", &[]).await;
+    let r = tokio::time::timeout(Duration::from_secs(2), h).await.expect("woken").unwrap();
+    assert_eq!(r.status, 200);
+    assert!(r.index() > i);
+    assert_eq!(r.json()[0]["Checks"][0]["Status"], "critical");
+}
+
+#[tokio::test]
+async fn timeout_returns_same_index_and_full_body() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    register(a, "n2", "web", "web-2", "passing", &[]).await;
+    let first = get(a, "/v1/health/service/web").await;
+    let started = Instant::now();
+    let r = get(a, &format!("/v1/health/service/web?index={}&wait=300ms", first.index())).await;
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(300), "{took:?}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.index(), first.index());
+    assert_eq!(r.json(), first.json(), "a timeout returns the full body");
+}
+
+#[tokio::test]
+async fn index_is_never_zero() {
+    let sim = start(Config { initial_index: 0, ..Config::default() }).await;
+    let a = sim.addr();
+    assert_eq!(get(a, "/v1/health/service/x").await.index(), 1);
+    assert_eq!(get(a, "/v1/catalog/services").await.index(), 1);
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    let r = call(a, "POST", "/_sim/reset-index", &[], Some(r#"{"index": 0}"#)).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(get(a, "/v1/health/service/web").await.index(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changing_one_service_does_not_wake_another() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "alpha", "alpha-1", "passing", &[]).await;
+    register(a, "n2", "beta", "beta-1", "passing", &[]).await;
+    let ia = get(a, "/v1/health/service/alpha").await.index();
+    let mut h = spawn_get(a, format!("/v1/health/service/alpha?index={ia}&wait=5s"));
+    wait_blocking(&sim, "alpha", 1).await;
+    register(a, "n2", "beta", "beta-1", "critical", &[]).await;
+    register(a, "n3", "beta", "beta-2", "passing", &[]).await;
+    assert!(get(a, "/v1/health/service/beta").await.index() > ia);
+    assert!(
+        still_pending(&mut h, Duration::from_millis(300)).await,
+        "a change to beta must not answer a blocker on alpha"
+    );
+    register(a, "n1", "alpha", "alpha-1", "warning", &[]).await;
+    let r = tokio::time::timeout(Duration::from_secs(2), h).await.unwrap().unwrap();
+    assert!(r.index() > ia);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_service_index_is_catalog_max_then_last_extinction() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "alpha", "alpha-1", "passing", &[]).await;
+    register(a, "n1", "beta", "beta-1", "passing", &[]).await;
+    let beta = get(a, "/v1/health/service/beta").await.index();
+    // No service went extinct yet: the catalog maximum.
+    assert_eq!(get(a, "/v1/health/service/ghost").await.index(), beta);
+
+    let r = put(a, "/v1/catalog/deregister", &json!({"Node": "n1", "ServiceID": "alpha-1"})).await;
+    assert_eq!(r.json(), json!(true));
+    let extinct = get(a, "/v1/health/service/alpha").await;
+    assert_eq!(extinct.json(), json!([]));
+    assert!(extinct.index() > beta);
+    assert_eq!(get(a, "/v1/health/service/ghost").await.index(), extinct.index());
+
+    // Other services changing does not move it, nor wake a blocker on it.
+    let mut h = spawn_get(a, format!("/v1/health/service/ghost?index={}&wait=5s", extinct.index()));
+    wait_blocking(&sim, "ghost", 1).await;
+    register(a, "n1", "beta", "beta-1", "critical", &[]).await;
+    assert!(still_pending(&mut h, Duration::from_millis(300)).await);
+    assert_eq!(get(a, "/v1/health/service/ghost").await.index(), extinct.index());
+    // The service appearing does wake it.
+    register(a, "n2", "ghost", "ghost-1", "passing", &[]).await;
+    let r = tokio::time::timeout(Duration::from_secs(2), h).await.unwrap().unwrap();
+    assert_eq!(r.json().as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn client_index_above_server_blocks_full_wait_and_returns_lower_index() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    let cur = get(a, "/v1/health/service/web").await.index();
+    let started = Instant::now();
+    let r = get(a, &format!("/v1/health/service/web?index={}&wait=300ms", cur + 1000)).await;
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(r.status, 200);
+    assert_eq!(r.index(), cur);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_parsing_default_and_cap() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    let i = get(a, "/v1/health/service/web").await.index();
+    for good in ["10s", "5m", "300000ms", "1m30s", "1.5h", "0"] {
+        let r = get(a, &format!("/v1/health/service/web?wait={good}")).await;
+        assert_eq!(r.status, 200, "wait={good}");
+    }
+    for bad in ["10", "5x", "1%20s", "-"] {
+        let r = get(a, &format!("/v1/health/service/web?wait={bad}&index={i}")).await;
+        assert_eq!((r.status, r.text().as_str()), (400, "Invalid wait time"), "wait={bad}");
+        assert!(r.header("X-Consul-Index").is_none());
+    }
+
+    // The effective wait is visible in the request log while the query blocks.
+    sim.clear_requests();
+    let cases = [
+        ("&wait=20m", 600_000u64),
+        ("", 300_000),
+        ("&wait=0s", 300_000),
+        ("&wait=-1s", 300_000),
+        ("&wait=90s", 90_000),
+    ];
+    let mut handles = Vec::new();
+    for (q, _) in cases {
+        handles.push(spawn_get(a, format!("/v1/health/service/web?index={i}{q}")));
+    }
+    wait_blocking(&sim, "web", cases.len()).await;
+    let records = sim.requests();
+    for (q, want) in cases {
+        let rec = records
+            .iter()
+            .find(|r| r.query == format!("index={i}{q}"))
+            .unwrap_or_else(|| panic!("no record for {q}: {records:?}"));
+        assert_eq!(rec.wait_ms, Some(want), "{q}");
+        let timeout = rec.timeout_ms.unwrap();
+        assert!(timeout >= want && timeout <= want + want / 16, "{q}: {timeout}");
+    }
+    // Close them without waiting minutes.
+    assert_eq!(sim.drop_blocking(), cases.len());
+    for h in handles {
+        assert!(h.await.is_err(), "dropped requests get no response");
+    }
+}
+
+// ---------------------------------------------------------------- errors
+
+#[tokio::test]
+async fn bad_parameters_are_400_without_index_headers() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    for (q, body) in [
+        ("index=abc", "Invalid index"),
+        ("index=-1", "Invalid index"),
+        ("index=%2B5", "Invalid index"),
+        ("stale&consistent", "Cannot specify ?stale with ?consistent, conflicting semantics."),
+        ("passing=maybe", "Invalid value for ?passing"),
+    ] {
+        let r = get(a, &format!("/v1/health/service/web?{q}")).await;
+        assert_eq!(r.status, 400, "{q}");
+        assert_eq!(r.text(), body, "{q}");
+        assert!(r.header("X-Consul-Index").is_none(), "{q}");
+        assert!(r.header("X-Consul-KnownLeader").is_none(), "{q}");
+    }
+    let r = get(a, "/v1/health/service/web?filter=Service.Port%3D%3D80").await;
+    assert_eq!(r.status, 400, "filter expressions are refused, not ignored");
+    let r = get(a, "/v1/health/service/web?stale").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("X-Consul-Effective-Consistency"), Some("stale"));
+    let r = get(a, "/v1/catalog/services?stale&consistent").await;
+    assert_eq!(r.status, 400);
+    let r = put(a, "/v1/catalog/register", &json!({"Address": "1.2.3.4"})).await;
+    assert_eq!(r.status, 400);
+    let r = call(a, "PUT", "/v1/catalog/register", &[], Some("{not json")).await;
+    assert_eq!(r.status, 400);
+    assert_eq!(call(a, "GET", "/v1/catalog/register", &[], None).await.status, 405);
+    assert_eq!(get(a, "/v1/agent/members").await.status, 404);
+    assert_eq!(get(a, "/v1/health/service/").await.status, 400);
+}
+
+#[tokio::test]
+async fn unknown_datacenter_is_500() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    let r = get(a, "/v1/health/service/web?dc=dc2").await;
+    assert_eq!((r.status, r.text().as_str()), (500, "No path to datacenter"));
+    assert!(r.header("X-Consul-Index").is_none());
+    assert_eq!(get(a, "/v1/health/service/web?dc=dc1").await.status, 200);
+    let r = put(a, "/v1/catalog/register", &json!({"Node": "n", "Address": "1.1.1.1", "Datacenter": "dc9"})).await;
+    assert_eq!(r.status, 500);
+}
+
+#[tokio::test]
+async fn passing_filter_includes_node_checks_and_drops_warning() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    register(a, "n2", "web", "web-2", "warning", &[]).await;
+    register(a, "n3", "web", "web-3", "passing", &[]).await;
+    let r = put(
+        a,
+        "/v1/catalog/register",
+        &json!({"Node": "n3", "Address": "10.0.0.2", "Check": {"CheckID": "serfHealth", "Name": "Serf", "Status": "critical"}}),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let all = get(a, "/v1/health/service/web").await;
+    assert_eq!(all.json().as_array().unwrap().len(), 3);
+    for q in ["passing", "passing=true", "passing=1"] {
+        let r = get(a, &format!("/v1/health/service/web?{q}")).await;
+        let ids: Vec<_> = r.json().as_array().unwrap().iter().map(|e| e["Service"]["ID"].clone()).collect();
+        assert_eq!(ids, vec![json!("web-1")], "{q}");
+        assert_eq!(r.index(), all.index(), "the index describes the unfiltered set");
+    }
+    assert_eq!(get(a, "/v1/health/service/web?passing=false").await.json().as_array().unwrap().len(), 3);
+    // n3's entry shows its node check too.
+    let n3 = all.json().as_array().unwrap().iter().find(|e| e["Node"]["Node"] == "n3").cloned().unwrap();
+    assert_eq!(n3["Checks"].as_array().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn tag_filter_requires_every_tag() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &["blue", "v2"]).await;
+    register(a, "n2", "web", "web-2", "passing", &["blue"]).await;
+    register(a, "n3", "web", "web-3", "passing", &["v2"]).await;
+    let ids = |r: Reply| -> Vec<String> {
+        r.json().as_array().unwrap().iter().map(|e| e["Service"]["ID"].as_str().unwrap().to_owned()).collect()
+    };
+    assert_eq!(ids(get(a, "/v1/health/service/web?tag=blue").await), ["web-1", "web-2"]);
+    assert_eq!(ids(get(a, "/v1/health/service/web?tag=blue&tag=v2").await), ["web-1"]);
+    assert!(ids(get(a, "/v1/health/service/web?tag=blue&tag=v3").await).is_empty());
+}
+
+fn acl_config() -> Config {
+    Config {
+        acl: Some(AclConfig {
+            tokens: vec![AclToken::management("root"), AclToken::service_read("reader", ["web"])],
+            anonymous_read: false,
+        }),
+        ..Config::default()
+    }
+}
+
+#[tokio::test]
+async fn acl_unknown_token_is_403_acl_not_found() {
+    let sim = start(acl_config()).await;
+    let a = sim.addr();
+    let r = call(a, "GET", "/v1/health/service/web", &[("X-Consul-Token", "bogus")], None).await;
+    assert_eq!((r.status, r.text().as_str()), (403, "ACL not found"));
+    assert!(r.header("X-Consul-Index").is_none());
+    let r = call(a, "GET", "/v1/health/service/web", &[("Authorization", "Bearer bogus")], None).await;
+    assert_eq!(r.status, 403);
+    assert_eq!(get(a, "/v1/health/service/web?token=bogus").await.status, 403);
+}
+
+#[tokio::test]
+async fn acl_read_denied_filters_silently_and_writes_need_management() {
+    let sim = start(acl_config()).await;
+    let a = sim.addr();
+    let body = json!({"Node": "n1", "Address": "10.0.0.1", "Service": {"Service": "db", "Port": 5432}});
+    // Writes: anonymous and read-only tokens are refused.
+    let r = put(a, "/v1/catalog/register", &body).await;
+    assert_eq!((r.status, r.text().as_str()), (403, "Permission denied"));
+    let r = call(a, "PUT", "/v1/catalog/register", &[("X-Consul-Token", "reader")], Some(&body.to_string())).await;
+    assert_eq!(r.status, 403);
+    let r = call(a, "PUT", "/v1/catalog/register", &[("X-Consul-Token", "root")], Some(&body.to_string())).await;
+    assert_eq!(r.status, 200);
+    let web = json!({"Node": "n1", "Address": "10.0.0.1", "Service": {"Service": "web", "Port": 80}});
+    let r = call(a, "PUT", "/v1/catalog/register", &[("Authorization", "Bearer root")], Some(&web.to_string())).await;
+    assert_eq!(r.status, 200);
+
+    // Reads: the reader sees web, not db; anonymous sees nothing; all are 200.
+    let r = call(a, "GET", "/v1/health/service/db", &[("X-Consul-Token", "reader")], None).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json(), json!([]));
+    assert!(r.index() >= 1);
+    assert_eq!(r.header("X-Consul-Results-Filtered-By-ACLs"), Some("true"));
+    let r = call(a, "GET", "/v1/health/service/web", &[("X-Consul-Token", "reader")], None).await;
+    assert_eq!(r.json().as_array().unwrap().len(), 1);
+    let r = get(a, "/v1/health/service/web").await;
+    assert_eq!((r.status, r.json()), (200, json!([])));
+    let r = get(a, "/v1/health/service/db?token=root").await;
+    assert_eq!(r.json().as_array().unwrap().len(), 1);
+    let r = call(a, "GET", "/v1/catalog/services", &[("X-Consul-Token", "reader")], None).await;
+    assert_eq!(r.json(), json!({"web": []}));
+
+    // The log tells which token was presented, and how.
+    let recs = sim.requests();
+    let sources: Vec<_> = recs.iter().filter_map(|r| r.token_source).collect();
+    assert!(sources.contains(&TokenSource::Header));
+    assert!(sources.contains(&TokenSource::Bearer));
+    assert!(sources.contains(&TokenSource::Query));
+    assert!(recs.iter().any(|r| r.token.as_deref() == Some("reader")));
+}
+
+// ---------------------------------------------------------------- connections
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_limit_answers_429_and_closes() {
+    let sim = start(Config { max_conns_per_client: 3, ..Config::default() }).await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    let (_, ok) = sim.wait_for_stats(LONG, |s| s.open_connections_total == 0).await;
+    assert!(ok);
+    let i = get(a, "/v1/health/service/web").await.index();
+    // Three connections, each holding a blocking query.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let mut c = Conn::open(a).await;
+        c.send("GET", &format!("/v1/health/service/web?index={i}&wait=5s"), &[], None).await;
+        held.push(c);
+    }
+    wait_blocking(&sim, "web", 3).await;
+    // The fourth is refused with 429 and closed.
+    let mut c = Conn::open(a).await;
+    let r = c.call("GET", "/v1/health/service/web", &[], None).await.expect("a 429 reply");
+    assert_eq!(r.status, 429);
+    assert!(r.header("X-Consul-Index").is_none());
+    assert!(tokio::time::timeout(LONG, c.closed()).await.expect("closed in time"));
+    let s = sim.stats();
+    assert_eq!(s.rejected_connections, 1);
+    assert_eq!(s.total_429, 1);
+    assert_eq!(s.open_connections.get("127.0.0.1"), Some(&3));
+    assert_eq!(s.peak_connections.get("127.0.0.1"), Some(&3));
+
+    // Closing one frees a slot (the server notices the client going away mid-block).
+    drop(held.pop());
+    let (s, ok) = sim.wait_for_stats(LONG, |s| s.open_connections_total == 2 && s.blocking_total == 2).await;
+    assert!(ok, "{s:?}");
+    assert_eq!(get(a, "/v1/status/leader").await.status, 200);
+    assert!(sim.requests().iter().any(|r| r.outcome == Outcome::Cancelled));
+    // The remaining blockers still get their answer on a change.
+    register(a, "n1", "web", "web-1", "critical", &[]).await;
+    for mut c in held {
+        let r = tokio::time::timeout(LONG, c.read()).await.unwrap().unwrap();
+        assert!(r.index() > i);
+    }
+}
+
+#[tokio::test]
+async fn keep_alive_connections_are_reused() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    let mut c = Conn::open(a).await;
+    for _ in 0..5 {
+        assert_eq!(c.call("GET", "/v1/health/service/x", &[], None).await.unwrap().status, 200);
+    }
+    let s = sim.stats();
+    assert_eq!(s.peak_connections.get("127.0.0.1"), Some(&1));
+    assert_eq!(s.requests_total, 5);
+}
+
+// ---------------------------------------------------------------- faults
+
+#[tokio::test]
+async fn fault_latency() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    let r = put(a, "/_sim/faults", &json!({"latency_ms": 250})).await;
+    assert_eq!(r.json()["latency_ms"], 250);
+    let started = Instant::now();
+    assert_eq!(get(a, "/v1/health/service/web").await.status, 200);
+    assert!(started.elapsed() >= Duration::from_millis(250));
+    call(a, "DELETE", "/_sim/faults", &[], None).await;
+    assert_eq!(sim.faults().latency_ms, 0);
+}
+
+#[tokio::test]
+async fn fault_no_leader_for_n_requests_and_until_cleared() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    put(a, "/_sim/faults", &json!({"no_leader": 2})).await;
+    assert_eq!(get(a, "/v1/status/leader").await.json(), json!(""));
+    for _ in 0..2 {
+        let r = get(a, "/v1/health/service/web").await;
+        assert_eq!((r.status, r.text().as_str()), (500, "No cluster leader"));
+        assert!(r.header("X-Consul-Index").is_none());
+    }
+    assert_eq!(get(a, "/v1/health/service/web").await.status, 200);
+    assert_eq!(get(a, "/v1/status/leader").await.json(), json!("127.0.0.1:8300"));
+
+    sim.set_faults(FaultsPatch { no_leader: Some(Budget::Always), ..FaultsPatch::default() });
+    for _ in 0..3 {
+        assert_eq!(get(a, "/v1/health/service/web").await.status, 500);
+    }
+    sim.clear_faults();
+    assert_eq!(get(a, "/v1/health/service/web").await.status, 200);
+}
+
+#[tokio::test]
+async fn fault_too_many_requests_keeps_the_connection() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    put(a, "/_sim/faults", &json!({"too_many_requests": 1})).await;
+    let mut c = Conn::open(a).await;
+    let r = c.call("GET", "/v1/health/service/web", &[], None).await.unwrap();
+    assert_eq!(r.status, 429);
+    let r = c.call("GET", "/v1/health/service/web", &[], None).await.unwrap();
+    assert_eq!(r.status, 200);
+    let s = sim.stats();
+    assert_eq!((s.injected_429, s.rejected_connections, s.total_429), (1, 0, 1));
+    let s: Value = get(a, "/_sim/stats").await.json();
+    assert_eq!(s["total_429"], 1);
+    let r = call(a, "DELETE", "/_sim/stats", &[], None).await;
+    assert_eq!(r.json()["total_429"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_drop_blocking_closes_without_response() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    let i = get(a, "/v1/health/service/web").await.index();
+    let mut c = Conn::open(a).await;
+    c.send("GET", &format!("/v1/health/service/web?index={i}&wait=5s"), &[], None).await;
+    let mut c2 = Conn::open(a).await;
+    c2.send("GET", &format!("/v1/catalog/services?index={}&wait=5s", i + 100), &[], None).await;
+    wait_blocking(&sim, "web", 1).await;
+    wait_blocking(&sim, consul_sim::CATALOG_SERVICES_LABEL, 1).await;
+    let r = call(a, "POST", "/_sim/drop-blocking", &[], None).await;
+    assert_eq!(r.json(), json!({"dropped": 2}));
+    let err = tokio::time::timeout(LONG, c.read()).await.expect("closed in time");
+    assert!(err.is_err(), "no response: {err:?}");
+    assert!(tokio::time::timeout(LONG, c2.read()).await.unwrap().is_err());
+    let recs = sim.requests();
+    assert_eq!(recs.iter().filter(|r| r.outcome == Outcome::Dropped).count(), 2);
+    // Non-blocking queries are unaffected, and the simulator keeps serving.
+    assert_eq!(get(a, "/v1/health/service/web").await.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_service_index_goes_backwards() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    for n in 1..=5 {
+        register(a, &format!("n{n}"), "web", &format!("web-{n}"), "passing", &[]).await;
+    }
+    let high = get(a, "/v1/health/service/web").await.index();
+    assert!(high > 3);
+    let r = put(a, "/_sim/services/web/index", &json!({"index": 2})).await;
+    assert_eq!(r.json(), json!({"service": "web", "index": 2}));
+    assert_eq!(put(a, "/_sim/services/nope/index", &json!({"index": 2})).await.status, 404);
+    let r = get(a, "/v1/health/service/web").await;
+    assert_eq!(r.index(), 2);
+    assert_eq!(r.json().as_array().unwrap().len(), 5, "data unchanged");
+    // A client still holding the old, higher index blocks the full wait and sees the lower one.
+    let r = get(a, &format!("/v1/health/service/web?index={high}&wait=200ms")).await;
+    assert_eq!(r.index(), 2);
+    // And the in-process handle does the same.
+    assert!(sim.set_service_index(&ServiceKey::new("web"), 1));
+    assert_eq!(get(a, "/v1/health/service/web").await.index(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_restart_with_lower_index() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    for n in 1..=5 {
+        register(a, &format!("n{n}"), "web", &format!("web-{n}"), "passing", &[]).await;
+    }
+    let high = get(a, "/v1/health/service/web").await.index();
+    let mut h = spawn_get(a, format!("/v1/health/service/web?index={high}&wait=800ms"));
+    wait_blocking(&sim, "web", 1).await;
+    let r = call(a, "POST", "/_sim/reset-index", &[], Some(r#"{"index": 3}"#)).await;
+    assert_eq!(r.json(), json!({"index": 3}));
+    assert!(still_pending(&mut h, Duration::from_millis(150)).await, "a lower index does not answer");
+    let r = h.await.unwrap();
+    assert_eq!(r.index(), 3);
+    assert_eq!(r.json().as_array().unwrap().len(), 5);
+    assert_eq!(get(a, "/v1/catalog/services").await.index(), 3);
+    assert_eq!(get(a, "/v1/health/service/ghost").await.index(), 3);
+    // The next write continues from there.
+    register(a, "n1", "web", "web-1", "critical", &[]).await;
+    assert_eq!(get(a, "/v1/health/service/web").await.index(), 4);
+}
+
+// ---------------------------------------------------------------- writes, catalog, control
+
+#[tokio::test]
+async fn register_and_deregister() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    let i = get(a, "/v1/health/service/web").await.index();
+    // Identical re-registration changes nothing (no index churn).
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    assert_eq!(get(a, "/v1/health/service/web").await.index(), i);
+    // A check flip via `Checks` list.
+    let r = put(
+        a,
+        "/v1/catalog/register",
+        &json!({"Node": "n1", "Address": "10.0.0.2", "Checks": [{"CheckID": "service:web-1", "Name": "alive", "Status": "critical", "ServiceID": "web-1"}]}),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let r = get(a, "/v1/health/service/web").await;
+    assert!(r.index() > i);
+    assert_eq!(r.json()[0]["Checks"][0]["Status"], "critical");
+    // Deregister a check, then the node.
+    let r = put(a, "/v1/catalog/deregister", &json!({"Node": "n1", "CheckID": "service:web-1"})).await;
+    assert_eq!(r.json(), json!(true));
+    assert!(get(a, "/v1/health/service/web").await.json()[0]["Checks"].as_array().unwrap().is_empty());
+    register(a, "n1", "api", "api-1", "passing", &[]).await;
+    let r = put(a, "/v1/catalog/deregister", &json!({"Node": "n1"})).await;
+    assert_eq!(r.json(), json!(true));
+    assert_eq!(get(a, "/v1/health/service/web").await.json(), json!([]));
+    assert_eq!(get(a, "/v1/catalog/services").await.json(), json!({}));
+    // Deregistering what does not exist is still `true`.
+    assert_eq!(put(a, "/v1/catalog/deregister", &json!({"Node": "zz"})).await.json(), json!(true));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn catalog_services_lists_tags_and_blocks() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &["b", "a"]).await;
+    register(a, "n2", "web", "web-2", "passing", &["c", "a"]).await;
+    let r = get(a, "/v1/catalog/services").await;
+    assert_eq!(r.json(), json!({"web": ["a", "b", "c"]}));
+    let i = r.index();
+    let mut h = spawn_get(a, format!("/v1/catalog/services?index={i}&wait=5s"));
+    wait_blocking(&sim, consul_sim::CATALOG_SERVICES_LABEL, 1).await;
+    // A check change is not a catalog services change.
+    register(a, "n1", "web", "web-1", "critical", &["b", "a"]).await;
+    assert!(still_pending(&mut h, Duration::from_millis(200)).await);
+    register(a, "n3", "db", "db-1", "passing", &[]).await;
+    let r = tokio::time::timeout(LONG, h).await.unwrap().unwrap();
+    assert!(r.index() > i);
+    assert_eq!(r.json()["db"], json!([]));
+}
+
+#[tokio::test]
+async fn namespaces_scope_services() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    let body = json!({"Node": "n1", "Address": "10.0.0.1", "Service": {"Service": "web", "Port": 80}});
+    assert_eq!(put(a, "/v1/catalog/register?ns=team-a", &body).await.status, 200);
+    assert_eq!(get(a, "/v1/health/service/web").await.json(), json!([]));
+    let r = get(a, "/v1/health/service/web?ns=team-a").await;
+    assert_eq!(r.json()[0]["Service"]["Namespace"], "team-a");
+    let r = call(a, "GET", "/v1/health/service/web", &[("X-Consul-Namespace", "team-a")], None).await;
+    assert_eq!(r.json().as_array().unwrap().len(), 1);
+    let recs = sim.requests();
+    let scoped: Vec<_> = recs.iter().filter(|r| r.namespace.as_deref() == Some("team-a")).collect();
+    assert_eq!(scoped.len(), 3, "query and header forms are both recorded: {recs:?}");
+}
+
+#[tokio::test]
+async fn status_leader_and_datacenters() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    assert_eq!(get(a, "/v1/status/leader").await.json(), json!("127.0.0.1:8300"));
+    assert_eq!(get(a, "/v1/catalog/datacenters").await.json(), json!(["dc1"]));
+}
+
+#[tokio::test]
+async fn request_log_counts_queries() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    get(a, "/v1/health/service/web?passing").await;
+    get(a, "/v1/health/service/api").await;
+    get(a, "/_sim/stats").await; // control requests are not logged
+    let r = get(a, "/_sim/requests?path_prefix=/v1/health/service/web").await;
+    let recs: Vec<consul_sim::RequestRecord> = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(recs.len(), 1, "exactly one query for web");
+    assert_eq!(recs[0].query, "passing");
+    assert_eq!(recs[0].service.as_deref(), Some("web"));
+    assert_eq!(sim.requests().iter().filter(|r| r.service.as_deref() == Some("api")).count(), 1);
+    assert_eq!((recs[0].status, recs[0].outcome), (Some(200), Outcome::Answered));
+    assert!(recs[0].index.is_some());
+    assert_eq!(sim.requests().len(), 3);
+    let r = call(a, "DELETE", "/_sim/requests", &[], None).await;
+    assert_eq!(r.json(), json!({"cleared": 3}));
+    assert!(sim.requests().is_empty());
+    let r = put(a, "/_sim/faults", &json!({"latency": 5})).await;
+    assert_eq!(r.status, 400, "unknown fault fields are rejected");
+    assert_eq!(get(a, "/_sim/nope").await.status, 404);
+}
+
+#[test]
+fn background_simulator_serves_sync_callers() {
+    let sim = Simulator::start_background(Config::default()).unwrap();
+    let mut s = std::net::TcpStream::connect(sim.addr()).unwrap();
+    use std::io::Write as _;
+    s.write_all(b"GET /v1/status/leader HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    assert!(out.ends_with("\"127.0.0.1:8300\""), "{out}");
+    let addr = sim.addr();
+    // Dropping joins the server thread, whose runtime owned the listener.
+    drop(sim);
+    assert!(std::net::TcpStream::connect(addr).is_err(), "still accepting after drop");
+}
+
+#[tokio::test]
+async fn dropping_the_handle_stops_the_server() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    let mut c = Conn::open(a).await;
+    assert_eq!(c.call("GET", "/v1/status/leader", &[], None).await.unwrap().status, 200);
+    drop(sim);
+    assert!(tokio::time::timeout(LONG, c.closed()).await.unwrap());
+    let deadline = Instant::now() + LONG;
+    while TcpStream::connect(a).await.is_ok() {
+        assert!(Instant::now() < deadline, "still accepting after drop");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn binary_prints_its_address_and_exits_on_sigterm() {
+    use tokio::io::AsyncBufReadExt;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_consul-sim"))
+        .args(["--listen", "127.0.0.1:0", "--max-conns-per-client", "7", "--acl-token", "root=management"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn consul-sim");
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let line =
+        tokio::time::timeout(LONG, lines.next_line()).await.expect("address printed in time").unwrap().expect("a line");
+    let addr: SocketAddr =
+        line.strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected line {line:?}")).parse().unwrap();
+    assert_eq!(get(addr, "/v1/status/leader").await.json(), json!("127.0.0.1:8300"));
+    assert_eq!(get(addr, "/v1/health/service/x?token=nope").await.status, 403);
+    let pid = child.id().unwrap().to_string();
+    let status = std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(status.success());
+    let exit = tokio::time::timeout(LONG, child.wait()).await.expect("exits in time").unwrap();
+    assert!(exit.success(), "{exit:?}");
+}

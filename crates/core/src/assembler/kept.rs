@@ -1,0 +1,107 @@
+//! Last known good: per resolver service, the endpoints last obtained.
+//!
+//! When a resolver's settings change (token rotated, CA, address), when its spec becomes
+//! unusable, or when a Secret it names disappears, its services' current queries stop or
+//! have not answered yet. Publishing them empty would black-hole the traffic of a team whose
+//! only fault is a typo or a rotation in progress, so the assembler keeps serving what was
+//! obtained last, marked stale (since when, and why), until the new query answers. Only
+//! deleting the resolver, or the Mappings that reference the service, removes them.
+//!
+//! This is the assembler's memory between two readings of the world: an input and an
+//! output of [`super::assemble`], held by the pipeline, so the assembler stays a function.
+
+use std::collections::BTreeMap;
+use std::time::SystemTime;
+
+use crate::keys::ConsulKey;
+use crate::model::Endpoint;
+
+/// A service as one resolver sees it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ServiceOf {
+    pub resolver_namespace: String,
+    pub resolver_name: String,
+    pub service: String,
+}
+
+/// The endpoints last obtained for one [`ServiceOf`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeptService {
+    /// The query that obtained them.
+    pub key: ConsulKey,
+    pub index: Option<u64>,
+    pub endpoints: Vec<Endpoint>,
+    /// When they stopped being current; `None` while they are.
+    pub stale_since: Option<SystemTime>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Kept {
+    services: BTreeMap<ServiceOf, KeptService>,
+}
+
+impl Kept {
+    pub fn get(&self, of: &ServiceOf) -> Option<&KeptService> {
+        self.services.get(of)
+    }
+
+    pub(super) fn insert(&mut self, of: ServiceOf, kept: KeptService) {
+        self.services.insert(of, kept);
+    }
+}
+
+/// The settings that differ between two queries of one service, for messages.
+pub fn changed_settings(old: &ConsulKey, new: &ConsulKey) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    let mut differs = |changed: bool, what| {
+        if changed {
+            out.push(what);
+        }
+    };
+    differs(old.server.address != new.server.address, "address");
+    differs(old.server.token != new.server.token, "token");
+    differs(old.server.tls != new.server.tls, "TLS settings");
+    differs(old.datacenter != new.datacenter, "datacenter");
+    differs(old.namespace != new.namespace, "Consul namespace");
+    differs(old.partition != new.partition, "partition");
+    differs(old.passing != new.passing, "onlyPassing");
+    differs(old.tags != new.tags, "tags");
+    out
+}
+
+/// RFC 3339, to the second, UTC: how times appear in snapshots and statuses.
+pub fn rfc3339(t: SystemTime) -> String {
+    chrono::DateTime::<chrono::Utc>::from(t).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::{ConsulServer, Secret};
+    use std::time::Duration;
+
+    #[test]
+    fn names_what_changed() {
+        let key = |token: &str, dc: Option<&str>| ConsulKey {
+            server: ConsulServer {
+                address: "http://127.0.0.1:8500".into(),
+                token: Some(Secret::new(token)),
+                tls: None,
+            },
+            datacenter: dc.map(str::to_owned),
+            namespace: None,
+            partition: None,
+            passing: true,
+            tags: Default::default(),
+            service: "web".into(),
+        };
+        assert_eq!(changed_settings(&key("a", None), &key("b", Some("dc2"))), ["token", "datacenter"]);
+        assert!(changed_settings(&key("a", None), &key("a", None)).is_empty());
+    }
+
+    #[test]
+    fn times_are_rfc3339_seconds() {
+        let t = SystemTime::UNIX_EPOCH + Duration::from_millis(1_700_000_000_250);
+        assert_eq!(rfc3339(t), "2023-11-14T22:13:20Z");
+    }
+}

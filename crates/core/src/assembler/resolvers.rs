@@ -1,0 +1,311 @@
+//! Reading ConsulResolvers out of the world into the settings their queries use.
+//!
+//! Everything a resolver's spec names is validated before it is watched: a Secret name the
+//! API server would refuse in a field selector is an `InvalidSpec`, never a request.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use base64::Engine;
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::snapshot::{Unusable, UnusableReason};
+use crate::keys::{ConsulKey, ConsulServer, KubeKey, Secret, TlsSettings};
+use crate::world::World;
+use consul_resolver_api::names;
+use consul_resolver_api::resolver::{ConsulResolverSpec, SecretKeyRef};
+
+pub(crate) use consul_resolver_api::resolver::{GROUP, KIND};
+
+/// A resolver in scope (its ambassadorId matches), usable or not.
+#[derive(Debug, Clone)]
+pub struct Resolver {
+    pub namespace: String,
+    pub name: String,
+    pub spec: Option<ConsulResolverSpec>,
+    /// `metadata.generation`, for the status's `observedGeneration`.
+    pub generation: Option<i64>,
+    /// The settings for its queries, or why it cannot be queried as it stands.
+    pub settings: Result<Settings, Unusable>,
+    /// The Secrets its spec names (validly): watched whether or not the rest of the spec
+    /// is usable, so fixing the spec does not wait for a Secret to be read.
+    pub secrets: Vec<KubeKey>,
+}
+
+impl Resolver {
+    /// The services it always watches (`spec.services`), whatever Mappings name.
+    pub fn listed_services(&self) -> impl Iterator<Item = &str> {
+        self.spec.iter().flat_map(|s| s.services.iter().flatten()).map(|s| &**s)
+    }
+}
+
+/// Everything about a resolver that goes into its Consul keys: a key with the service
+/// left blank, filled in per service.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    template: ConsulKey,
+}
+
+impl Settings {
+    pub fn key(&self, service: &str) -> ConsulKey {
+        ConsulKey { service: service.to_owned(), ..self.template.clone() }
+    }
+
+    pub fn server(&self) -> &ConsulServer {
+        &self.template.server
+    }
+}
+
+/// The watch that brings a Secret named by a resolver: that one Secret, by name.
+pub fn secret_key(namespace: &str, name: &str) -> KubeKey {
+    KubeKey::new("", "v1", "Secret").in_namespace(namespace).with_fields(format!("metadata.name={name}"))
+}
+
+fn invalid(message: String) -> Unusable {
+    Unusable { reason: UnusableReason::InvalidSpec, message }
+}
+
+/// Reads every ConsulResolver of the operator's Ambassador ID, sorted by namespace and name.
+pub fn read(world: &World, ambassador_id: &str, env: &BTreeMap<String, String>) -> Vec<Resolver> {
+    let mut out: Vec<Resolver> = world
+        .objects_of(GROUP, KIND)
+        .filter_map(|obj| {
+            let namespace = obj.id.namespace.clone().unwrap_or_default();
+            let name = obj.id.name.clone();
+            let generation = obj.value.pointer("/metadata/generation").and_then(Value::as_i64);
+            let spec = match obj.value.get("spec") {
+                Some(spec) => ConsulResolverSpec::deserialize(spec).map_err(|e| format!("spec is not valid: {e}")),
+                None => Err("spec is missing".to_owned()),
+            };
+            match spec {
+                Ok(spec) if !spec.serves_ambassador_id(ambassador_id) => None,
+                Ok(spec) => {
+                    let refs = secret_refs(&spec);
+                    let secrets =
+                        refs.iter().filter_map(|(_, r)| valid_ref(r).ok()).map(|r| secret_key(&namespace, &r.name));
+                    let secrets = secrets.collect();
+                    let settings = settings(world, &namespace, &spec, &refs, env);
+                    Some(Resolver { namespace, name, spec: Some(spec), generation, settings, secrets })
+                }
+                // We cannot tell whose it is; report it, a user needs to know.
+                Err(e) => Some(Resolver {
+                    namespace,
+                    name,
+                    spec: None,
+                    generation,
+                    settings: Err(invalid(e)),
+                    secrets: Vec::new(),
+                }),
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    out
+}
+
+/// The Secret references of a spec, with the field each is in.
+fn secret_refs(spec: &ConsulResolverSpec) -> Vec<(&'static str, &SecretKeyRef)> {
+    let token = spec.token_secret_ref.as_ref().map(|r| ("spec.tokenSecretRef", r));
+    let ca = spec.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()).map(|r| ("spec.tls.caSecretRef", r));
+    token.into_iter().chain(ca).collect()
+}
+
+/// A reference whose name can go into a field selector and whose key can be in a Secret.
+fn valid_ref(r: &SecretKeyRef) -> Result<&SecretKeyRef, String> {
+    names::dns1123_subdomain(&r.name)
+        .map_err(|why| format!("name {:?} is not a valid Secret name: it {why}", r.name))?;
+    names::data_key(&r.key).map_err(|why| format!("key {:?} is not a valid Secret key: it {why}", r.key))?;
+    Ok(r)
+}
+
+fn settings(
+    world: &World,
+    namespace: &str,
+    spec: &ConsulResolverSpec,
+    refs: &[(&'static str, &SecretKeyRef)],
+    env: &BTreeMap<String, String>,
+) -> Result<Settings, Unusable> {
+    // First everything the spec alone decides (InvalidSpec), then the Secrets.
+    let expanded = expand_env(&spec.address, env).map_err(|e| invalid(format!("spec.address: {e}")))?;
+    let address = normalise_address(&expanded).map_err(|e| invalid(format!("spec.address {:?}: {e}", spec.address)))?;
+    let non_empty = |field: &str, v: &Option<String>| match v.as_deref() {
+        Some("") => Err(invalid(format!("spec.{field} must not be empty (omit it instead)"))),
+        other => Ok(other.map(str::to_owned)),
+    };
+    let datacenter = non_empty("datacenter", &spec.datacenter)?;
+    let consul_ns = non_empty("namespace", &spec.namespace)?;
+    let partition = non_empty("partition", &spec.partition)?;
+    for (field, r) in refs {
+        valid_ref(r).map_err(|e| invalid(format!("{field}: {e}")))?;
+    }
+    let server_name = match &spec.tls {
+        Some(_) if !address.starts_with("https://") => {
+            return Err(invalid("spec.tls is set but spec.address is not https://".to_owned()));
+        }
+        Some(t) => non_empty("tls.serverName", &t.server_name)?,
+        None => None,
+    };
+    let mut tags = BTreeSet::new();
+    for (i, t) in spec.tags.iter().flatten().enumerate() {
+        if t.is_empty() {
+            return Err(invalid(format!("spec.tags[{i}] is empty")));
+        }
+        tags.insert(t.0.clone());
+    }
+    let token = spec
+        .token_secret_ref
+        .as_ref()
+        .map(|r| read_secret(world, namespace, r, "spec.tokenSecretRef"))
+        .transpose()?
+        .map(|t| Secret::new(t.trim()));
+    let tls = match &spec.tls {
+        None => None,
+        Some(t) => {
+            let ca_pem = t
+                .ca_secret_ref
+                .as_ref()
+                .map(|r| read_secret(world, namespace, r, "spec.tls.caSecretRef"))
+                .transpose()?
+                .map(Arc::<str>::from);
+            Some(TlsSettings { ca_pem, server_name, insecure_skip_verify: t.insecure_skip_verify.unwrap_or(false) })
+        }
+    };
+    Ok(Settings {
+        template: ConsulKey {
+            server: ConsulServer { address, token, tls },
+            datacenter,
+            namespace: consul_ns,
+            partition,
+            passing: spec.only_passing(),
+            tags,
+            service: String::new(),
+        },
+    })
+}
+
+fn read_secret(world: &World, namespace: &str, r: &SecretKeyRef, field: &str) -> Result<String, Unusable> {
+    let shown = format!("{field}: Secret {namespace}/{}", r.name);
+    let unavailable = |what: String| Unusable { reason: UnusableReason::SecretUnavailable, message: what };
+    let store = world.kube().get(&secret_key(namespace, &r.name));
+    let Some(store) = store.filter(|s| s.listed) else {
+        return Err(match store.and_then(|s| s.rejection()) {
+            Some(why) => unavailable(format!("{shown} cannot be read: {why}")),
+            None => {
+                Unusable { reason: UnusableReason::WaitingForSecret, message: format!("{shown}: waiting to read it") }
+            }
+        });
+    };
+    let secret = store
+        .objects
+        .values()
+        .find(|o| o.id.name == r.name)
+        .ok_or_else(|| unavailable(format!("{shown} not found")))?;
+    let encoded = secret
+        .value
+        .pointer(&format!("/data/{}", r.key.replace('~', "~0").replace('/', "~1")))
+        .and_then(Value::as_str)
+        .ok_or_else(|| unavailable(format!("{shown} has no key {:?}", r.key)))?;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .map_err(|_| unavailable(format!("{shown} key {:?} is not valid base64", r.key)))?;
+    String::from_utf8(bytes).map_err(|_| unavailable(format!("{shown} key {:?} is not UTF-8", r.key)))
+}
+
+/// Expands `${VAR}` from the operator's environment. An unset variable is an error: a
+/// resolver pointed at `:8500` would be worse than one reported as broken.
+pub fn expand_env(input: &str, env: &BTreeMap<String, String>) -> Result<String, String> {
+    let mut out = String::with_capacity(input.len());
+    let mut rest = input;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let end = after.find('}').ok_or_else(|| format!("unclosed ${{ in {input:?}"))?;
+        let var = &after[..end];
+        if var.is_empty() || !var.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(format!("invalid variable name {var:?} in {input:?}"));
+        }
+        let value = env.get(var).ok_or_else(|| format!("environment variable {var} is not set in the operator"))?;
+        out.push_str(value);
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// `host:port`, `http://host:port` or `https://host:port` (port defaults to 8500 for
+/// http and 8501 for https, Consul's defaults) to `scheme://host:port`.
+pub fn normalise_address(address: &str) -> Result<String, String> {
+    if address.is_empty() {
+        return Err("is empty".to_owned());
+    }
+    if address.chars().any(char::is_whitespace) {
+        return Err("contains whitespace".to_owned());
+    }
+    let (scheme, rest) = match address.split_once("://") {
+        Some((s, rest)) => match s.to_ascii_lowercase().as_str() {
+            "http" => ("http", rest),
+            "https" => ("https", rest),
+            _ => return Err(format!("scheme {s:?} is not http or https")),
+        },
+        None => ("http", address),
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.contains('/') || rest.contains('?') {
+        return Err("must not have a path or query".to_owned());
+    }
+    let default_port = if scheme == "https" { 8501 } else { 8500 };
+    let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+        let (ip, tail) = v6.split_once(']').ok_or("has an unclosed '['")?;
+        let port = match tail.strip_prefix(':') {
+            Some(p) => p,
+            None if tail.is_empty() => "",
+            None => return Err("has garbage after the IPv6 address".to_owned()),
+        };
+        (format!("[{ip}]"), port)
+    } else {
+        match rest.rsplit_once(':') {
+            Some((h, p)) => (h.to_owned(), p),
+            None => (rest.to_owned(), ""),
+        }
+    };
+    if host.is_empty() || host == "[]" {
+        return Err("has no host".to_owned());
+    }
+    let port: u16 = if port.is_empty() {
+        default_port
+    } else {
+        match port.parse::<u16>() {
+            Ok(p) if p > 0 => p,
+            _ => return Err(format!("port {port:?} is not a number in 1-65535")),
+        }
+    };
+    Ok(format!("{scheme}://{}:{port}", host.to_ascii_lowercase()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_normalise() {
+        assert_eq!(normalise_address("127.0.0.1:8500").unwrap(), "http://127.0.0.1:8500");
+        assert_eq!(normalise_address("consul").unwrap(), "http://consul:8500");
+        assert_eq!(normalise_address("HTTPS://Consul.Example/").unwrap(), "https://consul.example:8501");
+        assert_eq!(normalise_address("http://[::1]:9500").unwrap(), "http://[::1]:9500");
+        for bad in ["", "ftp://x", "x:0", "x:port", "http://x/v1", "a b:80", "http://:80"] {
+            assert!(normalise_address(bad).is_err(), "{bad:?} should be rejected");
+        }
+    }
+
+    #[test]
+    fn env_expands_and_unset_is_an_error() {
+        let env = BTreeMap::from([("HOST_IP".to_owned(), "10.1.2.3".to_owned())]);
+        assert_eq!(expand_env("${HOST_IP}:8500", &env).unwrap(), "10.1.2.3:8500");
+        assert_eq!(expand_env("plain:8500", &env).unwrap(), "plain:8500");
+        let e = expand_env("${NOPE}:8500", &env).unwrap_err();
+        assert!(e.contains("NOPE is not set"), "{e}");
+        assert!(expand_env("${HOST_IP:8500", &env).is_err());
+        assert!(expand_env("${}:1", &env).is_err());
+    }
+}

@@ -1,0 +1,18 @@
+//! The pure core of the pipeline: no network, no Kubernetes client, no clock reads (time is
+//! passed in, so everything here is tested on a paused clock). See docs/architecture.md.
+//!
+//! ```text
+//! sources (edge) -> registry -> world -> limiter -> assembler -> publishers (edge)
+//! ```
+
+pub mod assembler;
+pub mod election;
+pub mod keys;
+pub mod limiter;
+pub mod model;
+pub mod pipeline;
+pub mod registry;
+pub mod world;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,125 @@
+//! Plain data that flows from the sources into the world, and the events that carry it. No
+//! Kubernetes or HTTP types: sources translate what they receive into these.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::keys::{ConsulKey, KubeKey};
+
+/// Identity of a Kubernetes object within one watch.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ObjectId {
+    pub namespace: Option<String>,
+    pub name: String,
+}
+
+/// A Kubernetes object as JSON, shared cheaply between the world and its readers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KubeObject {
+    pub id: ObjectId,
+    pub value: Arc<Value>,
+}
+
+impl KubeObject {
+    /// Reads the id from `metadata`; `None` when the object has no name.
+    pub fn from_value(value: Value) -> Option<Self> {
+        let name = value.pointer("/metadata/name")?.as_str()?.to_owned();
+        let namespace = value.pointer("/metadata/namespace").and_then(Value::as_str).map(str::to_owned);
+        Some(KubeObject { id: ObjectId { namespace, name }, value: Arc::new(value) })
+    }
+}
+
+/// Summary of an instance's health checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Health {
+    Passing,
+    Warning,
+    Critical,
+}
+
+/// One instance of a Consul service.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Endpoint {
+    /// `Service.Address`, or `Node.Address` when that is empty.
+    pub address: String,
+    pub port: u16,
+    pub node: String,
+    pub service_id: String,
+    /// Sorted.
+    pub tags: Vec<String>,
+    pub meta: BTreeMap<String, String>,
+    /// The worst status among the instance's checks (node checks included).
+    pub health: Health,
+}
+
+/// One address of a Kubernetes Service (from EndpointSlices or Endpoints).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KubeEndpoint {
+    pub address: String,
+    /// Named ports of the service, sorted by name.
+    pub ports: Vec<KubePort>,
+    pub ready: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct KubePort {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub port: u16,
+}
+
+/// What a Kubernetes source reports. Mirrors a list-then-watch stream: after a (re)list
+/// starts, objects are collected and replace the key's store atomically at `ListDone`, so
+/// readers never see a half-relisted store.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KubeEvent {
+    ListStarted,
+    Listed(KubeObject),
+    ListDone,
+    Applied(KubeObject),
+    Deleted(ObjectId),
+    /// The watch failed; the source retries with backoff. The store keeps its objects.
+    Failed(WatchFailure),
+}
+
+/// Why a Kubernetes watch failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchFailure {
+    pub message: String,
+    /// The API server refused the request itself (a 4xx other than 410 Gone and 429): the
+    /// same request keeps failing until something else changes (RBAC, the object that
+    /// implied the watch). It is reported on that object; transient failures (the API
+    /// server restarting, a dropped connection) are retried without a word in the snapshot.
+    pub rejected: bool,
+}
+
+impl WatchFailure {
+    pub fn transient(message: impl Into<String>) -> Self {
+        WatchFailure { message: message.into(), rejected: false }
+    }
+
+    pub fn rejected(message: impl Into<String>) -> Self {
+        WatchFailure { message: message.into(), rejected: true }
+    }
+}
+
+/// What a Consul source reports.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ConsulEvent {
+    /// Consul answered: the full current endpoint list (sorted) and its index.
+    Answer { index: u64, endpoints: Vec<Endpoint> },
+    /// A query failed; the last known endpoints stay in place.
+    Failed(String),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Kube(KubeKey, KubeEvent),
+    Consul(ConsulKey, ConsulEvent),
+}

@@ -1,0 +1,854 @@
+//! Behaviour of the core as a whole: the pipeline driven by events and a paused clock.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use std::time::SystemTime;
+
+use super::assembler::snapshot::{Target, UnusableReason};
+use super::assembler::{self, Config, EndpointsApi, Kept};
+use super::keys::{ConsulKey, KubeKey, WatchKey};
+use super::model::{ConsulEvent, Event, KubeEvent, WatchFailure};
+use super::model::{Endpoint, Health, KubeObject};
+use super::pipeline::{Pipeline, Step, WallClock};
+
+const MAX_RETRY: Duration = Duration::from_secs(30);
+
+const WINDOW: Duration = Duration::from_millis(250);
+const BOOTSTRAP: Duration = Duration::from_secs(30);
+
+fn resolvers_key() -> KubeKey {
+    KubeKey::new("consulresolver.io", "v1alpha1", "ConsulResolver")
+}
+fn mappings_key() -> KubeKey {
+    KubeKey::new("getambassador.io", "v3alpha1", "Mapping")
+}
+/// 2026-11-23T06:00:00Z at the test's start.
+const WALL_START: u64 = 1_795_413_600;
+
+fn pipeline(cfg: Config) -> Pipeline {
+    let clock = WallClock { instant: Instant::now(), wall: SystemTime::UNIX_EPOCH + Duration::from_secs(WALL_START) };
+    Pipeline::new(cfg, BOOTSTRAP, WINDOW, clock)
+}
+
+fn fixed() -> BTreeSet<WatchKey> {
+    [resolvers_key().into(), mappings_key().into()].into_iter().collect()
+}
+
+fn object(v: Value) -> KubeObject {
+    KubeObject::from_value(v).unwrap()
+}
+fn resolver(ns: &str, name: &str, spec: Value) -> KubeObject {
+    object(json!({"apiVersion": "consulresolver.io/v1alpha1", "kind": "ConsulResolver",
+                  "metadata": {"namespace": ns, "name": name}, "spec": spec}))
+}
+fn mapping(ns: &str, name: &str, spec: Value) -> KubeObject {
+    object(json!({"apiVersion": "getambassador.io/v3alpha1", "kind": "Mapping",
+                  "metadata": {"namespace": ns, "name": name}, "spec": spec}))
+}
+fn listed(key: &KubeKey, objects: Vec<KubeObject>) -> Vec<Event> {
+    let mut out = vec![Event::Kube(key.clone(), KubeEvent::ListStarted)];
+    out.extend(objects.into_iter().map(|o| Event::Kube(key.clone(), KubeEvent::Listed(o))));
+    out.push(Event::Kube(key.clone(), KubeEvent::ListDone));
+    out
+}
+fn ep(addr: &str, port: u16) -> Endpoint {
+    Endpoint {
+        address: addr.into(),
+        port,
+        node: "node-1".into(),
+        service_id: format!("{addr}:{port}"),
+        tags: vec![],
+        meta: Default::default(),
+        health: Health::Passing,
+    }
+}
+fn consul_keys(p: &Pipeline) -> Vec<ConsulKey> {
+    p.registry()
+        .keys()
+        .filter_map(|k| match k {
+            WatchKey::Consul(c) => Some(c.clone()),
+            WatchKey::Kube(_) => None,
+        })
+        .collect()
+}
+fn publish(p: &mut Pipeline) -> Option<std::sync::Arc<super::assembler::Snapshot>> {
+    match p.poll(Instant::now()) {
+        Step::Publish(s) => {
+            p.published(&s, true, Instant::now());
+            Some(s)
+        }
+        _ => None,
+    }
+}
+
+/// A world with one resolver and one Mapping through it, listed; the Consul key started.
+fn bootstrapped_pipeline() -> (Pipeline, ConsulKey) {
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![resolver("shop", "consul", json!({"address": "127.0.0.1:8500"}))]), now);
+    let diff = p.apply(
+        listed(
+            &mappings_key(),
+            vec![mapping("shop", "billing", json!({"service": "billing:8080", "resolver": "consul"}))],
+        ),
+        now,
+    );
+    assert_eq!(diff.start.len(), 1, "the Mapping implies exactly one Consul watch: {diff:?}");
+    let key = consul_keys(&p).remove(0);
+    (p, key)
+}
+
+#[tokio::test(start_paused = true)]
+async fn nothing_publishes_before_bootstrap() {
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    assert_eq!(p.poll(now), Step::Idle, "Kubernetes kinds not listed: no timeout, no publication");
+    p.apply(listed(&resolvers_key(), vec![resolver("shop", "consul", json!({"address": "127.0.0.1:8500"}))]), now);
+    assert_eq!(p.poll(now), Step::Idle, "Mappings not listed yet");
+    p.apply(
+        listed(&mappings_key(), vec![mapping("shop", "billing", json!({"service": "billing", "resolver": "consul"}))]),
+        now,
+    );
+    // Everything listed, but the Consul service the Mapping references has not answered.
+    assert_eq!(p.poll(now), Step::WaitUntil(now + BOOTSTRAP));
+    let key = consul_keys(&p).remove(0);
+    p.apply([Event::Consul(key, ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
+    let snap = publish(&mut p).expect("complete: publishes at once");
+    assert!(snap.content.bootstrap.complete);
+    assert_eq!(snap.content.resolvers[0].services[0].endpoints, vec![ep("10.0.0.1", 80)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn unreachable_consul_publishes_after_the_bootstrap_timeout() {
+    let (mut p, key) = bootstrapped_pipeline();
+    p.apply(
+        [Event::Consul(key, ConsulEvent::Failed("connect 127.0.0.1:8500: connection refused".into()))],
+        Instant::now(),
+    );
+    assert!(matches!(p.poll(Instant::now()), Step::WaitUntil(_)));
+    tokio::time::advance(BOOTSTRAP).await;
+    let snap = publish(&mut p).expect("published after the timeout");
+    assert!(!snap.content.bootstrap.complete);
+    assert_eq!(snap.content.bootstrap.unsynced, ["shop/consul/billing"]);
+    let svc = &snap.content.resolvers[0].services[0];
+    assert!(!svc.synced);
+    assert_eq!(svc.error.as_deref(), Some("connect 127.0.0.1:8500: connection refused"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_burst_of_ten_thousand_events_is_at_most_two_publications_ending_in_the_final_world() {
+    let (mut p, key) = bootstrapped_pipeline();
+    p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![] })], Instant::now());
+    publish(&mut p).expect("initial snapshot");
+    tokio::time::advance(WINDOW * 4).await; // quiet
+
+    let mut publications = Vec::new();
+    let start = Instant::now();
+    for i in 0..10_000u32 {
+        // Spread over just under one window.
+        if i % 100 == 0 {
+            tokio::time::advance(WINDOW / 101).await;
+        }
+        let endpoints = vec![ep("10.0.0.1", 1 + (i % 60_000) as u16)];
+        p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 2 + i as u64, endpoints })], Instant::now());
+        if let Some(s) = publish(&mut p) {
+            publications.push(s);
+        }
+    }
+    assert!(Instant::now() - start < WINDOW, "the burst fits inside one window");
+    // Drain: the trailing edge.
+    loop {
+        match p.poll(Instant::now()) {
+            Step::WaitUntil(t) => tokio::time::advance(t - Instant::now()).await,
+            Step::Publish(s) => {
+                p.published(&s, true, Instant::now());
+                publications.push(s);
+            }
+            Step::Idle => break,
+        }
+    }
+    assert!(publications.len() <= 2, "{} publications", publications.len());
+    let last = publications.last().unwrap();
+    assert_eq!(last.content.resolvers[0].services[0].endpoints, vec![ep("10.0.0.1", 10_000)]);
+    assert_eq!(last.content.resolvers[0].services[0].index, Some(10_001));
+    let ids: Vec<u64> = publications.iter().map(|s| s.id).collect();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids increase: {ids:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_publication_is_never_overlapped_and_gets_one_follow_up() {
+    let (mut p, key) = bootstrapped_pipeline();
+    p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![] })], Instant::now());
+    let Step::Publish(first) = p.poll(Instant::now()) else { panic!("expected a publication") };
+    for i in 0..500u16 {
+        tokio::time::advance(WINDOW / 10).await;
+        p.apply(
+            [Event::Consul(
+                key.clone(),
+                ConsulEvent::Answer { index: 2 + u64::from(i), endpoints: vec![ep("10.0.0.2", i + 1)] },
+            )],
+            Instant::now(),
+        );
+        assert_eq!(p.poll(Instant::now()), Step::Idle, "never two at once");
+    }
+    p.published(&first, true, Instant::now());
+    let follow_up = publish(&mut p).expect("one follow-up at once");
+    assert_eq!(follow_up.content.resolvers[0].services[0].endpoints, vec![ep("10.0.0.2", 500)]);
+    assert_eq!(p.poll(Instant::now()), Step::Idle);
+}
+
+#[tokio::test(start_paused = true)]
+async fn unchanged_content_is_not_republished_and_failures_are_retried() {
+    let (mut p, key) = bootstrapped_pipeline();
+    let answer = |i| Event::Consul(key.clone(), ConsulEvent::Answer { index: i, endpoints: vec![ep("10.0.0.1", 80)] });
+    p.apply([answer(1)], Instant::now());
+    let first = publish(&mut p).unwrap();
+    tokio::time::advance(WINDOW).await;
+    // A Consul wake-up with a new index but the same endpoints is no change at all.
+    p.apply([answer(1)], Instant::now());
+    assert_eq!(p.poll(Instant::now()), Step::Idle);
+    // A Mapping changes; its publication fails; the retry comes later with the latest.
+    p.apply(
+        [Event::Kube(
+            mappings_key(),
+            KubeEvent::Applied(mapping("shop", "extra", json!({"service": "billing", "resolver": "consul"}))),
+        )],
+        Instant::now(),
+    );
+    let Step::Publish(s) = p.poll(Instant::now()) else { panic!() };
+    assert_eq!(s.id, first.id + 1);
+    p.published(&s, false, Instant::now());
+    let Step::WaitUntil(retry) = p.poll(Instant::now()) else { panic!("backs off") };
+    assert!(retry > Instant::now());
+    tokio::time::advance(retry - Instant::now()).await;
+    let again = publish(&mut p).expect("retried");
+    assert_eq!((again.id, &again.hash), (s.id, &s.hash), "a retry of the same content keeps its id");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_leader_republishes_unchanged_content_above_the_previous_leaders_id() {
+    let (mut p, key) = bootstrapped_pipeline();
+    p.apply(
+        [Event::Consul(key, ConsulEvent::Answer { index: 1, endpoints: vec![ep("10.0.0.1", 80)] })],
+        Instant::now(),
+    );
+    let first = publish(&mut p).unwrap();
+    tokio::time::advance(WINDOW).await;
+    assert_eq!(p.poll(Instant::now()), Step::Idle);
+    // The ConfigMap says another replica got to id 41 with this same world.
+    p.republish(41);
+    let Step::Publish(again) = p.poll(Instant::now()) else { panic!("republished although unchanged") };
+    assert_eq!((again.id, &again.hash), (42, &first.hash));
+    // A failed republication is retried, still forced, with the same id.
+    p.published(&again, false, Instant::now());
+    tokio::time::advance(MAX_RETRY).await;
+    let retried = publish(&mut p).expect("retried");
+    assert_eq!((retried.id, &retried.hash), (42, &first.hash));
+    tokio::time::advance(WINDOW).await;
+    assert_eq!(p.poll(Instant::now()), Step::Idle, "once is enough");
+    // A floor below our own ids never moves them back.
+    p.republish(3);
+    assert_eq!(publish(&mut p).unwrap().id, 43);
+}
+
+#[tokio::test(start_paused = true)]
+async fn mappings_drive_consul_watches_and_sharing() {
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(
+        listed(
+            &resolvers_key(),
+            vec![
+                resolver("shop", "consul", json!({"address": "127.0.0.1:8500", "datacenter": "dc1"})),
+                // Same settings in another namespace: same queries, shared watches.
+                resolver("blog", "consul", json!({"address": "http://127.0.0.1:8500", "datacenter": "dc1"})),
+            ],
+        ),
+        now,
+    );
+    p.apply(
+        listed(
+            &mappings_key(),
+            vec![
+                mapping("shop", "a", json!({"service": "billing:8080", "resolver": "consul"})),
+                mapping("shop", "b", json!({"service": "http://billing", "resolver": "consul"})),
+                mapping("blog", "c", json!({"service": "billing.blog:80", "resolver": "consul"})),
+                mapping("blog", "d", json!({"service": "posts", "resolver": "consul"})),
+            ],
+        ),
+        now,
+    );
+    let services: Vec<_> = consul_keys(&p).iter().map(|k| k.service.clone()).collect();
+    assert_eq!(services, ["billing", "posts"], "three Mappings, two resolvers, one billing watch");
+    assert!(consul_keys(&p).iter().all(|k| k.datacenter.as_deref() == Some("dc1")));
+
+    // Mapping d goes: posts stops. Mapping a goes: billing stays (b and c still use it).
+    let diff = p.apply(
+        [
+            Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("blog", "d", json!({})).id)),
+            Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("shop", "a", json!({})).id)),
+        ],
+        now,
+    );
+    assert!(diff.start.is_empty());
+    assert_eq!(diff.stop.len(), 1);
+    assert!(matches!(&diff.stop[0], WatchKey::Consul(k) if k.service == "posts"));
+
+    // Changing the resolver's spec restarts only the watches whose key changed.
+    let diff = p.apply(
+        [Event::Kube(
+            resolvers_key(),
+            KubeEvent::Applied(resolver("blog", "consul", json!({"address": "127.0.0.1:8500", "datacenter": "dc2"}))),
+        )],
+        now,
+    );
+    assert_eq!(diff.start.len(), 1, "{diff:?}");
+    assert!(matches!(&diff.start[0], WatchKey::Consul(k) if k.datacenter.as_deref() == Some("dc2")));
+    assert!(diff.stop.is_empty(), "dc1 billing is still used by shop/b");
+}
+
+#[tokio::test(start_paused = true)]
+async fn kubernetes_services_watch_only_their_own_endpoints() {
+    let cfg = Config { endpoints_api: EndpointsApi::Endpoints, ..Config::default() };
+    let mut p = pipeline(cfg);
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![]), now);
+    p.apply(
+        listed(
+            &mappings_key(),
+            vec![
+                mapping("shop", "a", json!({"service": "web:80"})),
+                mapping("shop", "b", json!({"service": "api.backend:9000"})),
+            ],
+        ),
+        now,
+    );
+    let kube: Vec<String> = p
+        .registry()
+        .keys()
+        .filter(|k| matches!(k, WatchKey::Kube(k) if k.kind == "Endpoints"))
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        kube,
+        ["Endpoints/v1 in backend fields metadata.name=api", "Endpoints/v1 in shop fields metadata.name=web"]
+    );
+    assert_eq!(p.poll(now), Step::WaitUntil(now + BOOTSTRAP), "their endpoints have not listed yet");
+    let web = EndpointsApi::Endpoints.key("shop", "web");
+    let api = EndpointsApi::Endpoints.key("backend", "api");
+    p.apply(
+        listed(
+            &web,
+            vec![object(json!({"metadata": {"namespace": "shop", "name": "web"},
+        "subsets": [{"addresses": [{"ip": "10.1.0.1"}], "ports": [{"port": 80}]}]}))],
+        ),
+        now,
+    );
+    p.apply(listed(&api, vec![]), now);
+    let snap = publish(&mut p).unwrap();
+    let svcs: Vec<_> = snap
+        .content
+        .kubernetes_services
+        .iter()
+        .map(|s| (s.namespace.as_str(), s.name.as_str(), s.endpoints.len()))
+        .collect();
+    assert_eq!(svcs, [("backend", "api", 0), ("shop", "web", 1)]);
+}
+
+fn assemble(resolvers: Vec<KubeObject>, mappings: Vec<KubeObject>, cfg: &Config) -> assembler::Assembly {
+    let mut p = pipeline(cfg.clone());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), resolvers), now);
+    p.apply(listed(&mappings_key(), mappings), now);
+    assembler::assemble(p.world(), cfg, &Kept::default(), SystemTime::UNIX_EPOCH)
+}
+
+#[tokio::test(start_paused = true)]
+async fn resolver_lookup_rules() {
+    let spec = json!({"address": "127.0.0.1:8500"});
+    let a = assemble(
+        vec![
+            resolver("shop", "consul", spec.clone()),
+            resolver("a", "shared", spec.clone()),
+            resolver("b", "shared", spec.clone()),
+            resolver("c", "only", spec.clone()),
+        ],
+        vec![
+            mapping("shop", "same-ns", json!({"service": "s1", "resolver": "consul"})),
+            mapping("other", "elsewhere", json!({"service": "s2", "resolver": "only"})),
+            mapping("other", "ambiguous", json!({"service": "s3", "resolver": "shared"})),
+            mapping("a", "local-wins", json!({"service": "s4", "resolver": "shared"})),
+            mapping("shop", "missing", json!({"service": "s5", "resolver": "nope"})),
+            mapping("shop", "bad-service", json!({"service": "s6:99999", "resolver": "consul"})),
+        ],
+        &Config::default(),
+    );
+    let target = |name: &str| a.content.mappings.iter().find(|m| m.name == name).unwrap().target.clone();
+    assert!(matches!(target("same-ns"), Target::Consul { resolver_namespace, .. } if resolver_namespace == "shop"));
+    assert!(matches!(target("elsewhere"), Target::Consul { resolver_namespace, .. } if resolver_namespace == "c"));
+    assert!(matches!(target("local-wins"), Target::Consul { resolver_namespace, .. } if resolver_namespace == "a"));
+    for unresolved in ["ambiguous", "missing", "bad-service"] {
+        assert_eq!(target(unresolved), Target::Unresolved, "{unresolved}");
+    }
+    let msgs: Vec<_> =
+        a.content.problems.iter().map(|p| format!("{}/{}: {}", p.namespace, p.name, p.message)).collect();
+    assert!(
+        msgs.iter()
+            .any(|m| m.starts_with("other/ambiguous: resolver \"shared\" is ambiguous")
+                && m.contains("a/shared, b/shared")),
+        "{msgs:?}"
+    );
+    assert!(msgs.iter().any(|m| m.starts_with("shop/missing: resolver \"nope\": no ConsulResolver")), "{msgs:?}");
+    assert!(
+        msgs.iter()
+            .any(|m| m.starts_with("shop/bad-service: spec.service: service \"s6:99999\" has port 99999 out of range")),
+        "{msgs:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn invalid_resolvers_and_ambassador_ids() {
+    let cfg = Config {
+        ambassador_id: "blue".into(),
+        default_resolver: Some("shop/consul".parse().unwrap()),
+        ..Config::default()
+    };
+    let a = assemble(
+        vec![
+            resolver(
+                "shop",
+                "consul",
+                json!({"address": "127.0.0.1:8500", "ambassadorId": ["blue"], "services": ["always"]}),
+            ),
+            resolver("shop", "green", json!({"address": "127.0.0.1:8500", "ambassadorId": ["green"]})),
+            resolver("shop", "broken", json!({"address": "${NOT_SET}:8500", "ambassadorId": ["blue"]})),
+        ],
+        vec![
+            mapping("shop", "defaulted", json!({"service": "web", "ambassador_id": "blue"})),
+            mapping("shop", "not-ours", json!({"service": "other", "ambassador_id": ["green"]})),
+            mapping("shop", "via-broken", json!({"service": "x", "resolver": "broken", "ambassador_id": ["blue"]})),
+        ],
+        &cfg,
+    );
+    let names: Vec<_> = a.content.resolvers.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["broken", "consul"], "green belongs to another Ambassador");
+    let unusable = a.content.resolvers[0].unusable.as_ref().unwrap();
+    assert_eq!(unusable.reason, UnusableReason::InvalidSpec);
+    assert!(unusable.message.contains("NOT_SET is not set"), "{unusable:?}");
+    let services: Vec<_> = a.content.resolvers[1].services.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(services, ["always", "web"], "spec.services plus the defaulted Mapping");
+    assert_eq!(a.content.mappings.len(), 2, "not-ours is ignored");
+    assert!(a.content.problems.iter().any(|p| p.name == "via-broken" && p.message.contains("cannot be used")));
+}
+
+#[tokio::test(start_paused = true)]
+async fn tokens_come_from_secrets_and_never_reach_the_snapshot() {
+    let token = "0f7e6d5c-4b3a-2918-7654-32100fedcba9";
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    let diff = p.apply(
+        listed(
+            &resolvers_key(),
+            vec![resolver(
+                "shop",
+                "consul",
+                json!({"address": "127.0.0.1:8500", "tokenSecretRef": {"name": "consul-acl", "key": "token"}}),
+            )],
+        ),
+        now,
+    );
+    // The Secret is watched by name as soon as the resolver names it.
+    assert_eq!(
+        diff.start.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        ["Secret/v1 in shop fields metadata.name=consul-acl"]
+    );
+    let diff = p.apply(
+        listed(&mappings_key(), vec![mapping("shop", "m", json!({"service": "billing", "resolver": "consul"}))]),
+        now,
+    );
+    assert!(diff.start.is_empty(), "no Consul watch without the token: {diff:?}");
+    let secret_key = super::assembler::resolvers::secret_key("shop", "consul-acl");
+    use base64::Engine;
+    let encoded = base64::engine::general_purpose::STANDARD.encode(format!("{token}\n"));
+    let diff = p.apply(
+        listed(
+            &secret_key,
+            vec![object(json!({"metadata": {"namespace": "shop", "name": "consul-acl"}, "data": {"token": encoded}}))],
+        ),
+        now,
+    );
+    let WatchKey::Consul(k) = &diff.start[0] else { panic!("{diff:?}") };
+    assert_eq!(k.server.token.as_ref().unwrap().expose(), token, "trimmed token from the Secret");
+    p.apply([Event::Consul(k.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![] })], now);
+    let snap = publish(&mut p).unwrap();
+    let bytes = String::from_utf8(snap.to_json()).unwrap();
+    assert!(!bytes.contains(token) && !bytes.contains(&encoded[..20]), "token leaked into the snapshot");
+    // A rotated token restarts the watch with the new token.
+    let encoded2 = base64::engine::general_purpose::STANDARD.encode("rotated");
+    let diff = p.apply(
+        [Event::Kube(
+            secret_key,
+            KubeEvent::Applied(object(
+                json!({"metadata": {"namespace": "shop", "name": "consul-acl"}, "data": {"token": encoded2}}),
+            )),
+        )],
+        now,
+    );
+    assert_eq!((diff.start.len(), diff.stop.len()), (1, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn snapshots_are_deterministic() {
+    let build = |order: bool| {
+        let mut ms = vec![
+            mapping("shop", "a", json!({"service": "billing", "resolver": "consul"})),
+            mapping("shop", "b", json!({"service": "web"})),
+        ];
+        if order {
+            ms.reverse();
+        }
+        assemble(vec![resolver("shop", "consul", json!({"address": "127.0.0.1:8500"}))], ms, &Config::default()).content
+    };
+    let (a, b) = (build(false), build(true));
+    assert_eq!(serde_json::to_vec(&a).unwrap(), serde_json::to_vec(&b).unwrap());
+    assert_eq!(a.hash(), b.hash());
+    assert_eq!(a.clone().into_snapshot(1).hash, a.hash());
+}
+
+#[tokio::test(start_paused = true)]
+async fn resolver_entries_carry_the_generation_for_observed_generation() {
+    let mut with_generation = resolver("shop", "consul", json!({"address": "127.0.0.1:8500"}));
+    let mut value = (*with_generation.value).clone();
+    value["metadata"]["generation"] = json!(7);
+    with_generation.value = std::sync::Arc::new(value);
+    let a = assemble(
+        vec![with_generation, resolver("shop", "bare", json!({"address": "127.0.0.1:8500"}))],
+        vec![],
+        &Config::default(),
+    );
+    let generation = |name: &str| a.content.resolvers.iter().find(|r| r.name == name).unwrap().generation;
+    assert_eq!(generation("consul"), Some(7));
+    assert_eq!(generation("bare"), None, "absent stays absent (and out of the JSON)");
+}
+
+fn secret_object(ns: &str, name: &str, token: &str) -> KubeObject {
+    use base64::Engine;
+    let encoded = base64::engine::general_purpose::STANDARD.encode(token);
+    object(json!({"metadata": {"namespace": ns, "name": name}, "data": {"token": encoded}}))
+}
+
+fn answer(key: &ConsulKey, index: u64, endpoints: Vec<Endpoint>) -> Event {
+    Event::Consul(key.clone(), ConsulEvent::Answer { index, endpoints })
+}
+
+/// Publishes whatever is due, waiting out the window first.
+async fn next_publication(p: &mut Pipeline) -> std::sync::Arc<super::assembler::Snapshot> {
+    loop {
+        match p.poll(Instant::now()) {
+            Step::Publish(s) => {
+                p.published(&s, true, Instant::now());
+                return s;
+            }
+            Step::WaitUntil(t) => tokio::time::advance(t - Instant::now()).await,
+            Step::Idle => panic!("nothing to publish"),
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_the_first_publication_a_new_or_silent_key_holds_nothing_back() {
+    let (mut p, billing) = bootstrapped_pipeline();
+    p.apply([answer(&billing, 1, vec![ep("10.0.0.1", 80)])], Instant::now());
+    publish(&mut p).expect("the first, complete snapshot");
+    tokio::time::advance(WINDOW).await;
+    // Another team adds a Mapping to a service whose Consul never answers.
+    let diff = p.apply(
+        [Event::Kube(
+            mappings_key(),
+            KubeEvent::Applied(mapping("shop", "orders", json!({"service": "orders", "resolver": "consul"}))),
+        )],
+        Instant::now(),
+    );
+    assert_eq!(diff.start.len(), 1);
+    let snap = publish(&mut p).expect("published at once, not after the bootstrap timeout");
+    let orders = snap.content.resolvers[0].services.iter().find(|s| s.name == "orders").unwrap();
+    assert!(!orders.synced && orders.endpoints.is_empty());
+    assert!(!snap.content.bootstrap.complete);
+    // A healthy service's change a moment later goes out within the window, though
+    // orders is still silent.
+    tokio::time::advance(WINDOW / 2).await;
+    p.apply([answer(&billing, 2, vec![ep("10.0.0.1", 81)])], Instant::now());
+    let snap = next_publication(&mut p).await;
+    let billing_entry = snap.content.resolvers[0].services.iter().find(|s| s.name == "billing").unwrap();
+    assert_eq!(billing_entry.endpoints, vec![ep("10.0.0.1", 81)]);
+    // orders fails, then answers: each is published as it comes.
+    let orders_key = consul_keys(&p).into_iter().find(|k| k.service == "orders").unwrap();
+    p.apply([Event::Consul(orders_key.clone(), ConsulEvent::Failed("connection refused".into()))], Instant::now());
+    let snap = next_publication(&mut p).await;
+    let orders = snap.content.resolvers[0].services.iter().find(|s| s.name == "orders").unwrap();
+    assert_eq!(orders.error.as_deref(), Some("connection refused"));
+    p.apply([answer(&orders_key, 7, vec![ep("10.0.0.9", 90)])], Instant::now());
+    let snap = next_publication(&mut p).await;
+    assert!(snap.content.bootstrap.complete);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_watch_the_api_server_rejects_is_a_problem_on_its_mappings_and_holds_nothing_back() {
+    let cfg = Config { endpoints_api: EndpointsApi::Endpoints, ..Config::default() };
+    let mut p = pipeline(cfg);
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![]), now);
+    p.apply(listed(&mappings_key(), vec![mapping("shop", "web", json!({"service": "web:80"}))]), now);
+    let web = EndpointsApi::Endpoints.key("shop", "web");
+    p.apply(listed(&web, vec![]), now);
+    publish(&mut p).expect("first snapshot");
+    tokio::time::advance(WINDOW).await;
+    // A Mapping to a Service in a namespace the operator may not read.
+    p.apply(
+        [Event::Kube(mappings_key(), KubeEvent::Applied(mapping("shop", "vault", json!({"service": "vault.locked"}))))],
+        Instant::now(),
+    );
+    let locked = EndpointsApi::Endpoints.key("locked", "vault");
+    let forbidden = "the API server answered 403 Forbidden: endpoints is forbidden";
+    p.apply([Event::Kube(locked.clone(), KubeEvent::Failed(WatchFailure::rejected(forbidden)))], Instant::now());
+    let snap = next_publication(&mut p).await;
+    let entry = snap.content.kubernetes_services.iter().find(|s| s.namespace == "locked").unwrap();
+    assert_eq!((entry.synced, entry.error.as_deref()), (false, Some(forbidden)));
+    let problem = snap.content.problems.iter().find(|p| p.name == "vault").expect("a problem on the Mapping");
+    assert_eq!(
+        problem.message,
+        format!("cannot watch the endpoints of Service locked/vault: {forbidden}"),
+        "names what and where"
+    );
+    assert!(snap.content.problems.iter().all(|p| p.name == "vault"), "nobody else is affected");
+    // The watch is still wanted (the source retries it with backoff); once it lists, the
+    // problem goes.
+    assert!(p.registry().contains(&WatchKey::Kube(locked.clone())));
+    p.apply(listed(&locked, vec![]), Instant::now());
+    let snap = next_publication(&mut p).await;
+    assert!(snap.content.problems.is_empty(), "{:?}", snap.content.problems);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_rejected_secret_watch_does_not_hold_back_the_first_publication() {
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    let spec = json!({"address": "127.0.0.1:8500", "tokenSecretRef": {"name": "acl", "key": "token"}});
+    p.apply(listed(&resolvers_key(), vec![resolver("locked", "consul", spec)]), now);
+    p.apply(listed(&mappings_key(), vec![]), now);
+    assert_eq!(p.poll(now), Step::WaitUntil(now + BOOTSTRAP), "the Secret is waited for");
+    let secret = assembler::resolvers::secret_key("locked", "acl");
+    p.apply([Event::Kube(secret, KubeEvent::Failed(WatchFailure::rejected("secrets is forbidden")))], now);
+    let snap = publish(&mut p).expect("rejected is settled: published at once");
+    let unusable = snap.content.resolvers[0].unusable.as_ref().unwrap();
+    assert_eq!(unusable.reason, UnusableReason::SecretUnavailable);
+    assert_eq!(unusable.message, "spec.tokenSecretRef: Secret locked/acl cannot be read: secrets is forbidden");
+}
+
+#[tokio::test(start_paused = true)]
+async fn names_that_cannot_be_selected_are_reported_and_never_watched() {
+    let long = "a".repeat(64);
+    let a = assemble(
+        vec![
+            resolver(
+                "other",
+                "bad",
+                json!({"address": "127.0.0.1:8500", "tokenSecretRef": {"name": "a,b", "key": "token"}}),
+            ),
+            resolver("shop", "good", json!({"address": "127.0.0.1:8500"})),
+        ],
+        vec![
+            mapping("shop", "fine", json!({"service": "web", "resolver": "good"})),
+            mapping("shop", "dash", json!({"service": "-x"})),
+            mapping("shop", "trailing", json!({"service": "x-"})),
+            mapping("shop", "underscore", json!({"service": "_x"})),
+            mapping("shop", "long", json!({"service": long})),
+        ],
+        &Config::default(),
+    );
+    let bad = a.content.resolvers.iter().find(|r| r.name == "bad").unwrap();
+    let unusable = bad.unusable.as_ref().unwrap();
+    assert_eq!(unusable.reason, UnusableReason::InvalidSpec);
+    assert!(
+        unusable.message.starts_with("spec.tokenSecretRef: name \"a,b\" is not a valid Secret name"),
+        "{}",
+        unusable.message
+    );
+    for name in ["dash", "trailing", "underscore", "long"] {
+        let problem = a.content.problems.iter().find(|p| p.name == name).unwrap_or_else(|| panic!("{name}"));
+        assert!(problem.message.contains("is not a valid Kubernetes Service name"), "{name}: {}", problem.message);
+    }
+    let watched: Vec<String> = a.desired.iter().map(ToString::to_string).collect();
+    assert_eq!(watched, ["consul web at http://127.0.0.1:8500 passing"], "no Secret, no endpoints watch");
+}
+
+#[tokio::test(start_paused = true)]
+async fn endpoints_last_obtained_outlive_a_token_rotation_a_lost_secret_and_a_broken_spec() {
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    let spec = json!({"address": "127.0.0.1:8500", "tokenSecretRef": {"name": "acl", "key": "token"}});
+    p.apply(listed(&resolvers_key(), vec![resolver("shop", "consul", spec.clone())]), now);
+    p.apply(
+        listed(&mappings_key(), vec![mapping("shop", "m", json!({"service": "billing", "resolver": "consul"}))]),
+        now,
+    );
+    let secret = assembler::resolvers::secret_key("shop", "acl");
+    p.apply(listed(&secret, vec![secret_object("shop", "acl", "old-token")]), now);
+    let old = consul_keys(&p).remove(0);
+    p.apply([answer(&old, 5, vec![ep("10.0.0.1", 80)])], now);
+    let snap = publish(&mut p).unwrap();
+    assert_eq!(snap.content.resolvers[0].services[0].stale, None);
+    let service = |snap: &super::assembler::Snapshot| snap.content.resolvers[0].services[0].clone();
+
+    // The token is rotated: the old query stops, the new one has not answered.
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let diff = p.apply(
+        [Event::Kube(secret.clone(), KubeEvent::Applied(secret_object("shop", "acl", "new-token")))],
+        Instant::now(),
+    );
+    assert_eq!((diff.start.len(), diff.stop, &diff.start), (1, vec![WatchKey::Consul(old.clone())], &diff.start));
+    let new = consul_keys(&p).remove(0);
+    let snap = next_publication(&mut p).await;
+    let s = service(&snap);
+    assert_eq!((s.synced, s.endpoints.clone(), s.index), (false, vec![ep("10.0.0.1", 80)], Some(5)));
+    let stale = s.stale.unwrap();
+    assert_eq!(stale.since, "2026-11-23T06:01:00Z");
+    assert_eq!(stale.reason, "the resolver's token changed: waiting for Consul to answer with the new settings");
+    assert_eq!(
+        snap.content.mappings[0].target,
+        Target::Consul {
+            resolver_namespace: "shop".into(),
+            resolver_name: "consul".into(),
+            service: "billing".into(),
+            port: None,
+        }
+    );
+
+    // Consul rejects the new token: still the old endpoints, the cause named, same since.
+    tokio::time::advance(Duration::from_secs(30)).await;
+    let rejected = "Consul at http://127.0.0.1:8500 rejected the request: ACL token rejected (ACL not found)";
+    p.apply([Event::Consul(new.clone(), ConsulEvent::Failed(rejected.into()))], Instant::now());
+    let s = service(&*next_publication(&mut p).await);
+    assert_eq!(s.endpoints, vec![ep("10.0.0.1", 80)]);
+    assert_eq!(s.error.as_deref(), Some(rejected));
+    let stale = s.stale.unwrap();
+    assert_eq!(stale.since, "2026-11-23T06:01:00Z", "stale since it first was");
+    assert_eq!(
+        stale.reason,
+        format!("the resolver's token changed, and the query with the new settings failed: {rejected}")
+    );
+
+    // The new token answers: current again.
+    p.apply([answer(&new, 9, vec![ep("10.0.0.2", 80)])], Instant::now());
+    let s = service(&*next_publication(&mut p).await);
+    assert_eq!((s.synced, s.stale, s.endpoints), (true, None, vec![ep("10.0.0.2", 80)]));
+
+    // The Secret is deleted: nothing can be queried; the last endpoints stay.
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let diff =
+        p.apply([Event::Kube(secret.clone(), KubeEvent::Deleted(secret_object("shop", "acl", "").id))], Instant::now());
+    assert_eq!(diff.stop, vec![WatchKey::Consul(new)]);
+    let snap = next_publication(&mut p).await;
+    let unusable = snap.content.resolvers[0].unusable.clone().unwrap();
+    assert_eq!(unusable.reason, UnusableReason::SecretUnavailable);
+    let s = service(&snap);
+    assert_eq!(s.endpoints, vec![ep("10.0.0.2", 80)]);
+    assert_eq!(s.stale.clone().unwrap().reason, "spec.tokenSecretRef: Secret shop/acl not found");
+    assert_eq!(s.stale.unwrap().since, "2026-11-23T06:02:30Z");
+    assert!(matches!(snap.content.mappings[0].target, Target::Consul { .. }), "the route stays");
+
+    // A broken edit of the spec on top: still kept, now for that reason.
+    let broken = json!({"address": "${NOPE}:8500", "tokenSecretRef": {"name": "acl", "key": "token"}});
+    p.apply([Event::Kube(resolvers_key(), KubeEvent::Applied(resolver("shop", "consul", broken)))], Instant::now());
+    let snap = next_publication(&mut p).await;
+    assert_eq!(snap.content.resolvers[0].unusable.as_ref().unwrap().reason, UnusableReason::InvalidSpec);
+    let s = service(&snap);
+    assert_eq!(s.endpoints, vec![ep("10.0.0.2", 80)]);
+    assert!(s.stale.unwrap().reason.contains("NOPE is not set"));
+
+    // Only deleting the Mapping lets them go; a new Mapping gets nothing from before.
+    p.apply([Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("shop", "m", json!({})).id))], Instant::now());
+    let snap = next_publication(&mut p).await;
+    assert!(snap.content.resolvers[0].services.is_empty());
+    p.apply(
+        [Event::Kube(
+            mappings_key(),
+            KubeEvent::Applied(mapping("shop", "m", json!({"service": "billing", "resolver": "consul"}))),
+        )],
+        Instant::now(),
+    );
+    let snap = next_publication(&mut p).await;
+    assert!(snap.content.resolvers[0].services.is_empty());
+    assert_eq!(snap.content.mappings[0].target, Target::Unresolved);
+}
+
+#[tokio::test(start_paused = true)]
+async fn deleting_the_resolver_lets_its_kept_endpoints_go() {
+    let (mut p, key) = bootstrapped_pipeline();
+    p.apply([answer(&key, 1, vec![ep("10.0.0.1", 80)])], Instant::now());
+    publish(&mut p).unwrap();
+    // The resolver's address changes: kept, stale.
+    p.apply(
+        [Event::Kube(
+            resolvers_key(),
+            KubeEvent::Applied(resolver("shop", "consul", json!({"address": "127.0.0.2:8500"}))),
+        )],
+        Instant::now(),
+    );
+    let snap = next_publication(&mut p).await;
+    let s = &snap.content.resolvers[0].services[0];
+    assert!(s.stale.as_ref().unwrap().reason.starts_with("the resolver's address changed"));
+    p.apply(
+        [Event::Kube(resolvers_key(), KubeEvent::Deleted(resolver("shop", "consul", json!({})).id))],
+        Instant::now(),
+    );
+    let snap = next_publication(&mut p).await;
+    assert!(snap.content.resolvers.is_empty());
+    // Re-created with the old address: nothing kept from before.
+    p.apply(
+        [Event::Kube(
+            resolvers_key(),
+            KubeEvent::Applied(resolver("shop", "consul", json!({"address": "127.0.0.1:8500"}))),
+        )],
+        Instant::now(),
+    );
+    let snap = next_publication(&mut p).await;
+    let s = &snap.content.resolvers[0].services[0];
+    assert!(!s.synced && s.endpoints.is_empty() && s.stale.is_none(), "{s:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_query_failing_after_answers_keeps_its_endpoints_stale_since_the_first_failure() {
+    let (mut p, key) = bootstrapped_pipeline();
+    p.apply([answer(&key, 1, vec![ep("10.0.0.1", 80)])], Instant::now());
+    publish(&mut p).unwrap();
+    tokio::time::advance(Duration::from_secs(10)).await;
+    p.apply([Event::Consul(key.clone(), ConsulEvent::Failed("500 No cluster leader".into()))], Instant::now());
+    let s = next_publication(&mut p).await.content.resolvers[0].services[0].clone();
+    assert!(s.synced, "it has answered before");
+    assert_eq!(s.endpoints, vec![ep("10.0.0.1", 80)]);
+    assert_eq!(s.stale.unwrap().since, "2026-11-23T06:00:10Z");
+    tokio::time::advance(Duration::from_secs(10)).await;
+    p.apply([Event::Consul(key.clone(), ConsulEvent::Failed("connection refused".into()))], Instant::now());
+    let s = next_publication(&mut p).await.content.resolvers[0].services[0].clone();
+    assert_eq!(
+        s.stale.unwrap(),
+        super::assembler::snapshot::Stale { since: "2026-11-23T06:00:10Z".into(), reason: "connection refused".into() }
+    );
+    p.apply([answer(&key, 2, vec![ep("10.0.0.1", 80)])], Instant::now());
+    let s = next_publication(&mut p).await.content.resolvers[0].services[0].clone();
+    assert_eq!((s.stale, s.error), (None, None));
+}

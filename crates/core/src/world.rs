@@ -1,0 +1,523 @@
+//! The world: folds source events into one store per watch key, and knows when it is
+//! complete.
+//!
+//! The world holds one store per watch key: the current objects of a Kubernetes key, the
+//! current endpoints and index of a Consul key. Because every consumer reads the same
+//! store, sharing a watch shares its cache, and a delete reaches every consumer (which
+//! kube-runtime's shared streams do not do on their own).
+//!
+//! Completeness (bootstrap) gates only the first publication (see the pipeline). The
+//! operator's fixed keys (its own kinds, `--watch`) must have listed; they have no timeout,
+//! because publishing half the Mappings black-holes the other half. A key the world implies
+//! (a Secret, a Service's endpoints, a Consul service) is settled once it has listed or
+//! answered (an empty list is an answer), once the API server has rejected its watch, or
+//! once the bootstrap timeout has passed since it was added: one dead Consul or one
+//! forbidden namespace cannot block all configuration; such a key is published as
+//! unsynced. Time is passed in, never read, so this module is tested with a paused clock
+//! and no I/O.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::time::Instant;
+
+use super::keys::{ConsulKey, KubeKey, WatchKey};
+use super::model::{ConsulEvent, Endpoint, Event, KubeEvent, KubeObject, ObjectId, WatchFailure};
+
+/// The store of one Kubernetes key.
+#[derive(Debug, Clone)]
+pub struct KubeStore {
+    pub added_at: Instant,
+    pub objects: BTreeMap<ObjectId, KubeObject>,
+    relisting: Option<BTreeMap<ObjectId, KubeObject>>,
+    pub listed: bool,
+    /// The last failure, cleared by the next success.
+    pub failure: Option<WatchFailure>,
+}
+
+impl KubeStore {
+    fn new(added_at: Instant) -> Self {
+        KubeStore { added_at, objects: BTreeMap::new(), relisting: None, listed: false, failure: None }
+    }
+
+    /// Why the API server refuses this watch, while it does.
+    pub fn rejection(&self) -> Option<&str> {
+        self.failure.as_ref().filter(|f| f.rejected).map(|f| f.message.as_str())
+    }
+}
+
+/// The state of one Consul key.
+#[derive(Debug, Clone)]
+pub struct ConsulStore {
+    pub added_at: Instant,
+    /// The last answer's index and endpoints; `None` until Consul first answers.
+    pub index: Option<u64>,
+    pub endpoints: Vec<Endpoint>,
+    pub changed_at: Option<Instant>,
+    pub last_error: Option<String>,
+}
+
+impl ConsulStore {
+    pub fn answered(&self) -> bool {
+        self.index.is_some()
+    }
+}
+
+/// Whether the world is complete enough for the first publication.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    /// Every fixed key listed; every other key listed, answered, rejected or past the
+    /// bootstrap timeout.
+    Ready,
+    /// Still waiting. `deadline` is when the next timeout passes (the caller re-checks
+    /// then); `None` when only fixed keys are pending.
+    Waiting { kube_pending: usize, consul_pending: usize, deadline: Option<Instant> },
+}
+
+#[derive(Debug, Clone)]
+pub struct World {
+    kube: BTreeMap<KubeKey, KubeStore>,
+    consul: BTreeMap<ConsulKey, ConsulStore>,
+    bootstrap_timeout: Duration,
+    /// Keys whose objects the snapshot copies whole (`--watch`): any change of them is a
+    /// change. Of the others only what the assembler reads matters, so a write of
+    /// `status` alone (the operator's own status writes, echoed by the watch) is not.
+    verbatim: BTreeSet<KubeKey>,
+    /// Bumped by every change to content; lets callers skip work when nothing changed.
+    revision: u64,
+}
+
+impl World {
+    pub fn new(bootstrap_timeout: Duration) -> Self {
+        World {
+            kube: BTreeMap::new(),
+            consul: BTreeMap::new(),
+            bootstrap_timeout,
+            verbatim: BTreeSet::new(),
+            revision: 0,
+        }
+    }
+
+    /// Marks `keys` as copied whole into the snapshot.
+    pub fn copy_verbatim(mut self, keys: impl IntoIterator<Item = KubeKey>) -> Self {
+        self.verbatim.extend(keys);
+        self
+    }
+
+    pub fn revision(&self) -> u64 {
+        self.revision
+    }
+
+    /// A watch for `key` started: its store exists, empty and unsynced.
+    pub fn track(&mut self, key: &WatchKey, now: Instant) {
+        match key {
+            WatchKey::Kube(k) => {
+                self.kube.entry(k.clone()).or_insert_with(|| KubeStore::new(now));
+            }
+            WatchKey::Consul(k) => {
+                self.consul.entry(k.clone()).or_insert_with(|| ConsulStore {
+                    added_at: now,
+                    index: None,
+                    endpoints: Vec::new(),
+                    changed_at: None,
+                    last_error: None,
+                });
+            }
+        }
+        self.revision += 1;
+    }
+
+    /// The watch for `key` stopped: its data leaves the world.
+    pub fn untrack(&mut self, key: &WatchKey) {
+        let removed = match key {
+            WatchKey::Kube(k) => self.kube.remove(k).is_some(),
+            WatchKey::Consul(k) => self.consul.remove(k).is_some(),
+        };
+        if removed {
+            self.revision += 1;
+        }
+    }
+
+    /// Folds one event in. Returns whether the world's content changed. Events for keys
+    /// that are not tracked (a stopped watch's last words) are ignored.
+    pub fn apply(&mut self, event: Event, now: Instant) -> bool {
+        let changed = match event {
+            Event::Kube(key, ev) => {
+                let verbatim = self.verbatim.contains(&key);
+                match self.kube.get_mut(&key) {
+                    Some(store) => apply_kube(store, ev, verbatim),
+                    None => false,
+                }
+            }
+            Event::Consul(key, ev) => match self.consul.get_mut(&key) {
+                Some(store) => apply_consul(store, ev, now),
+                None => false,
+            },
+        };
+        if changed {
+            self.revision += 1;
+        }
+        changed
+    }
+
+    /// Whether the world is complete; `fixed` says which Kubernetes keys are the
+    /// operator's own (they must list, however long it takes).
+    pub fn readiness(&self, now: Instant, fixed: impl Fn(&KubeKey) -> bool) -> Readiness {
+        let (mut kube_pending, mut consul_pending) = (0, 0);
+        let mut deadline: Option<Instant> = None;
+        let mut wait_until = |added_at: Instant| {
+            let due = added_at + self.bootstrap_timeout;
+            let pending = now < due;
+            if pending {
+                deadline = Some(deadline.map_or(due, |d| d.min(due)));
+            }
+            pending
+        };
+        for (key, store) in &self.kube {
+            let pending = if fixed(key) {
+                !store.listed
+            } else {
+                !store.listed && store.rejection().is_none() && wait_until(store.added_at)
+            };
+            kube_pending += usize::from(pending);
+        }
+        for store in self.consul.values() {
+            consul_pending += usize::from(!store.answered() && wait_until(store.added_at));
+        }
+        if kube_pending == 0 && consul_pending == 0 {
+            Readiness::Ready
+        } else {
+            Readiness::Waiting { kube_pending, consul_pending, deadline }
+        }
+    }
+
+    pub fn kube(&self) -> &BTreeMap<KubeKey, KubeStore> {
+        &self.kube
+    }
+
+    pub fn consul(&self) -> &BTreeMap<ConsulKey, ConsulStore> {
+        &self.consul
+    }
+
+    /// Objects of every tracked key of this group and kind (any version or scope), each
+    /// object once even when several keys hold it.
+    pub fn objects_of<'a>(&'a self, group: &'a str, kind: &'a str) -> impl Iterator<Item = &'a KubeObject> + 'a {
+        let mut seen = std::collections::BTreeSet::new();
+        self.kube
+            .iter()
+            .filter(move |(k, _)| k.is(group, kind))
+            .flat_map(|(_, s)| s.objects.values())
+            .filter(move |o| seen.insert(o.id.clone()))
+    }
+}
+
+/// Whether two versions of an object agree on everything but `status` and
+/// `metadata.resourceVersion`.
+fn same_apart_from_status(a: &Value, b: &Value) -> bool {
+    match (a.as_object(), b.as_object()) {
+        (Some(a), Some(b)) => {
+            same_except(a, b, &["status", "metadata"])
+                && match (a.get("metadata").and_then(Value::as_object), b.get("metadata").and_then(Value::as_object)) {
+                    (Some(ma), Some(mb)) => same_except(ma, mb, &["resourceVersion"]),
+                    (ma, mb) => ma == mb,
+                }
+        }
+        _ => a == b,
+    }
+}
+
+/// Whether two JSON objects agree on every key but `skip`.
+fn same_except(a: &serde_json::Map<String, Value>, b: &serde_json::Map<String, Value>, skip: &[&str]) -> bool {
+    let kept = |o: &serde_json::Map<String, Value>| o.keys().filter(|k| !skip.contains(&k.as_str())).count();
+    kept(a) == kept(b) && a.iter().filter(|(k, _)| !skip.contains(&k.as_str())).all(|(k, v)| b.get(k) == Some(v))
+}
+
+fn apply_kube(store: &mut KubeStore, ev: KubeEvent, verbatim: bool) -> bool {
+    let same = |a: &KubeObject, b: &KubeObject| {
+        if verbatim { a == b } else { a.id == b.id && same_apart_from_status(&a.value, &b.value) }
+    };
+    // A rejection is content (the snapshot reports it), so its start and end are changes.
+    let was_rejected = store.rejection().is_some();
+    match ev {
+        KubeEvent::ListStarted => {
+            store.relisting = Some(BTreeMap::new());
+            false
+        }
+        KubeEvent::Listed(obj) => {
+            store.relisting.get_or_insert_with(BTreeMap::new).insert(obj.id.clone(), obj);
+            false
+        }
+        KubeEvent::ListDone => {
+            let fresh = store.relisting.take().unwrap_or_default();
+            let changed = !store.listed
+                || fresh.len() != store.objects.len()
+                || fresh.iter().any(|(id, o)| store.objects.get(id).is_none_or(|old| !same(old, o)));
+            store.objects = fresh;
+            store.listed = true;
+            store.failure = None;
+            changed || was_rejected
+        }
+        KubeEvent::Applied(obj) => {
+            store.failure = None;
+            let old = store.objects.insert(obj.id.clone(), obj.clone());
+            old.is_none_or(|old| !same(&old, &obj)) || was_rejected
+        }
+        KubeEvent::Deleted(id) => {
+            store.failure = None;
+            store.objects.remove(&id).is_some() || was_rejected
+        }
+        KubeEvent::Failed(f) => {
+            let changed = (f.rejected || was_rejected) && store.failure.as_ref() != Some(&f);
+            store.failure = Some(f);
+            changed
+        }
+    }
+}
+
+fn apply_consul(store: &mut ConsulStore, ev: ConsulEvent, now: Instant) -> bool {
+    match ev {
+        ConsulEvent::Answer { index, endpoints } => {
+            let first = !store.answered();
+            let errored = store.last_error.take().is_some();
+            store.index = Some(index);
+            if first || endpoints != store.endpoints {
+                store.endpoints = endpoints;
+                store.changed_at = Some(now);
+                true
+            } else {
+                // Same content: not an event for the snapshot, but a cleared error is.
+                errored
+            }
+        }
+        ConsulEvent::Failed(e) => {
+            let changed = store.last_error.as_deref() != Some(e.as_str());
+            store.last_error = Some(e);
+            changed
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::{ConsulServer, Secret};
+    use crate::model::Health;
+    use serde_json::json;
+    use std::collections::BTreeSet;
+
+    fn mappings() -> KubeKey {
+        KubeKey::new("getambassador.io", "", "Mapping")
+    }
+
+    fn consul(service: &str) -> ConsulKey {
+        ConsulKey {
+            server: ConsulServer { address: "http://127.0.0.1:8500".into(), token: Some(Secret::new("t")), tls: None },
+            datacenter: None,
+            namespace: None,
+            partition: None,
+            passing: true,
+            tags: BTreeSet::new(),
+            service: service.into(),
+        }
+    }
+
+    fn obj(ns: &str, name: &str, v: i64) -> KubeObject {
+        KubeObject::from_value(json!({"metadata": {"namespace": ns, "name": name}, "spec": {"v": v}})).unwrap()
+    }
+
+    fn ep(addr: &str) -> Endpoint {
+        Endpoint {
+            address: addr.into(),
+            port: 80,
+            node: "n1".into(),
+            service_id: format!("svc-{addr}"),
+            tags: vec![],
+            meta: Default::default(),
+            health: Health::Passing,
+        }
+    }
+
+    const TIMEOUT: Duration = Duration::from_secs(30);
+
+    #[tokio::test(start_paused = true)]
+    async fn not_ready_until_every_kube_key_listed() {
+        let now = Instant::now();
+        let mut w = World::new(TIMEOUT);
+        w.track(&mappings().into(), now);
+        let fixed = |_: &KubeKey| true;
+        assert_eq!(w.readiness(now, fixed), Readiness::Waiting { kube_pending: 1, consul_pending: 0, deadline: None });
+        w.apply(Event::Kube(mappings(), KubeEvent::ListStarted), now);
+        w.apply(Event::Kube(mappings(), KubeEvent::Listed(obj("a", "m1", 1))), now);
+        // Half listed is still not ready, however long it takes: Kubernetes has no timeout.
+        assert!(matches!(w.readiness(now + TIMEOUT * 10, fixed), Readiness::Waiting { .. }));
+        assert!(w.apply(Event::Kube(mappings(), KubeEvent::ListDone), now));
+        assert_eq!(w.readiness(now, fixed), Readiness::Ready);
+        assert_eq!(w.kube()[&mappings()].objects.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn consul_keys_sync_on_first_answer_even_empty() {
+        let now = Instant::now();
+        let mut w = World::new(TIMEOUT);
+        w.track(&consul("a").into(), now);
+        assert_eq!(
+            w.readiness(now, |_| true),
+            Readiness::Waiting { kube_pending: 0, consul_pending: 1, deadline: Some(now + TIMEOUT) }
+        );
+        assert!(w.apply(Event::Consul(consul("a"), ConsulEvent::Answer { index: 5, endpoints: vec![] }), now));
+        assert_eq!(w.readiness(now, |_| true), Readiness::Ready);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bootstrap_timeout_publishes_unreachable_services_as_unsynced() {
+        let start = Instant::now();
+        let mut w = World::new(TIMEOUT);
+        w.track(&consul("dead").into(), start);
+        w.track(&consul("alive").into(), start);
+        w.apply(
+            Event::Consul(consul("alive"), ConsulEvent::Answer { index: 1, endpoints: vec![ep("10.0.0.1")] }),
+            start,
+        );
+        w.apply(Event::Consul(consul("dead"), ConsulEvent::Failed("connection refused".into())), start);
+        tokio::time::advance(TIMEOUT - Duration::from_millis(1)).await;
+        assert!(matches!(w.readiness(Instant::now(), |_| true), Readiness::Waiting { consul_pending: 1, .. }));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(w.readiness(Instant::now(), |_| true), Readiness::Ready);
+        assert!(!w.consul()[&consul("dead")].answered(), "published as unsynced");
+        // A key added later gets its own full timeout.
+        w.track(&consul("late").into(), Instant::now());
+        assert!(matches!(w.readiness(Instant::now(), |_| true), Readiness::Waiting { consul_pending: 1, .. }));
+    }
+
+    fn secret() -> KubeKey {
+        KubeKey::new("", "v1", "Secret").in_namespace("a").with_fields("metadata.name=t")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn implied_kube_keys_settle_when_listed_rejected_or_late_fixed_ones_only_when_listed() {
+        let start = Instant::now();
+        let mut w = World::new(TIMEOUT);
+        w.track(&mappings().into(), start);
+        w.track(&secret().into(), start);
+        let fixed = |k: &KubeKey| *k == mappings();
+        w.apply(Event::Kube(mappings(), KubeEvent::ListStarted), start);
+        w.apply(Event::Kube(mappings(), KubeEvent::ListDone), start);
+        assert_eq!(
+            w.readiness(start, fixed),
+            Readiness::Waiting { kube_pending: 1, consul_pending: 0, deadline: Some(start + TIMEOUT) }
+        );
+        // A transient failure keeps it pending; a rejection settles it at once.
+        assert!(!w.apply(Event::Kube(secret(), KubeEvent::Failed(WatchFailure::transient("connection reset"))), start));
+        assert!(matches!(w.readiness(start, fixed), Readiness::Waiting { kube_pending: 1, .. }));
+        let forbidden = WatchFailure::rejected("secrets is forbidden");
+        assert!(w.apply(Event::Kube(secret(), KubeEvent::Failed(forbidden.clone())), start), "a rejection is news");
+        assert!(!w.apply(Event::Kube(secret(), KubeEvent::Failed(forbidden)), start), "the same one is not");
+        assert_eq!(w.readiness(start, fixed), Readiness::Ready);
+        assert_eq!(w.kube()[&secret()].rejection(), Some("secrets is forbidden"));
+        // Listing clears it, and that is news too.
+        w.apply(Event::Kube(secret(), KubeEvent::ListStarted), start);
+        assert!(w.apply(Event::Kube(secret(), KubeEvent::ListDone), start));
+        assert_eq!(w.kube()[&secret()].rejection(), None);
+
+        // A silent implied key is waited for until the bootstrap timeout; a fixed one forever.
+        let mut w = World::new(TIMEOUT);
+        w.track(&mappings().into(), start);
+        w.track(&secret().into(), start);
+        tokio::time::advance(TIMEOUT).await;
+        assert_eq!(
+            w.readiness(Instant::now(), fixed),
+            Readiness::Waiting { kube_pending: 1, consul_pending: 0, deadline: None },
+            "only the fixed key is still waited for"
+        );
+        let rejected_fixed = WatchFailure::rejected("mappings is forbidden");
+        w.apply(Event::Kube(mappings(), KubeEvent::Failed(rejected_fixed)), Instant::now());
+        assert!(matches!(w.readiness(Instant::now(), fixed), Readiness::Waiting { kube_pending: 1, .. }));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn identical_answers_are_not_changes_and_errors_keep_endpoints() {
+        let now = Instant::now();
+        let mut w = World::new(TIMEOUT);
+        w.track(&consul("a").into(), now);
+        let answer = |i| Event::Consul(consul("a"), ConsulEvent::Answer { index: i, endpoints: vec![ep("10.0.0.1")] });
+        assert!(w.apply(answer(5), now));
+        let rev = w.revision();
+        assert!(!w.apply(answer(6), now), "a new index with the same content is not a change");
+        assert_eq!(w.revision(), rev);
+        assert!(w.apply(Event::Consul(consul("a"), ConsulEvent::Failed("500 No cluster leader".into())), now));
+        assert_eq!(w.consul()[&consul("a")].endpoints, vec![ep("10.0.0.1")], "errors keep the last endpoints");
+        assert!(!w.apply(Event::Consul(consul("a"), ConsulEvent::Failed("500 No cluster leader".into())), now));
+        assert!(w.apply(answer(7), now), "recovering from an error is a change (status clears)");
+        assert_eq!(w.consul()[&consul("a")].last_error, None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn relist_replaces_atomically_and_deletes_reach_readers() {
+        let now = Instant::now();
+        let mut w = World::new(TIMEOUT);
+        w.track(&mappings().into(), now);
+        for ev in [
+            KubeEvent::ListStarted,
+            KubeEvent::Listed(obj("a", "m1", 1)),
+            KubeEvent::Listed(obj("a", "m2", 1)),
+            KubeEvent::ListDone,
+        ] {
+            w.apply(Event::Kube(mappings(), ev), now);
+        }
+        // A relist after a watch error: until it is done the old objects stay visible.
+        w.apply(Event::Kube(mappings(), KubeEvent::ListStarted), now);
+        w.apply(Event::Kube(mappings(), KubeEvent::Listed(obj("a", "m1", 2))), now);
+        assert_eq!(w.kube()[&mappings()].objects.len(), 2);
+        assert!(w.apply(Event::Kube(mappings(), KubeEvent::ListDone), now));
+        let names: Vec<_> = w.kube()[&mappings()].objects.keys().map(|id| id.name.as_str()).collect();
+        assert_eq!(names, ["m1"], "m2 vanished during the relist: it is deleted");
+        assert!(w.apply(Event::Kube(mappings(), KubeEvent::Deleted(obj("a", "m1", 2).id)), now));
+        assert!(w.kube()[&mappings()].objects.is_empty());
+        assert!(w.apply(Event::Kube(mappings(), KubeEvent::Applied(obj("a", "m3", 1))), now));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_status_write_alone_changes_nothing_unless_the_key_is_copied_whole() {
+        let now = Instant::now();
+        let with_status = |rv: &str, status: &str, spec: i64| {
+            KubeObject::from_value(json!({"metadata": {"namespace": "a", "name": "r", "resourceVersion": rv},
+                "spec": {"v": spec}, "status": {"s": status}}))
+            .unwrap()
+        };
+        let copied = KubeKey::new("", "", "Service");
+        let mut w = World::new(TIMEOUT).copy_verbatim([copied.clone()]);
+        for k in [mappings(), copied.clone()] {
+            w.track(&k.clone().into(), now);
+            w.apply(Event::Kube(k.clone(), KubeEvent::Applied(with_status("1", "old", 1))), now);
+        }
+        let echo = Event::Kube(mappings(), KubeEvent::Applied(with_status("2", "new", 1)));
+        assert!(!w.apply(echo, now), "only status and resourceVersion moved");
+        assert_eq!(w.kube()[&mappings()].objects.values().next().unwrap().value["status"]["s"], "new", "kept current");
+        assert!(w.apply(Event::Kube(mappings(), KubeEvent::Applied(with_status("3", "new", 2))), now));
+        assert!(w.apply(Event::Kube(copied, KubeEvent::Applied(with_status("2", "new", 1))), now), "copied whole");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn events_for_stopped_watches_are_ignored() {
+        let now = Instant::now();
+        let mut w = World::new(TIMEOUT);
+        w.track(&consul("a").into(), now);
+        w.untrack(&consul("a").into());
+        assert!(!w.apply(Event::Consul(consul("a"), ConsulEvent::Answer { index: 1, endpoints: vec![] }), now));
+        assert!(w.consul().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn objects_of_dedups_across_overlapping_keys() {
+        let now = Instant::now();
+        let mut w = World::new(TIMEOUT);
+        let all = mappings();
+        let ns = mappings().in_namespace("a");
+        for k in [&all, &ns] {
+            w.track(&k.clone().into(), now);
+            w.apply(Event::Kube(k.clone(), KubeEvent::Applied(obj("a", "m1", 1))), now);
+        }
+        assert_eq!(w.objects_of("getambassador.io", "Mapping").count(), 1);
+    }
+}

@@ -1,0 +1,52 @@
+//! The process: command line, logging, the tokio runtime, signals and the exit code.
+
+use crate::cli::{self, Command, LogFormat};
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::EnvFilter;
+
+/// The operator process: parses the command line (a bad value is one line naming the flag,
+/// exit code 2), then prints the CRD, the version, or runs until SIGTERM or Ctrl-C.
+pub fn main() {
+    let cli = cli::parse();
+    match cli.command {
+        Command::Crd => print!("{}", crate::crdgen::crd_yaml()),
+        Command::Version => println!("consul-resolver-operator {}", env!("CARGO_PKG_VERSION")),
+        Command::Run(args) => {
+            init_logging(cli.log_format);
+            // One TLS provider for kube and reqwest alike.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
+            let result = runtime.block_on(async {
+                let shutdown = CancellationToken::new();
+                tokio::spawn(signals(shutdown.clone()));
+                crate::runtime::run(*args, shutdown).await
+            });
+            if let Err(e) = result {
+                tracing::error!(error = format!("{e:#}"), "exiting");
+                eprintln!("error: {e:#}");
+                std::process::exit(1);
+            }
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,kube=warn,hyper=warn"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// SIGTERM (Kubernetes) or Ctrl-C: shut down gracefully.
+async fn signals(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("cannot install a SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutting down");
+    shutdown.cancel();
+}
