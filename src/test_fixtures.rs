@@ -84,7 +84,7 @@ pub(crate) async fn serve(handler: Arc<Handler>) -> FakeApi {
 pub(crate) fn content(resolvers: Vec<ResolverEntry>) -> Content {
     Content {
         bootstrap: Bootstrap { complete: true, unsynced: vec![] },
-        resolvers,
+        resolvers: resolvers.into_iter().map(Arc::new).collect(),
         mappings: vec![],
         kubernetes_services: vec![],
         watched: vec![],

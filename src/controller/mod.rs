@@ -72,10 +72,11 @@ impl ReconcileError {
 }
 
 /// The resolvers' part of the latest snapshot: all a reconcile reads, kept without the
-/// rest of the snapshot (at scale, Mappings are most of it).
+/// rest of the snapshot (at scale, Mappings are most of it). The entries are shared with
+/// the snapshot, not copied.
 struct Published {
     snapshot_id: u64,
-    resolvers: BTreeMap<(String, String), ResolverEntry>,
+    resolvers: BTreeMap<(String, String), Arc<ResolverEntry>>,
 }
 
 impl Published {
@@ -86,7 +87,7 @@ impl Published {
     }
 
     fn resolver(&self, namespace: &str, name: &str) -> Option<&ResolverEntry> {
-        self.resolvers.get(&(namespace.to_owned(), name.to_owned()))
+        self.resolvers.get(&(namespace.to_owned(), name.to_owned())).map(|r| &**r)
     }
 }
 
@@ -285,19 +286,20 @@ impl ResolverController {
     /// each one that changed (a spec edit, a status wiped by hand).
     pub(crate) fn sync(&mut self, world: &World) {
         let mut seen = std::collections::BTreeSet::new();
-        for obj in world.objects_of(GROUP, KIND) {
-            let id = (obj.id.namespace.clone().unwrap_or_default(), obj.id.name.clone());
+        for (id, stored) in world.objects_of(GROUP, KIND) {
+            let Some(raw) = &stored.raw else { continue };
+            let id = (id.namespace.clone().unwrap_or_default(), id.name.clone());
             seen.insert(id.clone());
-            let unchanged = self.fed.get(&id).is_some_and(|(v, _)| Arc::ptr_eq(v, &obj.value) || *v == obj.value);
+            let unchanged = self.fed.get(&id).is_some_and(|(v, _)| Arc::ptr_eq(v, raw) || v == raw);
             if unchanged {
                 continue;
             }
-            let Ok(dynamic) = serde_json::from_value::<DynamicObject>((*obj.value).clone()) else { continue };
+            let Ok(dynamic) = serde_json::from_value::<DynamicObject>((**raw).clone()) else { continue };
             if self.ready {
                 self.writer.apply_watcher_event(&watcher::Event::Apply(dynamic.clone()));
                 let _ = self.objects.unbounded_send(Arc::new(dynamic.clone()));
             }
-            self.fed.insert(id, (obj.value.clone(), dynamic));
+            self.fed.insert(id, (raw.clone(), dynamic));
         }
         let gone: Vec<_> = self.fed.keys().filter(|id| !seen.contains(*id)).cloned().collect();
         for id in gone {

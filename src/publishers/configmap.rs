@@ -24,12 +24,8 @@
 //! applies what [`encode`] returns.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
 use std::sync::{Arc, Mutex};
 
-use flate2::Compression;
-use flate2::read::GzDecoder;
-use flate2::write::GzEncoder;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use k8s_openapi::ByteString;
@@ -40,7 +36,7 @@ use kube::api::{DeleteParams, Patch, PatchParams};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::Publisher;
+use super::{Publisher, gunzip, gzip};
 use crate::cli::NamespacedName;
 use crate::kube_client::{FIELD_MANAGER, status_code};
 use crate::leadership::Leadership;
@@ -122,17 +118,6 @@ fn meta(target: &NamespacedName, name: String, id: u64, hash: &str, part_of: boo
     }
 }
 
-fn gzip(bytes: &[u8]) -> Result<Vec<u8>, String> {
-    let mut enc = GzEncoder::new(Vec::with_capacity(bytes.len() / 4), Compression::default());
-    enc.write_all(bytes).and_then(|_| enc.finish()).map_err(|e| format!("gzip: {e}"))
-}
-
-fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    GzDecoder::new(bytes).read_to_end(&mut out).map_err(|e| format!("gunzip: {e}"))?;
-    Ok(out)
-}
-
 /// Chooses the encoding of `json` (a snapshot's bytes, id `id`, hash `hash`) for `target`,
 /// with at most `budget` bytes of data per ConfigMap.
 pub(crate) fn encode(
@@ -153,7 +138,7 @@ pub(crate) fn encode(
         };
         return Ok(Encoded { parts: Vec::new(), main });
     }
-    let gz = gzip(json)?;
+    let gz = gzip(json);
     if gz.len() <= budget {
         let main = ConfigMap {
             metadata: main_meta(),
@@ -489,22 +474,22 @@ mod tests {
             .collect();
         Content {
             bootstrap: Bootstrap { complete: true, unsynced: vec![] },
-            resolvers: vec![ResolverEntry {
+            resolvers: vec![Arc::new(ResolverEntry {
                 namespace: "shop".into(),
                 name: "consul".into(),
                 generation: Some(1),
                 address: "http://127.0.0.1:8500".into(),
                 datacenter: None,
                 unusable: None,
-                services: vec![ServiceEntry {
+                services: vec![Arc::new(ServiceEntry {
                     name: "web".into(),
                     synced: true,
                     index: Some(4),
                     error: None,
                     stale: None,
                     endpoints,
-                }],
-            }],
+                })],
+            })],
             mappings: vec![],
             kubernetes_services: vec![],
             watched: vec![],
@@ -526,7 +511,7 @@ mod tests {
         let json = s.to_json();
         let e = encode(&target(), s.id, &s.hash, &json, DATA_BUDGET).unwrap();
         assert_eq!(decode(&e.main, &e.parts).unwrap(), json, "decode(encode(x)) == x");
-        assert_eq!(serde_json::from_slice::<Snapshot>(&decode(&e.main, &e.parts).unwrap()).unwrap(), *s);
+        assert_eq!(Snapshot::parse(&decode(&e.main, &e.parts).unwrap()).unwrap(), *s);
         assert_eq!(e.main.metadata.name.as_deref(), Some("snap"));
         for cm in e.parts.iter().chain([&e.main]) {
             check_metadata(cm, s);
@@ -560,7 +545,7 @@ mod tests {
     fn an_incompressible_snapshot_over_a_mebibyte_is_split_with_an_index() {
         let s = snapshot(8_000, 200);
         let json = s.to_json();
-        assert!(gzip(&json).unwrap().len() > 1024 * 1024, "over 1 MiB even compressed");
+        assert!(gzip(&json).len() > 1024 * 1024, "over 1 MiB even compressed");
         let e = roundtrip(&s);
         assert!(e.parts.len() >= 2, "{} parts", e.parts.len());
         for (i, part) in e.parts.iter().enumerate() {

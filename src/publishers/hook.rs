@@ -187,7 +187,7 @@ mod tests {
         assert_eq!(lines.next().unwrap(), format!("env 17 {}", file.display()));
         assert_eq!(lines.next().unwrap(), format!("args 17 {}", file.display()));
         let body: String = lines.collect::<Vec<_>>().join("\n");
-        assert_eq!(serde_json::from_str::<Snapshot>(&body).unwrap(), *snap, "the file held the snapshot");
+        assert_eq!(Snapshot::parse(body.as_bytes()).unwrap(), *snap, "the file held the snapshot");
         assert!(!tmp.0.join("out").join(format!(".{FILE_NAME}.tmp")).exists(), "no temp file left");
 
         // Same content again (a retry): not run again.

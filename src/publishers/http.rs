@@ -23,26 +23,46 @@ use consul_resolver_core::assembler::Snapshot;
 /// How many snapshots `/snapshots/<id>` keeps.
 pub(crate) const KEPT: usize = 10;
 
-/// The latest snapshots, as the bytes served.
+/// The latest snapshots, as the bytes served: the latest as published (the same bytes
+/// every publisher writes), older ones gzipped, so keeping ten costs about one.
 #[derive(Default)]
 pub(crate) struct SnapshotStore {
-    kept: Mutex<VecDeque<(u64, Bytes)>>,
+    kept: Mutex<VecDeque<(u64, Body)>>,
 }
+
+/// A kept snapshot's bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Body {
+    Json(Bytes),
+    Gzip(Bytes),
+}
+
+/// Snapshots smaller than this stay uncompressed in the history (not worth it).
+const COMPRESS_FROM: usize = 16 * 1024;
 
 impl SnapshotStore {
     pub(crate) fn push(&self, snapshot: &Snapshot) {
         let mut kept = self.kept.lock().expect("store lock");
-        kept.push_back((snapshot.id, Bytes::from(snapshot.to_json())));
+        if let Some((_, body)) = kept.back_mut()
+            && let Body::Json(json) = body
+            && json.len() >= COMPRESS_FROM
+        {
+            *body = Body::Gzip(Bytes::from(super::gzip(json)));
+        }
+        kept.push_back((snapshot.id, Body::Json(snapshot.to_json())));
         while kept.len() > KEPT {
             kept.pop_front();
         }
     }
 
     pub(crate) fn latest(&self) -> Option<Bytes> {
-        self.kept.lock().expect("store lock").back().map(|(_, b)| b.clone())
+        match self.kept.lock().expect("store lock").back() {
+            Some((_, Body::Json(json))) => Some(json.clone()),
+            _ => None,
+        }
     }
 
-    pub(crate) fn get(&self, id: u64) -> Option<Bytes> {
+    pub(crate) fn get(&self, id: u64) -> Option<Body> {
         self.kept.lock().expect("store lock").iter().find(|(i, _)| *i == id).map(|(_, b)| b.clone())
     }
 }
@@ -78,6 +98,16 @@ fn respond(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Re
         .expect("static response parts are valid")
 }
 
+/// Whether the client takes a gzip body (`Accept-Encoding: gzip`).
+fn accepts_gzip(req: &Request<Incoming>) -> bool {
+    req.headers()
+        .get_all(hyper::header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|e| e.trim().split(';').next().is_some_and(|name| name.trim() == "gzip"))
+}
+
 fn route(state: &ServerState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     if req.method() != hyper::Method::GET {
         return respond(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "only GET\n");
@@ -96,7 +126,16 @@ fn route(state: &ServerState, req: &Request<Incoming>) -> Response<Full<Bytes>> 
         },
         _ => match path.strip_prefix("/snapshots/").map(str::parse::<u64>) {
             Some(Ok(id)) => match state.store.get(id) {
-                Some(b) => respond(StatusCode::OK, "application/json", b),
+                Some(Body::Json(b)) => respond(StatusCode::OK, "application/json", b),
+                Some(Body::Gzip(gz)) if accepts_gzip(req) => {
+                    let mut resp = respond(StatusCode::OK, "application/json", gz);
+                    resp.headers_mut().insert("content-encoding", hyper::header::HeaderValue::from_static("gzip"));
+                    resp
+                }
+                Some(Body::Gzip(gz)) => match super::gunzip(&gz) {
+                    Ok(json) => respond(StatusCode::OK, "application/json", json),
+                    Err(e) => respond(StatusCode::INTERNAL_SERVER_ERROR, "text/plain", format!("{e}\n")),
+                },
                 None => respond(
                     StatusCode::NOT_FOUND,
                     "text/plain",
@@ -143,4 +182,38 @@ pub(crate) async fn serve(
         }
     });
     Ok((bound, task))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_fixtures::content;
+
+    #[test]
+    fn the_history_keeps_the_latest_as_published_and_older_ones_gzipped() {
+        let store = SnapshotStore::default();
+        let mut big = content(vec![]);
+        big.problems = (0..400)
+            .map(|i| consul_resolver_core::assembler::snapshot::Problem {
+                kind: "Mapping".into(),
+                namespace: "shop".into(),
+                name: format!("m{i}"),
+                message: "resolver \"nope\": no ConsulResolver of that name in shop".into(),
+            })
+            .collect();
+        let first = big.clone().into_snapshot(1);
+        let second = big.into_snapshot(2);
+        assert!(first.to_json().len() >= COMPRESS_FROM, "{}", first.to_json().len());
+        store.push(&first);
+        store.push(&second);
+        assert_eq!(store.latest(), Some(second.to_json()), "the very bytes published");
+        let Some(Body::Gzip(gz)) = store.get(1) else { panic!("the older one is compressed") };
+        assert!(gz.len() * 10 < first.to_json().len());
+        assert_eq!(super::super::gunzip(&gz).unwrap(), first.to_json());
+        for id in 3..20 {
+            store.push(&content(vec![]).into_snapshot(id));
+        }
+        assert_eq!(store.get(2), None, "only the last ten");
+        assert!(matches!(store.get(19), Some(Body::Json(_))));
+    }
 }

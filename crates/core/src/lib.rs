@@ -7,6 +7,7 @@
 
 pub mod assembler;
 pub mod election;
+mod ingest;
 pub mod keys;
 pub mod limiter;
 pub mod model;

@@ -4,6 +4,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use consul_resolver_api::mapping::MappingKind;
+use consul_resolver_api::resolver::ConsulResolverSpec;
+use consul_resolver_api::service::{ServiceRef, ServiceRefError};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -29,6 +32,65 @@ impl KubeObject {
         let name = value.pointer("/metadata/name")?.as_str()?.to_owned();
         let namespace = value.pointer("/metadata/namespace").and_then(Value::as_str).map(str::to_owned);
         Some(KubeObject { id: ObjectId { namespace, name }, value: Arc::new(value) })
+    }
+}
+
+/// A Kubernetes object as the world keeps it: decoded, once, when it arrives, into what the
+/// assembler reads of its kind. The JSON itself is kept only where it is read: resolvers
+/// (the status controller compares their live status) and the `--watch` keys (copied into
+/// the snapshot). At scale the JSON of tens of thousands of Mappings would be most of the
+/// memory, and parsing it again on every change most of the CPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stored {
+    pub raw: Option<Arc<Value>>,
+    pub decoded: Decoded,
+}
+
+/// What the assembler reads of an object, by its kind.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decoded {
+    Resolver(ResolverObject),
+    /// A Mapping or TCPMapping, or why it cannot be read (a problem on it).
+    Mapping(Result<MappingObject, String>),
+    /// A Secret's data, base64-decoded per key (`None`: the value is not valid base64).
+    Secret(BTreeMap<String, Option<Vec<u8>>>),
+    /// The addresses of a Service, from its EndpointSlices or Endpoints.
+    Endpoints(Vec<KubeEndpoint>),
+    /// Read as JSON (`raw`): the objects of `--watch` keys.
+    Json,
+}
+
+/// A ConsulResolver as the assembler reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResolverObject {
+    /// `metadata.generation`, for the status's `observedGeneration`.
+    pub generation: Option<i64>,
+    /// The spec, or why it cannot be read.
+    pub spec: Result<ConsulResolverSpec, String>,
+}
+
+/// A Mapping or TCPMapping as the assembler reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MappingObject {
+    pub kind: MappingKind,
+    pub namespace: String,
+    pub name: String,
+    /// `spec.service` as written (empty when absent).
+    pub service: String,
+    /// ... and parsed.
+    pub target: Result<ServiceRef, ServiceRefError>,
+    pub resolver: Option<String>,
+    /// `ambassador_id`, absent or empty meaning `default`.
+    pub ambassador_ids: Option<Vec<String>>,
+}
+
+impl MappingObject {
+    /// Whether this Mapping belongs to the operator's Ambassador ID.
+    pub fn serves_ambassador_id(&self, id: &str) -> bool {
+        match self.ambassador_ids.as_deref() {
+            None | Some([]) => id == consul_resolver_api::DEFAULT_AMBASSADOR_ID,
+            Some(ids) => ids.iter().any(|i| i == id),
+        }
     }
 }
 

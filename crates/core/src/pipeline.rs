@@ -1,9 +1,11 @@
 //! The pipeline's pure core: world, registry, limiter and assembler joined into one state
 //! machine that the runtime drives with events and the clock.
 //!
-//! After every batch of events the world is re-read and the registry reconciled, so new
-//! watches start as soon as the data that implies them arrives (a Mapping naming a new
-//! service starts that service's watch). The first publication waits for the world to be
+//! After every batch of events the assembler folds in what the batch changed, and the
+//! registry is told which watches start or stop being implied, so new watches start as soon
+//! as the data that implies them arrives (a Mapping naming a new service starts that
+//! service's watch). A batch of Consul answers alone touches only those services' entries
+//! and never the registry. The first publication waits for the world to be
 //! complete (see the world); after that nothing holds publication back: a new, slow or
 //! failing key is published unsynced, with its error, and its answers as they come.
 //! Publications are paced by the limiter and skipped when the content hash equals the last
@@ -19,7 +21,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
-use super::assembler::{self, Assembly, Kept, Snapshot};
+use super::assembler::{self, Assembler, Snapshot};
 use super::keys::{KubeKey, WatchKey};
 use super::limiter::{Limiter, Next};
 use super::model::Event;
@@ -63,20 +65,13 @@ pub struct Pipeline {
     world: World,
     registry: Registry<WatchKey>,
     limiter: Limiter,
-    config: assembler::Config,
+    assembler: Assembler,
     clock: WallClock,
     window: Duration,
     /// The operator's own watches: the first publication waits for them however long.
     fixed: BTreeSet<KubeKey>,
     /// The world has been complete once; publication no longer waits for anything.
     bootstrapped: bool,
-    /// Revision of the world the registry was last reconciled against.
-    reconciled_revision: Option<u64>,
-    /// The content read at `reconciled_revision`, so a publication of an unchanged world
-    /// does not assemble it a second time.
-    assembled: Option<(u64, assembler::Content)>,
-    /// Endpoints last obtained per resolver service (last known good).
-    kept: Kept,
     last_published_hash: Option<String>,
     /// The snapshot of the failed publication being retried: a retry of the same content
     /// keeps its id.
@@ -107,14 +102,11 @@ impl Pipeline {
             world: World::new(bootstrap_timeout).copy_verbatim(config.static_watches.iter().cloned()),
             registry: Registry::new(),
             limiter,
-            config,
+            assembler: Assembler::new(config),
             clock,
             window,
             fixed: BTreeSet::new(),
             bootstrapped: false,
-            reconciled_revision: None,
-            assembled: None,
-            kept: Kept::default(),
             last_published_hash: None,
             retrying: None,
             force: false,
@@ -132,6 +124,12 @@ impl Pipeline {
         &self.registry
     }
 
+    /// What the assembler holds now, for tests.
+    #[cfg(test)]
+    pub(crate) fn assembler(&self) -> &Assembler {
+        &self.assembler
+    }
+
     /// Sets the fixed watches; returns the watches to start and stop.
     pub fn set_fixed(&mut self, keys: BTreeSet<WatchKey>, now: Instant) -> Diff<WatchKey> {
         self.fixed = keys
@@ -143,7 +141,7 @@ impl Pipeline {
             .collect();
         let diff = self.registry.set(&Self::fixed_consumer(), keys);
         self.track(&diff, now);
-        let more = self.reconcile(now);
+        let more = self.settle(now);
         merge(diff, more)
     }
 
@@ -156,29 +154,23 @@ impl Pipeline {
         if changed {
             self.limiter.changed();
         }
-        self.reconcile(now)
+        self.settle(now)
     }
 
-    /// One reading of the world; what it keeps becomes the memory for the next.
-    fn read(&mut self, now: Instant) -> (assembler::Content, BTreeSet<WatchKey>) {
-        let Assembly { content, desired, kept } =
-            assembler::assemble(&self.world, &self.config, &self.kept, self.clock.at(now));
-        self.kept = kept;
-        (content, desired)
-    }
-
-    fn reconcile(&mut self, now: Instant) -> Diff<WatchKey> {
-        if self.reconciled_revision == Some(self.world.revision()) {
-            return Diff::default();
+    /// Lets the assembler fold in what changed, and the registry follow what it implies,
+    /// until nothing more changes (starting a watch adds its empty store to the world).
+    fn settle(&mut self, now: Instant) -> Diff<WatchKey> {
+        let mut diff = Diff::default();
+        loop {
+            let changes = self.world.take_changes();
+            if changes.is_empty() {
+                return diff;
+            }
+            let updated = self.assembler.update(&self.world, &changes, self.clock.at(now));
+            let more = self.registry.change(&Self::assembler_consumer(), updated.added, updated.removed);
+            self.track(&more, now);
+            diff = merge(diff, more);
         }
-        let (content, desired) = self.read(now);
-        let diff = self.registry.set(&Self::assembler_consumer(), desired);
-        self.track(&diff, now);
-        self.reconciled_revision = Some(self.world.revision());
-        // Starting or stopping watches changed the world after it was read: then the
-        // content is read again at publication.
-        self.assembled = diff.is_empty().then(|| (self.world.revision(), content));
-        diff
     }
 
     fn track(&mut self, diff: &Diff<WatchKey>, now: Instant) {
@@ -218,14 +210,9 @@ impl Pipeline {
                 Next::Idle => return Step::Idle,
                 Next::WaitUntil(at) => return Step::WaitUntil(at),
                 Next::Publish => {
-                    let content = match self.assembled.take() {
-                        Some((rev, content)) if rev == self.world.revision() => {
-                            self.assembled = Some((rev, content.clone()));
-                            content
-                        }
-                        _ => self.read(now).0,
-                    };
-                    let hash = content.hash();
+                    // One serialisation: the hash is of these bytes, the document is them.
+                    let content = self.assembler.content(&self.world);
+                    let (json, hash) = content.serialise();
                     if !self.force && self.last_published_hash.as_deref() == Some(hash.as_str()) {
                         self.retrying = None;
                         self.limiter.skipped();
@@ -239,7 +226,7 @@ impl Pipeline {
                         }
                     };
                     self.retrying = Some((hash.clone(), id));
-                    return Step::Publish(Arc::new(content.into_snapshot_with_hash(id, hash)));
+                    return Step::Publish(Arc::new(Snapshot::new(id, hash, content, &json)));
                 }
             }
         }

@@ -94,6 +94,48 @@ impl<K: Ord + Clone> Registry<K> {
         diff
     }
 
+    /// Changes what `consumer` wants by `add` and `remove`, without restating the rest:
+    /// the cost is that of the change, not of everything the consumer wants.
+    pub fn change(
+        &mut self,
+        consumer: &ConsumerId,
+        add: impl IntoIterator<Item = K>,
+        remove: impl IntoIterator<Item = K>,
+    ) -> Diff<K> {
+        let mut diff = Diff::default();
+        let mine = self.keys_by_consumer.entry(consumer.clone()).or_default();
+        for key in remove {
+            if !mine.remove(&key) {
+                continue;
+            }
+            let consumers = self.consumers_by_key.get_mut(&key).expect("registry indexes agree");
+            consumers.remove(consumer);
+            if consumers.is_empty() {
+                self.consumers_by_key.remove(&key);
+                diff.stop.push(key);
+            }
+        }
+        for key in add {
+            if !mine.insert(key.clone()) {
+                continue;
+            }
+            let consumers = self.consumers_by_key.entry(key.clone()).or_default();
+            if consumers.is_empty() {
+                diff.start.push(key);
+            }
+            consumers.insert(consumer.clone());
+        }
+        if mine.is_empty() {
+            self.keys_by_consumer.remove(consumer);
+        }
+        // A key removed and added back in one change nets out.
+        diff.start.retain(|k| !diff.stop.contains(k));
+        diff.stop.retain(|k| !self.consumers_by_key.contains_key(k));
+        diff.start.sort();
+        diff.stop.sort();
+        diff
+    }
+
     /// Everything `consumer` wanted is released.
     pub fn remove_consumer(&mut self, consumer: &ConsumerId) -> Diff<K> {
         self.set(consumer, BTreeSet::new())
@@ -158,6 +200,21 @@ mod tests {
         assert!(r.set(&a, set(&["k1", "k2", "k3"])).is_empty());
         // One key swapped: exactly that key stops and its replacement starts.
         assert_eq!(r.set(&a, set(&["k1", "k2", "k4"])), Diff { start: vec!["k4"], stop: vec!["k3"] });
+    }
+
+    #[test]
+    fn changes_by_delta_agree_with_stating_the_whole_set() {
+        let mut by_set = Registry::new();
+        let mut by_delta = Registry::new();
+        let (a, b) = (ConsumerId::new("a"), ConsumerId::new("b"));
+        by_set.set(&b, set(&["shared"]));
+        by_delta.set(&b, set(&["shared"]));
+        assert_eq!(by_set.set(&a, set(&["k1", "shared"])), by_delta.change(&a, ["k1", "shared"], []));
+        assert_eq!(by_set.set(&a, set(&["k2"])), by_delta.change(&a, ["k2"], ["k1", "shared"]));
+        assert_eq!(by_delta.change(&a, ["k2"], []), Diff::default(), "already wanted: nothing");
+        assert_eq!(by_delta.change(&a, [], ["nope"]), Diff::default(), "never wanted: nothing");
+        assert_eq!(by_set.set(&a, set(&[])), by_delta.change(&a, [], ["k2"]));
+        assert_eq!(by_set.keys().collect::<Vec<_>>(), by_delta.keys().collect::<Vec<_>>());
     }
 
     #[test]

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use std::time::SystemTime;
 
 use super::assembler::snapshot::{Target, UnusableReason};
-use super::assembler::{self, Config, EndpointsApi, Kept};
+use super::assembler::{self, Config, EndpointsApi};
 use super::keys::{ConsulKey, KubeKey, WatchKey};
 use super::model::{ConsulEvent, Event, KubeEvent, WatchFailure};
 use super::model::{Endpoint, Health, KubeObject};
@@ -363,13 +363,19 @@ async fn kubernetes_services_watch_only_their_own_endpoints() {
     assert_eq!(svcs, [("backend", "api", 0), ("shop", "web", 1)]);
 }
 
-fn assemble(resolvers: Vec<KubeObject>, mappings: Vec<KubeObject>, cfg: &Config) -> assembler::Assembly {
+/// The content and the implied watches of a world of these resolvers and Mappings.
+struct Assembled {
+    content: assembler::Content,
+    desired: BTreeSet<WatchKey>,
+}
+
+fn assemble(resolvers: Vec<KubeObject>, mappings: Vec<KubeObject>, cfg: &Config) -> Assembled {
     let mut p = pipeline(cfg.clone());
     let now = Instant::now();
     p.set_fixed(fixed(), now);
     p.apply(listed(&resolvers_key(), resolvers), now);
     p.apply(listed(&mappings_key(), mappings), now);
-    assembler::assemble(p.world(), cfg, &Kept::default(), SystemTime::UNIX_EPOCH)
+    Assembled { content: p.assembler().content(p.world()), desired: p.assembler().desired().cloned().collect() }
 }
 
 #[tokio::test(start_paused = true)]
@@ -491,7 +497,7 @@ async fn tokens_come_from_secrets_and_never_reach_the_snapshot() {
     assert_eq!(k.server.token.as_ref().unwrap().expose(), token, "trimmed token from the Secret");
     p.apply([Event::Consul(k.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![] })], now);
     let snap = publish(&mut p).unwrap();
-    let bytes = String::from_utf8(snap.to_json()).unwrap();
+    let bytes = String::from_utf8(snap.to_json().to_vec()).unwrap();
     assert!(!bytes.contains(token) && !bytes.contains(&encoded[..20]), "token leaked into the snapshot");
     // A rotated token restarts the watch with the new token.
     let encoded2 = base64::engine::general_purpose::STANDARD.encode("rotated");
@@ -711,7 +717,7 @@ async fn endpoints_last_obtained_outlive_a_token_rotation_a_lost_secret_and_a_br
     p.apply([answer(&old, 5, vec![ep("10.0.0.1", 80)])], now);
     let snap = publish(&mut p).unwrap();
     assert_eq!(snap.content.resolvers[0].services[0].stale, None);
-    let service = |snap: &super::assembler::Snapshot| snap.content.resolvers[0].services[0].clone();
+    let service = |snap: &super::assembler::Snapshot| snap.content.resolvers[0].services[0].as_ref().clone();
 
     // The token is rotated: the old query stops, the new one has not answered.
     tokio::time::advance(Duration::from_secs(60)).await;
@@ -837,18 +843,172 @@ async fn a_query_failing_after_answers_keeps_its_endpoints_stale_since_the_first
     publish(&mut p).unwrap();
     tokio::time::advance(Duration::from_secs(10)).await;
     p.apply([Event::Consul(key.clone(), ConsulEvent::Failed("500 No cluster leader".into()))], Instant::now());
-    let s = next_publication(&mut p).await.content.resolvers[0].services[0].clone();
+    let s = next_publication(&mut p).await.content.resolvers[0].services[0].as_ref().clone();
     assert!(s.synced, "it has answered before");
     assert_eq!(s.endpoints, vec![ep("10.0.0.1", 80)]);
     assert_eq!(s.stale.unwrap().since, "2026-11-23T06:00:10Z");
     tokio::time::advance(Duration::from_secs(10)).await;
     p.apply([Event::Consul(key.clone(), ConsulEvent::Failed("connection refused".into()))], Instant::now());
-    let s = next_publication(&mut p).await.content.resolvers[0].services[0].clone();
+    let s = next_publication(&mut p).await.content.resolvers[0].services[0].as_ref().clone();
     assert_eq!(
         s.stale.unwrap(),
         super::assembler::snapshot::Stale { since: "2026-11-23T06:00:10Z".into(), reason: "connection refused".into() }
     );
     p.apply([answer(&key, 2, vec![ep("10.0.0.1", 80)])], Instant::now());
-    let s = next_publication(&mut p).await.content.resolvers[0].services[0].clone();
+    let s = next_publication(&mut p).await.content.resolvers[0].services[0].as_ref().clone();
     assert_eq!((s.stale, s.error), (None, None));
+}
+
+/// xorshift64*: a deterministic stream of choices.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len())]
+    }
+}
+
+/// A random change to the world, among the keys it tracks.
+fn random_event(rng: &mut Rng, world: &super::world::World) -> Option<Event> {
+    use base64::Engine;
+    let namespaces = ["a", "b"];
+    let ns = *rng.pick(&namespaces);
+    let secret = assembler::resolvers::secret_key(ns, "t1");
+    // Consul answers are most of what arrives, as in a real cluster.
+    Some(match rng.below(12) {
+        0 | 1 => {
+            let address = *rng.pick(&["127.0.0.1:8500", "127.0.0.2:8500", "${NOPE}:8500"]);
+            let mut spec = json!({"address": address, "services": if rng.below(4) == 0 { json!(["always"]) } else { json!([]) }});
+            if rng.below(2) == 0 {
+                spec["tokenSecretRef"] = json!({"name": "t1", "key": "token"});
+            }
+            if rng.below(3) == 0 {
+                spec["datacenter"] = json!("dc2");
+            }
+            let name = *rng.pick(&["c1", "c2"]);
+            Event::Kube(resolvers_key(), KubeEvent::Applied(resolver(ns, name, spec)))
+        }
+        2 => {
+            let name = *rng.pick(&["c1", "c2"]);
+            Event::Kube(resolvers_key(), KubeEvent::Deleted(resolver(ns, name, json!({})).id))
+        }
+        3 if world.kube().contains_key(&secret) => {
+            if rng.below(3) == 0 {
+                Event::Kube(secret.clone(), KubeEvent::Deleted(object(json!({"metadata": {"namespace": ns, "name": "t1"}})).id))
+            } else {
+                let token = base64::engine::general_purpose::STANDARD.encode(*rng.pick(&["tok-1", "tok-2"]));
+                let obj = object(json!({"metadata": {"namespace": ns, "name": "t1"}, "data": {"token": token}}));
+                Event::Kube(secret, KubeEvent::Applied(obj))
+            }
+        }
+        4 | 5 => {
+            let service = *rng.pick(&["s1", "s2", "s3:8080", "s4", "web", "api.b:80", "10.0.0.1:80", "-x", ""]);
+            let mut spec = json!({"service": service});
+            if let Some(r) = *rng.pick(&[None, Some("c1"), Some("c2"), Some("nope")]) {
+                spec["resolver"] = json!(r);
+            }
+            let name = format!("m{}", rng.below(8));
+            Event::Kube(mappings_key(), KubeEvent::Applied(mapping(ns, &name, spec)))
+        }
+        6 => Event::Kube(mappings_key(), KubeEvent::Deleted(mapping(ns, &format!("m{}", rng.below(8)), json!({})).id)),
+        7..=10 => {
+            let keys: Vec<&ConsulKey> = world.consul().keys().collect();
+            if keys.is_empty() {
+                return None;
+            }
+            let key = (*rng.pick(&keys)).clone();
+            if rng.below(4) == 0 {
+                Event::Consul(key, ConsulEvent::Failed(rng.pick(&["refused", "403 ACL not found"]).to_string()))
+            } else {
+                let port = 80 + rng.below(20) as u16;
+                Event::Consul(key, ConsulEvent::Answer { index: rng.next() % 100 + 1, endpoints: vec![ep("10.0.0.9", port)] })
+            }
+        }
+        _ => {
+            let keys: Vec<&KubeKey> = world.kube().keys().filter(|k| k.kind == "Endpoints").collect();
+            if keys.is_empty() {
+                return None;
+            }
+            let key = (*rng.pick(&keys)).clone();
+            if rng.below(4) == 0 {
+                Event::Kube(key, KubeEvent::Failed(super::model::WatchFailure::rejected("endpoints is forbidden")))
+            } else {
+                let ep_ns = key.namespace.clone().unwrap_or_default();
+                let obj = object(json!({"metadata": {"namespace": ep_ns, "name": "x"},
+                    "subsets": [{"addresses": [{"ip": format!("10.1.0.{}", rng.below(3))}], "ports": [{"port": 80}]}]}));
+                return Some(Event::Kube(key, KubeEvent::Applied(obj)));
+            }
+        }
+    })
+    .filter(|e| match e {
+        Event::Kube(k, _) => world.kube().contains_key(k),
+        Event::Consul(k, _) => world.consul().contains_key(k),
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn incremental_assembly_equals_reading_everything_again() {
+    use super::assembler::Assembler;
+    use super::world::World;
+    let cfg = Config { endpoints_api: EndpointsApi::Endpoints, ..Config::default() };
+    let mut world = World::new(BOOTSTRAP);
+    let now = Instant::now();
+    for key in fixed() {
+        world.track(&key, now);
+    }
+    for key in [resolvers_key(), mappings_key()] {
+        world.apply(Event::Kube(key.clone(), KubeEvent::ListStarted), now);
+        world.apply(Event::Kube(key, KubeEvent::ListDone), now);
+    }
+    let mut incremental = Assembler::new(cfg.clone());
+    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    let (mut steps, mut consul_only) = (0, 0);
+    for step in 0..1500u64 {
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(WALL_START + step);
+        let batch: Vec<Event> = (0..1 + rng.below(3)).filter_map(|_| random_event(&mut rng, &world)).collect();
+        let only_consul = batch.iter().all(|e| matches!(e, Event::Consul(..)));
+        for e in batch {
+            world.apply(e, Instant::now());
+        }
+        // Settle as the pipeline does, checking every update against a full reading.
+        loop {
+            let changes = world.take_changes();
+            if changes.is_empty() {
+                break;
+            }
+            let mut full = incremental.clone();
+            full.read_everything_next();
+            let updated = incremental.update(&world, &changes, wall);
+            full.update(&world, &changes, wall);
+            assert_eq!(incremental.content(&world), full.content(&world), "step {step}: content");
+            assert_eq!(
+                incremental.desired().collect::<Vec<_>>(),
+                full.desired().collect::<Vec<_>>(),
+                "step {step}: desired watches"
+            );
+            assert_eq!(incremental.kept(), full.kept(), "step {step}: endpoints kept");
+            if only_consul && !changes.consul.is_empty() && changes.kube.is_empty() {
+                assert!(updated.added.is_empty() && updated.removed.is_empty(), "step {step}: Consul alone");
+                consul_only += 1;
+            }
+            for key in updated.removed {
+                world.untrack(&key);
+            }
+            for key in updated.added {
+                world.track(&key, Instant::now());
+            }
+            steps += 1;
+        }
+    }
+    assert!(steps > 1000 && consul_only > 100, "the walk exercised it: {steps} updates, {consul_only} Consul-only");
 }

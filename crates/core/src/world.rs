@@ -6,6 +6,9 @@
 //! store, sharing a watch shares its cache, and a delete reaches every consumer (which
 //! kube-runtime's shared streams do not do on their own).
 //!
+//! Objects are decoded once, when they arrive ([`crate::ingest`]), and the world records
+//! what each batch changed ([`Changes`]) so the assembler redoes only that.
+//!
 //! Completeness (bootstrap) gates only the first publication (see the pipeline). The
 //! operator's fixed keys (its own kinds, `--watch`) must have listed; they have no timeout,
 //! because publishing half the Mappings black-holes the other half. A key the world implies
@@ -19,26 +22,27 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use serde_json::Value;
 use tokio::time::Instant;
 
+use super::ingest::Reading;
 use super::keys::{ConsulKey, KubeKey, WatchKey};
-use super::model::{ConsulEvent, Endpoint, Event, KubeEvent, KubeObject, ObjectId, WatchFailure};
+use super::model::{ConsulEvent, Endpoint, Event, KubeEvent, ObjectId, Stored, WatchFailure};
 
 /// The store of one Kubernetes key.
 #[derive(Debug, Clone)]
 pub struct KubeStore {
     pub added_at: Instant,
-    pub objects: BTreeMap<ObjectId, KubeObject>,
-    relisting: Option<BTreeMap<ObjectId, KubeObject>>,
+    reading: Reading,
+    pub objects: BTreeMap<ObjectId, Stored>,
+    relisting: Option<BTreeMap<ObjectId, Stored>>,
     pub listed: bool,
     /// The last failure, cleared by the next success.
     pub failure: Option<WatchFailure>,
 }
 
 impl KubeStore {
-    fn new(added_at: Instant) -> Self {
-        KubeStore { added_at, objects: BTreeMap::new(), relisting: None, listed: false, failure: None }
+    fn new(added_at: Instant, reading: Reading) -> Self {
+        KubeStore { added_at, reading, objects: BTreeMap::new(), relisting: None, listed: false, failure: None }
     }
 
     /// Why the API server refuses this watch, while it does.
@@ -64,6 +68,34 @@ impl ConsulStore {
     }
 }
 
+/// What changed in the world since it was last asked: the assembler redoes only this.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Kubernetes keys whose store changed, with the objects that did; `None`: all of them
+    /// (the key was added or removed, relisted, or its rejection came or went).
+    pub kube: BTreeMap<KubeKey, Option<BTreeSet<ObjectId>>>,
+    /// Consul keys whose answer, error or presence changed.
+    pub consul: BTreeSet<ConsulKey>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.kube.is_empty() && self.consul.is_empty()
+    }
+
+    fn all_of(&mut self, key: &KubeKey) {
+        self.kube.insert(key.clone(), None);
+    }
+
+    fn object(&mut self, key: &KubeKey, id: &ObjectId) {
+        if let Some(Some(ids)) =
+            self.kube.entry(key.clone()).or_insert_with(|| Some(BTreeSet::new())).as_mut().map(Some)
+        {
+            ids.insert(id.clone());
+        }
+    }
+}
+
 /// Whether the world is complete enough for the first publication.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Readiness {
@@ -80,12 +112,12 @@ pub struct World {
     kube: BTreeMap<KubeKey, KubeStore>,
     consul: BTreeMap<ConsulKey, ConsulStore>,
     bootstrap_timeout: Duration,
-    /// Keys whose objects the snapshot copies whole (`--watch`): any change of them is a
-    /// change. Of the others only what the assembler reads matters, so a write of
-    /// `status` alone (the operator's own status writes, echoed by the watch) is not.
+    /// Keys whose objects the snapshot copies whole (`--watch`): kept as JSON, and any
+    /// change of them is a change. Of the others only what the assembler reads matters, so
+    /// a write of `status` alone (the operator's own status writes, echoed by the watch)
+    /// is not.
     verbatim: BTreeSet<KubeKey>,
-    /// Bumped by every change to content; lets callers skip work when nothing changed.
-    revision: u64,
+    changes: Changes,
 }
 
 impl World {
@@ -95,7 +127,7 @@ impl World {
             consul: BTreeMap::new(),
             bootstrap_timeout,
             verbatim: BTreeSet::new(),
-            revision: 0,
+            changes: Changes::default(),
         }
     }
 
@@ -105,15 +137,18 @@ impl World {
         self
     }
 
-    pub fn revision(&self) -> u64 {
-        self.revision
+    /// What changed since the last call.
+    pub fn take_changes(&mut self) -> Changes {
+        std::mem::take(&mut self.changes)
     }
 
     /// A watch for `key` started: its store exists, empty and unsynced.
     pub fn track(&mut self, key: &WatchKey, now: Instant) {
         match key {
             WatchKey::Kube(k) => {
-                self.kube.entry(k.clone()).or_insert_with(|| KubeStore::new(now));
+                let reading = Reading::of(k, self.verbatim.contains(k));
+                self.kube.entry(k.clone()).or_insert_with(|| KubeStore::new(now, reading));
+                self.changes.all_of(k);
             }
             WatchKey::Consul(k) => {
                 self.consul.entry(k.clone()).or_insert_with(|| ConsulStore {
@@ -123,42 +158,53 @@ impl World {
                     changed_at: None,
                     last_error: None,
                 });
+                self.changes.consul.insert(k.clone());
             }
         }
-        self.revision += 1;
     }
 
     /// The watch for `key` stopped: its data leaves the world.
     pub fn untrack(&mut self, key: &WatchKey) {
-        let removed = match key {
-            WatchKey::Kube(k) => self.kube.remove(k).is_some(),
-            WatchKey::Consul(k) => self.consul.remove(k).is_some(),
-        };
-        if removed {
-            self.revision += 1;
+        match key {
+            WatchKey::Kube(k) => {
+                if self.kube.remove(k).is_some() {
+                    self.changes.all_of(k);
+                }
+            }
+            WatchKey::Consul(k) => {
+                if self.consul.remove(k).is_some() {
+                    self.changes.consul.insert(k.clone());
+                }
+            }
         }
     }
 
     /// Folds one event in. Returns whether the world's content changed. Events for keys
     /// that are not tracked (a stopped watch's last words) are ignored.
     pub fn apply(&mut self, event: Event, now: Instant) -> bool {
-        let changed = match event {
+        match event {
             Event::Kube(key, ev) => {
-                let verbatim = self.verbatim.contains(&key);
-                match self.kube.get_mut(&key) {
-                    Some(store) => apply_kube(store, ev, verbatim),
-                    None => false,
+                let Some(store) = self.kube.get_mut(&key) else { return false };
+                match apply_kube(store, ev) {
+                    KubeChange::None => false,
+                    KubeChange::Object(id) => {
+                        self.changes.object(&key, &id);
+                        true
+                    }
+                    KubeChange::All => {
+                        self.changes.all_of(&key);
+                        true
+                    }
                 }
             }
-            Event::Consul(key, ev) => match self.consul.get_mut(&key) {
-                Some(store) => apply_consul(store, ev, now),
-                None => false,
-            },
-        };
-        if changed {
-            self.revision += 1;
+            Event::Consul(key, ev) => {
+                let changed = self.consul.get_mut(&key).is_some_and(|store| apply_consul(store, ev, now));
+                if changed {
+                    self.changes.consul.insert(key);
+                }
+                changed
+            }
         }
-        changed
     }
 
     /// Whether the world is complete; `fixed` says which Kubernetes keys are the
@@ -202,75 +248,78 @@ impl World {
 
     /// Objects of every tracked key of this group and kind (any version or scope), each
     /// object once even when several keys hold it.
-    pub fn objects_of<'a>(&'a self, group: &'a str, kind: &'a str) -> impl Iterator<Item = &'a KubeObject> + 'a {
-        let mut seen = std::collections::BTreeSet::new();
+    pub fn objects_of<'a>(
+        &'a self,
+        group: &'a str,
+        kind: &'a str,
+    ) -> impl Iterator<Item = (&'a ObjectId, &'a Stored)> + 'a {
+        let mut seen = BTreeSet::new();
         self.kube
             .iter()
             .filter(move |(k, _)| k.is(group, kind))
-            .flat_map(|(_, s)| s.objects.values())
-            .filter(move |o| seen.insert(o.id.clone()))
+            .flat_map(|(_, s)| s.objects.iter())
+            .filter(move |(id, _)| seen.insert(*id))
+    }
+
+    /// The object `id` of this group and kind, from whichever key holds it.
+    pub fn object_of(&self, group: &str, kind: &str, id: &ObjectId) -> Option<&Stored> {
+        self.kube.iter().filter(|(k, _)| k.is(group, kind)).find_map(|(_, s)| s.objects.get(id))
     }
 }
 
-/// Whether two versions of an object agree on everything but `status` and
-/// `metadata.resourceVersion`.
-fn same_apart_from_status(a: &Value, b: &Value) -> bool {
-    match (a.as_object(), b.as_object()) {
-        (Some(a), Some(b)) => {
-            same_except(a, b, &["status", "metadata"])
-                && match (a.get("metadata").and_then(Value::as_object), b.get("metadata").and_then(Value::as_object)) {
-                    (Some(ma), Some(mb)) => same_except(ma, mb, &["resourceVersion"]),
-                    (ma, mb) => ma == mb,
-                }
-        }
-        _ => a == b,
-    }
+/// What one event changed in a Kubernetes store.
+enum KubeChange {
+    None,
+    Object(ObjectId),
+    All,
 }
 
-/// Whether two JSON objects agree on every key but `skip`.
-fn same_except(a: &serde_json::Map<String, Value>, b: &serde_json::Map<String, Value>, skip: &[&str]) -> bool {
-    let kept = |o: &serde_json::Map<String, Value>| o.keys().filter(|k| !skip.contains(&k.as_str())).count();
-    kept(a) == kept(b) && a.iter().filter(|(k, _)| !skip.contains(&k.as_str())).all(|(k, v)| b.get(k) == Some(v))
-}
-
-fn apply_kube(store: &mut KubeStore, ev: KubeEvent, verbatim: bool) -> bool {
-    let same = |a: &KubeObject, b: &KubeObject| {
-        if verbatim { a == b } else { a.id == b.id && same_apart_from_status(&a.value, &b.value) }
-    };
+fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
+    let reading = store.reading;
     // A rejection is content (the snapshot reports it), so its start and end are changes.
     let was_rejected = store.rejection().is_some();
+    let changed_if = |changed: bool, what: KubeChange| match (changed, was_rejected) {
+        (_, true) => KubeChange::All,
+        (true, false) => what,
+        (false, false) => KubeChange::None,
+    };
     match ev {
         KubeEvent::ListStarted => {
             store.relisting = Some(BTreeMap::new());
-            false
+            KubeChange::None
         }
         KubeEvent::Listed(obj) => {
-            store.relisting.get_or_insert_with(BTreeMap::new).insert(obj.id.clone(), obj);
-            false
+            let stored = reading.decode(&obj);
+            store.relisting.get_or_insert_with(BTreeMap::new).insert(obj.id, stored);
+            KubeChange::None
         }
         KubeEvent::ListDone => {
             let fresh = store.relisting.take().unwrap_or_default();
             let changed = !store.listed
                 || fresh.len() != store.objects.len()
-                || fresh.iter().any(|(id, o)| store.objects.get(id).is_none_or(|old| !same(old, o)));
+                || fresh.iter().any(|(id, o)| store.objects.get(id).is_none_or(|old| !reading.same(old, o)));
             store.objects = fresh;
             store.listed = true;
             store.failure = None;
-            changed || was_rejected
+            changed_if(changed, KubeChange::All)
         }
         KubeEvent::Applied(obj) => {
             store.failure = None;
-            let old = store.objects.insert(obj.id.clone(), obj.clone());
-            old.is_none_or(|old| !same(&old, &obj)) || was_rejected
+            let stored = reading.decode(&obj);
+            let changed = store.objects.get(&obj.id).is_none_or(|old| !reading.same(old, &stored));
+            // Stored even when unchanged: its JSON (a resolver's status) is current.
+            store.objects.insert(obj.id.clone(), stored);
+            changed_if(changed, KubeChange::Object(obj.id))
         }
         KubeEvent::Deleted(id) => {
             store.failure = None;
-            store.objects.remove(&id).is_some() || was_rejected
+            let changed = store.objects.remove(&id).is_some();
+            changed_if(changed, KubeChange::Object(id))
         }
         KubeEvent::Failed(f) => {
             let changed = (f.rejected || was_rejected) && store.failure.as_ref() != Some(&f);
             store.failure = Some(f);
-            changed
+            if changed { KubeChange::All } else { KubeChange::None }
         }
     }
 }
@@ -280,13 +329,19 @@ fn apply_consul(store: &mut ConsulStore, ev: ConsulEvent, now: Instant) -> bool 
         ConsulEvent::Answer { index, endpoints } => {
             let first = !store.answered();
             let errored = store.last_error.take().is_some();
-            store.index = Some(index);
+            // The index is that of the answer that brought the endpoints: an answer with
+            // the same endpoints (a wake-up, a timeout) changes nothing, not even it, so
+            // the snapshot never depends on when else it happens to be read.
             if first || endpoints != store.endpoints {
+                store.index = Some(index);
                 store.endpoints = endpoints;
                 store.changed_at = Some(now);
                 true
             } else {
                 // Same content: not an event for the snapshot, but a cleared error is.
+                if errored {
+                    store.index = Some(index);
+                }
                 errored
             }
         }
@@ -302,7 +357,7 @@ fn apply_consul(store: &mut ConsulStore, ev: ConsulEvent, now: Instant) -> bool 
 mod tests {
     use super::*;
     use crate::keys::{ConsulServer, Secret};
-    use crate::model::Health;
+    use crate::model::{Health, KubeObject};
     use serde_json::json;
     use std::collections::BTreeSet;
 
@@ -442,9 +497,10 @@ mod tests {
         w.track(&consul("a").into(), now);
         let answer = |i| Event::Consul(consul("a"), ConsulEvent::Answer { index: i, endpoints: vec![ep("10.0.0.1")] });
         assert!(w.apply(answer(5), now));
-        let rev = w.revision();
+        w.take_changes();
         assert!(!w.apply(answer(6), now), "a new index with the same content is not a change");
-        assert_eq!(w.revision(), rev);
+        assert!(w.take_changes().is_empty());
+        assert_eq!(w.consul()[&consul("a")].index, Some(5), "the index of the answer that brought them");
         assert!(w.apply(Event::Consul(consul("a"), ConsulEvent::Failed("500 No cluster leader".into())), now));
         assert_eq!(w.consul()[&consul("a")].endpoints, vec![ep("10.0.0.1")], "errors keep the last endpoints");
         assert!(!w.apply(Event::Consul(consul("a"), ConsulEvent::Failed("500 No cluster leader".into())), now));
@@ -478,24 +534,24 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_status_write_alone_changes_nothing_unless_the_key_is_copied_whole() {
+    async fn changes_name_the_objects_or_the_whole_key() {
         let now = Instant::now();
-        let with_status = |rv: &str, status: &str, spec: i64| {
-            KubeObject::from_value(json!({"metadata": {"namespace": "a", "name": "r", "resourceVersion": rv},
-                "spec": {"v": spec}, "status": {"s": status}}))
-            .unwrap()
-        };
-        let copied = KubeKey::new("", "", "Service");
-        let mut w = World::new(TIMEOUT).copy_verbatim([copied.clone()]);
-        for k in [mappings(), copied.clone()] {
-            w.track(&k.clone().into(), now);
-            w.apply(Event::Kube(k.clone(), KubeEvent::Applied(with_status("1", "old", 1))), now);
+        let mut w = World::new(TIMEOUT);
+        w.track(&mappings().into(), now);
+        w.track(&consul("a").into(), now);
+        let tracked = w.take_changes();
+        assert_eq!(tracked.kube.get(&mappings()), Some(&None), "a new key: all of it");
+        assert!(tracked.consul.contains(&consul("a")));
+        for ev in [KubeEvent::ListStarted, KubeEvent::Listed(obj("a", "m1", 1)), KubeEvent::ListDone] {
+            w.apply(Event::Kube(mappings(), ev), now);
         }
-        let echo = Event::Kube(mappings(), KubeEvent::Applied(with_status("2", "new", 1)));
-        assert!(!w.apply(echo, now), "only status and resourceVersion moved");
-        assert_eq!(w.kube()[&mappings()].objects.values().next().unwrap().value["status"]["s"], "new", "kept current");
-        assert!(w.apply(Event::Kube(mappings(), KubeEvent::Applied(with_status("3", "new", 2))), now));
-        assert!(w.apply(Event::Kube(copied, KubeEvent::Applied(with_status("2", "new", 1))), now), "copied whole");
+        assert_eq!(w.take_changes().kube.get(&mappings()), Some(&None), "a list: all of it");
+        w.apply(Event::Kube(mappings(), KubeEvent::Applied(obj("a", "m2", 1))), now);
+        w.apply(Event::Kube(mappings(), KubeEvent::Deleted(obj("a", "m1", 1).id)), now);
+        let ids = w.take_changes().kube[&mappings()].clone().unwrap();
+        let names: Vec<_> = ids.iter().map(|id| id.name.as_str()).collect();
+        assert_eq!(names, ["m1", "m2"]);
+        assert!(w.take_changes().is_empty(), "taken");
     }
 
     #[tokio::test(start_paused = true)]

@@ -7,8 +7,7 @@
 //! obtained last, marked stale (since when, and why), until the new query answers. Only
 //! deleting the resolver, or the Mappings that reference the service, removes them.
 //!
-//! This is the assembler's memory between two readings of the world: an input and an
-//! output of [`super::assemble`], held by the pipeline, so the assembler stays a function.
+//! This is the assembler's memory between two readings of the world.
 
 use std::collections::BTreeMap;
 use std::time::SystemTime;
@@ -47,6 +46,15 @@ impl Kept {
 
     pub(super) fn insert(&mut self, of: ServiceOf, kept: KeptService) {
         self.services.insert(of, kept);
+    }
+
+    pub(super) fn remove(&mut self, of: &ServiceOf) {
+        self.services.remove(of);
+    }
+
+    /// Keeps only what `keep` says is still a resolver's service.
+    pub(super) fn retain(&mut self, mut keep: impl FnMut(&ServiceOf) -> bool) {
+        self.services.retain(|of, _| keep(of));
     }
 }
 

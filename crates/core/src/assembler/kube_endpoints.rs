@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use serde_json::Value;
 
 use crate::keys::KubeKey;
-use crate::model::{KubeEndpoint, KubeObject, KubePort};
+use crate::model::{Decoded, KubeEndpoint, KubePort, Stored};
 
 /// Which API carries Service endpoints on this API server (found by discovery).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -20,30 +20,60 @@ pub enum EndpointsApi {
 }
 
 impl EndpointsApi {
+    /// The API group of the objects that carry endpoints.
+    pub(crate) fn group(self) -> &'static str {
+        match self {
+            EndpointsApi::EndpointSlices => "discovery.k8s.io",
+            EndpointsApi::Endpoints => "",
+        }
+    }
+
+    /// The kind of the objects that carry endpoints.
+    pub(crate) fn kind(self) -> &'static str {
+        match self {
+            EndpointsApi::EndpointSlices => "EndpointSlice",
+            EndpointsApi::Endpoints => "Endpoints",
+        }
+    }
+
     /// The one watch that brings the endpoints of Service `namespace/name`: never a
     /// whole namespace's worth.
     pub fn key(self, namespace: &str, name: &str) -> KubeKey {
         match self {
-            EndpointsApi::EndpointSlices => KubeKey::new("discovery.k8s.io", "v1", "EndpointSlice")
+            EndpointsApi::EndpointSlices => KubeKey::new(self.group(), "v1", self.kind())
                 .in_namespace(namespace)
                 .with_labels(format!("kubernetes.io/service-name={name}")),
-            EndpointsApi::Endpoints => {
-                KubeKey::new("", "v1", "Endpoints").in_namespace(namespace).with_fields(format!("metadata.name={name}"))
-            }
+            EndpointsApi::Endpoints => KubeKey::new(self.group(), "v1", self.kind())
+                .in_namespace(namespace)
+                .with_fields(format!("metadata.name={name}")),
         }
     }
+}
 
-    /// Reads the endpoints out of the objects of that watch, sorted and de-duplicated.
-    pub fn read<'a>(self, objects: impl Iterator<Item = &'a KubeObject>) -> Vec<KubeEndpoint> {
-        let mut out = BTreeSet::new();
-        for obj in objects {
-            match self {
-                EndpointsApi::EndpointSlices => read_slice(&obj.value, &mut out),
-                EndpointsApi::Endpoints => read_endpoints(&obj.value, &mut out),
-            }
+/// The endpoints of the objects of one Service's watch (decoded at ingestion), sorted and
+/// de-duplicated across its EndpointSlices.
+pub(crate) fn merge<'a>(objects: impl Iterator<Item = &'a Stored>) -> Vec<KubeEndpoint> {
+    let mut out = BTreeSet::new();
+    for obj in objects {
+        if let Decoded::Endpoints(eps) = &obj.decoded {
+            out.extend(eps.iter().cloned());
         }
-        out.into_iter().collect()
     }
+    out.into_iter().collect()
+}
+
+/// The endpoints of one EndpointSlice.
+pub(crate) fn from_slice(slice: &Value) -> Vec<KubeEndpoint> {
+    let mut out = BTreeSet::new();
+    read_slice(slice, &mut out);
+    out.into_iter().collect()
+}
+
+/// The endpoints of one core Endpoints object.
+pub(crate) fn from_endpoints(endpoints: &Value) -> Vec<KubeEndpoint> {
+    let mut out = BTreeSet::new();
+    read_endpoints(endpoints, &mut out);
+    out.into_iter().collect()
 }
 
 fn ports(list: Option<&Value>) -> Vec<KubePort> {
@@ -94,7 +124,7 @@ mod tests {
 
     #[test]
     fn reads_endpoint_slices() {
-        let obj = KubeObject::from_value(json!({
+        let obj = &json!({
             "metadata": {"name": "billing-abc", "namespace": "shop"},
             "ports": [{"name": "http", "port": 8080}],
             "endpoints": [
@@ -102,22 +132,20 @@ mod tests {
                 {"addresses": ["10.0.0.1"]},
                 {"addresses": ["10.0.0.3"], "conditions": {"ready": false}}
             ]
-        }))
-        .unwrap();
-        let eps = EndpointsApi::EndpointSlices.read(std::iter::once(&obj));
+        });
+        let eps = from_slice(obj);
         let got: Vec<_> = eps.iter().map(|e| (e.address.as_str(), e.ready, e.ports[0].port)).collect();
         assert_eq!(got, [("10.0.0.1", true, 8080), ("10.0.0.2", true, 8080), ("10.0.0.3", false, 8080)]);
     }
 
     #[test]
     fn reads_core_endpoints() {
-        let obj = KubeObject::from_value(json!({
+        let obj = &json!({
             "metadata": {"name": "billing", "namespace": "shop"},
             "subsets": [{"addresses": [{"ip": "10.0.0.9"}], "notReadyAddresses": [{"ip": "10.0.0.8"}],
                          "ports": [{"port": 80}]}]
-        }))
-        .unwrap();
-        let eps = EndpointsApi::Endpoints.read(std::iter::once(&obj));
+        });
+        let eps = from_endpoints(obj);
         let got: Vec<_> = eps.iter().map(|e| (e.address.as_str(), e.ready)).collect();
         assert_eq!(got, [("10.0.0.8", false), ("10.0.0.9", true)]);
     }

@@ -2,22 +2,36 @@
 //! reading, the set of watches the world implies (the feedback loop: Mappings name
 //! services, services become Consul or EndpointSlice watches, resolvers name Secrets).
 //!
+//! It works in two passes and incrementally. Pass one routes each Mapping to its target
+//! (a resolver's Consul service, a Kubernetes Service, an address). Pass two reads each
+//! target's endpoints, and derives the desired watches from the targets. Between changes it
+//! keeps both passes' results, and redoes only what the world's [`Changes`] touch:
+//! - a Consul answer touches only the services read through that query;
+//! - a Mapping change only its own route and the targets it adds or drops;
+//! - a resolver or Secret change re-reads the resolvers and re-routes every Mapping
+//!   (rare, and cheap: Mappings are decoded once, when they arrive);
+//! - the desired watches are derived again only when a route or a resolver changed, so a
+//!   Consul-only change never touches the registry.
+//!
 //! Problems (a bad `service`, an unknown or ambiguous resolver, an invalid resolver spec)
 //! are values in the snapshot, never panics, and never guesses.
 
 pub mod kept;
-pub mod kube_endpoints;
+pub(crate) mod kube_endpoints;
 pub mod resolvers;
 pub mod snapshot;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::SystemTime;
 
-use crate::keys::{KubeKey, WatchKey};
-use crate::world::{ConsulStore, World};
-use consul_resolver_api::mapping::{self, Mapping, MappingKind};
+use crate::keys::{ConsulKey, KubeKey, WatchKey};
+use crate::model::{Decoded, MappingObject, ObjectId};
+use crate::world::{Changes, ConsulStore, World};
+use consul_resolver_api::mapping::{self, MappingKind};
 use consul_resolver_api::names;
-use consul_resolver_api::service::{Host, ServiceRef};
+use consul_resolver_api::resolver::{GROUP, KIND};
+use consul_resolver_api::service::Host;
 
 pub use kept::Kept;
 use kept::{KeptService, ServiceOf};
@@ -28,6 +42,7 @@ use snapshot::{
     WatchedEntry,
 };
 pub use snapshot::{Content, Snapshot};
+
 /// A resolver named by `namespace/name`, or by `name` alone (looked up like a Mapping's
 /// `resolver`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,187 +91,413 @@ impl Default for Config {
     }
 }
 
-/// One reading of the world.
+/// A resolver by namespace and name.
+type ResolverId = (String, String);
+/// A Mapping by kind, namespace and name: sorts as its snapshot entries do.
+type MappingKey = (MappingKind, String, String);
+
+/// How [`Assembler::update`] changed the desired watches.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Updated {
+    pub added: Vec<WatchKey>,
+    pub removed: Vec<WatchKey>,
+}
+
+/// One Mapping, routed.
 #[derive(Debug, Clone)]
-pub struct Assembly {
-    pub content: Content,
-    /// The watches this world implies (besides the operator's fixed ones).
-    pub desired: BTreeSet<WatchKey>,
-    /// The endpoints to keep serving if a service's query stops being usable (see [`kept`]).
-    pub kept: Kept,
+struct Routed {
+    /// Its snapshot entry; `None` when it cannot be read at all (a problem only).
+    entry: Option<Arc<MappingEntry>>,
+    problem: Option<Problem>,
+    uses: Uses,
 }
 
-/// Reads the world once, producing the snapshot content, the desired watches and the
-/// endpoints to keep. `kept` is what the previous reading kept; `now` stamps the moment a
-/// service's endpoints become stale.
-pub fn assemble(world: &World, cfg: &Config, kept: &Kept, now: SystemTime) -> Assembly {
-    let resolvers = resolvers::read(world, &cfg.ambassador_id, &cfg.env);
-    let mut reading = Reading::new(world, cfg, kept, now, &resolvers);
-    reading.route_mappings();
-    reading.finish()
+/// The target a route reads endpoints from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Uses {
+    Consul(ResolverId, String),
+    Kube(String, String),
+    Nothing,
 }
 
-/// Where a Mapping's traffic goes, before the services it names are read.
-enum Route {
-    /// Through `resolvers[resolver]`.
-    Consul {
-        resolver: usize,
-        service: String,
-        port: Option<u16>,
-    },
-    Kubernetes {
-        namespace: String,
-        service: String,
-        port: Option<u16>,
-    },
-    Address(String),
-    /// Why it cannot be routed.
-    Unresolved(String),
+/// A Kubernetes Service routed to, as last read.
+#[derive(Debug, Clone)]
+struct KubeTarget {
+    entry: Arc<KubeServiceEntry>,
 }
 
-/// A Mapping, as a problem names it.
-struct MappingRef {
-    kind: &'static str,
-    namespace: String,
-    name: String,
+/// The assembler's state between changes: what each pass produced, and what the services'
+/// entries were read from.
+#[derive(Debug, Clone)]
+pub struct Assembler {
+    cfg: Config,
+    /// Endpoints last obtained per resolver service (last known good).
+    kept: Kept,
+    /// Resolvers in scope, sorted by namespace and name.
+    resolvers: Vec<Resolver>,
+    lookup: Lookup,
+    routes: BTreeMap<MappingKey, Routed>,
+    /// Per resolver, per service, how many routes use it.
+    consul_uses: BTreeMap<ResolverId, BTreeMap<String, usize>>,
+    /// Per Kubernetes Service, the routes to it.
+    kube_uses: BTreeMap<(String, String), BTreeSet<MappingKey>>,
+    /// Per resolver, its services' entries; and the resolver's whole entry.
+    services: BTreeMap<ResolverId, BTreeMap<String, Arc<ServiceEntry>>>,
+    resolver_entries: BTreeMap<ResolverId, Arc<ResolverEntry>>,
+    kube_targets: BTreeMap<(String, String), KubeTarget>,
+    /// The desired watches, each with how many targets or resolvers imply it (a query can
+    /// be shared by resolvers with the same settings).
+    desired: BTreeMap<WatchKey, usize>,
+    /// Resolvers whose routed services changed since their services were last read.
+    touched: BTreeSet<ResolverId>,
+    /// Nothing has been read yet: the first update reads everything.
+    fresh: bool,
 }
 
-/// The state of one [`assemble`] pass.
-struct Reading<'a> {
-    world: &'a World,
-    cfg: &'a Config,
-    kept: &'a Kept,
-    now: SystemTime,
-    resolvers: &'a [Resolver],
-    lookup: Lookup<'a>,
-    /// Per resolver (same positions as `resolvers`), the Consul services to watch.
-    consul_services: Vec<BTreeSet<String>>,
-    /// Per referenced Kubernetes Service (namespace, name), the Mappings routed to it.
-    kube_services: BTreeMap<(String, String), Vec<MappingRef>>,
-    mappings: Vec<MappingEntry>,
-    problems: Vec<Problem>,
-}
+impl Assembler {
+    pub fn new(cfg: Config) -> Self {
+        Assembler {
+            cfg,
+            kept: Kept::default(),
+            resolvers: Vec::new(),
+            lookup: Lookup::default(),
+            routes: BTreeMap::new(),
+            consul_uses: BTreeMap::new(),
+            kube_uses: BTreeMap::new(),
+            services: BTreeMap::new(),
+            resolver_entries: BTreeMap::new(),
+            kube_targets: BTreeMap::new(),
+            desired: BTreeMap::new(),
+            touched: BTreeSet::new(),
+            fresh: true,
+        }
+    }
 
-impl<'a> Reading<'a> {
-    fn new(world: &'a World, cfg: &'a Config, kept: &'a Kept, now: SystemTime, resolvers: &'a [Resolver]) -> Self {
-        let problems = resolvers
+    /// The watches the world implies (besides the operator's fixed ones).
+    pub fn desired(&self) -> impl Iterator<Item = &WatchKey> {
+        self.desired.keys()
+    }
+
+    /// Makes the next update read everything, as a first one does (tests compare the
+    /// incremental result with it).
+    #[cfg(test)]
+    pub(crate) fn read_everything_next(&mut self) {
+        self.fresh = true;
+    }
+
+    #[cfg(test)]
+    pub(crate) fn kept(&self) -> &Kept {
+        &self.kept
+    }
+
+    /// Folds `changes` of `world` in: redoes what they touch, and says how the desired
+    /// watches changed. `now` stamps the moment a service's endpoints become stale.
+    pub fn update(&mut self, world: &World, changes: &Changes, now: SystemTime) -> Updated {
+        let everything = self.fresh || changes.kube.keys().any(|k| k.is(GROUP, KIND) || k.is("", "Secret"));
+        self.fresh = false;
+        let mut delta = Delta::default();
+        if everything {
+            // Resolvers (or the Secrets they read) changed: read them, route every Mapping
+            // and read every service again, and derive the desired watches anew.
+            self.resolvers = resolvers::read(world, &self.cfg.ambassador_id, &self.cfg.env);
+            self.lookup = Lookup::new(&self.resolvers);
+            self.reroute_all(world);
+            self.read_services(world, None, now, &mut delta);
+            self.read_kube_targets(world, changes, true, &mut delta);
+            let before = std::mem::take(&mut self.desired);
+            self.desired = self.derive_desired();
+            return Updated {
+                added: self.desired.keys().filter(|k| !before.contains_key(k)).cloned().collect(),
+                removed: before.into_keys().filter(|k| !self.desired.contains_key(k)).collect(),
+            };
+        }
+        let mut routes_changed = false;
+        for (key, ids) in &changes.kube {
+            let Some(kind) = MappingKind::ALL.into_iter().find(|k| key.is(mapping::GROUP, k.kind())) else {
+                continue;
+            };
+            match ids {
+                // Every one is routed again: no short circuit.
+                Some(ids) => {
+                    for id in ids {
+                        routes_changed |= self.reroute(world, kind, id);
+                    }
+                }
+                None => routes_changed |= self.reroute_kind(world, kind),
+            }
+        }
+        // Services whose entry must be read again: those read through a changed query.
+        let mut dirty: BTreeMap<ResolverId, BTreeSet<String>> = BTreeMap::new();
+        for key in &changes.consul {
+            for r in &self.resolvers {
+                if r.settings.as_ref().is_ok_and(|s| s.key(&key.service) == *key) {
+                    dirty.entry((r.namespace.clone(), r.name.clone())).or_default().insert(key.service.clone());
+                }
+            }
+        }
+        if !dirty.is_empty() || !self.touched.is_empty() {
+            self.read_services(world, Some(&dirty), now, &mut delta);
+        }
+        self.read_kube_targets(world, changes, routes_changed, &mut delta);
+        self.apply_delta(delta)
+    }
+
+    /// The snapshot content, from the parts kept (pointer copies, and the small lists).
+    pub fn content(&self, world: &World) -> Content {
+        let mut problems: Vec<Problem> = self
+            .resolvers
             .iter()
             .filter_map(|r| {
                 let u = r.settings.as_ref().err().filter(|u| u.reason != UnusableReason::WaitingForSecret)?;
                 Some(Problem {
-                    kind: resolvers::KIND.into(),
+                    kind: KIND.into(),
                     namespace: r.namespace.clone(),
                     name: r.name.clone(),
                     message: u.message.clone(),
                 })
             })
             .collect();
-        Reading {
-            world,
-            cfg,
-            kept,
-            now,
+        problems.extend(self.routes.values().filter_map(|r| r.problem.clone()));
+        for ((namespace, name), target) in &self.kube_targets {
+            let Some(why) = &target.entry.error else { continue };
+            for (kind, m_ns, m_name) in self.kube_uses.get(&(namespace.clone(), name.clone())).into_iter().flatten() {
+                problems.push(Problem {
+                    kind: kind.kind().into(),
+                    namespace: m_ns.clone(),
+                    name: m_name.clone(),
+                    message: format!("cannot watch the endpoints of Service {namespace}/{name}: {why}"),
+                });
+            }
+        }
+        problems.sort();
+        problems.dedup();
+        let resolvers: Vec<Arc<ResolverEntry>> = self
+            .resolvers
+            .iter()
+            .filter_map(|r| self.resolver_entries.get(&(r.namespace.clone(), r.name.clone())).cloned())
+            .collect();
+        let unsynced = resolvers
+            .iter()
+            .flat_map(|r| {
+                r.services.iter().filter(|s| !s.synced).map(|s| format!("{}/{}/{}", r.namespace, r.name, s.name))
+            })
+            .collect::<Vec<_>>();
+        let watched = self
+            .cfg
+            .static_watches
+            .iter()
+            .map(|key| WatchedEntry {
+                watch: key.to_string(),
+                objects: world
+                    .kube()
+                    .get(key)
+                    .into_iter()
+                    .flat_map(|s| s.objects.values())
+                    .filter_map(|o| o.raw.clone())
+                    .collect(),
+            })
+            .collect();
+        Content {
+            bootstrap: Bootstrap { complete: unsynced.is_empty(), unsynced },
             resolvers,
-            lookup: Lookup::new(resolvers),
-            consul_services: resolvers.iter().map(|r| r.listed_services().map(str::to_owned).collect()).collect(),
-            kube_services: BTreeMap::new(),
-            mappings: Vec::new(),
+            mappings: self.routes.values().filter_map(|r| r.entry.clone()).collect(),
+            kubernetes_services: self.kube_targets.values().map(|t| t.entry.clone()).collect(),
+            watched,
             problems,
         }
     }
 
-    fn problem(&mut self, kind: &str, namespace: &str, name: &str, message: String) {
-        self.problems.push(Problem { kind: kind.into(), namespace: namespace.into(), name: name.into(), message });
-    }
-
-    /// Reads every Mapping of the operator's Ambassador ID and routes it.
-    fn route_mappings(&mut self) {
+    /// Routes every Mapping again (the resolvers changed).
+    fn reroute_all(&mut self, world: &World) {
+        self.routes.clear();
+        self.consul_uses.clear();
+        self.kube_uses.clear();
         for kind in MappingKind::ALL {
-            for obj in self.world.objects_of(mapping::GROUP, kind.kind()) {
-                let m = match Mapping::from_object(kind, &obj.value) {
-                    Ok(m) => m,
-                    Err(e) => {
-                        let ns = obj.id.namespace.clone().unwrap_or_default();
-                        self.problem(kind.kind(), &ns, &obj.id.name, e.to_string());
-                        continue;
-                    }
-                };
-                if !m.spec.serves_ambassador_id(&self.cfg.ambassador_id) {
-                    continue;
+            for (id, stored) in world.objects_of(mapping::GROUP, kind.kind()) {
+                if let Decoded::Mapping(m) = &stored.decoded
+                    && let Some(routed) = self.route(kind, id, m)
+                {
+                    self.add_route(key_of(kind, id), routed);
                 }
-                let raw = m.spec.service.clone().unwrap_or_default();
-                let route = match ServiceRef::parse(&raw) {
-                    Err(e) => Route::Unresolved(format!("spec.service: {e}")),
-                    Ok(svc) => self.route(&m, &svc),
-                };
-                let target = match route {
-                    Route::Consul { resolver, service, port } => {
-                        let r = &self.resolvers[resolver];
-                        self.consul_services[resolver].insert(service.clone());
-                        Target::Consul {
-                            resolver_namespace: r.namespace.clone(),
-                            resolver_name: r.name.clone(),
-                            service,
-                            port,
-                        }
-                    }
-                    Route::Kubernetes { namespace, service, port } => {
-                        let by = MappingRef { kind: kind.kind(), namespace: m.namespace.clone(), name: m.name.clone() };
-                        self.kube_services.entry((namespace.clone(), service.clone())).or_default().push(by);
-                        Target::Kubernetes { namespace, service, port }
-                    }
-                    Route::Address(address) => Target::Address { address },
-                    Route::Unresolved(why) => {
-                        self.problem(kind.kind(), &m.namespace, &m.name, why);
-                        Target::Unresolved
-                    }
-                };
-                self.mappings.push(MappingEntry {
-                    kind: kind.kind().into(),
-                    namespace: m.namespace.clone(),
-                    name: m.name.clone(),
-                    service: raw,
-                    target,
-                });
             }
         }
     }
 
-    fn route(&self, m: &Mapping, svc: &ServiceRef) -> Route {
+    /// Routes every Mapping of `kind` again (its watch relisted, or came or went).
+    fn reroute_kind(&mut self, world: &World, kind: MappingKind) -> bool {
+        let mine: Vec<MappingKey> = self.routes.keys().filter(|k| k.0 == kind).cloned().collect();
+        for key in mine {
+            self.remove_route(&key);
+        }
+        for (id, stored) in world.objects_of(mapping::GROUP, kind.kind()) {
+            if let Decoded::Mapping(m) = &stored.decoded
+                && let Some(routed) = self.route(kind, id, m)
+            {
+                self.add_route(key_of(kind, id), routed);
+            }
+        }
+        true
+    }
+
+    /// Routes one Mapping again; whether its route changed.
+    fn reroute(&mut self, world: &World, kind: MappingKind, id: &ObjectId) -> bool {
+        let key = key_of(kind, id);
+        let now = world.object_of(mapping::GROUP, kind.kind(), id).and_then(|stored| match &stored.decoded {
+            Decoded::Mapping(m) => self.route(kind, id, m),
+            _ => None,
+        });
+        let before = self.routes.get(&key);
+        let same = match (before, &now) {
+            (None, None) => true,
+            (Some(b), Some(n)) => b.entry == n.entry && b.problem == n.problem && b.uses == n.uses,
+            _ => false,
+        };
+        if same {
+            return false;
+        }
+        self.remove_route(&key);
+        if let Some(routed) = now {
+            self.add_route(key, routed);
+        }
+        true
+    }
+
+    fn add_route(&mut self, key: MappingKey, routed: Routed) {
+        match &routed.uses {
+            Uses::Consul(rid, service) => {
+                *self.consul_uses.entry(rid.clone()).or_default().entry(service.clone()).or_default() += 1;
+                self.touched.insert(rid.clone());
+            }
+            Uses::Kube(ns, name) => {
+                self.kube_uses.entry((ns.clone(), name.clone())).or_default().insert(key.clone());
+            }
+            Uses::Nothing => {}
+        }
+        self.routes.insert(key, routed);
+    }
+
+    fn remove_route(&mut self, key: &MappingKey) {
+        let Some(routed) = self.routes.remove(key) else { return };
+        match routed.uses {
+            Uses::Consul(rid, service) => {
+                self.touched.insert(rid.clone());
+                if let Some(services) = self.consul_uses.get_mut(&rid) {
+                    if let Some(n) = services.get_mut(&service) {
+                        *n -= 1;
+                        if *n == 0 {
+                            services.remove(&service);
+                        }
+                    }
+                    if services.is_empty() {
+                        self.consul_uses.remove(&rid);
+                    }
+                }
+            }
+            Uses::Kube(ns, name) => {
+                let target = (ns, name);
+                if let Some(by) = self.kube_uses.get_mut(&target) {
+                    by.remove(key);
+                    if by.is_empty() {
+                        self.kube_uses.remove(&target);
+                    }
+                }
+            }
+            Uses::Nothing => {}
+        }
+    }
+
+    /// Pass one for one Mapping: where its traffic goes. `None`: not this operator's.
+    fn route(&self, kind: MappingKind, id: &ObjectId, m: &Result<MappingObject, String>) -> Option<Routed> {
+        let m = match m {
+            Ok(m) => m,
+            Err(e) => {
+                let problem = Problem {
+                    kind: kind.kind().into(),
+                    namespace: id.namespace.clone().unwrap_or_default(),
+                    name: id.name.clone(),
+                    message: e.clone(),
+                };
+                return Some(Routed { entry: None, problem: Some(problem), uses: Uses::Nothing });
+            }
+        };
+        if !m.serves_ambassador_id(&self.cfg.ambassador_id) {
+            return None;
+        }
+        let (target, uses, why) = match &m.target {
+            Err(e) => (Target::Unresolved, Uses::Nothing, Some(format!("spec.service: {e}"))),
+            Ok(svc) => self.target(m, svc),
+        };
+        let problem = why.map(|message| Problem {
+            kind: kind.kind().into(),
+            namespace: m.namespace.clone(),
+            name: m.name.clone(),
+            message,
+        });
+        let entry = MappingEntry {
+            kind: kind.kind().into(),
+            namespace: m.namespace.clone(),
+            name: m.name.clone(),
+            service: m.service.clone(),
+            target,
+        };
+        Some(Routed { entry: Some(Arc::new(entry)), problem, uses })
+    }
+
+    /// The target of a Mapping whose `service` parsed, what it reads, and why it cannot
+    /// be routed.
+    fn target(
+        &self,
+        m: &MappingObject,
+        svc: &consul_resolver_api::service::ServiceRef,
+    ) -> (Target, Uses, Option<String>) {
+        let unresolved = |why: String| (Target::Unresolved, Uses::Nothing, Some(why));
         let (name, namespace) = match &svc.host {
-            Host::Ip(_) => return Route::Address(ServiceRef { scheme: None, ..svc.clone() }.to_string()),
+            Host::Ip(_) => {
+                let address = consul_resolver_api::service::ServiceRef { scheme: None, ..svc.clone() }.to_string();
+                return (Target::Address { address }, Uses::Nothing, None);
+            }
             Host::Service { name, namespace } => (name, namespace),
         };
-        let wanted = match (&m.spec.resolver, &self.cfg.default_resolver) {
+        let wanted = match (&m.resolver, &self.cfg.default_resolver) {
             (Some(r), _) => ResolverName { namespace: None, name: r.clone() },
             (None, Some(d)) => d.clone(),
             (None, None) => {
                 let ns = namespace.clone().unwrap_or_else(|| m.namespace.clone());
                 // The name goes into a label or field selector: check it first.
                 if let Err(why) = names::dns1035_label(name) {
-                    return Route::Unresolved(format!(
+                    return unresolved(format!(
                         "spec.service: {name:?} is not a valid Kubernetes Service name: it {why}"
                     ));
                 }
                 if let Err(why) = names::dns1123_label(&ns) {
-                    return Route::Unresolved(format!("spec.service: {ns:?} is not a valid namespace: it {why}"));
+                    return unresolved(format!("spec.service: {ns:?} is not a valid namespace: it {why}"));
                 }
-                return Route::Kubernetes { namespace: ns, service: name.clone(), port: svc.port };
+                let target = Target::Kubernetes { namespace: ns.clone(), service: name.clone(), port: svc.port };
+                return (target, Uses::Kube(ns, name.clone()), None);
             }
         };
-        match self.lookup.find(&m.namespace, &wanted) {
+        match self.lookup.find(&self.resolvers, &m.namespace, &wanted) {
             Found::One(i) => {
                 let r = &self.resolvers[i];
+                let rid = (r.namespace.clone(), r.name.clone());
                 match &r.settings {
                     // Unless served from the endpoints last obtained, or waiting a moment
                     // for a Secret: then the Mapping keeps its route.
                     Err(u)
                         if u.reason != UnusableReason::WaitingForSecret
-                            && self.kept.get(&service_of(r, name)).is_none() =>
+                            && self.kept.get(&service_of(&rid, name)).is_none() =>
                     {
-                        Route::Unresolved(format!("resolver {}/{} cannot be used: {}", r.namespace, r.name, u.message))
+                        unresolved(format!("resolver {}/{} cannot be used: {}", r.namespace, r.name, u.message))
                     }
-                    _ => Route::Consul { resolver: i, service: name.clone(), port: svc.port },
+                    _ => {
+                        let target = Target::Consul {
+                            resolver_namespace: r.namespace.clone(),
+                            resolver_name: r.name.clone(),
+                            service: name.clone(),
+                            port: svc.port,
+                        };
+                        (target, Uses::Consul(rid, name.clone()), None)
+                    }
                 }
             }
             Found::None => {
@@ -264,12 +505,12 @@ impl<'a> Reading<'a> {
                     Some(ns) => format!("{ns}/{}", wanted.name),
                     None => wanted.name.clone(),
                 };
-                Route::Unresolved(format!(
+                unresolved(format!(
                     "resolver {shown:?}: no ConsulResolver of that name in {} or any other watched namespace",
                     m.namespace
                 ))
             }
-            Found::Ambiguous(all) => Route::Unresolved(format!(
+            Found::Ambiguous(all) => unresolved(format!(
                 "resolver {:?} is ambiguous: no ConsulResolver of that name in {}, and several elsewhere ({}); name one in the Mapping's namespace",
                 wanted.name,
                 m.namespace,
@@ -278,200 +519,307 @@ impl<'a> Reading<'a> {
         }
     }
 
-    /// Reads the services routed to, and puts the snapshot together.
-    fn finish(mut self) -> Assembly {
-        let mut desired: BTreeSet<WatchKey> =
-            self.resolvers.iter().flat_map(|r| r.secrets.iter().cloned()).map(WatchKey::Kube).collect();
-        let mut kept = Kept::default();
-        let mut unsynced = Vec::new();
-        let mut resolver_entries = Vec::with_capacity(self.resolvers.len());
-        for (r, names) in self.resolvers.iter().zip(&self.consul_services) {
-            let mut services = Vec::with_capacity(names.len());
-            for name in names {
-                let of = service_of(r, name);
-                let previous = self.kept.get(&of);
-                let read = match &r.settings {
-                    Ok(settings) => {
-                        let key = settings.key(name);
-                        let read = self.current(self.world.consul().get(&key), &key, previous, name);
-                        desired.insert(WatchKey::Consul(key));
-                        Some(read)
-                    }
-                    Err(u) => match previous {
-                        Some(p) => Some(self.stale(p, u.message.clone(), None, name)),
-                        None if u.reason == UnusableReason::WaitingForSecret => Some(Read::unsynced(name, None)),
-                        None => None,
-                    },
-                };
-                let Some(Read { entry, keep }) = read else { continue };
-                if !entry.synced {
-                    unsynced.push(format!("{}/{}/{}", r.namespace, r.name, name));
-                }
-                if let Some(k) = keep {
-                    kept.insert(of, k);
-                }
-                services.push(entry);
+    /// Pass two for Consul: each resolver's services (listed in its spec, or routed to)
+    /// and their entries. With `dirty` (`None`: everything), reads the services read
+    /// through a changed query, and those of resolvers whose routes changed; drops those no
+    /// longer wanted; rebuilds the entries of resolvers whose services changed. Records the
+    /// queries that start or stop being wanted in `delta`.
+    fn read_services(
+        &mut self,
+        world: &World,
+        dirty: Option<&BTreeMap<ResolverId, BTreeSet<String>>>,
+        now: SystemTime,
+        delta: &mut Delta,
+    ) {
+        let touched = std::mem::take(&mut self.touched);
+        if dirty.is_none() {
+            self.services.clear();
+            self.resolver_entries.clear();
+        }
+        for r in &self.resolvers {
+            let rid = (r.namespace.clone(), r.name.clone());
+            let dirty_here = dirty.map(|d| d.get(&rid));
+            if matches!(dirty_here, Some(None)) && !touched.contains(&rid) {
+                continue; // Neither its queries nor its routes changed.
             }
-            resolver_entries.push(ResolverEntry {
-                namespace: r.namespace.clone(),
-                name: r.name.clone(),
-                generation: r.generation,
-                address: r.settings.as_ref().map(|s| s.server().address.clone()).unwrap_or_default(),
-                datacenter: r.spec.as_ref().and_then(|s| s.datacenter.clone()),
-                unusable: r.settings.as_ref().err().cloned(),
-                services,
+            let again = |name: &str| match dirty_here {
+                None => true,
+                Some(d) => d.is_some_and(|d| d.contains(name)),
+            };
+            let mut wanted: BTreeSet<&str> = r.listed_services().collect();
+            wanted.extend(self.consul_uses.get(&rid).into_iter().flatten().map(|(s, _)| s.as_str()));
+            let mut old = self.services.remove(&rid).unwrap_or_default();
+            let mut changed = dirty.is_none();
+            let mut mine = BTreeMap::new();
+            for name in wanted {
+                let entry = match old.remove(name) {
+                    Some(entry) if !again(name) => Some(entry),
+                    previous => {
+                        if previous.is_none()
+                            && let Ok(settings) = &r.settings
+                        {
+                            delta.add(WatchKey::Consul(settings.key(name)));
+                        }
+                        let entry = service_entry(world, r, &rid, name, &mut self.kept, now).map(Arc::new);
+                        changed |= entry.as_deref() != previous.as_deref();
+                        entry
+                    }
+                };
+                if let Some(entry) = entry {
+                    mine.insert(name.to_owned(), entry);
+                }
+            }
+            // Services no longer wanted let their query and their kept endpoints go.
+            for name in old.keys() {
+                if let Ok(settings) = &r.settings {
+                    delta.remove(WatchKey::Consul(settings.key(name)));
+                }
+                self.kept.remove(&service_of(&rid, name));
+                changed = true;
+            }
+            let entry = match self.resolver_entries.remove(&rid) {
+                Some(entry) if !changed => entry,
+                _ => Arc::new(ResolverEntry {
+                    namespace: r.namespace.clone(),
+                    name: r.name.clone(),
+                    generation: r.generation,
+                    address: r.settings.as_ref().map(|s| s.server().address.clone()).unwrap_or_default(),
+                    datacenter: r.spec.as_ref().and_then(|s| s.datacenter.clone()),
+                    unusable: r.settings.as_ref().err().cloned(),
+                    services: mine.values().cloned().collect(),
+                }),
+            };
+            self.resolver_entries.insert(rid.clone(), entry);
+            self.services.insert(rid, mine);
+        }
+        if dirty.is_none() {
+            // Resolvers deleted (or out of scope) let their kept endpoints go.
+            let services = &self.services;
+            self.kept.retain(|of| {
+                services
+                    .get(&(of.resolver_namespace.clone(), of.resolver_name.clone()))
+                    .is_some_and(|s| s.contains_key(&of.service))
             });
         }
+    }
 
-        let mut kubernetes_services = Vec::with_capacity(self.kube_services.len());
-        for ((namespace, name), by) in std::mem::take(&mut self.kube_services) {
-            let key = self.cfg.endpoints_api.key(&namespace, &name);
-            let store = self.world.kube().get(&key);
-            let error = store.and_then(|s| s.rejection()).map(str::to_owned);
-            if let Some(why) = &error {
-                for m in &by {
-                    let message = format!("cannot watch the endpoints of Service {namespace}/{name}: {why}");
-                    self.problem(m.kind, &m.namespace, &m.name, message);
+    /// Pass two for Kubernetes: the Services routed to, their endpoints read again when
+    /// their watch changed or they are new. Records endpoint watches that start or stop
+    /// being wanted in `delta`.
+    fn read_kube_targets(&mut self, world: &World, changes: &Changes, routes_changed: bool, delta: &mut Delta) {
+        let endpoints_api = self.cfg.endpoints_api;
+        let changed_key = |ns: &str, name: &str| changes.kube.contains_key(&endpoints_api.key(ns, name));
+        if !routes_changed && !changes.kube.keys().any(|k| k.is(endpoints_api.group(), endpoints_api.kind())) {
+            return;
+        }
+        let mut targets = BTreeMap::new();
+        for (ns, name) in self.kube_uses.keys() {
+            let target = match self.kube_targets.remove(&(ns.clone(), name.clone())) {
+                Some(t) if !changed_key(ns, name) => t,
+                previous => {
+                    if previous.is_none() {
+                        delta.add(WatchKey::Kube(endpoints_api.key(ns, name)));
+                    }
+                    let store = world.kube().get(&endpoints_api.key(ns, name));
+                    KubeTarget {
+                        entry: Arc::new(KubeServiceEntry {
+                            namespace: ns.clone(),
+                            name: name.clone(),
+                            synced: store.is_some_and(|s| s.listed),
+                            error: store.and_then(|s| s.rejection()).map(str::to_owned),
+                            endpoints: store.map(|s| kube_endpoints::merge(s.objects.values())).unwrap_or_default(),
+                        }),
+                    }
+                }
+            };
+            targets.insert((ns.clone(), name.clone()), target);
+        }
+        for (ns, name) in std::mem::replace(&mut self.kube_targets, targets).into_keys() {
+            delta.remove(WatchKey::Kube(endpoints_api.key(&ns, &name)));
+        }
+    }
+
+    /// Applies the watches that start or stop being wanted to the counts; says which are
+    /// now wanted at all, or no longer.
+    fn apply_delta(&mut self, delta: Delta) -> Updated {
+        let mut updated = Updated::default();
+        for key in delta.removed {
+            if let Some(n) = self.desired.get_mut(&key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.desired.remove(&key);
+                    updated.removed.push(key);
                 }
             }
-            let endpoints = store.map(|s| self.cfg.endpoints_api.read(s.objects.values())).unwrap_or_default();
-            desired.insert(WatchKey::Kube(key));
-            kubernetes_services.push(KubeServiceEntry {
-                synced: store.is_some_and(|s| s.listed),
-                namespace,
-                name,
+        }
+        for key in delta.added {
+            let n = self.desired.entry(key.clone()).or_default();
+            *n += 1;
+            if *n == 1 {
+                updated.added.push(key);
+            }
+        }
+        // Removed and added back in one update: nothing to do for the registry.
+        updated.added.retain(|k| !updated.removed.contains(k));
+        updated.removed.retain(|k| !self.desired.contains_key(k));
+        updated
+    }
+
+    /// The watches the routes and resolvers imply, counted: their Secrets, their
+    /// services' Consul queries, and the endpoints of the Kubernetes Services routed to.
+    fn derive_desired(&self) -> BTreeMap<WatchKey, usize> {
+        let mut desired: BTreeMap<WatchKey, usize> = BTreeMap::new();
+        let mut count = |key: WatchKey| *desired.entry(key).or_default() += 1;
+        for r in &self.resolvers {
+            r.secrets.iter().cloned().map(WatchKey::Kube).for_each(&mut count);
+            let Ok(settings) = &r.settings else { continue };
+            let rid = (r.namespace.clone(), r.name.clone());
+            for name in self.services.get(&rid).into_iter().flat_map(|s| s.keys()) {
+                count(WatchKey::Consul(settings.key(name)));
+            }
+        }
+        for (ns, name) in self.kube_uses.keys() {
+            count(WatchKey::Kube(self.cfg.endpoints_api.key(ns, name)));
+        }
+        desired
+    }
+}
+
+/// Watches that start or stop being implied, one target at a time.
+#[derive(Debug, Default)]
+struct Delta {
+    added: Vec<WatchKey>,
+    removed: Vec<WatchKey>,
+}
+
+impl Delta {
+    fn add(&mut self, key: WatchKey) {
+        self.added.push(key);
+    }
+
+    fn remove(&mut self, key: WatchKey) {
+        self.removed.push(key);
+    }
+}
+
+fn key_of(kind: MappingKind, id: &ObjectId) -> MappingKey {
+    (kind, id.namespace.clone().unwrap_or_default(), id.name.clone())
+}
+
+fn service_of(rid: &ResolverId, service: &str) -> ServiceOf {
+    ServiceOf { resolver_namespace: rid.0.clone(), resolver_name: rid.1.clone(), service: service.to_owned() }
+}
+
+/// One service's entry: its query's answer, or (until the query answers, or while the
+/// resolver is unusable) the endpoints last obtained, or nothing to show. Updates what is
+/// kept of it.
+fn service_entry(
+    world: &World,
+    r: &Resolver,
+    rid: &ResolverId,
+    name: &str,
+    kept: &mut Kept,
+    now: SystemTime,
+) -> Option<ServiceEntry> {
+    let of = service_of(rid, name);
+    let previous = kept.get(&of).cloned();
+    let (entry, keep) = match &r.settings {
+        Ok(settings) => {
+            let key = settings.key(name);
+            current(world.consul().get(&key), &key, previous.as_ref(), name, now)
+        }
+        Err(u) => match &previous {
+            Some(p) => stale(p, u.message.clone(), None, name, now),
+            None if u.reason == UnusableReason::WaitingForSecret => (unsynced(name, None), None),
+            None => return None,
+        },
+    };
+    match keep {
+        Some(k) => kept.insert(of, k),
+        None => kept.remove(&of),
+    }
+    Some(entry)
+}
+
+/// A service whose resolver is usable: its query's answer, or (until the query answers)
+/// the endpoints last obtained.
+fn current(
+    store: Option<&ConsulStore>,
+    key: &ConsulKey,
+    previous: Option<&KeptService>,
+    name: &str,
+    now: SystemTime,
+) -> (ServiceEntry, Option<KeptService>) {
+    let error = store.and_then(|s| s.last_error.clone());
+    match (store.filter(|s| s.answered()), previous) {
+        (Some(s), _) => {
+            // Current. A failing query keeps its endpoints; they are stale from the first
+            // failure on.
+            let since = previous.filter(|p| p.key == *key).and_then(|p| p.stale_since).unwrap_or(now);
+            let stale_since = error.is_some().then_some(since);
+            let stale = error.as_ref().map(|e| Stale { since: kept::rfc3339(since), reason: e.clone() });
+            let entry = ServiceEntry {
+                name: name.to_owned(),
+                synced: true,
+                index: s.index,
                 error,
-                endpoints,
-            });
+                stale,
+                endpoints: s.endpoints.clone(),
+            };
+            let keep = KeptService { key: key.clone(), index: s.index, endpoints: s.endpoints.clone(), stale_since };
+            (entry, Some(keep))
         }
-
-        let watched = self
-            .cfg
-            .static_watches
-            .iter()
-            .map(|key| WatchedEntry {
-                watch: key.to_string(),
-                objects: self
-                    .world
-                    .kube()
-                    .get(key)
-                    .into_iter()
-                    .flat_map(|s| s.objects.values())
-                    .map(|o| (*o.value).clone())
-                    .collect(),
-            })
-            .collect();
-
-        let mut mappings = self.mappings;
-        mappings.sort();
-        let mut problems = self.problems;
-        problems.sort();
-        problems.dedup();
-        let content = Content {
-            bootstrap: Bootstrap { complete: unsynced.is_empty(), unsynced },
-            resolvers: resolver_entries,
-            mappings,
-            kubernetes_services,
-            watched,
-            problems,
-        };
-        Assembly { content, desired, kept }
-    }
-
-    /// A service whose resolver is usable: its query's answer, or (until the query
-    /// answers) the endpoints last obtained.
-    fn current(
-        &self,
-        store: Option<&ConsulStore>,
-        key: &crate::keys::ConsulKey,
-        previous: Option<&KeptService>,
-        name: &str,
-    ) -> Read {
-        let error = store.and_then(|s| s.last_error.clone());
-        match (store.filter(|s| s.answered()), previous) {
-            (Some(s), _) => {
-                // Current. A failing query keeps its endpoints; they are stale from the
-                // first failure on.
-                let since = previous.filter(|p| p.key == *key).and_then(|p| p.stale_since).unwrap_or(self.now);
-                let stale_since = error.is_some().then_some(since);
-                let stale = error.as_ref().map(|e| Stale { since: kept::rfc3339(since), reason: e.clone() });
-                let entry = ServiceEntry {
-                    name: name.to_owned(),
-                    synced: true,
-                    index: s.index,
-                    error,
-                    stale,
-                    endpoints: s.endpoints.clone(),
-                };
-                let keep =
-                    KeptService { key: key.clone(), index: s.index, endpoints: s.endpoints.clone(), stale_since };
-                Read { entry, keep: Some(keep) }
-            }
-            (None, Some(p)) => {
-                let changed = kept::changed_settings(&p.key, key);
-                let reason = match (changed.is_empty(), &error) {
-                    (true, Some(e)) => e.clone(),
-                    (true, None) => "waiting for Consul to answer".to_owned(),
-                    (false, Some(e)) => {
-                        format!(
-                            "the resolver's {} changed, and the query with the new settings failed: {e}",
-                            changed.join(", ")
-                        )
-                    }
-                    (false, None) => format!(
-                        "the resolver's {} changed: waiting for Consul to answer with the new settings",
+        (None, Some(p)) => {
+            let changed = kept::changed_settings(&p.key, key);
+            let reason = match (changed.is_empty(), &error) {
+                (true, Some(e)) => e.clone(),
+                (true, None) => "waiting for Consul to answer".to_owned(),
+                (false, Some(e)) => {
+                    format!(
+                        "the resolver's {} changed, and the query with the new settings failed: {e}",
                         changed.join(", ")
-                    ),
-                };
-                self.stale(p, reason, error, name)
-            }
-            (None, None) => Read::unsynced(name, error),
+                    )
+                }
+                (false, None) => format!(
+                    "the resolver's {} changed: waiting for Consul to answer with the new settings",
+                    changed.join(", ")
+                ),
+            };
+            stale(p, reason, error, name, now)
         }
-    }
-
-    /// The endpoints last obtained, stale for `reason`.
-    fn stale(&self, p: &KeptService, reason: String, error: Option<String>, name: &str) -> Read {
-        let since = p.stale_since.unwrap_or(self.now);
-        let entry = ServiceEntry {
-            name: name.to_owned(),
-            synced: false,
-            index: p.index,
-            error,
-            stale: Some(Stale { since: kept::rfc3339(since), reason }),
-            endpoints: p.endpoints.clone(),
-        };
-        Read { entry, keep: Some(KeptService { stale_since: Some(since), ..p.clone() }) }
+        (None, None) => (unsynced(name, error), None),
     }
 }
 
-/// One service's entry, and what to keep of it for the next reading.
-struct Read {
-    entry: ServiceEntry,
-    keep: Option<KeptService>,
+/// The endpoints last obtained, stale for `reason`.
+fn stale(
+    p: &KeptService,
+    reason: String,
+    error: Option<String>,
+    name: &str,
+    now: SystemTime,
+) -> (ServiceEntry, Option<KeptService>) {
+    let since = p.stale_since.unwrap_or(now);
+    let entry = ServiceEntry {
+        name: name.to_owned(),
+        synced: false,
+        index: p.index,
+        error,
+        stale: Some(Stale { since: kept::rfc3339(since), reason }),
+        endpoints: p.endpoints.clone(),
+    };
+    (entry, Some(KeptService { stale_since: Some(since), ..p.clone() }))
 }
 
-impl Read {
-    fn unsynced(name: &str, error: Option<String>) -> Read {
-        let entry = ServiceEntry {
-            name: name.to_owned(),
-            synced: false,
-            index: None,
-            error,
-            stale: None,
-            endpoints: Vec::new(),
-        };
-        Read { entry, keep: None }
-    }
-}
-
-fn service_of(r: &Resolver, service: &str) -> ServiceOf {
-    ServiceOf { resolver_namespace: r.namespace.clone(), resolver_name: r.name.clone(), service: service.to_owned() }
+fn unsynced(name: &str, error: Option<String>) -> ServiceEntry {
+    ServiceEntry { name: name.to_owned(), synced: false, index: None, error, stale: None, endpoints: Vec::new() }
 }
 
 /// Resolver lookup by name: same namespace first, else the single one of that name.
-struct Lookup<'a> {
-    by_name: BTreeMap<&'a str, Vec<usize>>,
-    resolvers: &'a [Resolver],
+#[derive(Debug, Clone, Default)]
+struct Lookup {
+    /// Positions in the resolver list, by name.
+    by_name: BTreeMap<String, Vec<usize>>,
 }
 
 enum Found {
@@ -480,18 +828,18 @@ enum Found {
     Ambiguous(Vec<String>),
 }
 
-impl<'a> Lookup<'a> {
-    fn new(resolvers: &'a [Resolver]) -> Self {
-        let mut by_name: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+impl Lookup {
+    fn new(resolvers: &[Resolver]) -> Self {
+        let mut by_name: BTreeMap<String, Vec<usize>> = BTreeMap::new();
         for (i, r) in resolvers.iter().enumerate() {
-            by_name.entry(r.name.as_str()).or_default().push(i);
+            by_name.entry(r.name.clone()).or_default().push(i);
         }
-        Lookup { by_name, resolvers }
+        Lookup { by_name }
     }
 
-    fn find(&self, from_namespace: &str, name: &ResolverName) -> Found {
-        let candidates = self.by_name.get(name.name.as_str()).map(Vec::as_slice).unwrap_or_default();
-        let in_ns = |ns: &str| candidates.iter().copied().find(|&i| self.resolvers[i].namespace == ns);
+    fn find(&self, resolvers: &[Resolver], from_namespace: &str, name: &ResolverName) -> Found {
+        let candidates = self.by_name.get(&name.name).map(Vec::as_slice).unwrap_or_default();
+        let in_ns = |ns: &str| candidates.iter().copied().find(|&i| resolvers[i].namespace == ns);
         if let Some(ns) = &name.namespace {
             return in_ns(ns).map_or(Found::None, Found::One);
         }
@@ -502,7 +850,7 @@ impl<'a> Lookup<'a> {
             [] => Found::None,
             [i] => Found::One(*i),
             many => Found::Ambiguous(
-                many.iter().map(|&i| format!("{}/{}", self.resolvers[i].namespace, self.resolvers[i].name)).collect(),
+                many.iter().map(|&i| format!("{}/{}", resolvers[i].namespace, resolvers[i].name)).collect(),
             ),
         }
     }

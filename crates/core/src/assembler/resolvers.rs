@@ -6,12 +6,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use base64::Engine;
-use serde::Deserialize;
-use serde_json::Value;
-
 use super::snapshot::{Unusable, UnusableReason};
 use crate::keys::{ConsulKey, ConsulServer, KubeKey, Secret, TlsSettings};
+use crate::model::Decoded;
 use crate::world::World;
 use consul_resolver_api::names;
 use consul_resolver_api::resolver::{ConsulResolverSpec, SecretKeyRef};
@@ -70,23 +67,20 @@ fn invalid(message: String) -> Unusable {
 pub fn read(world: &World, ambassador_id: &str, env: &BTreeMap<String, String>) -> Vec<Resolver> {
     let mut out: Vec<Resolver> = world
         .objects_of(GROUP, KIND)
-        .filter_map(|obj| {
-            let namespace = obj.id.namespace.clone().unwrap_or_default();
-            let name = obj.id.name.clone();
-            let generation = obj.value.pointer("/metadata/generation").and_then(Value::as_i64);
-            let spec = match obj.value.get("spec") {
-                Some(spec) => ConsulResolverSpec::deserialize(spec).map_err(|e| format!("spec is not valid: {e}")),
-                None => Err("spec is missing".to_owned()),
-            };
-            match spec {
+        .filter_map(|(id, stored)| {
+            let Decoded::Resolver(r) = &stored.decoded else { return None };
+            let namespace = id.namespace.clone().unwrap_or_default();
+            let name = id.name.clone();
+            let generation = r.generation;
+            match &r.spec {
                 Ok(spec) if !spec.serves_ambassador_id(ambassador_id) => None,
                 Ok(spec) => {
-                    let refs = secret_refs(&spec);
+                    let refs = secret_refs(spec);
                     let secrets =
                         refs.iter().filter_map(|(_, r)| valid_ref(r).ok()).map(|r| secret_key(&namespace, &r.name));
                     let secrets = secrets.collect();
-                    let settings = settings(world, &namespace, &spec, &refs, env);
-                    Some(Resolver { namespace, name, spec: Some(spec), generation, settings, secrets })
+                    let settings = settings(world, &namespace, spec, &refs, env);
+                    Some(Resolver { namespace, name, spec: Some(spec.clone()), generation, settings, secrets })
                 }
                 // We cannot tell whose it is; report it, a user needs to know.
                 Err(e) => Some(Resolver {
@@ -94,7 +88,7 @@ pub fn read(world: &World, ambassador_id: &str, env: &BTreeMap<String, String>) 
                     name,
                     spec: None,
                     generation,
-                    settings: Err(invalid(e)),
+                    settings: Err(invalid(e.clone())),
                     secrets: Vec::new(),
                 }),
             }
@@ -196,19 +190,17 @@ fn read_secret(world: &World, namespace: &str, r: &SecretKeyRef, field: &str) ->
             }
         });
     };
-    let secret = store
+    let data = store
         .objects
-        .values()
-        .find(|o| o.id.name == r.name)
+        .iter()
+        .find(|(id, _)| id.name == r.name)
+        .and_then(|(_, s)| match &s.decoded {
+            Decoded::Secret(data) => Some(data),
+            _ => None,
+        })
         .ok_or_else(|| unavailable(format!("{shown} not found")))?;
-    let encoded = secret
-        .value
-        .pointer(&format!("/data/{}", r.key.replace('~', "~0").replace('/', "~1")))
-        .and_then(Value::as_str)
-        .ok_or_else(|| unavailable(format!("{shown} has no key {:?}", r.key)))?;
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(encoded)
-        .map_err(|_| unavailable(format!("{shown} key {:?} is not valid base64", r.key)))?;
+    let value = data.get(&r.key).ok_or_else(|| unavailable(format!("{shown} has no key {:?}", r.key)))?;
+    let bytes = value.clone().ok_or_else(|| unavailable(format!("{shown} key {:?} is not valid base64", r.key)))?;
     String::from_utf8(bytes).map_err(|_| unavailable(format!("{shown} key {:?} is not UTF-8", r.key)))
 }
 

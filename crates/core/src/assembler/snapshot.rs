@@ -3,7 +3,14 @@
 //! Deterministic by construction: every list is sorted and every map is a `BTreeMap`, so
 //! equal worlds serialise to equal bytes. The `hash` covers everything except `id`, and
 //! is what "only changed content is written" compares.
+//!
+//! The parts are shared (`Arc`): the assembler keeps them between changes, so a content is
+//! pointer copies, and a publication serialises it once: the hash is taken of those bytes,
+//! and the document's are the same bytes behind its `apiVersion`, `kind`, `id` and `hash`.
 
+use std::sync::Arc;
+
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -17,9 +24,9 @@ pub const KIND: &str = "Snapshot";
 #[serde(rename_all = "camelCase")]
 pub struct Content {
     pub bootstrap: Bootstrap,
-    pub resolvers: Vec<ResolverEntry>,
-    pub mappings: Vec<MappingEntry>,
-    pub kubernetes_services: Vec<KubeServiceEntry>,
+    pub resolvers: Vec<Arc<ResolverEntry>>,
+    pub mappings: Vec<Arc<MappingEntry>>,
+    pub kubernetes_services: Vec<Arc<KubeServiceEntry>>,
     /// Objects of the static `--watch` keys, per key.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub watched: Vec<WatchedEntry>,
@@ -31,7 +38,7 @@ pub struct Content {
 #[serde(rename_all = "camelCase")]
 pub struct WatchedEntry {
     pub watch: String,
-    pub objects: Vec<serde_json::Value>,
+    pub objects: Vec<Arc<serde_json::Value>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,7 +69,7 @@ pub struct ResolverEntry {
     /// endpoints last obtained before, marked `stale`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unusable: Option<Unusable>,
-    pub services: Vec<ServiceEntry>,
+    pub services: Vec<Arc<ServiceEntry>>,
 }
 
 /// Why a resolver cannot be queried.
@@ -183,49 +190,114 @@ pub struct Problem {
     pub message: String,
 }
 
-/// A published snapshot.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+/// A published snapshot: its content, and the document's bytes (serialised once).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Snapshot {
-    pub api_version: String,
-    pub kind: String,
     /// Increases with every publication of this operator process.
     pub id: u64,
     /// `sha256:` of the canonical JSON of the content.
     pub hash: String,
-    #[serde(flatten)]
     pub content: Content,
+    json: Bytes,
+}
+
+/// The document as JSON: what readers parse.
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Document {
+    api_version: String,
+    kind: String,
+    id: u64,
+    hash: String,
+    #[serde(flatten)]
+    content: Content,
+}
+
+/// `sha256:` and the hex digest of `bytes`.
+fn sha256(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
 impl Content {
-    /// The content hash: equal content, equal hash.
-    pub fn hash(&self) -> String {
+    /// The canonical JSON of the content, and its hash: equal content, equal bytes, equal
+    /// hash.
+    pub fn serialise(&self) -> (Vec<u8>, String) {
         let bytes = serde_json::to_vec(self).expect("snapshot content always serialises");
-        format!("sha256:{}", hex::encode(Sha256::digest(&bytes)))
+        let hash = sha256(&bytes);
+        (bytes, hash)
+    }
+
+    /// The content hash.
+    pub fn hash(&self) -> String {
+        self.serialise().1
     }
 
     pub fn into_snapshot(self, id: u64) -> Snapshot {
-        let hash = self.hash();
-        self.into_snapshot_with_hash(id, hash)
-    }
-
-    /// [`Content::into_snapshot`] for a caller that has just computed `self.hash()`: at
-    /// scale, serialising the content for its hash is the costliest step of a publication,
-    /// so it is done once.
-    pub fn into_snapshot_with_hash(self, id: u64, hash: String) -> Snapshot {
-        debug_assert_eq!(hash, self.hash());
-        Snapshot { api_version: API_VERSION.into(), kind: KIND.into(), id, hash, content: self }
+        let (bytes, hash) = self.serialise();
+        Snapshot::new(id, hash, self, &bytes)
     }
 }
 
 impl Snapshot {
-    /// The canonical bytes publishers write.
-    pub fn to_json(&self) -> Vec<u8> {
-        serde_json::to_vec(self).expect("snapshots always serialise")
+    /// The snapshot of `content`, whose canonical JSON is `content_json` with hash `hash`:
+    /// the document is those bytes behind the header, not a second serialisation.
+    pub fn new(id: u64, hash: String, content: Content, content_json: &[u8]) -> Snapshot {
+        debug_assert_eq!(content_json.first(), Some(&b'{'));
+        let header = format!(r#"{{"apiVersion":"{API_VERSION}","kind":"{KIND}","id":{id},"hash":"{hash}","#);
+        let mut json = Vec::with_capacity(header.len() + content_json.len());
+        json.extend_from_slice(header.as_bytes());
+        json.extend_from_slice(&content_json[1..]);
+        Snapshot { id, hash, content, json: Bytes::from(json) }
+    }
+
+    /// Reads a published document back (tools and tests).
+    pub fn parse(json: &[u8]) -> Result<Snapshot, serde_json::Error> {
+        let doc: Document = serde_json::from_slice(json)?;
+        Ok(Snapshot { id: doc.id, hash: doc.hash, content: doc.content, json: Bytes::copy_from_slice(json) })
+    }
+
+    /// The document's bytes, shared: every publisher writes these.
+    pub fn to_json(&self) -> Bytes {
+        self.json.clone()
     }
 
     /// This snapshot's part about resolver `namespace/name`, if it is in scope.
     pub fn resolver(&self, namespace: &str, name: &str) -> Option<&ResolverEntry> {
-        self.content.resolvers.iter().find(|r| r.namespace == namespace && r.name == name)
+        self.content.resolvers.iter().find(|r| r.namespace == namespace && r.name == name).map(|r| &**r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_document_is_the_content_bytes_behind_a_header_as_serde_writes_it() {
+        let content = Content {
+            bootstrap: Bootstrap { complete: false, unsynced: vec!["a/b/c".into()] },
+            resolvers: vec![],
+            mappings: vec![Arc::new(MappingEntry {
+                kind: "Mapping".into(),
+                namespace: "shop".into(),
+                name: "m".into(),
+                service: "web:80".into(),
+                target: Target::Unresolved,
+            })],
+            kubernetes_services: vec![],
+            watched: vec![],
+            problems: vec![],
+        };
+        let s = content.clone().into_snapshot(7);
+        let by_serde = serde_json::to_vec(&Document {
+            api_version: API_VERSION.into(),
+            kind: KIND.into(),
+            id: 7,
+            hash: s.hash.clone(),
+            content: content.clone(),
+        })
+        .unwrap();
+        assert_eq!(s.to_json(), by_serde);
+        assert_eq!(s.hash, content.hash());
+        assert_eq!(Snapshot::parse(&s.to_json()).unwrap(), s);
     }
 }
