@@ -1,7 +1,7 @@
 //! A Consul HTTP API simulator for tests.
 //!
 //! No Consul server can be installed in the test environment, so this stands in for an agent.
-//! It implements exactly the slice of the API described in `docs/consul-api.md` and follows
+//! It implements exactly the slice of the API described in `docs/consul-protocol.md` and follows
 //! the behaviour real agents show there (blocking queries, per-service indexes, error texts,
 //! ACL filtering, the per-client connection limit), because the operator's client is tested
 //! against it and the same e2e tests must pass unchanged against a real agent. Tests

@@ -1,4 +1,4 @@
-//! Black-box tests of the Consul simulator over HTTP, one per rule of `docs/consul-api.md`
+//! Black-box tests of the Consul simulator over HTTP, one per rule of `docs/consul-protocol.md`
 //! ("Blocking queries", "Errors") plus the control endpoints and the binary.
 //!
 //! The client is a minimal raw HTTP/1.1 client so that tests control connections exactly

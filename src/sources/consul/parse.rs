@@ -1,6 +1,6 @@
 //! Parsing `/v1/health/service/<name>` bodies into endpoints.
 //!
-//! Consul's response shape varies by version (see consul-api.md): `Meta`, `Tags` and
+//! Consul's response shape varies by version (see docs/consul-protocol.md): `Meta`, `Tags` and
 //! `TaggedAddresses` may be `null` or objects, newer agents add fields. Every field we do
 //! not use is ignored, every field we use tolerates `null`, and anything else malformed is
 //! an error rather than a panic.

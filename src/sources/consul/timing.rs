@@ -1,5 +1,5 @@
-//! The pure timing and index rules of a watch (consul-api.md, "Rules every client
-//! follows"), kept free of I/O so they are unit tested directly.
+//! The pure timing and index rules of a watch (docs/consul-protocol.md, "What every client
+//! does"), kept free of I/O so they are unit tested directly.
 
 use std::time::Duration;
 

@@ -6,7 +6,7 @@
 //! or every `sweep` at the latest, which is what catches check-only changes the feed cannot
 //! see. A fed watch takes a slot as soon as one frees up.
 //!
-//! Either way the protocol rules of consul-api.md hold: first query without index, index
+//! Either way the protocol rules of docs/consul-protocol.md hold: first query without index, index
 //! reset when it goes backwards and never below 1, a paced loop, backoff with jitter on
 //! errors, and content comparison before anything is called a change.
 
