@@ -276,7 +276,22 @@ pub fn operator_binary() -> anyhow::Result<PathBuf> {
     if release {
         args.push("--release");
     }
-    let status = Command::new(cargo).current_dir(repo_root()).args(&args).status().context("building the operator")?;
+    let mut build = Command::new(cargo);
+    build.current_dir(repo_root()).args(&args);
+    // Cargo sets these for the test or bench process that runs us. Passed on, they look
+    // like a changed environment to build scripts that track them (ring's does), and
+    // half the dependency tree is rebuilt on every run, and again by the next plain build.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let set_by_cargo_for_us = ["CARGO_MANIFEST_", "CARGO_PKG_", "CARGO_CRATE_", "CARGO_BIN_", "CARGO_PRIMARY_"]
+            .iter()
+            .any(|p| name.starts_with(p))
+            || name == "CARGO_TARGET_TMPDIR";
+        if set_by_cargo_for_us {
+            build.env_remove(name.as_ref());
+        }
+    }
+    let status = build.status().context("building the operator")?;
     if !status.success() {
         bail!("cargo build of the operator failed");
     }
