@@ -16,7 +16,7 @@ mod controller;
 mod crdgen;
 mod kube_client;
 mod leadership;
-mod metrics;
+mod ops;
 mod process;
 mod publishers;
 mod runtime;

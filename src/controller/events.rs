@@ -14,7 +14,7 @@ use kube::api::DynamicObject;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tokio::time::Instant;
 
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use consul_resolver_core::assembler::snapshot::{ResolverEntry, UnusableReason};
 
 /// Events hold at most 1 kB of note.

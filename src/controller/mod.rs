@@ -35,7 +35,7 @@ use tokio::task::JoinHandle;
 
 use crate::kube_client::{FIELD_MANAGER, error_reason, status_code};
 use crate::leadership::Leadership;
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use consul_resolver_api::resolver::ConsulResolver;
 use consul_resolver_api::resolver::{GROUP, KIND};
 use consul_resolver_api::status::ConsulResolverStatus;

@@ -70,8 +70,11 @@ impl Metrics {
             snapshots_published: IntCounter::new("snapshots_published_total", "Snapshots published").unwrap(),
             snapshot_id: IntGauge::new("snapshot_id", "Id of the last published snapshot").unwrap(),
             publish_failures: IntCounterVec::new(
-                Opts::new("publish_failures_total", "Failed publications by publisher"),
-                &["publisher"],
+                Opts::new(
+                    "publish_failures_total",
+                    "Failed publications (and checks of the snapshot ConfigMap) by publisher and reason",
+                ),
+                &["publisher", "reason"],
             )
             .unwrap(),
             publish_seconds: Histogram::with_opts(HistogramOpts::new(

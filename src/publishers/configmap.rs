@@ -36,7 +36,7 @@ use kube::api::{DeleteParams, Patch, PatchParams};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::{Publisher, gunzip, gzip};
+use super::{PublishError, Publisher, gunzip, gzip};
 use crate::cli::NamespacedName;
 use crate::kube_client::{FIELD_MANAGER, status_code};
 use crate::leadership::Leadership;
@@ -258,15 +258,15 @@ impl ConfigMapPublisher {
 
     /// The id of the snapshot in the ConfigMap now (whoever wrote it), `None` if there is
     /// none yet.
-    pub(crate) async fn published_id(&self) -> Result<Option<u64>, String> {
+    pub(crate) async fn published_id(&self) -> Result<Option<u64>, PublishError> {
         let name = &self.target.name;
-        let cm = self.api.get_opt(name).await.map_err(|e| format!("get ConfigMap {}: {e}", self.target))?;
+        let cm = self.api.get_opt(name).await.map_err(PublishError::kube(format!("get ConfigMap {}", self.target)))?;
         Ok(cm.and_then(|cm| cm.metadata.annotations?.get(ANNOTATION_ID)?.parse().ok()))
     }
 
     /// Compares what was last written with the cluster and writes again whatever was
     /// deleted or edited since. Returns the names written again.
-    pub(crate) async fn repair(&self) -> Result<Vec<String>, String> {
+    pub(crate) async fn repair(&self) -> Result<Vec<String>, PublishError> {
         let Some(until) = self.leadership.until() else { return Ok(Vec::new()) };
         let (epoch, written, mut versions) = {
             let st = self.state.lock().expect("configmap state lock");
@@ -278,7 +278,7 @@ impl ConfigMapPublisher {
             let mut damaged = Vec::new();
             for expected in encoded.parts.iter().chain([&encoded.main]) {
                 let name = expected.metadata.name.clone().unwrap_or_default();
-                match api.get_opt(&name).await.map_err(|e| format!("get ConfigMap {name}: {e}"))? {
+                match api.get_opt(&name).await.map_err(PublishError::kube(format!("get ConfigMap {name}")))? {
                     Some(live) if same_content(&live, expected) => {
                         versions.insert(name, live.metadata.resource_version.unwrap_or_default());
                     }
@@ -295,10 +295,10 @@ impl ConfigMapPublisher {
             for cm in &damaged {
                 apply(api, cm, &mut versions).await?;
             }
-            Ok::<_, String>(damaged.iter().filter_map(|cm| cm.metadata.name.clone()).collect::<Vec<_>>())
+            Ok::<_, PublishError>(damaged.iter().filter_map(|cm| cm.metadata.name.clone()).collect::<Vec<_>>())
         })
         .await
-        .map_err(|_| "leadership lapsed while repairing the snapshot ConfigMap".to_owned())??;
+        .map_err(|_| PublishError::LeadershipLapsed("the snapshot ConfigMap"))??;
         let mut st = self.state.lock().expect("configmap state lock");
         if st.epoch == epoch {
             st.versions = versions;
@@ -321,7 +321,11 @@ fn same_content(live: &ConfigMap, expected: &ConfigMap) -> bool {
 /// Server-side apply of `cm`, conditional on the resourceVersion in `versions`. A
 /// conflict (someone wrote it since) is read and written over once: we lead, and the
 /// leadership deadline bounds the whole.
-async fn apply(api: &Api<ConfigMap>, cm: &ConfigMap, versions: &mut BTreeMap<String, String>) -> Result<(), String> {
+async fn apply(
+    api: &Api<ConfigMap>,
+    cm: &ConfigMap,
+    versions: &mut BTreeMap<String, String>,
+) -> Result<(), PublishError> {
     let name = cm.metadata.name.clone().unwrap_or_default();
     let params = PatchParams::apply(FIELD_MANAGER).force();
     let mut cm = cm.clone();
@@ -337,7 +341,7 @@ async fn apply(api: &Api<ConfigMap>, cm: &ConfigMap, versions: &mut BTreeMap<Str
             }
             Err(e) if status_code(&e) == Some(409) && attempt == 0 => {
                 tracing::info!(configmap = %name, "the snapshot ConfigMap was written by someone else; reading it and writing ours");
-                let current = api.get_opt(&name).await.map_err(|e| format!("get ConfigMap {name}: {e}"))?;
+                let current = api.get_opt(&name).await.map_err(PublishError::kube(format!("get ConfigMap {name}")))?;
                 match current.and_then(|c| c.metadata.resource_version) {
                     Some(v) => versions.insert(name.clone(), v),
                     None => versions.remove(&name),
@@ -345,23 +349,23 @@ async fn apply(api: &Api<ConfigMap>, cm: &ConfigMap, versions: &mut BTreeMap<Str
             }
             Err(e) => {
                 versions.remove(&name);
-                return Err(format!("apply ConfigMap {name}: {e}"));
+                return Err(PublishError::Kube { what: format!("apply ConfigMap {name}"), source: e });
             }
         }
     }
-    Err(format!("apply ConfigMap {name}: conflicting writes"))
+    Err(PublishError::Conflict(name))
 }
 
 /// Deletes `NAME-(from)`, `NAME-(from+1)`, ... while they exist and are our parts. Parts
 /// are always written as `1..n`, so the first gap ends the stale ones.
-async fn delete_stale_parts(api: &Api<ConfigMap>, target: &NamespacedName, from: usize) -> Result<usize, String> {
+async fn delete_stale_parts(api: &Api<ConfigMap>, target: &NamespacedName, from: usize) -> Result<usize, PublishError> {
     let mut deleted = 0;
     for i in from.. {
         let name = part_name(&target.name, i);
         let existing = match api.get_opt(&name).await {
             Ok(Some(cm)) => cm,
             Ok(None) => break,
-            Err(e) => return Err(format!("get ConfigMap {name}: {e}")),
+            Err(e) => return Err(PublishError::Kube { what: format!("get ConfigMap {name}"), source: e }),
         };
         let ours = existing.metadata.labels.as_ref().and_then(|l| l.get(LABEL_PART_OF)) == Some(&target.name);
         if !ours {
@@ -370,7 +374,9 @@ async fn delete_stale_parts(api: &Api<ConfigMap>, target: &NamespacedName, from:
         match api.delete(&name, &DeleteParams::default()).await {
             Ok(_) => deleted += 1,
             Err(e) if status_code(&e) == Some(404) => {}
-            Err(e) => return Err(format!("delete stale part ConfigMap {name}: {e}")),
+            Err(e) => {
+                return Err(PublishError::Kube { what: format!("delete stale part ConfigMap {name}"), source: e });
+            }
         }
     }
     Ok(deleted)
@@ -388,7 +394,7 @@ impl Publisher for ConfigMapPublisher {
         st.versions.clear();
     }
 
-    fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), String>> {
+    fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), PublishError>> {
         let (epoch, mut versions) = {
             let st = self.state.lock().expect("configmap state lock");
             if st.written.as_ref().is_some_and(|(hash, _)| *hash == snapshot.hash) {
@@ -399,9 +405,10 @@ impl Publisher for ConfigMapPublisher {
         let (api, target, budget, leadership, state) =
             (self.api.clone(), self.target.clone(), self.budget, self.leadership.clone(), self.state.clone());
         async move {
-            let until = leadership.until().ok_or("no longer leading: the snapshot ConfigMap is not written")?;
+            let until = leadership.until().ok_or(PublishError::NotLeading("the snapshot ConfigMap"))?;
             let json = snapshot.to_json();
-            let encoded = Arc::new(encode(&target, snapshot.id, &snapshot.hash, &json, budget)?);
+            let encoded =
+                Arc::new(encode(&target, snapshot.id, &snapshot.hash, &json, budget).map_err(PublishError::Encode)?);
             let deleted = tokio::time::timeout_at(until, async {
                 for part in &encoded.parts {
                     apply(&api, part, &mut versions).await?;
@@ -410,7 +417,7 @@ impl Publisher for ConfigMapPublisher {
                 delete_stale_parts(&api, &target, encoded.parts.len() + 1).await
             })
             .await
-            .map_err(|_| "leadership lapsed while writing the snapshot ConfigMap".to_owned())?;
+            .map_err(|_| PublishError::LeadershipLapsed("the snapshot ConfigMap"))?;
             let mut st = state.lock().expect("configmap state lock");
             if st.epoch == epoch {
                 st.versions = versions;
@@ -747,11 +754,13 @@ mod tests {
         let (lead, leadership) = Leadership::manual();
         let publisher = ConfigMapPublisher::new(api.client.clone(), target(), leadership);
         let err = publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap_err();
-        assert!(err.contains("no longer leading"), "{err}");
+        assert!(matches!(err, PublishError::NotLeading(_)), "{err}");
+        assert_eq!(err.reason(), "not_leading");
         assert!(api.take().is_empty());
         // Leading until a deadline already passed: nothing is sent either.
         lead.send_replace(Some(tokio::time::Instant::now()));
-        assert!(publisher.publish(Arc::new(snapshot(2, 8))).await.is_err());
+        let err = publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap_err();
+        assert!(matches!(err, PublishError::NotLeading(_)), "a lapsed deadline is no leadership: {err}");
         assert!(publisher.repair().await.unwrap().is_empty());
         assert!(api.take().is_empty());
     }

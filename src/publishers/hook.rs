@@ -16,7 +16,7 @@ use futures::future::BoxFuture;
 use tokio::io::AsyncReadExt;
 use tokio::process::Command;
 
-use super::Publisher;
+use super::{PublishError, Publisher};
 use consul_resolver_core::assembler::Snapshot;
 
 /// The file the command reads, in the hook's directory.
@@ -45,18 +45,19 @@ impl HookPublisher {
 
 /// Writes `bytes` to `dir/FILE_NAME` so that a reader sees the old file or the new one,
 /// never half of one.
-async fn write_atomically(dir: &Path, bytes: &[u8]) -> Result<PathBuf, String> {
-    tokio::fs::create_dir_all(dir).await.map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+async fn write_atomically(dir: &Path, bytes: &[u8]) -> Result<PathBuf, PublishError> {
+    let io = |what: String| move |e: std::io::Error| PublishError::Io(format!("{what}: {e}"));
+    tokio::fs::create_dir_all(dir).await.map_err(io(format!("cannot create {}", dir.display())))?;
     let path = dir.join(FILE_NAME);
     let tmp = dir.join(format!(".{FILE_NAME}.tmp"));
-    tokio::fs::write(&tmp, bytes).await.map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-    tokio::fs::rename(&tmp, &path).await.map_err(|e| format!("cannot rename to {}: {e}", path.display()))?;
+    tokio::fs::write(&tmp, bytes).await.map_err(io(format!("cannot write {}", tmp.display())))?;
+    tokio::fs::rename(&tmp, &path).await.map_err(io(format!("cannot rename to {}", path.display())))?;
     Ok(path)
 }
 
 /// Runs `command ID FILE` and waits at most `timeout`.
-async fn run(command: &Path, id: u64, file: &Path, timeout: Duration) -> Result<(), String> {
-    let shown = command.display();
+async fn run(command: &Path, id: u64, file: &Path, timeout: Duration) -> Result<(), PublishError> {
+    let shown = || command.display().to_string();
     let mut child = Command::new(command)
         .arg(id.to_string())
         .arg(file)
@@ -67,7 +68,7 @@ async fn run(command: &Path, id: u64, file: &Path, timeout: Duration) -> Result<
         // Belt and braces: a child left behind by a dropped future is killed too.
         .kill_on_drop(true)
         .spawn()
-        .map_err(|e| format!("--on-snapshot {shown}: cannot start: {e}"))?;
+        .map_err(|source| PublishError::HookStart { command: shown(), source })?;
     // Read stderr alongside, so a chatty command cannot block on a full pipe.
     let mut stderr = child.stderr.take();
     let reader = tokio::spawn(async move {
@@ -79,15 +80,12 @@ async fn run(command: &Path, id: u64, file: &Path, timeout: Duration) -> Result<
     });
     let status = match tokio::time::timeout(timeout, child.wait()).await {
         Ok(Ok(status)) => status,
-        Ok(Err(e)) => return Err(format!("--on-snapshot {shown}: waiting for it failed: {e}")),
+        Ok(Err(e)) => return Err(PublishError::Io(format!("--on-snapshot {}: waiting for it failed: {e}", shown()))),
         Err(_) => {
             // kill() also reaps it, so nothing outlives the publication.
             let _ = child.kill().await;
             reader.abort();
-            return Err(format!(
-                "--on-snapshot {shown} did not finish within {} (--on-snapshot-timeout); killed",
-                humantime::format_duration(timeout)
-            ));
+            return Err(PublishError::HookTimeout { command: shown(), timeout });
         }
     };
     if status.success() {
@@ -97,10 +95,8 @@ async fn run(command: &Path, id: u64, file: &Path, timeout: Duration) -> Result<
     // A grandchild may hold stderr open after the child exits: do not wait for it long.
     let stderr = tokio::time::timeout(Duration::from_millis(100), reader).await.ok().and_then(Result::ok);
     let stderr = stderr.map(|b| String::from_utf8_lossy(&b[b.len().saturating_sub(STDERR_TAIL)..]).trim().to_owned());
-    match stderr.filter(|s| !s.is_empty()) {
-        Some(tail) => Err(format!("--on-snapshot {shown} failed ({status}): {tail}")),
-        None => Err(format!("--on-snapshot {shown} failed ({status})")),
-    }
+    let tail = stderr.filter(|s| !s.is_empty()).map(|t| format!(": {t}")).unwrap_or_default();
+    Err(PublishError::HookExit { command: shown(), status, tail })
 }
 
 impl Publisher for HookPublisher {
@@ -108,7 +104,7 @@ impl Publisher for HookPublisher {
         "hook"
     }
 
-    fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), String>> {
+    fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), PublishError>> {
         let (command, timeout, dir) = (self.command.clone(), self.timeout, self.dir.clone());
         let (running, last_hash) = (self.running.clone(), self.last_hash.clone());
         async move {
@@ -205,7 +201,7 @@ mod tests {
         let tmp = TempDir::new("fail");
         let script = tmp.script("fail.sh", "echo 'cannot reach the proxy' >&2; exit 3");
         let hook = HookPublisher::new(script, Duration::from_secs(10), tmp.0.join("out"));
-        let err = hook.publish(snapshot(1, &[])).await.unwrap_err();
+        let err = hook.publish(snapshot(1, &[])).await.unwrap_err().to_string();
         assert!(err.contains("exit status: 3") && err.contains("cannot reach the proxy"), "{err}");
         // Not recorded as done: the retry runs it again.
         assert!(hook.publish(snapshot(2, &[])).await.is_err());
@@ -216,7 +212,7 @@ mod tests {
         let _exclusive = EXCLUSIVE.lock().await;
         let tmp = TempDir::new("missing");
         let hook = HookPublisher::new(tmp.0.join("nope"), Duration::from_secs(10), tmp.0.join("out"));
-        let err = hook.publish(snapshot(1, &[])).await.unwrap_err();
+        let err = hook.publish(snapshot(1, &[])).await.unwrap_err().to_string();
         assert!(err.contains("cannot start"), "{err}");
     }
 
@@ -229,7 +225,7 @@ mod tests {
         let script = tmp.script("slow.sh", &format!("echo $$ > {}\nexec sleep 5", pid_file.display()));
         let hook = HookPublisher::new(script, Duration::from_millis(200), tmp.0.join("out"));
         let started = std::time::Instant::now();
-        let err = hook.publish(snapshot(1, &[])).await.unwrap_err();
+        let err = hook.publish(snapshot(1, &[])).await.unwrap_err().to_string();
         assert!(err.contains("did not finish within 200ms") && err.contains("killed"), "{err}");
         assert!(started.elapsed() < Duration::from_secs(4), "did not wait for the child");
         let pid = std::fs::read_to_string(&pid_file).unwrap();

@@ -9,14 +9,76 @@ pub(crate) mod hook;
 pub(crate) mod http;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 
+use crate::kube_client::error_reason;
 use consul_resolver_core::assembler::Snapshot;
+
+/// Why a publisher's part of a publication failed. `reason` labels the failure in
+/// `consul_resolver_publish_failures_total`.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum PublishError {
+    #[error("not leading: {0} is not written")]
+    NotLeading(&'static str),
+    #[error("leadership lapsed while writing {0}")]
+    LeadershipLapsed(&'static str),
+    #[error("did not finish within {} (--publish-timeout)", humantime::format_duration(*.0))]
+    Timeout(Duration),
+    #[error("{what}: {source}")]
+    Kube {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("ConfigMap {0}: written by someone else twice in a row")]
+    Conflict(String),
+    #[error("{0}")]
+    Encode(String),
+    #[error("--on-snapshot {command}: cannot start: {source}")]
+    HookStart {
+        command: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "--on-snapshot {command} did not finish within {} (--on-snapshot-timeout); killed",
+        humantime::format_duration(*timeout)
+    )]
+    HookTimeout { command: String, timeout: Duration },
+    #[error("--on-snapshot {command} failed ({status}){tail}")]
+    HookExit { command: String, status: std::process::ExitStatus, tail: String },
+    #[error("{0}")]
+    Io(String),
+}
+
+impl PublishError {
+    /// A short, bounded label for metrics.
+    pub(crate) fn reason(&self) -> &'static str {
+        match self {
+            PublishError::NotLeading(_) => "not_leading",
+            PublishError::LeadershipLapsed(_) => "leadership_lapsed",
+            PublishError::Timeout(_) => "timeout",
+            PublishError::Kube { source, .. } => error_reason(source),
+            PublishError::Conflict(_) => "conflict",
+            PublishError::Encode(_) => "encode",
+            PublishError::HookStart { .. } => "hook_start",
+            PublishError::HookTimeout { .. } => "hook_timeout",
+            PublishError::HookExit { .. } => "hook_exit",
+            PublishError::Io(_) => "io",
+        }
+    }
+
+    fn kube(what: impl Into<String>) -> impl FnOnce(kube::Error) -> PublishError {
+        let what = what.into();
+        move |source| PublishError::Kube { what, source }
+    }
+}
 
 pub(crate) trait Publisher: Send + Sync + 'static {
     fn name(&self) -> &'static str;
-    fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), String>>;
+    fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), PublishError>>;
 
     /// Forgets what this publisher believes it has already written, so the next
     /// publication writes everything: another writer (an earlier leader) may have written

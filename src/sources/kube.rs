@@ -15,7 +15,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 
 use super::EventSink;
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use consul_resolver_core::keys::KubeKey;
 use consul_resolver_core::model::{Event, KubeEvent, WatchFailure};
 use consul_resolver_core::model::{KubeObject, ObjectId};
