@@ -61,6 +61,8 @@ fn env_usize(name: &str, default: usize) -> usize {
 
 struct Settings {
     services: usize,
+    /// Consul instances per service (`BENCH_INSTANCES_PER_SERVICE`).
+    instances: usize,
     per_service: usize,
     namespaces: usize,
     changes: usize,
@@ -74,20 +76,29 @@ impl Settings {
         let modes = modes.split(',').map(|m| m.trim().parse::<u32>()).collect::<Result<Vec<_>, _>>()?;
         let s = Settings {
             services: env_usize("BENCH_SERVICES", 1000),
+            instances: env_usize("BENCH_INSTANCES_PER_SERVICE", 1),
             per_service: env_usize("BENCH_MAPPINGS_PER_SERVICE", 10),
             namespaces: env_usize("BENCH_NAMESPACES", 5),
             changes: env_usize("BENCH_CHANGES", 200),
             modes,
             window: std::env::var("BENCH_COALESCE_WINDOW").unwrap_or_else(|_| "250ms".into()),
         };
-        ensure!(s.services > 0 && s.services < 10_000, "BENCH_SERVICES must be 1..9999");
+        ensure!(s.services > 0 && s.services <= 50_000, "BENCH_SERVICES must be 1..50000");
+        // Registered ports are 10000-19999, distinct within a service.
+        ensure!(s.instances > 0 && s.instances <= 10_000, "BENCH_INSTANCES_PER_SERVICE must be 1..10000");
         ensure!(s.per_service > 0 && s.namespaces > 0, "BENCH_MAPPINGS_PER_SERVICE and BENCH_NAMESPACES must be > 0");
+        // Changes take ports from 20000 up, a fresh one each, both series together.
+        ensure!(s.changes > 0 && 20_000 + 2 * s.changes <= 65_535, "BENCH_CHANGES must be 1..22767");
         humantime::parse_duration(&s.window).context("BENCH_COALESCE_WINDOW")?;
         Ok(s)
     }
 
     fn mappings(&self) -> usize {
         self.services * self.per_service
+    }
+
+    fn endpoints(&self) -> usize {
+        self.services * self.instances
     }
 
     fn window(&self) -> Duration {
@@ -97,6 +108,20 @@ impl Settings {
 
 fn service_name(i: usize) -> String {
     format!("svc-{i:04}")
+}
+
+/// The node of every service's instance `k`: a few nodes each holding every service, as
+/// Consul agents do. Instance 0 stays on `bench`, so a run with one instance per service
+/// registers exactly what earlier runs did.
+fn node_name(k: usize) -> String {
+    if k == 0 { "bench".into() } else { format!("bench-{k}") }
+}
+
+/// The port instance `k` of service `i` is registered on: 10000-19999, distinct within a
+/// service (and 10000 + i with one instance, as before). Changes move instances to 20000
+/// and up, so every change is a real catalog change.
+fn registered_port(s: &Settings, i: usize, k: usize) -> u16 {
+    (10_000 + (i * s.instances + k) % 10_000) as u16
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -137,13 +162,14 @@ fn resolver_resource() -> ApiResource {
     )
 }
 
-/// One catalog write through Consul's HTTP API: service `name`'s only instance on `port`.
-async fn register(http: &reqwest::Client, base: &str, name: &str, port: u16) -> anyhow::Result<()> {
-    let body = json!({"Node": "bench", "Address": "127.0.0.1",
+/// One catalog write through Consul's HTTP API: service `name`'s instance on `node`, on
+/// `port` (the service ID is unique per node, as Consul requires).
+async fn register(http: &reqwest::Client, base: &str, name: &str, node: &str, port: u16) -> anyhow::Result<()> {
+    let body = json!({"Node": node, "Address": "127.0.0.1",
         "Service": {"ID": name, "Service": name, "Address": "127.0.0.1", "Port": port},
         "Check": {"CheckID": format!("service:{name}"), "Name": "c", "Status": "passing", "ServiceID": name}});
     let r = http.put(format!("{base}/v1/catalog/register")).json(&body).send().await?;
-    ensure!(r.status().is_success(), "register {name}: {}", r.status());
+    ensure!(r.status().is_success(), "register {name} on {node}: {}", r.status());
     Ok(())
 }
 
@@ -156,29 +182,38 @@ struct Setup {
     audit_offset: u64,
 }
 
-/// A simulator on `listen` holding the benchmark's services (port 10000 + i). Each operator
-/// run gets a fresh one on the same address, so no connection, blocking query or counter
-/// of an earlier run is left in its figures.
-fn fresh_sim(rt: &Runtime, listen: SocketAddr, s: &Settings) -> anyhow::Result<RunningSim> {
-    let sim = Simulator::start_background(SimConfig {
+/// An empty simulator on `listen`.
+fn start_sim(listen: SocketAddr) -> anyhow::Result<RunningSim> {
+    Ok(Simulator::start_background(SimConfig {
         listen,
         // Room for a dedicated connection per service (real Consul: limits.http_max_conns_per_client).
         max_conns_per_client: 5000,
         request_log_capacity: 200_000,
         ..SimConfig::default()
-    })?;
+    })?)
+}
+
+/// A simulator on `listen` holding the benchmark's services, `s.instances` each (see
+/// `node_name`, `registered_port`). Each operator run gets a fresh one on the same address,
+/// so no connection, blocking query or counter of an earlier run is left in its figures.
+fn fresh_sim(rt: &Runtime, listen: SocketAddr, s: &Settings) -> anyhow::Result<RunningSim> {
+    let sim = start_sim(listen)?;
     let base = sim.base_url();
+    let started = Instant::now();
     rt.block_on(async {
         let http = reqwest::Client::builder().no_proxy().build()?;
-        futures::stream::iter(0..s.services)
-            .map(|i| {
+        // Node by node (every service's instance 0, then 1...), as agents register; the
+        // pairs are generated as they are sent, not held first (75,000 at scale).
+        futures::stream::iter((0..s.instances).flat_map(|k| (0..s.services).map(move |i| (i, k))))
+            .map(|(i, k)| {
                 let (http, base) = (&http, &base);
-                async move { register(http, base, &service_name(i), 10_000 + i as u16).await }
+                async move { register(http, base, &service_name(i), &node_name(k), registered_port(s, i, k)).await }
             })
             .buffer_unordered(32)
-            .try_collect::<Vec<()>>()
+            .try_for_each(|()| futures::future::ready(Ok(())))
             .await
     })?;
+    println!("  simulator: {} instances registered in {}", s.endpoints(), secs(started.elapsed()));
     sim.reset_stats();
     sim.clear_requests();
     Ok(sim)
@@ -196,24 +231,19 @@ async fn setup(cluster: &Cluster, sim: &RunningSim, s: &Settings, namespaces: Ve
     }
     let mr = mapping_resource();
     let started = Instant::now();
-    let objects: Vec<(String, DynamicObject)> = (0..s.services)
-        .flat_map(|i| (0..s.per_service).map(move |m| (i, m)))
+    // Each object is built as it is sent rather than all held first (50,000 at scale).
+    futures::stream::iter((0..s.services).flat_map(|i| (0..s.per_service).map(move |m| (i, m))))
         .map(|(i, m)| {
-            let ns = namespaces[m % namespaces.len()].clone();
+            let ns = &namespaces[m % namespaces.len()];
             let svc = service_name(i);
             let name = format!("{svc}-m{m}");
-            let mut o = DynamicObject::new(&name, &mr).within(&ns);
+            let mut o = DynamicObject::new(&name, &mr).within(ns);
             o.data = json!({"spec": {"prefix": format!("/{name}/"), "service": format!("{svc}:8080"), "resolver": "consul"}});
-            (ns, o)
-        })
-        .collect();
-    futures::stream::iter(objects)
-        .map(|(ns, o)| {
-            let api = Api::<DynamicObject>::namespaced_with(client.clone(), &ns, &mr);
-            async move { api.create(&PostParams::default(), &o).await.map(|_| ()) }
+            let api = Api::<DynamicObject>::namespaced_with(client.clone(), ns, &mr);
+            async move { api.create(&PostParams::default(), &o).await.map(|_| ()).with_context(|| format!("creating Mapping {ns}/{name}")) }
         })
         .buffer_unordered(48)
-        .try_collect::<Vec<()>>()
+        .try_for_each(|()| futures::future::ready(Ok(())))
         .await?;
     let mappings_created_in = started.elapsed();
     let audit_offset = cluster.audit_log().and_then(|p| std::fs::metadata(p).ok()).map_or(0, |m| m.len());
@@ -278,16 +308,19 @@ struct PortsService {
 #[derive(Deserialize)]
 struct PortsEndpoint {
     port: u16,
+    #[serde(default)]
+    node: String,
 }
 
 impl Ports {
-    /// Whether every resolver listing `service` lists exactly one endpoint, on `port`.
-    fn has(&self, service: &str, port: u16) -> bool {
+    /// Whether every resolver listing `service` lists its `instances` endpoints, the one on
+    /// `node` on `port` (the instance that moved, not just any of them).
+    fn has(&self, service: &str, instances: usize, node: &str, port: u16) -> bool {
         let mut seen = false;
         for r in &self.resolvers {
             if let Some(s) = r.services.iter().find(|s| s.name == service) {
                 seen = true;
-                if s.endpoints.len() != 1 || s.endpoints[0].port != port {
+                if s.endpoints.len() != instances || !s.endpoints.iter().any(|e| e.node == node && e.port == port) {
                     return false;
                 }
             }
@@ -535,7 +568,8 @@ impl Latencies {
     }
 }
 
-/// Changes one service's port per step and times each until the ConfigMap holds it.
+/// Moves one instance of one service to a new port per step and times each until the
+/// ConfigMap holds it.
 /// `spaced`: wait a quiet window after each, so each change is a leading edge. The
 /// operator's VmRSS is printed every 50 changes (does memory level off?).
 #[allow(clippy::too_many_arguments)]
@@ -553,17 +587,20 @@ async fn changes(
     let mut rss = Vec::new();
     for i in 0..s.changes {
         let svc = service_name((i * 7919 + offset) % s.services);
+        let node = node_name((i + offset) % s.instances);
         let port = port_base + i as u16;
         while rx.try_recv().is_ok() {}
         let t0 = Instant::now();
-        register(http, base, &svc, port).await?;
+        register(http, base, &svc, &node, port).await?;
         loop {
             let left = CHANGE_LIMIT.saturating_sub(t0.elapsed());
             match tokio::time::timeout(left, rx.recv()).await {
-                Err(_) => bail!("change {i} ({svc} -> port {port}) not in the ConfigMap after {CHANGE_LIMIT:?}"),
+                Err(_) => {
+                    bail!("change {i} ({svc} on {node} -> port {port}) not in the ConfigMap after {CHANGE_LIMIT:?}")
+                }
                 Ok(None) => bail!("the ConfigMap watch ended"),
                 Ok(Some((_, Err(e)))) => eprintln!("  ConfigMap not decodable (retrying): {e:#}"),
-                Ok(Some((at, Ok(p)))) if p.has(&svc, port) => {
+                Ok(Some((at, Ok(p)))) if p.has(&svc, s.instances, &node, port) => {
                     out.push(at.duration_since(t0));
                     break;
                 }
@@ -843,12 +880,16 @@ fn main() -> anyhow::Result<()> {
     println!("operator binary: {}", bin.display());
     let cluster = Cluster::shared();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let mut sim = Some(fresh_sim(&rt, SocketAddr::from(([127, 0, 0, 1], 0)), &s)?);
+    // Only its address is used until the first operator run registers the services in a
+    // fresh one.
+    let mut sim = Some(start_sim(SocketAddr::from(([127, 0, 0, 1], 0)))?);
     let namespaces = (0..s.namespaces).map(|_| cluster.namespace("bench")).collect::<anyhow::Result<Vec<_>>>()?;
     let setup = rt.block_on(setup(cluster, sim.as_ref().expect("started"), &s, namespaces))?;
     println!(
-        "setup: {} services, {} Mappings in {} namespaces (created in {})",
+        "setup: {} services x {} instances ({} endpoints), {} Mappings in {} namespaces (created in {})",
         s.services,
+        s.instances,
+        s.endpoints(),
         s.mappings(),
         s.namespaces,
         secs(setup.mappings_created_in)
@@ -864,9 +905,11 @@ fn main() -> anyhow::Result<()> {
 
     println!();
     println!(
-        "{} Consul services, {} Mappings ({} per service) in {} namespaces, a ConsulResolver per namespace; \
-         --coalesce-window {}; {} changes of each kind; load average {} at start, {} at end",
+        "{} Consul services x {} instances ({} endpoints), {} Mappings ({} per service) in {} namespaces, \
+         a ConsulResolver per namespace; --coalesce-window {}; {} changes of each kind; load average {} at start, {} at end",
         s.services,
+        s.instances,
+        s.endpoints(),
         s.mappings(),
         s.per_service,
         s.namespaces,
