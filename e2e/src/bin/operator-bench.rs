@@ -132,6 +132,11 @@ fn ms(d: Duration) -> String {
     format!("{:.0} ms", d.as_secs_f64() * 1000.0)
 }
 
+/// CPU time, to a tenth of a millisecond (per change, it is a mean).
+fn cpu_ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
 fn secs(d: Duration) -> String {
     format!("{:.2} s", d.as_secs_f64())
 }
@@ -348,6 +353,24 @@ fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
             .with_context(|| format!("no {name} in /proc/{pid}/status"))
     };
     Ok((field("VmHWM:")?, field("VmRSS:")?))
+}
+
+/// The CPU time (user + system) a process has used so far: utime + stime of
+/// /proc/<pid>/stat, in clock ticks.
+fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command (field 2) is in parentheses and may hold spaces: count from the last `)`.
+    // What follows starts at field 3, so utime (14) and stime (15) are its 12th and 13th.
+    let rest = stat.rsplit_once(')').with_context(|| format!("/proc/{pid}/stat: {stat}"))?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields.get(i).and_then(|v| v.parse::<u64>().ok()).with_context(|| format!("/proc/{pid}/stat: {stat}"))
+    };
+    let ticks = ticks(11)? + ticks(12)?;
+    // SAFETY: sysconf only reads a system constant.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    ensure!(per_second > 0, "sysconf(_SC_CLK_TCK) = {per_second}");
+    Ok(Duration::from_secs_f64(ticks as f64 / per_second as f64))
 }
 
 /// Polls `GET /snapshot` every 10 ms until it serves a complete snapshot with `mappings`
@@ -713,6 +736,9 @@ struct Run {
     encoding: String,
     spaced: Latencies,
     back_to_back: Latencies,
+    /// The operator's CPU time over each series of changes, per change.
+    cpu_spaced: Duration,
+    cpu_back_to_back: Duration,
     audit: Option<Audit>,
     blocking_services: usize,
     blocking_max_per_service: usize,
@@ -821,11 +847,22 @@ fn run_operator(
     let http = reqwest::Client::builder().no_proxy().build()?;
     let before_changes = sim.stats().requests_total;
     let publish_before = rt.block_on(publish_seconds(&op));
+    // CPU per change: the operator's whole CPU time over a series (the quiet windows of the
+    // spaced one included: work a change leaves for after its publication counts too),
+    // divided by the changes. Clock ticks, so 10 ms steps over the series at USER_HZ 100.
+    let cpu_before = cpu_time(pid)?;
     let spaced = rt.block_on(changes(pid, &http, &setup.base_url, &mut rx, s, 20_000, 0, true))?;
-    println!("  spaced changes: {}", spaced.summary());
+    let cpu_spaced = (cpu_time(pid)? - cpu_before) / s.changes as u32;
+    println!("  spaced changes: {}; operator CPU per change {}", spaced.summary(), cpu_ms(cpu_spaced));
+    let cpu_before = cpu_time(pid)?;
     let back_to_back =
         rt.block_on(changes(pid, &http, &setup.base_url, &mut rx, s, 20_000 + s.changes as u16, 13, false))?;
-    println!("  back-to-back changes: {}", back_to_back.summary());
+    let cpu_back_to_back = (cpu_time(pid)? - cpu_before) / s.changes as u32;
+    println!(
+        "  back-to-back changes: {}; operator CPU per change {}",
+        back_to_back.summary(),
+        cpu_ms(cpu_back_to_back)
+    );
     let change_requests = sim.stats().requests_total - before_changes;
     let publish_mean = match (publish_before, rt.block_on(publish_seconds(&op))) {
         (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some(Duration::from_secs_f64((s1 - s0) / (n1 - n0) as f64)),
@@ -851,6 +888,8 @@ fn run_operator(
         encoding,
         spaced,
         back_to_back,
+        cpu_spaced,
+        cpu_back_to_back,
         audit,
         blocking_services: per_service.len(),
         blocking_max_per_service: per_service.iter().copied().max().unwrap_or(0),
@@ -980,6 +1019,9 @@ fn main() -> anyhow::Result<()> {
     });
     row("Consul requests per change", "", &|r| {
         format!("{:.1}", r.change_requests as f64 / (2 * s.changes).max(1) as f64)
+    });
+    row("operator CPU per change (utime + stime over the series / changes): spaced; back to back", "", &|r| {
+        format!("{}; {}", cpu_ms(r.cpu_spaced), cpu_ms(r.cpu_back_to_back))
     });
     row("mean publication (HTTP + ConfigMap + statuses) during the changes", "", &|r| {
         r.publish_mean.map_or("n/a".into(), ms)
