@@ -59,6 +59,7 @@ fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
+#[derive(Clone)]
 struct Settings {
     /// `BENCH_PROFILE=scale`: larger defaults and the scale targets (see `Targets`).
     scale: bool,
@@ -70,6 +71,9 @@ struct Settings {
     changes: usize,
     modes: Vec<u32>,
     window: String,
+    /// `BENCH_SIZES`: (services, instances per service) of each row of the cost table;
+    /// empty without it.
+    sizes: Vec<(usize, usize)>,
 }
 
 impl Settings {
@@ -92,16 +96,40 @@ impl Settings {
             changes: env_usize("BENCH_CHANGES", 200),
             modes,
             window: std::env::var("BENCH_COALESCE_WINDOW").unwrap_or_else(|_| "250ms".into()),
+            sizes: match std::env::var("BENCH_SIZES") {
+                Ok(sizes) if !sizes.trim().is_empty() => sizes
+                    .split(',')
+                    .map(|size| {
+                        let (services, instances) = size
+                            .trim()
+                            .split_once('x')
+                            .with_context(|| format!("BENCH_SIZES: {size:?} is not SERVICESxINSTANCES"))?;
+                        let number =
+                            |n: &str| n.trim().parse::<usize>().with_context(|| format!("BENCH_SIZES: {size:?}"));
+                        Ok((number(services)?, number(instances)?))
+                    })
+                    .collect::<anyhow::Result<_>>()?,
+                _ => Vec::new(),
+            },
         };
         ensure!(!s.modes.is_empty(), "BENCH_MODES is empty");
+        s.check()?;
+        for &(services, instances) in &s.sizes {
+            Settings { services, instances, ..s.clone() }.check().context("BENCH_SIZES")?;
+        }
+        humantime::parse_duration(&s.window).context("BENCH_COALESCE_WINDOW")?;
+        Ok(s)
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        let s = self;
         ensure!(s.services > 0 && s.services <= 50_000, "BENCH_SERVICES must be 1..50000");
         // Registered ports are 10000-19999, distinct within a service.
         ensure!(s.instances > 0 && s.instances <= 10_000, "BENCH_INSTANCES_PER_SERVICE must be 1..10000");
         ensure!(s.per_service > 0 && s.namespaces > 0, "BENCH_MAPPINGS_PER_SERVICE and BENCH_NAMESPACES must be > 0");
         // Changes take ports from 20000 up, a fresh one each, both series together.
         ensure!(s.changes > 0 && 20_000 + 2 * s.changes <= 65_535, "BENCH_CHANGES must be 1..22767");
-        humantime::parse_duration(&s.window).context("BENCH_COALESCE_WINDOW")?;
-        Ok(s)
+        Ok(())
     }
 
     fn mappings(&self) -> usize {
@@ -236,6 +264,19 @@ fn ms(d: Duration) -> String {
 /// Seconds from 10 s up (a cold-start target), else milliseconds.
 fn ms_or_secs(d: Duration) -> String {
     if d >= Duration::from_secs(10) { secs(d) } else { ms(d) }
+}
+
+/// With thousands separators: 50,000.
+fn count(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }
 
 fn ratio_x(r: f64) -> String {
@@ -880,8 +921,16 @@ fn min_med_max(v: &[Duration], f: fn(Duration) -> String) -> String {
     format!("{} / {} / {}", f(v[0]), f(v[v.len() / 2]), f(v[v.len() - 1]))
 }
 
-/// Three cold starts, each after a bare reflector run; the third operator then goes on to
-/// the change measurements.
+/// The cold starts of one run.
+#[derive(Clone, Copy, PartialEq)]
+enum Plan {
+    /// Three, each after a bare reflector run (the overhead ratio).
+    Compared,
+    /// One (a row of the cost table).
+    Once,
+}
+
+/// The cold starts of `plan`; the last operator then goes on to the change measurements.
 fn run_operator(
     rt: &Runtime,
     cluster: &Cluster,
@@ -889,21 +938,25 @@ fn run_operator(
     setup: &Setup,
     s: &Settings,
     max_connections: u32,
+    plan: Plan,
 ) -> anyhow::Result<Run> {
     println!("== --consul-max-connections {max_connections}");
     let mut reflector = Vec::new();
     let mut cold = Vec::new();
     let mut instance = None;
-    for k in 0..3 {
-        let (t, n) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, &setup.namespaces))?;
-        ensure!(n == s.mappings(), "the reflector saw {n} Mappings, not {}", s.mappings());
-        println!("  bare reflector: {} ({n} Mappings)", ms(t));
-        reflector.push(t);
+    let rounds = if plan == Plan::Compared { 3 } else { 1 };
+    for k in 0..rounds {
+        if plan == Plan::Compared {
+            let (t, n) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, &setup.namespaces))?;
+            ensure!(n == s.mappings(), "the reflector saw {n} Mappings, not {}", s.mappings());
+            println!("  bare reflector: {} ({n} Mappings)", ms(t));
+            reflector.push(t);
+        }
         sim.take();
         let fresh = sim.insert(fresh_sim(rt, setup.sim_addr, s)?);
         let i = cold_start(rt, cluster, fresh, setup, s, max_connections)?;
         cold.push(i.cold_http);
-        if k < 2 {
+        if k + 1 < rounds {
             stop(i.op, fresh)?;
         } else {
             instance = Some(i);
@@ -919,7 +972,7 @@ fn run_operator(
         bootstrap_services_queried,
         memory_first,
         ..
-    } = instance.expect("three runs");
+    } = instance.expect("at least one round");
     let sim = sim.as_ref().expect("started above");
 
     std::thread::sleep(Duration::from_secs(2));
@@ -1020,6 +1073,66 @@ fn run_operator(
     })
 }
 
+/// `BENCH_SIZES`: one operator per size, in the first of `BENCH_MODES`, each with its own
+/// namespaces, Mappings and simulator; then a markdown table of what each size costs.
+fn cost_table(rt: &Runtime, cluster: &Cluster, s: &Settings, load_start: &str) -> anyhow::Result<()> {
+    let mode = s.modes[0];
+    let mut rows = Vec::new();
+    for &(services, instances) in &s.sizes {
+        let size = Settings { services, instances, sizes: Vec::new(), ..s.clone() };
+        println!(
+            "== size: {} services x {} instances ({} endpoints), {} Mappings",
+            services,
+            instances,
+            size.endpoints(),
+            size.mappings()
+        );
+        // The namespaces of earlier sizes stay until the cluster goes at exit: deleting
+        // them would have the API server collecting their Mappings during this size's run.
+        let mut sim = Some(start_sim(SocketAddr::from(([127, 0, 0, 1], 0)))?);
+        let namespaces =
+            (0..size.namespaces).map(|_| cluster.namespace("bench")).collect::<anyhow::Result<Vec<_>>>()?;
+        let setup = rt.block_on(setup(cluster, sim.as_ref().expect("started"), &size, namespaces))?;
+        println!("  setup: Mappings created in {}", secs(setup.mappings_created_in));
+        let run = run_operator(rt, cluster, &mut sim, &setup, &size, mode, Plan::Once)?;
+        rows.push((size, run));
+    }
+    println!();
+    println!(
+        "Cost by size: --consul-max-connections {mode} (the first of BENCH_MODES); {} Mappings per service over \
+         {} namespaces, a ConsulResolver per namespace; --coalesce-window {}; {} changes of each kind; one operator \
+         (one cold start) per size, each with fresh namespaces and simulator; load average {} at start, {} at end",
+        s.per_service,
+        s.namespaces,
+        s.window,
+        s.changes,
+        load_start,
+        loadavg()
+    );
+    println!();
+    println!(
+        "| Mappings | services | endpoints | snapshot bytes | cold start | spaced p50 / p99 | \
+         CPU per spaced change | CPU per back-to-back change | peak RSS (VmHWM) |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (size, r) in &rows {
+        println!(
+            "| {} | {} | {} | {} | {} | {} / {} | {} | {} | {} |",
+            count(size.mappings()),
+            count(size.services),
+            count(size.endpoints()),
+            count(r.snapshot_bytes),
+            secs(r.cold[0]),
+            ms(r.spaced.percentile(0.5)),
+            ms(r.spaced.percentile(0.99)),
+            cpu_ms(r.cpu_spaced),
+            cpu_ms(r.cpu_back_to_back),
+            mib(r.memory_end.0)
+        );
+    }
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let wall = Instant::now();
     if std::env::var_os("E2E_OPERATOR_PROFILE").is_none() {
@@ -1028,12 +1141,21 @@ fn main() -> anyhow::Result<()> {
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
     let s = Settings::from_env()?;
-    println!("Targets: {}.", Targets::of(&s).name);
+    if s.sizes.is_empty() {
+        println!("Targets: {}.", Targets::of(&s).name);
+    } else {
+        println!("Targets: none (BENCH_SIZES: the cost table).");
+    }
     let load_start = loadavg();
     let bin: PathBuf = operator_binary()?;
     println!("operator binary: {}", bin.display());
     let cluster = Cluster::shared();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    if !s.sizes.is_empty() {
+        cost_table(&rt, cluster, &s, &load_start)?;
+        println!("wall time: {}", secs(wall.elapsed()));
+        return Ok(());
+    }
     // Only its address is used until the first operator run registers the services in a
     // fresh one.
     let mut sim = Some(start_sim(SocketAddr::from(([127, 0, 0, 1], 0)))?);
@@ -1051,7 +1173,7 @@ fn main() -> anyhow::Result<()> {
 
     let mut runs = Vec::new();
     for &max in &s.modes {
-        runs.push(run_operator(&rt, cluster, &mut sim, &setup, &s, max)?);
+        runs.push(run_operator(&rt, cluster, &mut sim, &setup, &s, max, Plan::Compared)?);
     }
     let load_end = loadavg();
     let targets = Targets::of(&s);
