@@ -1,32 +1,54 @@
 //! Benchmark of the whole operator at scale, against the local control plane (etcd +
 //! kube-apiserver from `e2e/cluster.sh`) and the in-process Consul simulator, on loopback
 //! only (not a timed test): `make bench-operator`, i.e.
-//! `cargo run --release -p e2e --bin operator-bench`. Results: docs/benchmarks.md.
+//! `cargo run --release -p e2e --bin operator-bench`; `make bench-scale` and
+//! `make bench-cost` below. Results: docs/benchmarks.md.
 //!
 //! Setup, made before the operator starts (its duration is not a measure): 1,000 Consul
-//! services with one instance each; 10,000 Mappings (10 per service, spread over 5
-//! namespaces, so every service is referenced from every namespace) and one ConsulResolver
-//! per namespace pointing at the simulator. Then, once per `--consul-max-connections`
-//! value (default 100 and 1200; 1200 gives every service a dedicated blocking query):
+//! services with one instance each (registered through the simulator's catalog API);
+//! 10,000 Mappings (10 per service, spread over 5 namespaces, so every service is
+//! referenced from every namespace) and one ConsulResolver per namespace pointing at the
+//! simulator. Then, once per `--consul-max-connections` value (default 100 and 1200; 1200
+//! gives every service a dedicated blocking query):
 //!
 //! 1. three times, interleaved: a bare kube-runtime reflector (in this process, with the
 //!    operator's kubeconfig, one per namespace like the operator) lists and watches the
 //!    same Mappings; then the operator (release build, its own process, a fresh simulator
 //!    on the same address) starts, timed from spawn to the first complete snapshot holding
 //!    every Mapping at `GET /snapshot` (polled every 10 ms); its log gives milestones;
-//! 2. with the third operator: Consul changes (one instance's port, through the catalog
-//!    API), each timed until the snapshot ConfigMap (watched, decoded with the operator's
-//!    own `configmap::decode`) holds the new port: spaced (each after a quiet coalescing
-//!    window: the leading edge) and back to back (each inside the window of the previous
-//!    publication);
+//! 2. with the third operator: Consul changes (one instance of one service moved to a new
+//!    port, through the catalog API), each timed until the snapshot ConfigMap (watched,
+//!    decoded with the operator's own `configmap::decode`) lists that instance (by node) on
+//!    the new port: spaced (each after a quiet coalescing window: the leading edge) and
+//!    back to back (each inside the window of the previous publication); the operator's
+//!    CPU time (utime + stime, /proc/<pid>/stat) read right before and after each series
+//!    gives its CPU per change;
 //! 3. watches the operator opened (the audit log: verb `watch` by its ServiceAccount, read
 //!    after it exits since a 1.20 API server audits a watch when it ends), the simulator's
 //!    blocking queries per service and request counts;
 //! 4. the operator's peak RSS (VmHWM) just before SIGTERM.
 //!
-//! Sizes: `BENCH_SERVICES` (1000), `BENCH_MAPPINGS_PER_SERVICE` (10), `BENCH_NAMESPACES`
-//! (5), `BENCH_CHANGES` (200 of each kind), `BENCH_MODES` (`100,1200`),
-//! `BENCH_COALESCE_WINDOW` (`250ms`, passed as `--coalesce-window`).
+//! Sizes: `BENCH_SERVICES` (1000, at most 50,000), `BENCH_INSTANCES_PER_SERVICE` (1; instance
+//! k of every service is on node `bench-k`, instance 0 on `bench`),
+//! `BENCH_MAPPINGS_PER_SERVICE` (10), `BENCH_NAMESPACES` (5), `BENCH_CHANGES` (200 of each
+//! kind), `BENCH_MODES` (`100,1200`), `BENCH_COALESCE_WINDOW` (`250ms`, passed as
+//! `--coalesce-window`).
+//!
+//! Targets (the output names the set that applies, and gives met / MISSED for each):
+//! cold start / bare reflector <= 1.2x, spaced change p50 <= 50 ms and p99 <= 100 ms,
+//! back-to-back p99 <= window + 100 ms, peak RSS <= 100 MiB. `BENCH_PROFILE=scale`
+//! (`make bench-scale`) changes the defaults to 5,000 services x 15 instances (75,000
+//! endpoints), 10 Mappings per service (50,000), 5 namespaces and `BENCH_MODES=100`, and
+//! the targets to cold start < 10 s, spaced and back-to-back p99 < window + 250 ms, peak
+//! RSS < 400 MiB. Each variable set still overrides the profile's default; the targets go
+//! with the profile.
+//!
+//! Cost table: `BENCH_SIZES=250x1,1000x1,5000x15` (`make bench-cost`; services x instances
+//! per service, Mappings = services x `BENCH_MAPPINGS_PER_SERVICE`) runs one operator per
+//! size instead, each with fresh namespaces, Mappings and simulator, one cold start (no
+//! reflector), in the first of `BENCH_MODES`, then prints a markdown table: Mappings,
+//! services, endpoints, snapshot bytes, cold start, spaced p50 / p99, operator CPU per
+//! spaced and per back-to-back change, peak RSS. It is held to no target.
 
 use std::collections::{BTreeMap, HashSet};
 use std::io::{Read, Seek, SeekFrom};
