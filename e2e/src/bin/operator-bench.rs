@@ -137,7 +137,8 @@ impl Settings {
         ensure!(!s.modes.is_empty(), "BENCH_MODES is empty");
         s.check()?;
         for &(services, instances) in &s.sizes {
-            Settings { services, instances, ..s.clone() }.check().context("BENCH_SIZES")?;
+            let size = Settings { services, instances, ..s.clone() };
+            size.check().with_context(|| format!("BENCH_SIZES: {services}x{instances}"))?;
         }
         humantime::parse_duration(&s.window).context("BENCH_COALESCE_WINDOW")?;
         Ok(s)
