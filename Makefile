@@ -1,7 +1,7 @@
 # consul-resolver-operator. `make test` is what CI runs (.ci/run).
 CARGO ?= cargo
 
-.PHONY: build release test check e2e unit cluster-selftest e2e-deps crds fmt lint demo bench-operator
+.PHONY: build release test check e2e unit cluster-selftest e2e-deps crds fmt lint demo bench-operator bench-scale bench-cost
 
 build:
 	$(CARGO) build --workspace --all-targets
@@ -39,6 +39,15 @@ e2e-deps:
 # plane and the simulator; results in docs/benchmarks.md. Not part of `make test`.
 bench-operator:
 	$(CARGO) run --release -p e2e --bin operator-bench
+
+# 50,000 Mappings, 5,000 Consul services x 15 instances, held to the scale targets.
+bench-scale:
+	BENCH_PROFILE=scale $(CARGO) run --release -p e2e --bin operator-bench
+
+# Cost table: 2,500 / 10,000 / 50,000 Mappings with 1 / 1 / 15 instances per service.
+bench-cost:
+	BENCH_SIZES=$${BENCH_SIZES:-250x1,1000x1,5000x15} BENCH_MAPPINGS_PER_SERVICE=$${BENCH_MAPPINGS_PER_SERVICE:-10} \
+		$(CARGO) run --release -p e2e --bin operator-bench
 
 # Regenerate the committed CRD from the Rust types (a unit test fails on drift).
 crds:
