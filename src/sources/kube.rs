@@ -141,13 +141,22 @@ async fn run(client: Client, key: KubeKey, events: EventSink, metrics: Metrics) 
     }
 }
 
+/// The object as JSON, as the API server sent it but for `managedFields` (large, never
+/// read: kept out of the world's memory). The body (`spec`, `data`, ...) is moved, not
+/// serialised again: at 10,000 Mappings that was a third of a cold start's CPU.
 fn to_object(o: DynamicObject) -> Option<KubeObject> {
-    let mut value = serde_json::to_value(&o).ok()?;
-    // managedFields are large and never read: keep them out of the world's memory.
-    if let Some(meta) = value.get_mut("metadata").and_then(|m| m.as_object_mut()) {
-        meta.remove("managedFields");
+    let DynamicObject { types, mut metadata, data } = o;
+    metadata.managed_fields = None;
+    let mut value = match data {
+        serde_json::Value::Object(map) => map,
+        _ => serde_json::Map::new(),
+    };
+    value.insert("metadata".into(), serde_json::to_value(&metadata).ok()?);
+    if let Some(t) = types {
+        value.insert("apiVersion".into(), t.api_version.into());
+        value.insert("kind".into(), t.kind.into());
     }
-    KubeObject::from_value(value)
+    KubeObject::from_value(serde_json::Value::Object(value))
 }
 
 #[cfg(test)]
@@ -157,6 +166,24 @@ mod tests {
 
     fn status(code: u16, reason: &str) -> Box<Status> {
         Box::new(Status::failure("secrets is forbidden", reason).with_code(code))
+    }
+
+    #[test]
+    fn objects_keep_everything_but_managed_fields() {
+        let json = serde_json::json!({
+            "apiVersion": "getambassador.io/v3alpha1", "kind": "Mapping",
+            "metadata": {"namespace": "shop", "name": "billing", "labels": {"team": "a"},
+                         "managedFields": [{"manager": "kubectl", "operation": "Apply"}]},
+            "spec": {"service": "billing", "resolver": "consul"},
+            "status": {"state": "Running"}
+        });
+        let o: DynamicObject = serde_json::from_value(json.clone()).unwrap();
+        let got = to_object(o).unwrap();
+        let mut expected = json;
+        expected["metadata"].as_object_mut().unwrap().remove("managedFields");
+        assert_eq!(*got.value, expected);
+        assert_eq!(got.id.name, "billing");
+        assert_eq!(got.id.namespace.as_deref(), Some("shop"));
     }
 
     #[test]
