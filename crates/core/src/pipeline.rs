@@ -178,7 +178,10 @@ impl Pipeline {
             self.world.untrack(k);
         }
         for k in &diff.start {
-            self.world.track(k, now);
+            match k {
+                WatchKey::Kube(kube) if self.fixed.contains(kube) => self.world.track_fixed(k, now),
+                _ => self.world.track(k, now),
+            }
         }
         if !diff.is_empty() {
             self.limiter.changed();

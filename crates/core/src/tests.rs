@@ -125,6 +125,44 @@ async fn nothing_publishes_before_bootstrap() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn consul_watches_start_while_the_mappings_still_list_and_nothing_publishes_before_they_are_listed() {
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![resolver("shop", "consul", json!({"address": "127.0.0.1:8500"}))]), now);
+    // The first page of Mappings: its Consul service is watched at once.
+    let page = |names: &[&str]| {
+        names
+            .iter()
+            .map(|n| mapping("shop", n, json!({"service": n, "resolver": "consul"})))
+            .map(|m| Event::Kube(mappings_key(), KubeEvent::Listed(m)))
+            .collect::<Vec<_>>()
+    };
+    let diff =
+        p.apply([Event::Kube(mappings_key(), KubeEvent::ListStarted)].into_iter().chain(page(&["billing"])), now);
+    assert_eq!(diff.start.iter().filter(|k| matches!(k, WatchKey::Consul(_))).count(), 1, "{diff:?}");
+    for key in consul_keys(&p) {
+        p.apply([Event::Consul(key, ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
+    }
+    assert_eq!(
+        p.readiness(now),
+        crate::world::Readiness::Waiting { kube_pending: 1, consul_pending: 0, deadline: None },
+        "answered, but the Mappings are not all listed"
+    );
+    assert_eq!(p.poll(now), Step::Idle);
+    let diff = p.apply(page(&["orders"]), now);
+    assert_eq!(diff.start.len(), 1, "{diff:?}");
+    p.apply([Event::Kube(mappings_key(), KubeEvent::ListDone)], now);
+    assert_eq!(p.poll(now), Step::WaitUntil(now + BOOTSTRAP), "listed, but orders has not answered");
+    for key in consul_keys(&p) {
+        p.apply([Event::Consul(key, ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
+    }
+    let snap = publish(&mut p).expect("complete: publishes at once");
+    assert!(snap.content.bootstrap.complete);
+    assert_eq!(snap.content.mappings.len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
 async fn unreachable_consul_publishes_after_the_bootstrap_timeout() {
     let (mut p, key) = bootstrapped_pipeline();
     p.apply(

@@ -35,6 +35,10 @@ pub struct KubeStore {
     reading: Reading,
     pub objects: BTreeMap<ObjectId, Stored>,
     relisting: Option<BTreeMap<ObjectId, Stored>>,
+    /// Its first list is folded in as it comes (see [`World::track_fixed`]).
+    as_it_comes: bool,
+    /// During a first list folded in as it comes: the objects it has brought so far.
+    seen: Option<BTreeSet<ObjectId>>,
     pub listed: bool,
     /// The last failure, cleared by the next success.
     pub failure: Option<WatchFailure>,
@@ -42,7 +46,16 @@ pub struct KubeStore {
 
 impl KubeStore {
     fn new(added_at: Instant, reading: Reading) -> Self {
-        KubeStore { added_at, reading, objects: BTreeMap::new(), relisting: None, listed: false, failure: None }
+        KubeStore {
+            added_at,
+            reading,
+            objects: BTreeMap::new(),
+            relisting: None,
+            as_it_comes: false,
+            seen: None,
+            listed: false,
+            failure: None,
+        }
     }
 
     /// Why the API server refuses this watch, while it does.
@@ -163,6 +176,22 @@ impl World {
         }
     }
 
+    /// A watch of the operator's own (its kinds, `--watch`) started. Unlike other keys,
+    /// its first list is folded in as it comes, a page at a time, so the watches its
+    /// objects imply (Consul services above all) start while the rest is still listing
+    /// instead of after. That is safe for these keys only: the first publication waits
+    /// for every one of them to be listed, however long (`readiness`), so a partial list
+    /// is never published; and they are set once, before it. Later lists (after a
+    /// watch's 410 Gone) are taken whole as for any key.
+    pub fn track_fixed(&mut self, key: &WatchKey, now: Instant) {
+        self.track(key, now);
+        if let WatchKey::Kube(k) = key
+            && let Some(store) = self.kube.get_mut(k)
+        {
+            store.as_it_comes = !store.listed;
+        }
+    }
+
     /// The watch for `key` stopped: its data leaves the world.
     pub fn untrack(&mut self, key: &WatchKey) {
         match key {
@@ -187,8 +216,10 @@ impl World {
                 let Some(store) = self.kube.get_mut(&key) else { return false };
                 match apply_kube(store, ev) {
                     KubeChange::None => false,
-                    KubeChange::Object(id) => {
-                        self.changes.object(&key, &id);
+                    KubeChange::Objects(ids) => {
+                        for id in &ids {
+                            self.changes.object(&key, id);
+                        }
                         true
                     }
                     KubeChange::All => {
@@ -270,7 +301,8 @@ impl World {
 /// What one event changed in a Kubernetes store.
 enum KubeChange {
     None,
-    Object(ObjectId),
+    /// These objects (never empty).
+    Objects(Vec<ObjectId>),
     All,
 }
 
@@ -284,14 +316,37 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
         (false, false) => KubeChange::None,
     };
     match ev {
+        KubeEvent::ListStarted if store.as_it_comes && !store.listed => {
+            // A list started again (the last one failed part way): what it brought stays
+            // until this one is done, which removes what it does not bring.
+            store.seen = Some(BTreeSet::new());
+            KubeChange::None
+        }
         KubeEvent::ListStarted => {
             store.relisting = Some(BTreeMap::new());
             KubeChange::None
+        }
+        KubeEvent::Listed(obj) if store.seen.is_some() => {
+            let stored = reading.decode(&obj);
+            let changed = store.objects.get(&obj.id).is_none_or(|old| !reading.same(old, &stored));
+            store.seen.get_or_insert_default().insert(obj.id.clone());
+            store.objects.insert(obj.id.clone(), stored);
+            changed_if(changed, KubeChange::Objects(vec![obj.id]))
         }
         KubeEvent::Listed(obj) => {
             let stored = reading.decode(&obj);
             store.relisting.get_or_insert_with(BTreeMap::new).insert(obj.id, stored);
             KubeChange::None
+        }
+        KubeEvent::ListDone if store.seen.is_some() => {
+            let seen = store.seen.take().unwrap_or_default();
+            let gone: Vec<ObjectId> = store.objects.keys().filter(|id| !seen.contains(id)).cloned().collect();
+            for id in &gone {
+                store.objects.remove(id);
+            }
+            store.listed = true;
+            store.failure = None;
+            changed_if(!gone.is_empty(), KubeChange::Objects(gone))
         }
         KubeEvent::ListDone => {
             let fresh = store.relisting.take().unwrap_or_default();
@@ -309,12 +364,12 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
             let changed = store.objects.get(&obj.id).is_none_or(|old| !reading.same(old, &stored));
             // Stored even when unchanged: its JSON (a resolver's status) is current.
             store.objects.insert(obj.id.clone(), stored);
-            changed_if(changed, KubeChange::Object(obj.id))
+            changed_if(changed, KubeChange::Objects(vec![obj.id]))
         }
         KubeEvent::Deleted(id) => {
             store.failure = None;
             let changed = store.objects.remove(&id).is_some();
-            changed_if(changed, KubeChange::Object(id))
+            changed_if(changed, KubeChange::Objects(vec![id]))
         }
         KubeEvent::Failed(f) => {
             let changed = (f.rejected || was_rejected) && store.failure.as_ref() != Some(&f);
@@ -488,6 +543,43 @@ mod tests {
         let rejected_fixed = WatchFailure::rejected("mappings is forbidden");
         w.apply(Event::Kube(mappings(), KubeEvent::Failed(rejected_fixed)), Instant::now());
         assert!(matches!(w.readiness(Instant::now(), fixed), Readiness::Waiting { kube_pending: 1, .. }));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fixed_keys_first_list_is_folded_in_as_it_comes_and_a_restarted_one_ends_whole() {
+        let now = Instant::now();
+        let fixed = |k: &KubeKey| *k == mappings();
+        let mut w = World::new(TIMEOUT);
+        w.track_fixed(&mappings().into(), now);
+        w.take_changes();
+        let ev = |e| Event::Kube(mappings(), e);
+        w.apply(ev(KubeEvent::ListStarted), now);
+        assert!(w.apply(ev(KubeEvent::Listed(obj("a", "m1", 1))), now), "an object of the first page is news");
+        assert!(w.apply(ev(KubeEvent::Listed(obj("a", "m2", 1))), now));
+        assert_eq!(w.kube()[&mappings()].objects.len(), 2);
+        assert_eq!(w.take_changes().kube[&mappings()].as_ref().map(BTreeSet::len), Some(2), "object by object");
+        assert!(!w.kube()[&mappings()].listed);
+        assert!(matches!(w.readiness(now, fixed), Readiness::Waiting { kube_pending: 1, .. }), "still not listed");
+        // The list fails part way and starts again; m2 went meanwhile.
+        w.apply(ev(KubeEvent::Failed(WatchFailure::transient("connection reset"))), now);
+        w.apply(ev(KubeEvent::ListStarted), now);
+        assert!(!w.apply(ev(KubeEvent::Listed(obj("a", "m1", 1))), now), "the same object again is no news");
+        assert!(w.apply(ev(KubeEvent::ListDone), now), "m2 is gone");
+        assert_eq!(w.kube()[&mappings()].objects.keys().map(|id| id.name.as_str()).collect::<Vec<_>>(), ["m1"]);
+        assert_eq!(w.readiness(now, fixed), Readiness::Ready);
+        w.take_changes();
+        // Once listed, a list (after 410 Gone) is taken whole again.
+        w.apply(ev(KubeEvent::ListStarted), now);
+        assert!(!w.apply(ev(KubeEvent::Listed(obj("a", "m3", 1))), now), "held until the list is done");
+        assert_eq!(w.kube()[&mappings()].objects.len(), 1);
+        assert!(w.apply(ev(KubeEvent::ListDone), now));
+        assert_eq!(w.kube()[&mappings()].objects.keys().map(|id| id.name.as_str()).collect::<Vec<_>>(), ["m3"]);
+        // Any other key's first list is taken whole.
+        let mut w = World::new(TIMEOUT);
+        w.track(&mappings().into(), now);
+        w.apply(ev(KubeEvent::ListStarted), now);
+        assert!(!w.apply(ev(KubeEvent::Listed(obj("a", "m1", 1))), now));
+        assert!(w.kube()[&mappings()].objects.is_empty());
     }
 
     #[tokio::test(start_paused = true)]
