@@ -9,7 +9,7 @@ use hyper::{Request, Response};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-use consul_resolver_core::assembler::snapshot::{Bootstrap, Content, ResolverEntry};
+use consul_resolver_core::assembler::snapshot::{Bootstrap, Content, Part, ResolverEntry};
 
 pub(crate) type Handler = dyn Fn(&str, &str, &[u8]) -> (u16, Value) + Send + Sync;
 
@@ -84,7 +84,7 @@ pub(crate) async fn serve(handler: Arc<Handler>) -> FakeApi {
 pub(crate) fn content(resolvers: Vec<ResolverEntry>) -> Content {
     Content {
         bootstrap: Bootstrap { complete: true, unsynced: vec![] },
-        resolvers: resolvers.into_iter().map(Arc::new).collect(),
+        resolvers: resolvers.into_iter().map(Part::new).collect(),
         mappings: vec![],
         kubernetes_services: vec![],
         watched: vec![],

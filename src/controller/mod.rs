@@ -40,7 +40,7 @@ use consul_resolver_api::resolver::ConsulResolver;
 use consul_resolver_api::resolver::{GROUP, KIND};
 use consul_resolver_api::status::ConsulResolverStatus;
 use consul_resolver_core::assembler::Snapshot;
-use consul_resolver_core::assembler::snapshot::ResolverEntry;
+use consul_resolver_core::assembler::snapshot::{Part, ResolverEntry};
 use consul_resolver_core::world::World;
 use events::Events;
 
@@ -76,7 +76,7 @@ impl ReconcileError {
 /// the snapshot, not copied.
 struct Published {
     snapshot_id: u64,
-    resolvers: BTreeMap<(String, String), Arc<ResolverEntry>>,
+    resolvers: BTreeMap<(String, String), Part<ResolverEntry>>,
 }
 
 impl Published {

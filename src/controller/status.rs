@@ -241,9 +241,9 @@ pub(crate) fn same_apart_from_snapshot(a: &ConsulResolverStatus, b: &ConsulResol
 mod tests {
     use super::*;
     use crate::test_fixtures::resolver_entry;
+    use consul_resolver_core::assembler::snapshot::Part;
     use consul_resolver_core::assembler::snapshot::{ServiceEntry, Unusable};
     use consul_resolver_core::model::{Endpoint, Health};
-    use std::sync::Arc;
 
     fn ep(i: usize) -> Endpoint {
         Endpoint {
@@ -267,7 +267,7 @@ mod tests {
         }
     }
     fn entry(services: Vec<ServiceEntry>) -> ResolverEntry {
-        ResolverEntry { services: services.into_iter().map(Arc::new).collect(), ..resolver_entry("shop", "consul") }
+        ResolverEntry { services: services.into_iter().map(Part::new).collect(), ..resolver_entry("shop", "consul") }
     }
     fn t(s: i64) -> Timestamp {
         Timestamp::from_second(1_700_000_000 + s).unwrap()
@@ -355,7 +355,7 @@ mod tests {
         };
         assert_eq!(changed_at(&first, "web"), t(0).to_string());
         let mut next = entry(vec![service("web", 2), service("api", 1)]);
-        Arc::make_mut(&mut next.services[0]).index = Some(8);
+        Part::make_mut(&mut next.services[0]).index = Some(8);
         let second = status_for(&next, 2, t(60), Some(&first));
         assert_eq!(changed_at(&second, "web"), t(60).to_string(), "web's endpoints changed");
         assert_eq!(changed_at(&second, "api"), t(0).to_string(), "api's did not");
@@ -374,7 +374,7 @@ mod tests {
         assert!(same_apart_from_snapshot(&first, &again), "nothing to write");
 
         let mut broken = healthy.clone();
-        Arc::make_mut(&mut broken.services[0]).error = Some("timeout".into());
+        Part::make_mut(&mut broken.services[0]).error = Some("timeout".into());
         let flipped = status_for(&broken, 3, t(120), Some(&again));
         assert_eq!(cond(&flipped, condition::READY).last_transition_time, Time(t(120)));
         assert_eq!(cond(&flipped, condition::CONSUL_REACHABLE).last_transition_time, Time(t(120)));
@@ -394,9 +394,9 @@ mod tests {
 mod stale_tests {
     use super::*;
     use crate::test_fixtures::resolver_entry;
+    use consul_resolver_core::assembler::snapshot::Part;
     use consul_resolver_core::assembler::snapshot::{ServiceEntry, Stale, Unusable};
     use consul_resolver_core::model::{Endpoint, Health};
-    use std::sync::Arc;
 
     fn kept(name: &str, reason: &str) -> ServiceEntry {
         let ep = Endpoint {
@@ -427,7 +427,7 @@ mod stale_tests {
         let mut e = resolver_entry("shop", "consul");
         let message = "spec.tokenSecretRef: Secret shop/acl not found";
         e.unusable = Some(Unusable { reason: UnusableReason::SecretUnavailable, message: message.into() });
-        e.services = vec![Arc::new(kept("web", message))];
+        e.services = vec![Part::new(kept("web", message))];
         let s = status_for(&e, 1, Timestamp::from_second(1_800_000_000).unwrap(), None);
         let reachable = cond(&s, condition::CONSUL_REACHABLE);
         assert_eq!((reachable.status.as_str(), reachable.reason.as_str()), ("False", "SecretUnavailable"));
@@ -451,7 +451,7 @@ mod stale_tests {
             kept("web", "the resolver's token changed, and the query with the new settings failed: ACL not found");
         web.error =
             Some("Consul at http://127.0.0.1:8500 rejected the request: ACL token rejected (ACL not found)".into());
-        e.services = vec![Arc::new(web)];
+        e.services = vec![Part::new(web)];
         let s = status_for(&e, 1, Timestamp::from_second(1_800_000_000).unwrap(), None);
         let reachable = cond(&s, condition::CONSUL_REACHABLE);
         assert_eq!((reachable.status.as_str(), reachable.reason.as_str()), ("False", "QueryFailed"));

@@ -118,15 +118,10 @@ fn meta(target: &NamespacedName, name: String, id: u64, hash: &str, part_of: boo
     }
 }
 
-/// Chooses the encoding of `json` (a snapshot's bytes, id `id`, hash `hash`) for `target`,
-/// with at most `budget` bytes of data per ConfigMap.
-pub(crate) fn encode(
-    target: &NamespacedName,
-    id: u64,
-    hash: &str,
-    json: &[u8],
-    budget: usize,
-) -> Result<Encoded, String> {
+/// Chooses the encoding of `snapshot` for `target`, with at most `budget` bytes of data
+/// per ConfigMap.
+pub(crate) fn encode(target: &NamespacedName, snapshot: &Snapshot, budget: usize) -> Result<Encoded, String> {
+    let (id, hash, json) = (snapshot.id, snapshot.hash.as_str(), &snapshot.to_json()[..]);
     let budget = budget.max(1);
     let main_meta = || meta(target, target.name.clone(), id, hash, false);
     if json.len() <= budget {
@@ -138,11 +133,11 @@ pub(crate) fn encode(
         };
         return Ok(Encoded { parts: Vec::new(), main });
     }
-    let gz = gzip(json);
+    let gz = snapshot.gzipped(gzip);
     if gz.len() <= budget {
         let main = ConfigMap {
             metadata: main_meta(),
-            binary_data: Some(BTreeMap::from([(KEY_GZIP.to_owned(), ByteString(gz))])),
+            binary_data: Some(BTreeMap::from([(KEY_GZIP.to_owned(), ByteString(gz.to_vec()))])),
             ..ConfigMap::default()
         };
         return Ok(Encoded { parts: Vec::new(), main });
@@ -407,8 +402,7 @@ impl Publisher for ConfigMapPublisher {
         async move {
             let until = leadership.until().ok_or(PublishError::NotLeading("the snapshot ConfigMap"))?;
             let json = snapshot.to_json();
-            let encoded =
-                Arc::new(encode(&target, snapshot.id, &snapshot.hash, &json, budget).map_err(PublishError::Encode)?);
+            let encoded = Arc::new(encode(&target, &snapshot, budget).map_err(PublishError::Encode)?);
             let deleted = tokio::time::timeout_at(until, async {
                 for part in &encoded.parts {
                     apply(&api, part, &mut versions).await?;
@@ -443,7 +437,7 @@ impl Publisher for ConfigMapPublisher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use consul_resolver_core::assembler::snapshot::{Bootstrap, Content, ResolverEntry, ServiceEntry};
+    use consul_resolver_core::assembler::snapshot::{Bootstrap, Content, Part, ResolverEntry, ServiceEntry};
     use consul_resolver_core::model::{Endpoint, Health};
 
     fn target() -> NamespacedName {
@@ -481,14 +475,14 @@ mod tests {
             .collect();
         Content {
             bootstrap: Bootstrap { complete: true, unsynced: vec![] },
-            resolvers: vec![Arc::new(ResolverEntry {
+            resolvers: vec![Part::new(ResolverEntry {
                 namespace: "shop".into(),
                 name: "consul".into(),
                 generation: Some(1),
                 address: "http://127.0.0.1:8500".into(),
                 datacenter: None,
                 unusable: None,
-                services: vec![Arc::new(ServiceEntry {
+                services: vec![Part::new(ServiceEntry {
                     name: "web".into(),
                     synced: true,
                     index: Some(4),
@@ -516,7 +510,7 @@ mod tests {
 
     fn roundtrip(s: &Snapshot) -> Encoded {
         let json = s.to_json();
-        let e = encode(&target(), s.id, &s.hash, &json, DATA_BUDGET).unwrap();
+        let e = encode(&target(), s, DATA_BUDGET).unwrap();
         assert_eq!(decode(&e.main, &e.parts).unwrap(), json, "decode(encode(x)) == x");
         assert_eq!(Snapshot::parse(&decode(&e.main, &e.parts).unwrap()).unwrap(), *s);
         assert_eq!(e.main.metadata.name.as_deref(), Some("snap"));
@@ -569,12 +563,12 @@ mod tests {
     #[test]
     fn a_part_from_another_write_or_a_missing_part_is_an_error_not_garbage() {
         let s = snapshot(8_000, 200);
-        let e = encode(&target(), s.id, &s.hash, &s.to_json(), DATA_BUDGET).unwrap();
+        let e = encode(&target(), &s, DATA_BUDGET).unwrap();
         let err = decode(&e.main, &e.parts[..1]).unwrap_err();
         assert!(err.contains("snap-2 is missing"), "{err}");
 
         let other = snapshot(8_001, 200);
-        let o = encode(&target(), other.id, &other.hash, &other.to_json(), DATA_BUDGET).unwrap();
+        let o = encode(&target(), &other, DATA_BUDGET).unwrap();
         let mixed = vec![e.parts[0].clone(), o.parts[1].clone()];
         let err = decode(&e.main, &mixed).unwrap_err();
         assert!(err.contains("snap-2 does not match the index"), "{err}");
@@ -615,7 +609,7 @@ mod tests {
     #[tokio::test]
     async fn parts_are_applied_before_the_index_then_stale_parts_go_and_equal_content_is_skipped() {
         let s = Arc::new(snapshot(40, 64));
-        let n = encode(&target(), s.id, &s.hash, &s.to_json(), 1000).unwrap().parts.len();
+        let n = encode(&target(), &s, 1000).unwrap().parts.len();
         assert!(n >= 2, "the budget below splits this snapshot ({n} parts)");
         // Two stale parts of ours from a larger snapshot, then a gap, then someone else's.
         let existing = BTreeMap::from([
@@ -652,7 +646,7 @@ mod tests {
     fn a_tiny_budget_splits_into_many_parts_in_order() {
         let s = snapshot(50, 64);
         let json = s.to_json();
-        let e = encode(&target(), s.id, &s.hash, &json, 1000).unwrap();
+        let e = encode(&target(), &s, 1000).unwrap();
         assert!(e.parts.len() > 2);
         assert_eq!(decode(&e.main, &e.parts).unwrap(), json);
         let mut reversed = e.parts.clone();

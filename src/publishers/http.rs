@@ -18,7 +18,15 @@ pub(crate) const KEPT: usize = 10;
 /// every publisher writes), older ones gzipped, so keeping ten costs about one.
 #[derive(Default)]
 pub(crate) struct SnapshotStore {
-    kept: Mutex<VecDeque<(u64, Body)>>,
+    kept: Mutex<Kept>,
+}
+
+#[derive(Default)]
+struct Kept {
+    bodies: VecDeque<(u64, Body)>,
+    /// The latest snapshot: when the next comes, its gzip (which the ConfigMap publisher
+    /// has usually made already) replaces its JSON.
+    latest: Option<Arc<Snapshot>>,
 }
 
 /// A kept snapshot's bytes.
@@ -32,29 +40,30 @@ pub(crate) enum Body {
 const COMPRESS_FROM: usize = 16 * 1024;
 
 impl SnapshotStore {
-    pub(crate) fn push(&self, snapshot: &Snapshot) {
+    pub(crate) fn push(&self, snapshot: &Arc<Snapshot>) {
         let mut kept = self.kept.lock().expect("store lock");
-        if let Some((_, body)) = kept.back_mut()
-            && let Body::Json(json) = body
-            && json.len() >= COMPRESS_FROM
+        let previous = kept.latest.replace(snapshot.clone());
+        if let Some(previous) = previous
+            && let Some((_, body)) = kept.bodies.back_mut()
+            && previous.to_json().len() >= COMPRESS_FROM
         {
-            *body = Body::Gzip(Bytes::from(super::gzip(json)));
+            *body = Body::Gzip(previous.gzipped(super::gzip));
         }
-        kept.push_back((snapshot.id, Body::Json(snapshot.to_json())));
-        while kept.len() > KEPT {
-            kept.pop_front();
+        kept.bodies.push_back((snapshot.id, Body::Json(snapshot.to_json())));
+        while kept.bodies.len() > KEPT {
+            kept.bodies.pop_front();
         }
     }
 
     pub(crate) fn latest(&self) -> Option<Bytes> {
-        match self.kept.lock().expect("store lock").back() {
+        match self.kept.lock().expect("store lock").bodies.back() {
             Some((_, Body::Json(json))) => Some(json.clone()),
             _ => None,
         }
     }
 
     pub(crate) fn get(&self, id: u64) -> Option<Body> {
-        self.kept.lock().expect("store lock").iter().find(|(i, _)| *i == id).map(|(_, b)| b.clone())
+        self.kept.lock().expect("store lock").bodies.iter().find(|(i, _)| *i == id).map(|(_, b)| b.clone())
     }
 }
 
@@ -88,8 +97,8 @@ mod tests {
                 message: "resolver \"nope\": no ConsulResolver of that name in shop".into(),
             })
             .collect();
-        let first = big.clone().into_snapshot(1);
-        let second = big.into_snapshot(2);
+        let first = Arc::new(big.clone().into_snapshot(1));
+        let second = Arc::new(big.into_snapshot(2));
         assert!(first.to_json().len() >= COMPRESS_FROM, "{}", first.to_json().len());
         store.push(&first);
         store.push(&second);
@@ -98,7 +107,7 @@ mod tests {
         assert!(gz.len() * 10 < first.to_json().len());
         assert_eq!(super::super::gunzip(&gz).unwrap(), first.to_json());
         for id in 3..20 {
-            store.push(&content(vec![]).into_snapshot(id));
+            store.push(&Arc::new(content(vec![]).into_snapshot(id)));
         }
         assert_eq!(store.get(2), None, "only the last ten");
         assert!(matches!(store.get(19), Some(Body::Json(_))));

@@ -949,7 +949,7 @@ fn random_event(rng: &mut Rng, world: &super::world::World) -> Option<Event> {
             }
         }
         4 | 5 => {
-            let service = *rng.pick(&["s1", "s2", "s3:8080", "s4", "web", "api.b:80", "10.0.0.1:80", "-x", ""]);
+            let service = *rng.pick(&["s1", "s2", "s3:8080", "s4", "web", "always", "api.b:80", "10.0.0.1:80", "-x", ""]);
             let mut spec = json!({"service": service});
             if let Some(r) = *rng.pick(&[None, Some("c1"), Some("c2"), Some("nope")]) {
                 spec["resolver"] = json!(r);

@@ -22,7 +22,6 @@ pub mod resolvers;
 pub mod snapshot;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::time::SystemTime;
 
 use crate::keys::{ConsulKey, KubeKey, WatchKey};
@@ -38,8 +37,8 @@ use kept::{KeptService, ServiceOf};
 pub use kube_endpoints::EndpointsApi;
 use resolvers::Resolver;
 use snapshot::{
-    Bootstrap, KubeServiceEntry, MappingEntry, Problem, ResolverEntry, ServiceEntry, Stale, Target, UnusableReason,
-    WatchedEntry,
+    Bootstrap, KubeServiceEntry, MappingEntry, Part, Problem, ResolverEntry, ServiceEntry, Stale, Target,
+    UnusableReason, WatchedEntry,
 };
 pub use snapshot::{Content, Snapshot};
 
@@ -107,7 +106,7 @@ pub struct Updated {
 #[derive(Debug, Clone)]
 struct Routed {
     /// Its snapshot entry; `None` when it cannot be read at all (a problem only).
-    entry: Option<Arc<MappingEntry>>,
+    entry: Option<Part<MappingEntry>>,
     problem: Option<Problem>,
     uses: Uses,
 }
@@ -123,7 +122,7 @@ enum Uses {
 /// A Kubernetes Service routed to, as last read.
 #[derive(Debug, Clone)]
 struct KubeTarget {
-    entry: Arc<KubeServiceEntry>,
+    entry: Part<KubeServiceEntry>,
 }
 
 /// The assembler's state between changes: what each pass produced, and what the services'
@@ -142,14 +141,15 @@ pub struct Assembler {
     /// Per Kubernetes Service, the routes to it.
     kube_uses: BTreeMap<(String, String), BTreeSet<MappingKey>>,
     /// Per resolver, its services' entries; and the resolver's whole entry.
-    services: BTreeMap<ResolverId, BTreeMap<String, Arc<ServiceEntry>>>,
-    resolver_entries: BTreeMap<ResolverId, Arc<ResolverEntry>>,
+    services: BTreeMap<ResolverId, BTreeMap<String, Part<ServiceEntry>>>,
+    resolver_entries: BTreeMap<ResolverId, Part<ResolverEntry>>,
     kube_targets: BTreeMap<(String, String), KubeTarget>,
     /// The desired watches, each with how many targets or resolvers imply it (a query can
     /// be shared by resolvers with the same settings).
     desired: BTreeMap<WatchKey, usize>,
-    /// Resolvers whose routed services changed since their services were last read.
-    touched: BTreeSet<ResolverId>,
+    /// Per resolver, the services that started or stopped being routed to since its
+    /// services were last read.
+    touched: BTreeMap<ResolverId, BTreeSet<String>>,
     /// Nothing has been read yet: the first update reads everything.
     fresh: bool,
 }
@@ -168,7 +168,7 @@ impl Assembler {
             resolver_entries: BTreeMap::new(),
             kube_targets: BTreeMap::new(),
             desired: BTreeMap::new(),
-            touched: BTreeSet::new(),
+            touched: BTreeMap::new(),
             fresh: true,
         }
     }
@@ -230,7 +230,7 @@ impl Assembler {
         let mut dirty: BTreeMap<ResolverId, BTreeSet<String>> = BTreeMap::new();
         for key in &changes.consul {
             for r in &self.resolvers {
-                if r.settings.as_ref().is_ok_and(|s| s.key(&key.service) == *key) {
+                if r.settings.as_ref().is_ok_and(|s| s.queries(key)) {
                     dirty.entry((r.namespace.clone(), r.name.clone())).or_default().insert(key.service.clone());
                 }
             }
@@ -271,7 +271,7 @@ impl Assembler {
         }
         problems.sort();
         problems.dedup();
-        let resolvers: Vec<Arc<ResolverEntry>> = self
+        let resolvers: Vec<Part<ResolverEntry>> = self
             .resolvers
             .iter()
             .filter_map(|r| self.resolver_entries.get(&(r.namespace.clone(), r.name.clone())).cloned())
@@ -365,8 +365,11 @@ impl Assembler {
     fn add_route(&mut self, key: MappingKey, routed: Routed) {
         match &routed.uses {
             Uses::Consul(rid, service) => {
-                *self.consul_uses.entry(rid.clone()).or_default().entry(service.clone()).or_default() += 1;
-                self.touched.insert(rid.clone());
+                let uses = self.consul_uses.entry(rid.clone()).or_default().entry(service.clone()).or_default();
+                *uses += 1;
+                if *uses == 1 {
+                    self.touched.entry(rid.clone()).or_default().insert(service.clone());
+                }
             }
             Uses::Kube(ns, name) => {
                 self.kube_uses.entry((ns.clone(), name.clone())).or_default().insert(key.clone());
@@ -380,12 +383,12 @@ impl Assembler {
         let Some(routed) = self.routes.remove(key) else { return };
         match routed.uses {
             Uses::Consul(rid, service) => {
-                self.touched.insert(rid.clone());
                 if let Some(services) = self.consul_uses.get_mut(&rid) {
                     if let Some(n) = services.get_mut(&service) {
                         *n -= 1;
                         if *n == 0 {
                             services.remove(&service);
+                            self.touched.entry(rid.clone()).or_default().insert(service);
                         }
                     }
                     if services.is_empty() {
@@ -440,7 +443,7 @@ impl Assembler {
             service: m.service.clone(),
             target,
         };
-        Some(Routed { entry: Some(Arc::new(entry)), problem, uses })
+        Some(Routed { entry: Some(Part::new(entry)), problem, uses })
     }
 
     /// The target of a Mapping whose `service` parsed, what it reads, and why it cannot
@@ -532,40 +535,78 @@ impl Assembler {
         delta: &mut Delta,
     ) {
         let touched = std::mem::take(&mut self.touched);
-        if dirty.is_none() {
-            self.services.clear();
-            self.resolver_entries.clear();
-        }
+        let Some(dirty) = dirty else { return self.read_all_services(world, now, delta) };
         for r in &self.resolvers {
             let rid = (r.namespace.clone(), r.name.clone());
-            let dirty_here = dirty.map(|d| d.get(&rid));
-            if matches!(dirty_here, Some(None)) && !touched.contains(&rid) {
+            let answered = dirty.get(&rid);
+            let routed = touched.get(&rid);
+            if answered.is_none() && routed.is_none() {
                 continue; // Neither its queries nor its routes changed.
             }
-            let again = |name: &str| match dirty_here {
-                None => true,
-                Some(d) => d.is_some_and(|d| d.contains(name)),
-            };
+            let uses = self.consul_uses.get(&rid);
+            let wanted =
+                |name: &str| r.listed_services().any(|s| s == name) || uses.is_some_and(|u| u.contains_key(name));
+            let mine = self.services.entry(rid.clone()).or_default();
+            let mut changed = false;
+            let names: BTreeSet<&String> = answered.into_iter().chain(routed).flatten().collect();
+            for name in names {
+                if !wanted(name) {
+                    // No longer wanted: its query and its kept endpoints go.
+                    if mine.remove(name.as_str()).is_some() {
+                        if let Ok(settings) = &r.settings {
+                            delta.remove(WatchKey::Consul(settings.key(name)));
+                        }
+                        self.kept.remove(&service_of(&rid, name));
+                        changed = true;
+                    }
+                    continue;
+                }
+                let previous = mine.get(name.as_str());
+                if previous.is_some() && !answered.is_some_and(|a| a.contains(name)) {
+                    continue; // Still wanted, and its answer did not change.
+                }
+                if previous.is_none()
+                    && let Ok(settings) = &r.settings
+                {
+                    delta.add(WatchKey::Consul(settings.key(name)));
+                }
+                let entry = service_entry(world, r, &rid, name, &mut self.kept, now).map(Part::new);
+                if entry.as_deref() != previous.map(|p| &**p) {
+                    changed = true;
+                    match entry {
+                        Some(entry) => mine.insert(name.clone(), entry),
+                        None => mine.remove(name.as_str()),
+                    };
+                }
+            }
+            if changed || !self.resolver_entries.contains_key(&rid) {
+                let entry = resolver_entry(r, mine);
+                self.resolver_entries.insert(rid, entry);
+            }
+        }
+    }
+
+    /// Reads every resolver's services anew: after the resolvers (or their Secrets)
+    /// changed.
+    fn read_all_services(&mut self, world: &World, now: SystemTime, delta: &mut Delta) {
+        let mut old_services = std::mem::take(&mut self.services);
+        let mut old_entries = std::mem::take(&mut self.resolver_entries);
+        for r in &self.resolvers {
+            let rid = (r.namespace.clone(), r.name.clone());
             let mut wanted: BTreeSet<&str> = r.listed_services().collect();
             wanted.extend(self.consul_uses.get(&rid).into_iter().flatten().map(|(s, _)| s.as_str()));
-            let mut old = self.services.remove(&rid).unwrap_or_default();
-            let mut changed = dirty.is_none();
+            let mut old = old_services.remove(&rid).unwrap_or_default();
             let mut mine = BTreeMap::new();
             for name in wanted {
-                let entry = match old.remove(name) {
-                    Some(entry) if !again(name) => Some(entry),
-                    previous => {
-                        if previous.is_none()
-                            && let Ok(settings) = &r.settings
-                        {
-                            delta.add(WatchKey::Consul(settings.key(name)));
-                        }
-                        let entry = service_entry(world, r, &rid, name, &mut self.kept, now).map(Arc::new);
-                        changed |= entry.as_deref() != previous.as_deref();
-                        entry
-                    }
-                };
-                if let Some(entry) = entry {
+                let previous = old.remove(name);
+                if previous.is_none()
+                    && let Ok(settings) = &r.settings
+                {
+                    delta.add(WatchKey::Consul(settings.key(name)));
+                }
+                if let Some(entry) = service_entry(world, r, &rid, name, &mut self.kept, now) {
+                    // The same entry keeps its allocation: equal parts stay shared.
+                    let entry = previous.filter(|p| **p == entry).unwrap_or_else(|| Part::new(entry));
                     mine.insert(name.to_owned(), entry);
                 }
             }
@@ -575,32 +616,19 @@ impl Assembler {
                     delta.remove(WatchKey::Consul(settings.key(name)));
                 }
                 self.kept.remove(&service_of(&rid, name));
-                changed = true;
             }
-            let entry = match self.resolver_entries.remove(&rid) {
-                Some(entry) if !changed => entry,
-                _ => Arc::new(ResolverEntry {
-                    namespace: r.namespace.clone(),
-                    name: r.name.clone(),
-                    generation: r.generation,
-                    address: r.settings.as_ref().map(|s| s.server().address.clone()).unwrap_or_default(),
-                    datacenter: r.spec.as_ref().and_then(|s| s.datacenter.clone()),
-                    unusable: r.settings.as_ref().err().cloned(),
-                    services: mine.values().cloned().collect(),
-                }),
-            };
+            let fresh = resolver_entry(r, &mine);
+            let entry = old_entries.remove(&rid).filter(|e| **e == *fresh).unwrap_or(fresh);
             self.resolver_entries.insert(rid.clone(), entry);
             self.services.insert(rid, mine);
         }
-        if dirty.is_none() {
-            // Resolvers deleted (or out of scope) let their kept endpoints go.
-            let services = &self.services;
-            self.kept.retain(|of| {
-                services
-                    .get(&(of.resolver_namespace.clone(), of.resolver_name.clone()))
-                    .is_some_and(|s| s.contains_key(&of.service))
-            });
-        }
+        // Resolvers deleted (or out of scope) let their kept endpoints go.
+        let services = &self.services;
+        self.kept.retain(|of| {
+            services
+                .get(&(of.resolver_namespace.clone(), of.resolver_name.clone()))
+                .is_some_and(|s| s.contains_key(&of.service))
+        });
     }
 
     /// Pass two for Kubernetes: the Services routed to, their endpoints read again when
@@ -622,7 +650,7 @@ impl Assembler {
                     }
                     let store = world.kube().get(&endpoints_api.key(ns, name));
                     KubeTarget {
-                        entry: Arc::new(KubeServiceEntry {
+                        entry: Part::new(KubeServiceEntry {
                             namespace: ns.clone(),
                             name: name.clone(),
                             synced: store.is_some_and(|s| s.listed),
@@ -700,6 +728,19 @@ impl Delta {
     fn remove(&mut self, key: WatchKey) {
         self.removed.push(key);
     }
+}
+
+/// A resolver's entry in the snapshot, with its services' entries (shared).
+fn resolver_entry(r: &Resolver, services: &BTreeMap<String, Part<ServiceEntry>>) -> Part<ResolverEntry> {
+    Part::new(ResolverEntry {
+        namespace: r.namespace.clone(),
+        name: r.name.clone(),
+        generation: r.generation,
+        address: r.settings.as_ref().map(|s| s.server().address.clone()).unwrap_or_default(),
+        datacenter: r.spec.as_ref().and_then(|s| s.datacenter.clone()),
+        unusable: r.settings.as_ref().err().cloned(),
+        services: services.values().cloned().collect(),
+    })
 }
 
 fn key_of(kind: MappingKind, id: &ObjectId) -> MappingKey {

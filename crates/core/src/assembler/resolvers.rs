@@ -49,6 +49,19 @@ impl Settings {
         ConsulKey { service: service.to_owned(), ..self.template.clone() }
     }
 
+    /// Whether `key` is one of this resolver's queries (for some service), without
+    /// building a key per service to compare.
+    pub fn queries(&self, key: &ConsulKey) -> bool {
+        // Destructured so that a field added to ConsulKey cannot be forgotten here.
+        let ConsulKey { server, datacenter, namespace, partition, passing, tags, service: _ } = &self.template;
+        key.server == *server
+            && key.datacenter == *datacenter
+            && key.namespace == *namespace
+            && key.partition == *partition
+            && key.passing == *passing
+            && key.tags == *tags
+    }
+
     pub fn server(&self) -> &ConsulServer {
         &self.template.server
     }

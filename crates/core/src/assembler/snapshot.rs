@@ -4,14 +4,19 @@
 //! equal worlds serialise to equal bytes. The `hash` covers everything except `id`, and
 //! is what "only changed content is written" compares.
 //!
-//! The parts are shared (`Arc`): the assembler keeps them between changes, so a content is
-//! pointer copies, and a publication serialises it once: the hash is taken of those bytes,
-//! and the document's are the same bytes behind its `apiVersion`, `kind`, `id` and `hash`.
+//! The parts are shared ([`Part`]): the assembler keeps them between changes, so a content
+//! is pointer copies, and each part is turned into JSON once, however many snapshots hold
+//! it. A publication serialises the content once, mostly by copying its parts' JSON: the
+//! hash is taken of those bytes, and the document's are the same bytes behind its
+//! `apiVersion`, `kind`, `id` and `hash`.
 
-use std::sync::Arc;
+use std::fmt;
+use std::ops::Deref;
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
 use crate::model::{Endpoint, KubeEndpoint};
@@ -19,14 +24,100 @@ use crate::model::{Endpoint, KubeEndpoint};
 pub const API_VERSION: &str = "consulresolver.io/v1alpha1";
 pub const KIND: &str = "Snapshot";
 
+/// A part of a snapshot, shared between the snapshots that hold it, with its JSON made the
+/// first time it is serialised and copied after that. Between two snapshots most parts are
+/// the same (one Consul answer changes one service), so this makes serialising a
+/// snapshot cost about what changed, plus a copy of the rest.
+pub struct Part<T>(Arc<PartInner<T>>);
+
+#[derive(Clone)]
+struct PartInner<T> {
+    value: T,
+    json: OnceLock<Box<RawValue>>,
+}
+
+impl<T> Part<T> {
+    pub fn new(value: T) -> Self {
+        Part(Arc::new(PartInner { value, json: OnceLock::new() }))
+    }
+
+    /// The value to change: this part's own copy if it is shared, with its JSON to be
+    /// made again.
+    pub fn make_mut(this: &mut Self) -> &mut T
+    where
+        T: Clone,
+    {
+        let inner = Arc::make_mut(&mut this.0);
+        inner.json = OnceLock::new();
+        &mut inner.value
+    }
+
+    /// Whether both are the very same part (not only equal).
+    pub fn ptr_eq(a: &Self, b: &Self) -> bool {
+        Arc::ptr_eq(&a.0, &b.0)
+    }
+}
+
+impl<T> Clone for Part<T> {
+    fn clone(&self) -> Self {
+        Part(self.0.clone())
+    }
+}
+
+impl<T> Deref for Part<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0.value
+    }
+}
+
+impl<T> AsRef<T> for Part<T> {
+    fn as_ref(&self) -> &T {
+        &self.0.value
+    }
+}
+
+impl<T: PartialEq> PartialEq for Part<T> {
+    fn eq(&self, other: &Self) -> bool {
+        Part::ptr_eq(self, other) || self.0.value == other.0.value
+    }
+}
+
+impl<T: Eq> Eq for Part<T> {}
+
+impl<T: fmt::Debug> fmt::Debug for Part<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.value.fmt(f)
+    }
+}
+
+impl<T: Serialize> Serialize for Part<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let json = match self.0.json.get() {
+            Some(json) => json,
+            None => {
+                let json = serde_json::value::to_raw_value(&self.0.value).map_err(serde::ser::Error::custom)?;
+                self.0.json.get_or_init(|| json)
+            }
+        };
+        json.serialize(s)
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Part<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        T::deserialize(d).map(Part::new)
+    }
+}
+
 /// Everything a snapshot says, without its id.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Content {
     pub bootstrap: Bootstrap,
-    pub resolvers: Vec<Arc<ResolverEntry>>,
-    pub mappings: Vec<Arc<MappingEntry>>,
-    pub kubernetes_services: Vec<Arc<KubeServiceEntry>>,
+    pub resolvers: Vec<Part<ResolverEntry>>,
+    pub mappings: Vec<Part<MappingEntry>>,
+    pub kubernetes_services: Vec<Part<KubeServiceEntry>>,
     /// Objects of the static `--watch` keys, per key.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub watched: Vec<WatchedEntry>,
@@ -69,7 +160,7 @@ pub struct ResolverEntry {
     /// endpoints last obtained before, marked `stale`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unusable: Option<Unusable>,
-    pub services: Vec<Arc<ServiceEntry>>,
+    pub services: Vec<Part<ServiceEntry>>,
 }
 
 /// Why a resolver cannot be queried.
@@ -191,7 +282,7 @@ pub struct Problem {
 }
 
 /// A published snapshot: its content, and the document's bytes (serialised once).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Snapshot {
     /// Increases with every publication of this operator process.
     pub id: u64,
@@ -199,7 +290,17 @@ pub struct Snapshot {
     pub hash: String,
     pub content: Content,
     json: Bytes,
+    /// The document's bytes gzipped, once, by the first publisher that needs them.
+    gzipped: OnceLock<Bytes>,
 }
+
+impl PartialEq for Snapshot {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id && self.hash == other.hash && self.content == other.content && self.json == other.json
+    }
+}
+
+impl Eq for Snapshot {}
 
 /// The document as JSON: what readers parse.
 #[derive(Serialize, Deserialize)]
@@ -247,18 +348,32 @@ impl Snapshot {
         let mut json = Vec::with_capacity(header.len() + content_json.len());
         json.extend_from_slice(header.as_bytes());
         json.extend_from_slice(&content_json[1..]);
-        Snapshot { id, hash, content, json: Bytes::from(json) }
+        Snapshot { id, hash, content, json: Bytes::from(json), gzipped: OnceLock::new() }
     }
 
     /// Reads a published document back (tools and tests).
     pub fn parse(json: &[u8]) -> Result<Snapshot, serde_json::Error> {
         let doc: Document = serde_json::from_slice(json)?;
-        Ok(Snapshot { id: doc.id, hash: doc.hash, content: doc.content, json: Bytes::copy_from_slice(json) })
+        Ok(Snapshot {
+            id: doc.id,
+            hash: doc.hash,
+            content: doc.content,
+            json: Bytes::copy_from_slice(json),
+            gzipped: OnceLock::new(),
+        })
     }
 
     /// The document's bytes, shared: every publisher writes these.
     pub fn to_json(&self) -> Bytes {
         self.json.clone()
+    }
+
+    /// The document's bytes gzipped by `gzip` the first time any publisher asks, and the
+    /// same bytes after that: the ConfigMap writes them, the HTTP history keeps them, and
+    /// compressing is most of a publication's CPU. (The core does not compress: every
+    /// caller passes the operator's one gzip.)
+    pub fn gzipped(&self, gzip: impl FnOnce(&[u8]) -> Vec<u8>) -> Bytes {
+        self.gzipped.get_or_init(|| Bytes::from(gzip(&self.json))).clone()
     }
 
     /// This snapshot's part about resolver `namespace/name`, if it is in scope.
@@ -272,11 +387,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_part_serialises_as_its_value_would_every_time_and_into_any_json_form() {
+        let entry = ServiceEntry {
+            name: "web \"quoted\" é".into(),
+            synced: true,
+            index: Some(7),
+            error: None,
+            stale: None,
+            endpoints: vec![],
+        };
+        let plain = serde_json::to_string(&entry).unwrap();
+        let part = Part::new(entry.clone());
+        assert_eq!(serde_json::to_string(&part).unwrap(), plain);
+        assert_eq!(serde_json::to_string(&part).unwrap(), plain, "the second time, from its kept JSON");
+        assert_eq!(serde_json::to_value(&part).unwrap(), serde_json::to_value(&entry).unwrap());
+        let back: Part<ServiceEntry> = serde_json::from_str(&plain).unwrap();
+        assert_eq!(back, part);
+        assert!(!Part::ptr_eq(&back, &part) && Part::ptr_eq(&part.clone(), &part));
+    }
+
+    #[test]
     fn the_document_is_the_content_bytes_behind_a_header_as_serde_writes_it() {
         let content = Content {
             bootstrap: Bootstrap { complete: false, unsynced: vec!["a/b/c".into()] },
             resolvers: vec![],
-            mappings: vec![Arc::new(MappingEntry {
+            mappings: vec![Part::new(MappingEntry {
                 kind: "Mapping".into(),
                 namespace: "shop".into(),
                 name: "m".into(),
