@@ -19,7 +19,8 @@ pub fn main() {
             let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
             let result = runtime.block_on(async {
                 let shutdown = CancellationToken::new();
-                tokio::spawn(signals(shutdown.clone()));
+                // Registered before anything listens: a SIGTERM from then on is a shutdown.
+                tokio::spawn(signals(shutdown.clone(), term_signal()));
                 crate::runtime::run(*args, shutdown).await
             });
             if let Err(e) = result {
@@ -58,10 +59,14 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-/// SIGTERM (Kubernetes) or Ctrl-C: shut down gracefully.
-async fn signals(shutdown: CancellationToken) {
+/// The SIGTERM handler, installed when called.
+fn term_signal() -> tokio::signal::unix::Signal {
     use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("cannot install a SIGTERM handler");
+    signal(SignalKind::terminate()).expect("cannot install a SIGTERM handler")
+}
+
+/// SIGTERM (Kubernetes) or Ctrl-C: shut down gracefully.
+async fn signals(shutdown: CancellationToken, mut term: tokio::signal::unix::Signal) {
     tokio::select! {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}

@@ -70,24 +70,21 @@ impl Args {
     }
 }
 
-async fn terminated() {
+/// Registers for SIGTERM at once, and resolves when it (or Ctrl-C) comes. Called before
+/// the address is printed: a harness may signal as soon as it reads it, and a SIGTERM that
+/// came before the handler would kill the process with the default action.
+fn on_termination() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    async move {
+        #[cfg(unix)]
+        if let Some(mut term) = term {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
             }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
+            return;
         }
-    }
-    #[cfg(not(unix))]
-    {
         let _ = tokio::signal::ctrl_c().await;
     }
 }
@@ -106,6 +103,7 @@ async fn main() -> anyhow::Result<()> {
     if !config.listen.ip().is_loopback() {
         tracing::warn!(listen = %config.listen, "listening on a non-loopback address");
     }
+    let terminated = on_termination();
     let sim = Simulator::start(config).await.context("starting consul-sim")?;
 
     let mut out = std::io::stdout().lock();
@@ -114,7 +112,7 @@ async fn main() -> anyhow::Result<()> {
     drop(out);
     tracing::info!(addr = %sim.addr(), "consul-sim ready");
 
-    terminated().await;
+    terminated.await;
     tracing::info!("shutting down");
     sim.shutdown().await;
     Ok(())
