@@ -552,13 +552,13 @@ fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
 }
 
 /// Polls `GET /snapshot` every 10 ms until it serves a complete snapshot with `mappings`
-/// Mappings; returns the time since `spawned`, its id and size.
+/// Mappings; returns the time since `spawned`, its id and bytes.
 async fn first_snapshot(
     op: &Operator,
     pid: u32,
     spawned: Instant,
     mappings: usize,
-) -> anyhow::Result<(Duration, u64, usize)> {
+) -> anyhow::Result<(Duration, u64, bytes::Bytes)> {
     let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build()?;
     let url = op.url("/snapshot");
     loop {
@@ -575,7 +575,7 @@ async fn first_snapshot(
             let body = resp.bytes().await?;
             let head: Head = serde_json::from_slice(&body)?;
             if head.bootstrap.complete && head.mappings.len() == mappings {
-                return Ok((at, head.id, body.len()));
+                return Ok((at, head.id, body));
             }
             println!(
                 "  (snapshot {} at {}: complete={} mappings={}; waiting)",
@@ -826,7 +826,7 @@ struct Instance {
     spawned_at: SystemTime,
     cm: String,
     cold_http: Duration,
-    snapshot_bytes: usize,
+    snapshot: bytes::Bytes,
     bootstrap_requests: u64,
     bootstrap_services_queried: usize,
     /// VmHWM, VmRSS (KiB) right after the first snapshot.
@@ -859,7 +859,8 @@ fn cold_start(
     let spawned = Instant::now();
     let op = Operator::start(cluster, &args)?;
     let pid = op.pid().context("the operator is not running")?;
-    let (cold_http, first_id, snapshot_bytes) = rt.block_on(first_snapshot(&op, pid, spawned, s.mappings()))?;
+    let (cold_http, first_id, snapshot) = rt.block_on(first_snapshot(&op, pid, spawned, s.mappings()))?;
+    let snapshot_bytes = snapshot.len();
     let memory_first = memory_kib(pid)?;
     let bootstrap_requests = sim.stats().requests_total;
     let bootstrap_services_queried: usize =
@@ -886,7 +887,7 @@ fn cold_start(
         spawned_at,
         cm,
         cold_http,
-        snapshot_bytes,
+        snapshot,
         bootstrap_requests,
         bootstrap_services_queried,
         memory_first,
@@ -911,6 +912,8 @@ struct Run {
     cold: Vec<Duration>,
     last: Milestones,
     snapshot_bytes: usize,
+    /// The first snapshot's document, for the gzip measurement.
+    snapshot: bytes::Bytes,
     encoding: String,
     spaced: Latencies,
     back_to_back: Latencies,
@@ -990,12 +993,13 @@ fn run_operator(
         pid,
         spawned_at,
         cm,
-        snapshot_bytes,
+        snapshot,
         bootstrap_requests,
         bootstrap_services_queried,
         memory_first,
         ..
     } = instance.expect("at least one round");
+    let snapshot_bytes = snapshot.len();
     let sim = sim.as_ref().expect("started above");
 
     std::thread::sleep(Duration::from_secs(2));
@@ -1075,6 +1079,7 @@ fn run_operator(
         cold,
         last: milestones(&log, spawned_at),
         snapshot_bytes,
+        snapshot,
         encoding,
         spaced,
         back_to_back,
@@ -1152,6 +1157,10 @@ fn cost_table(rt: &Runtime, cluster: &Cluster, s: &Settings, load_start: &str) -
             cpu_ms(r.cpu_back_to_back),
             mib(r.memory_end.0)
         );
+    }
+    println!();
+    for (size, r) in &rows {
+        println!("{} Mappings: {}", count(size.mappings()), gzip_levels(&r.snapshot));
     }
     Ok(())
 }
@@ -1317,6 +1326,35 @@ fn main() -> anyhow::Result<()> {
             .collect::<Vec<_>>();
         println!("--consul-max-connections {}: {}", r.max_connections, verdicts.join(", "));
     }
+    if let Some(r) = runs.first() {
+        println!();
+        println!("{}", gzip_levels(&r.snapshot));
+    }
     println!("wall time: {}", secs(wall.elapsed()));
     Ok(())
+}
+
+/// What gzip costs on the real snapshot at the level the operator uses (1) and at the
+/// library's default (6): size, and min / median / max time of 20 runs in this process
+/// (the operator is stopped by now, so the machine's other load is what the run records).
+fn gzip_levels(json: &[u8]) -> String {
+    use std::io::Write;
+    let mut out = format!("gzip of the first snapshot ({} bytes), 20 runs each:", count(json.len()));
+    for (level, what) in [(1, "level 1 (the operator's)"), (6, "level 6 (flate2's default)")] {
+        let mut times = Vec::new();
+        let mut size = 0;
+        for _ in 0..20 {
+            let started = Instant::now();
+            let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::new(level));
+            enc.write_all(json).expect("gzip into memory");
+            size = enc.finish().expect("gzip into memory").len();
+            times.push(started.elapsed());
+        }
+        out += &format!(" {what}: {} bytes in {};", count(size), min_med_max(&times, ms_f));
+    }
+    out
+}
+
+fn ms_f(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }
