@@ -23,10 +23,11 @@ pub(crate) struct SnapshotStore {
 
 #[derive(Default)]
 struct Kept {
-    bodies: VecDeque<(u64, Body)>,
-    /// The latest snapshot: when the next comes, its gzip (which the ConfigMap publisher
-    /// has usually made already) replaces its JSON.
+    /// The latest snapshot, served as its own bytes.
     latest: Option<Arc<Snapshot>>,
+    /// The ones before it, oldest first, gzipped when large: its gzip is usually made
+    /// already, by the ConfigMap publisher.
+    older: VecDeque<(u64, Body)>,
 }
 
 /// A kept snapshot's bytes.
@@ -42,28 +43,27 @@ const COMPRESS_FROM: usize = 16 * 1024;
 impl SnapshotStore {
     pub(crate) fn push(&self, snapshot: &Arc<Snapshot>) {
         let mut kept = self.kept.lock().expect("store lock");
-        let previous = kept.latest.replace(snapshot.clone());
-        if let Some(previous) = previous
-            && let Some((_, body)) = kept.bodies.back_mut()
-            && previous.to_json().len() >= COMPRESS_FROM
-        {
-            *body = Body::Gzip(previous.gzipped(super::gzip));
-        }
-        kept.bodies.push_back((snapshot.id, Body::Json(snapshot.to_json())));
-        while kept.bodies.len() > KEPT {
-            kept.bodies.pop_front();
+        if let Some(previous) = kept.latest.replace(snapshot.clone()) {
+            let json = previous.to_json();
+            let body =
+                if json.len() >= COMPRESS_FROM { Body::Gzip(previous.gzipped(super::gzip)) } else { Body::Json(json) };
+            kept.older.push_back((previous.id, body));
+            while kept.older.len() >= KEPT {
+                kept.older.pop_front();
+            }
         }
     }
 
     pub(crate) fn latest(&self) -> Option<Bytes> {
-        match self.kept.lock().expect("store lock").bodies.back() {
-            Some((_, Body::Json(json))) => Some(json.clone()),
-            _ => None,
-        }
+        self.kept.lock().expect("store lock").latest.as_ref().map(|s| s.to_json())
     }
 
     pub(crate) fn get(&self, id: u64) -> Option<Body> {
-        self.kept.lock().expect("store lock").bodies.iter().find(|(i, _)| *i == id).map(|(_, b)| b.clone())
+        let kept = self.kept.lock().expect("store lock");
+        match &kept.latest {
+            Some(latest) if latest.id == id => Some(Body::Json(latest.to_json())),
+            _ => kept.older.iter().find(|(i, _)| *i == id).map(|(_, b)| b.clone()),
+        }
     }
 }
 
