@@ -26,7 +26,7 @@ use tokio::time::Instant;
 
 use super::ingest::Reading;
 use super::keys::{ConsulKey, KubeKey, WatchKey};
-use super::model::{ConsulEvent, Endpoint, Event, KubeEvent, ObjectId, Stored, WatchFailure};
+use super::model::{ConsulEvent, Endpoint, Event, KubeEvent, KubeObject, ObjectId, Stored, WatchFailure};
 
 /// The store of one Kubernetes key.
 #[derive(Debug, Clone)]
@@ -56,6 +56,15 @@ impl KubeStore {
             listed: false,
             failure: None,
         }
+    }
+
+    /// Stores `obj` as read, and says whether it differs from what was stored. Stored
+    /// even when it does not: its JSON (a resolver's status) is current.
+    fn put(&mut self, obj: KubeObject) -> bool {
+        let stored = self.reading.decode(&obj);
+        let changed = self.objects.get(&obj.id).is_none_or(|old| !self.reading.same(old, &stored));
+        self.objects.insert(obj.id, stored);
+        changed
     }
 
     /// Why the API server refuses this watch, while it does.
@@ -327,11 +336,9 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
             KubeChange::None
         }
         KubeEvent::Listed(obj) if store.seen.is_some() => {
-            let stored = reading.decode(&obj);
-            let changed = store.objects.get(&obj.id).is_none_or(|old| !reading.same(old, &stored));
             store.seen.get_or_insert_default().insert(obj.id.clone());
-            store.objects.insert(obj.id.clone(), stored);
-            changed_if(changed, KubeChange::Objects(vec![obj.id]))
+            let id = obj.id.clone();
+            changed_if(store.put(obj), KubeChange::Objects(vec![id]))
         }
         KubeEvent::Listed(obj) => {
             let stored = reading.decode(&obj);
@@ -360,11 +367,8 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
         }
         KubeEvent::Applied(obj) => {
             store.failure = None;
-            let stored = reading.decode(&obj);
-            let changed = store.objects.get(&obj.id).is_none_or(|old| !reading.same(old, &stored));
-            // Stored even when unchanged: its JSON (a resolver's status) is current.
-            store.objects.insert(obj.id.clone(), stored);
-            changed_if(changed, KubeChange::Objects(vec![obj.id]))
+            let id = obj.id.clone();
+            changed_if(store.put(obj), KubeChange::Objects(vec![id]))
         }
         KubeEvent::Deleted(id) => {
             store.failure = None;
@@ -412,7 +416,7 @@ fn apply_consul(store: &mut ConsulStore, ev: ConsulEvent, now: Instant) -> bool 
 mod tests {
     use super::*;
     use crate::keys::{ConsulServer, Secret};
-    use crate::model::{Health, KubeObject};
+    use crate::model::Health;
     use serde_json::json;
     use std::collections::BTreeSet;
 
