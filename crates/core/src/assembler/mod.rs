@@ -551,12 +551,8 @@ impl Assembler {
             let names: BTreeSet<&String> = answered.into_iter().chain(routed).flatten().collect();
             for name in names {
                 if !wanted(name) {
-                    // No longer wanted: its query and its kept endpoints go.
                     if mine.remove(name.as_str()).is_some() {
-                        if let Ok(settings) = &r.settings {
-                            delta.remove(WatchKey::Consul(settings.key(name)));
-                        }
-                        self.kept.remove(&service_of(&rid, name));
+                        forget_service(r, &rid, name, &mut self.kept, delta);
                         changed = true;
                     }
                     continue;
@@ -610,12 +606,8 @@ impl Assembler {
                     mine.insert(name.to_owned(), entry);
                 }
             }
-            // Services no longer wanted let their query and their kept endpoints go.
             for name in old.keys() {
-                if let Ok(settings) = &r.settings {
-                    delta.remove(WatchKey::Consul(settings.key(name)));
-                }
-                self.kept.remove(&service_of(&rid, name));
+                forget_service(r, &rid, name, &mut self.kept, delta);
             }
             let fresh = resolver_entry(r, &mine);
             let entry = old_entries.remove(&rid).filter(|e| **e == *fresh).unwrap_or(fresh);
@@ -728,6 +720,14 @@ impl Delta {
     fn remove(&mut self, key: WatchKey) {
         self.removed.push(key);
     }
+}
+
+/// A service resolver `r` no longer wants: its query stops, and its kept endpoints go.
+fn forget_service(r: &Resolver, rid: &ResolverId, name: &str, kept: &mut Kept, delta: &mut Delta) {
+    if let Ok(settings) = &r.settings {
+        delta.remove(WatchKey::Consul(settings.key(name)));
+    }
+    kept.remove(&service_of(rid, name));
 }
 
 /// A resolver's entry in the snapshot, with its services' entries (shared).
