@@ -82,6 +82,17 @@ pub(crate) struct RunArgs {
     #[arg(long, env = "CONSUL_WAIT", default_value = "5m", value_parser = parse_duration)]
     pub consul_wait: Duration,
 
+    /// Longest time a Consul service without a blocking query of its own (beyond the
+    /// connection budget) goes without being re-read; the change feed re-reads it as soon
+    /// as its checks or registrations change, this is the safety net (docs/consul.md).
+    #[arg(long, env = "CONSUL_SWEEP", default_value = "5m", value_parser = parse_positive_duration)]
+    pub consul_sweep: Duration,
+
+    /// Largest Consul answer accepted (after decompression); a larger one is an error on
+    /// the watch instead of unbounded memory.
+    #[arg(long, env = "CONSUL_MAX_RESPONSE_BYTES", default_value_t = 64 << 20, value_parser = clap::value_parser!(u64).range(1024..=(1 << 32)))]
+    pub consul_max_response_bytes: u64,
+
     /// Command run after each publication, with SNAPSHOT_ID and SNAPSHOT_FILE in its
     /// environment; never two at once.
     #[arg(long, env = "ON_SNAPSHOT")]

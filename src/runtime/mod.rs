@@ -119,6 +119,8 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
     let consul = ConsulSource::new(ConsulSettings {
         wait: args.consul_wait,
         max_connections: args.consul_max_connections as usize,
+        sweep: args.consul_sweep,
+        max_response_bytes: usize::try_from(args.consul_max_response_bytes).unwrap_or(usize::MAX),
         ..ConsulSettings::default()
     });
     let mut watches = Watches::new(KubeSource::new(client.clone(), metrics.clone()), consul, tx);

@@ -5,6 +5,7 @@
 //! different tokens share one connection pool (and one connection budget). It is never put
 //! into an error message: errors name the address, never the request's headers.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use reqwest::StatusCode;
@@ -27,6 +28,12 @@ pub(crate) enum QueryError {
     Network { address: String, cause: String },
     #[error("Consul at {address} sent an unreadable answer: {cause}")]
     Body { address: String, cause: String },
+    #[error(
+        "Consul at {address} answered {status} redirecting elsewhere; redirects are not followed (the token would go with them)"
+    )]
+    Redirect { address: String, status: u16 },
+    #[error("Consul at {address} sent an answer larger than {limit} bytes (--consul-max-response-bytes)")]
+    TooLarge { address: String, limit: usize },
 }
 
 impl QueryError {
@@ -68,6 +75,8 @@ pub(crate) struct HttpClient {
     base: String,
     /// The address as configured, for messages.
     address: String,
+    /// Largest answer body accepted, after decompression.
+    max_body: usize,
 }
 
 impl std::fmt::Debug for HttpClient {
@@ -81,17 +90,26 @@ impl HttpClient {
     /// concurrent requests (and so open connections) with its budget.
     ///
     /// `serverName` (SNI override): reqwest takes the TLS name from the URL host, so the
-    /// request goes to `https://<serverName>:<port>` with DNS for that name pinned to the
-    /// configured host's addresses, looked up once here. That sends the right SNI and
-    /// verifies the certificate against `serverName`; the cost is that a later DNS change of
-    /// the configured host needs a new client (a restart of the watches).
-    pub(crate) async fn new(address: &str, tls: Option<&TlsSettings>, max_connections: usize) -> Result<Self, String> {
+    /// request goes to `https://<serverName>:<port>`, and a resolver of our own answers that
+    /// name with the configured host's addresses, looked up afresh for every new connection
+    /// (a Consul behind a DNS name that moves is followed on reconnect). That sends the
+    /// right SNI and verifies the certificate against `serverName`.
+    ///
+    /// Redirects are never followed: Consul does not send them, and following one would
+    /// hand the ACL token to whatever the `Location` names.
+    pub(crate) fn new(
+        address: &str,
+        tls: Option<&TlsSettings>,
+        max_connections: usize,
+        max_body: usize,
+    ) -> Result<Self, String> {
         let url = reqwest::Url::parse(address).map_err(|e| format!("invalid Consul address {address}: {e}"))?;
         let mut builder = reqwest::Client::builder()
             .pool_max_idle_per_host(max_connections)
             // Idle connections beyond a blocking query's life are not worth keeping long.
             .pool_idle_timeout(Duration::from_secs(30))
             .connect_timeout(Duration::from_secs(10))
+            .redirect(reqwest::redirect::Policy::none())
             // A peer that vanished without a FIN or RST is noticed within about 30 s, even
             // in the middle of a five-minute blocking query.
             .tcp_keepalive(Duration::from_secs(15))
@@ -114,16 +132,15 @@ impl HttpClient {
             if let Some(name) = tls.server_name.as_deref().filter(|n| !n.is_empty()) {
                 let host = url.host_str().ok_or_else(|| format!("Consul address {address} has no host"))?;
                 let port = url.port_or_known_default().unwrap_or(443);
-                let addrs: Vec<_> = tokio::net::lookup_host((host, port))
-                    .await
-                    .map_err(|e| format!("cannot resolve Consul at {address}: {e}"))?
-                    .collect();
-                builder = builder.resolve_to_addrs(name, &addrs);
+                builder = builder.dns_resolver(std::sync::Arc::new(PinnedName {
+                    server_name: name.to_ascii_lowercase(),
+                    host: host.trim_start_matches('[').trim_end_matches(']').to_owned(),
+                }));
                 base = format!("https://{name}:{port}");
             }
         }
         let http = builder.build().map_err(|e| format!("Consul at {address}: cannot build a client: {e}"))?;
-        Ok(HttpClient { http, base, address: address.to_owned() })
+        Ok(HttpClient { http, base, address: address.to_owned(), max_body })
     }
 
     pub(crate) fn address(&self) -> &str {
@@ -147,25 +164,50 @@ impl HttpClient {
         }
         push_block(&mut query, block);
         let (index, body) = self.get(&url, &query, key.server.token.as_ref(), request_timeout(block)).await?;
-        let value = parse::health_service(&body).map_err(|cause| self.body_error(cause))?;
+        let mut value = parse::health_service(&body).map_err(|cause| self.body_error(cause))?;
+        // Agents before 1.3 apply only the first `tag`: keep only instances carrying all of
+        // them, as Consul compares tags (case-insensitively).
+        value.retain(|e| key.tags.iter().all(|want| e.tags.iter().any(|t| t.eq_ignore_ascii_case(want))));
         Ok(Answer { index, value })
     }
 
-    /// `GET /v1/catalog/services`: only the index is used (the change feed).
+    /// `GET /v1/catalog/services`: service names and their tags (the change feed).
     pub(crate) async fn catalog_services(
         &self,
         scope: &Scope,
         token: Option<&Secret>,
         block: Option<(u64, Duration)>,
-    ) -> Result<u64, QueryError> {
+    ) -> Result<Answer<BTreeMap<String, Vec<String>>>, QueryError> {
         let url = format!("{}/v1/catalog/services", self.base);
+        let (index, body) = self.scoped_get(&url, scope, token, block).await?;
+        let value = parse::catalog_services(&body).map_err(|cause| self.body_error(cause))?;
+        Ok(Answer { index, value })
+    }
+
+    /// `GET /v1/health/state/any`: every check of the scope (the change feed).
+    pub(crate) async fn health_state(
+        &self,
+        scope: &Scope,
+        token: Option<&Secret>,
+        block: Option<(u64, Duration)>,
+    ) -> Result<Answer<Vec<parse::CheckRow>>, QueryError> {
+        let url = format!("{}/v1/health/state/any", self.base);
+        let (index, body) = self.scoped_get(&url, scope, token, block).await?;
+        let value = parse::health_state(&body).map_err(|cause| self.body_error(cause))?;
+        Ok(Answer { index, value })
+    }
+
+    async fn scoped_get(
+        &self,
+        url: &str,
+        scope: &Scope,
+        token: Option<&Secret>,
+        block: Option<(u64, Duration)>,
+    ) -> Result<(u64, bytes::Bytes), QueryError> {
         let mut query = Vec::new();
         scope_params(&mut query, scope.datacenter.as_deref(), scope.namespace.as_deref(), scope.partition.as_deref());
         push_block(&mut query, block);
-        let (index, body) = self.get(&url, &query, token, request_timeout(block)).await?;
-        serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&body)
-            .map_err(|e| self.body_error(format!("malformed /v1/catalog/services body: {e}")))?;
-        Ok(index)
+        self.get(url, &query, token, request_timeout(block)).await
     }
 
     fn body_error(&self, cause: String) -> QueryError {
@@ -199,10 +241,26 @@ impl HttpClient {
             };
             QueryError::Network { address: address.clone(), cause }
         };
-        let resp = req.send().await.map_err(network)?;
+        let mut resp = req.send().await.map_err(network)?;
         let status = resp.status();
+        if status.is_redirection() {
+            return Err(QueryError::Redirect { address: address.clone(), status: status.as_u16() });
+        }
         let headers = resp.headers().clone();
-        let body = resp.bytes().await.map_err(network)?;
+        let too_large = || QueryError::TooLarge { address: address.clone(), limit: self.max_body };
+        // Read at most `max_body` bytes (after decompression, so a small gzip bomb is
+        // caught too) instead of buffering whatever the peer sends.
+        if resp.content_length().is_some_and(|n| n > self.max_body as u64) {
+            return Err(too_large());
+        }
+        let mut body = bytes::BytesMut::new();
+        while let Some(chunk) = resp.chunk().await.map_err(network)? {
+            if body.len() + chunk.len() > self.max_body {
+                return Err(too_large());
+            }
+            body.extend_from_slice(&chunk);
+        }
+        let body = body.freeze();
         if status.is_success() {
             return Ok((index_header(&headers), body));
         }
@@ -228,6 +286,27 @@ pub(crate) struct Scope {
 impl Scope {
     pub(crate) fn of(key: &ConsulKey) -> Self {
         Scope { datacenter: key.datacenter.clone(), namespace: key.namespace.clone(), partition: key.partition.clone() }
+    }
+}
+
+/// Resolves `serverName` to the configured host's addresses at each new connection, and any
+/// other name as usual.
+struct PinnedName {
+    server_name: String,
+    host: String,
+}
+
+impl reqwest::dns::Resolve for PinnedName {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let host = if name.as_str().eq_ignore_ascii_case(&self.server_name) {
+            self.host.clone()
+        } else {
+            name.as_str().to_owned()
+        };
+        Box::pin(async move {
+            let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            Ok(Box::new(addrs.into_iter()) as reqwest::dns::Addrs)
+        })
     }
 }
 
@@ -295,6 +374,8 @@ fn cause_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     #[test]
     fn requests_may_take_their_wait_its_jitter_and_a_margin() {
@@ -319,7 +400,7 @@ mod tests {
                 conns.push(c);
             }
         });
-        let c = HttpClient::new(&format!("http://{addr}"), None, 4).await.unwrap();
+        let c = HttpClient::new(&format!("http://{addr}"), None, 4, 1 << 20).unwrap();
         let started = std::time::Instant::now();
         let err = c
             .get(&format!("http://{addr}/v1/health/service/web"), &[], None, Duration::from_millis(300))
@@ -328,6 +409,86 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
         assert!(err.to_string().contains("no complete answer within 300ms"), "{err}");
         held.abort();
+    }
+
+    /// A one-shot HTTP server answering every connection with `response`; counts connections.
+    async fn canned(response: Vec<u8>) -> (String, Arc<AtomicUsize>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let counted = connections.clone();
+        tokio::spawn(async move {
+            while let Ok((mut c, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                let response = response.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 8192];
+                    let _ = c.read(&mut buf).await;
+                    let _ = c.write_all(&response).await;
+                    let _ = c.shutdown().await;
+                });
+            }
+        });
+        (format!("http://{addr}"), connections)
+    }
+
+    fn key(address: &str, tags: &[&str]) -> ConsulKey {
+        ConsulKey {
+            server: consul_resolver_core::keys::ConsulServer {
+                address: address.into(),
+                token: Some(Secret::new("s3cret")),
+                tls: None,
+            },
+            datacenter: None,
+            namespace: None,
+            partition: None,
+            passing: false,
+            tags: tags.iter().map(|t| t.to_string()).collect(),
+            service: "web".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn redirects_are_not_followed() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let (elsewhere, reached) = canned(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]".to_vec()).await;
+        let redirect = format!(
+            "HTTP/1.1 307 Temporary Redirect\r\nLocation: {elsewhere}/v1/health/service/web\r\nContent-Length: 0\r\n\r\n"
+        );
+        let (consul, _) = canned(redirect.into_bytes()).await;
+        let c = HttpClient::new(&consul, None, 4, 1 << 20).unwrap();
+        let err = c.health(&key(&consul, &[]), None).await.unwrap_err();
+        assert!(matches!(err, QueryError::Redirect { status: 307, .. }), "{err}");
+        assert!(err.to_string().contains("not followed"), "{err}");
+        assert_eq!(reached.load(Ordering::SeqCst), 0, "the token never went to the redirect's target");
+    }
+
+    #[tokio::test]
+    async fn oversized_answers_are_errors() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let body = format!("[{}]", vec!["{}"; 100_000].join(","));
+        // Announced by Content-Length, and streamed without one (read until close).
+        for head in [format!("Content-Length: {}\r\n", body.len()), "Connection: close\r\n".to_owned()] {
+            let (consul, _) = canned(format!("HTTP/1.1 200 OK\r\n{head}\r\n{body}").into_bytes()).await;
+            let c = HttpClient::new(&consul, None, 4, 64 * 1024).unwrap();
+            let err = c.health(&key(&consul, &[]), None).await.unwrap_err();
+            assert!(matches!(err, QueryError::TooLarge { limit: 65536, .. }), "{head}: {err}");
+        }
+    }
+
+    /// Agents before 1.3 apply only the first `tag`: the client keeps only instances with all.
+    #[tokio::test]
+    async fn tags_are_filtered_client_side() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let body = r#"[{"Node":{"Node":"n","Address":"10.0.0.1"},"Service":{"ID":"a","Port":1,"Tags":["a"]},"Checks":[]},
+                       {"Node":{"Node":"n","Address":"10.0.0.1"},"Service":{"ID":"ab","Port":2,"Tags":["B","a"]},"Checks":[]}]"#;
+        let response = format!("HTTP/1.1 200 OK\r\nX-Consul-Index: 5\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+        let (consul, _) = canned(response.into_bytes()).await;
+        let c = HttpClient::new(&consul, None, 4, 1 << 20).unwrap();
+        let answer = c.health(&key(&consul, &["a", "b"]), None).await.unwrap();
+        assert_eq!(answer.value.iter().map(|e| e.service_id.as_str()).collect::<Vec<_>>(), ["ab"]);
+        assert_eq!(answer.index, 5);
     }
 
     #[test]
@@ -357,11 +518,11 @@ mod tests {
     async fn builds_tls_clients_and_rejects_bad_settings() {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let tls = TlsSettings { ca_pem: None, server_name: Some("consul.internal".into()), insecure_skip_verify: true };
-        let c = HttpClient::new("https://127.0.0.1:8501", Some(&tls), 4).await.unwrap();
+        let c = HttpClient::new("https://127.0.0.1:8501", Some(&tls), 4, 1 << 20).unwrap();
         assert_eq!(c.base, "https://consul.internal:8501");
         let bad = TlsSettings { ca_pem: Some("not a pem".into()), ..Default::default() };
-        assert!(HttpClient::new("https://127.0.0.1:8501", Some(&bad), 4).await.is_err());
-        assert!(HttpClient::new("not a url", None, 4).await.is_err());
+        assert!(HttpClient::new("https://127.0.0.1:8501", Some(&bad), 4, 1 << 20).is_err());
+        assert!(HttpClient::new("not a url", None, 4, 1 << 20).is_err());
     }
 
     #[test]

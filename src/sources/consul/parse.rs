@@ -1,4 +1,5 @@
-//! Parsing `/v1/health/service/<name>` bodies into endpoints.
+//! Parsing Consul's answers: `/v1/health/service/<name>` into endpoints, and the change
+//! feed's `/v1/catalog/services` and `/v1/health/state/any` into what it diffs.
 //!
 //! Consul's response shape varies by version (see docs/consul-protocol.md): `Meta`, `Tags` and
 //! `TaggedAddresses` may be `null` or objects, newer agents add fields. Every field we do
@@ -69,6 +70,58 @@ pub(crate) fn health_service(body: &[u8]) -> Result<Vec<Endpoint>, String> {
     let mut out: Vec<Endpoint> = entries.into_iter().map(endpoint).collect();
     out.sort();
     Ok(out)
+}
+
+/// `/v1/catalog/services`: service name to its tags (`null` tags on old agents are none).
+pub(crate) fn catalog_services(body: &[u8]) -> Result<BTreeMap<String, Vec<String>>, String> {
+    let raw: BTreeMap<String, Option<Vec<String>>> =
+        serde_json::from_slice(body).map_err(|e| format!("malformed /v1/catalog/services body: {e}"))?;
+    Ok(raw
+        .into_iter()
+        .map(|(name, tags)| {
+            let mut tags = tags.unwrap_or_default();
+            tags.sort();
+            (name, tags)
+        })
+        .collect())
+}
+
+/// One check of `/v1/health/state/any`, reduced to what the change feed uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CheckRow {
+    pub node: String,
+    pub check_id: String,
+    /// Empty for a node check (which counts against every instance on its node).
+    pub service: String,
+    pub modify_index: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct StateCheck {
+    #[serde(default)]
+    node: Option<String>,
+    #[serde(rename = "CheckID", default)]
+    check_id: Option<String>,
+    #[serde(default)]
+    service_name: Option<String>,
+    #[serde(default)]
+    modify_index: Option<u64>,
+}
+
+/// `/v1/health/state/any`: every check of the scope.
+pub(crate) fn health_state(body: &[u8]) -> Result<Vec<CheckRow>, String> {
+    let raw: Vec<StateCheck> =
+        serde_json::from_slice(body).map_err(|e| format!("malformed /v1/health/state body: {e}"))?;
+    Ok(raw
+        .into_iter()
+        .map(|c| CheckRow {
+            node: c.node.unwrap_or_default(),
+            check_id: c.check_id.unwrap_or_default(),
+            service: c.service_name.unwrap_or_default(),
+            modify_index: c.modify_index.unwrap_or(0),
+        })
+        .collect())
 }
 
 fn endpoint(e: Entry) -> Endpoint {
@@ -195,6 +248,30 @@ mod tests {
             b"<html>",
         ] {
             assert!(health_service(body).is_err(), "{:?}", String::from_utf8_lossy(body));
+        }
+    }
+
+    #[test]
+    fn catalog_services_and_health_state() {
+        let services = catalog_services(br#"{"consul":[],"web":["v2","a"],"old":null}"#).unwrap();
+        assert_eq!(services["web"], ["a", "v2"]);
+        assert!(services["old"].is_empty() && services["consul"].is_empty());
+        assert!(catalog_services(b"[]").is_err());
+
+        let rows = health_state(
+            br#"[{"Node":"n1","CheckID":"serfHealth","Name":"Serf","Status":"passing","ServiceID":"","ServiceName":"",
+                   "ServiceTags":[],"Type":"","CreateIndex":5,"ModifyIndex":5},
+                  {"Node":"n1","CheckID":"service:web-1","Status":"critical","ServiceID":"web-1","ServiceName":"web",
+                   "ServiceTags":null,"CreateIndex":7,"ModifyIndex":9,"Namespace":"default"}]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            rows[1],
+            CheckRow { node: "n1".into(), check_id: "service:web-1".into(), service: "web".into(), modify_index: 9 }
+        );
+        assert_eq!(rows[0].service, "", "a node check names no service");
+        for bad in [&b"{}"[..], b"null", b"[{\"ModifyIndex\":-1}]", b"<html>"] {
+            assert!(health_state(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
         }
     }
 

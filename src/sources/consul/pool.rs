@@ -1,25 +1,27 @@
-//! The connection budget of one Consul address, and the change feeds used when the watched
-//! services outnumber it (see docs/consul.md).
+//! The connection budget of one Consul server (its resolved socket addresses, however the
+//! resolvers spell them), the clients that talk to it, and the change feeds of the watches
+//! the budget cannot give a blocking query of their own (see docs/consul.md).
 //!
-//! Every request holds a permit for its whole life, and the permits of one address add up
-//! to `--consul-max-connections`, so no more requests are in flight than the budget allows
+//! Every request holds a permit for its whole life, and the permits of one server add up to
+//! `--consul-max-connections`, so no more requests are in flight than the budget allows
 //! (open connections follow: reqwest reuses an idle connection before opening one). The
 //! permits are split three ways:
 //! - `slots`: dedicated blocking queries, one per watch while they last;
-//! - `feeds`: blocking queries on `/v1/catalog/services`, one per scope that has watches
-//!   without a slot ("fed" watches);
+//! - `feeds`: the change feeds' blocking queries (two per feed; a feed takes a free slot
+//!   when these are used up);
 //! - `reads`: short non-blocking reads (first answers, and re-reads of fed watches).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tokio::sync::{Semaphore, watch};
-use tokio_util::task::AbortOnDropHandle;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::time::Instant;
 
 use super::client::{HttpClient, Scope};
-use super::timing::{Backoff, IndexState};
-use consul_resolver_core::keys::{ConsulKey, ConsulServer, TlsSettings};
+use super::feed::{Feed, FeedKey};
+use consul_resolver_core::keys::{ConsulKey, TlsSettings};
+use consul_resolver_core::model::Endpoint;
 
 /// How the budget is split.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,8 +32,8 @@ pub(crate) struct Split {
 }
 
 impl Split {
-    /// A tenth (at least one) for reads, up to two for feeds when there is room, the rest
-    /// for dedicated blocking queries.
+    /// A tenth (at least one) for reads, up to two for feeds (one feed's two queries) when
+    /// there is room, the rest for dedicated blocking queries.
     pub(crate) fn of(budget: usize) -> Split {
         let budget = budget.max(1);
         let reads = (budget / 10).max(1);
@@ -41,76 +43,89 @@ impl Split {
     }
 }
 
-/// What identifies one change feed: the scope it covers, and the server (token, TLS) it
-/// reads with, so ACL filtering is that of the watches it serves.
-type FeedKey = (Scope, ConsulServer);
-
-struct Feed {
-    changes: watch::Receiver<u64>,
-    members: usize,
-    _task: AbortOnDropHandle<()>,
-}
+/// Clients are shared by the watches with one address spelling and TLS settings, and
+/// dropped (closing their connections) when the last of them ends.
+type ClientKey = (String, Option<TlsSettings>);
 
 pub(crate) struct Pool {
-    address: String,
+    pub wait: Duration,
     max_connections: usize,
-    wait: Duration,
+    max_body: usize,
     pub slots: Arc<Semaphore>,
     pub reads: Arc<Semaphore>,
     feed_permits: Arc<Semaphore>,
-    clients: tokio::sync::Mutex<HashMap<Option<TlsSettings>, HttpClient>>,
-    feeds: Mutex<HashMap<FeedKey, Feed>>,
+    clients: Mutex<HashMap<ClientKey, Weak<HttpClient>>>,
+    feeds: Mutex<HashMap<FeedKey, Arc<Feed>>>,
 }
 
 impl Pool {
-    pub(crate) fn new(address: &str, max_connections: usize, wait: Duration) -> Arc<Pool> {
+    pub(crate) fn new(max_connections: usize, wait: Duration, max_body: usize) -> Arc<Pool> {
         let split = Split::of(max_connections);
         Arc::new(Pool {
-            address: address.to_owned(),
-            max_connections,
             wait,
+            max_connections,
+            max_body,
             slots: Arc::new(Semaphore::new(split.slots)),
             reads: Arc::new(Semaphore::new(split.reads)),
             feed_permits: Arc::new(Semaphore::new(split.feeds)),
-            clients: tokio::sync::Mutex::new(HashMap::new()),
+            clients: Mutex::new(HashMap::new()),
             feeds: Mutex::new(HashMap::new()),
         })
     }
 
-    /// The client for these TLS settings, built once.
-    pub(crate) async fn client(&self, tls: Option<&TlsSettings>) -> Result<HttpClient, String> {
-        let mut clients = self.clients.lock().await;
-        if let Some(c) = clients.get(&tls.cloned()) {
-            return Ok(c.clone());
+    /// The client for this address spelling and TLS settings, shared while anyone holds it.
+    pub(crate) fn client(&self, address: &str, tls: Option<&TlsSettings>) -> Result<Arc<HttpClient>, String> {
+        let mut clients = self.clients.lock().expect("client map poisoned");
+        let key = (address.to_owned(), tls.cloned());
+        if let Some(c) = clients.get(&key).and_then(Weak::upgrade) {
+            return Ok(c);
         }
-        let c = HttpClient::new(&self.address, tls, self.max_connections).await?;
-        clients.insert(tls.cloned(), c.clone());
+        clients.retain(|_, c| c.strong_count() > 0);
+        let c = Arc::new(HttpClient::new(address, tls, self.max_connections, self.max_body)?);
+        clients.insert(key, Arc::downgrade(&c));
         Ok(c)
     }
 
-    /// Joins (starting if needed) the change feed of `key`'s scope. The receiver's value
-    /// changes whenever the feed sees the catalog change, and once after the feed's own
-    /// first read (so nothing between a member's last read and the feed's start is lost).
-    pub(crate) fn join_feed(self: &Arc<Self>, key: &ConsulKey, client: HttpClient) -> FeedMembership {
-        let fk: FeedKey = (Scope::of(key), key.server.clone());
-        let mut feeds = self.feeds.lock().expect("feed map poisoned");
-        let feed = feeds.entry(fk.clone()).or_insert_with(|| {
-            let (tx, rx) = watch::channel(0);
-            let task = tokio::spawn(run_feed(self.clone(), fk.clone(), client, tx));
-            Feed { changes: rx, members: 0, _task: AbortOnDropHandle::new(task) }
-        });
-        feed.members += 1;
-        let mut changes = feed.changes.clone();
-        changes.mark_unchanged();
-        FeedMembership { pool: self.clone(), key: fk, changes }
+    /// Clients alive (for tests of eviction).
+    #[cfg(test)]
+    pub(crate) fn live_clients(&self) -> usize {
+        self.clients.lock().expect("client map poisoned").values().filter(|c| c.strong_count() > 0).count()
     }
 
-    fn leave_feed(&self, key: &FeedKey) {
+    /// A permit for one feed query for the feed's life: one of the feeds' own, or else the
+    /// first slot to come free.
+    pub(crate) async fn feed_permit(&self) -> Option<OwnedSemaphorePermit> {
+        if let Ok(p) = self.feed_permits.clone().try_acquire_owned() {
+            return Some(p);
+        }
+        tokio::select! {
+            p = self.feed_permits.clone().acquire_owned() => p.ok(),
+            p = self.slots.clone().acquire_owned() => p.ok(),
+        }
+    }
+
+    /// Joins (starting if needed) the change feed of `key`'s scope; `first_read` is when the
+    /// watch's first read was sent.
+    pub(crate) fn join_feed(
+        self: &Arc<Self>,
+        key: &ConsulKey,
+        client: &Arc<HttpClient>,
+        first_read: Instant,
+    ) -> FeedMembership {
+        let fk: FeedKey = (Scope::of(key), key.server.clone());
         let mut feeds = self.feeds.lock().expect("feed map poisoned");
-        if let Some(f) = feeds.get_mut(key) {
-            f.members -= 1;
-            if f.members == 0 {
-                // Dropping the feed aborts its task and the blocking query in flight.
+        let feed =
+            feeds.entry(fk.clone()).or_insert_with(|| Arc::new(Feed::start(self.clone(), fk.clone(), client.clone())));
+        let (id, changes) = feed.join(&key.service, first_read);
+        FeedMembership { pool: self.clone(), key: fk, feed: feed.clone(), id, changes }
+    }
+
+    fn leave_feed(&self, key: &FeedKey, id: u64) {
+        let mut feeds = self.feeds.lock().expect("feed map poisoned");
+        if let Some(f) = feeds.get(key) {
+            f.leave(id);
+            if f.is_empty() {
+                // The last member's handle drops the feed, aborting its queries.
                 feeds.remove(key);
             }
         }
@@ -121,45 +136,22 @@ impl Pool {
 pub(crate) struct FeedMembership {
     pool: Arc<Pool>,
     key: FeedKey,
-    pub changes: watch::Receiver<u64>,
+    feed: Arc<Feed>,
+    id: u64,
+    /// Changed when the feed says this watch's service may have changed.
+    pub changes: watch::Receiver<()>,
+}
+
+impl FeedMembership {
+    /// Records the member's latest endpoints (their nodes' checks concern it).
+    pub(crate) fn saw(&self, endpoints: &[Endpoint]) {
+        self.feed.saw(self.id, endpoints);
+    }
 }
 
 impl Drop for FeedMembership {
     fn drop(&mut self) {
-        self.pool.leave_feed(&self.key);
-    }
-}
-
-/// The feed loop: a blocking query on `/v1/catalog/services` following the same index rules
-/// as a watch, bumping the generation whenever the index moves.
-async fn run_feed(pool: Arc<Pool>, (scope, server): FeedKey, client: HttpClient, changes: watch::Sender<u64>) {
-    let mut state = IndexState::default();
-    let mut backoff = Backoff::default();
-    let mut first = true;
-    loop {
-        if !first {
-            let delay = super::timing::pace(Duration::from_millis(100), &mut rand::rng());
-            tokio::time::sleep(delay).await;
-        }
-        first = false;
-        let Ok(_permit) = pool.feed_permits.clone().acquire_owned().await else { return };
-        let block = state.block(pool.wait);
-        match client.catalog_services(&scope, server.token.as_ref(), block).await {
-            Ok(index) => {
-                backoff.reset();
-                let before = state.index();
-                state.observe(block.map(|b| b.0), index);
-                if before != Some(index) {
-                    changes.send_modify(|g| *g += 1);
-                }
-            }
-            Err(e) => {
-                tracing::warn!(consul = %pool.address, error = %e, "change feed failed; fed services fall back to periodic re-reads");
-                drop(_permit);
-                let delay = backoff.failure(&mut rand::rng()).max(e.retry_after().unwrap_or_default());
-                tokio::time::sleep(delay).await;
-            }
-        }
+        self.pool.leave_feed(&self.key, self.id);
     }
 }
 
@@ -176,5 +168,21 @@ mod tests {
         }
         assert_eq!(Split::of(100), Split { slots: 88, feeds: 2, reads: 10 });
         assert_eq!(Split::of(1), Split { slots: 0, feeds: 0, reads: 1 });
+    }
+
+    #[tokio::test]
+    async fn clients_are_shared_and_dropped_with_their_last_user() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let pool = Pool::new(10, Duration::from_secs(1), 1 << 20);
+        let a = pool.client("http://127.0.0.1:8500", None).unwrap();
+        let b = pool.client("http://127.0.0.1:8500", None).unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        let c = pool.client("http://localhost:8500", None).unwrap();
+        assert!(!Arc::ptr_eq(&a, &c), "one client per spelling (the Host header and TLS name differ)");
+        assert_eq!(pool.live_clients(), 2);
+        drop((a, b));
+        assert_eq!(pool.live_clients(), 1);
+        drop(c);
+        assert_eq!(pool.live_clients(), 0);
     }
 }

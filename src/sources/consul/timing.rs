@@ -19,8 +19,15 @@ impl IndexState {
         self.index.map(|i| (i.max(1), wait))
     }
 
+    #[cfg(test)]
     pub(crate) fn index(&self) -> Option<u64> {
         self.index
+    }
+
+    /// Forgets the index after a failed request: the server may have been replaced by one
+    /// with a lower index, on which a blocking query would wait the full `wait`.
+    pub(crate) fn reset(&mut self) {
+        self.index = None;
     }
 
     /// Records an answer to a query that sent `sent` (`None`: non-blocking). An index lower
@@ -107,6 +114,14 @@ mod tests {
         // A non-blocking read reporting a lower index is simply the current one.
         s.observe(None, 3);
         assert_eq!(s.index(), Some(3));
+    }
+
+    #[test]
+    fn a_failure_forgets_the_index() {
+        let mut s = IndexState::default();
+        s.observe(None, 100);
+        s.reset();
+        assert_eq!(s.block(Duration::from_secs(1)), None, "the next query does not block");
     }
 
     #[test]

@@ -1,14 +1,14 @@
 //! The watch of one Consul key.
 //!
-//! While the address's budget has a free slot the watch holds it and runs a plain blocking
-//! query loop. Otherwise it is "fed": it joins the change feed of its scope and re-reads
-//! (without blocking, through the small read pool) when the feed reports a catalog change,
-//! or every `sweep` at the latest, which is what catches check-only changes the feed cannot
-//! see. A fed watch takes a slot as soon as one frees up.
+//! While the server's budget has a free slot the watch holds it and runs a plain blocking
+//! query loop. Otherwise it is "fed": it joins the change feed of its scope (see
+//! [`super::feed`]) and re-reads (without blocking, through the small read pool) when the
+//! feed says its service may have changed, or every `sweep` at the latest, a safety net for
+//! the few changes neither feed query shows. A fed watch takes a slot as soon as one frees up.
 //!
-//! Either way the protocol rules of docs/consul-protocol.md hold: first query without index, index
-//! reset when it goes backwards and never below 1, a paced loop, backoff with jitter on
-//! errors, and content comparison before anything is called a change.
+//! Either way the protocol rules of docs/consul-protocol.md hold: first query without index,
+//! index reset when it goes backwards or a request fails, never below 1, a paced loop,
+//! backoff with jitter on errors, and content comparison before anything is called a change.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,8 +33,11 @@ pub struct Settings {
     pub max_connections: usize,
     /// Least time between two queries of one watch (plus up to half of it at random).
     pub min_interval: Duration,
-    /// Longest time a fed watch goes without re-reading.
+    /// Longest time a fed watch goes without re-reading (a safety net: the change feed
+    /// wakes it when its service changes; see docs/consul.md for what only this catches).
     pub sweep: Duration,
+    /// Largest answer body accepted from Consul, after decompression.
+    pub max_response_bytes: usize,
 }
 
 impl Default for Settings {
@@ -43,7 +46,8 @@ impl Default for Settings {
             wait: Duration::from_secs(300),
             max_connections: 100,
             min_interval: Duration::from_millis(100),
-            sweep: Duration::from_secs(30),
+            sweep: Duration::from_secs(300),
+            max_response_bytes: 64 << 20,
         }
     }
 }
@@ -97,7 +101,7 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
     let mut backoff = Backoff::default();
 
     let client = loop {
-        match pool.client(key.server.tls.as_ref()).await {
+        match pool.client(&key.server.address, key.server.tls.as_ref()) {
             Ok(c) => break c,
             Err(e) => {
                 if let Some(ev) = reported.failure(e)
@@ -142,9 +146,9 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
                 (None, read(&pool, &client, &key).await)
             }
             Mode::Fed(member) => {
-                // Wait for a catalog change or the sweep, whichever comes first. A closed
-                // feed (cannot happen while we are a member) degrades to sweeping.
-                let sweep = tokio::time::sleep(settings.sweep);
+                // Wait for the feed to name our service, or the sweep (spread by up to a
+                // tenth, so fed watches do not sweep in step), whichever comes first.
+                let sweep = tokio::time::sleep(settings.sweep.mul_f64(rand::random_range(0.9..1.0)));
                 tokio::select! {
                     _ = member.changes.changed() => {}
                     () = sweep => {}
@@ -157,21 +161,28 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
             Ok(Answer { index, value }) => {
                 backoff.reset();
                 state.observe(sent, index);
+                match &mode {
+                    Mode::Fed(m) => m.saw(&value),
+                    Mode::Starting => {
+                        // No slot was free: join the feed. It marks us for an immediate
+                        // re-read unless its view predates our first read.
+                        let first_read = last_query.unwrap_or_else(Instant::now);
+                        let m = pool.join_feed(&key, &client, first_read);
+                        m.saw(&value);
+                        mode = Mode::Fed(m);
+                    }
+                    Mode::Dedicated(_) => {}
+                }
                 if let Some(ev) = reported.answer(index, value)
                     && !send(ev).await
                 {
                     return;
                 }
-                if matches!(mode, Mode::Starting) {
-                    // No slot was free: join the feed, then re-read at once, so a change
-                    // between the first read and joining is not lost.
-                    mode = Mode::Fed(pool.join_feed(&key, client.clone()));
-                    if let Mode::Fed(m) = &mut mode {
-                        m.changes.mark_changed();
-                    }
-                }
             }
             Err(e) => {
+                // The server may come back as another cluster with a lower index: the next
+                // query must not block on ours (docs/consul-protocol.md).
+                state.reset();
                 let delay = backoff.failure(&mut rand::rng()).max(e.retry_after().unwrap_or_default());
                 log_failure(&key, &e, delay);
                 not_before = Some(Instant::now() + delay);
