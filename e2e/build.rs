@@ -8,9 +8,14 @@ fn main() {
     println!("cargo::rerun-if-env-changed=E2E_KUBECONFIG");
     println!("cargo::rustc-check-cfg=cfg(e2e_consul_without_acls)");
     println!("cargo::rustc-check-cfg=cfg(e2e_external_cluster)");
+    println!("cargo::rustc-check-cfg=cfg(e2e_real_consul)");
     // Someone else's cluster: its API server is not ours to freeze or read the audit log of.
     if std::env::var_os("E2E_KUBECONFIG").is_some() {
         println!("cargo::rustc-cfg=e2e_external_cluster");
+    }
+    // A real agent: the simulator's fault injection and request log are not there.
+    if std::env::var_os("E2E_CONSUL_ADDR").is_some() {
+        println!("cargo::rustc-cfg=e2e_real_consul");
     }
     // A real agent without a token given: ACLs cannot be exercised.
     if std::env::var_os("E2E_CONSUL_ADDR").is_some() && std::env::var_os("E2E_CONSUL_TOKEN").is_none() {
