@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use consul_resolver_core::keys::{ConsulKey, ConsulServer, Secret};
+use consul_resolver_core::keys::{ConsulKey, ConsulServer, HealthStatuses, QueryOptions, Secret};
 use consul_resolver_core::model::{ConsulEvent, Event};
 use consul_resolver_core::model::{Endpoint, Health};
 use consul_resolver_operator::consul::{ConsulSource, Settings};
@@ -62,8 +62,7 @@ impl Env {
             datacenter: None,
             namespace: None,
             partition: None,
-            passing: false,
-            tags: BTreeSet::new(),
+            query: QueryOptions { statuses: HealthStatuses::ANY, ..QueryOptions::default() },
             service: service.to_owned(),
         }
     }
@@ -194,7 +193,7 @@ async fn check_going_critical_and_back() {
     let mut w = Watches::new(settings(10));
     let mut wp = Watches::new(settings(10));
     let all = env.key(&svc);
-    let passing = ConsulKey { passing: true, ..env.key(&svc) };
+    let passing = ConsulKey { query: QueryOptions::default(), ..env.key(&svc) };
     env.register("n1", &id, &svc, 9000, "passing", &[]).await;
     w.start(&all);
     wp.start(&passing);
@@ -216,7 +215,11 @@ async fn tags_filter_instances() {
     env.register("n1", &format!("{svc}-1"), &svc, 1, "passing", &["blue", "v1"]).await;
     env.register("n2", &format!("{svc}-2"), &svc, 2, "passing", &["green", "v1"]).await;
     let mut w = Watches::new(settings(10));
-    let key = ConsulKey { tags: ["blue".to_owned(), "v1".to_owned()].into(), ..env.key(&svc) };
+    let base = env.key(&svc);
+    let key = ConsulKey {
+        query: QueryOptions { tags: ["blue".to_owned(), "v1".to_owned()].into(), ..base.query.clone() },
+        ..base
+    };
     w.start(&key);
     let eps = w.answer(&key, "the blue instance", |e| !e.is_empty()).await;
     assert_eq!(ports(&eps), [1]);
@@ -234,8 +237,7 @@ async fn dc_ns_partition_and_tags_are_sent() {
         datacenter: Some("dc1".into()),
         namespace: Some("team-a".into()),
         partition: Some("part-1".into()),
-        passing: true,
-        tags: ["x".to_owned(), "y".to_owned()].into(),
+        query: QueryOptions { tags: ["x".to_owned(), "y".to_owned()].into(), ..QueryOptions::default() },
         ..env.key("billing")
     };
     w.start(&key);

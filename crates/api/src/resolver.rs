@@ -75,13 +75,46 @@ pub struct ConsulResolverSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<ConsulTls>,
 
-    /// Only instances whose every check is passing (Consul's `?passing`). Default `true`.
+    /// The aggregate check statuses an instance may have to be published (its worst
+    /// check, node checks included; maintenance counts as critical), e.g.
+    /// `[passing, warning]`. Default `[passing]`. Replaces `onlyPassing`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 3), extend("x-kubernetes-list-type" = "set")))]
+    pub health_statuses: Option<Vec<HealthStatus>>,
+
+    /// Deprecated alias: `true` is `healthStatuses: [passing]`, `false` admits every status
+    /// (critical included). Set one of the two, not both.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub only_passing: Option<bool>,
 
-    /// Only instances carrying all of these tags.
+    /// Only instances carrying all of these tags; `!tag` instead drops the instances that
+    /// carry `tag`. Compared case-insensitively, as Consul does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(max = 64)))]
     pub tags: Option<Vec<NonEmpty>>,
+
+    /// Read consistency: `default` (the leader answers), `stale` (any server, possibly
+    /// behind; spreads the load) or `consistent` (the leader confirms it still leads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consistency: Option<ConsistencyMode>,
+
+    /// Answer from the agent's cache (`?cached`), refreshed in the background by the agent.
+    /// Not with `consistency: consistent`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached: Option<bool>,
+
+    /// Publish the services' Connect sidecar proxies (`/v1/health/connect/<service>`)
+    /// instead of the services' own instances.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connect: Option<bool>,
+
+    /// Which address of an instance to publish: `service` (its own address, or its node's
+    /// when empty: the default), `node` (the node's), or the name of a tagged address such
+    /// as `lan_ipv4`, `wan` or `wan_ipv6` (the service's, with its port, else the node's,
+    /// else the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z][a-z0-9_]*$")))]
+    pub address_type: Option<String>,
 
     /// Consul services to always watch through this resolver, even when no Mapping
     /// references them.
@@ -118,6 +151,27 @@ impl std::ops::Deref for NonEmpty {
     fn deref(&self) -> &str {
         &self.0
     }
+}
+
+/// A Consul check status.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(feature = "crd", derive(JsonSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum HealthStatus {
+    Passing,
+    Warning,
+    Critical,
+}
+
+/// Consul's read consistency modes.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "crd", derive(JsonSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum ConsistencyMode {
+    #[default]
+    Default,
+    Stale,
+    Consistent,
 }
 
 /// A key of a Secret in the resolver's own namespace.
@@ -159,10 +213,6 @@ impl ConsulResolverSpec {
             None | Some([]) => id == crate::DEFAULT_AMBASSADOR_ID,
             Some(ids) => ids.iter().any(|i| i.0 == id),
         }
-    }
-
-    pub fn only_passing(&self) -> bool {
-        self.only_passing.unwrap_or(true)
     }
 }
 

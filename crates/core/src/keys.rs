@@ -143,11 +143,94 @@ pub struct ConsulKey {
     pub datacenter: Option<String>,
     pub namespace: Option<String>,
     pub partition: Option<String>,
-    /// `?passing`: only instances whose every check passes.
-    pub passing: bool,
-    /// `?tag=` for each; instances must carry all of them.
-    pub tags: BTreeSet<String>,
+    /// Which instances are kept, and how they are read.
+    pub query: QueryOptions,
     pub service: String,
+}
+
+/// The parts of a resolver's spec that shape each of its queries besides the server and
+/// the scope (docs/consul.md, "Resolver options").
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct QueryOptions {
+    pub statuses: HealthStatuses,
+    /// Instances must carry all of these (sent as `?tag=`, and checked again here: agents
+    /// before 1.3 apply only the first).
+    pub tags: BTreeSet<String>,
+    /// Instances carrying any of these are dropped (`!tag` in the spec; filtered here).
+    pub excluded_tags: BTreeSet<String>,
+    pub consistency: Consistency,
+    /// `?cached`: answered from the agent's cache.
+    pub cached: bool,
+    /// `/v1/health/connect/<service>`: the service's Connect sidecar proxies instead.
+    pub connect: bool,
+    pub address: AddressType,
+}
+
+/// The aggregate check statuses an instance may have to be published. Default: passing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct HealthStatuses {
+    pub passing: bool,
+    pub warning: bool,
+    pub critical: bool,
+}
+
+impl Default for HealthStatuses {
+    fn default() -> Self {
+        HealthStatuses::PASSING
+    }
+}
+
+impl HealthStatuses {
+    pub const PASSING: HealthStatuses = HealthStatuses { passing: true, warning: false, critical: false };
+    pub const ANY: HealthStatuses = HealthStatuses { passing: true, warning: true, critical: true };
+
+    /// Only passing: Consul's `?passing` filters on the server.
+    pub fn only_passing(&self) -> bool {
+        *self == HealthStatuses::PASSING
+    }
+
+    pub fn admits(&self, health: crate::model::Health) -> bool {
+        use crate::model::Health;
+        match health {
+            Health::Passing => self.passing,
+            Health::Warning => self.warning,
+            Health::Critical => self.critical,
+        }
+    }
+}
+
+impl fmt::Display for HealthStatuses {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = [(self.passing, "passing"), (self.warning, "warning"), (self.critical, "critical")]
+            .into_iter()
+            .filter_map(|(on, name)| on.then_some(name))
+            .collect();
+        f.write_str(&names.join(","))
+    }
+}
+
+/// Consul's read consistency modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum Consistency {
+    #[default]
+    Default,
+    /// `?stale`: any server answers, possibly behind the leader.
+    Stale,
+    /// `?consistent`: the leader confirms its leadership first.
+    Consistent,
+}
+
+/// Which address of an instance is published.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum AddressType {
+    /// `Service.Address`, or the node's when empty (what Consul itself resolves).
+    #[default]
+    Service,
+    /// `Node.Address`.
+    Node,
+    /// A tagged address (`lan_ipv4`, `wan`, ...): the service's (with its port), else the
+    /// node's, else the default above.
+    Tagged(String),
 }
 
 impl fmt::Display for ConsulKey {
@@ -158,11 +241,33 @@ impl fmt::Display for ConsulKey {
                 write!(f, " {name}={v}")?;
             }
         }
-        if self.passing {
-            f.write_str(" passing")?;
+        let q = &self.query;
+        if q.connect {
+            f.write_str(" connect")?;
         }
-        for t in &self.tags {
+        if q.statuses.only_passing() {
+            f.write_str(" passing")?;
+        } else {
+            write!(f, " statuses={}", q.statuses)?;
+        }
+        for t in &q.tags {
             write!(f, " tag={t}")?;
+        }
+        for t in &q.excluded_tags {
+            write!(f, " tag=!{t}")?;
+        }
+        match q.consistency {
+            Consistency::Default => {}
+            Consistency::Stale => f.write_str(" stale")?,
+            Consistency::Consistent => f.write_str(" consistent")?,
+        }
+        if q.cached {
+            f.write_str(" cached")?;
+        }
+        match &q.address {
+            AddressType::Service => {}
+            AddressType::Node => f.write_str(" address=node")?,
+            AddressType::Tagged(t) => write!(f, " address={t}")?,
         }
         if let Some(t) = &self.server.token {
             write!(f, " token={t}")?;
@@ -217,8 +322,7 @@ mod tests {
             datacenter: Some("dc1".into()),
             namespace: None,
             partition: None,
-            passing: true,
-            tags: BTreeSet::new(),
+            query: QueryOptions::default(),
             service: service.into(),
         }
     }

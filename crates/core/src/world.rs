@@ -430,8 +430,7 @@ mod tests {
             datacenter: None,
             namespace: None,
             partition: None,
-            passing: true,
-            tags: BTreeSet::new(),
+            query: Default::default(),
             service: service.into(),
         }
     }

@@ -10,7 +10,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use consul_resolver_core::keys::{ConsulKey, ConsulServer};
+use consul_resolver_core::keys::{ConsulKey, ConsulServer, HealthStatuses, QueryOptions};
 use consul_resolver_core::model::{ConsulEvent, Event};
 use consul_resolver_operator::consul::{ConsulSource, Settings};
 use consul_sim::{Config, Simulator};
@@ -63,8 +63,7 @@ async fn main() -> anyhow::Result<()> {
             datacenter: None,
             namespace: None,
             partition: None,
-            passing: false,
-            tags: Default::default(),
+            query: QueryOptions { statuses: HealthStatuses::ANY, ..QueryOptions::default() },
             service: n.clone(),
         })
         .collect();

@@ -12,7 +12,7 @@ use reqwest::StatusCode;
 use reqwest::header::HeaderMap;
 
 use super::parse;
-use consul_resolver_core::keys::{ConsulKey, Secret, TlsSettings};
+use consul_resolver_core::keys::{Consistency, ConsulKey, Secret, TlsSettings};
 use consul_resolver_core::model::Endpoint;
 
 /// Why a query failed; the text is what the operator reports.
@@ -147,27 +147,42 @@ impl HttpClient {
         &self.address
     }
 
-    /// `GET /v1/health/service/<name>` for `key`; blocking when `block` is `Some((index, wait))`.
+    /// `GET /v1/health/service/<name>` (or `/v1/health/connect/<name>`) for `key`; blocking
+    /// when `block` is `Some((index, wait))`. What the server cannot filter (every tag on
+    /// old agents, excluded tags, statuses other than passing-only) is filtered here.
     pub(crate) async fn health(
         &self,
         key: &ConsulKey,
         block: Option<(u64, Duration)>,
     ) -> Result<Answer<Vec<Endpoint>>, QueryError> {
-        let url = format!("{}/v1/health/service/{}", self.base, encode_segment(&key.service));
+        let q = &key.query;
+        let endpoint = if q.connect { "connect" } else { "service" };
+        let url = format!("{}/v1/health/{endpoint}/{}", self.base, encode_segment(&key.service));
         let mut query: Vec<(&str, String)> = Vec::new();
         scope_params(&mut query, key.datacenter.as_deref(), key.namespace.as_deref(), key.partition.as_deref());
-        if key.passing {
+        if q.statuses.only_passing() {
             query.push(("passing", "1".into()));
         }
-        for t in &key.tags {
+        for t in &q.tags {
             query.push(("tag", t.clone()));
+        }
+        match q.consistency {
+            Consistency::Default => {}
+            Consistency::Stale => query.push(("stale", String::new())),
+            Consistency::Consistent => query.push(("consistent", String::new())),
+        }
+        if q.cached {
+            query.push(("cached", String::new()));
         }
         push_block(&mut query, block);
         let (index, body) = self.get(&url, &query, key.server.token.as_ref(), request_timeout(block)).await?;
-        let mut value = parse::health_service(&body).map_err(|cause| self.body_error(cause))?;
-        // Agents before 1.3 apply only the first `tag`: keep only instances carrying all of
-        // them, as Consul compares tags (case-insensitively).
-        value.retain(|e| key.tags.iter().all(|want| e.tags.iter().any(|t| t.eq_ignore_ascii_case(want))));
+        let mut value = parse::health_service(&body, &q.address).map_err(|cause| self.body_error(cause))?;
+        let carries = |e: &Endpoint, want: &String| e.tags.iter().any(|t| t.eq_ignore_ascii_case(want));
+        value.retain(|e| {
+            q.statuses.admits(e.health)
+                && q.tags.iter().all(|want| carries(e, want))
+                && !q.excluded_tags.iter().any(|no| carries(e, no))
+        });
         Ok(Answer { index, value })
     }
 
@@ -443,8 +458,12 @@ mod tests {
             datacenter: None,
             namespace: None,
             partition: None,
-            passing: false,
-            tags: tags.iter().map(|t| t.to_string()).collect(),
+            query: consul_resolver_core::keys::QueryOptions {
+                statuses: consul_resolver_core::keys::HealthStatuses::ANY,
+                tags: tags.iter().filter(|t| !t.starts_with('!')).map(|t| t.to_string()).collect(),
+                excluded_tags: tags.iter().filter_map(|t| t.strip_prefix('!')).map(str::to_owned).collect(),
+                ..Default::default()
+            },
             service: "web".into(),
         }
     }

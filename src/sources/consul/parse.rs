@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use serde_json::Value;
 
+use consul_resolver_core::keys::AddressType;
 use consul_resolver_core::model::{Endpoint, Health};
 
 #[derive(Deserialize)]
@@ -29,6 +30,19 @@ struct Node {
     node: Option<String>,
     #[serde(default)]
     address: Option<String>,
+    /// `lan`, `wan`, `lan_ipv4`, ...: plain strings on nodes.
+    #[serde(default)]
+    tagged_addresses: Option<BTreeMap<String, Option<String>>>,
+}
+
+/// A service's tagged address: an object with its own port.
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct ServiceAddress {
+    #[serde(default)]
+    address: Option<String>,
+    #[serde(default)]
+    port: Option<u16>,
 }
 
 #[derive(Deserialize)]
@@ -44,6 +58,8 @@ struct Service {
     tags: Option<Vec<String>>,
     #[serde(default)]
     meta: Option<BTreeMap<String, Value>>,
+    #[serde(default)]
+    tagged_addresses: Option<BTreeMap<String, Option<ServiceAddress>>>,
 }
 
 #[derive(Deserialize)]
@@ -63,13 +79,38 @@ fn status(s: Option<&str>) -> Health {
     }
 }
 
-/// Parses a health body into endpoints, sorted.
-pub(crate) fn health_service(body: &[u8]) -> Result<Vec<Endpoint>, String> {
+/// Parses a health body into endpoints with the address `address` asks for, sorted.
+pub(crate) fn health_service(body: &[u8], address: &AddressType) -> Result<Vec<Endpoint>, String> {
     let entries: Vec<Entry> =
         serde_json::from_slice(body).map_err(|e| format!("malformed /v1/health/service body: {e}"))?;
-    let mut out: Vec<Endpoint> = entries.into_iter().map(endpoint).collect();
+    let mut out: Vec<Endpoint> = entries.into_iter().map(|e| endpoint(e, address)).collect();
     out.sort();
     Ok(out)
+}
+
+/// The (address, port) to publish: see [`AddressType`]. Empty values count as absent.
+fn address_of(e: &mut Entry, kind: &AddressType) -> (String, u16) {
+    let port = e.service.port.unwrap_or(0);
+    let non_empty = |a: Option<String>| a.filter(|a| !a.is_empty());
+    let node = non_empty(e.node.address.take()).unwrap_or_default();
+    let default = || (non_empty(e.service.address.clone()).unwrap_or_else(|| node.clone()), port);
+    match kind {
+        AddressType::Service => default(),
+        AddressType::Node => (node.clone(), port),
+        AddressType::Tagged(name) => {
+            let service = e.service.tagged_addresses.as_mut().and_then(|t| t.remove(name)).flatten();
+            if let Some(ServiceAddress { address: Some(a), port: p }) = service
+                && !a.is_empty()
+            {
+                return (a, p.filter(|p| *p != 0).unwrap_or(port));
+            }
+            let on_node = e.node.tagged_addresses.as_mut().and_then(|t| t.remove(name)).flatten();
+            match non_empty(on_node) {
+                Some(a) => (a, port),
+                None => default(),
+            }
+        }
+    }
 }
 
 /// `/v1/catalog/services`: service name to its tags (`null` tags on old agents are none).
@@ -124,11 +165,8 @@ pub(crate) fn health_state(body: &[u8]) -> Result<Vec<CheckRow>, String> {
         .collect())
 }
 
-fn endpoint(e: Entry) -> Endpoint {
-    let address = match e.service.address {
-        Some(a) if !a.is_empty() => a,
-        _ => e.node.address.unwrap_or_default(),
-    };
+fn endpoint(mut e: Entry, kind: &AddressType) -> Endpoint {
+    let (address, port) = address_of(&mut e, kind);
     let mut tags = e.service.tags.unwrap_or_default();
     tags.sort();
     let meta = e
@@ -150,7 +188,7 @@ fn endpoint(e: Entry) -> Endpoint {
         e.checks.unwrap_or_default().iter().map(|c| status(c.status.as_deref())).max().unwrap_or(Health::Passing);
     Endpoint {
         address,
-        port: e.service.port.unwrap_or(0),
+        port,
         node: e.node.node.unwrap_or_default(),
         service_id: e.service.id.unwrap_or_default(),
         tags,
@@ -162,14 +200,15 @@ fn endpoint(e: Entry) -> Endpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
 
     /// A modern agent's answer (1.15+ shape, trimmed of nothing we rely on).
     const MODERN: &str = r#"[
       {"Node":{"ID":"a1","Node":"node-b","Address":"10.0.0.2","Datacenter":"dc1",
-               "TaggedAddresses":{"lan":"10.0.0.2","wan":"10.0.0.2"},"Meta":{"consul-network-segment":""},
+               "TaggedAddresses":{"lan":"10.0.0.2","wan":"203.0.113.2"},"Meta":{"consul-network-segment":""},
                "CreateIndex":5,"ModifyIndex":5},
        "Service":{"ID":"web-2","Service":"web","Tags":["v2","primary"],"Address":"",
-                  "TaggedAddresses":{"lan_ipv4":{"Address":"10.0.0.2","Port":8080}},
+                  "TaggedAddresses":{"lan_ipv4":{"Address":"10.0.0.12","Port":9080}},
                   "Meta":{"version":"2","weight":3,"canary":true},"Port":8080,
                   "Weights":{"Passing":1,"Warning":1},"EnableTagOverride":false,
                   "Proxy":{"Mode":"","MeshGateway":{},"Expose":{}},"Connect":{},
@@ -200,7 +239,7 @@ mod tests {
 
     #[test]
     fn modern_shape() {
-        let eps = health_service(MODERN.as_bytes()).unwrap();
+        let eps = health_service(MODERN.as_bytes(), &AddressType::Service).unwrap();
         assert_eq!(eps.len(), 2);
         // Sorted by address first.
         let (a, b) = (&eps[0], &eps[1]);
@@ -220,7 +259,7 @@ mod tests {
 
     #[test]
     fn legacy_nulls_and_maintenance() {
-        let eps = health_service(LEGACY.as_bytes()).unwrap();
+        let eps = health_service(LEGACY.as_bytes(), &AddressType::Service).unwrap();
         assert_eq!(eps.len(), 1);
         let e = &eps[0];
         assert_eq!(e.address, "10.1.0.1");
@@ -230,9 +269,9 @@ mod tests {
 
     #[test]
     fn empty_and_null_lists() {
-        assert!(health_service(b"[]").unwrap().is_empty());
+        assert!(health_service(b"[]", &AddressType::Service).unwrap().is_empty());
         let null_checks = r#"[{"Node":{"Node":"n","Address":"1.2.3.4"},"Service":{"ID":"s","Port":1},"Checks":null}]"#;
-        assert_eq!(health_service(null_checks.as_bytes()).unwrap()[0].health, Health::Passing);
+        assert_eq!(health_service(null_checks.as_bytes(), &AddressType::Service).unwrap()[0].health, Health::Passing);
     }
 
     #[test]
@@ -247,8 +286,35 @@ mod tests {
             b"[{\"Node\":{}}]",
             b"<html>",
         ] {
-            assert!(health_service(body).is_err(), "{:?}", String::from_utf8_lossy(body));
+            assert!(health_service(body, &AddressType::Service).is_err(), "{:?}", String::from_utf8_lossy(body));
         }
+    }
+
+    #[test]
+    fn address_types() {
+        let at = |kind: AddressType| {
+            health_service(MODERN.as_bytes(), &kind)
+                .unwrap()
+                .into_iter()
+                .map(|e| (e.service_id, e.address, e.port))
+                .collect::<BTreeSet<_>>()
+        };
+        let set = |v: &[(&str, &str, u16)]| v.iter().map(|(i, a, p)| (i.to_string(), a.to_string(), *p)).collect();
+        assert_eq!(at(AddressType::Service), set(&[("web-2", "10.0.0.2", 8080), ("web-1", "192.168.1.1", 80)]));
+        assert_eq!(at(AddressType::Node), set(&[("web-2", "10.0.0.2", 8080), ("web-1", "10.0.0.1", 80)]));
+        // web-2 has a service lan_ipv4 (with its port); web-1 has none: its default.
+        assert_eq!(
+            at(AddressType::Tagged("lan_ipv4".into())),
+            set(&[("web-2", "10.0.0.12", 9080), ("web-1", "192.168.1.1", 80)])
+        );
+        // wan: web-2's node has one (the service's port stays).
+        assert_eq!(
+            at(AddressType::Tagged("wan".into())),
+            set(&[("web-2", "203.0.113.2", 8080), ("web-1", "192.168.1.1", 80)])
+        );
+        // Legacy nulls everywhere.
+        let legacy = health_service(LEGACY.as_bytes(), &AddressType::Tagged("wan".into())).unwrap();
+        assert_eq!((legacy[0].address.as_str(), legacy[0].port), ("10.1.0.1", 9000));
     }
 
     #[test]
@@ -279,6 +345,6 @@ mod tests {
     fn unknown_status_is_critical() {
         let body = r#"[{"Node":{"Node":"n","Address":"a"},"Service":{"ID":"s","Port":1},
                         "Checks":[{"Status":"passing"},{"Status":"maintenance"}]}]"#;
-        assert_eq!(health_service(body.as_bytes()).unwrap()[0].health, Health::Critical);
+        assert_eq!(health_service(body.as_bytes(), &AddressType::Service).unwrap()[0].health, Health::Critical);
     }
 }

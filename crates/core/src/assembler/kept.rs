@@ -72,8 +72,13 @@ pub fn changed_settings(old: &ConsulKey, new: &ConsulKey) -> Vec<&'static str> {
     differs(old.datacenter != new.datacenter, "datacenter");
     differs(old.namespace != new.namespace, "Consul namespace");
     differs(old.partition != new.partition, "partition");
-    differs(old.passing != new.passing, "onlyPassing");
-    differs(old.tags != new.tags, "tags");
+    let (o, n) = (&old.query, &new.query);
+    differs(o.statuses != n.statuses, "healthStatuses");
+    differs(o.tags != n.tags || o.excluded_tags != n.excluded_tags, "tags");
+    differs(o.consistency != n.consistency, "consistency");
+    differs(o.cached != n.cached, "cached");
+    differs(o.connect != n.connect, "connect");
+    differs(o.address != n.address, "addressType");
     out
 }
 
@@ -99,8 +104,7 @@ mod tests {
             datacenter: dc.map(str::to_owned),
             namespace: None,
             partition: None,
-            passing: true,
-            tags: Default::default(),
+            query: Default::default(),
             service: "web".into(),
         };
         assert_eq!(changed_settings(&key("a", None), &key("b", Some("dc2"))), ["token", "datacenter"]);

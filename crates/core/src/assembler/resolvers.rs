@@ -7,11 +7,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use super::snapshot::{Unusable, UnusableReason};
-use crate::keys::{ConsulKey, ConsulServer, KubeKey, Secret, TlsSettings};
+use crate::keys::{
+    AddressType, Consistency, ConsulKey, ConsulServer, HealthStatuses, KubeKey, QueryOptions, Secret, TlsSettings,
+};
 use crate::model::Decoded;
 use crate::world::World;
 use consul_resolver_api::names;
-use consul_resolver_api::resolver::{ConsulResolverSpec, SecretKeyRef};
+use consul_resolver_api::resolver::{ConsistencyMode, ConsulResolverSpec, HealthStatus, SecretKeyRef};
 
 pub(crate) use consul_resolver_api::resolver::{GROUP, KIND};
 
@@ -53,13 +55,12 @@ impl Settings {
     /// building a key per service to compare.
     pub fn queries(&self, key: &ConsulKey) -> bool {
         // Destructured so that a field added to ConsulKey cannot be forgotten here.
-        let ConsulKey { server, datacenter, namespace, partition, passing, tags, service: _ } = &self.template;
+        let ConsulKey { server, datacenter, namespace, partition, query, service: _ } = &self.template;
         key.server == *server
             && key.datacenter == *datacenter
             && key.namespace == *namespace
             && key.partition == *partition
-            && key.passing == *passing
-            && key.tags == *tags
+            && key.query == *query
     }
 
     pub fn server(&self) -> &ConsulServer {
@@ -153,13 +154,7 @@ fn settings(
         Some(t) => non_empty("tls.serverName", &t.server_name)?,
         None => None,
     };
-    let mut tags = BTreeSet::new();
-    for (i, t) in spec.tags.iter().flatten().enumerate() {
-        if t.is_empty() {
-            return Err(invalid(format!("spec.tags[{i}] is empty")));
-        }
-        tags.insert(t.0.clone());
-    }
+    let query = query_options(spec).map_err(invalid)?;
     let token = spec
         .token_secret_ref
         .as_ref()
@@ -184,10 +179,77 @@ fn settings(
             datacenter,
             namespace: consul_ns,
             partition,
-            passing: spec.only_passing(),
-            tags,
+            query,
             service: String::new(),
         },
+    })
+}
+
+/// The spec's query options, validated beyond what the CRD schema can say.
+fn query_options(spec: &ConsulResolverSpec) -> Result<QueryOptions, String> {
+    let statuses = match (&spec.health_statuses, spec.only_passing) {
+        (Some(_), Some(_)) => {
+            return Err("spec.healthStatuses and spec.onlyPassing are both set: keep healthStatuses".into());
+        }
+        (Some(list), None) => {
+            if list.is_empty() {
+                return Err("spec.healthStatuses is empty: no instance could ever be published".into());
+            }
+            let has = |s| list.contains(&s);
+            HealthStatuses {
+                passing: has(HealthStatus::Passing),
+                warning: has(HealthStatus::Warning),
+                critical: has(HealthStatus::Critical),
+            }
+        }
+        (None, Some(false)) => HealthStatuses::ANY,
+        (None, Some(true) | None) => HealthStatuses::PASSING,
+    };
+    let (mut tags, mut excluded_tags) = (BTreeSet::new(), BTreeSet::new());
+    for (i, t) in spec.tags.iter().flatten().enumerate() {
+        match t.strip_prefix('!') {
+            Some("") => return Err(format!("spec.tags[{i}] is \"!\": it negates no tag")),
+            Some(negated) => excluded_tags.insert(negated.to_owned()),
+            None if t.is_empty() => return Err(format!("spec.tags[{i}] is empty")),
+            None => tags.insert(t.0.clone()),
+        };
+    }
+    if let Some(both) = tags.iter().find(|t| excluded_tags.iter().any(|x| x.eq_ignore_ascii_case(t))) {
+        return Err(format!("spec.tags both requires and excludes {both:?}: no instance could match"));
+    }
+    let consistency = match spec.consistency.unwrap_or_default() {
+        ConsistencyMode::Default => Consistency::Default,
+        ConsistencyMode::Stale => Consistency::Stale,
+        ConsistencyMode::Consistent => Consistency::Consistent,
+    };
+    let cached = spec.cached.unwrap_or(false);
+    if cached && consistency == Consistency::Consistent {
+        return Err("spec.cached cannot be combined with consistency: consistent (the agent's cache is not)".into());
+    }
+    let address = match spec.address_type.as_deref() {
+        None | Some("service") => AddressType::Service,
+        Some("node") => AddressType::Node,
+        Some(t)
+            if !t.is_empty()
+                && t.len() <= 63
+                && t.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_') =>
+        {
+            AddressType::Tagged(t.to_owned())
+        }
+        Some(t) => {
+            return Err(format!(
+                "spec.addressType {t:?} is not service, node or a tagged address name (lower case letters, digits, _)"
+            ));
+        }
+    };
+    Ok(QueryOptions {
+        statuses,
+        tags,
+        excluded_tags,
+        consistency,
+        cached,
+        connect: spec.connect.unwrap_or(false),
+        address,
     })
 }
 
@@ -312,5 +374,46 @@ mod tests {
         assert!(e.contains("NOPE is not set"), "{e}");
         assert!(expand_env("${HOST_IP:8500", &env).is_err());
         assert!(expand_env("${}:1", &env).is_err());
+    }
+
+    fn options(spec: serde_json::Value) -> Result<QueryOptions, String> {
+        let mut full = serde_json::json!({"address": "127.0.0.1:8500"});
+        full.as_object_mut().unwrap().extend(spec.as_object().unwrap().clone());
+        query_options(&serde_json::from_value(full).unwrap())
+    }
+
+    #[test]
+    fn query_options_from_the_spec() {
+        let default = options(serde_json::json!({})).unwrap();
+        assert_eq!(default, QueryOptions::default());
+        assert!(default.statuses.only_passing());
+
+        assert_eq!(options(serde_json::json!({"onlyPassing": false})).unwrap().statuses, HealthStatuses::ANY);
+        assert_eq!(options(serde_json::json!({"onlyPassing": true})).unwrap().statuses, HealthStatuses::PASSING);
+        let pw = options(serde_json::json!({"healthStatuses": ["warning", "passing"]})).unwrap().statuses;
+        assert_eq!(pw, HealthStatuses { passing: true, warning: true, critical: false });
+
+        let o = options(serde_json::json!({
+            "tags": ["v2", "!canary"], "consistency": "stale", "cached": true, "connect": true, "addressType": "lan_ipv4"
+        }))
+        .unwrap();
+        assert_eq!(o.tags, BTreeSet::from(["v2".to_owned()]));
+        assert_eq!(o.excluded_tags, BTreeSet::from(["canary".to_owned()]));
+        assert_eq!((o.consistency, o.cached, o.connect), (Consistency::Stale, true, true));
+        assert_eq!(o.address, AddressType::Tagged("lan_ipv4".into()));
+        assert_eq!(options(serde_json::json!({"addressType": "node"})).unwrap().address, AddressType::Node);
+        assert_eq!(options(serde_json::json!({"addressType": "service"})).unwrap().address, AddressType::Service);
+
+        for (spec, says) in [
+            (serde_json::json!({"healthStatuses": ["passing"], "onlyPassing": true}), "both set"),
+            (serde_json::json!({"healthStatuses": []}), "healthStatuses is empty"),
+            (serde_json::json!({"tags": ["!"]}), "spec.tags[0] is \"!\""),
+            (serde_json::json!({"tags": ["a", "!A"]}), "both requires and excludes"),
+            (serde_json::json!({"cached": true, "consistency": "consistent"}), "spec.cached cannot"),
+            (serde_json::json!({"addressType": "Lan IPv4"}), "spec.addressType \"Lan IPv4\""),
+        ] {
+            let e = options(spec.clone()).unwrap_err();
+            assert!(e.contains(says), "{spec}: {e}");
+        }
     }
 }
