@@ -12,7 +12,18 @@
 //! - when a service loses its final instance its index entry is dropped and the "extinction"
 //!   index is set; an unknown service reports the extinction index, or the catalog maximum if
 //!   no service ever went extinct;
-//! - `/v1/catalog/services` reports the index of the last change to any service instance.
+//! - `/v1/catalog/services` reports the index of the last change to any service instance;
+//! - the checks table index (`/v1/health/state/<state>`) moves whenever a check is created,
+//!   modified or removed (with its service or node too), and not for a write that touches no
+//!   check, such as registering a service without one. A check keeps `CreateIndex` and takes
+//!   the write's index as `ModifyIndex` whenever it is (re)written.
+//!
+//! When is a check rewritten? When its own fields change; when a write that changes anything
+//! (node, service, or another check) names it again, as the 0.9 agent of
+//! `docs/consul-protocol.md` did ("same check, new port": the check's `ModifyIndex` and the
+//! checks index moved); and when its service's name or tags change, because the check shows
+//! them (`ServiceName`, `ServiceTags`), which is when current agents rewrite it too. A
+//! registration that changes nothing rewrites nothing and takes no index.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -267,11 +278,54 @@ impl HealthEntry {
     }
 }
 
+/// Which checks `/v1/health/state/<state>` returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StateFilter {
+    Any,
+    Only(CheckStatus),
+}
+
+impl StateFilter {
+    /// `any`, `passing`, `warning` or `critical`; `None` for anything else.
+    pub(crate) fn parse(state: &str) -> Option<Self> {
+        match state {
+            "any" => Some(StateFilter::Any),
+            "passing" => Some(StateFilter::Only(CheckStatus::Passing)),
+            "warning" => Some(StateFilter::Only(CheckStatus::Warning)),
+            "critical" => Some(StateFilter::Only(CheckStatus::Critical)),
+            _ => None,
+        }
+    }
+
+    fn matches(self, status: CheckStatus) -> bool {
+        match self {
+            StateFilter::Any => true,
+            StateFilter::Only(s) => s == status,
+        }
+    }
+}
+
+/// What a check shows of the service instance it belongs to.
+#[derive(Clone, Debug)]
+pub(crate) struct CheckOwner {
+    pub key: ServiceKey,
+    pub tags: Vec<String>,
+}
+
+/// One row of a `/v1/health/state` answer, before rendering.
+#[derive(Clone, Debug)]
+pub(crate) struct StateEntry {
+    pub check: Check,
+    /// `None` for a node check.
+    pub owner: Option<CheckOwner>,
+}
+
 /// Bookkeeping of one write transaction.
 #[derive(Default)]
 struct Tx {
     changed: bool,
     services_table_changed: bool,
+    checks_table_changed: bool,
     dirty: BTreeSet<ServiceKey>,
 }
 
@@ -300,6 +354,8 @@ pub(crate) struct Catalog {
     checks_by_owner: HashMap<(String, String), BTreeSet<String>>,
     service_indexes: HashMap<ServiceKey, u64>,
     services_table_index: u64,
+    /// The index of the last write to any check.
+    checks_table_index: u64,
     last_extinction: Option<u64>,
 }
 
@@ -315,6 +371,7 @@ impl Catalog {
             checks_by_owner: HashMap::new(),
             service_indexes: HashMap::new(),
             services_table_index: 0,
+            checks_table_index: 0,
             last_extinction: None,
         }
     }
@@ -323,6 +380,11 @@ impl Catalog {
     #[cfg(test)]
     pub(crate) fn raft_index(&self) -> u64 {
         self.raft_index
+    }
+
+    /// The index `/v1/health/state/<state>` reports.
+    pub(crate) fn checks_index(&self) -> u64 {
+        self.checks_table_index
     }
 
     /// The index a health query for `key` reports (before the `1` minimum is applied).
@@ -357,6 +419,36 @@ impl Catalog {
             entries.push(HealthEntry { node: node.clone(), service: svc.clone(), checks });
         }
         entries
+    }
+
+    /// The checks in `filter`'s state, by (node, check ID): the service checks of services in
+    /// the namespace/partition, and every node check whatever the scope (node checks belong
+    /// to no namespace; see the crate docs).
+    pub(crate) fn checks_in_state(
+        &self,
+        filter: StateFilter,
+        namespace: Option<&str>,
+        partition: Option<&str>,
+    ) -> Vec<StateEntry> {
+        let scope = ServiceKey::scoped("", namespace, partition);
+        let mut out = Vec::new();
+        for c in self.checks.values().filter(|c| filter.matches(c.status)) {
+            let owner = if c.service_id.is_empty() {
+                None
+            } else {
+                // Registration refuses a check of an unknown instance and removing an
+                // instance removes its checks, so the owner exists.
+                let Some(s) = self.services.get(&(c.node.clone(), c.service_id.clone())) else {
+                    continue;
+                };
+                if s.key.namespace != scope.namespace || s.key.partition != scope.partition {
+                    continue;
+                }
+                Some(CheckOwner { key: s.key.clone(), tags: s.tags.clone() })
+            };
+            out.push(StateEntry { check: c.clone(), owner });
+        }
+        out
     }
 
     /// Service names in a namespace/partition with the union of their tags (sorted, unique).
@@ -497,11 +589,15 @@ impl Catalog {
                     tx.dirty.insert(existing.key.clone());
                     tx.dirty.insert(svc.key.clone());
                     let create_index = existing.create_index;
+                    let shown_in_checks_changed = existing.key != svc.key || existing.tags != svc.tags;
                     // The instance may have moved to another service name (same ID).
                     self.remove_service_entry(&k);
                     self.insert_service(ServiceInstance { create_index, ..svc });
                     tx.changed = true;
                     tx.services_table_changed = true;
+                    if shown_in_checks_changed {
+                        self.rewrite_owned_checks(&k.0, &k.1, idx, &mut tx);
+                    }
                 }
                 None => {
                     tx.dirty.insert(svc.key.clone());
@@ -512,20 +608,22 @@ impl Catalog {
             }
         }
 
-        // The checks.
-        for check in checks {
-            let k = (node_name.clone(), check.check_id.clone());
-            let previous_service = match self.checks.get(&k) {
-                Some(existing) if existing.same_data(&check) => continue,
-                Some(existing) => Some(existing.service_id.clone()),
-                None => None,
-            };
-            for sid in previous_service.iter().chain(std::iter::once(&check.service_id)) {
-                self.mark_check_owner(&node_name, sid, &mut tx);
+        // The checks: all rewritten if anything in the write changed (see the module docs).
+        let any_check_differs = checks.iter().any(|check| {
+            self.checks.get(&(node_name.clone(), check.check_id.clone())).is_none_or(|e| !e.same_data(check))
+        });
+        if tx.changed || any_check_differs {
+            for check in checks {
+                let k = (node_name.clone(), check.check_id.clone());
+                let previous_service = self.checks.get(&k).map(|c| c.service_id.clone());
+                for sid in previous_service.iter().chain(std::iter::once(&check.service_id)) {
+                    self.mark_check_owner(&node_name, sid, &mut tx);
+                }
+                let create_index = self.checks.get(&k).map_or(idx, |c| c.create_index);
+                self.insert_check(Check { create_index, ..check });
+                tx.changed = true;
+                tx.checks_table_changed = true;
             }
-            let create_index = self.checks.get(&k).map_or(idx, |c| c.create_index);
-            self.insert_check(Check { create_index, ..check });
-            tx.changed = true;
         }
 
         Ok(self.commit(idx, tx))
@@ -552,6 +650,7 @@ impl Catalog {
             for id in checks {
                 self.remove_check(&node, &id);
                 tx.changed = true;
+                tx.checks_table_changed = true;
             }
         }
         if let Some(id) = service_id {
@@ -561,6 +660,7 @@ impl Catalog {
             && let Some(check) = self.remove_check(&node, &id)
         {
             tx.changed = true;
+            tx.checks_table_changed = true;
             self.mark_check_owner(&node, &check.service_id, &mut tx);
         }
         Ok(self.commit(idx, tx))
@@ -582,6 +682,7 @@ impl Catalog {
     pub(crate) fn reset_indexes(&mut self, index: u64) {
         self.raft_index = index;
         self.services_table_index = index;
+        self.checks_table_index = index;
         if self.last_extinction.is_some() {
             self.last_extinction = Some(index);
         }
@@ -658,6 +759,17 @@ impl Catalog {
         }
     }
 
+    /// Gives an instance's checks the write's index, as their rendering changed with it.
+    fn rewrite_owned_checks(&mut self, node: &str, service_id: &str, idx: u64, tx: &mut Tx) {
+        let ids = self.checks_by_owner.get(&(node.to_owned(), service_id.to_owned())).cloned().unwrap_or_default();
+        for id in ids {
+            if let Some(c) = self.checks.get_mut(&(node.to_owned(), id)) {
+                c.modify_index = idx;
+                tx.checks_table_changed = true;
+            }
+        }
+    }
+
     fn insert_service(&mut self, svc: ServiceInstance) {
         let k = (svc.node.clone(), svc.id.clone());
         self.by_service.entry(svc.key.clone()).or_default().insert(k.clone());
@@ -686,6 +798,7 @@ impl Catalog {
         let owned: Vec<String> = self.owned_checks(node, id).map(|c| c.check_id.clone()).collect();
         for check_id in owned {
             self.remove_check(node, &check_id);
+            tx.checks_table_changed = true;
         }
     }
 
@@ -696,6 +809,9 @@ impl Catalog {
         self.raft_index = idx;
         if tx.services_table_changed {
             self.services_table_index = idx;
+        }
+        if tx.checks_table_changed {
+            self.checks_table_index = idx;
         }
         for key in tx.dirty {
             let alive = self.by_service.contains_key(&key);
@@ -783,6 +899,99 @@ mod tests {
         assert_eq!(c.health(&ServiceKey::scoped("a", Some("team"), None), &[]).len(), 1);
         // Deregistering n1 took its checks along: only x2's check, on n2, is left.
         assert_eq!(c.checks.len(), 1);
+    }
+
+    fn bare_service(node: &str, svc: &str, id: &str, port: u16) -> RegisterRequest {
+        serde_json::from_value(serde_json::json!({
+            "Node": node,
+            "Address": "10.0.0.1",
+            "Service": {"ID": id, "Service": svc, "Port": port},
+        }))
+        .unwrap()
+    }
+
+    fn check_of<'a>(c: &'a Catalog, node: &str, id: &str) -> &'a Check {
+        &c.checks[&(node.to_owned(), id.to_owned())]
+    }
+
+    #[test]
+    fn checks_index_moves_with_checks_only() {
+        let mut c = Catalog::new("dc1", 1);
+        c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), None, None).unwrap();
+        let i = c.checks_index();
+        assert_eq!(i, c.raft_index());
+        // A service without a check: a write, but not to the checks table.
+        c.register(bare_service("n2", "b", "b1", 80), None, None).unwrap();
+        assert_eq!(c.checks_index(), i);
+        assert!(c.raft_index() > i);
+        // Nor is its port change, nor its removal.
+        c.register(bare_service("n2", "b", "b1", 81), None, None).unwrap();
+        c.deregister(dereg("n2", Some("b1"))).unwrap();
+        assert_eq!(c.checks_index(), i);
+        // A service removed with its check moves it.
+        c.register(reg("n2", "10.0.0.2", "b", "b2", "passing"), None, None).unwrap();
+        let i = c.checks_index();
+        c.deregister(dereg("n2", Some("b2"))).unwrap();
+        assert!(c.checks_index() > i);
+        assert!(c.checks.keys().all(|(n, _)| n != "n2"));
+        // A node removed with its node check moves it.
+        c.register(node_check("n3", "passing"), None, None).unwrap();
+        let i = c.checks_index();
+        c.deregister(dereg("n3", None)).unwrap();
+        assert_eq!(c.checks_index(), i + 1);
+        // A check removed on its own moves it.
+        let i = c.checks_index();
+        c.deregister(DeregisterRequest {
+            node: Some("n1".into()),
+            check_id: Some("check-a1".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(c.checks_index(), i + 1);
+        c.assert_lookup_tables_consistent();
+    }
+
+    #[test]
+    fn a_check_keeps_its_create_index_and_takes_the_writes_modify_index() {
+        let mut c = Catalog::new("dc1", 1);
+        c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), None, None).unwrap();
+        c.register(reg("n2", "10.0.0.2", "b", "b1", "passing"), None, None).unwrap();
+        let created = c.raft_index() - 1;
+        assert_eq!(check_of(&c, "n1", "check-a1").create_index, created);
+        c.register(reg("n1", "10.0.0.1", "a", "a1", "critical"), None, None).unwrap();
+        let a1 = check_of(&c, "n1", "check-a1");
+        assert_eq!((a1.create_index, a1.modify_index), (created, c.raft_index()));
+        assert_eq!(check_of(&c, "n2", "check-b1").modify_index, created + 1, "b1 untouched");
+        // New tags: the check shows them, so it is rewritten even when not sent again.
+        let i = c.raft_index();
+        let mut r = bare_service("n1", "a", "a1", 80);
+        r.address = Some("10.0.0.1".into());
+        r.service.as_mut().unwrap().tags = Some(vec!["new".into()]);
+        c.register(r, None, None).unwrap();
+        assert_eq!(check_of(&c, "n1", "check-a1").modify_index, i + 1);
+        assert_eq!(c.checks_index(), i + 1);
+        // A port change without the check does not rewrite it.
+        let mut r = bare_service("n1", "a", "a1", 81);
+        r.service.as_mut().unwrap().tags = Some(vec!["new".into()]);
+        c.register(r, None, None).unwrap();
+        assert_eq!(check_of(&c, "n1", "check-a1").modify_index, i + 1);
+        assert_eq!(c.checks_index(), i + 1);
+        assert_eq!(c.raft_index(), i + 2);
+    }
+
+    #[test]
+    fn checks_in_state_filter_and_scope() {
+        let mut c = Catalog::new("dc1", 1);
+        c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), None, None).unwrap();
+        c.register(reg("n2", "10.0.0.2", "b", "b1", "warning"), Some("team"), None).unwrap();
+        c.register(node_check("n2", "critical"), None, None).unwrap();
+        let ids =
+            |f, ns| -> Vec<String> { c.checks_in_state(f, ns, None).into_iter().map(|e| e.check.check_id).collect() };
+        assert_eq!(ids(StateFilter::Any, None), ["check-a1", "serfHealth"]);
+        assert_eq!(ids(StateFilter::Any, Some("team")), ["check-b1", "serfHealth"]);
+        assert_eq!(ids(StateFilter::Only(CheckStatus::Critical), Some("team")), ["serfHealth"]);
+        assert_eq!(ids(StateFilter::Only(CheckStatus::Warning), Some("team")), ["check-b1"]);
+        assert!(ids(StateFilter::Only(CheckStatus::Warning), None).is_empty());
     }
 
     #[test]

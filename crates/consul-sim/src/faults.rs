@@ -160,7 +160,7 @@ pub struct RequestRecord {
     pub path: String,
     /// The raw query string, `""` if none.
     pub query: String,
-    /// For health queries: the service name (decoded).
+    /// For `/v1/health/service` queries: the service name (decoded).
     pub service: Option<String>,
     /// `?ns=` or `X-Consul-Namespace`, if sent.
     pub namespace: Option<String>,
@@ -199,7 +199,8 @@ pub struct Stats {
     /// `/v1/` requests received.
     pub requests_total: u64,
     /// Blocking queries currently waiting, per service name (`/v1/catalog/services` blockers
-    /// are counted under `"_catalog_services"`).
+    /// are counted under `"_catalog_services"`, `/v1/health/state` blockers under
+    /// `"_health_state"`).
     pub blocking: BTreeMap<String, usize>,
     pub blocking_total: usize,
 }

@@ -17,6 +17,23 @@
 //!   `index`, `wait`, `stale`, `consistent`, `cached` (accepted, no cache is modelled),
 //!   `token`. A non-empty `filter` answers 400: expressions are not implemented, and failing
 //!   loudly beats silently returning unfiltered data.
+//! - `GET /v1/health/state/<state>` (`any`, `passing`, `warning`, `critical`; anything else
+//!   is 400 `Invalid check state`): every check in that state, sorted by node then check ID,
+//!   each with `Node`, `CheckID`, `Name`, `Status`, `Notes`, `Output`, `ServiceID`,
+//!   `ServiceName`, `ServiceTags` (the instance's tags, `[]` for a node check), `Type` (`""`),
+//!   `CreateIndex`, `ModifyIndex`, and `Namespace`/`Partition` for a service outside the
+//!   defaults. The same parameters as the health endpoint except `passing` and `tag`; it
+//!   blocks on the checks table index, which moves whenever a check is created, changed or
+//!   removed (also with its service or node) and not for writes that touch no check, such as
+//!   registering a service without one. Scoping: the service checks of services in the
+//!   requested namespace/partition, plus every node check whatever the namespace (node checks
+//!   belong to no namespace here; a simplification). ACLs: service checks of services the
+//!   token cannot read are left out (with `X-Consul-Results-Filtered-By-ACLs`); node checks
+//!   are shown to every token that resolves, anonymous included (node rules are not
+//!   modelled). Which writes rewrite a check (and so move its `ModifyIndex`) is in the
+//!   `catalog` module: its own change, a changing write that names it again (as the 0.9
+//!   agent of the protocol notes did for "same check, new port"), or a change to its
+//!   service's name or tags.
 //! - `PUT /v1/catalog/register`, `PUT /v1/catalog/deregister` (answer `true`).
 //! - `GET /v1/catalog/services` (blocking on the index of the last change to any service).
 //! - `GET /v1/catalog/datacenters`, `GET /v1/status/leader`.
@@ -48,12 +65,13 @@
 //! | `POST /_sim/reset-index` | `{"index": n}` (optional, default 1) | `{"index": n}`: every index becomes `n` while data is kept ("restart with a lower index"); the next write takes `n + 1` |
 //! | `GET /_sim/requests[?path_prefix=/v1/health/service/web]` | | `[`[`RequestRecord`]`]`, oldest first |
 //! | `DELETE /_sim/requests` | | `{"cleared": n}` |
-//! | `GET /_sim/stats` | | [`Stats`]: open and peak connections per client IP, 429 counts, blocking queries per service |
+//! | `GET /_sim/stats` | | [`Stats`]: open and peak connections per client IP, 429 counts, blocking queries per service (`/v1/catalog/services` under [`CATALOG_SERVICES_LABEL`], `/v1/health/state` under [`HEALTH_STATE_LABEL`]) |
 //! | `DELETE /_sim/stats` | | [`Stats`] after resetting counters (peaks restart from the open counts) |
 //!
 //! Fault budgets ([`Budget`]) are `0` (off), a count `n` (the next `n` health queries), or
-//! `"always"` (until cleared). `no_leader` and `too_many_requests` apply to
-//! `/v1/health/service` only, checked after parameter validation and before blocking (so
+//! `"always"` (until cleared). `no_leader` and `too_many_requests` apply to the health reads
+//! (`/v1/health/service` and `/v1/health/state`) only, checked after parameter validation,
+//! the datacenter and the token, and before blocking (so
 //! writes and the catalog keep working while a test breaks the read path); `latency_ms`
 //! applies to every `/v1/` request. The in-process handle [`RunningSim`] offers the same
 //! operations as methods.
@@ -96,7 +114,7 @@ pub use acl::{AclConfig, AclToken, TokenPolicy, TokenSource};
 pub use catalog::ServiceKey;
 pub use duration::{DEFAULT_WAIT, DurationError, MAX_WAIT, effective_wait, parse_go_duration};
 pub use faults::{Budget, Faults, FaultsPatch, Outcome, RequestRecord, Stats};
-pub use server::CATALOG_SERVICES_LABEL;
+pub use server::{CATALOG_SERVICES_LABEL, HEALTH_STATE_LABEL};
 
 use state::Shared;
 

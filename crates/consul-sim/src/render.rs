@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use serde_json::{Map, Value, json};
 
-use super::catalog::{Check, DEFAULT_SCOPE, HealthEntry, ServiceInstance};
+use super::catalog::{Check, DEFAULT_SCOPE, HealthEntry, ServiceInstance, ServiceKey, StateEntry};
 
 fn string_map(map: &BTreeMap<String, String>, legacy: bool) -> Value {
     if map.is_empty() && legacy {
@@ -52,17 +52,22 @@ fn service_json(s: &ServiceInstance, legacy: bool) -> Value {
         });
         merge(&mut out, extra);
     }
-    if s.key.namespace != DEFAULT_SCOPE || s.key.partition != DEFAULT_SCOPE {
-        merge(&mut out, json!({"Namespace": s.key.namespace, "Partition": s.key.partition}));
-    }
+    scope(&mut out, &s.key);
     out
 }
 
-fn check_json(c: &Check, owner: &ServiceInstance, legacy: bool) -> Value {
-    let (service_name, service_tags) = if c.service_id.is_empty() {
-        ("", tags(&[], legacy))
-    } else {
-        (owner.key.name.as_str(), tags(&owner.tags, legacy))
+/// Enterprise's `Namespace` and `Partition`, shown when not the defaults.
+fn scope(out: &mut Value, key: &ServiceKey) {
+    if key.namespace != DEFAULT_SCOPE || key.partition != DEFAULT_SCOPE {
+        merge(out, json!({"Namespace": key.namespace, "Partition": key.partition}));
+    }
+}
+
+/// A check; `owner` is its service instance's key and tags, `None` for a node check.
+fn check_json(c: &Check, owner: Option<(&ServiceKey, &[String])>, legacy: bool) -> Value {
+    let (service_name, service_tags) = match owner {
+        None => ("", tags(&[], legacy)),
+        Some((key, t)) => (key.name.as_str(), tags(t, legacy)),
     };
     let mut out = json!({
         "Node": c.node,
@@ -79,6 +84,9 @@ fn check_json(c: &Check, owner: &ServiceInstance, legacy: bool) -> Value {
     });
     if !legacy {
         merge(&mut out, json!({"Type": "", "Interval": "", "Timeout": "", "ExposedPort": 0, "Definition": {}}));
+    }
+    if let Some((key, _)) = owner {
+        scope(&mut out, key);
     }
     out
 }
@@ -108,9 +116,22 @@ pub(crate) fn health(entries: &[HealthEntry], legacy: bool) -> Value {
                         "ModifyIndex": n.modify_index,
                     },
                     "Service": service_json(&e.service, legacy),
-                    "Checks": e.checks.iter().map(|c| check_json(c, &e.service, legacy)).collect::<Vec<_>>(),
+                    "Checks": e.checks.iter().map(|c| {
+                        let owner = (!c.service_id.is_empty()).then_some((&e.service.key, e.service.tags.as_slice()));
+                        check_json(c, owner, legacy)
+                    }).collect::<Vec<_>>(),
                 })
             })
+            .collect(),
+    )
+}
+
+/// The body of `GET /v1/health/state/<state>`.
+pub(crate) fn checks(entries: &[StateEntry], legacy: bool) -> Value {
+    Value::Array(
+        entries
+            .iter()
+            .map(|e| check_json(&e.check, e.owner.as_ref().map(|o| (&o.key, o.tags.as_slice())), legacy))
             .collect(),
     )
 }

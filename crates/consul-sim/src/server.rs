@@ -22,7 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use super::acl::{Identity, extract_token};
-use super::catalog::{Catalog, CatalogError, DeregisterRequest, RegisterRequest, ServiceKey};
+use super::catalog::{Catalog, CatalogError, DeregisterRequest, RegisterRequest, ServiceKey, StateFilter};
 use super::control;
 use super::duration::{effective_wait, jitter, parse_go_duration};
 use super::faults::{Outcome, RequestRecord};
@@ -34,6 +34,9 @@ type Resp = Response<Full<Bytes>>;
 
 /// Label under which `/v1/catalog/services` blockers are counted in the stats.
 pub const CATALOG_SERVICES_LABEL: &str = "_catalog_services";
+
+/// Label under which `/v1/health/state/<state>` blockers are counted in the stats.
+pub const HEALTH_STATE_LABEL: &str = "_health_state";
 
 /// Returned by the service to make hyper close the connection without writing a response.
 #[derive(Debug, thiserror::Error)]
@@ -466,8 +469,15 @@ async fn dispatch(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
         }
         return health_service(ctx, name, req.headers()).await;
     }
+    if let Some(state) = path.strip_prefix("/v1/health/state/") {
+        if method != Method::GET {
+            return Err(method_not_allowed(&method).into());
+        }
+        return health_state(ctx, state, req.headers()).await;
+    }
     match (path.as_str(), &method) {
         ("/v1/health/service", &Method::GET) => Err(ApiError::bad_request("Missing service name").into()),
+        ("/v1/health/state", &Method::GET) => Err(ApiError::bad_request("Missing check state").into()),
         ("/v1/catalog/register", &Method::PUT) => register(ctx, req).await,
         ("/v1/catalog/deregister", &Method::PUT) => deregister(ctx, req).await,
         ("/v1/catalog/services", &Method::GET) => catalog_services(ctx, req.headers()).await,
@@ -508,21 +518,7 @@ async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap) -> H
     }
     check_datacenter(shared, p.first("dc"))?;
     let identity = ctx.identity()?;
-    let injected = shared.with_faults(|f| {
-        if f.too_many_requests.take() {
-            Some(ApiError::new(StatusCode::TOO_MANY_REQUESTS, "Too Many Requests"))
-        } else if f.no_leader.take() {
-            Some(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "No cluster leader"))
-        } else {
-            None
-        }
-    });
-    if let Some(e) = injected {
-        if e.status == StatusCode::TOO_MANY_REQUESTS {
-            shared.count_injected_429();
-        }
-        return Err(e.into());
-    }
+    inject_read_faults(shared)?;
 
     let key = ServiceKey::scoped(name, namespace(p, headers), p.first_non_empty("partition"));
     let tags = p.all("tag");
@@ -539,6 +535,62 @@ async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap) -> H
     let legacy = shared.with_faults(|f| f.null_variants);
     let body = render::health(&entries, legacy);
     Ok(ctx.read_ok(&body, index, opts.consistency, acl_filtered))
+}
+
+/// The `no_leader` and `too_many_requests` faults of health reads: checked after the
+/// parameters, datacenter and token, before blocking.
+fn inject_read_faults(shared: &Shared) -> Result<(), ApiError> {
+    let injected = shared.with_faults(|f| {
+        if f.too_many_requests.take() {
+            Some(ApiError::new(StatusCode::TOO_MANY_REQUESTS, "Too Many Requests"))
+        } else if f.no_leader.take() {
+            Some(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "No cluster leader"))
+        } else {
+            None
+        }
+    });
+    match injected {
+        Some(e) => {
+            if e.status == StatusCode::TOO_MANY_REQUESTS {
+                shared.count_injected_429();
+            }
+            Err(e)
+        }
+        None => Ok(()),
+    }
+}
+
+/// `GET /v1/health/state/<state>`: every check in a state, blocking on the checks table index.
+async fn health_state(ctx: &Ctx<'_>, raw_state: &str, headers: &HeaderMap) -> Handled {
+    let shared = ctx.shared;
+    let p = &ctx.params;
+    let opts = parse_read_options(p)?;
+    if p.first_non_empty("filter").is_some() {
+        return Err(ApiError::bad_request(
+            "Failed to create evaluator for expression: consul-sim does not implement ?filter",
+        )
+        .into());
+    }
+    let state = percent_decode(raw_state).ok_or_else(|| ApiError::bad_request("Invalid URL path encoding"))?;
+    if state.is_empty() {
+        return Err(ApiError::bad_request("Missing check state").into());
+    }
+    let filter = StateFilter::parse(&state).ok_or_else(|| ApiError::bad_request("Invalid check state"))?;
+    check_datacenter(shared, p.first("dc"))?;
+    let identity = ctx.identity()?;
+    inject_read_faults(shared)?;
+
+    let ns = namespace(p, headers);
+    let partition = p.first_non_empty("partition");
+    let (index, mut entries) = ctx
+        .block(&opts, HEALTH_STATE_LABEL, Catalog::checks_index, |c| c.checks_in_state(filter, ns, partition))
+        .await?;
+    // Node checks are shown to everyone who may read at all (node rules are not modelled).
+    let before = entries.len();
+    entries.retain(|e| e.owner.as_ref().is_none_or(|o| identity.can_read_service(&o.key.name)));
+    let legacy = shared.with_faults(|f| f.null_variants);
+    let body = render::checks(&entries, legacy);
+    Ok(ctx.read_ok(&body, index, opts.consistency, entries.len() != before))
 }
 
 async fn catalog_services(ctx: &Ctx<'_>, headers: &HeaderMap) -> Handled {

@@ -787,6 +787,231 @@ async fn fault_restart_with_lower_index() {
     assert_eq!(get(a, "/v1/health/service/web").await.index(), 4);
 }
 
+// ---------------------------------------------------------------- health state
+
+/// Registers `web-1` on n1 with port `port` and its check in `status`, as the table of
+/// `docs/consul-protocol.md` ("Watching every check at once") does.
+async fn register_web(addr: SocketAddr, port: u16, status: &str) {
+    let r = put(
+        addr,
+        "/v1/catalog/register",
+        &json!({
+            "Node": "n1", "Address": "10.0.0.1",
+            "Service": {"ID": "web-1", "Service": "web", "Port": port, "Tags": ["blue"]},
+            "Check": {"CheckID": "service:web-1", "Name": "alive", "Status": status, "ServiceID": "web-1"},
+        }),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+fn check_named<'a>(checks: &'a Value, id: &str) -> &'a Value {
+    checks.as_array().unwrap().iter().find(|c| c["CheckID"] == id).unwrap_or_else(|| panic!("no {id} in {checks}"))
+}
+
+#[tokio::test]
+async fn checks_index_follows_the_observed_table() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n2", "api", "api-1", "passing", &[]).await;
+    let api_written = get(a, "/v1/health/state/any").await.index();
+
+    // register: both indexes move, the check is written at that index.
+    register_web(a, 8080, "passing").await;
+    let services = get(a, "/v1/catalog/services").await.index();
+    let state = get(a, "/v1/health/state/any").await;
+    assert_eq!(state.index(), services);
+    assert_eq!(check_named(&state.json(), "service:web-1")["ModifyIndex"], services);
+    assert_eq!(check_named(&state.json(), "service:web-1")["CreateIndex"], services);
+
+    // same check, new port: both move, the check is rewritten.
+    register_web(a, 9090, "passing").await;
+    let services2 = get(a, "/v1/catalog/services").await.index();
+    let state = get(a, "/v1/health/state/any").await;
+    assert_eq!(services2, services + 1);
+    assert_eq!(state.index(), services2);
+    assert_eq!(check_named(&state.json(), "service:web-1")["ModifyIndex"], services2);
+
+    // check -> critical: only the checks index moves, and only that check's ModifyIndex.
+    register_web(a, 9090, "critical").await;
+    assert_eq!(get(a, "/v1/catalog/services").await.index(), services2);
+    let state = get(a, "/v1/health/state/any").await;
+    assert_eq!(state.index(), services2 + 1);
+    let body = state.json();
+    let web = check_named(&body, "service:web-1");
+    assert_eq!((web["ModifyIndex"].as_u64(), web["CreateIndex"].as_u64()), (Some(services2 + 1), Some(services)));
+    assert_eq!(web["Status"], "critical");
+    assert_eq!(check_named(&body, "service:api-1")["ModifyIndex"], api_written);
+
+    // The shape: sorted by (Node, CheckID), every documented field.
+    let nodes: Vec<_> = body.as_array().unwrap().iter().map(|c| c["Node"].as_str().unwrap().to_owned()).collect();
+    assert_eq!(nodes, ["n1", "n2"]);
+    for f in [
+        "Node",
+        "CheckID",
+        "Name",
+        "Status",
+        "Notes",
+        "Output",
+        "ServiceID",
+        "ServiceName",
+        "ServiceTags",
+        "Type",
+        "CreateIndex",
+        "ModifyIndex",
+    ] {
+        assert!(web.get(f).is_some(), "{f} in {web}");
+    }
+    assert_eq!((&web["ServiceName"], &web["ServiceTags"], &web["Type"]), (&json!("web"), &json!(["blue"]), &json!("")));
+    assert!(web.get("Namespace").is_none());
+    assert_eq!(state.header("X-Consul-KnownLeader"), Some("true"));
+    assert_eq!(state.header("Content-Type"), Some("application/json"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_state_blocks_on_the_checks_index() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register_web(a, 8080, "passing").await;
+    let i = get(a, "/v1/health/state/any").await.index();
+    let mut h = spawn_get(a, format!("/v1/health/state/any?index={i}&wait=5s"));
+    wait_blocking(&sim, consul_sim::HEALTH_STATE_LABEL, 1).await;
+    // A service registered without a check is a catalog write, not a checks write.
+    let r = put(a, "/v1/catalog/register", &json!({"Node": "n2", "Address": "10.0.0.2", "Service": {"Service": "db"}}))
+        .await;
+    assert_eq!(r.status, 200);
+    assert!(get(a, "/v1/catalog/services").await.index() > i);
+    assert!(still_pending(&mut h, Duration::from_millis(300)).await, "a check-less write must not answer");
+    assert_eq!(get(a, "/v1/health/state/any").await.index(), i);
+    // A check write does.
+    register_web(a, 8080, "warning").await;
+    let r = tokio::time::timeout(LONG, h).await.expect("woken").unwrap();
+    assert!(r.index() > i);
+    assert_eq!(r.json()[0]["Status"], "warning");
+    let rec = sim.requests().into_iter().find(|r| r.query == format!("index={i}&wait=5s")).unwrap();
+    assert_eq!((rec.path.as_str(), rec.outcome, rec.wait_ms), ("/v1/health/state/any", Outcome::Answered, Some(5000)));
+
+    // A timeout answers the same index and the full body.
+    let r = get(a, &format!("/v1/health/state/any?index={}&wait=100ms", r.index())).await;
+    assert_eq!(r.json().as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn health_state_filters_by_state_and_shows_node_checks() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &["blue"]).await;
+    register(a, "n2", "web", "web-2", "warning", &[]).await;
+    register(a, "n3", "api", "api-1", "critical", &[]).await;
+    let r = put(
+        a,
+        "/v1/catalog/register",
+        &json!({"Node": "n1", "Address": "10.0.0.2", "Check": {"CheckID": "serfHealth", "Name": "Serf", "Status": "critical"}}),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let ids = |r: Reply| -> Vec<String> {
+        r.json()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| format!("{}/{}", c["Node"].as_str().unwrap(), c["CheckID"].as_str().unwrap()))
+            .collect()
+    };
+    assert_eq!(
+        ids(get(a, "/v1/health/state/any").await),
+        ["n1/serfHealth", "n1/service:web-1", "n2/service:web-2", "n3/service:api-1"]
+    );
+    assert_eq!(ids(get(a, "/v1/health/state/passing").await), ["n1/service:web-1"]);
+    assert_eq!(ids(get(a, "/v1/health/state/warning").await), ["n2/service:web-2"]);
+    assert_eq!(ids(get(a, "/v1/health/state/critical").await), ["n1/serfHealth", "n3/service:api-1"]);
+
+    let any = get(a, "/v1/health/state/any").await.json();
+    let serf = check_named(&any, "serfHealth");
+    assert_eq!((&serf["ServiceID"], &serf["ServiceName"], &serf["ServiceTags"]), (&json!(""), &json!(""), &json!([])));
+
+    // Namespaces: service checks of that namespace, node checks whatever the namespace.
+    let body = json!({"Node": "n9", "Address": "10.0.0.9", "Service": {"ID": "t1", "Service": "team-svc"},
+        "Check": {"CheckID": "t1-check", "Status": "passing", "ServiceID": "t1"}});
+    assert_eq!(put(a, "/v1/catalog/register?ns=team", &body).await.status, 200);
+    assert_eq!(ids(get(a, "/v1/health/state/any?ns=team").await), ["n1/serfHealth", "n9/t1-check"]);
+    let r = call(a, "GET", "/v1/health/state/passing", &[("X-Consul-Namespace", "team")], None).await;
+    let team = r.json();
+    assert_eq!((&team[0]["Namespace"], &team[0]["Partition"]), (&json!("team"), &json!("default")));
+    assert!(!ids(get(a, "/v1/health/state/any").await).contains(&"n9/t1-check".to_owned()));
+
+    // Older shapes: null tags on node checks, no newer fields.
+    sim.set_faults(FaultsPatch { null_variants: Some(true), ..FaultsPatch::default() });
+    let any = get(a, "/v1/health/state/any").await.json();
+    let serf = check_named(&any, "serfHealth");
+    assert_eq!(serf["ServiceTags"], Value::Null);
+    assert!(serf.get("Type").is_none());
+}
+
+#[tokio::test]
+async fn health_state_errors_and_faults() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    for (target, status, body) in [
+        ("/v1/health/state/bogus", 400, "Invalid check state"),
+        ("/v1/health/state/ANY", 400, "Invalid check state"),
+        ("/v1/health/state/", 400, "Missing check state"),
+        (
+            "/v1/health/state/any?stale&consistent",
+            400,
+            "Cannot specify ?stale with ?consistent, conflicting semantics.",
+        ),
+        ("/v1/health/state/any?index=x", 400, "Invalid index"),
+        ("/v1/health/state/any?wait=10", 400, "Invalid wait time"),
+        ("/v1/health/state/any?dc=dc2", 500, "No path to datacenter"),
+    ] {
+        let r = get(a, target).await;
+        assert_eq!((r.status, r.text().as_str()), (status, body), "{target}");
+        assert!(r.header("X-Consul-Index").is_none(), "{target}");
+    }
+    assert_eq!(get(a, "/v1/health/state/any?filter=Status%3D%3Dpassing").await.status, 400);
+    assert_eq!(call(a, "PUT", "/v1/health/state/any", &[], Some("")).await.status, 405);
+    let r = get(a, "/v1/health/state/any?stale&cached&dc=dc1").await;
+    assert_eq!((r.status, r.json()), (200, json!([])));
+    assert_eq!(r.header("X-Consul-Effective-Consistency"), Some("stale"));
+
+    put(a, "/_sim/faults", &json!({"no_leader": 1, "too_many_requests": 1})).await;
+    assert_eq!(get(a, "/v1/health/state/any").await.status, 429);
+    let r = get(a, "/v1/health/state/any").await;
+    assert_eq!((r.status, r.text().as_str()), (500, "No cluster leader"));
+    assert_eq!(get(a, "/v1/health/state/any").await.status, 200);
+    assert_eq!(sim.stats().injected_429, 1);
+    assert!(sim.requests().iter().all(|r| r.service.is_none()), "not a service query");
+}
+
+#[tokio::test]
+async fn health_state_filters_service_checks_by_acl() {
+    let sim = start(acl_config()).await;
+    let a = sim.addr();
+    let root = [("X-Consul-Token", "root")];
+    for (node, svc) in [("n1", "web"), ("n2", "db")] {
+        let body = json!({"Node": node, "Address": "10.0.0.1", "Service": {"Service": svc},
+            "Checks": [{"CheckID": format!("{svc}-check"), "Status": "passing", "ServiceID": svc},
+                       {"CheckID": "serfHealth", "Status": "passing"}]});
+        let r = call(a, "PUT", "/v1/catalog/register", &root, Some(&body.to_string())).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let checks = |r: &Reply| -> Vec<String> {
+        r.json().as_array().unwrap().iter().map(|c| c["CheckID"].as_str().unwrap().to_owned()).collect()
+    };
+    let r = call(a, "GET", "/v1/health/state/any", &root, None).await;
+    assert_eq!(checks(&r), ["serfHealth", "web-check", "db-check", "serfHealth"]);
+    assert_eq!(r.header("X-Consul-Results-Filtered-By-ACLs"), None);
+    let r = call(a, "GET", "/v1/health/state/any", &[("X-Consul-Token", "reader")], None).await;
+    assert_eq!(checks(&r), ["serfHealth", "web-check", "serfHealth"], "db's check is hidden, node checks are not");
+    assert_eq!(r.header("X-Consul-Results-Filtered-By-ACLs"), Some("true"));
+    assert_eq!(r.header("X-Consul-Default-ACL-Policy"), Some("deny"));
+    let r = get(a, "/v1/health/state/any").await;
+    assert_eq!(checks(&r), ["serfHealth", "serfHealth"], "anonymous");
+    let r = call(a, "GET", "/v1/health/state/any", &[("X-Consul-Token", "bogus")], None).await;
+    assert_eq!((r.status, r.text().as_str()), (403, "ACL not found"));
+}
+
 // ---------------------------------------------------------------- writes, catalog, control
 
 #[tokio::test]
