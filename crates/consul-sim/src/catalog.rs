@@ -283,6 +283,8 @@ impl HealthEntry {
 pub(crate) enum StateFilter {
     Any,
     Only(CheckStatus),
+    /// An unknown state on an agent that answers it with `[]` rather than a 400.
+    Nothing,
 }
 
 impl StateFilter {
@@ -301,6 +303,7 @@ impl StateFilter {
         match self {
             StateFilter::Any => true,
             StateFilter::Only(s) => s == status,
+            StateFilter::Nothing => false,
         }
     }
 }
@@ -377,9 +380,13 @@ impl Catalog {
     }
 
     /// The last raft index used by a write (the catalog maximum).
-    #[cfg(test)]
     pub(crate) fn raft_index(&self) -> u64 {
         self.raft_index
+    }
+
+    /// Whether no service instance is registered at all.
+    pub(crate) fn has_no_service(&self) -> bool {
+        self.services.is_empty()
     }
 
     /// The index `/v1/health/state/<state>` reports.

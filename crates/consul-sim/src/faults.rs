@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use super::Config;
 use super::acl::TokenSource;
 
 /// How many requests a fault applies to.
@@ -82,21 +83,66 @@ pub struct Faults {
     pub null_variants: bool,
     /// The `X-Consul-KnownLeader` header value (`false` is normal with the streaming backend).
     pub known_leader: bool,
+    /// Older agents' behaviours ([`Config::single_health_index`] and the fields after it;
+    /// [`Config::legacy`] turns them all on): start-up values from the [`Config`], changeable
+    /// at run time like any fault. Each applies to requests that arrive after it is set.
+    pub single_health_index: bool,
+    pub zero_index_when_empty: bool,
+    pub first_tag_only: bool,
+    pub no_server_cancel: bool,
+    pub unknown_state_is_empty: bool,
+}
+
+/// The older-agent switches of [`Faults`], read once per request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Quirks {
+    pub single_health_index: bool,
+    pub zero_index_when_empty: bool,
+    pub first_tag_only: bool,
+    pub no_server_cancel: bool,
+    pub unknown_state_is_empty: bool,
 }
 
 impl Faults {
-    pub(crate) fn defaults(null_variants: bool) -> Self {
+    /// The start-up state: no faults, the configured response shapes and agent behaviours.
+    pub(crate) fn defaults(config: &Config) -> Self {
         Faults {
             latency_ms: 0,
             no_leader: Budget::Off,
             too_many_requests: Budget::Off,
-            null_variants,
+            null_variants: config.null_variants,
             known_leader: true,
+            single_health_index: config.single_health_index,
+            zero_index_when_empty: config.zero_index_when_empty,
+            first_tag_only: config.first_tag_only,
+            no_server_cancel: config.no_server_cancel,
+            unknown_state_is_empty: config.unknown_state_is_empty,
+        }
+    }
+
+    pub(crate) fn quirks(&self) -> Quirks {
+        Quirks {
+            single_health_index: self.single_health_index,
+            zero_index_when_empty: self.zero_index_when_empty,
+            first_tag_only: self.first_tag_only,
+            no_server_cancel: self.no_server_cancel,
+            unknown_state_is_empty: self.unknown_state_is_empty,
         }
     }
 
     pub(crate) fn apply(&mut self, patch: FaultsPatch) {
-        let FaultsPatch { latency_ms, no_leader, too_many_requests, null_variants, known_leader } = patch;
+        let FaultsPatch {
+            latency_ms,
+            no_leader,
+            too_many_requests,
+            null_variants,
+            known_leader,
+            single_health_index,
+            zero_index_when_empty,
+            first_tag_only,
+            no_server_cancel,
+            unknown_state_is_empty,
+        } = patch;
         if let Some(v) = latency_ms {
             self.latency_ms = v;
         }
@@ -111,6 +157,18 @@ impl Faults {
         }
         if let Some(v) = known_leader {
             self.known_leader = v;
+        }
+        let switches = [
+            (single_health_index, &mut self.single_health_index),
+            (zero_index_when_empty, &mut self.zero_index_when_empty),
+            (first_tag_only, &mut self.first_tag_only),
+            (no_server_cancel, &mut self.no_server_cancel),
+            (unknown_state_is_empty, &mut self.unknown_state_is_empty),
+        ];
+        for (value, field) in switches {
+            if let Some(v) = value {
+                *field = v;
+            }
         }
     }
 }
@@ -130,6 +188,16 @@ pub struct FaultsPatch {
     pub null_variants: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub known_leader: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub single_health_index: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zero_index_when_empty: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_tag_only: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub no_server_cancel: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unknown_state_is_empty: Option<bool>,
 }
 
 /// What became of a logged request.
@@ -203,6 +271,10 @@ pub struct Stats {
     /// `"_health_state"`).
     pub blocking: BTreeMap<String, usize>,
     pub blocking_total: usize,
+    /// Blocking queries still held although their client went away (only with
+    /// `no_server_cancel`; they are counted in `blocking` too, until their wait ends or a
+    /// write wakes them).
+    pub blocking_detached: usize,
 }
 
 #[cfg(test)]
@@ -229,9 +301,22 @@ mod tests {
     fn patch_rejects_unknown_fields() {
         assert!(serde_json::from_str::<FaultsPatch>(r#"{"latency": 5}"#).is_err());
         let p: FaultsPatch = serde_json::from_str(r#"{"no_leader": "always"}"#).unwrap();
-        let mut f = Faults::defaults(false);
+        let mut f = Faults::defaults(&Config::default());
         f.apply(p);
         assert_eq!(f.no_leader, Budget::Always);
         assert_eq!(f.latency_ms, 0);
+        f.apply(serde_json::from_str(r#"{"first_tag_only": true, "no_server_cancel": true}"#).unwrap());
+        let q = f.quirks();
+        assert!(q.first_tag_only && q.no_server_cancel && !q.single_health_index);
+        assert_eq!(
+            Faults::defaults(&Config::legacy()).quirks(),
+            Quirks {
+                single_health_index: true,
+                zero_index_when_empty: true,
+                first_tag_only: true,
+                no_server_cancel: true,
+                unknown_state_is_empty: true,
+            }
+        );
     }
 }

@@ -38,17 +38,34 @@
 //! - `GET /v1/catalog/services` (blocking on the index of the last change to any service).
 //! - `GET /v1/catalog/datacenters`, `GET /v1/status/leader`.
 //!
-//! Successful reads carry `X-Consul-Index` (at least 1), `X-Consul-KnownLeader`,
-//! `X-Consul-LastContact: 0`, `X-Consul-Effective-Consistency`, `X-Consul-Query-Backend`, and
-//! with ACLs on `X-Consul-Default-ACL-Policy` (plus `X-Consul-Results-Filtered-By-ACLs` when
-//! entries were hidden). Errors carry none of them. Successful responses are gzipped when the
-//! request sends `Accept-Encoding: gzip`, whatever their size (real agents skip bodies under
-//! about 1.4 kB; clients must handle both).
+//! Successful reads carry `X-Consul-Index` (at least 1, except under `zero_index_when_empty`),
+//! `X-Consul-KnownLeader`, `X-Consul-LastContact: 0`, `X-Consul-Effective-Consistency`,
+//! `X-Consul-Query-Backend`, and with ACLs on `X-Consul-Default-ACL-Policy` (plus
+//! `X-Consul-Results-Filtered-By-ACLs` when entries were hidden). Errors carry none of them.
+//! Successful responses are gzipped when the request sends `Accept-Encoding: gzip`, whatever
+//! their size (real agents skip bodies under about 1.4 kB; clients must handle both).
 //!
 //! Response shapes: by default the modern one (`{}`/`[]` for empty maps and lists, plus
 //! fields older agents lack). With [`Config::null_variants`] (`--null-variants`, or the
 //! `null_variants` fault at run time) empty `Meta`, `TaggedAddresses` and `Tags` are `null`
 //! and the newer fields are left out, as older agents answered.
+//!
+//! # Older agents
+//!
+//! By default the simulator is a current agent. Each behaviour of older agents listed in
+//! `docs/consul-protocol.md` is a switch: a [`Config`] field, a `consul-sim` flag, and a
+//! [`FaultsPatch`] field (`PUT /_sim/faults`, so a test can flip it on a running simulator;
+//! it applies to requests that arrive afterwards, and `DELETE /_sim/faults` restores the
+//! start-up value). [`Config::legacy`] (`--legacy`) turns them all on, with `null_variants`
+//! and no connection limit: a 0.9-line agent.
+//!
+//! | switch | behaviour |
+//! |---|---|
+//! | `single_health_index` | one index for the whole health table: every `/v1/health/service/<any>` reports and blocks on the catalog's raft index, so a write to any service or node wakes the blocking queries of unrelated services, which answer an unchanged body (the `/_sim/services/<name>/index` override then has no visible effect) |
+//! | `zero_index_when_empty` | while the catalog holds no service at all (nodes alone do not count), every read answers `X-Consul-Index: 0`, at once even when sent a large `index` |
+//! | `first_tag_only` | `/v1/health/service` applies only the first `tag` and ignores the rest |
+//! | `no_server_cancel` | a blocking query whose client disconnects is not cancelled: it stays in flight, counted in [`Stats::blocking`] and [`Stats::blocking_detached`], until its wait ends or its index moves (the request log marks it `cancelled` at once, as the client went away) |
+//! | `unknown_state_is_empty` | an unknown `/v1/health/state/<x>` answers 200 `[]` (with the checks index), blocking like any state |
 //!
 //! # Control endpoints (`/_sim/...`, not in real Consul)
 //!
@@ -58,14 +75,14 @@
 //! | request | body | answer |
 //! |---|---|---|
 //! | `GET /_sim/faults` | | [`Faults`] |
-//! | `PUT /_sim/faults` | [`FaultsPatch`], e.g. `{"latency_ms": 200, "no_leader": 3, "too_many_requests": "always", "null_variants": true, "known_leader": false}` | [`Faults`] after the change |
+//! | `PUT /_sim/faults` | [`FaultsPatch`], e.g. `{"latency_ms": 200, "no_leader": 3, "too_many_requests": "always", "null_variants": true, "known_leader": false, "single_health_index": true}` | [`Faults`] after the change |
 //! | `DELETE /_sim/faults` | | [`Faults`] back to the start-up defaults |
 //! | `POST /_sim/drop-blocking` | | `{"dropped": n}`: every blocking query in flight is closed without a response |
 //! | `PUT /_sim/services/<name>/index[?ns=&partition=]` | `{"index": n}` | `{"service", "index"}`, 404 for an unknown service: the service's index becomes `n` (may go backwards), data unchanged |
 //! | `POST /_sim/reset-index` | `{"index": n}` (optional, default 1) | `{"index": n}`: every index becomes `n` while data is kept ("restart with a lower index"); the next write takes `n + 1` |
 //! | `GET /_sim/requests[?path_prefix=/v1/health/service/web]` | | `[`[`RequestRecord`]`]`, oldest first |
 //! | `DELETE /_sim/requests` | | `{"cleared": n}` |
-//! | `GET /_sim/stats` | | [`Stats`]: open and peak connections per client IP, 429 counts, blocking queries per service (`/v1/catalog/services` under [`CATALOG_SERVICES_LABEL`], `/v1/health/state` under [`HEALTH_STATE_LABEL`]) |
+//! | `GET /_sim/stats` | | [`Stats`]: open and peak connections per client IP, 429 counts, blocking queries per service and those whose client went away (`/v1/catalog/services` under [`CATALOG_SERVICES_LABEL`], `/v1/health/state` under [`HEALTH_STATE_LABEL`]) |
 //! | `DELETE /_sim/stats` | | [`Stats`] after resetting counters (peaks restart from the open counts) |
 //!
 //! Fault budgets ([`Budget`]) are `0` (off), a count `n` (the next `n` health queries), or
@@ -94,6 +111,7 @@
 //! sessions or KV. Plain HTTP/1.1 only (as Consul without TLS).
 
 mod acl;
+mod blocking;
 mod catalog;
 mod control;
 mod duration;
@@ -108,7 +126,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 
 pub use acl::{AclConfig, AclToken, TokenPolicy, TokenSource};
 pub use catalog::ServiceKey;
@@ -138,6 +155,41 @@ pub struct Config {
     pub initial_index: u64,
     /// How many request records `/_sim/requests` keeps (oldest dropped first).
     pub request_log_capacity: usize,
+
+    // Older agents' behaviours (`docs/consul-protocol.md`), off by default (a current agent).
+    // All can also be flipped at run time through [`FaultsPatch`].
+    /// One index for the whole health table (the 0.9 line): every `/v1/health/service/<any>`
+    /// reports and blocks on the catalog's raft index, so any write wakes the blocking
+    /// queries of every service, which answer an unchanged body.
+    pub single_health_index: bool,
+    /// While the catalog holds no service at all, reads answer `X-Consul-Index: 0`, at once
+    /// even when sent an `index` (a freshly started older agent).
+    pub zero_index_when_empty: bool,
+    /// `/v1/health/service` applies only the first `tag` and ignores the rest (before 1.3).
+    pub first_tag_only: bool,
+    /// A blocking query whose client disconnects is not cancelled: it stays in flight (and
+    /// in [`Stats::blocking`], [`Stats::blocking_detached`]) until its wait ends or a write
+    /// wakes it.
+    pub no_server_cancel: bool,
+    /// An unknown `/v1/health/state/<state>` answers 200 `[]` instead of 400.
+    pub unknown_state_is_empty: bool,
+}
+
+impl Config {
+    /// A 0.9-line agent: every older-agent switch on, the `null` shapes, and no
+    /// per-client connection limit (that came with 1.6). Listens like `Config::default()`.
+    pub fn legacy() -> Self {
+        Config {
+            max_conns_per_client: 0,
+            null_variants: true,
+            single_health_index: true,
+            zero_index_when_empty: true,
+            first_tag_only: true,
+            no_server_cancel: true,
+            unknown_state_is_empty: true,
+            ..Config::default()
+        }
+    }
 }
 
 impl Default for Config {
@@ -151,6 +203,11 @@ impl Default for Config {
             leader_address: "127.0.0.1:8300".to_owned(),
             initial_index: 1,
             request_log_capacity: 100_000,
+            single_health_index: false,
+            zero_index_when_empty: false,
+            first_tag_only: false,
+            no_server_cancel: false,
+            unknown_state_is_empty: false,
         }
     }
 }
@@ -178,9 +235,9 @@ impl Simulator {
         let listener = TcpListener::bind(listen).await.map_err(|source| SimError::Bind { addr: listen, source })?;
         let addr = listener.local_addr().map_err(|source| SimError::Bind { addr: listen, source })?;
         let shared = Arc::new(Shared::new(config));
-        let (shutdown, rx) = watch::channel(false);
+        let rx = shared.shutdown.subscribe();
         let task = tokio::spawn(server::accept_loop(listener, shared.clone(), rx));
-        Ok(RunningSim { addr, shared, shutdown, task: Some(task), thread: None })
+        Ok(RunningSim { addr, shared, task: Some(task), thread: None })
     }
 
     /// Binds and serves on a dedicated thread with its own runtime, so the simulator keeps
@@ -198,7 +255,7 @@ impl Simulator {
             .build()
             .map_err(SimError::Runtime)?;
         let shared = Arc::new(Shared::new(config));
-        let (shutdown, rx) = watch::channel(false);
+        let rx = shared.shutdown.subscribe();
         let serve_shared = shared.clone();
         let thread = std::thread::Builder::new()
             .name("consul-sim".to_owned())
@@ -213,7 +270,7 @@ impl Simulator {
                 runtime.shutdown_timeout(Duration::from_secs(1));
             })
             .map_err(SimError::Runtime)?;
-        Ok(RunningSim { addr, shared, shutdown, task: None, thread: Some(thread) })
+        Ok(RunningSim { addr, shared, task: None, thread: Some(thread) })
     }
 }
 
@@ -221,7 +278,6 @@ impl Simulator {
 pub struct RunningSim {
     addr: SocketAddr,
     shared: Arc<Shared>,
-    shutdown: watch::Sender<bool>,
     task: Option<tokio::task::JoinHandle<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -302,7 +358,7 @@ impl RunningSim {
 
     /// Stops accepting, closes every connection, and waits for the accept loop to end.
     pub async fn shutdown(mut self) {
-        let _ = self.shutdown.send(true);
+        self.shared.shutdown.send_replace(true);
         if let Some(task) = self.task.take() {
             let _ = task.await;
         }
@@ -314,7 +370,7 @@ impl RunningSim {
 
 impl Drop for RunningSim {
     fn drop(&mut self) {
-        let _ = self.shutdown.send(true);
+        self.shared.shutdown.send_replace(true);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }

@@ -22,12 +22,13 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use super::acl::{Identity, extract_token};
+use super::blocking::{Wait, Watched, Woken, answers_zero, reported_index};
 use super::catalog::{Catalog, CatalogError, DeregisterRequest, RegisterRequest, ServiceKey, StateFilter};
 use super::control;
 use super::duration::{effective_wait, jitter, parse_go_duration};
-use super::faults::{Outcome, RequestRecord};
+use super::faults::{Outcome, Quirks, RequestRecord};
 use super::render;
-use super::state::{BlockingGuard, ConnGuard, LogGuard, Shared, lock};
+use super::state::{ConnGuard, LogGuard, Shared, lock};
 use super::urls::percent_decode;
 
 type Resp = Response<Full<Bytes>>;
@@ -377,23 +378,24 @@ impl Ctx<'_> {
             .map_err(|_| ApiError::new(StatusCode::FORBIDDEN, "ACL not found"))
     }
 
-    /// Waits, if asked to, until `index_of` is above the client's index or the wait passes;
-    /// then returns the current index and `read` result. Wake-ups only evaluate `index_of`
-    /// (cheap), the full read happens once. Errors only when the fault injector drops
-    /// blocking queries.
+    /// Waits, if asked to, until `watched`'s index is above the client's or the wait passes;
+    /// then returns the index to report and the `read` result. Wake-ups only evaluate the
+    /// index (cheap), the full read happens once. Errors only when the fault injector drops
+    /// blocking queries (or the simulator stops).
     async fn block<T>(
         &self,
         opts: &ReadOptions,
         label: &str,
-        index_of: impl Fn(&Catalog) -> u64,
+        watched: Watched,
+        quirks: Quirks,
         read: impl Fn(&Catalog) -> T,
     ) -> Result<(u64, T), Dropped> {
         let shared = self.shared;
         let snapshot = || {
             let catalog = lock(&shared.catalog);
-            (index_of(&catalog), read(&catalog))
+            (reported_index(&watched, &catalog, quirks), read(&catalog))
         };
-        if opts.index == 0 {
+        if opts.index == 0 || answers_zero(&lock(&shared.catalog), quirks) {
             return Ok(snapshot());
         }
         let timeout = opts.wait + jitter(opts.wait);
@@ -402,39 +404,18 @@ impl Ctx<'_> {
             r.timeout_ms = u64::try_from(timeout.as_millis()).ok();
         });
         let deadline = tokio::time::Instant::now() + timeout;
-        let mut changes = shared.changes.subscribe();
-        // Subscribe to drops before counting ourselves as blocked, so that a drop which counts
-        // us is guaranteed to reach us.
-        let mut drops = shared.drops.subscribe();
-        drops.mark_unchanged();
-        let _blocking = BlockingGuard::new(shared, label);
-        loop {
-            // Mark seen before reading, so a write between the read and the wait still wakes us.
-            changes.mark_unchanged();
-            if index_of(&lock(&shared.catalog)) > opts.index {
-                return Ok(snapshot());
-            }
-            tokio::select! {
-                r = changes.changed() => {
-                    if r.is_err() {
-                        // The sender lives as long as `shared`; unreachable in practice.
-                        return Ok(snapshot());
-                    }
-                }
-                () = tokio::time::sleep_until(deadline) => {
-                    return Ok(snapshot());
-                }
-                _ = drops.changed() => return Err(Dropped),
-            }
+        match Wait::start(shared, label, watched.clone(), quirks, opts.index, deadline).finish().await {
+            Woken::Ready => Ok(snapshot()),
+            Woken::Dropped => Err(Dropped),
         }
     }
 
-    /// A successful read with Consul's headers. The index is never below 1.
+    /// A successful read with Consul's headers (`index` as [`reported_index`] made it).
     fn read_ok(&self, body: &Value, index: u64, consistency: &'static str, acl_filtered: bool) -> Resp {
         let known_leader = self.shared.with_faults(|f| f.known_leader);
         let mut resp = plain_json(body);
         let h = resp.headers_mut();
-        h.insert("x-consul-index", HeaderValue::from(index.max(1)));
+        h.insert("x-consul-index", HeaderValue::from(index));
         h.insert("x-consul-knownleader", HeaderValue::from_static(if known_leader { "true" } else { "false" }));
         h.insert("x-consul-lastcontact", HeaderValue::from_static("0"));
         h.insert("x-consul-effective-consistency", HeaderValue::from_static(consistency));
@@ -520,10 +501,14 @@ async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap) -> H
     let identity = ctx.identity()?;
     inject_read_faults(shared)?;
 
+    let quirks = shared.quirks();
     let key = ServiceKey::scoped(name, namespace(p, headers), p.first_non_empty("partition"));
-    let tags = p.all("tag");
+    let mut tags = p.all("tag");
+    if quirks.first_tag_only {
+        tags.truncate(1);
+    }
     let (index, mut entries) =
-        ctx.block(&opts, &key.name, |c| c.service_index(&key), |c| c.health(&key, &tags)).await?;
+        ctx.block(&opts, &key.name, Watched::Service(key.clone()), quirks, |c| c.health(&key, &tags)).await?;
     let mut acl_filtered = false;
     if !identity.can_read_service(&key.name) {
         acl_filtered = !entries.is_empty();
@@ -575,7 +560,12 @@ async fn health_state(ctx: &Ctx<'_>, raw_state: &str, headers: &HeaderMap) -> Ha
     if state.is_empty() {
         return Err(ApiError::bad_request("Missing check state").into());
     }
-    let filter = StateFilter::parse(&state).ok_or_else(|| ApiError::bad_request("Invalid check state"))?;
+    let quirks = shared.quirks();
+    let filter = match StateFilter::parse(&state) {
+        Some(f) => f,
+        None if quirks.unknown_state_is_empty => StateFilter::Nothing,
+        None => return Err(ApiError::bad_request("Invalid check state").into()),
+    };
     check_datacenter(shared, p.first("dc"))?;
     let identity = ctx.identity()?;
     inject_read_faults(shared)?;
@@ -583,7 +573,7 @@ async fn health_state(ctx: &Ctx<'_>, raw_state: &str, headers: &HeaderMap) -> Ha
     let ns = namespace(p, headers);
     let partition = p.first_non_empty("partition");
     let (index, mut entries) = ctx
-        .block(&opts, HEALTH_STATE_LABEL, Catalog::checks_index, |c| c.checks_in_state(filter, ns, partition))
+        .block(&opts, HEALTH_STATE_LABEL, Watched::ChecksTable, quirks, |c| c.checks_in_state(filter, ns, partition))
         .await?;
     // Node checks are shown to everyone who may read at all (node rules are not modelled).
     let before = entries.len();
@@ -601,8 +591,10 @@ async fn catalog_services(ctx: &Ctx<'_>, headers: &HeaderMap) -> Handled {
     let identity = ctx.identity()?;
     let ns = namespace(p, headers);
     let partition = p.first_non_empty("partition");
-    let (index, mut services) =
-        ctx.block(&opts, CATALOG_SERVICES_LABEL, Catalog::services_index, |c| c.services(ns, partition)).await?;
+    let quirks = shared.quirks();
+    let (index, mut services) = ctx
+        .block(&opts, CATALOG_SERVICES_LABEL, Watched::CatalogServices, quirks, |c| c.services(ns, partition))
+        .await?;
     let before = services.len();
     services.retain(|name, _| identity.can_read_service(name));
     let legacy = shared.with_faults(|f| f.null_variants);

@@ -16,7 +16,7 @@ use tokio::sync::watch;
 
 use super::Config;
 use super::catalog::{Catalog, ServiceKey};
-use super::faults::{Faults, FaultsPatch, Outcome, RequestRecord, Stats};
+use super::faults::{Faults, FaultsPatch, Outcome, Quirks, RequestRecord, Stats};
 
 /// Locks, ignoring poisoning: the protected data stays consistent because no code panics
 /// while holding a lock, and a test tool should keep answering regardless.
@@ -30,6 +30,14 @@ struct ConnTable {
     peak: HashMap<IpAddr, usize>,
     open_total: usize,
     peak_total: usize,
+}
+
+/// Blocking queries in flight.
+#[derive(Default)]
+struct BlockingTable {
+    per_label: BTreeMap<String, usize>,
+    /// Those whose client went away (see [`Detach`]).
+    detached: usize,
 }
 
 struct RequestLog {
@@ -53,10 +61,13 @@ pub(crate) struct Shared {
     pub changes: watch::Sender<()>,
     /// Bumped by `drop_blocking`: in-flight blocking queries close their connection.
     pub drops: watch::Sender<()>,
+    /// Set once when the simulator stops: the accept loop, connections and blocking
+    /// queries left running without a client (`no_server_cancel`) end.
+    pub shutdown: watch::Sender<bool>,
     faults: Mutex<Faults>,
     conns: Mutex<ConnTable>,
     log: Mutex<RequestLog>,
-    blocking: Mutex<BTreeMap<String, usize>>,
+    blocking: Mutex<BlockingTable>,
     rejected_connections: AtomicU64,
     injected_429: AtomicU64,
     requests_total: AtomicU64,
@@ -66,17 +77,18 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn new(config: Config) -> Self {
         let catalog = Catalog::new(config.datacenter.clone(), config.initial_index);
-        let faults = Faults::defaults(config.null_variants);
+        let faults = Faults::defaults(&config);
         let capacity = config.request_log_capacity;
         Shared {
             config,
             catalog: Mutex::new(catalog),
             changes: watch::Sender::new(()),
             drops: watch::Sender::new(()),
+            shutdown: watch::Sender::new(false),
             faults: Mutex::new(faults),
             conns: Mutex::new(ConnTable::default()),
             log: Mutex::new(RequestLog { capacity, next_seq: 1, records: VecDeque::new() }),
-            blocking: Mutex::new(BTreeMap::new()),
+            blocking: Mutex::new(BlockingTable::default()),
             rejected_connections: AtomicU64::new(0),
             injected_429: AtomicU64::new(0),
             requests_total: AtomicU64::new(0),
@@ -105,8 +117,12 @@ impl Shared {
 
     pub(crate) fn clear_faults(&self) -> Faults {
         let mut f = lock(&self.faults);
-        *f = Faults::defaults(self.config.null_variants);
+        *f = Faults::defaults(&self.config);
         f.clone()
+    }
+
+    pub(crate) fn quirks(&self) -> Quirks {
+        lock(&self.faults).quirks()
     }
 
     pub(crate) fn with_faults<R>(&self, f: impl FnOnce(&mut Faults) -> R) -> R {
@@ -119,7 +135,7 @@ impl Shared {
 
     /// Closes every in-flight blocking query without a response; returns how many there were.
     pub(crate) fn drop_blocking(&self) -> usize {
-        let n = lock(&self.blocking).values().sum();
+        let n = lock(&self.blocking).per_label.values().sum();
         self.drops.send_replace(());
         n
     }
@@ -166,18 +182,23 @@ impl Shared {
 
     // ---- blocking bookkeeping
 
-    pub(crate) fn blocking_started(&self, label: &str) {
-        *lock(&self.blocking).entry(label.to_owned()).or_insert(0) += 1;
+    fn blocking_started(&self, label: &str) {
+        *lock(&self.blocking).per_label.entry(label.to_owned()).or_insert(0) += 1;
     }
 
-    pub(crate) fn blocking_ended(&self, label: &str) {
+    fn blocking_ended(&self, label: &str) {
         let mut b = lock(&self.blocking);
-        if let Some(n) = b.get_mut(label) {
+        if let Some(n) = b.per_label.get_mut(label) {
             *n = n.saturating_sub(1);
             if *n == 0 {
-                b.remove(label);
+                b.per_label.remove(label);
             }
         }
+    }
+
+    fn count_detached(&self, up: bool) {
+        let mut b = lock(&self.blocking);
+        b.detached = if up { b.detached + 1 } else { b.detached.saturating_sub(1) };
     }
 
     // ---- request log
@@ -228,7 +249,10 @@ impl Shared {
 
     pub(crate) fn stats(&self) -> Stats {
         let conns = lock(&self.conns);
-        let blocking = lock(&self.blocking).clone();
+        let (blocking, blocking_detached) = {
+            let b = lock(&self.blocking);
+            (b.per_label.clone(), b.detached)
+        };
         let rejected = self.rejected_connections.load(Ordering::Relaxed);
         let injected = self.injected_429.load(Ordering::Relaxed);
         Stats {
@@ -242,6 +266,7 @@ impl Shared {
             requests_total: self.requests_total.load(Ordering::Relaxed),
             blocking_total: blocking.values().sum(),
             blocking,
+            blocking_detached,
         }
     }
 
@@ -278,18 +303,64 @@ impl Drop for ConnGuard {
 pub(crate) struct BlockingGuard {
     shared: Arc<Shared>,
     label: String,
+    detach: Option<Arc<Detach>>,
 }
 
 impl BlockingGuard {
     pub(crate) fn new(shared: &Arc<Shared>, label: &str) -> Self {
         shared.blocking_started(label);
-        BlockingGuard { shared: shared.clone(), label: label.to_owned() }
+        BlockingGuard { shared: shared.clone(), label: label.to_owned(), detach: None }
+    }
+
+    /// Lets the query outlive its request: the returned handle, dropped by the request
+    /// before this guard, counts the query as detached until this guard goes too.
+    pub(crate) fn detachable(&mut self) -> DetachHandle {
+        let detach = Arc::new(Detach::default());
+        self.detach = Some(detach.clone());
+        DetachHandle { shared: self.shared.clone(), detach }
     }
 }
 
 impl Drop for BlockingGuard {
     fn drop(&mut self) {
+        if let Some(d) = &self.detach {
+            let mut st = lock(&d.state);
+            st.ended = true;
+            if st.detached {
+                self.shared.count_detached(false);
+            }
+        }
         self.shared.blocking_ended(&self.label);
+    }
+}
+
+/// Whether a detachable blocking query ended, and whether its request went first. Both
+/// sides update it under its lock, so the detached count goes up and down exactly once.
+#[derive(Default)]
+pub(crate) struct Detach {
+    state: Mutex<DetachState>,
+}
+
+#[derive(Default)]
+struct DetachState {
+    ended: bool,
+    detached: bool,
+}
+
+/// Held by the request of a detachable blocking query: dropping it before the query ended
+/// (the client went away) counts the query as detached.
+pub(crate) struct DetachHandle {
+    shared: Arc<Shared>,
+    detach: Arc<Detach>,
+}
+
+impl Drop for DetachHandle {
+    fn drop(&mut self) {
+        let mut st = lock(&self.detach.state);
+        if !st.ended && !st.detached {
+            st.detached = true;
+            self.shared.count_detached(true);
+        }
     }
 }
 

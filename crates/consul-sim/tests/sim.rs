@@ -1012,6 +1012,210 @@ async fn health_state_filters_service_checks_by_acl() {
     assert_eq!((r.status, r.text().as_str()), (403, "ACL not found"));
 }
 
+// ---------------------------------------------------------------- older agents
+
+/// Starts a simulator with one older-agent switch on from the start (`at_start`), or with
+/// it off and then flipped on at run time through `PUT /_sim/faults`.
+async fn start_with_switch(name: &str, at_start: bool, set: fn(&mut Config)) -> RunningSim {
+    let mut config = Config::default();
+    if at_start {
+        set(&mut config);
+    }
+    let sim = start(config).await;
+    assert_eq!(sim.faults().quirk(name), at_start, "{name} at start");
+    if !at_start {
+        let r = put(sim.addr(), "/_sim/faults", &json!({ name: true })).await;
+        assert_eq!((r.status, &r.json()[name]), (200, &json!(true)), "{name}");
+    }
+    sim
+}
+
+trait Quirk {
+    fn quirk(&self, name: &str) -> bool;
+}
+
+impl Quirk for consul_sim::Faults {
+    fn quirk(&self, name: &str) -> bool {
+        serde_json::to_value(self).unwrap()[name].as_bool().unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_health_index_wakes_unrelated_services() {
+    for at_start in [true, false] {
+        let sim = start_with_switch("single_health_index", at_start, |c| c.single_health_index = true).await;
+        let a = sim.addr();
+        register(a, "n1", "alpha", "alpha-1", "passing", &[]).await;
+        register(a, "n2", "beta", "beta-1", "passing", &[]).await;
+        let alpha = get(a, "/v1/health/service/alpha").await;
+        let beta = get(a, "/v1/health/service/beta").await;
+        assert_eq!(alpha.index(), beta.index(), "one index for every service");
+        assert_eq!(get(a, "/v1/health/service/ghost").await.index(), beta.index());
+
+        let mut h = spawn_get(a, format!("/v1/health/service/alpha?index={}&wait=5s", alpha.index()));
+        wait_blocking(&sim, "alpha", 1).await;
+        register(a, "n2", "beta", "beta-1", "critical", &[]).await;
+        let r = tokio::time::timeout(LONG, &mut h).await.expect("a write to beta wakes alpha").unwrap();
+        assert!(r.index() > alpha.index());
+        assert_eq!(r.json(), alpha.json(), "with an unchanged body");
+        // The checks table keeps its own index.
+        assert_eq!(get(a, "/v1/health/state/any").await.index(), r.index());
+        let r = put(a, "/v1/catalog/register", &json!({"Node": "n3", "Address": "10.0.0.3"})).await;
+        assert_eq!(r.status, 200);
+        assert!(get(a, "/v1/health/state/any").await.index() < get(a, "/v1/health/service/alpha").await.index());
+
+        // Off again: alpha has its own index, that of its registration (just before beta's).
+        sim.set_faults(FaultsPatch { single_health_index: Some(false), ..FaultsPatch::default() });
+        assert_eq!(get(a, "/v1/health/service/alpha").await.index(), beta.index() - 1);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_index_when_empty_answers_zero_at_once() {
+    for at_start in [true, false] {
+        let sim = start_with_switch("zero_index_when_empty", at_start, |c| c.zero_index_when_empty = true).await;
+        let a = sim.addr();
+        for target in [
+            "/v1/health/service/web",
+            "/v1/health/service/web?index=100&wait=5s",
+            "/v1/catalog/services?index=100&wait=5s",
+            "/v1/health/state/any?index=100&wait=5s",
+        ] {
+            let r = tokio::time::timeout(Duration::from_secs(2), get(a, target)).await.expect("answers at once");
+            assert_eq!((r.status, r.index()), (200, 0), "{target}");
+        }
+        // A node (no service) is not enough; a service is.
+        let r = put(a, "/v1/catalog/register", &json!({"Node": "n0", "Address": "10.0.0.1"})).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(get(a, "/v1/health/service/web").await.index(), 0);
+        register(a, "n1", "web", "web-1", "passing", &[]).await;
+        let i = get(a, "/v1/health/service/web").await.index();
+        assert!(i >= 1);
+        let mut h = spawn_get(a, format!("/v1/health/service/web?index={i}&wait=5s"));
+        wait_blocking(&sim, "web", 1).await;
+        assert!(still_pending(&mut h, Duration::from_millis(100)).await, "blocks again once a service exists");
+        // Empty again: the blocker, woken by the write, answers 0.
+        put(a, "/v1/catalog/deregister", &json!({"Node": "n1"})).await;
+        let r = tokio::time::timeout(LONG, h).await.unwrap().unwrap();
+        assert_eq!(r.index(), 0);
+        sim.clear_faults();
+        assert_eq!(get(a, "/v1/health/service/web").await.index() >= 1, !at_start);
+    }
+}
+
+#[tokio::test]
+async fn first_tag_only_ignores_later_tags() {
+    for at_start in [true, false] {
+        let sim = start_with_switch("first_tag_only", at_start, |c| c.first_tag_only = true).await;
+        let a = sim.addr();
+        register(a, "n1", "web", "web-1", "passing", &["blue", "v2"]).await;
+        register(a, "n2", "web", "web-2", "passing", &["blue"]).await;
+        register(a, "n3", "web", "web-3", "passing", &["v2"]).await;
+        let ids = |r: Reply| -> Vec<String> {
+            r.json().as_array().unwrap().iter().map(|e| e["Service"]["ID"].as_str().unwrap().to_owned()).collect()
+        };
+        assert_eq!(ids(get(a, "/v1/health/service/web?tag=blue&tag=v2").await), ["web-1", "web-2"]);
+        assert_eq!(ids(get(a, "/v1/health/service/web?tag=v2&tag=nope").await), ["web-1", "web-3"]);
+        sim.set_faults(FaultsPatch { first_tag_only: Some(false), ..FaultsPatch::default() });
+        assert_eq!(ids(get(a, "/v1/health/service/web?tag=blue&tag=v2").await), ["web-1"]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_server_cancel_keeps_abandoned_queries() {
+    for at_start in [true, false] {
+        let sim = start_with_switch("no_server_cancel", at_start, |c| c.no_server_cancel = true).await;
+        let a = sim.addr();
+        register(a, "n1", "web", "web-1", "passing", &[]).await;
+        register(a, "n2", "api", "api-1", "passing", &[]).await;
+        let i = get(a, "/v1/health/service/web").await.index();
+
+        // Abandoned, then woken by a write to its service.
+        let mut c = Conn::open(a).await;
+        c.send("GET", &format!("/v1/health/service/web?index={i}&wait=5s"), &[], None).await;
+        wait_blocking(&sim, "web", 1).await;
+        drop(c);
+        let (s, ok) = sim.wait_for_stats(LONG, |s| s.blocking_detached == 1).await;
+        assert!(ok, "the server saw the client go: {s:?}");
+        assert_eq!(s.blocking.get("web"), Some(&1), "and still holds the query");
+        assert!(sim.requests().iter().any(|r| r.outcome == Outcome::Cancelled));
+        assert_eq!(s.open_connections_total, 0, "the connection itself is gone");
+        register(a, "n2", "api", "api-1", "critical", &[]).await;
+        assert_eq!(sim.stats().blocking.get("web"), Some(&1), "a write elsewhere does not wake it");
+        register(a, "n1", "web", "web-1", "critical", &[]).await;
+        let (s, ok) = sim.wait_for_stats(LONG, |s| s.blocking_total == 0 && s.blocking_detached == 0).await;
+        assert!(ok, "a write to web ends it: {s:?}");
+
+        // Abandoned, then its wait ends.
+        let i = get(a, "/v1/health/service/web").await.index();
+        let mut c = Conn::open(a).await;
+        c.send("GET", &format!("/v1/health/service/web?index={i}&wait=300ms"), &[], None).await;
+        wait_blocking(&sim, "web", 1).await;
+        drop(c);
+        let (s, ok) = sim.wait_for_stats(LONG, |s| s.blocking_total == 0 && s.blocking_detached == 0).await;
+        assert!(ok, "its wait ends it: {s:?}");
+
+        // A client that stays gets its answer as usual.
+        let mut h = spawn_get(a, format!("/v1/health/service/web?index={i}&wait=5s"));
+        wait_blocking(&sim, "web", 1).await;
+        register(a, "n1", "web", "web-1", "passing", &[]).await;
+        assert!(tokio::time::timeout(LONG, &mut h).await.unwrap().unwrap().index() > i);
+        assert_eq!(sim.stats().blocking_detached, 0);
+
+        // Off: the server drops the query with its client.
+        sim.set_faults(FaultsPatch { no_server_cancel: Some(false), ..FaultsPatch::default() });
+        let i = get(a, "/v1/health/service/web").await.index();
+        let mut c = Conn::open(a).await;
+        c.send("GET", &format!("/v1/health/service/web?index={i}&wait=5s"), &[], None).await;
+        wait_blocking(&sim, "web", 1).await;
+        drop(c);
+        let (s, ok) = sim.wait_for_stats(LONG, |s| s.blocking_total == 0).await;
+        assert!(ok && s.blocking_detached == 0, "{s:?}");
+    }
+}
+
+#[tokio::test]
+async fn unknown_state_is_empty_answers_an_empty_list() {
+    for at_start in [true, false] {
+        let sim = start_with_switch("unknown_state_is_empty", at_start, |c| c.unknown_state_is_empty = true).await;
+        let a = sim.addr();
+        register(a, "n1", "web", "web-1", "passing", &[]).await;
+        let r = get(a, "/v1/health/state/bogus").await;
+        assert_eq!((r.status, r.json()), (200, json!([])));
+        assert_eq!(r.index(), get(a, "/v1/health/state/any").await.index());
+        assert_eq!(get(a, "/v1/health/state/").await.status, 400, "a missing state is still refused");
+        sim.clear_faults();
+        assert_eq!(get(a, "/v1/health/state/bogus").await.status, if at_start { 200 } else { 400 });
+    }
+}
+
+#[tokio::test]
+async fn legacy_config_is_a_0_9_agent() {
+    let sim = start(Config::legacy()).await;
+    let a = sim.addr();
+    let f = sim.faults();
+    for name in [
+        "null_variants",
+        "single_health_index",
+        "zero_index_when_empty",
+        "first_tag_only",
+        "no_server_cancel",
+        "unknown_state_is_empty",
+    ] {
+        assert!(f.quirk(name), "{name}");
+    }
+    assert_eq!(get(a, "/v1/health/service/web").await.index(), 0);
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    assert_eq!(get(a, "/v1/health/service/web").await.json()[0]["Service"]["Meta"], Value::Null);
+    // No connection limit: more than the default 200 at once.
+    let mut held = Vec::new();
+    for _ in 0..210 {
+        held.push(Conn::open(a).await);
+    }
+    let (s, ok) = sim.wait_for_stats(LONG, |s| s.open_connections_total == 210).await;
+    assert!(ok && s.rejected_connections == 0, "{s:?}");
+}
+
 // ---------------------------------------------------------------- writes, catalog, control
 
 #[tokio::test]
@@ -1144,6 +1348,31 @@ async fn dropping_the_handle_stops_the_server() {
     while TcpStream::connect(a).await.is_ok() {
         assert!(Instant::now() < deadline, "still accepting after drop");
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn binary_legacy_flags() {
+    for (args, legacy) in [(&["--legacy"][..], true), (&["--first-tag-only", "--no-server-cancel"][..], false)] {
+        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_consul-sim"))
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn consul-sim");
+        use tokio::io::AsyncBufReadExt;
+        let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let line = tokio::time::timeout(LONG, lines.next_line()).await.unwrap().unwrap().expect("a line");
+        let addr: SocketAddr = line.strip_prefix("listening on ").unwrap().parse().unwrap();
+        let f = get(addr, "/_sim/faults").await.json();
+        let on = |name: &str| f[name].as_bool().unwrap();
+        assert!(on("first_tag_only") && on("no_server_cancel"), "{args:?}: {f}");
+        assert_eq!(on("single_health_index"), legacy, "{args:?}: {f}");
+        assert_eq!(on("null_variants"), legacy, "{args:?}: {f}");
+        child.kill().await.unwrap();
     }
 }
 

@@ -24,8 +24,9 @@ struct Args {
     datacenter: String,
 
     /// Concurrent connections allowed per client IP before answering 429 (0 = unlimited).
-    #[arg(long, default_value_t = 200)]
-    max_conns_per_client: usize,
+    /// Default 200, or 0 with `--legacy`.
+    #[arg(long)]
+    max_conns_per_client: Option<usize>,
 
     /// An ACL token: `SECRET=management` or `SECRET=service-read:PREFIX[,PREFIX...]`
     /// (`service-read:` alone reads every service). Repeatable; any token enables ACLs.
@@ -51,21 +52,55 @@ struct Args {
     /// The raft index of the empty catalog.
     #[arg(long, default_value_t = 1)]
     initial_index: u64,
+
+    /// Behave as a 0.9-line agent: every older-agent switch below, the `null` shapes, and
+    /// no per-client connection limit (unless `--max-conns-per-client` is given).
+    #[arg(long, help_heading = "Older agents")]
+    legacy: bool,
+
+    /// One index for the whole health table: every `/v1/health/service/<any>` reports and
+    /// blocks on the catalog's raft index, so any write wakes every service's watchers.
+    #[arg(long, help_heading = "Older agents")]
+    single_health_index: bool,
+
+    /// While no service is registered, reads answer `X-Consul-Index: 0`, at once even to a
+    /// large `index`.
+    #[arg(long, help_heading = "Older agents")]
+    zero_index_when_empty: bool,
+
+    /// `/v1/health/service` applies only the first `tag` and ignores the rest.
+    #[arg(long, help_heading = "Older agents")]
+    first_tag_only: bool,
+
+    /// A blocking query whose client disconnects stays in flight (and in `/_sim/stats`)
+    /// until its wait ends or a write wakes it.
+    #[arg(long, help_heading = "Older agents")]
+    no_server_cancel: bool,
+
+    /// An unknown `/v1/health/state/<state>` answers 200 `[]` instead of 400.
+    #[arg(long, help_heading = "Older agents")]
+    unknown_state_is_empty: bool,
 }
 
 impl Args {
     fn into_config(self) -> Config {
         let acl = (self.acl_enabled || !self.acl_tokens.is_empty())
             .then_some(AclConfig { tokens: self.acl_tokens, anonymous_read: self.acl_anonymous_read });
+        let base = if self.legacy { Config::legacy() } else { Config::default() };
         Config {
             listen: self.listen,
             datacenter: self.datacenter,
-            max_conns_per_client: self.max_conns_per_client,
+            max_conns_per_client: self.max_conns_per_client.unwrap_or(base.max_conns_per_client),
             acl,
-            null_variants: self.null_variants,
+            null_variants: base.null_variants || self.null_variants,
             leader_address: self.leader_address,
             initial_index: self.initial_index,
-            ..Config::default()
+            single_health_index: base.single_health_index || self.single_health_index,
+            zero_index_when_empty: base.zero_index_when_empty || self.zero_index_when_empty,
+            first_tag_only: base.first_tag_only || self.first_tag_only,
+            no_server_cancel: base.no_server_cancel || self.no_server_cancel,
+            unknown_state_is_empty: base.unknown_state_is_empty || self.unknown_state_is_empty,
+            ..base
         }
     }
 }
