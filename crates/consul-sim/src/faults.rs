@@ -258,6 +258,13 @@ pub struct Stats {
     pub peak_connections: BTreeMap<String, usize>,
     pub open_connections_total: usize,
     pub peak_connections_total: usize,
+    /// Open connections by negotiated protocol: `"h1"` (plain HTTP, or TLS with ALPN
+    /// `http/1.1` or none) and `"h2"` (TLS with ALPN `h2`). Counted once serving, so a
+    /// connection still in its TLS handshake (or refused) is in `open_connections` only.
+    pub open_connections_by_protocol: BTreeMap<String, usize>,
+    /// The most requests in flight at once on a single connection since start or the last
+    /// reset (which restarts it from 0): above 1 only with HTTP/2 multiplexing.
+    pub peak_streams_per_connection: usize,
     /// Connections refused with 429 because their client IP was at the limit.
     pub rejected_connections: u64,
     /// 429s produced by the `too_many_requests` fault.

@@ -67,6 +67,25 @@
 //! | `no_server_cancel` | a blocking query whose client disconnects is not cancelled: it stays in flight, counted in [`Stats::blocking`] and [`Stats::blocking_detached`], until its wait ends or its index moves (the request log marks it `cancelled` at once, as the client went away) |
 //! | `unknown_state_is_empty` | an unknown `/v1/health/state/<x>` answers 200 `[]` (with the checks index), blocking like any state |
 //!
+//! # TLS and HTTP/2
+//!
+//! Without [`Config::tls`] the simulator speaks plain HTTP/1.1, as Consul without TLS: each
+//! blocking query in flight holds a TCP connection. With it (`--tls-cert FILE --tls-key FILE
+//! [--tls-client-ca FILE] [--h2-max-streams N]`) it serves HTTPS and offers ALPN `h2` and
+//! `http/1.1`: a client that negotiates `h2` gets HTTP/2 (as Consul: HTTP/2 only over
+//! HTTPS), with at most [`TlsConfig::h2_max_concurrent_streams`] streams at once (default
+//! 250, Go's, announced as `SETTINGS_MAX_CONCURRENT_STREAMS`); [`RunningSim::base_url`] is
+//! then `https://...`. A client CA makes a client certificate signed by it mandatory (mTLS).
+//! The per-client connection limit counts TCP connections, so one HTTP/2 connection with
+//! many streams is one connection; over TLS the limit's 429 is written as HTTP/1.1 inside
+//! the TLS session after the handshake (an HTTP/2 client sees that as a protocol error).
+//! [`Stats::open_connections_by_protocol`] (`h1`/`h2`) and
+//! [`Stats::peak_streams_per_connection`] show multiplexing. Observed with hyper's HTTP/2
+//! client: requests beyond the stream limit wait in the client until a stream closes; the
+//! server never has more than the limit in flight on one connection, and nothing fails.
+//! With the `test-pki` feature, `tls::TestPki` generates a CA, a server certificate (for
+//! `127.0.0.1`, `localhost`, `consul.test`) and a client certificate for tests.
+//!
 //! # Control endpoints (`/_sim/...`, not in real Consul)
 //!
 //! All bodies are JSON. Control requests bypass faults, ACLs and the request log, but their
@@ -82,15 +101,14 @@
 //! | `POST /_sim/reset-index` | `{"index": n}` (optional, default 1) | `{"index": n}`: every index becomes `n` while data is kept ("restart with a lower index"); the next write takes `n + 1` |
 //! | `GET /_sim/requests[?path_prefix=/v1/health/service/web]` | | `[`[`RequestRecord`]`]`, oldest first |
 //! | `DELETE /_sim/requests` | | `{"cleared": n}` |
-//! | `GET /_sim/stats` | | [`Stats`]: open and peak connections per client IP, 429 counts, blocking queries per service and those whose client went away (`/v1/catalog/services` under [`CATALOG_SERVICES_LABEL`], `/v1/health/state` under [`HEALTH_STATE_LABEL`]) |
-//! | `DELETE /_sim/stats` | | [`Stats`] after resetting counters (peaks restart from the open counts) |
+//! | `GET /_sim/stats` | | [`Stats`]: open and peak connections per client IP and by protocol, the peak streams on one connection, 429 counts, blocking queries per service and those whose client went away (`/v1/catalog/services` under [`CATALOG_SERVICES_LABEL`], `/v1/health/state` under [`HEALTH_STATE_LABEL`]) |
+//! | `DELETE /_sim/stats` | | [`Stats`] after resetting counters (connection peaks restart from the open counts, the streams peak from 0) |
 //!
 //! Fault budgets ([`Budget`]) are `0` (off), a count `n` (the next `n` health queries), or
 //! `"always"` (until cleared). `no_leader` and `too_many_requests` apply to the health reads
 //! (`/v1/health/service` and `/v1/health/state`) only, checked after parameter validation,
-//! the datacenter and the token, and before blocking (so
-//! writes and the catalog keep working while a test breaks the read path); `latency_ms`
-//! applies to every `/v1/` request. The in-process handle [`RunningSim`] offers the same
+//! the datacenter and the token, and before blocking (so writes and the catalog keep working
+//! while a test breaks the read path); `latency_ms` applies to every `/v1/` request. The in-process handle [`RunningSim`] offers the same
 //! operations as methods.
 //!
 //! # Running it
@@ -108,17 +126,19 @@
 //!
 //! Request bodies use Consul's exact (PascalCase) field names; Go's decoder would also accept
 //! other capitalisations. No node ACL rules, no `node-meta` filter, no agent endpoints, no
-//! sessions or KV. Plain HTTP/1.1 only (as Consul without TLS).
+//! sessions or KV. No HTTP/2 without TLS (no h2c), as Consul.
 
 mod acl;
 mod blocking;
 mod catalog;
+mod conn;
 mod control;
 mod duration;
 mod faults;
 mod render;
 mod server;
 mod state;
+pub mod tls;
 mod urls;
 
 use std::net::{Ipv4Addr, SocketAddr};
@@ -132,6 +152,7 @@ pub use catalog::ServiceKey;
 pub use duration::{DEFAULT_WAIT, DurationError, MAX_WAIT, effective_wait, parse_go_duration};
 pub use faults::{Budget, Faults, FaultsPatch, Outcome, RequestRecord, Stats};
 pub use server::{CATALOG_SERVICES_LABEL, HEALTH_STATE_LABEL};
+pub use tls::{DEFAULT_H2_MAX_CONCURRENT_STREAMS, TlsConfig};
 
 use state::Shared;
 
@@ -155,6 +176,8 @@ pub struct Config {
     pub initial_index: u64,
     /// How many request records `/_sim/requests` keeps (oldest dropped first).
     pub request_log_capacity: usize,
+    /// Serve HTTPS (HTTP/2 or HTTP/1.1 by ALPN) instead of plain HTTP/1.1; see [`tls`].
+    pub tls: Option<TlsConfig>,
 
     // Older agents' behaviours (`docs/consul-protocol.md`), off by default (a current agent).
     // All can also be flipped at run time through [`FaultsPatch`].
@@ -203,6 +226,7 @@ impl Default for Config {
             leader_address: "127.0.0.1:8300".to_owned(),
             initial_index: 1,
             request_log_capacity: 100_000,
+            tls: None,
             single_health_index: false,
             zero_index_when_empty: false,
             first_tag_only: false,
@@ -223,6 +247,9 @@ pub enum SimError {
     },
     #[error("starting the simulator's runtime: {0}")]
     Runtime(#[source] std::io::Error),
+    /// The TLS settings do not make a server configuration (bad PEM, key not matching...).
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 /// Starts simulators.
@@ -231,18 +258,20 @@ pub struct Simulator;
 impl Simulator {
     /// Binds and serves on the current tokio runtime.
     pub async fn start(config: Config) -> Result<RunningSim, SimError> {
+        let tls = config.tls.as_ref().map(TlsConfig::acceptor).transpose().map_err(SimError::Tls)?;
         let listen = config.listen;
         let listener = TcpListener::bind(listen).await.map_err(|source| SimError::Bind { addr: listen, source })?;
         let addr = listener.local_addr().map_err(|source| SimError::Bind { addr: listen, source })?;
         let shared = Arc::new(Shared::new(config));
         let rx = shared.shutdown.subscribe();
-        let task = tokio::spawn(server::accept_loop(listener, shared.clone(), rx));
+        let task = tokio::spawn(conn::accept_loop(listener, tls, shared.clone(), rx));
         Ok(RunningSim { addr, shared, task: Some(task), thread: None })
     }
 
     /// Binds and serves on a dedicated thread with its own runtime, so the simulator keeps
     /// answering even while the caller's thread or runtime is blocked. Callable from sync code.
     pub fn start_background(config: Config) -> Result<RunningSim, SimError> {
+        let tls = config.tls.as_ref().map(TlsConfig::acceptor).transpose().map_err(SimError::Tls)?;
         let listen = config.listen;
         let std_listener = std::net::TcpListener::bind(listen)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
@@ -262,7 +291,7 @@ impl Simulator {
             .spawn(move || {
                 runtime.block_on(async move {
                     match TcpListener::from_std(std_listener) {
-                        Ok(listener) => server::accept_loop(listener, serve_shared, rx).await,
+                        Ok(listener) => conn::accept_loop(listener, tls, serve_shared, rx).await,
                         Err(e) => tracing::error!(error = %e, "consul-sim: cannot register listener"),
                     }
                 });
@@ -288,9 +317,10 @@ impl RunningSim {
         self.addr
     }
 
-    /// `http://<addr>`, without a trailing slash.
+    /// `http://<addr>`, or `https://<addr>` with TLS, without a trailing slash.
     pub fn base_url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.shared.config.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
     }
 
     pub fn faults(&self) -> Faults {

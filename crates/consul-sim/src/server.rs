@@ -1,5 +1,5 @@
-//! The HTTP side: our own accept loop (for the per-client connection limit), hyper 1 serving
-//! HTTP/1.1 on each connection, and the Consul endpoints.
+//! The Consul endpoints: routing, parameters, blocking reads and writes, for one request at a
+//! time (connections are `conn`'s).
 
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -12,14 +12,8 @@ use flate2::write::GzEncoder;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::header::{self, HeaderMap, HeaderValue};
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 
 use super::acl::{Identity, extract_token};
 use super::blocking::{Wait, Watched, Woken, answers_zero, reported_index};
@@ -28,7 +22,7 @@ use super::control;
 use super::duration::{effective_wait, jitter, parse_go_duration};
 use super::faults::{Outcome, Quirks, RequestRecord};
 use super::render;
-use super::state::{ConnGuard, LogGuard, Shared, lock};
+use super::state::{LogGuard, Shared, lock};
 use super::urls::percent_decode;
 
 type Resp = Response<Full<Bytes>>;
@@ -43,84 +37,6 @@ pub const HEALTH_STATE_LABEL: &str = "_health_state";
 #[derive(Debug, thiserror::Error)]
 #[error("connection dropped by fault injection")]
 pub(crate) struct Dropped;
-
-/// Accepts connections until `shutdown` flips to true.
-pub(crate) async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
-    loop {
-        let accepted = tokio::select! {
-            r = listener.accept() => r,
-            _ = shutdown.wait_for(|stop| *stop) => return,
-        };
-        let (stream, peer) = match accepted {
-            Ok(x) => x,
-            Err(e) => {
-                // Typically EMFILE; back off briefly rather than spin.
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let ip = peer.ip();
-        if !shared.try_open_connection(ip) {
-            tracing::debug!(%peer, "connection limit reached: 429");
-            tokio::spawn(reject_connection(stream));
-            continue;
-        }
-        let guard = ConnGuard { shared: shared.clone(), ip };
-        let shared = shared.clone();
-        let mut shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            let _guard = guard;
-            let _ = stream.set_nodelay(true);
-            let svc = {
-                let shared = shared.clone();
-                service_fn(move |req| handle(shared.clone(), peer, req))
-            };
-            let conn = http1::Builder::new().keep_alive(true).serve_connection(TokioIo::new(stream), svc);
-            tokio::select! {
-                r = conn => {
-                    if let Err(e) = r {
-                        tracing::debug!(%peer, error = %e, "connection ended");
-                    }
-                }
-                // Dropping the connection closes the socket, aborting in-flight requests.
-                _ = shutdown.wait_for(|stop| *stop) => {}
-            }
-        });
-    }
-}
-
-/// The connection-limit answer: read (and discard) the request head so that closing the
-/// socket does not turn into a reset that hides our reply, write a 429, and close.
-async fn reject_connection(mut stream: TcpStream) {
-    let mut buf = [0u8; 4096];
-    let mut head = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_millis(500), async {
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 64 * 1024 {
-            match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => head.extend_from_slice(&buf[..n]),
-            }
-        }
-    })
-    .await;
-    let body = "Too Many Requests";
-    let reply = format!(
-        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = stream.write_all(reply.as_bytes()).await;
-    let _ = stream.shutdown().await;
-    // Drain briefly so the peer reads our reply before the socket goes away.
-    let _ = tokio::time::timeout(Duration::from_millis(200), async {
-        while let Ok(n) = stream.read(&mut buf).await {
-            if n == 0 {
-                break;
-            }
-        }
-    })
-    .await;
-}
 
 fn text(status: StatusCode, body: impl Into<String>) -> Resp {
     let mut resp = Response::new(Full::new(Bytes::from(body.into())));
@@ -314,7 +230,7 @@ fn gzip(resp: Resp) -> Resp {
 }
 
 /// Entry point for every request on a connection.
-async fn handle(shared: Arc<Shared>, peer: SocketAddr, req: Request<Incoming>) -> Result<Resp, Dropped> {
+pub(crate) async fn handle(shared: Arc<Shared>, peer: SocketAddr, req: Request<Incoming>) -> Result<Resp, Dropped> {
     let path = req.uri().path().to_owned();
     if path == "/_sim" || path.starts_with("/_sim/") {
         return Ok(control::handle(&shared, req).await);

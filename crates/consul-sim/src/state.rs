@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -16,6 +16,7 @@ use tokio::sync::watch;
 
 use super::Config;
 use super::catalog::{Catalog, ServiceKey};
+use super::conn::Protocol;
 use super::faults::{Faults, FaultsPatch, Outcome, Quirks, RequestRecord, Stats};
 
 /// Locks, ignoring poisoning: the protected data stays consistent because no code panics
@@ -30,6 +31,8 @@ struct ConnTable {
     peak: HashMap<IpAddr, usize>,
     open_total: usize,
     peak_total: usize,
+    /// Open connections by negotiated protocol (`h1`, `h2`), once serving.
+    by_protocol: BTreeMap<&'static str, usize>,
 }
 
 /// Blocking queries in flight.
@@ -71,6 +74,8 @@ pub(crate) struct Shared {
     rejected_connections: AtomicU64,
     injected_429: AtomicU64,
     requests_total: AtomicU64,
+    /// The most requests in flight at once on one connection.
+    peak_streams: AtomicUsize,
     started: Instant,
 }
 
@@ -92,6 +97,7 @@ impl Shared {
             rejected_connections: AtomicU64::new(0),
             injected_429: AtomicU64::new(0),
             requests_total: AtomicU64::new(0),
+            peak_streams: AtomicUsize::new(0),
             started: Instant::now(),
         }
     }
@@ -180,6 +186,25 @@ impl Shared {
         t.open_total = t.open_total.saturating_sub(1);
     }
 
+    pub(crate) fn protocol_opened(&self, protocol: Protocol) {
+        *lock(&self.conns).by_protocol.entry(protocol.label()).or_insert(0) += 1;
+    }
+
+    pub(crate) fn protocol_closed(&self, protocol: Protocol) {
+        let mut t = lock(&self.conns);
+        if let Some(n) = t.by_protocol.get_mut(protocol.label()) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                t.by_protocol.remove(protocol.label());
+            }
+        }
+    }
+
+    /// A connection has `streams` requests in flight.
+    pub(crate) fn stream_count_seen(&self, streams: usize) {
+        self.peak_streams.fetch_max(streams, Ordering::Relaxed);
+    }
+
     // ---- blocking bookkeeping
 
     fn blocking_started(&self, label: &str) {
@@ -260,6 +285,8 @@ impl Shared {
             peak_connections: conns.peak.iter().map(|(ip, n)| (ip.to_string(), *n)).collect(),
             open_connections_total: conns.open_total,
             peak_connections_total: conns.peak_total,
+            open_connections_by_protocol: conns.by_protocol.iter().map(|(p, n)| ((*p).to_owned(), *n)).collect(),
+            peak_streams_per_connection: self.peak_streams.load(Ordering::Relaxed),
             rejected_connections: rejected,
             injected_429: injected,
             total_429: rejected + injected,
@@ -273,13 +300,14 @@ impl Shared {
     /// Resets counters; peaks restart from the current open counts.
     pub(crate) fn reset_stats(&self) {
         let mut conns = lock(&self.conns);
-        let ConnTable { open, peak, open_total, peak_total } = &mut *conns;
+        let ConnTable { open, peak, open_total, peak_total, by_protocol: _ } = &mut *conns;
         *peak = open.clone();
         *peak_total = *open_total;
         drop(conns);
         self.rejected_connections.store(0, Ordering::Relaxed);
         self.injected_429.store(0, Ordering::Relaxed);
         self.requests_total.store(0, Ordering::Relaxed);
+        self.peak_streams.store(0, Ordering::Relaxed);
     }
 }
 

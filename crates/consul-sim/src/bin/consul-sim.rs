@@ -7,10 +7,11 @@
 
 use std::io::Write as _;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 use clap::Parser;
-use consul_sim::{AclConfig, AclToken, Config, Simulator};
+use consul_sim::{AclConfig, AclToken, Config, DEFAULT_H2_MAX_CONCURRENT_STREAMS, Simulator, TlsConfig};
 
 #[derive(Debug, Parser)]
 #[command(name = "consul-sim", about = "A Consul HTTP API simulator for tests")]
@@ -53,6 +54,23 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     initial_index: u64,
 
+    /// Serve HTTPS with this certificate chain (PEM, leaf first): HTTP/2 to clients that
+    /// negotiate ALPN `h2`, HTTP/1.1 to the others. Needs `--tls-key`.
+    #[arg(long, value_name = "FILE", requires = "tls_key", help_heading = "TLS")]
+    tls_cert: Option<PathBuf>,
+
+    /// The private key of `--tls-cert` (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert", help_heading = "TLS")]
+    tls_key: Option<PathBuf>,
+
+    /// Require client certificates signed by this CA (PEM): mTLS.
+    #[arg(long, value_name = "FILE", requires = "tls_cert", help_heading = "TLS")]
+    tls_client_ca: Option<PathBuf>,
+
+    /// HTTP/2 streams allowed at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS).
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_H2_MAX_CONCURRENT_STREAMS, help_heading = "TLS")]
+    h2_max_streams: u32,
+
     /// Behave as a 0.9-line agent: every older-agent switch below, the `null` shapes, and
     /// no per-client connection limit (unless `--max-conns-per-client` is given).
     #[arg(long, help_heading = "Older agents")]
@@ -82,12 +100,29 @@ struct Args {
     unknown_state_is_empty: bool,
 }
 
+fn read_pem(path: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+}
+
 impl Args {
-    fn into_config(self) -> Config {
+    fn tls(&self) -> anyhow::Result<Option<TlsConfig>> {
+        let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else {
+            return Ok(None);
+        };
+        let mut tls =
+            TlsConfig::new(read_pem(cert)?, read_pem(key)?).with_h2_max_concurrent_streams(self.h2_max_streams);
+        if let Some(ca) = &self.tls_client_ca {
+            tls = tls.with_client_ca(read_pem(ca)?);
+        }
+        Ok(Some(tls))
+    }
+
+    fn into_config(self) -> anyhow::Result<Config> {
+        let tls = self.tls()?;
         let acl = (self.acl_enabled || !self.acl_tokens.is_empty())
             .then_some(AclConfig { tokens: self.acl_tokens, anonymous_read: self.acl_anonymous_read });
         let base = if self.legacy { Config::legacy() } else { Config::default() };
-        Config {
+        Ok(Config {
             listen: self.listen,
             datacenter: self.datacenter,
             max_conns_per_client: self.max_conns_per_client.unwrap_or(base.max_conns_per_client),
@@ -100,8 +135,9 @@ impl Args {
             first_tag_only: base.first_tag_only || self.first_tag_only,
             no_server_cancel: base.no_server_cancel || self.no_server_cancel,
             unknown_state_is_empty: base.unknown_state_is_empty || self.unknown_state_is_empty,
+            tls,
             ..base
-        }
+        })
     }
 }
 
@@ -134,7 +170,7 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
 
-    let config = Args::parse().into_config();
+    let config = Args::parse().into_config()?;
     if !config.listen.ip().is_loopback() {
         tracing::warn!(listen = %config.listen, "listening on a non-loopback address");
     }
