@@ -128,11 +128,18 @@ async fn run(pool: Arc<Pool>, (scope, server): FeedKey, client: Arc<HttpClient>,
     let checks = Mutex::new(ChecksView::default());
     let baselines = Mutex::new(0u8);
     let ctx = Ctx { pool: &pool, scope: &scope, server: &server, client: &client, shared: &shared, checks: &checks };
-    let one = |q: Query| {
+    // The checks query takes its permit first: with room for only one query (a budget of
+    // two), health changes are what must stay prompt; the catalog's then wait for the sweep.
+    let checks_permit = pool.feed_permit().await;
+    // `permit`: taken already, or `None` to wait for one.
+    let one = |q: Query, permit: Option<Option<tokio::sync::OwnedSemaphorePermit>>| {
         let ctx = &ctx;
         let baselines = &baselines;
         async move {
-            let _permit = ctx.pool.feed_permit().await;
+            let _permit = match permit {
+                Some(p) => p,
+                None => ctx.pool.feed_permit().await,
+            };
             let mut catalog = CatalogView::default();
             let mut state = IndexState::default();
             let mut backoff = Backoff::default();
@@ -178,7 +185,7 @@ async fn run(pool: Arc<Pool>, (scope, server): FeedKey, client: Arc<HttpClient>,
             }
         }
     };
-    tokio::join!(one(Query::Checks), one(Query::Catalog));
+    tokio::join!(one(Query::Checks, Some(checks_permit)), one(Query::Catalog, None));
 }
 
 struct Ctx<'a> {

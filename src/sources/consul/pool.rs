@@ -32,13 +32,14 @@ pub(crate) struct Split {
 }
 
 impl Split {
-    /// A tenth (at least one) for reads, up to two for feeds (one feed's two queries) when
-    /// there is room, the rest for dedicated blocking queries.
+    /// A tenth (at least one) for reads, then two for feeds (one feed's two queries) as far
+    /// as the budget goes, the rest for dedicated blocking queries. A watch without a slot
+    /// is as prompt as one with a slot while its feed runs, so the feed comes first.
     pub(crate) fn of(budget: usize) -> Split {
         let budget = budget.max(1);
         let reads = (budget / 10).max(1);
         let rest = budget.saturating_sub(reads);
-        let feeds = (rest / 2).min(2);
+        let feeds = rest.min(2);
         Split { slots: rest - feeds, feeds, reads }
     }
 }
@@ -168,6 +169,8 @@ mod tests {
         }
         assert_eq!(Split::of(100), Split { slots: 88, feeds: 2, reads: 10 });
         assert_eq!(Split::of(1), Split { slots: 0, feeds: 0, reads: 1 });
+        assert_eq!(Split::of(3), Split { slots: 0, feeds: 2, reads: 1 });
+        assert_eq!(Split::of(4), Split { slots: 1, feeds: 2, reads: 1 });
     }
 
     #[tokio::test]

@@ -119,6 +119,9 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
     let mut mode = Mode::Starting;
     let mut last_query: Option<Instant> = None;
     let mut not_before: Option<Instant> = None;
+    // When the first read was sent (after waiting for a read permit): a feed whose view is
+    // older needs no re-read from us.
+    let mut first_read: Option<Instant> = None;
     loop {
         // Pacing and backoff: never two queries closer than the minimum interval.
         let gap = pace(settings.min_interval, &mut rand::rng());
@@ -143,7 +146,9 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
             }
             Mode::Starting => {
                 last_query = Some(Instant::now());
-                (None, read(&pool, &client, &key).await)
+                let (sent_at, result) = read(&pool, &client, &key).await;
+                first_read = Some(sent_at);
+                (None, result)
             }
             Mode::Fed(member) => {
                 // Wait for the feed to name our service, or the sweep (spread by up to a
@@ -154,7 +159,7 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
                     () = sweep => {}
                 }
                 last_query = Some(Instant::now());
-                (None, read(&pool, &client, &key).await)
+                (None, read(&pool, &client, &key).await.1)
             }
         };
         match result {
@@ -166,8 +171,8 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
                     Mode::Starting => {
                         // No slot was free: join the feed. It marks us for an immediate
                         // re-read unless its view predates our first read.
-                        let first_read = last_query.unwrap_or_else(Instant::now);
-                        let m = pool.join_feed(&key, &client, first_read);
+                        let sent_at = first_read.unwrap_or_else(Instant::now);
+                        let m = pool.join_feed(&key, &client, sent_at);
                         m.saw(&value);
                         mode = Mode::Fed(m);
                     }
@@ -200,13 +205,18 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
     }
 }
 
-/// A non-blocking read through the address's read pool.
-async fn read(pool: &Pool, client: &HttpClient, key: &ConsulKey) -> Result<Answer<Vec<Endpoint>>, QueryError> {
+/// A non-blocking read through the server's read pool; returns when it was sent, too.
+async fn read(
+    pool: &Pool,
+    client: &HttpClient,
+    key: &ConsulKey,
+) -> (Instant, Result<Answer<Vec<Endpoint>>, QueryError>) {
     let Ok(_permit) = pool.reads.acquire().await else {
         // The semaphore is never closed; treat it as a transient failure anyway.
-        return Err(QueryError::Network { address: client.address().to_owned(), cause: "shutting down".into() });
+        let closed = QueryError::Network { address: client.address().to_owned(), cause: "shutting down".into() };
+        return (Instant::now(), Err(closed));
     };
-    client.health(key, None).await
+    (Instant::now(), client.health(key, None).await)
 }
 
 fn log_failure(key: &ConsulKey, e: &QueryError, delay: Duration) {
