@@ -1,17 +1,22 @@
 //! Benchmark of the Consul source against the in-process simulator on loopback (not a
 //! timed test): `cargo run --release -p e2e --bin consul-bench`.
 //!
-//! 1,000 watched services with the default budget (100 connections). Reports the latency
-//! from a catalog write to the endpoint update arriving as an event (p50/p99 over 1,000
-//! changes, one at a time), the requests per watched service per minute when nothing
-//! changes (measured over a shorter period and extrapolated), and peak connections.
-//! `BENCH_SERVICES`, `BENCH_CHANGES` and `BENCH_IDLE_SECS` override the sizes.
+//! 1,000 watched services with the default budget (100 connections: 88 of them get a
+//! blocking query of their own, the rest are "fed"). Reports, one change at a time:
+//! - health flips (a check passing <-> critical; `BENCH_FLIPS`, 1,000): latency from the
+//!   write to the event, separately for dedicated and fed services (the dedicated ones are
+//!   the baseline of the same run), and Consul requests per flip;
+//! - port changes (`BENCH_CHANGES`, 100), which move the catalog without rewriting a check:
+//!   the same figures;
+//! - the requests per watched service per minute when nothing changes (`BENCH_IDLE_SECS`,
+//!   60, extrapolated), and peak connections.
+//! `BENCH_SERVICES` sets the size.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use consul_resolver_core::keys::{ConsulKey, ConsulServer, HealthStatuses, QueryOptions};
-use consul_resolver_core::model::{ConsulEvent, Event};
+use consul_resolver_core::model::{ConsulEvent, Event, Health};
 use consul_resolver_operator::consul::{ConsulSource, Settings};
 use consul_sim::{Config, Simulator};
 use serde_json::json;
@@ -30,20 +35,26 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 async fn main() -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let services = env_usize("BENCH_SERVICES", 1000);
-    let changes = env_usize("BENCH_CHANGES", 1000);
+    let changes = env_usize("BENCH_CHANGES", 100);
+    let flips = env_usize("BENCH_FLIPS", 1000);
     let idle_secs = env_usize("BENCH_IDLE_SECS", 60) as u64;
     let settings = Settings::default();
     // Its own thread and runtime, so the simulator's work does not share ours.
     let sim = Simulator::start_background(Config::default())?;
     let base = sim.base_url();
     let http = reqwest::Client::new();
-    let register = |name: String, port: u16| {
+    // `status: None` writes the service alone, leaving its check as it is: a catalog move the
+    // checks cannot account for (as on agents that do not rewrite an unchanged check).
+    let register = |name: String, port: u16, status: Option<&'static str>| {
         let http = http.clone();
         let url = format!("{base}/v1/catalog/register");
         async move {
-            let body = json!({"Node": "bench", "Address": "127.0.0.1",
-                "Service": {"ID": name, "Service": name, "Port": port},
-                "Check": {"CheckID": format!("service:{name}"), "Name": "c", "Status": "passing", "ServiceID": name}});
+            let mut body = json!({"Node": "bench", "Address": "127.0.0.1",
+                "Service": {"ID": name, "Service": name, "Port": port}});
+            if let Some(status) = status {
+                body["Check"] =
+                    json!({"CheckID": format!("service:{name}"), "Name": "c", "Status": status, "ServiceID": name});
+            }
             let r = http.put(url).json(&body).send().await?;
             anyhow::ensure!(r.status().is_success(), "register: {}", r.status());
             anyhow::Ok(())
@@ -51,7 +62,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let names: Vec<String> = (0..services).map(|i| format!("svc-{i}")).collect();
     for n in &names {
-        register(n.clone(), 1).await?;
+        register(n.clone(), 1, Some("passing")).await?;
     }
 
     let source = ConsulSource::new(settings.clone());
@@ -86,19 +97,44 @@ async fn main() -> anyhow::Result<()> {
     tokio::time::sleep(idle).await;
     let idle_requests = sim.requests().len();
     let per_service_minute = idle_requests as f64 / services as f64 * (60.0 / idle.as_secs_f64());
+    // The services holding a blocking query of their own.
+    let dedicated: HashSet<String> = sim.stats().blocking.keys().filter(|k| k.starts_with("svc-")).cloned().collect();
 
-    // Latency: one change at a time, spread over the services.
-    while rx.try_recv().is_ok() {}
-    let mut latencies = Vec::with_capacity(changes);
-    for i in 0..changes {
+    // One change at a time, spread over the services; each timed from the write to the
+    // event, and the Consul requests it caused counted (the log is cleared before each).
+    let series = |label: &'static str, n: usize| Series { label, n, ..Series::default() };
+    let mut flips_seen = series("health flip", flips);
+    let mut moves_seen = series("port change, with its check", changes);
+    let mut bare_moves_seen = series("port change, service alone", changes);
+    let mut ports = vec![1u16; services];
+    let mut critical = vec![false; services];
+    #[derive(Clone, Copy, PartialEq)]
+    enum Change {
+        Flip,
+        Move,
+        BareMove,
+    }
+    let all = (0..flips).map(|i| (i, Change::Flip));
+    let all =
+        all.chain((0..changes).map(|i| (i, Change::Move))).chain((0..changes).map(|i| (i + changes, Change::BareMove)));
+    for (i, kind) in all {
+        while rx.try_recv().is_ok() {}
         let s = (i * 7919) % services;
-        let port = 2000 + (i % 60000) as u16;
+        let name = names[s].clone();
+        sim.clear_requests();
         let t0 = Instant::now();
-        register(names[s].clone(), port).await?;
+        if kind == Change::Flip {
+            critical[s] = !critical[s];
+        } else {
+            ports[s] = 2000 + (i % 60000) as u16;
+        }
+        let (port, status) = (ports[s], if critical[s] { "critical" } else { "passing" });
+        register(name.clone(), port, (kind != Change::BareMove).then_some(status)).await?;
+        let want = if critical[s] { Health::Critical } else { Health::Passing };
         loop {
             match rx.recv().await {
                 Some(Event::Consul(k, ConsulEvent::Answer { endpoints, .. }))
-                    if k.service == names[s] && endpoints.iter().any(|e| e.port == port) =>
+                    if k.service == name && endpoints.iter().any(|e| e.port == port && e.health == want) =>
                 {
                     break;
                 }
@@ -106,22 +142,76 @@ async fn main() -> anyhow::Result<()> {
                 None => anyhow::bail!("event channel closed"),
             }
         }
-        latencies.push(t0.elapsed());
+        let took = t0.elapsed();
+        // Requests the change caused: counted once the re-reads it set off have settled
+        // (no new request for 200 ms).
+        let count = || sim.requests().iter().filter(|r| !r.path.starts_with("/v1/catalog/register")).count();
+        let (mut requests, mut since) = (count(), Instant::now());
+        while since.elapsed() < Duration::from_millis(200) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let now = count();
+            if now != requests {
+                (requests, since) = (now, Instant::now());
+            }
+        }
+        let seen = match kind {
+            Change::Flip => &mut flips_seen,
+            Change::Move => &mut moves_seen,
+            Change::BareMove => &mut bare_moves_seen,
+        };
+        seen.add(dedicated.contains(&name), took, requests);
     }
-    latencies.sort();
     let stats = sim.stats();
-    println!("services watched:           {services}");
+    println!("services watched:           {services} ({} with a blocking query of their own)", dedicated.len());
     println!("connection budget:          {}", settings.max_connections);
     println!("bootstrap (all answered):   {bootstrap:?}");
     println!(
         "idle requests:              {idle_requests} in {idle:?} = {per_service_minute:.3} per service per minute (extrapolated)"
     );
-    println!(
-        "change -> event latency:    p50 {:?}  p99 {:?}  max {:?}  over {changes} changes",
-        percentile(&latencies, 0.5),
-        percentile(&latencies, 0.99),
-        latencies.last().copied().unwrap_or_default()
-    );
+    flips_seen.print();
+    moves_seen.print();
+    bare_moves_seen.print();
     println!("peak connections:           {} (429s: {})", stats.peak_connections_total, stats.total_429);
     Ok(())
+}
+
+/// One series of changes: latencies by kind of watch, and requests per change.
+#[derive(Default)]
+struct Series {
+    label: &'static str,
+    n: usize,
+    dedicated: Vec<Duration>,
+    fed: Vec<Duration>,
+    requests: Vec<usize>,
+}
+
+impl Series {
+    fn add(&mut self, dedicated: bool, took: Duration, requests: usize) {
+        if dedicated { &mut self.dedicated } else { &mut self.fed }.push(took);
+        self.requests.push(requests);
+    }
+
+    fn print(&mut self) {
+        println!("{} x {}:", self.label, self.n);
+        for (kind, v) in [("dedicated", &mut self.dedicated), ("fed", &mut self.fed)] {
+            if v.is_empty() {
+                continue;
+            }
+            v.sort();
+            println!(
+                "  {kind:<9} change -> event: n {}  p50 {:?}  p99 {:?}  max {:?}",
+                v.len(),
+                percentile(v, 0.5),
+                percentile(v, 0.99),
+                v.last().copied().unwrap_or_default()
+            );
+        }
+        self.requests.sort();
+        let mean = self.requests.iter().sum::<usize>() as f64 / self.requests.len().max(1) as f64;
+        println!(
+            "  Consul requests per change: mean {mean:.1}  p50 {}  max {}",
+            self.requests[self.requests.len() / 2],
+            self.requests.last().copied().unwrap_or_default()
+        );
+    }
 }
