@@ -556,3 +556,29 @@ fn resolver_lookup_across_namespaces_and_ambiguous_names_are_reported() {
     let status = op.terminate(T).unwrap();
     assert!(status.success(), "{status}\n{}", op.logs());
 }
+
+/// The CRD schema refuses at `kubectl apply` what it can say about the query options, naming
+/// the field; what it accepts, the API server stores as written.
+#[test]
+fn the_schema_refuses_bad_query_options_at_apply() {
+    let cluster = Cluster::shared();
+    let ns = cluster.namespace("options").unwrap();
+    for (extra, field) in [
+        ("  consistency: eventual\n", "spec.consistency"),
+        ("  healthStatuses: [passing, unknown]\n", "spec.healthStatuses"),
+        ("  healthStatuses: [passing, passing]\n", "spec.healthStatuses"),
+        ("  healthStatuses: []\n", "spec.healthStatuses"),
+        ("  addressType: \"Lan IPv4\"\n", "spec.addressType"),
+        ("  tags: [\"\"]\n", "spec.tags"),
+    ] {
+        let err = cluster.apply(&resolver_yaml(&ns, "bad", "127.0.0.1:8500", extra)).unwrap_err().to_string();
+        assert!(err.contains(field), "{extra:?} refused naming {field}: {err}");
+    }
+    let good = "  healthStatuses: [passing, warning]\n  consistency: stale\n  cached: true\n  connect: false\n  \
+                addressType: lan_ipv4\n  tags: [v2, \"!canary\"]\n";
+    cluster.apply(&resolver_yaml(&ns, "good", "127.0.0.1:8500", good)).unwrap();
+    let stored: Value =
+        serde_json::from_str(&cluster.kubectl(&["-n", &ns, "get", "cres", "good", "-o", "json"]).unwrap()).unwrap();
+    assert_eq!(stored["spec"]["healthStatuses"], serde_json::json!(["passing", "warning"]));
+    assert_eq!(stored["spec"]["tags"], serde_json::json!(["v2", "!canary"]));
+}

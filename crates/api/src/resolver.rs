@@ -96,6 +96,7 @@ pub struct ConsulResolverSpec {
     /// Read consistency: `default` (the leader answers), `stale` (any server, possibly
     /// behind; spreads the load) or `consistent` (the leader confirms it still leads).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(schema_with = "consistency_schema"))]
     pub consistency: Option<ConsistencyMode>,
 
     /// Answer from the agent's cache (`?cached`), refreshed in the background by the agent.
@@ -172,6 +173,18 @@ pub enum ConsistencyMode {
     Default,
     Stale,
     Consistent,
+}
+
+/// The schema of an optional `consistency`: the derived one lists `null` among the enum's
+/// values, which the API server refuses in a CRD ("unknown object type nil").
+#[cfg(feature = "crd")]
+fn consistency_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "enum": ["default", "stale", "consistent"],
+        "nullable": true,
+        "description": "Read consistency: `default` (the leader answers), `stale` (any server, possibly behind; spreads the load) or `consistent` (the leader confirms it still leads)."
+    })
 }
 
 /// A key of a Secret in the resolver's own namespace.
