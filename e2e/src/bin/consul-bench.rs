@@ -10,6 +10,7 @@
 //!   the same figures;
 //! - the requests per watched service per minute when nothing changes (`BENCH_IDLE_SECS`,
 //!   60, extrapolated), and peak connections.
+//!
 //! `BENCH_SERVICES` sets the size.
 
 use std::collections::HashSet;
