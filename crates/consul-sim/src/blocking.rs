@@ -22,6 +22,9 @@ pub(crate) enum Watched {
     /// `/v1/health/service/<name>`: the service's own index, or with `single_health_index`
     /// the catalog's raft index.
     Service(ServiceKey),
+    /// `/v1/health/connect/<name>`: the destination's Connect index (its key from
+    /// `catalog::connect_key`), or with `single_health_index` the catalog's raft index.
+    Connect(ServiceKey),
     /// `/v1/catalog/services`.
     CatalogServices,
     /// `/v1/health/state/<state>`.
@@ -32,8 +35,9 @@ impl Watched {
     /// The raw index (possibly 0 or below the client's); see [`reported_index`].
     pub(crate) fn index(&self, c: &Catalog, quirks: Quirks) -> u64 {
         match self {
-            Watched::Service(_) if quirks.single_health_index => c.raft_index(),
+            Watched::Service(_) | Watched::Connect(_) if quirks.single_health_index => c.raft_index(),
             Watched::Service(key) => c.service_index(key),
+            Watched::Connect(key) => c.connect_index(key),
             Watched::CatalogServices => c.services_index(),
             Watched::ChecksTable => c.checks_index(),
         }

@@ -13,6 +13,11 @@
 //!   index is set; an unknown service reports the extinction index, or the catalog maximum if
 //!   no service ever went extinct;
 //! - `/v1/catalog/services` reports the index of the last change to any service instance;
+//! - a Connect destination's index (`/v1/health/connect/<name>`) moves when one of the
+//!   `connect-proxy` instances naming it in `Proxy.DestinationServiceName` changes (also by
+//!   its checks or node, and when a proxy starts or stops naming it); destinations are
+//!   compared case-insensitively. A destination with no proxy left is dropped and sets the
+//!   Connect extinction index; an unknown destination reports it, or the catalog maximum;
 //! - the checks table index (`/v1/health/state/<state>`) moves whenever a check is created,
 //!   modified or removed (with its service or node too), and not for a write that touches no
 //!   check, such as registering a service without one. A check keeps `CreateIndex` and takes
@@ -135,6 +140,43 @@ impl Default for Weights {
     }
 }
 
+/// `Service.Kind`: the kinds the simulator knows. Anything else is refused with a 400 rather
+/// than stored and silently mis-served.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum ServiceKind {
+    #[default]
+    Typical,
+    ConnectProxy,
+}
+
+impl ServiceKind {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            ServiceKind::Typical => "",
+            ServiceKind::ConnectProxy => "connect-proxy",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "" => Some(ServiceKind::Typical),
+            "connect-proxy" => Some(ServiceKind::ConnectProxy),
+            _ => None,
+        }
+    }
+}
+
+/// `Service.Proxy`: the fields the simulator models (Consul's `ConnectProxyConfig`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "PascalCase", default)]
+pub(crate) struct ProxyConfig {
+    pub destination_service_name: String,
+    #[serde(rename = "DestinationServiceID")]
+    pub destination_service_id: String,
+    pub local_service_address: String,
+    pub local_service_port: u16,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct ServiceInstance {
     pub node: String,
@@ -147,11 +189,24 @@ pub(crate) struct ServiceInstance {
     pub tagged_addresses: BTreeMap<String, TaggedAddress>,
     pub weights: Weights,
     pub enable_tag_override: bool,
+    pub kind: ServiceKind,
+    /// As registered; `None` when the registration sent no `Proxy`.
+    pub proxy: Option<ProxyConfig>,
     pub create_index: u64,
     pub modify_index: u64,
 }
 
 impl ServiceInstance {
+    /// The key of the destination this instance proxies for, in its own namespace and
+    /// partition, with the name lowercased: `None` unless it is a `connect-proxy`.
+    pub(crate) fn connect_destination(&self) -> Option<ServiceKey> {
+        if self.kind != ServiceKind::ConnectProxy {
+            return None;
+        }
+        let dest = self.proxy.as_ref()?;
+        Some(connect_key(&dest.destination_service_name, &self.key.namespace, &self.key.partition))
+    }
+
     fn same_data(&self, other: &ServiceInstance) -> bool {
         self.key == other.key
             && self.tags == other.tags
@@ -161,6 +216,8 @@ impl ServiceInstance {
             && self.tagged_addresses == other.tagged_addresses
             && self.weights == other.weights
             && self.enable_tag_override == other.enable_tag_override
+            && self.kind == other.kind
+            && self.proxy == other.proxy
     }
 }
 
@@ -232,6 +289,8 @@ pub(crate) struct ServiceRegistration {
     pub tagged_addresses: Option<BTreeMap<String, TaggedAddress>>,
     pub weights: Option<Weights>,
     pub enable_tag_override: bool,
+    pub kind: Option<String>,
+    pub proxy: Option<ProxyConfig>,
     pub namespace: Option<String>,
     pub partition: Option<String>,
 }
@@ -330,6 +389,25 @@ struct Tx {
     services_table_changed: bool,
     checks_table_changed: bool,
     dirty: BTreeSet<ServiceKey>,
+    /// Connect destinations (see [`connect_key`]) whose proxies changed.
+    dirty_connect: BTreeSet<ServiceKey>,
+}
+
+impl Tx {
+    /// An instance changed (or its checks or node did): its service's index moves, and so
+    /// does its Connect destination's if it is a proxy.
+    fn mark(&mut self, svc: &ServiceInstance) {
+        self.dirty.insert(svc.key.clone());
+        if let Some(dest) = svc.connect_destination() {
+            self.dirty_connect.insert(dest);
+        }
+    }
+}
+
+/// The key of a Connect destination: its name lowercased (Consul compares service names
+/// case-insensitively there), in the given namespace and partition.
+pub(crate) fn connect_key(name: &str, namespace: &str, partition: &str) -> ServiceKey {
+    ServiceKey::scoped(name.to_lowercase(), Some(namespace), Some(partition))
 }
 
 fn non_empty(s: Option<String>) -> Option<String> {
@@ -356,6 +434,13 @@ pub(crate) struct Catalog {
     /// step with `checks` by `insert_check` and `remove_check`.
     checks_by_owner: HashMap<(String, String), BTreeSet<String>>,
     service_indexes: HashMap<ServiceKey, u64>,
+    /// The `connect-proxy` instances of each Connect destination ([`connect_key`]), kept in
+    /// step with `services` like `by_service`.
+    by_destination: HashMap<ServiceKey, BTreeSet<(String, String)>>,
+    /// The index of each Connect destination with at least one proxy.
+    connect_indexes: HashMap<ServiceKey, u64>,
+    /// When a destination last lost its final proxy.
+    last_connect_extinction: Option<u64>,
     services_table_index: u64,
     /// The index of the last write to any check.
     checks_table_index: u64,
@@ -373,6 +458,9 @@ impl Catalog {
             checks: BTreeMap::new(),
             checks_by_owner: HashMap::new(),
             service_indexes: HashMap::new(),
+            by_destination: HashMap::new(),
+            connect_indexes: HashMap::new(),
+            last_connect_extinction: None,
             services_table_index: 0,
             checks_table_index: 0,
             last_extinction: None,
@@ -402,6 +490,16 @@ impl Catalog {
         }
     }
 
+    /// The index `/v1/health/connect/<name>` reports for a destination key ([`connect_key`])
+    /// (before the `1` minimum is applied); an unknown destination falls back as an unknown
+    /// service does, on the Connect extinction index.
+    pub(crate) fn connect_index(&self, key: &ServiceKey) -> u64 {
+        match self.connect_indexes.get(key) {
+            Some(&index) => index,
+            None => self.last_connect_extinction.unwrap_or(self.raft_index),
+        }
+    }
+
     /// The index `/v1/catalog/services` reports.
     pub(crate) fn services_index(&self) -> u64 {
         self.services_table_index
@@ -410,8 +508,18 @@ impl Catalog {
     /// The health rows of `key` whose instances carry every tag in `tags` (compared
     /// case-insensitively, as Consul does).
     pub(crate) fn health(&self, key: &ServiceKey, tags: &[String]) -> Vec<HealthEntry> {
+        self.health_of(self.by_service.get(key), tags)
+    }
+
+    /// The health rows of the `connect-proxy` instances for the destination `key`
+    /// ([`connect_key`]), filtered by the proxies' own tags as [`Catalog::health`] does.
+    pub(crate) fn connect_health(&self, key: &ServiceKey, tags: &[String]) -> Vec<HealthEntry> {
+        self.health_of(self.by_destination.get(key), tags)
+    }
+
+    fn health_of(&self, instances: Option<&BTreeSet<(String, String)>>, tags: &[String]) -> Vec<HealthEntry> {
         let mut entries = Vec::new();
-        let instances = self.by_service.get(key).into_iter().flatten().filter_map(|k| self.services.get(k));
+        let instances = instances.into_iter().flatten().filter_map(|k| self.services.get(k));
         for svc in instances {
             let has_all_tags = tags.iter().all(|want| svc.tags.iter().any(|t| t.eq_ignore_ascii_case(want)));
             if !has_all_tags {
@@ -500,17 +608,43 @@ impl Catalog {
                 let id = non_empty(s.id).unwrap_or_else(|| name.clone());
                 let ns = non_empty(s.namespace).or_else(|| top_ns.clone());
                 let part = non_empty(s.partition).or_else(|| top_partition.clone());
+                let kind_text = s.kind.unwrap_or_default();
+                let kind = ServiceKind::parse(&kind_text).ok_or_else(|| {
+                    CatalogError::BadRequest(format!(
+                        "consul-sim: unsupported service Kind {kind_text:?} (only \"\" and \"connect-proxy\")"
+                    ))
+                })?;
+                let port = s.port.unwrap_or(0);
+                if kind == ServiceKind::ConnectProxy {
+                    // Consul's NodeService.Validate, answered as 500 like other RPC errors.
+                    let dest = s.proxy.as_ref().map_or("", |p| p.destination_service_name.as_str());
+                    if dest.is_empty() {
+                        return Err(CatalogError::Internal(
+                            "Proxy.DestinationServiceName must be non-empty for Connect proxy services".into(),
+                        ));
+                    }
+                    if dest == "*" {
+                        return Err(CatalogError::Internal(
+                            "Proxy.DestinationServiceName must not be a wildcard for Connect proxy services".into(),
+                        ));
+                    }
+                    if port == 0 {
+                        return Err(CatalogError::Internal("Port must be set for a Connect proxy".into()));
+                    }
+                }
                 Some(ServiceInstance {
                     node: node_name.clone(),
                     id,
                     key: ServiceKey::scoped(name, ns.as_deref(), part.as_deref()),
                     tags: s.tags.unwrap_or_default(),
                     address: s.address.unwrap_or_default(),
-                    port: s.port.unwrap_or(0),
+                    port,
                     meta: s.meta.unwrap_or_default(),
                     tagged_addresses: s.tagged_addresses.unwrap_or_default(),
                     weights: s.weights.unwrap_or_default(),
                     enable_tag_override: s.enable_tag_override,
+                    kind,
+                    proxy: s.proxy,
                     create_index: idx,
                     modify_index: idx,
                 })
@@ -578,7 +712,7 @@ impl Catalog {
                 Some(existing) => {
                     *existing = Node { create_index: existing.create_index, ..node };
                     tx.changed = true;
-                    tx.dirty.extend(self.node_service_keys(&node_name));
+                    self.mark_node_services(&node_name, &mut tx);
                 }
                 None => {
                     self.nodes.insert(node_name.clone(), node);
@@ -593,8 +727,8 @@ impl Catalog {
             match self.services.get_mut(&k) {
                 Some(existing) if existing.same_data(&svc) => {}
                 Some(existing) => {
-                    tx.dirty.insert(existing.key.clone());
-                    tx.dirty.insert(svc.key.clone());
+                    tx.mark(existing);
+                    tx.mark(&svc);
                     let create_index = existing.create_index;
                     let shown_in_checks_changed = existing.key != svc.key || existing.tags != svc.tags;
                     // The instance may have moved to another service name (same ID).
@@ -607,7 +741,7 @@ impl Catalog {
                     }
                 }
                 None => {
-                    tx.dirty.insert(svc.key.clone());
+                    tx.mark(&svc);
                     self.insert_service(svc);
                     tx.changed = true;
                     tx.services_table_changed = true;
@@ -693,7 +827,10 @@ impl Catalog {
         if self.last_extinction.is_some() {
             self.last_extinction = Some(index);
         }
-        for i in self.service_indexes.values_mut() {
+        if self.last_connect_extinction.is_some() {
+            self.last_connect_extinction = Some(index);
+        }
+        for i in self.service_indexes.values_mut().chain(self.connect_indexes.values_mut()) {
             *i = index;
         }
         for n in self.nodes.values_mut() {
@@ -714,8 +851,11 @@ impl Catalog {
         self.services.range((node.to_owned(), String::new())..).take_while(move |((n, _), _)| n == node).map(|(_, s)| s)
     }
 
-    fn node_service_keys(&self, node: &str) -> Vec<ServiceKey> {
-        self.node_services(node).map(|s| s.key.clone()).collect()
+    /// A node change dirties every instance on it.
+    fn mark_node_services(&self, node: &str, tx: &mut Tx) {
+        for s in self.node_services(node) {
+            tx.mark(s);
+        }
     }
 
     fn node_checks<'a>(&'a self, node: &'a str) -> impl Iterator<Item = &'a Check> + 'a {
@@ -760,9 +900,9 @@ impl Catalog {
     /// A check change dirties its service, or every service of the node for a node check.
     fn mark_check_owner(&self, node: &str, service_id: &str, tx: &mut Tx) {
         if service_id.is_empty() {
-            tx.dirty.extend(self.node_service_keys(node));
+            self.mark_node_services(node, tx);
         } else if let Some(s) = self.services.get(&(node.to_owned(), service_id.to_owned())) {
-            tx.dirty.insert(s.key.clone());
+            tx.mark(s);
         }
     }
 
@@ -780,6 +920,9 @@ impl Catalog {
     fn insert_service(&mut self, svc: ServiceInstance) {
         let k = (svc.node.clone(), svc.id.clone());
         self.by_service.entry(svc.key.clone()).or_default().insert(k.clone());
+        if let Some(dest) = svc.connect_destination() {
+            self.by_destination.entry(dest).or_default().insert(k.clone());
+        }
         self.services.insert(k, svc);
     }
 
@@ -792,6 +935,14 @@ impl Catalog {
                 self.by_service.remove(&svc.key);
             }
         }
+        if let Some(dest) = svc.connect_destination()
+            && let Some(proxies) = self.by_destination.get_mut(&dest)
+        {
+            proxies.remove(k);
+            if proxies.is_empty() {
+                self.by_destination.remove(&dest);
+            }
+        }
         Some(svc)
     }
 
@@ -801,7 +952,7 @@ impl Catalog {
         };
         tx.changed = true;
         tx.services_table_changed = true;
-        tx.dirty.insert(svc.key);
+        tx.mark(&svc);
         let owned: Vec<String> = self.owned_checks(node, id).map(|c| c.check_id.clone()).collect();
         for check_id in owned {
             self.remove_check(node, &check_id);
@@ -826,6 +977,13 @@ impl Catalog {
                 self.service_indexes.insert(key, idx);
             } else if self.service_indexes.remove(&key).is_some() {
                 self.last_extinction = Some(idx);
+            }
+        }
+        for key in tx.dirty_connect {
+            if self.by_destination.contains_key(&key) {
+                self.connect_indexes.insert(key, idx);
+            } else if self.connect_indexes.remove(&key).is_some() {
+                self.last_connect_extinction = Some(idx);
             }
         }
         true
@@ -873,7 +1031,84 @@ mod tests {
                 owners.entry((node.clone(), c.service_id.clone())).or_default().insert(id.clone());
             }
             assert_eq!(self.checks_by_owner, owners);
+            let mut proxies: HashMap<ServiceKey, BTreeSet<(String, String)>> = HashMap::new();
+            for (k, s) in &self.services {
+                if let Some(dest) = s.connect_destination() {
+                    proxies.entry(dest).or_default().insert(k.clone());
+                }
+            }
+            assert_eq!(self.by_destination, proxies);
         }
+    }
+
+    fn proxy(node: &str, id: &str, dest: &str, status: &str) -> RegisterRequest {
+        serde_json::from_value(serde_json::json!({
+            "Node": node,
+            "Address": "10.0.0.1",
+            "Service": {
+                "ID": id, "Service": format!("{dest}-sidecar-proxy"), "Kind": "connect-proxy", "Port": 21000,
+                "Proxy": {"DestinationServiceName": dest, "DestinationServiceID": dest, "LocalServicePort": 8080},
+            },
+            "Check": {"CheckID": format!("check-{id}"), "Name": "c", "Status": status, "ServiceID": id}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn connect_index_follows_the_destinations_proxies() {
+        let mut c = Catalog::new("dc1", 1);
+        let web = connect_key("web", DEFAULT_SCOPE, DEFAULT_SCOPE);
+        let api = connect_key("api", DEFAULT_SCOPE, DEFAULT_SCOPE);
+        assert_eq!(c.connect_index(&web), 1, "unknown: catalog max");
+        c.register(reg("n1", "10.0.0.1", "web", "web-1", "passing"), None, None).unwrap();
+        c.register(proxy("n1", "p1", "Web", "passing"), None, None).unwrap();
+        let i = c.raft_index();
+        assert_eq!(c.connect_index(&web), i, "destination names compare case-insensitively");
+        assert_eq!(c.connect_health(&web, &[]).len(), 1);
+        assert!(c.connect_health(&api, &[]).is_empty());
+        assert_eq!(c.health(&ServiceKey::new("web"), &[]).len(), 1, "the proxy is not a web instance");
+        // The destination service itself changing does not move the Connect index.
+        c.register(reg("n2", "10.0.0.2", "web", "web-2", "critical"), None, None).unwrap();
+        assert_eq!(c.connect_index(&web), i);
+        // The proxy's check does; so does its node.
+        c.register(proxy("n1", "p1", "Web", "critical"), None, None).unwrap();
+        assert_eq!(c.connect_index(&web), c.raft_index());
+        c.register(node_check("n1", "warning"), None, None).unwrap();
+        assert_eq!(c.connect_index(&web), c.raft_index());
+        c.assert_lookup_tables_consistent();
+        // Re-pointing the proxy moves both destinations; web goes extinct.
+        c.register(proxy("n1", "p1", "api", "critical"), None, None).unwrap();
+        let moved = c.raft_index();
+        assert_eq!((c.connect_index(&web), c.connect_index(&api)), (moved, moved));
+        assert!(c.connect_health(&web, &[]).is_empty());
+        c.assert_lookup_tables_consistent();
+        c.register(reg("n2", "10.0.0.2", "web", "web-2", "passing"), None, None).unwrap();
+        assert_eq!(c.connect_index(&web), moved, "extinction index, not the catalog max");
+        c.deregister(dereg("n1", None)).unwrap();
+        assert_eq!(c.connect_index(&api), c.raft_index());
+        c.assert_lookup_tables_consistent();
+        c.reset_indexes(2);
+        assert_eq!(c.connect_index(&api), 2);
+    }
+
+    #[test]
+    fn connect_proxy_registrations_are_validated() {
+        let mut c = Catalog::new("dc1", 1);
+        let mut r = proxy("n1", "p1", "web", "passing");
+        r.service.as_mut().unwrap().proxy = None;
+        assert!(matches!(c.register(r, None, None), Err(CatalogError::Internal(_))));
+        let mut r = proxy("n1", "p1", "web", "passing");
+        r.service.as_mut().unwrap().port = None;
+        assert!(matches!(c.register(r, None, None), Err(CatalogError::Internal(_))));
+        let mut r = proxy("n1", "p1", "web", "passing");
+        r.service.as_mut().unwrap().kind = Some("mesh-gateway".into());
+        assert!(matches!(c.register(r, None, None), Err(CatalogError::BadRequest(_))));
+        assert_eq!(c.raft_index(), 1);
+        // A typical service may carry a Proxy block; it is not a proxy for anything.
+        let mut r = proxy("n1", "p1", "web", "passing");
+        r.service.as_mut().unwrap().kind = None;
+        c.register(r, None, None).unwrap();
+        assert!(c.connect_health(&connect_key("web", DEFAULT_SCOPE, DEFAULT_SCOPE), &[]).is_empty());
     }
 
     #[test]

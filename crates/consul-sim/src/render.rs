@@ -43,9 +43,11 @@ fn service_json(s: &ServiceInstance, legacy: bool) -> Value {
         "ModifyIndex": s.modify_index,
     });
     if !legacy {
+        let mut proxy = json!({"Mode": "", "MeshGateway": {}, "Expose": {}});
+        merge(&mut proxy, proxy_json(s));
         let extra = json!({
-            "Kind": "",
-            "Proxy": {"Mode": "", "MeshGateway": {}, "Expose": {}},
+            "Kind": s.kind.as_str(),
+            "Proxy": proxy,
             "Connect": {},
             "PeerName": "",
             "SocketPath": "",
@@ -54,6 +56,26 @@ fn service_json(s: &ServiceInstance, legacy: bool) -> Value {
     }
     scope(&mut out, &s.key);
     out
+}
+
+/// The modelled `Proxy` fields that are set (Consul's are `omitempty`).
+fn proxy_json(s: &ServiceInstance) -> Value {
+    let mut out = Map::new();
+    if let Some(p) = &s.proxy {
+        for (k, v) in [
+            ("DestinationServiceName", &p.destination_service_name),
+            ("DestinationServiceID", &p.destination_service_id),
+            ("LocalServiceAddress", &p.local_service_address),
+        ] {
+            if !v.is_empty() {
+                out.insert(k.to_owned(), Value::String(v.clone()));
+            }
+        }
+        if p.local_service_port != 0 {
+            out.insert("LocalServicePort".to_owned(), json!(p.local_service_port));
+        }
+    }
+    Value::Object(out)
 }
 
 /// Enterprise's `Namespace` and `Partition`, shown when not the defaults.
@@ -97,7 +119,7 @@ fn merge(into: &mut Value, from: Value) {
     }
 }
 
-/// The body of `GET /v1/health/service/<name>`.
+/// The body of `GET /v1/health/service/<name>` and `GET /v1/health/connect/<name>`.
 pub(crate) fn health(entries: &[HealthEntry], legacy: bool) -> Value {
     Value::Array(
         entries
