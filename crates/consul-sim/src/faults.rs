@@ -228,7 +228,7 @@ pub struct RequestRecord {
     pub path: String,
     /// The raw query string, `""` if none.
     pub query: String,
-    /// For `/v1/health/service` queries: the service name (decoded).
+    /// For `/v1/health/service` and `/v1/health/connect` queries: the service name (decoded).
     pub service: Option<String>,
     /// `?ns=` or `X-Consul-Namespace`, if sent.
     pub namespace: Option<String>,
@@ -275,7 +275,7 @@ pub struct Stats {
     pub requests_total: u64,
     /// Blocking queries currently waiting, per service name (`/v1/catalog/services` blockers
     /// are counted under `"_catalog_services"`, `/v1/health/state` blockers under
-    /// `"_health_state"`).
+    /// `"_health_state"`, `/v1/health/connect/<name>` blockers under `"_connect/<name>"`).
     pub blocking: BTreeMap<String, usize>,
     pub blocking_total: usize,
     /// Blocking queries still held although their client went away (only with

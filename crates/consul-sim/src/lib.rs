@@ -17,6 +17,21 @@
 //!   `index`, `wait`, `stale`, `consistent`, `cached` (accepted, no cache is modelled),
 //!   `token`. A non-empty `filter` answers 400: expressions are not implemented, and failing
 //!   loudly beats silently returning unfiltered data.
+//! - `GET /v1/health/connect/<name>`: the health entries (same shape) of the `connect-proxy`
+//!   instances whose `Proxy.DestinationServiceName` is `<name>` (compared case-insensitively)
+//!   in the requested namespace/partition, filtered by the proxies' own checks (`passing`) and
+//!   tags (`tag`). Same parameters, errors, faults, headers and request log (`service` is
+//!   `<name>`) as the health endpoint; ACLs: service:read on `<name>`, the destination. It
+//!   blocks on the destination's Connect index, which moves when one of its proxies, their
+//!   checks or their nodes change, or a proxy starts or stops naming it (not when the
+//!   destination service itself changes); an unknown destination reports the index at which
+//!   a destination last lost its final proxy, or the catalog maximum if none ever did.
+//!   Blockers are counted in the stats under [`HEALTH_CONNECT_LABEL_PREFIX`]`<name>`.
+//!   Registrations carry `Service.Kind` (`""` or `"connect-proxy"`; other kinds are refused
+//!   with a 400) and `Service.Proxy` (`DestinationServiceName`, `DestinationServiceID`,
+//!   `LocalServiceAddress`, `LocalServicePort`; other proxy fields are ignored); a
+//!   `connect-proxy` without a destination name or a port is refused with a 500, as Consul
+//!   does. Both are rendered back as `Kind` and `Proxy` in the modern shape only.
 //! - `GET /v1/health/state/<state>` (`any`, `passing`, `warning`, `critical`; anything else
 //!   is 400 `Invalid check state`): every check in that state, sorted by node then check ID,
 //!   each with `Node`, `CheckID`, `Name`, `Status`, `Notes`, `Output`, `ServiceID`,
@@ -61,7 +76,7 @@
 //!
 //! | switch | behaviour |
 //! |---|---|
-//! | `single_health_index` | one index for the whole health table: every `/v1/health/service/<any>` reports and blocks on the catalog's raft index, so a write to any service or node wakes the blocking queries of unrelated services, which answer an unchanged body (the `/_sim/services/<name>/index` override then has no visible effect) |
+//! | `single_health_index` | one index for the whole health table: every `/v1/health/service/<any>` (and `/v1/health/connect/<any>`) reports and blocks on the catalog's raft index, so a write to any service or node wakes the blocking queries of unrelated services, which answer an unchanged body (the `/_sim/services/<name>/index` override then has no visible effect) |
 //! | `zero_index_when_empty` | while the catalog holds no service at all (nodes alone do not count), every read answers `X-Consul-Index: 0`, at once even when sent a large `index` |
 //! | `first_tag_only` | `/v1/health/service` applies only the first `tag` and ignores the rest |
 //! | `no_server_cancel` | a blocking query whose client disconnects is not cancelled: it stays in flight, counted in [`Stats::blocking`] and [`Stats::blocking_detached`], until its wait ends or its index moves (the request log marks it `cancelled` at once, as the client went away) |
@@ -101,12 +116,12 @@
 //! | `POST /_sim/reset-index` | `{"index": n}` (optional, default 1) | `{"index": n}`: every index becomes `n` while data is kept ("restart with a lower index"); the next write takes `n + 1` |
 //! | `GET /_sim/requests[?path_prefix=/v1/health/service/web]` | | `[`[`RequestRecord`]`]`, oldest first |
 //! | `DELETE /_sim/requests` | | `{"cleared": n}` |
-//! | `GET /_sim/stats` | | [`Stats`]: open and peak connections per client IP and by protocol, the peak streams on one connection, 429 counts, blocking queries per service and those whose client went away (`/v1/catalog/services` under [`CATALOG_SERVICES_LABEL`], `/v1/health/state` under [`HEALTH_STATE_LABEL`]) |
+//! | `GET /_sim/stats` | | [`Stats`]: open and peak connections per client IP and by protocol, the peak streams on one connection, 429 counts, blocking queries per service and those whose client went away (`/v1/catalog/services` under [`CATALOG_SERVICES_LABEL`], `/v1/health/state` under [`HEALTH_STATE_LABEL`], `/v1/health/connect/<name>` under [`HEALTH_CONNECT_LABEL_PREFIX`]`<name>`) |
 //! | `DELETE /_sim/stats` | | [`Stats`] after resetting counters (connection peaks restart from the open counts, the streams peak from 0) |
 //!
 //! Fault budgets ([`Budget`]) are `0` (off), a count `n` (the next `n` health queries), or
 //! `"always"` (until cleared). `no_leader` and `too_many_requests` apply to the health reads
-//! (`/v1/health/service` and `/v1/health/state`) only, checked after parameter validation,
+//! (`/v1/health/service`, `/v1/health/connect` and `/v1/health/state`) only, checked after parameter validation,
 //! the datacenter and the token, and before blocking (so writes and the catalog keep working
 //! while a test breaks the read path); `latency_ms` applies to every `/v1/` request. The in-process handle [`RunningSim`] offers the same
 //! operations as methods.
@@ -151,7 +166,7 @@ pub use acl::{AclConfig, AclToken, TokenPolicy, TokenSource};
 pub use catalog::ServiceKey;
 pub use duration::{DEFAULT_WAIT, DurationError, MAX_WAIT, effective_wait, parse_go_duration};
 pub use faults::{Budget, Faults, FaultsPatch, Outcome, RequestRecord, Stats};
-pub use server::{CATALOG_SERVICES_LABEL, HEALTH_STATE_LABEL};
+pub use server::{CATALOG_SERVICES_LABEL, HEALTH_CONNECT_LABEL_PREFIX, HEALTH_STATE_LABEL};
 pub use tls::{DEFAULT_H2_MAX_CONCURRENT_STREAMS, TlsConfig};
 
 use state::Shared;

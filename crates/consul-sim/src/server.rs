@@ -17,7 +17,7 @@ use serde_json::Value;
 
 use super::acl::{Identity, extract_token};
 use super::blocking::{Wait, Watched, Woken, answers_zero, reported_index};
-use super::catalog::{Catalog, CatalogError, DeregisterRequest, RegisterRequest, ServiceKey, StateFilter};
+use super::catalog::{Catalog, CatalogError, DeregisterRequest, RegisterRequest, ServiceKey, StateFilter, connect_key};
 use super::control;
 use super::duration::{effective_wait, jitter, parse_go_duration};
 use super::faults::{Outcome, Quirks, RequestRecord};
@@ -32,6 +32,10 @@ pub const CATALOG_SERVICES_LABEL: &str = "_catalog_services";
 
 /// Label under which `/v1/health/state/<state>` blockers are counted in the stats.
 pub const HEALTH_STATE_LABEL: &str = "_health_state";
+
+/// Prefix of the label under which `/v1/health/connect/<name>` blockers are counted in the
+/// stats: `_connect/<name>` (the name as requested, decoded).
+pub const HEALTH_CONNECT_LABEL_PREFIX: &str = "_connect/";
 
 /// Returned by the service to make hyper close the connection without writing a response.
 #[derive(Debug, thiserror::Error)]
@@ -238,7 +242,10 @@ pub(crate) async fn handle(shared: Arc<Shared>, peer: SocketAddr, req: Request<I
     let query = req.uri().query().unwrap_or("").to_owned();
     let params = Params::parse(&query);
     let token = extract_token(params.first("token"), req.headers());
-    let service = path.strip_prefix("/v1/health/service/").and_then(percent_decode);
+    let service = path
+        .strip_prefix("/v1/health/service/")
+        .or_else(|| path.strip_prefix("/v1/health/connect/"))
+        .and_then(percent_decode);
     let (token_value, token_source) = token.clone().map_or((None, None), |(t, s)| (Some(t), Some(s)));
     let seq = shared.log_request(RequestRecord {
         seq: 0,
@@ -364,7 +371,13 @@ async fn dispatch(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
         if method != Method::GET {
             return Err(method_not_allowed(&method).into());
         }
-        return health_service(ctx, name, req.headers()).await;
+        return health_service(ctx, name, req.headers(), false).await;
+    }
+    if let Some(name) = path.strip_prefix("/v1/health/connect/") {
+        if method != Method::GET {
+            return Err(method_not_allowed(&method).into());
+        }
+        return health_service(ctx, name, req.headers(), true).await;
     }
     if let Some(state) = path.strip_prefix("/v1/health/state/") {
         if method != Method::GET {
@@ -373,7 +386,9 @@ async fn dispatch(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
         return health_state(ctx, state, req.headers()).await;
     }
     match (path.as_str(), &method) {
-        ("/v1/health/service", &Method::GET) => Err(ApiError::bad_request("Missing service name").into()),
+        ("/v1/health/service" | "/v1/health/connect", &Method::GET) => {
+            Err(ApiError::bad_request("Missing service name").into())
+        }
         ("/v1/health/state", &Method::GET) => Err(ApiError::bad_request("Missing check state").into()),
         ("/v1/catalog/register", &Method::PUT) => register(ctx, req).await,
         ("/v1/catalog/deregister", &Method::PUT) => deregister(ctx, req).await,
@@ -398,7 +413,10 @@ async fn dispatch(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
     }
 }
 
-async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap) -> Handled {
+/// `GET /v1/health/service/<name>`, or with `connect` `GET /v1/health/connect/<name>`: the
+/// `connect-proxy` instances whose `Proxy.DestinationServiceName` is `<name>`, with the same
+/// parameters, faults and headers, ACL-checked on `<name>` and blocking on its Connect index.
+async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap, connect: bool) -> Handled {
     let shared = ctx.shared;
     let p = &ctx.params;
     let name = percent_decode(raw_name).ok_or_else(|| ApiError::bad_request("Invalid URL path encoding"))?;
@@ -423,8 +441,13 @@ async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap) -> H
     if quirks.first_tag_only {
         tags.truncate(1);
     }
-    let (index, mut entries) =
-        ctx.block(&opts, &key.name, Watched::Service(key.clone()), quirks, |c| c.health(&key, &tags)).await?;
+    let (index, mut entries) = if connect {
+        let dest = connect_key(&key.name, &key.namespace, &key.partition);
+        let label = format!("{HEALTH_CONNECT_LABEL_PREFIX}{}", key.name);
+        ctx.block(&opts, &label, Watched::Connect(dest.clone()), quirks, |c| c.connect_health(&dest, &tags)).await?
+    } else {
+        ctx.block(&opts, &key.name, Watched::Service(key.clone()), quirks, |c| c.health(&key, &tags)).await?
+    };
     let mut acl_filtered = false;
     if !identity.can_read_service(&key.name) {
         acl_filtered = !entries.is_empty();

@@ -606,6 +606,178 @@ async fn acl_read_denied_filters_silently_and_writes_need_management() {
     assert!(recs.iter().any(|r| r.token.as_deref() == Some("reader")));
 }
 
+// ---------------------------------------------------------------- Connect
+
+/// Registers a `connect-proxy` instance for `dest` with a service check, as a sidecar's
+/// registration through the catalog API looks.
+async fn register_proxy(addr: SocketAddr, node: &str, id: &str, dest: &str, status: &str, tags: &[&str]) {
+    let r = put(
+        addr,
+        "/v1/catalog/register",
+        &json!({
+            "Node": node,
+            "Address": format!("10.0.0.{}", node.len()),
+            "Service": {
+                "ID": id, "Service": format!("{dest}-sidecar-proxy"), "Kind": "connect-proxy", "Port": 21000,
+                "Tags": tags,
+                "Proxy": {"DestinationServiceName": dest, "DestinationServiceID": format!("{dest}-1"), "LocalServicePort": 8080},
+            },
+            "Check": {"CheckID": format!("service:{id}"), "Name": "proxy alive", "Status": status, "ServiceID": id},
+        }),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+fn service_ids(r: &Reply) -> Vec<String> {
+    r.json().as_array().unwrap().iter().map(|e| e["Service"]["ID"].as_str().unwrap().to_owned()).collect()
+}
+
+#[tokio::test]
+async fn connect_lists_the_proxies_of_a_destination() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    register_proxy(a, "n1", "web-proxy-1", "web", "passing", &[]).await;
+    register(a, "n2", "api", "api-1", "passing", &[]).await;
+
+    let r = get(a, "/v1/health/connect/web").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(service_ids(&r), ["web-proxy-1"]);
+    let e = &r.json()[0];
+    assert_eq!(e["Service"]["Kind"], "connect-proxy");
+    assert_eq!(e["Service"]["Service"], "web-sidecar-proxy");
+    assert_eq!(e["Service"]["Port"], 21000);
+    assert_eq!(e["Service"]["Proxy"]["DestinationServiceName"], "web");
+    assert_eq!(e["Service"]["Proxy"]["DestinationServiceID"], "web-1");
+    assert_eq!(e["Service"]["Proxy"]["LocalServicePort"], 8080);
+    assert_eq!(e["Checks"][0]["ServiceName"], "web-sidecar-proxy");
+    assert_eq!(r.index(), e["Service"]["ModifyIndex"].as_u64().unwrap());
+    for h in ["X-Consul-KnownLeader", "X-Consul-LastContact", "X-Consul-Effective-Consistency"] {
+        assert!(r.header(h).is_some(), "{h}");
+    }
+    // Destination names compare case-insensitively.
+    assert_eq!(service_ids(&get(a, "/v1/health/connect/WEB").await), ["web-proxy-1"]);
+
+    // Not a proxy for api, and not an instance of web.
+    let r = get(a, "/v1/health/connect/api").await;
+    assert_eq!((r.status, r.json()), (200, json!([])));
+    assert!(r.index() >= 1);
+    let r = get(a, "/v1/health/service/web").await;
+    assert_eq!(service_ids(&r), ["web-1"]);
+    assert_eq!(r.json()[0]["Service"]["Kind"], "");
+    assert!(r.json()[0]["Service"]["Proxy"].get("DestinationServiceName").is_none());
+    // The proxy is a service of its own.
+    assert_eq!(service_ids(&get(a, "/v1/health/service/web-sidecar-proxy").await), ["web-proxy-1"]);
+
+    // The legacy shape leaves the newer fields out.
+    put(a, "/_sim/faults", &json!({"null_variants": true})).await;
+    let e = get(a, "/v1/health/connect/web").await.json()[0].clone();
+    assert!(e["Service"].get("Kind").is_none());
+    assert!(e["Service"].get("Proxy").is_none());
+    put(a, "/_sim/faults", &json!({"null_variants": false})).await;
+
+    // One health index for everything on older agents.
+    put(a, "/_sim/faults", &json!({"single_health_index": true})).await;
+    let raft = get(a, "/v1/health/service/api").await.index();
+    assert_eq!(get(a, "/v1/health/connect/web").await.index(), raft);
+    assert_eq!(get(a, "/v1/health/connect/api").await.index(), raft);
+    put(a, "/_sim/faults", &json!({"single_health_index": false})).await;
+
+    // Same parameter checks, datacenter, faults and request log as /v1/health/service.
+    assert_eq!(get(a, "/v1/health/connect/web?filter=Service.Port%3D%3D1").await.status, 400);
+    assert_eq!(get(a, "/v1/health/connect/web?index=x").await.status, 400);
+    assert_eq!(get(a, "/v1/health/connect/").await.status, 400);
+    assert_eq!(get(a, "/v1/health/connect/web?dc=other").await.status, 500);
+    assert_eq!(get(a, "/v1/health/connect/web?stale").await.header("X-Consul-Effective-Consistency"), Some("stale"));
+    assert_eq!(call(a, "PUT", "/v1/health/connect/web", &[], None).await.status, 405);
+    put(a, "/_sim/faults", &json!({"no_leader": 1})).await;
+    let r = get(a, "/v1/health/connect/web").await;
+    assert_eq!((r.status, r.text().as_str()), (500, "No cluster leader"));
+    assert!(r.header("X-Consul-Index").is_none());
+    let recs = sim.requests();
+    let connect: Vec<_> = recs.iter().filter(|r| r.path.starts_with("/v1/health/connect/")).collect();
+    assert!(connect.iter().any(|r| r.service.as_deref() == Some("web") && r.status == Some(200)));
+    assert!(connect.iter().any(|r| r.service.as_deref() == Some("api")));
+
+    // Invalid proxy registrations are refused as Consul refuses them.
+    let bad = json!({"Node": "n3", "Address": "10.0.0.3",
+        "Service": {"Service": "x-proxy", "Kind": "connect-proxy", "Port": 21000}});
+    assert_eq!(put(a, "/v1/catalog/register", &bad).await.status, 500);
+}
+
+#[tokio::test]
+async fn connect_passing_and_tag_filters_apply_to_the_proxy() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    // The destination instance is critical and untagged: it must not matter.
+    register(a, "n1", "web", "web-1", "critical", &[]).await;
+    register_proxy(a, "n1", "p-blue", "web", "passing", &["blue"]).await;
+    register_proxy(a, "n2", "p-green", "web", "passing", &["green"]).await;
+    register_proxy(a, "n3", "p-sick", "web", "critical", &["blue"]).await;
+    let ids = |r: Reply| {
+        let mut v = service_ids(&r);
+        v.sort();
+        v
+    };
+    assert_eq!(ids(get(a, "/v1/health/connect/web").await), ["p-blue", "p-green", "p-sick"]);
+    assert_eq!(ids(get(a, "/v1/health/connect/web?passing").await), ["p-blue", "p-green"]);
+    assert_eq!(ids(get(a, "/v1/health/connect/web?tag=BLUE").await), ["p-blue", "p-sick"]);
+    assert_eq!(ids(get(a, "/v1/health/connect/web?tag=blue&passing").await), ["p-blue"]);
+    assert!(ids(get(a, "/v1/health/connect/web?tag=blue&tag=green").await).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_blocking_wakes_on_the_proxy_only() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    register_proxy(a, "n1", "web-proxy-1", "web", "passing", &[]).await;
+    register(a, "n2", "api", "api-1", "passing", &[]).await;
+    let i = get(a, "/v1/health/connect/web").await.index();
+    let mut h = spawn_get(a, format!("/v1/health/connect/web?index={i}&wait=5s"));
+    let label = format!("{}web", consul_sim::HEALTH_CONNECT_LABEL_PREFIX);
+    wait_blocking(&sim, &label, 1).await;
+    // An unrelated service changes, and a proxy for another destination appears.
+    register(a, "n2", "api", "api-1", "critical", &[]).await;
+    register_proxy(a, "n2", "api-proxy-1", "api", "passing", &[]).await;
+    assert!(get(a, "/v1/health/service/api").await.index() > i);
+    assert!(still_pending(&mut h, Duration::from_millis(300)).await, "api's changes must not wake web's Connect query");
+    // The proxy's check flips.
+    register_proxy(a, "n1", "web-proxy-1", "web", "critical", &[]).await;
+    let r = tokio::time::timeout(Duration::from_secs(2), h).await.expect("woken").unwrap();
+    assert_eq!(r.status, 200);
+    assert!(r.index() > i);
+    assert_eq!(r.json()[0]["Checks"][0]["Status"], "critical");
+    // An unknown destination falls back like an unknown service: the catalog maximum.
+    assert_eq!(get(a, "/v1/health/connect/nope").await.index(), get(a, "/v1/health/service/nope").await.index());
+}
+
+#[tokio::test]
+async fn connect_is_acl_filtered_on_the_destination_and_scoped_by_namespace() {
+    let sim = start(acl_config()).await;
+    let a = sim.addr();
+    let root = [("X-Consul-Token", "root")];
+    let proxy = |ns: &str| {
+        json!({"Node": "n1", "Address": "10.0.0.1", "Service": {
+            "ID": format!("p-{ns}"), "Service": "sidecar-for-web", "Kind": "connect-proxy", "Port": 21000,
+            "Namespace": ns, "Proxy": {"DestinationServiceName": "web", "LocalServicePort": 8080}}})
+    };
+    for ns in ["default", "team"] {
+        let r = call(a, "PUT", "/v1/catalog/register", &root, Some(&proxy(ns).to_string())).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    // The reader may read web, the destination, but not sidecar-for-web: the destination is
+    // what counts. Anonymous may read nothing.
+    let r = call(a, "GET", "/v1/health/connect/web", &[("X-Consul-Token", "reader")], None).await;
+    assert_eq!(service_ids(&r), ["p-default"]);
+    let r = get(a, "/v1/health/connect/web").await;
+    assert_eq!((r.status, r.json()), (200, json!([])));
+    assert_eq!(r.header("X-Consul-Results-Filtered-By-ACLs"), Some("true"));
+    let r = call(a, "GET", "/v1/health/connect/web?ns=team", &root, None).await;
+    assert_eq!(service_ids(&r), ["p-team"]);
+}
+
 // ---------------------------------------------------------------- connections
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
