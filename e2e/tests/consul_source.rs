@@ -656,3 +656,31 @@ on_both_agents! {
         }
     }
 }
+
+on_both_agents! {
+    /// `connect: true` publishes the service's sidecar proxies, and follows them.
+    async fn connect_publishes_the_sidecar_proxies(config: Config) {
+        let env = Env::start(config).await;
+        let svc = unique("mesh");
+        env.register("n1", &format!("{svc}-1"), &svc, 8080, "passing", &[]).await;
+        let proxy = |id: &str, port: u16, status: &str| {
+            json!({"Node": "n1", "Address": "127.0.0.1",
+                   "Service": {"ID": id, "Service": format!("{svc}-sidecar-proxy"), "Kind": "connect-proxy", "Port": port,
+                               "Proxy": {"DestinationServiceName": svc, "DestinationServiceID": format!("{svc}-1"),
+                                         "LocalServicePort": 8080}},
+                   "Check": {"CheckID": format!("service:{id}"), "Name": "proxy", "Status": status, "ServiceID": id}})
+        };
+        env.put("/v1/catalog/register", proxy(&format!("{svc}-proxy-1"), 21000, "passing")).await;
+        let mut w = Watches::new(settings(10));
+        let base = env.key(&svc);
+        let key = ConsulKey { query: QueryOptions { connect: true, ..base.query.clone() }, ..base };
+        w.start(&key);
+        w.answer(&key, "the proxy, not the service", |e| ports(e) == [21000]).await;
+        env.put("/v1/catalog/register", proxy(&format!("{svc}-proxy-2"), 21001, "passing")).await;
+        w.answer(&key, "a second proxy", |e| ports(e) == [21000, 21001]).await;
+        if let Some(sim) = &env.sim {
+            let r = sim.requests().into_iter().find(|r| r.service.as_deref() == Some(svc.as_str())).unwrap();
+            assert!(r.path.starts_with("/v1/health/connect/"), "{}", r.path);
+        }
+    }
+}
