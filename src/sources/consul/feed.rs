@@ -49,9 +49,12 @@ struct Shared {
 struct Members {
     next_id: u64,
     all: HashMap<u64, Member>,
-    /// When both queries had answered once: a member whose first read started after this
-    /// misses nothing, the feed's diffs cover everything since.
+    /// When both queries had answered once: the feed's diffs cover everything since.
     baseline_at: Option<Instant>,
+    /// When the feed last acted on an answer. A member whose first read was sent after
+    /// this (and after the baseline) misses nothing: anything its read did not see comes
+    /// in a later answer, acted on once it is a member.
+    last_answer: Option<Instant>,
 }
 
 struct Member {
@@ -63,6 +66,18 @@ struct Member {
 }
 
 impl Members {
+    fn join(&mut self, service: &str, first_read: Instant) -> (u64, watch::Receiver<()>) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let (wake, mut rx) = watch::channel(());
+        let covered = self.baseline_at.is_some() && self.last_answer.is_none_or(|a| a <= first_read);
+        if !covered {
+            rx.mark_changed();
+        }
+        self.all.insert(id, Member { service: service.to_ascii_lowercase(), nodes: BTreeSet::new(), wake });
+        (id, rx)
+    }
+
     fn wake(&self, stale: &Stale) {
         for m in self.all.values() {
             if stale.everything
@@ -91,18 +106,11 @@ impl Feed {
     }
 
     /// Adds a member watching `service`, whose first read was sent at `first_read`. Its
-    /// receiver is already marked changed (re-read at once) unless the feed's baseline
-    /// predates that read, so nothing between the read and joining is lost.
+    /// receiver is already marked changed (re-read at once) unless the feed had its
+    /// baseline and acted on no answer since that read was sent, so nothing between the
+    /// read and joining is lost.
     pub(crate) fn join(&self, service: &str, first_read: Instant) -> (u64, watch::Receiver<()>) {
-        let mut members = self.lock();
-        let id = members.next_id;
-        members.next_id += 1;
-        let (wake, mut rx) = watch::channel(());
-        if members.baseline_at.is_none_or(|b| b > first_read) {
-            rx.mark_changed();
-        }
-        members.all.insert(id, Member { service: service.to_ascii_lowercase(), nodes: BTreeSet::new(), wake });
-        (id, rx)
+        self.lock().join(service, first_read)
     }
 
     pub(crate) fn leave(&self, id: u64) {
@@ -166,7 +174,9 @@ async fn run(pool: Arc<Pool>, (scope, server): FeedKey, client: Arc<HttpClient>,
                                 // Both views have a baseline: everyone who joined before
                                 // re-reads once, and later joiners need not.
                                 let mut members = ctx.shared.members.lock().expect("feed members poisoned");
-                                members.baseline_at = Some(Instant::now());
+                                let now = Instant::now();
+                                members.baseline_at = Some(now);
+                                members.last_answer = Some(now);
                                 members.wake(&Stale::everything());
                             }
                         }
@@ -198,9 +208,12 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
+    /// Acts on an answer: wakes what it names (possibly nothing), and records when.
     fn wake(&self, stale: &Stale) {
+        let mut members = self.shared.members.lock().expect("feed members poisoned");
+        members.last_answer = Some(Instant::now());
         if !stale.is_empty() {
-            self.shared.members.lock().expect("feed members poisoned").wake(stale);
+            members.wake(stale);
         }
     }
 
@@ -214,9 +227,8 @@ impl Ctx<'_> {
             (view.apply(answer.index, answer.value), first)
         };
         self.shared.checks_index.send_replace(answer.index);
-        if !first {
-            self.wake(&stale);
-        }
+        // A baseline names nothing: the members re-read once both views have one.
+        self.wake(&if first { Stale::default() } else { stale });
         Ok((answer.index, first))
     }
 
@@ -226,8 +238,11 @@ impl Ctx<'_> {
         let answer = self.client.catalog_services(self.scope, self.server.token.as_ref(), block).await?;
         let index = answer.index;
         match view.apply(index, answer.value) {
-            CatalogMove::Baseline => return Ok((index, true)),
-            CatalogMove::Unchanged => {}
+            CatalogMove::Baseline => {
+                self.wake(&Stale::default());
+                return Ok((index, true));
+            }
+            CatalogMove::Unchanged => self.wake(&Stale::default()),
             CatalogMove::Restarted => self.wake(&Stale::everything()),
             CatalogMove::Moved { named, after, upto } => {
                 self.wake(&Stale { services: named, ..Stale::default() });
@@ -242,5 +257,43 @@ impl Ctx<'_> {
             }
         }
         Ok((index, false))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_joiner_rereads_unless_the_feed_saw_nothing_after_its_read() {
+        let mut m = Members::default();
+        let t0 = Instant::now();
+        let (_, mut before_baseline) = m.join("web", t0);
+        assert!(before_baseline.has_changed().unwrap(), "no baseline yet: re-read");
+
+        tokio::time::advance(Duration::from_millis(10)).await;
+        let now = Instant::now();
+        (m.baseline_at, m.last_answer) = (Some(now), Some(now));
+        tokio::time::advance(Duration::from_millis(10)).await;
+        let read = Instant::now();
+        let (_, mut covered) = m.join("api", read);
+        assert!(!covered.has_changed().unwrap(), "read after the baseline and the last answer");
+
+        // An answer acted on between a read and the join: that read may have missed it.
+        let read = Instant::now();
+        tokio::time::advance(Duration::from_millis(10)).await;
+        m.last_answer = Some(Instant::now());
+        let (_, mut raced) = m.join("db", read);
+        assert!(raced.has_changed().unwrap(), "an answer came between its read and its join");
+
+        // Waking by service (case-insensitive names are stored lower case) and by node.
+        covered.mark_unchanged();
+        let api = m.all.values_mut().find(|x| x.service == "api").unwrap();
+        api.nodes = BTreeSet::from(["n1".to_owned()]);
+        m.wake(&Stale { nodes: BTreeSet::from(["n1".to_owned()]), ..Stale::default() });
+        assert!(covered.has_changed().unwrap());
+        before_baseline.mark_unchanged();
+        m.wake(&Stale { services: BTreeSet::from(["web".to_owned()]), ..Stale::default() });
+        assert!(before_baseline.has_changed().unwrap());
     }
 }
