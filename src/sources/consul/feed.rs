@@ -283,7 +283,7 @@ mod tests {
         let read = Instant::now();
         tokio::time::advance(Duration::from_millis(10)).await;
         m.last_answer = Some(Instant::now());
-        let (_, mut raced) = m.join("db", read);
+        let (_, raced) = m.join("db", read);
         assert!(raced.has_changed().unwrap(), "an answer came between its read and its join");
 
         // Waking by service (case-insensitive names are stored lower case) and by node.
