@@ -5,6 +5,8 @@
 //! (the connection-limit tests need to hold sockets open). Timing assertions use short waits
 //! and bounded `timeout`s; nothing sleeps "to be safe".
 
+mod common;
+
 use std::io::Read as _;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -1527,18 +1529,7 @@ async fn dropping_the_handle_stops_the_server() {
 #[tokio::test]
 async fn binary_legacy_flags() {
     for (args, legacy) in [(&["--legacy"][..], true), (&["--first-tag-only", "--no-server-cancel"][..], false)] {
-        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_consul-sim"))
-            .args(["--listen", "127.0.0.1:0"])
-            .args(args)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn consul-sim");
-        use tokio::io::AsyncBufReadExt;
-        let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
-        let line = tokio::time::timeout(LONG, lines.next_line()).await.unwrap().unwrap().expect("a line");
-        let addr: SocketAddr = line.strip_prefix("listening on ").unwrap().parse().unwrap();
+        let (mut child, addr) = common::spawn_binary(args, LONG).await;
         let f = get(addr, "/_sim/faults").await.json();
         let on = |name: &str| f[name].as_bool().unwrap();
         assert!(on("first_tag_only") && on("no_server_cancel"), "{args:?}: {f}");
@@ -1551,20 +1542,8 @@ async fn binary_legacy_flags() {
 #[cfg(unix)]
 #[tokio::test]
 async fn binary_prints_its_address_and_exits_on_sigterm() {
-    use tokio::io::AsyncBufReadExt;
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_consul-sim"))
-        .args(["--listen", "127.0.0.1:0", "--max-conns-per-client", "7", "--acl-token", "root=management"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn consul-sim");
-    let stdout = child.stdout.take().unwrap();
-    let mut lines = tokio::io::BufReader::new(stdout).lines();
-    let line =
-        tokio::time::timeout(LONG, lines.next_line()).await.expect("address printed in time").unwrap().expect("a line");
-    let addr: SocketAddr =
-        line.strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected line {line:?}")).parse().unwrap();
+    let (mut child, addr) =
+        common::spawn_binary(&["--max-conns-per-client", "7", "--acl-token", "root=management"], LONG).await;
     assert_eq!(get(addr, "/v1/status/leader").await.json(), json!("127.0.0.1:8300"));
     assert_eq!(get(addr, "/v1/health/service/x?token=nope").await.status, 403);
     let pid = child.id().unwrap().to_string();

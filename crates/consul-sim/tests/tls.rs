@@ -1,6 +1,8 @@
 //! TLS, mTLS and HTTP/2 of the simulator, with a PKI made at test time (`TestPki`) and hyper's
 //! own HTTP/2 client on one TLS connection, so that multiplexing is observable exactly.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -263,7 +265,6 @@ async fn bad_pem_is_a_start_error() {
 #[cfg(unix)]
 #[tokio::test]
 async fn binary_serves_tls_from_files() {
-    use tokio::io::AsyncBufReadExt;
     let pki = pki();
     let dir = std::env::temp_dir().join(format!("consul-sim-tls-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -272,18 +273,10 @@ async fn binary_serves_tls_from_files() {
         std::fs::write(dir.join(name), pem).unwrap();
     }
     let path = |name: &str| dir.join(name).to_string_lossy().into_owned();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_consul-sim"))
-        .args(["--listen", "127.0.0.1:0", "--tls-cert", &path("cert.pem"), "--tls-key", &path("key.pem")])
-        .args(["--tls-client-ca", &path("ca.pem"), "--h2-max-streams", "8"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn consul-sim");
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = tokio::time::timeout(LONG, lines.next_line()).await.unwrap().unwrap().expect("a line");
+    let (cert, key, ca) = (path("cert.pem"), path("key.pem"), path("ca.pem"));
+    let args = ["--tls-cert", &cert, "--tls-key", &key, "--tls-client-ca", &ca, "--h2-max-streams", "8"];
+    let (mut child, a) = common::spawn_binary(&args, LONG).await;
     let _ = std::fs::remove_dir_all(&dir);
-    let a: SocketAddr = line.strip_prefix("listening on ").unwrap().parse().unwrap();
     let mut send = h2(a, pki.client_config(true).unwrap()).await;
     let r = h2_call(&mut send, a, "GET", "/v1/status/leader", None).await.unwrap();
     assert_eq!((r.status, r.version), (StatusCode::OK, Version::HTTP_2));
