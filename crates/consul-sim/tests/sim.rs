@@ -159,6 +159,18 @@ async fn register(addr: SocketAddr, node: &str, service: &str, id: &str, status:
     assert_eq!(r.json(), json!(true));
 }
 
+/// A node check (`serfHealth`) on `node`, keeping the address `register` gave it.
+async fn register_node_check(addr: SocketAddr, node: &str, status: &str) {
+    let r = put(
+        addr,
+        "/v1/catalog/register",
+        &json!({"Node": node, "Address": format!("10.0.0.{}", node.len()),
+                "Check": {"CheckID": "serfHealth", "Name": "Serf", "Status": status}}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
 async fn start(config: Config) -> RunningSim {
     Simulator::start(config).await.expect("start simulator")
 }
@@ -510,13 +522,7 @@ async fn passing_filter_includes_node_checks_and_drops_warning() {
     register(a, "n1", "web", "web-1", "passing", &[]).await;
     register(a, "n2", "web", "web-2", "warning", &[]).await;
     register(a, "n3", "web", "web-3", "passing", &[]).await;
-    let r = put(
-        a,
-        "/v1/catalog/register",
-        &json!({"Node": "n3", "Address": "10.0.0.2", "Check": {"CheckID": "serfHealth", "Name": "Serf", "Status": "critical"}}),
-    )
-    .await;
-    assert_eq!(r.status, 200);
+    register_node_check(a, "n3", "critical").await;
     let all = get(a, "/v1/health/service/web").await;
     assert_eq!(all.json().as_array().unwrap().len(), 3);
     for q in ["passing", "passing=true", "passing=1"] {
@@ -1077,13 +1083,7 @@ async fn health_state_filters_by_state_and_shows_node_checks() {
     register(a, "n1", "web", "web-1", "passing", &["blue"]).await;
     register(a, "n2", "web", "web-2", "warning", &[]).await;
     register(a, "n3", "api", "api-1", "critical", &[]).await;
-    let r = put(
-        a,
-        "/v1/catalog/register",
-        &json!({"Node": "n1", "Address": "10.0.0.2", "Check": {"CheckID": "serfHealth", "Name": "Serf", "Status": "critical"}}),
-    )
-    .await;
-    assert_eq!(r.status, 200);
+    register_node_check(a, "n1", "critical").await;
     let ids = |r: Reply| -> Vec<String> {
         r.json()
             .as_array()
