@@ -217,6 +217,16 @@ pub struct ConsulTls {
     /// Skip certificate verification. Off by default; for test clusters only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub insecure_skip_verify: Option<bool>,
+    /// Secret key holding the PEM client certificate (chain) presented to Consul, for a
+    /// Consul that verifies incoming HTTPS clients (`verify_incoming`). Set together with
+    /// `clientKeySecretRef`; for a `kubernetes.io/tls` Secret the keys are `tls.crt` and
+    /// `tls.key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert_secret_ref: Option<SecretKeyRef>,
+    /// Secret key holding the PEM private key of `clientCertSecretRef` (PKCS#8, PKCS#1 or
+    /// SEC1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key_secret_ref: Option<SecretKeyRef>,
 }
 
 impl ConsulResolverSpec {

@@ -4,9 +4,11 @@
 pub(crate) mod changes;
 pub(crate) mod client;
 pub(crate) mod feed;
+pub(crate) mod multiplex;
 pub(crate) mod parse;
 pub(crate) mod pool;
 pub(crate) mod timing;
+pub(crate) mod tls;
 pub(crate) mod watch;
 
 use std::collections::HashMap;

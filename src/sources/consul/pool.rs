@@ -82,7 +82,7 @@ impl Pool {
             return Ok(c);
         }
         clients.retain(|_, c| c.strong_count() > 0);
-        let c = Arc::new(HttpClient::new(address, tls, self.max_connections, self.max_body)?);
+        let c = Arc::new(HttpClient::new(address, tls, self.max_connections, self.max_body, self.slots.clone())?);
         clients.insert(key, Arc::downgrade(&c));
         Ok(c)
     }

@@ -6,6 +6,9 @@
 //! feed says its service may have changed, or every `sweep` at the latest, a safety net for
 //! the few changes neither feed query shows. A fed watch takes a slot as soon as one frees up.
 //!
+//! Over HTTP/2 (an `https://` server that negotiates it) there is no budget of slots to share:
+//! every watch runs its own blocking query as a stream (see [`super::multiplex`]).
+//!
 //! Either way the protocol rules of docs/consul-protocol.md hold: first query without index,
 //! index reset when it goes backwards or a request fails, never below 1, a paced loop,
 //! backoff with jitter on errors, and content comparison before anything is called a change.
@@ -84,8 +87,10 @@ impl Reported {
 enum Mode {
     /// Holds a slot: blocking queries.
     Dedicated(#[allow(dead_code)] OwnedSemaphorePermit),
+    /// Blocking queries as HTTP/2 streams: the client counts streams and connections.
+    Multiplexed,
     /// Re-reads on feed changes and sweeps.
-    Fed(FeedMembership),
+    Fed(Box<FeedMembership>),
     /// Not decided yet (before the first answer).
     Starting,
 }
@@ -132,14 +137,17 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
         if let Some(at) = earliest {
             tokio::time::sleep_until(at).await;
         }
-        // A fed (or new) watch takes a slot whenever one is free.
-        if !matches!(mode, Mode::Dedicated(_))
+        // Over HTTP/2 every watch blocks on its own stream (learnt once the server is
+        // reached). Otherwise a fed (or new) watch takes a slot whenever one is free.
+        if !matches!(mode, Mode::Multiplexed) && client.multiplexed() {
+            mode = Mode::Multiplexed;
+        } else if matches!(mode, Mode::Starting | Mode::Fed(_))
             && let Ok(permit) = pool.slots.clone().try_acquire_owned()
         {
             mode = Mode::Dedicated(permit);
         }
         let (sent, result) = match &mut mode {
-            Mode::Dedicated(_) => {
+            Mode::Dedicated(_) | Mode::Multiplexed => {
                 let block = state.block(settings.wait);
                 last_query = Some(Instant::now());
                 (block.map(|b| b.0), client.health(&key, block).await)
@@ -168,15 +176,17 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
                 state.observe(sent, index);
                 match &mode {
                     Mode::Fed(m) => m.saw(&value),
+                    // The first read told us the server speaks HTTP/2: no feed needed.
+                    Mode::Starting if client.multiplexed() => mode = Mode::Multiplexed,
                     Mode::Starting => {
                         // No slot was free: join the feed. It marks us for an immediate
                         // re-read unless its view predates our first read.
                         let sent_at = first_read.unwrap_or_else(Instant::now);
                         let m = pool.join_feed(&key, &client, sent_at);
                         m.saw(&value);
-                        mode = Mode::Fed(m);
+                        mode = Mode::Fed(Box::new(m));
                     }
-                    Mode::Dedicated(_) => {}
+                    Mode::Dedicated(_) | Mode::Multiplexed => {}
                 }
                 if let Some(ev) = reported.answer(index, value)
                     && !send(ev).await
