@@ -18,6 +18,7 @@ use consul_resolver_core::registry::Diff;
 use tokio::sync::mpsc;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::ops::metrics::Metrics;
 use consul::ConsulSource;
 use kube::KubeSource;
 
@@ -31,6 +32,7 @@ pub(crate) struct Watches {
     consul: ConsulSource,
     running: BTreeMap<WatchKey, AbortOnDropHandle<()>>,
     events: EventSink,
+    metrics: Metrics,
 }
 
 /// A source's name, for logs and metrics.
@@ -42,24 +44,33 @@ fn source(key: &WatchKey) -> &'static str {
 }
 
 impl Watches {
-    pub(crate) fn new(kube: KubeSource, consul: ConsulSource, events: EventSink) -> Self {
-        Watches { kube, consul, running: BTreeMap::new(), events }
+    pub(crate) fn new(kube: KubeSource, consul: ConsulSource, events: EventSink, metrics: Metrics) -> Self {
+        Watches { kube, consul, running: BTreeMap::new(), events, metrics }
     }
 
+    /// Starts and stops watches as `diff` says; `consul_resolver_watches{source}` follows,
+    /// down to 0 when the last one stops.
     pub(crate) fn apply(&mut self, diff: &Diff<WatchKey>) {
         for key in &diff.stop {
             if self.running.remove(key).is_some() {
                 tracing::info!(watch = %key, "watch stopped");
+                self.metrics.watch_stops.with_label_values(&[source(key)]).inc();
             }
         }
         for key in &diff.start {
             tracing::info!(watch = %key, source = source(key), "watch started");
+            self.metrics.watch_starts.with_label_values(&[source(key)]).inc();
             let events = self.events.clone();
             let task = match key {
                 WatchKey::Kube(k) => tokio::spawn(self.kube.watch(k.clone(), events)),
                 WatchKey::Consul(k) => tokio::spawn(self.consul.watch(k.clone(), events)),
             };
             self.running.insert(key.clone(), AbortOnDropHandle::new(task));
+        }
+        if !diff.is_empty() {
+            for (source, n) in self.counts() {
+                self.metrics.watches.with_label_values(&[source]).set(n as i64);
+            }
         }
     }
 
