@@ -12,14 +12,15 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use prometheus::core::Collector;
 use prometheus::{
-    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 
 use consul_resolver_core::keys::{ConsulKey, QueryOptions};
 
 /// Buckets for work done in memory (assembly, one publisher, a reconcile): 1 ms to 1 min.
-const WORK_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+const WORK_BUCKETS: &[f64] =
+    &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 /// Buckets for Consul requests: a non-blocking read takes milliseconds, a blocking one up
 /// to its `wait` (5 min by default, Consul's cap 10 min) and a little more.
 const REQUEST_BUCKETS: &[f64] =
@@ -470,7 +471,11 @@ mod tests {
 
     fn key(token: &str, service: &str) -> ConsulKey {
         ConsulKey {
-            server: ConsulServer { address: "http://127.0.0.1:8500".into(), token: Some(Secret::new(token)), tls: None },
+            server: ConsulServer {
+                address: "http://127.0.0.1:8500".into(),
+                token: Some(Secret::new(token)),
+                tls: None,
+            },
             datacenter: Some("dc1".into()),
             namespace: None,
             partition: None,
@@ -499,7 +504,9 @@ mod tests {
             ),
             "{text}"
         );
-        assert!(text.contains("consul_last_failure_timestamp_seconds{resolver_name=\"consul\",resolver_namespace=\"shop\"} 1005"));
+        assert!(text.contains(
+            "consul_last_failure_timestamp_seconds{resolver_name=\"consul\",resolver_namespace=\"shop\"} 1005"
+        ));
         assert!(!text.contains("resolver_namespace=\"pay\""), "no contact yet, no series: {text}");
         assert!(!text.contains("s3cret"), "{text}");
         // A resolver that goes takes its series, and its scope's record, with it.
@@ -538,6 +545,9 @@ mod tests {
         let exposed: std::collections::BTreeSet<&str> = exposed.iter().map(String::as_str).collect();
         let missing: Vec<_> = exposed.difference(&documented).collect();
         let extra: Vec<_> = documented.difference(&exposed).collect();
-        assert!(missing.is_empty() && extra.is_empty(), "not in docs/metrics.md: {missing:?}; documented but not exposed: {extra:?}");
+        assert!(
+            missing.is_empty() && extra.is_empty(),
+            "not in docs/metrics.md: {missing:?}; documented but not exposed: {extra:?}"
+        );
     }
 }

@@ -84,3 +84,43 @@ impl Watches {
         counts
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_fixtures::{not_found, serve};
+    use consul_resolver_core::keys::{ConsulKey, ConsulServer, KubeKey};
+    use std::sync::Arc;
+
+    /// `consul_resolver_watches{source}` follows starts and stops, down to 0.
+    #[tokio::test]
+    async fn the_watches_gauge_follows_starts_and_stops_to_zero() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let api = serve(Arc::new(|_: &str, path: &str, _: &[u8]| not_found(path))).await;
+        let metrics = Metrics::new();
+        let (tx, _rx) = mpsc::channel(16);
+        let consul = ConsulSource::new(Default::default()).with_metrics(metrics.clone());
+        let mut w = Watches::new(KubeSource::new(api.client.clone(), metrics.clone()), consul, tx, metrics.clone());
+        let kube = WatchKey::Kube(KubeKey::new("", "v1", "Secret").in_namespace("a"));
+        let consul = WatchKey::Consul(ConsulKey {
+            // Nothing listens there: the watch only fails, which does not matter here.
+            server: ConsulServer { address: "http://127.0.0.1:1".into(), token: None, tls: None },
+            datacenter: None,
+            namespace: None,
+            partition: None,
+            query: Default::default(),
+            service: "web".into(),
+        });
+        let gauge = |source: &str| metrics.watches.with_label_values(&[source]).get();
+        w.apply(&Diff { start: vec![kube.clone(), consul.clone()], stop: vec![] });
+        assert_eq!((gauge("kubernetes"), gauge("consul")), (1, 1));
+        w.apply(&Diff { start: vec![], stop: vec![consul] });
+        assert_eq!((gauge("kubernetes"), gauge("consul")), (1, 0));
+        w.apply(&Diff { start: vec![], stop: vec![kube] });
+        assert_eq!((gauge("kubernetes"), gauge("consul")), (0, 0));
+        for source in ["kubernetes", "consul"] {
+            assert_eq!(metrics.watch_starts.with_label_values(&[source]).get(), 1);
+            assert_eq!(metrics.watch_stops.with_label_values(&[source]).get(), 1);
+        }
+    }
+}

@@ -234,7 +234,8 @@ impl Ctx<'_> {
     /// view's first answer.
     async fn checks(&self, block: Option<(u64, Duration)>) -> Result<(u64, bool), QueryError> {
         let health_state = self.client.health_state(self.scope, self.server.token.as_ref(), block);
-        let answer = observe::request(&self.pool.metrics, observe::Query::Checks, &self.key(), block, health_state).await?;
+        let answer =
+            observe::request(&self.pool.metrics, observe::Query::Checks, &self.key(), block, health_state).await?;
         let (stale, first) = {
             let mut view = self.checks.lock().expect("checks view poisoned");
             let first = view.index().is_none();

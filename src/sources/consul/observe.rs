@@ -123,7 +123,11 @@ mod tests {
 
     fn key(token: &str) -> ConsulKey {
         ConsulKey {
-            server: ConsulServer { address: "http://127.0.0.1:8500".into(), token: Some(Secret::new(token)), tls: None },
+            server: ConsulServer {
+                address: "http://127.0.0.1:8500".into(),
+                token: Some(Secret::new(token)),
+                tls: None,
+            },
             datacenter: None,
             namespace: None,
             partition: None,
