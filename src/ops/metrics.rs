@@ -337,6 +337,10 @@ impl Metrics {
             m.unsynced_watches.with_label_values(&[source]).set(0);
             m.unsynced_oldest_seconds.with_label_values(&[source]).set(0.0);
         }
+        // The Consul source's restarts have two reasons (Kubernetes' are its errors').
+        for reason in ["error", "index_went_back"] {
+            m.watch_restarts.with_label_values(&["consul", reason]);
+        }
         for mode in ["blocking", "read"] {
             m.consul_request_seconds.with_label_values(&[mode]);
         }
