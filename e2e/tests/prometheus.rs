@@ -365,6 +365,12 @@ fn a_real_prometheus_sees_the_series_move_and_answers_every_dashboard_query() {
     }
     assert!(empty.is_empty(), "dashboard queries without data: {empty:#?}");
 
+    // An idle loop still beats every second, so an idle operator is alive.
+    prom.wait("the heartbeat moving while idle", "changes(consul_resolver_heartbeat_timestamp_seconds[10s])", |v| {
+        v >= 5.0
+    });
+    assert_eq!(op.get("/healthz").map(|r| r.0), Some(200));
+
     // The Mappings go: their watches stop, and the gauges come back to 0.
     cluster.kubectl(&["-n", &ns, "delete", "mapping", "web", "ghost"]).unwrap();
     prom.wait("no Consul watch left", r#"consul_resolver_watches{source="consul"}"#, |v| v == 0.0);
