@@ -9,6 +9,14 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(e2e_consul_without_acls)");
     println!("cargo::rustc-check-cfg=cfg(e2e_external_cluster)");
     println!("cargo::rustc-check-cfg=cfg(e2e_real_consul)");
+    println!("cargo::rustc-check-cfg=cfg(e2e_no_prometheus)");
+    // Debian's `prometheus` package (prometheus and promtool): the tests of the alerts and
+    // the dashboard are ignored without it (.ci/run installs it). Installing it changes
+    // /usr/bin, which runs this again.
+    println!("cargo::rerun-if-changed=/usr/bin");
+    if !["prometheus", "promtool"].iter().all(|tool| on_path(tool)) {
+        println!("cargo::rustc-cfg=e2e_no_prometheus");
+    }
     // Someone else's cluster: its API server is not ours to freeze or read the audit log of.
     if std::env::var_os("E2E_KUBECONFIG").is_some() {
         println!("cargo::rustc-cfg=e2e_external_cluster");
@@ -21,4 +29,13 @@ fn main() {
     if std::env::var_os("E2E_CONSUL_ADDR").is_some() && std::env::var_os("E2E_CONSUL_TOKEN").is_none() {
         println!("cargo::rustc-cfg=e2e_consul_without_acls");
     }
+}
+
+/// Whether an executable named `tool` is in a directory of `PATH`.
+fn on_path(tool: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(tool))
+        .any(|p| std::fs::metadata(&p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
 }

@@ -259,6 +259,12 @@ impl ConfigMapPublisher {
         Ok(cm.and_then(|cm| cm.metadata.annotations?.get(ANNOTATION_ID)?.parse().ok()))
     }
 
+    /// How many part ConfigMaps the last snapshot written took (0: it fit in one), if
+    /// this replica has written one since it last took over.
+    pub(crate) fn parts_written(&self) -> Option<usize> {
+        self.state.lock().expect("configmap state lock").written.as_ref().map(|(_, e)| e.parts.len())
+    }
+
     /// Compares what was last written with the cluster and writes again whatever was
     /// deleted or edited since. Returns the names written again.
     pub(crate) async fn repair(&self) -> Result<Vec<String>, PublishError> {

@@ -20,6 +20,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
 use super::client::{Answer, HttpClient, QueryError};
+use super::observe::{self, Query};
 use super::pool::{FeedMembership, Pool};
 use super::timing::{Backoff, IndexState, pace};
 use crate::sources::EventSink;
@@ -150,7 +151,8 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
             Mode::Dedicated(_) | Mode::Multiplexed => {
                 let block = state.block(settings.wait);
                 last_query = Some(Instant::now());
-                (block.map(|b| b.0), client.health(&key, block).await)
+                let health = client.health(&key, block);
+                (block.map(|b| b.0), observe::request(&pool.metrics, Query::Service, &key, block, health).await)
             }
             Mode::Starting => {
                 last_query = Some(Instant::now());
@@ -173,6 +175,9 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
         match result {
             Ok(Answer { index, value }) => {
                 backoff.reset();
+                if sent.is_some_and(|s| index < s) {
+                    restarted(&pool, "index_went_back");
+                }
                 state.observe(sent, index);
                 match &mode {
                     Mode::Fed(m) => m.saw(&value),
@@ -197,6 +202,9 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
             Err(e) => {
                 // The server may come back as another cluster with a lower index: the next
                 // query must not block on ours (docs/consul-protocol.md).
+                if state.block(settings.wait).is_some() {
+                    restarted(&pool, "error");
+                }
                 state.reset();
                 let delay = backoff.failure(&mut rand::rng()).max(e.retry_after().unwrap_or_default());
                 log_failure(&key, &e, delay);
@@ -226,7 +234,13 @@ async fn read(
         let closed = QueryError::Network { address: client.address().to_owned(), cause: "shutting down".into() };
         return (Instant::now(), Err(closed));
     };
-    (Instant::now(), client.health(key, None).await)
+    (Instant::now(), observe::request(&pool.metrics, Query::Service, key, None, client.health(key, None)).await)
+}
+
+/// The watch starts over from a read without index (after an error, or when the server's
+/// index went back): counted, as the Kubernetes source counts relists.
+fn restarted(pool: &Pool, reason: &str) {
+    pool.metrics.watch_restarts.with_label_values(&["consul", reason]).inc();
 }
 
 fn log_failure(key: &ConsulKey, e: &QueryError, delay: Duration) {
