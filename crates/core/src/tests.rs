@@ -572,7 +572,8 @@ async fn client_certificates_come_from_secrets_and_go_in_pairs() {
     let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
     let secret = json!({"metadata": {"namespace": "shop", "name": "consul-client"}, "type": "kubernetes.io/tls",
         "data": {"tls.crt": b64("CERT PEM"), "tls.key": b64("KEY PEM")}});
-    let diff = p.apply(listed(&super::assembler::resolvers::secret_key("shop", "consul-client"), vec![object(secret)]), now);
+    let diff =
+        p.apply(listed(&super::assembler::resolvers::secret_key("shop", "consul-client"), vec![object(secret)]), now);
     let [WatchKey::Consul(k)] = diff.start.as_slice() else { panic!("one Consul watch: {diff:?}") };
     let id = k.server.tls.as_ref().and_then(|t| t.client_identity.as_ref()).expect("a client identity");
     assert_eq!((&*id.cert_pem, id.key_pem.expose()), ("CERT PEM", "KEY PEM"));
