@@ -1,7 +1,7 @@
 # consul-resolver-operator. `make test` is what CI runs (.ci/run).
 CARGO ?= cargo
 
-.PHONY: build release test check e2e unit cluster-selftest e2e-deps crds fmt lint demo bench-operator bench-scale bench-cost
+.PHONY: build release test check e2e unit cluster-selftest e2e-deps image image-deps crds fmt lint demo bench-operator bench-scale bench-cost
 
 build:
 	$(CARGO) build --workspace --all-targets
@@ -48,6 +48,17 @@ bench-scale:
 bench-cost:
 	BENCH_SIZES=$${BENCH_SIZES:-250x1,1000x1,5000x15} BENCH_MAPPINGS_PER_SERVICE=$${BENCH_MAPPINGS_PER_SERVICE:-10} \
 		$(CARGO) run --release -p e2e --bin operator-bench
+
+# The container image (Containerfile): the binary as a static release build (cached under
+# target/<triple>/release), CA certificates and a non-root user, FROM scratch, built by
+# podman (or buildah). Named consul-resolver-operator:VERSION, as manifests/deployment.yaml
+# runs it; IMAGE=name:tag overrides. e2e/tests/image.rs builds and checks it.
+image:
+	bash image/build.sh build
+
+# podman and runc from Debian (.ci/run installs them, so the image test runs in CI).
+image-deps:
+	bash image/build.sh deps
 
 # Regenerate the committed CRD from the Rust types (a unit test fails on drift).
 crds:

@@ -10,16 +10,22 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(e2e_external_cluster)");
     println!("cargo::rustc-check-cfg=cfg(e2e_real_consul)");
     println!("cargo::rustc-check-cfg=cfg(e2e_no_prometheus)");
-    // Debian's `prometheus` package (prometheus and promtool): the tests of the alerts and
-    // the dashboard are ignored without it (.ci/run installs it). Installing it changes
-    // /usr/bin, which runs this again.
+    // Debian's `prometheus` package (prometheus and promtool) and podman: the tests of the
+    // alerts and the dashboard, and of the image, are ignored without them (.ci/run installs
+    // them). Installing a package changes /usr/bin, which runs this again.
     println!("cargo::rerun-if-changed=/usr/bin");
+    println!("cargo::rerun-if-env-changed=PATH");
     if !["prometheus", "promtool"].iter().all(|tool| on_path(tool)) {
         println!("cargo::rustc-cfg=e2e_no_prometheus");
     }
+    println!("cargo::rustc-check-cfg=cfg(e2e_no_podman)");
     // Someone else's cluster: its API server is not ours to freeze or read the audit log of.
     if std::env::var_os("E2E_KUBECONFIG").is_some() {
         println!("cargo::rustc-cfg=e2e_external_cluster");
+    }
+    // The image test builds and runs the image with podman (image/build.sh deps installs it).
+    if !on_path("podman") {
+        println!("cargo::rustc-cfg=e2e_no_podman");
     }
     // A real agent: the simulator's fault injection and request log are not there.
     if std::env::var_os("E2E_CONSUL_ADDR").is_some() {

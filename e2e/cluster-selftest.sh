@@ -253,7 +253,7 @@ NS=consul-resolver-system
 check list      consulresolver.io   consulresolvers ""     ""      true
 check watch     consulresolver.io   consulresolvers ""     ""      true
 check patch     consulresolver.io   consulresolvers status default true
-check update    consulresolver.io   consulresolvers status default true
+check update    consulresolver.io   consulresolvers status default false
 check update    consulresolver.io   consulresolvers ""     default false
 check patch     consulresolver.io   consulresolvers ""     default false
 check delete    consulresolver.io   consulresolvers ""     default false
@@ -267,12 +267,15 @@ check list      ""                  endpoints       ""     ""      true
 check list      ""                  secrets         ""     ""      false
 check list      ""                  secrets         ""     default false
 check get       ""                  secrets         ""     default false
-check create    ""                  events          ""     default true
+check create    events.k8s.io       events          ""     default true
 check patch     events.k8s.io       events          ""     default true
+check create    ""                  events          ""     default false
 check create    ""                  configmaps      ""     "$NS"   true
 check delete    ""                  configmaps      ""     "$NS"   true
 check create    ""                  configmaps      ""     default false
 check update    coordination.k8s.io leases          ""     "$NS"   true
+check patch     coordination.k8s.io leases          ""     "$NS"   false
+check list      ""                  configmaps      ""     "$NS"   false
 check create    coordination.k8s.io leases          ""     default false
 check create    apps                deployments     ""     "$NS"   false
 check list      ""                  pods            ""     ""      false

@@ -276,28 +276,36 @@ pub fn operator_binary() -> anyhow::Result<PathBuf> {
     if release {
         args.push("--release");
     }
-    let mut build = Command::new(cargo);
-    build.current_dir(repo_root()).args(&args);
-    // Cargo sets these for the test or bench process that runs us. Passed on, they look
-    // like a changed environment to build scripts that track them (ring's does), and
-    // half the dependency tree is rebuilt on every run, and again by the next plain build.
-    for (name, _) in std::env::vars_os() {
-        let name = name.to_string_lossy();
-        let set_by_cargo_for_us = ["CARGO_MANIFEST_", "CARGO_PKG_", "CARGO_CRATE_", "CARGO_BIN_", "CARGO_PRIMARY_"]
-            .iter()
-            .any(|p| name.starts_with(p))
-            || name == "CARGO_TARGET_TMPDIR";
-        if set_by_cargo_for_us {
-            build.env_remove(name.as_ref());
-        }
-    }
-    let status = build.status().context("building the operator")?;
+    let status = build_command(&cargo).args(&args).status().context("building the operator")?;
     if !status.success() {
         bail!("cargo build of the operator failed");
     }
     let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("target"));
     let bin = target.join(if release { "release" } else { "debug" }).join("consul-resolver-operator");
     Ok(BIN.get_or_init(|| bin).clone())
+}
+
+/// A command that builds with cargo (cargo itself, or make or a script that runs it), in
+/// the repository root, without the variables cargo sets for the test process that runs
+/// us. Passed on, they look like a changed environment to build scripts that track them
+/// (ring's does; `OUT_DIR`, set because e2e has a build script, makes most of the tree
+/// dirty), and half the dependency tree is rebuilt on every run, and again by the next
+/// plain build.
+pub fn build_command(program: &str) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.current_dir(repo_root());
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let set_by_cargo_for_us = ["CARGO_MANIFEST_", "CARGO_PKG_", "CARGO_CRATE_", "CARGO_BIN_", "CARGO_PRIMARY_"]
+            .iter()
+            .any(|p| name.starts_with(p))
+            || name == "CARGO_TARGET_TMPDIR"
+            || name == "OUT_DIR";
+        if set_by_cargo_for_us {
+            cmd.env_remove(name.as_ref());
+        }
+    }
+    cmd
 }
 
 /// The operator, running as its own process. Killed (by pid) on drop if still running.

@@ -1,0 +1,448 @@
+//! Installing the operator as a user does, `kubectl apply -k manifests/`: the kustomization
+//! renders exactly the objects docs/operations.md lists, consistent with each other and with
+//! the image; it applies for real to the local API server, and a second apply changes
+//! nothing; and the ServiceAccount it installs can do exactly what the operator's code does
+//! and nothing more, asked of the API server as that ServiceAccount (`kubectl auth can-i`,
+//! SelfSubjectRulesReview, and real requests).
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, bail};
+use e2e::harness::{Cluster, operator_binary, repo_root};
+use serde::Deserialize;
+use serde_json::Value;
+
+const NS: &str = "consul-resolver-system";
+const NAME: &str = "consul-resolver-operator";
+const SA_USER: &str = "system:serviceaccount:consul-resolver-system:consul-resolver-operator";
+
+/// The documents of a multi-document YAML stream, as JSON values (empty documents dropped).
+fn yaml_documents(text: &str) -> anyhow::Result<Vec<Value>> {
+    let mut docs = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(text) {
+        let v = Value::deserialize(doc).context("parsing a rendered document")?;
+        if !v.is_null() {
+            docs.push(v);
+        }
+    }
+    Ok(docs)
+}
+
+/// `kubectl kustomize manifests/`: what `kubectl apply -k manifests/` sends.
+fn render() -> Vec<Value> {
+    let dir = repo_root().join("manifests");
+    let out = Command::new("kubectl").arg("kustomize").arg(&dir).output().expect("kubectl is required");
+    assert!(out.status.success(), "kubectl kustomize {}: {}", dir.display(), String::from_utf8_lossy(&out.stderr));
+    yaml_documents(&String::from_utf8_lossy(&out.stdout)).unwrap()
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name} in the kustomization's output"))
+}
+
+/// `v` with every number as a float, so `0` and `0.0` compare equal.
+fn numbers_as_f64(v: Value) -> Value {
+    match v {
+        Value::Number(n) => n.as_f64().and_then(serde_json::Number::from_f64).map_or(Value::Null, Value::Number),
+        Value::Array(a) => Value::Array(a.into_iter().map(numbers_as_f64).collect()),
+        Value::Object(o) => Value::Object(o.into_iter().map(|(k, v)| (k, numbers_as_f64(v))).collect()),
+        other => other,
+    }
+}
+
+/// The version the operator binary reports (the crate's version).
+fn operator_version() -> String {
+    let out = Command::new(operator_binary().unwrap()).arg("version").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace().nth(1).unwrap_or_else(|| panic!("`version` printed {text:?}")).to_owned()
+}
+
+/// The `USER uid:gid` of the Containerfile.
+fn containerfile_user() -> (u64, u64) {
+    let text = std::fs::read_to_string(repo_root().join("Containerfile")).unwrap();
+    let user = text.lines().find_map(|l| l.strip_prefix("USER ")).expect("the Containerfile sets USER");
+    let (uid, gid) = user.trim().split_once(':').expect("USER uid:gid");
+    (uid.parse().unwrap(), gid.parse().unwrap())
+}
+
+#[test]
+fn the_kustomization_renders_the_whole_install_consistently() {
+    let objects = render();
+    let got: BTreeSet<(String, String, String, String)> = objects
+        .iter()
+        .map(|o| {
+            let s = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+            (s(&o["apiVersion"]), s(&o["kind"]), s(&o["metadata"]["namespace"]), s(&o["metadata"]["name"]))
+        })
+        .collect();
+    let want: BTreeSet<(String, String, String, String)> = [
+        ("apiextensions.k8s.io/v1", "CustomResourceDefinition", "", "consulresolvers.consulresolver.io"),
+        ("v1", "Namespace", "", NS),
+        ("v1", "ServiceAccount", NS, NAME),
+        ("rbac.authorization.k8s.io/v1", "ClusterRole", "", NAME),
+        ("rbac.authorization.k8s.io/v1", "ClusterRole", "", "consul-resolver-operator-secrets"),
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", "", NAME),
+        ("rbac.authorization.k8s.io/v1", "Role", NS, NAME),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding", NS, NAME),
+        ("apps/v1", "Deployment", NS, NAME),
+        ("v1", "Service", NS, NAME),
+        ("policy/v1", "PodDisruptionBudget", NS, NAME),
+    ]
+    .into_iter()
+    .map(|(a, b, c, d)| (a.to_owned(), b.to_owned(), c.to_owned(), d.to_owned()))
+    .collect();
+    assert_eq!(got, want, "the objects `kubectl apply -k manifests/` installs");
+    assert_eq!(objects.len(), want.len(), "no object twice");
+    // The CRD is the generated one, unchanged (kustomize writes `0.0` as `0`).
+    let crd_file =
+        yaml_documents(&std::fs::read_to_string(repo_root().join("crds/consulresolver.yaml")).unwrap()).unwrap();
+    let crd = find(&objects, "CustomResourceDefinition", "consulresolvers.consulresolver.io");
+    assert!(
+        numbers_as_f64(crd.clone()) == numbers_as_f64(crd_file[0].clone()),
+        "the CRD differs from crds/consulresolver.yaml"
+    );
+
+    let deploy = find(&objects, "Deployment", NAME);
+    let pod = &deploy["spec"]["template"];
+    let labels = &pod["metadata"]["labels"];
+    assert_eq!(deploy["spec"]["replicas"], 2, "two replicas on a Lease");
+    assert_eq!(deploy["spec"]["selector"]["matchLabels"], *labels);
+    assert_eq!(deploy["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"], 0, "a rollout never drops below two");
+    let container = &pod["spec"]["containers"][0];
+    assert_eq!(
+        container["image"],
+        format!("consul-resolver-operator:{}", operator_version()),
+        "the image `make image` builds"
+    );
+    assert_eq!(pod["spec"]["serviceAccountName"], NAME);
+
+    // The pod runs as the image's non-root user, read-only, with nothing extra.
+    let (uid, gid) = containerfile_user();
+    let psc = &pod["spec"]["securityContext"];
+    assert_eq!(
+        (psc["runAsNonRoot"].as_bool(), psc["runAsUser"].as_u64(), psc["runAsGroup"].as_u64()),
+        (Some(true), Some(uid), Some(gid))
+    );
+    let csc = &container["securityContext"];
+    assert_eq!(csc["allowPrivilegeEscalation"], false);
+    assert_eq!(csc["readOnlyRootFilesystem"], true);
+    assert_eq!(csc["capabilities"]["drop"], serde_json::json!(["ALL"]));
+
+    // Spread over nodes and zones, softly, selecting this Deployment's own pods.
+    let spread = pod["spec"]["topologySpreadConstraints"].as_array().expect("topologySpreadConstraints");
+    let keys: BTreeSet<&str> = spread.iter().filter_map(|c| c["topologyKey"].as_str()).collect();
+    assert_eq!(keys, BTreeSet::from(["kubernetes.io/hostname", "topology.kubernetes.io/zone"]));
+    for c in spread {
+        assert_eq!(c["whenUnsatisfiable"], "ScheduleAnyway", "{c}");
+        assert_eq!(c["labelSelector"]["matchLabels"], *labels, "{c}");
+    }
+
+    // The Service reaches the pods' HTTP port (/metrics, /snapshot).
+    let svc = find(&objects, "Service", NAME);
+    assert_eq!(svc["spec"]["selector"], *labels);
+    let port = &svc["spec"]["ports"][0];
+    let container_port = container["ports"].as_array().unwrap().iter().find(|p| p["name"] == port["targetPort"]);
+    assert_eq!(
+        container_port.map(|p| &p["containerPort"]),
+        Some(&port["port"]),
+        "Service port {port} -> a container port"
+    );
+    assert!(container["args"].as_array().unwrap().iter().any(|a| *a == format!("--listen=0.0.0.0:{}", port["port"])));
+
+    // One voluntary eviction at a time, of these pods.
+    let pdb = find(&objects, "PodDisruptionBudget", NAME);
+    assert_eq!(pdb["spec"]["maxUnavailable"], 1);
+    assert_eq!(pdb["spec"]["selector"]["matchLabels"], *labels);
+
+    // Secrets are granted nowhere by default: the only RoleBinding binds the own-namespace
+    // Role, and the secrets ClusterRole is bound by no binding here.
+    for b in objects.iter().filter(|o| o["kind"].as_str().is_some_and(|k| k.ends_with("Binding"))) {
+        assert_ne!(b["roleRef"]["name"], "consul-resolver-operator-secrets", "{b}");
+        assert_eq!(b["subjects"], serde_json::json!([{"kind": "ServiceAccount", "name": NAME, "namespace": NS}]));
+    }
+}
+
+/// `kubectl apply -k DIR`, returning its output lines.
+fn apply_k(cluster: &Cluster, dir: &Path) -> Vec<String> {
+    let out = cluster.kubectl(&["apply", "-k", &dir.display().to_string()]).unwrap();
+    out.lines().map(str::to_owned).collect()
+}
+
+/// The directory to `kubectl apply -k`: manifests/ itself where the API server serves
+/// policy/v1 (1.21+), else a kustomization over it that serves the PodDisruptionBudget as
+/// policy/v1beta1 (same fields), for this 1.20 API server.
+fn install_dir(cluster: &Cluster, tmp: &Path) -> std::path::PathBuf {
+    let versions = cluster.kubectl(&["api-versions"]).unwrap();
+    if versions.lines().any(|v| v == "policy/v1") {
+        return repo_root().join("manifests");
+    }
+    assert!(versions.lines().any(|v| v == "policy/v1beta1"), "no PodDisruptionBudget API: {versions}");
+    eprintln!("note: this API server has no policy/v1; applying the PodDisruptionBudget as policy/v1beta1");
+    // kustomize takes no absolute path in `resources`: up to / from the overlay, then down.
+    let manifests = repo_root().join("manifests");
+    let up = "../".repeat(tmp.components().count() - 1);
+    let relative = format!("{up}{}", manifests.strip_prefix("/").unwrap().display());
+    let overlay = format!(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {relative}\npatches:\n  - target: {{kind: PodDisruptionBudget}}\n    patch: |-\n      - op: replace\n        path: /apiVersion\n        value: policy/v1beta1\n"
+    );
+    std::fs::write(tmp.join("kustomization.yaml"), overlay).unwrap();
+    tmp.to_path_buf()
+}
+
+#[test]
+fn apply_k_installs_everything_and_a_second_apply_changes_nothing() {
+    let cluster = Cluster::shared();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = install_dir(cluster, tmp.path());
+
+    let first = apply_k(cluster, &dir);
+    assert_eq!(first.len(), 11, "one line per object: {first:#?}");
+    for line in &first {
+        assert!(["created", "configured", "unchanged"].iter().any(|w| line.ends_with(w)), "{line}");
+    }
+    // Nothing the API server defaults or rewrites makes the next apply see a difference.
+    let second = apply_k(cluster, &dir);
+    assert_eq!(second.len(), first.len());
+    for line in &second {
+        assert!(line.ends_with(" unchanged"), "a second `kubectl apply -k` changed something: {second:#?}");
+    }
+
+    // The objects as the API server stores them.
+    let get = |what: &str| -> Value {
+        serde_json::from_str(&cluster.kubectl(&["-n", NS, "get", what, "-o", "json"]).unwrap()).unwrap()
+    };
+    let deploy = get(&format!("deployment/{NAME}"));
+    assert_eq!(deploy["spec"]["replicas"], 2);
+    let pod = &deploy["spec"]["template"]["spec"];
+    assert_eq!(pod["containers"][0]["image"], format!("consul-resolver-operator:{}", operator_version()));
+    assert_eq!(pod["topologySpreadConstraints"].as_array().map(Vec::len), Some(2), "kept by the API server: {pod}");
+    let svc = get(&format!("service/{NAME}"));
+    assert!(svc["spec"]["clusterIP"].as_str().is_some_and(|ip| !ip.is_empty() && ip != "None"), "{svc}");
+    assert_eq!(svc["spec"]["ports"][0]["targetPort"], "http");
+    let pdb = get(&format!("poddisruptionbudget/{NAME}"));
+    assert_eq!(pdb["spec"]["maxUnavailable"], 1);
+    get(&format!("serviceaccount/{NAME}"));
+    let crd = cluster.kubectl(&[
+        "wait",
+        "--for",
+        "condition=established",
+        "--timeout=30s",
+        "crd/consulresolvers.consulresolver.io",
+    ]);
+    assert!(crd.is_ok(), "{crd:?}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Least privilege, asked as the operator's ServiceAccount
+
+/// Every verb an RBAC rule can grant on a resource.
+const VERBS: [&str; 8] = ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"];
+
+/// What the operator may do: (API group, resource, verb). Each is a call in src/ (see
+/// manifests/rbac.yaml); anything else must be refused.
+const CLUSTER_WIDE: &[(&str, &str, &str)] = &[
+    ("consulresolver.io", "consulresolvers", "list"),
+    ("consulresolver.io", "consulresolvers", "watch"),
+    ("consulresolver.io", "consulresolvers/status", "patch"),
+    ("getambassador.io", "mappings", "list"),
+    ("getambassador.io", "mappings", "watch"),
+    ("getambassador.io", "tcpmappings", "list"),
+    ("getambassador.io", "tcpmappings", "watch"),
+    ("discovery.k8s.io", "endpointslices", "list"),
+    ("discovery.k8s.io", "endpointslices", "watch"),
+    ("", "endpoints", "list"),
+    ("", "endpoints", "watch"),
+    ("events.k8s.io", "events", "create"),
+    ("events.k8s.io", "events", "patch"),
+];
+/// Only in consul-resolver-system: the snapshot ConfigMaps and the Lease.
+const OWN_NAMESPACE: &[(&str, &str, &str)] = &[
+    ("", "configmaps", "get"),
+    ("", "configmaps", "create"),
+    ("", "configmaps", "patch"),
+    ("", "configmaps", "delete"),
+    ("coordination.k8s.io", "leases", "get"),
+    ("coordination.k8s.io", "leases", "create"),
+    ("coordination.k8s.io", "leases", "update"),
+];
+/// Only in a namespace with the documented RoleBinding to consul-resolver-operator-secrets.
+const GRANTED_NAMESPACE: &[(&str, &str, &str)] = &[("", "secrets", "list"), ("", "secrets", "watch")];
+
+type Grant = (String, String, String);
+
+fn grants(lists: &[&[(&str, &str, &str)]]) -> BTreeSet<Grant> {
+    lists.iter().flat_map(|l| l.iter()).map(|(g, r, v)| (g.to_string(), r.to_string(), v.to_string())).collect()
+}
+
+/// kubectl as the operator's ServiceAccount: (succeeded, stdout, stderr).
+fn as_operator(cluster: &Cluster, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(&cluster.operator_kubeconfig)
+        .args(args)
+        .output()
+        .expect("kubectl is required");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `kubectl auth can-i VERB RESOURCE[.GROUP] [--subresource S] (-n NS | -A)` as the operator.
+fn can_i(cluster: &Cluster, verb: &str, group: &str, resource: &str, namespace: Option<&str>) -> bool {
+    let (resource, sub) = resource.split_once('/').map_or((resource, None), |(r, s)| (r, Some(s)));
+    let qualified = if group.is_empty() { resource.to_owned() } else { format!("{resource}.{group}") };
+    let mut args = vec!["auth", "can-i", verb, &qualified];
+    let sub_flag;
+    if let Some(s) = sub {
+        sub_flag = format!("--subresource={s}");
+        args.push(&sub_flag);
+    }
+    match namespace {
+        Some(ns) => args.extend(["-n", ns]),
+        None => args.push("-A"),
+    }
+    let (_, out, err) = as_operator(cluster, &args);
+    match out.as_str() {
+        "yes" => true,
+        "no" => false,
+        _ => panic!("kubectl {}: {out} {err}", args.join(" ")),
+    }
+}
+
+/// The ServiceAccount's resource rules in `namespace` (SelfSubjectRulesReview), expanded to
+/// (group, resource, verb), without the rules every authenticated user has (asking
+/// whether one may do something).
+fn rules_review(cluster: &Cluster, namespace: &str) -> anyhow::Result<BTreeSet<Grant>> {
+    let review = format!(
+        "{{\"apiVersion\": \"authorization.k8s.io/v1\", \"kind\": \"SelfSubjectRulesReview\", \"spec\": {{\"namespace\": \"{namespace}\"}}}}"
+    );
+    let path = tempfile::NamedTempFile::new()?;
+    std::fs::write(path.path(), review)?;
+    let (ok, out, err) = as_operator(cluster, &["create", "-o", "json", "-f", &path.path().display().to_string()]);
+    if !ok {
+        bail!("SelfSubjectRulesReview in {namespace}: {err}");
+    }
+    let status: Value = serde_json::from_str(&out)?;
+    if status["status"]["incomplete"] == true {
+        bail!("the rules review is incomplete: {status}");
+    }
+    let mut set = BTreeSet::new();
+    for rule in status["status"]["resourceRules"].as_array().into_iter().flatten() {
+        if rule["resourceNames"].as_array().is_some_and(|n| !n.is_empty()) {
+            bail!("a rule limited to resource names, which manifests/rbac.yaml never writes: {rule}");
+        }
+        let strs = |v: &Value| -> Vec<String> {
+            v.as_array().into_iter().flatten().filter_map(|s| s.as_str().map(str::to_owned)).collect()
+        };
+        for g in strs(&rule["apiGroups"]) {
+            for r in strs(&rule["resources"]) {
+                for v in strs(&rule["verbs"]) {
+                    set.insert((g.clone(), r.clone(), v));
+                }
+            }
+        }
+    }
+    // system:basic-user, bound to every authenticated user by the API server itself.
+    for r in ["selfsubjectaccessreviews", "selfsubjectrulesreviews"] {
+        set.remove(&("authorization.k8s.io".to_owned(), r.to_owned(), "create".to_owned()));
+    }
+    Ok(set)
+}
+
+#[test]
+fn the_service_account_may_do_exactly_what_the_code_does() {
+    let cluster = Cluster::shared();
+    let granted = cluster.namespace("install-granted").unwrap();
+    let other = cluster.namespace("install-other").unwrap();
+    // The documented way to let the operator read one namespace's Secrets.
+    cluster.grant_secrets(&granted).unwrap();
+
+    // The whole rule set, per namespace: nothing beyond what the code uses.
+    let everywhere = grants(&[CLUSTER_WIDE]);
+    assert_eq!(rules_review(cluster, &other).unwrap(), everywhere, "rules in a namespace without a grant");
+    assert_eq!(rules_review(cluster, NS).unwrap(), grants(&[CLUSTER_WIDE, OWN_NAMESPACE]), "rules in {NS}");
+    assert_eq!(
+        rules_review(cluster, &granted).unwrap(),
+        grants(&[CLUSTER_WIDE, GRANTED_NAMESPACE]),
+        "rules in {granted}"
+    );
+
+    // The same, as `kubectl auth can-i` answers it: every verb on each resource the
+    // operator touches, where it is granted (so each refused verb is refused there, not
+    // just elsewhere), and the namespaced ones also where they are not.
+    let resources = |list: &[(&'static str, &'static str, &'static str)]| -> BTreeSet<(&'static str, &'static str)> {
+        list.iter().map(|(g, r, _)| (*g, *r)).collect()
+    };
+    let own_and_secrets: BTreeSet<_> = resources(OWN_NAMESPACE).union(&resources(GRANTED_NAMESPACE)).copied().collect();
+    let questions: Vec<(Option<&str>, BTreeSet<(&str, &str)>, BTreeSet<Grant>)> = vec![
+        (None, resources(CLUSTER_WIDE), everywhere.clone()),
+        (Some(NS), resources(OWN_NAMESPACE), grants(&[OWN_NAMESPACE])),
+        (Some(granted.as_str()), resources(GRANTED_NAMESPACE), grants(&[GRANTED_NAMESPACE])),
+        (Some(other.as_str()), own_and_secrets, BTreeSet::new()),
+    ];
+    let mut asked: Vec<(&str, &str, &str, Option<&str>, bool)> = Vec::new();
+    for (scope, resources, allowed) in &questions {
+        for (group, resource) in resources {
+            for verb in VERBS {
+                let want = allowed.contains(&(group.to_string(), resource.to_string(), verb.to_owned()));
+                asked.push((verb, group, resource, *scope, want));
+            }
+        }
+    }
+    // And a few things an operator has no business doing anywhere.
+    for (verb, group, resource) in [
+        ("get", "", "pods"),
+        ("create", "apps", "deployments"),
+        ("get", "", "serviceaccounts"),
+        ("create", "", "serviceaccounts/token"),
+        ("bind", "rbac.authorization.k8s.io", "clusterroles"),
+        ("escalate", "rbac.authorization.k8s.io", "roles"),
+        ("impersonate", "", "users"),
+        ("create", "", "events"),
+    ] {
+        asked.push((verb, group, resource, Some(NS), false));
+    }
+    // Four kubectl processes at a time: each answer is one request, the time is kubectl's.
+    let wrong: Vec<String> = std::thread::scope(|s| {
+        let workers: Vec<_> = asked
+            .chunks(asked.len().div_ceil(4))
+            .map(|chunk| {
+                s.spawn(move || {
+                    chunk
+                        .iter()
+                        .filter(|(verb, group, resource, scope, want)| {
+                            can_i(cluster, verb, group, resource, *scope) != *want
+                        })
+                        .map(|(verb, group, resource, scope, want)| {
+                            format!("{verb} {resource}.{group} in {}: want {want}", scope.unwrap_or("all namespaces"))
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().unwrap()).collect()
+    });
+    eprintln!("asked `kubectl auth can-i` {} questions as {SA_USER}", asked.len());
+    assert!(wrong.is_empty(), "`kubectl auth can-i` as the operator disagrees:\n{}", wrong.join("\n"));
+
+    // Real requests: reading Secrets is a list (watched by name), and only where granted.
+    let (ok, _, err) = as_operator(cluster, &["-n", &granted, "get", "secrets"]);
+    assert!(ok, "list Secrets where granted: {err}");
+    for (args, what) in [
+        (vec!["-n", granted.as_str(), "get", "secret", "any"], "get a Secret by name"),
+        (vec!["-n", other.as_str(), "get", "secrets"], "list Secrets without a grant"),
+        (vec!["get", "secrets", "-A"], "list Secrets cluster-wide"),
+        (vec!["-n", NS, "get", "configmaps"], "list ConfigMaps"),
+    ] {
+        let (ok, _, err) = as_operator(cluster, &args);
+        assert!(!ok, "the operator may {what}");
+        assert!(err.contains("Forbidden") && err.contains(SA_USER), "{what}: {err}");
+    }
+}
