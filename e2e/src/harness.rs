@@ -286,7 +286,10 @@ pub fn operator_binary() -> anyhow::Result<PathBuf> {
         let set_by_cargo_for_us = ["CARGO_MANIFEST_", "CARGO_PKG_", "CARGO_CRATE_", "CARGO_BIN_", "CARGO_PRIMARY_"]
             .iter()
             .any(|p| name.starts_with(p))
-            || name == "CARGO_TARGET_TMPDIR";
+            || name == "CARGO_TARGET_TMPDIR"
+            // Set for tests of a package with a build script (e2e/build.rs); ring's build
+            // script tracks it.
+            || name == "OUT_DIR";
         if set_by_cargo_for_us {
             build.env_remove(name.as_ref());
         }
@@ -311,6 +314,12 @@ pub struct Operator {
 impl Operator {
     /// Starts the operator with the ServiceAccount kubeconfig and `args`.
     pub fn start(cluster: &Cluster, args: &[&str]) -> anyhow::Result<Operator> {
+        Operator::start_with_env(cluster, args, &[])
+    }
+
+    /// [`Operator::start`] with more environment variables (`RUST_LOG=debug`, say), set
+    /// after the defaults.
+    pub fn start_with_env(cluster: &Cluster, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Operator> {
         let bin = operator_binary()?;
         let port = free_port();
         let logdir = tempfile::Builder::new().prefix("cro-operator-").tempdir()?;
@@ -324,6 +333,7 @@ impl Operator {
             .env("KUBECONFIG", &cluster.operator_kubeconfig)
             .env("RUST_LOG", "info,kube=warn")
             .env_remove("CONSUL_HTTP_TOKEN")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(logfile.try_clone()?)
             .stderr(logfile)
