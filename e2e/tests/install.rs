@@ -275,6 +275,10 @@ const GRANTED_NAMESPACE: &[(&str, &str, &str)] = &[("", "secrets", "list"), ("",
 
 type Grant = (String, String, String);
 
+/// A `kubectl auth can-i` round: the namespace (`None`: cluster-wide), the resources asked
+/// about, and the grants expected there.
+type Question<'a> = (Option<&'a str>, BTreeSet<(&'a str, &'a str)>, BTreeSet<Grant>);
+
 fn grants(lists: &[&[(&str, &str, &str)]]) -> BTreeSet<Grant> {
     lists.iter().flat_map(|l| l.iter()).map(|(g, r, v)| (g.to_string(), r.to_string(), v.to_string())).collect()
 }
@@ -381,7 +385,7 @@ fn the_service_account_may_do_exactly_what_the_code_does() {
         list.iter().map(|(g, r, _)| (*g, *r)).collect()
     };
     let own_and_secrets: BTreeSet<_> = resources(OWN_NAMESPACE).union(&resources(GRANTED_NAMESPACE)).copied().collect();
-    let questions: Vec<(Option<&str>, BTreeSet<(&str, &str)>, BTreeSet<Grant>)> = vec![
+    let questions: Vec<Question> = vec![
         (None, resources(CLUSTER_WIDE), everywhere.clone()),
         (Some(NS), resources(OWN_NAMESPACE), grants(&[OWN_NAMESPACE])),
         (Some(granted.as_str()), resources(GRANTED_NAMESPACE), grants(&[GRANTED_NAMESPACE])),
