@@ -9,13 +9,22 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(e2e_consul_without_acls)");
     println!("cargo::rustc-check-cfg=cfg(e2e_external_cluster)");
     println!("cargo::rustc-check-cfg=cfg(e2e_real_consul)");
+    println!("cargo::rustc-check-cfg=cfg(e2e_no_prometheus)");
+    // Debian's `prometheus` package (prometheus and promtool) and podman: the tests of the
+    // alerts and the dashboard, and of the image, are ignored without them (.ci/run installs
+    // them). Installing a package changes /usr/bin, which runs this again.
+    println!("cargo::rerun-if-changed=/usr/bin");
+    println!("cargo::rerun-if-env-changed=PATH");
+    if !["prometheus", "promtool"].iter().all(|tool| on_path(tool)) {
+        println!("cargo::rustc-cfg=e2e_no_prometheus");
+    }
     println!("cargo::rustc-check-cfg=cfg(e2e_no_podman)");
     // Someone else's cluster: its API server is not ours to freeze or read the audit log of.
     if std::env::var_os("E2E_KUBECONFIG").is_some() {
         println!("cargo::rustc-cfg=e2e_external_cluster");
     }
     // The image test builds and runs the image with podman (image/build.sh deps installs it).
-    if !podman_on_path() {
+    if !on_path("podman") {
         println!("cargo::rustc-cfg=e2e_no_podman");
     }
     // A real agent: the simulator's fault injection and request log are not there.
@@ -28,19 +37,11 @@ fn main() {
     }
 }
 
-/// Whether `podman` is on PATH. Cargo reruns this script when PATH changes, or when one of
-/// the directories packages install it into changes (a directory's own mtime moves when a
-/// file is added or removed), so installing podman turns the image test on at the next
-/// build. Only those system directories are watched: a user directory that changes often
-/// (pip's shims) would rebuild the e2e tests each time.
-fn podman_on_path() -> bool {
-    println!("cargo::rerun-if-env-changed=PATH");
+/// Whether an executable named `tool` is in a directory of `PATH`.
+fn on_path(tool: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
     let path = std::env::var_os("PATH").unwrap_or_default();
-    let dirs: Vec<_> = std::env::split_paths(&path).collect();
-    for dir in &dirs {
-        if ["/usr/bin", "/usr/local/bin", "/bin"].iter().any(|d| dir.as_os_str() == *d) && dir.is_dir() {
-            println!("cargo::rerun-if-changed={}", dir.display());
-        }
-    }
-    dirs.iter().any(|d| d.join("podman").is_file())
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(tool))
+        .any(|p| std::fs::metadata(&p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
 }

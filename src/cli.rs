@@ -122,6 +122,12 @@ pub(crate) struct RunArgs {
     #[arg(long, env = "LISTEN", default_value = "0.0.0.0:8080")]
     pub listen: SocketAddr,
 
+    /// /healthz fails when the event loop has not turned for this long (it turns at least
+    /// every second while idle; its longest legitimate step is a Kubernetes read bounded by
+    /// --kube-timeout). A wedged loop then gets the pod restarted by its liveness probe.
+    #[arg(long, env = "HEARTBEAT_TIMEOUT", default_value = "60s", value_parser = parse_positive_duration)]
+    pub heartbeat_timeout: Duration,
+
     /// Lease (NAMESPACE/NAME) for leader election. Every replica watches and serves HTTP;
     /// only the lease holder writes the ConfigMap, statuses and Events. Without it this
     /// process always writes: run a single replica.

@@ -319,6 +319,12 @@ pub struct Operator {
 impl Operator {
     /// Starts the operator with the ServiceAccount kubeconfig and `args`.
     pub fn start(cluster: &Cluster, args: &[&str]) -> anyhow::Result<Operator> {
+        Operator::start_with_env(cluster, args, &[])
+    }
+
+    /// [`Operator::start`] with more environment variables (`RUST_LOG=debug`, say), set
+    /// after the defaults.
+    pub fn start_with_env(cluster: &Cluster, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Operator> {
         let bin = operator_binary()?;
         let port = free_port();
         let logdir = tempfile::Builder::new().prefix("cro-operator-").tempdir()?;
@@ -332,6 +338,7 @@ impl Operator {
             .env("KUBECONFIG", &cluster.operator_kubeconfig)
             .env("RUST_LOG", "info,kube=warn")
             .env_remove("CONSUL_HTTP_TOKEN")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(logfile.try_clone()?)
             .stderr(logfile)

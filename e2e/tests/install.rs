@@ -276,6 +276,10 @@ const GRANTED_NAMESPACE: &[(&str, &str, &str)] = &[("", "secrets", "list"), ("",
 
 type Grant = (String, String, String);
 
+/// A `kubectl auth can-i` round: the namespace (`None`: cluster-wide), the resources asked
+/// about, and the grants expected there.
+type Question<'a> = (Option<&'a str>, BTreeSet<(&'a str, &'a str)>, BTreeSet<Grant>);
+
 fn grants(lists: &[&[(&str, &str, &str)]]) -> BTreeSet<Grant> {
     lists.iter().flat_map(|l| l.iter()).map(|(g, r, v)| (g.to_string(), r.to_string(), v.to_string())).collect()
 }
@@ -382,24 +386,25 @@ fn the_service_account_may_do_exactly_what_the_code_does() {
     // The same, as `kubectl auth can-i` answers it: every verb on each resource the
     // operator touches, where it is granted (so each refused verb is refused there, not
     // just elsewhere), and the namespaced ones also where they are not.
-    // One question: (verb, group, resource, namespace or all, the answer wanted).
-    type Question = (&'static str, &'static str, &'static str, Option<String>, bool);
-    let mut asked: Vec<Question> = Vec::new();
-    let mut ask_every_verb = |scope: Option<&str>,
-                              lists: &[&[(&'static str, &'static str, &'static str)]],
-                              allowed: &BTreeSet<Grant>| {
-        let resources: BTreeSet<(&str, &str)> = lists.iter().flat_map(|l| l.iter()).map(|(g, r, _)| (*g, *r)).collect();
+    let resources = |list: &[(&'static str, &'static str, &'static str)]| -> BTreeSet<(&'static str, &'static str)> {
+        list.iter().map(|(g, r, _)| (*g, *r)).collect()
+    };
+    let own_and_secrets: BTreeSet<_> = resources(OWN_NAMESPACE).union(&resources(GRANTED_NAMESPACE)).copied().collect();
+    let questions: Vec<Question> = vec![
+        (None, resources(CLUSTER_WIDE), everywhere.clone()),
+        (Some(NS), resources(OWN_NAMESPACE), grants(&[OWN_NAMESPACE])),
+        (Some(granted.as_str()), resources(GRANTED_NAMESPACE), grants(&[GRANTED_NAMESPACE])),
+        (Some(other.as_str()), own_and_secrets, BTreeSet::new()),
+    ];
+    let mut asked: Vec<(&str, &str, &str, Option<&str>, bool)> = Vec::new();
+    for (scope, resources, allowed) in &questions {
         for (group, resource) in resources {
             for verb in VERBS {
-                let want = allowed.contains(&(group.to_owned(), resource.to_owned(), verb.to_owned()));
-                asked.push((verb, group, resource, scope.map(str::to_owned), want));
+                let want = allowed.contains(&(group.to_string(), resource.to_string(), verb.to_owned()));
+                asked.push((verb, group, resource, *scope, want));
             }
         }
-    };
-    ask_every_verb(None, &[CLUSTER_WIDE], &everywhere);
-    ask_every_verb(Some(NS), &[OWN_NAMESPACE], &grants(&[OWN_NAMESPACE]));
-    ask_every_verb(Some(&granted), &[GRANTED_NAMESPACE], &grants(&[GRANTED_NAMESPACE]));
-    ask_every_verb(Some(&other), &[OWN_NAMESPACE, GRANTED_NAMESPACE], &BTreeSet::new());
+    }
     // And a few things an operator has no business doing anywhere.
     for (verb, group, resource) in [
         ("get", "", "pods"),
@@ -411,7 +416,7 @@ fn the_service_account_may_do_exactly_what_the_code_does() {
         ("impersonate", "", "users"),
         ("create", "", "events"),
     ] {
-        asked.push((verb, group, resource, Some(NS.to_owned()), false));
+        asked.push((verb, group, resource, Some(NS), false));
     }
     // Four kubectl processes at a time: each answer is one request, the time is kubectl's.
     let wrong: Vec<String> = std::thread::scope(|s| {
@@ -422,13 +427,10 @@ fn the_service_account_may_do_exactly_what_the_code_does() {
                     chunk
                         .iter()
                         .filter(|(verb, group, resource, scope, want)| {
-                            can_i(cluster, verb, group, resource, scope.as_deref()) != *want
+                            can_i(cluster, verb, group, resource, *scope) != *want
                         })
                         .map(|(verb, group, resource, scope, want)| {
-                            format!(
-                                "{verb} {resource}.{group} in {}: want {want}",
-                                scope.as_deref().unwrap_or("all namespaces")
-                            )
+                            format!("{verb} {resource}.{group} in {}: want {want}", scope.unwrap_or("all namespaces"))
                         })
                         .collect::<Vec<_>>()
                 })

@@ -1,16 +1,83 @@
-//! Prometheus metrics. Labels never carry secrets: watch keys are counted by source, not
-//! named (a Consul key holds a token).
+//! Prometheus metrics, every one listed in docs/metrics.md (a unit test checks the list).
+//!
+//! Names are `consul_resolver_*` in base units (`_seconds`, `_bytes`, `_total` for
+//! counters), plus the standard `process_*` of this process. Labels are bounded: sources,
+//! reasons and outcomes are fixed sets, and the only names are a resolver's namespace and
+//! name (bounded by the objects). Never a Consul service name or a watch key (a Consul key
+//! holds a token), never a token.
 
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use prometheus::core::Collector;
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
+
+use consul_resolver_core::keys::{ConsulKey, QueryOptions};
+
+/// Buckets for work done in memory (assembly, one publisher, a reconcile): 1 ms to 1 min.
+const WORK_BUCKETS: &[f64] =
+    &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+/// Buckets for Consul requests: a non-blocking read takes milliseconds, a blocking one up
+/// to its `wait` (5 min by default, Consul's cap 10 min) and a little more.
+const REQUEST_BUCKETS: &[f64] =
+    &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 330.0, 600.0, 660.0];
+/// Buckets for change -> publication: the coalescing window (250 ms by default) plus the
+/// publication, up to retries with backoff.
+const LATENCY_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0];
 
 #[derive(Clone)]
 pub(crate) struct Metrics {
     registry: Registry,
-    /// Watch failures by source and reason (`forbidden`, `bad_request`, `gone`, `transport`,
-    /// ...): a rejected watch is reported on its object and counted here.
+    /// The standard `process_*` metrics, unprefixed (dashboards expect these names).
+    process: Registry,
+    /// Per resolver: when its Consul was last reached, exported at each scrape.
+    pub consul_contact: Arc<ConsulContact>,
+    consul_last_success: GaugeVec,
+    consul_last_failure: GaugeVec,
+
+    // Sources.
+    /// Failed watches by source and reason (`forbidden`, `bad_request`, `gone`, `transport`,
+    /// `403`, `5xx`, ...): a rejected watch is reported on its object and counted here.
     pub watch_errors: IntCounterVec,
+    pub watch_starts: IntCounterVec,
+    pub watch_stops: IntCounterVec,
+    /// Watches that started over from a full read, by source and why.
+    pub watch_restarts: IntCounterVec,
+    pub watches: IntGaugeVec,
+    pub events: IntCounterVec,
+    /// Watches without a first list (Kubernetes) or answer (Consul) yet.
+    pub unsynced_watches: IntGaugeVec,
+    pub unsynced_oldest_seconds: GaugeVec,
+    pub consul_requests: IntCounterVec,
+    pub consul_request_seconds: HistogramVec,
+
+    // Pipeline and publication.
+    pub bootstrapped: IntGauge,
+    pub bootstrap_seconds: Gauge,
+    pub assemble_seconds: HistogramVec,
+    pub events_coalesced: IntCounter,
+    pub publication_latency_seconds: Histogram,
+    pub last_publication_timestamp: Gauge,
+    pub unpublished_change_timestamp: Gauge,
+    pub snapshots_published: IntCounter,
+    pub snapshot_id: IntGauge,
+    pub snapshot_bytes: IntGauge,
+    pub configmap_parts: IntGauge,
+    pub problems: IntGauge,
+    pub publish_failures: IntCounterVec,
+    pub publish_seconds: Histogram,
+    pub publisher_seconds: HistogramVec,
+    pub hook_runs: IntCounter,
+    pub hook_failures: IntCounterVec,
+    pub hook_seconds: Histogram,
+    /// Cluster copies found deleted or edited and written again, by what (`configmap`).
+    pub repairs: IntCounterVec,
+
+    // Status controller.
     /// Resolver reconciles by result (`success`, `error`), as controller-runtime counts them.
     pub reconciles: IntCounterVec,
     /// Failed resolver reconciles by reason (`conflict`, `timeout`, `not_leading`, ...).
@@ -18,17 +85,11 @@ pub(crate) struct Metrics {
     pub reconcile_seconds: Histogram,
     /// Events that could not be written (they never fail a reconcile).
     pub event_failures: IntCounter,
-    /// Cluster copies found deleted or edited and written again, by what (`configmap`).
-    pub repairs: IntCounterVec,
-    pub snapshots_published: IntCounter,
-    pub snapshot_id: IntGauge,
-    pub publish_failures: IntCounterVec,
-    pub publish_seconds: Histogram,
-    pub watches: IntGaugeVec,
-    pub events: IntCounterVec,
-    pub bootstrapped: IntGauge,
-    pub problems: IntGauge,
+
+    // Leadership and liveness.
     pub leader: IntGauge,
+    pub leader_transitions: IntCounterVec,
+    pub heartbeat_timestamp: Gauge,
 }
 
 impl Default for Metrics {
@@ -37,104 +98,460 @@ impl Default for Metrics {
     }
 }
 
+fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
+}
+
+fn histogram(name: &str, help: &str, buckets: &[f64]) -> Histogram {
+    Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec())).expect("valid metric")
+}
+
+fn histogram_vec(name: &str, help: &str, labels: &[&str], buckets: &[f64]) -> HistogramVec {
+    HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), labels).expect("valid metric")
+}
+
+fn gauge(name: &str, help: &str) -> Gauge {
+    Gauge::new(name, help).expect("valid metric")
+}
+
+fn int_gauge(name: &str, help: &str) -> IntGauge {
+    IntGauge::new(name, help).expect("valid metric")
+}
+
 impl Metrics {
     pub(crate) fn new() -> Self {
         let registry = Registry::new_custom(Some("consul_resolver".into()), None).expect("valid prefix");
+        let resolver = &["resolver_namespace", "resolver_name"];
         let m = Metrics {
-            watch_errors: IntCounterVec::new(
-                Opts::new("watch_errors_total", "Failed watches by source and reason"),
-                &["source", "reason"],
-            )
-            .unwrap(),
-            reconciles: IntCounterVec::new(
-                Opts::new("reconcile_total", "ConsulResolver reconciles (status and Events) by result"),
-                &["result"],
-            )
-            .unwrap(),
-            reconcile_errors: IntCounterVec::new(
-                Opts::new("reconcile_errors_total", "Failed ConsulResolver reconciles by reason"),
-                &["reason"],
-            )
-            .unwrap(),
-            reconcile_seconds: Histogram::with_opts(HistogramOpts::new(
-                "reconcile_duration_seconds",
-                "Time to reconcile one ConsulResolver (status and Events)",
-            ))
-            .unwrap(),
-            event_failures: IntCounter::new("event_failures_total", "Events that could not be written").unwrap(),
-            repairs: IntCounterVec::new(
-                Opts::new("repairs_total", "Cluster copies found deleted or edited and written again"),
-                &["object"],
-            )
-            .unwrap(),
-            snapshots_published: IntCounter::new("snapshots_published_total", "Snapshots published").unwrap(),
-            snapshot_id: IntGauge::new("snapshot_id", "Id of the last published snapshot").unwrap(),
-            publish_failures: IntCounterVec::new(
+            consul_contact: Arc::default(),
+            consul_last_success: GaugeVec::new(
                 Opts::new(
-                    "publish_failures_total",
-                    "Failed publications (and checks of the snapshot ConfigMap) by publisher and reason",
+                    "consul_last_success_timestamp_seconds",
+                    "Unix time Consul last answered a request of the resolver's scope (2xx, or a 4xx: it is there and decided)",
                 ),
-                &["publisher", "reason"],
+                resolver,
             )
-            .unwrap(),
-            publish_seconds: Histogram::with_opts(HistogramOpts::new(
+            .expect("valid metric"),
+            consul_last_failure: GaugeVec::new(
+                Opts::new(
+                    "consul_last_failure_timestamp_seconds",
+                    "Unix time a request of the resolver's scope last got no answer from Consul (transport, timeout, 5xx)",
+                ),
+                resolver,
+            )
+            .expect("valid metric"),
+            watch_errors: counter_vec("watch_errors_total", "Failed watches by source and reason", &["source", "reason"]),
+            watch_starts: counter_vec("watch_starts_total", "Watches started by source", &["source"]),
+            watch_stops: counter_vec("watch_stops_total", "Watches stopped by source", &["source"]),
+            watch_restarts: counter_vec(
+                "watch_restarts_total",
+                "Watches that started over from a full read (a relist, a Consul read without index), by source and reason",
+                &["source", "reason"],
+            ),
+            watches: IntGaugeVec::new(Opts::new("watches", "Running watches by source"), &["source"])
+                .expect("valid metric"),
+            events: counter_vec("events_total", "Events received by source", &["source"]),
+            unsynced_watches: IntGaugeVec::new(
+                Opts::new("unsynced_watches", "Running watches without a first list or answer yet, by source"),
+                &["source"],
+            )
+            .expect("valid metric"),
+            unsynced_oldest_seconds: GaugeVec::new(
+                Opts::new(
+                    "unsynced_watch_oldest_seconds",
+                    "How long the oldest unsynced watch has waited for its first list or answer (0: none), by source",
+                ),
+                &["source"],
+            )
+            .expect("valid metric"),
+            consul_requests: counter_vec(
+                "consul_requests_total",
+                "Consul requests by query (service, checks, catalog), mode (blocking, read) and outcome",
+                &["query", "mode", "outcome"],
+            ),
+            consul_request_seconds: histogram_vec(
+                "consul_request_duration_seconds",
+                "Duration of Consul requests, blocking queries apart from non-blocking reads",
+                &["mode"],
+                REQUEST_BUCKETS,
+            ),
+            bootstrapped: int_gauge(
+                "bootstrapped",
+                "1 once the first snapshot was published (the world was complete, or past --bootstrap-timeout)",
+            ),
+            bootstrap_seconds: gauge(
+                "bootstrap_duration_seconds",
+                "Time from the start of the process to its first published snapshot",
+            ),
+            assemble_seconds: histogram_vec(
+                "assemble_duration_seconds",
+                "Time to fold a batch of events in and assemble (stage=apply), and to make a snapshot of it (stage=snapshot)",
+                &["stage"],
+                WORK_BUCKETS,
+            ),
+            events_coalesced: IntCounter::new(
+                "events_coalesced_total",
+                "Events published together with an earlier one (a publication carrying N events counts N-1)",
+            )
+            .expect("valid metric"),
+            publication_latency_seconds: histogram(
+                "publication_latency_seconds",
+                "From the first event a publication carries to the end of that publication",
+                LATENCY_BUCKETS,
+            ),
+            last_publication_timestamp: gauge(
+                "last_publication_timestamp_seconds",
+                "Unix time the last successful publication ended",
+            ),
+            unpublished_change_timestamp: gauge(
+                "unpublished_change_timestamp_seconds",
+                "Unix time of the oldest event not yet published (0: everything received is published)",
+            ),
+            snapshots_published: IntCounter::new("snapshots_published_total", "Snapshots published")
+                .expect("valid metric"),
+            snapshot_id: int_gauge("snapshot_id", "Id of the last published snapshot"),
+            snapshot_bytes: int_gauge("snapshot_bytes", "Size of the last published snapshot's JSON"),
+            configmap_parts: int_gauge(
+                "snapshot_configmap_parts",
+                "Part ConfigMaps of the last snapshot this replica wrote (0: it fit in one ConfigMap)",
+            ),
+            problems: int_gauge("problems", "Problems reported in the last snapshot"),
+            publish_failures: counter_vec(
+                "publish_failures_total",
+                "Failed publications (and checks of the snapshot ConfigMap) by publisher and reason",
+                &["publisher", "reason"],
+            ),
+            publish_seconds: histogram(
                 "publish_duration_seconds",
                 "Time to publish one snapshot to every publisher",
-            ))
-            .unwrap(),
-            watches: IntGaugeVec::new(Opts::new("watches", "Running watches by source"), &["source"]).unwrap(),
-            events: IntCounterVec::new(Opts::new("events_total", "Events received by source"), &["source"]).unwrap(),
-            bootstrapped: IntGauge::new("bootstrapped", "1 once the world is complete and a snapshot was published")
-                .unwrap(),
-            problems: IntGauge::new("problems", "Problems reported in the last snapshot").unwrap(),
-            leader: IntGauge::new(
+                WORK_BUCKETS,
+            ),
+            publisher_seconds: histogram_vec(
+                "publisher_duration_seconds",
+                "Time one publisher took for its part of a publication, by publisher",
+                &["publisher"],
+                WORK_BUCKETS,
+            ),
+            hook_runs: IntCounter::new("hook_runs_total", "--on-snapshot commands run").expect("valid metric"),
+            hook_failures: counter_vec(
+                "hook_failures_total",
+                "--on-snapshot commands that failed, by reason (hook_exit, hook_timeout, hook_start, io)",
+                &["reason"],
+            ),
+            hook_seconds: histogram(
+                "hook_duration_seconds",
+                "Time an --on-snapshot command ran (writing its file included)",
+                WORK_BUCKETS,
+            ),
+            repairs: counter_vec(
+                "repairs_total",
+                "Cluster copies found deleted or edited and written again",
+                &["object"],
+            ),
+            reconciles: counter_vec(
+                "reconcile_total",
+                "ConsulResolver reconciles (status and Events) by result",
+                &["result"],
+            ),
+            reconcile_errors: counter_vec("reconcile_errors_total", "Failed ConsulResolver reconciles by reason", &["reason"]),
+            reconcile_seconds: histogram(
+                "reconcile_duration_seconds",
+                "Time to reconcile one ConsulResolver (status and Events)",
+                WORK_BUCKETS,
+            ),
+            event_failures: IntCounter::new("event_failures_total", "Events that could not be written")
+                .expect("valid metric"),
+            leader: int_gauge(
                 "leader",
                 "1 while this replica writes to the cluster (holds the lease, or runs without one)",
-            )
-            .unwrap(),
+            ),
+            leader_transitions: counter_vec(
+                "leader_transitions_total",
+                "This replica's leadership changes (transition=acquired, lost)",
+                &["transition"],
+            ),
+            heartbeat_timestamp: gauge(
+                "heartbeat_timestamp_seconds",
+                "Unix time the event loop last turned (it turns at least every second; /healthz fails when it stops)",
+            ),
+            process: Registry::new(),
             registry,
         };
-        for c in [
-            Box::new(m.watch_errors.clone()) as Box<dyn prometheus::core::Collector>,
+        let build_info = IntGaugeVec::new(
+            Opts::new("build_info", "Always 1; the labels say which build runs"),
+            &["version", "revision"],
+        )
+        .expect("valid metric");
+        build_info.with_label_values(&[env!("CARGO_PKG_VERSION"), option_env!("BUILD_REVISION").unwrap_or("")]).set(1);
+        let collectors: Vec<Box<dyn Collector>> = vec![
+            Box::new(build_info),
+            Box::new(m.consul_last_success.clone()),
+            Box::new(m.consul_last_failure.clone()),
+            Box::new(m.watch_errors.clone()),
+            Box::new(m.watch_starts.clone()),
+            Box::new(m.watch_stops.clone()),
+            Box::new(m.watch_restarts.clone()),
+            Box::new(m.watches.clone()),
+            Box::new(m.events.clone()),
+            Box::new(m.unsynced_watches.clone()),
+            Box::new(m.unsynced_oldest_seconds.clone()),
+            Box::new(m.consul_requests.clone()),
+            Box::new(m.consul_request_seconds.clone()),
+            Box::new(m.bootstrapped.clone()),
+            Box::new(m.bootstrap_seconds.clone()),
+            Box::new(m.assemble_seconds.clone()),
+            Box::new(m.events_coalesced.clone()),
+            Box::new(m.publication_latency_seconds.clone()),
+            Box::new(m.last_publication_timestamp.clone()),
+            Box::new(m.unpublished_change_timestamp.clone()),
+            Box::new(m.snapshots_published.clone()),
+            Box::new(m.snapshot_id.clone()),
+            Box::new(m.snapshot_bytes.clone()),
+            Box::new(m.configmap_parts.clone()),
+            Box::new(m.problems.clone()),
+            Box::new(m.publish_failures.clone()),
+            Box::new(m.publish_seconds.clone()),
+            Box::new(m.publisher_seconds.clone()),
+            Box::new(m.hook_runs.clone()),
+            Box::new(m.hook_failures.clone()),
+            Box::new(m.hook_seconds.clone()),
+            Box::new(m.repairs.clone()),
             Box::new(m.reconciles.clone()),
             Box::new(m.reconcile_errors.clone()),
             Box::new(m.reconcile_seconds.clone()),
             Box::new(m.event_failures.clone()),
-            Box::new(m.repairs.clone()),
-            Box::new(m.snapshots_published.clone()),
-            Box::new(m.snapshot_id.clone()),
-            Box::new(m.publish_failures.clone()),
-            Box::new(m.publish_seconds.clone()),
-            Box::new(m.watches.clone()),
-            Box::new(m.events.clone()),
-            Box::new(m.bootstrapped.clone()),
-            Box::new(m.problems.clone()),
             Box::new(m.leader.clone()),
-        ] {
+            Box::new(m.leader_transitions.clone()),
+            Box::new(m.heartbeat_timestamp.clone()),
+        ];
+        for c in collectors {
             m.registry.register(c).expect("metric names are unique");
         }
+        // Label values that exist from the start, so a dashboard or alert sees 0 rather
+        // than no series (a `rate()` over a counter that appears at 1 misses that 1).
+        for source in ["kubernetes", "consul"] {
+            m.watches.with_label_values(&[source]).set(0);
+            m.watch_starts.with_label_values(&[source]);
+            m.watch_stops.with_label_values(&[source]);
+            m.events.with_label_values(&[source]);
+            m.unsynced_watches.with_label_values(&[source]).set(0);
+            m.unsynced_oldest_seconds.with_label_values(&[source]).set(0.0);
+        }
+        // The Consul source's restarts have two reasons (Kubernetes' are its errors').
+        for reason in ["error", "index_went_back"] {
+            m.watch_restarts.with_label_values(&["consul", reason]);
+        }
+        for mode in ["blocking", "read"] {
+            m.consul_request_seconds.with_label_values(&[mode]);
+        }
+        for stage in ["apply", "snapshot"] {
+            m.assemble_seconds.with_label_values(&[stage]);
+        }
+        for result in ["success", "error"] {
+            m.reconciles.with_label_values(&[result]);
+        }
+        #[cfg(target_os = "linux")]
+        m.process
+            .register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))
+            .expect("one process collector");
         m
     }
 
     /// The Prometheus text exposition.
     pub(crate) fn render(&self) -> String {
+        self.consul_contact.export(&self.consul_last_success, &self.consul_last_failure);
+        let mut families = self.registry.gather();
+        families.extend(self.process.gather());
         let mut buf = Vec::new();
-        TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding cannot fail");
+        TextEncoder::new().encode(&families, &mut buf).expect("text encoding cannot fail");
         String::from_utf8(buf).expect("prometheus text is UTF-8")
+    }
+}
+
+/// Seconds since the Unix epoch, for `_timestamp_seconds` gauges.
+pub(crate) fn unix_seconds(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+/// The scope of a Consul query as far as reaching Consul goes: its server (address, token,
+/// TLS), datacenter, namespace and partition, with the service and query options left out.
+/// Every query of one resolver has the same scope (the change feed's queries too).
+pub(crate) fn consul_scope(key: &ConsulKey) -> ConsulKey {
+    ConsulKey {
+        server: key.server.clone(),
+        datacenter: key.datacenter.clone(),
+        namespace: key.namespace.clone(),
+        partition: key.partition.clone(),
+        query: QueryOptions::default(),
+        service: String::new(),
+    }
+}
+
+/// When Consul was last reached, per scope (as the Consul source sees it), and which scope
+/// each resolver queries (as the runtime reads the resolvers): joined at each scrape into
+/// per-resolver timestamps. The scopes hold tokens: they stay in memory, only the
+/// resolvers' names are exported.
+#[derive(Default)]
+pub(crate) struct ConsulContact {
+    state: Mutex<ContactState>,
+}
+
+#[derive(Default)]
+struct ContactState {
+    scopes: HashMap<ConsulKey, Contact>,
+    resolvers: BTreeMap<(String, String), ConsulKey>,
+}
+
+#[derive(Default, Clone, Copy)]
+struct Contact {
+    success: Option<SystemTime>,
+    failure: Option<SystemTime>,
+}
+
+impl ConsulContact {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ContactState> {
+        self.state.lock().expect("consul contact poisoned")
+    }
+
+    /// A request of `scope` (see [`consul_scope`]) reached Consul (`answered`) or not, at `at`.
+    pub(crate) fn record(&self, scope: &ConsulKey, answered: bool, at: SystemTime) {
+        let mut st = self.lock();
+        let contact = match st.scopes.get_mut(scope) {
+            Some(c) => c,
+            None => st.scopes.entry(scope.clone()).or_default(),
+        };
+        if answered {
+            contact.success = Some(at);
+        } else {
+            contact.failure = Some(at);
+        }
+    }
+
+    /// The resolvers in scope and the Consul scope of each (usable ones only). Scopes no
+    /// resolver names any more are forgotten.
+    pub(crate) fn set_resolvers(&self, resolvers: BTreeMap<(String, String), ConsulKey>) {
+        let mut st = self.lock();
+        let named: std::collections::HashSet<&ConsulKey> = resolvers.values().collect();
+        let ContactState { scopes, .. } = &mut *st;
+        scopes.retain(|k, _| named.contains(k));
+        st.resolvers = resolvers;
+    }
+
+    fn export(&self, success: &GaugeVec, failure: &GaugeVec) {
+        let st = self.lock();
+        success.reset();
+        failure.reset();
+        for ((ns, name), scope) in &st.resolvers {
+            let Some(c) = st.scopes.get(scope) else { continue };
+            if let Some(t) = c.success {
+                success.with_label_values(&[ns, name]).set(unix_seconds(t));
+            }
+            if let Some(t) = c.failure {
+                failure.with_label_values(&[ns, name]).set(unix_seconds(t));
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use consul_resolver_core::keys::{ConsulServer, Secret};
+    use std::time::Duration;
 
     #[test]
-    fn renders_prefixed_metrics() {
+    fn renders_prefixed_metrics_and_process_ones() {
         let m = Metrics::new();
         m.snapshots_published.inc();
         m.watches.with_label_values(&["consul"]).set(3);
         let text = m.render();
         assert!(text.contains("consul_resolver_snapshots_published_total 1"), "{text}");
         assert!(text.contains("consul_resolver_watches{source=\"consul\"} 3"), "{text}");
+        assert!(text.contains("consul_resolver_watches{source=\"kubernetes\"} 0"), "{text}");
+        assert!(text.contains("consul_resolver_build_info{revision="), "{text}");
+        #[cfg(target_os = "linux")]
+        assert!(text.contains("\nprocess_resident_memory_bytes "), "{text}");
+    }
+
+    fn key(token: &str, service: &str) -> ConsulKey {
+        ConsulKey {
+            server: ConsulServer {
+                address: "http://127.0.0.1:8500".into(),
+                token: Some(Secret::new(token)),
+                tls: None,
+            },
+            datacenter: Some("dc1".into()),
+            namespace: None,
+            partition: None,
+            query: QueryOptions { cached: true, ..QueryOptions::default() },
+            service: service.into(),
+        }
+    }
+
+    #[test]
+    fn contact_is_per_resolver_and_never_shows_the_token() {
+        let m = Metrics::new();
+        let t0 = UNIX_EPOCH + Duration::from_secs(1_000);
+        let scope = consul_scope(&key("s3cret-token", "web"));
+        assert_eq!(scope, consul_scope(&key("s3cret-token", "api")), "one scope for every service");
+        assert_ne!(scope, consul_scope(&key("other", "web")), "a token is another scope (ACLs)");
+        m.consul_contact.set_resolvers(BTreeMap::from([
+            (("shop".into(), "consul".into()), scope.clone()),
+            (("pay".into(), "consul".into()), consul_scope(&key("other", "x"))),
+        ]));
+        m.consul_contact.record(&scope, true, t0);
+        m.consul_contact.record(&scope, false, t0 + Duration::from_secs(5));
+        let text = m.render();
+        assert!(
+            text.contains(
+                "consul_resolver_consul_last_success_timestamp_seconds{resolver_name=\"consul\",resolver_namespace=\"shop\"} 1000"
+            ),
+            "{text}"
+        );
+        assert!(text.contains(
+            "consul_last_failure_timestamp_seconds{resolver_name=\"consul\",resolver_namespace=\"shop\"} 1005"
+        ));
+        assert!(!text.contains("resolver_namespace=\"pay\""), "no contact yet, no series: {text}");
+        assert!(!text.contains("s3cret"), "{text}");
+        // A resolver that goes takes its series, and its scope's record, with it.
+        m.consul_contact.set_resolvers(BTreeMap::new());
+        assert!(!m.render().contains("resolver_namespace=\"shop\""));
+        assert!(m.consul_contact.lock().scopes.is_empty());
+    }
+
+    /// docs/metrics.md lists every metric this process exposes, and nothing else.
+    #[test]
+    fn docs_list_every_metric() {
+        let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/metrics.md")).unwrap();
+        let documented: std::collections::BTreeSet<&str> = docs
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `"))
+            .filter_map(|l| l.split('`').next())
+            .map(|name| name.split('{').next().unwrap_or(name))
+            .filter(|name| name.starts_with("consul_resolver_") || name.starts_with("process_"))
+            .collect();
+        let m = Metrics::new();
+        let mut exposed: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
+        for f in m.registry.gather().iter().chain(m.process.gather().iter()) {
+            exposed.insert(f.name().to_owned());
+        }
+        // Vectors without any label value yet are not gathered: name them from their
+        // collectors' descriptions.
+        for c in [&m.consul_last_success as &dyn Collector, &m.consul_last_failure, &m.watch_errors, &m.watch_restarts]
+            .into_iter()
+            .chain([&m.consul_requests as &dyn Collector, &m.publish_failures, &m.publisher_seconds, &m.hook_failures])
+            .chain([&m.repairs as &dyn Collector, &m.reconcile_errors, &m.leader_transitions])
+        {
+            for d in c.desc() {
+                exposed.insert(format!("consul_resolver_{}", d.fq_name));
+            }
+        }
+        let exposed: std::collections::BTreeSet<&str> = exposed.iter().map(String::as_str).collect();
+        let missing: Vec<_> = exposed.difference(&documented).collect();
+        let extra: Vec<_> = documented.difference(&exposed).collect();
+        assert!(
+            missing.is_empty() && extra.is_empty(),
+            "not in docs/metrics.md: {missing:?}; documented but not exposed: {extra:?}"
+        );
     }
 }

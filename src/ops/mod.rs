@@ -1,11 +1,13 @@
 //! The ops HTTP server, on `--listen`: `/metrics`, `/healthz`, `/readyz`, and the snapshots
 //! the HTTP publisher keeps (`/snapshot`, `/snapshots/<id>`).
 
+pub(crate) mod health;
 pub(crate) mod metrics;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -17,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::publishers::gunzip;
 use crate::publishers::http::{Body, KEPT, SnapshotStore};
+use health::Heartbeat;
 use metrics::Metrics;
 
 /// Shared state the server reads.
@@ -27,6 +30,9 @@ pub(crate) struct ServerState {
     /// Ready once a snapshot was published (and, with leader election, also on
     /// standbys: readiness means "can serve", not "is leader").
     pub ready: Arc<std::sync::atomic::AtomicBool>,
+    /// Beaten by the event loop; `/healthz` fails when it is older than `heartbeat_timeout`.
+    pub heartbeat: Arc<Heartbeat>,
+    pub heartbeat_timeout: Duration,
 }
 
 fn respond(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
@@ -53,7 +59,10 @@ fn route(state: &ServerState, req: &Request<Incoming>) -> Response<Full<Bytes>> 
     }
     let path = req.uri().path();
     match path {
-        "/healthz" => respond(StatusCode::OK, "text/plain", "ok\n"),
+        "/healthz" => match state.heartbeat.check(tokio::time::Instant::now(), state.heartbeat_timeout) {
+            Ok(()) => respond(StatusCode::OK, "text/plain", "ok\n"),
+            Err(why) => respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("{why}\n")),
+        },
         "/readyz" if state.ready.load(std::sync::atomic::Ordering::Relaxed) => {
             respond(StatusCode::OK, "text/plain", "ok\n")
         }
@@ -121,4 +130,42 @@ pub(crate) async fn serve(
         }
     });
     Ok((bound, task))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let resp = reqwest::Client::new().get(format!("http://{addr}{path}")).send().await.unwrap();
+        (resp.status().as_u16(), resp.text().await.unwrap())
+    }
+
+    /// The wiring: `/healthz` answers from the heartbeat the loop beats.
+    #[tokio::test]
+    async fn healthz_fails_with_the_reason_when_the_heartbeat_is_stale() {
+        let timeout = Duration::from_secs(60);
+        let heartbeat = Arc::new(Heartbeat::new(tokio::time::Instant::now()));
+        let state = ServerState {
+            store: Arc::default(),
+            metrics: Metrics::new(),
+            ready: Arc::default(),
+            heartbeat: heartbeat.clone(),
+            heartbeat_timeout: timeout,
+        };
+        let shutdown = CancellationToken::new();
+        let (addr, task) = serve("127.0.0.1:0".parse().unwrap(), state, shutdown.clone()).await.unwrap();
+        assert_eq!(get(addr, "/healthz").await, (200, "ok\n".to_owned()));
+        // The loop's last beat two minutes ago: wedged.
+        heartbeat.beat(tokio::time::Instant::now() - Duration::from_secs(120));
+        let (status, body) = get(addr, "/healthz").await;
+        assert_eq!(status, 503);
+        assert!(body.contains("the event loop has not turned for 2m"), "{body}");
+        assert_eq!(get(addr, "/readyz").await.0, 503, "readiness is its own question");
+        heartbeat.beat(tokio::time::Instant::now());
+        assert_eq!(get(addr, "/healthz").await.0, 200);
+        shutdown.cancel();
+        task.await.unwrap();
+    }
 }

@@ -36,7 +36,7 @@ use kube::api::{DeleteParams, Patch, PatchParams};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::{PublishError, Publisher, gunzip, gzip};
+use super::{PublishError, Publisher, gunzip_limited, gzip};
 use crate::cli::NamespacedName;
 use crate::kube_client::{FIELD_MANAGER, status_code};
 use crate::leadership::Leadership;
@@ -180,14 +180,32 @@ pub fn index_of(main: &ConfigMap) -> Result<Option<Index>, String> {
     }
 }
 
+/// The largest snapshot [`decode`] returns. What a ConfigMap holds is data from the
+/// cluster, and a few MiB of gzip can inflate to gigabytes: a reader must not. Far above the
+/// largest snapshot measured (56 MB at 50,000 Mappings, docs/benchmarks.md).
+pub const MAX_DECODED_BYTES: usize = 1 << 30;
+
 /// The snapshot JSON from the main ConfigMap and (when split) its parts, looked up by
 /// name in `parts`. Every sha256 is checked: a mismatch means a write raced the read.
+/// At most [`MAX_DECODED_BYTES`]: see [`decode_limited`].
 pub fn decode(main: &ConfigMap, parts: &[ConfigMap]) -> Result<Vec<u8>, String> {
+    decode_limited(main, parts, MAX_DECODED_BYTES)
+}
+
+/// [`decode`], refusing a snapshot over `limit` bytes. Memory stays within a small multiple
+/// of the input plus `limit`, whatever the ConfigMaps hold: the index's sizes are not
+/// trusted for allocation, a part may be named only once, and gzip is inflated only up to
+/// the limit.
+pub fn decode_limited(main: &ConfigMap, parts: &[ConfigMap], limit: usize) -> Result<Vec<u8>, String> {
+    let too_large = || format!("the snapshot is larger than {limit} bytes");
     if let Some(text) = main.data.as_ref().and_then(|d| d.get(KEY_JSON)) {
+        if text.len() > limit {
+            return Err(too_large());
+        }
         return Ok(text.clone().into_bytes());
     }
     if let Some(gz) = main.binary_data.as_ref().and_then(|d| d.get(KEY_GZIP)) {
-        return gunzip(&gz.0);
+        return gunzip_limited(&gz.0, limit);
     }
     let index = index_of(main)?.ok_or_else(|| {
         format!("ConfigMap has none of {KEY_JSON}, {KEY_GZIP} (binaryData) or {KEY_INDEX}: not a snapshot")
@@ -195,8 +213,12 @@ pub fn decode(main: &ConfigMap, parts: &[ConfigMap]) -> Result<Vec<u8>, String> 
     if index.encoding != "gzip" {
         return Err(format!("unknown index encoding {:?}", index.encoding));
     }
-    let mut gz = Vec::with_capacity(index.size);
+    let mut named = std::collections::BTreeSet::new();
+    let mut gz = Vec::new();
     for r in &index.parts {
+        if !named.insert(r.name.as_str()) {
+            return Err(format!("the index names part {} twice", r.name));
+        }
         let part = parts
             .iter()
             .find(|p| p.metadata.name.as_deref() == Some(r.name.as_str()))
@@ -209,12 +231,15 @@ pub fn decode(main: &ConfigMap, parts: &[ConfigMap]) -> Result<Vec<u8>, String> 
         if sha256(&bytes.0) != r.sha256 {
             return Err(format!("part {} does not match the index (written meanwhile?); read again", r.name));
         }
+        if gz.len() + bytes.0.len() > limit {
+            return Err(too_large());
+        }
         gz.extend_from_slice(&bytes.0);
     }
     if sha256(&gz) != index.sha256 {
         return Err("the parts together do not match the index's sha256".into());
     }
-    gunzip(&gz)
+    gunzip_limited(&gz, limit)
 }
 
 /// Writes each snapshot to the `--snapshot-configmap`.
@@ -257,6 +282,12 @@ impl ConfigMapPublisher {
         let name = &self.target.name;
         let cm = self.api.get_opt(name).await.map_err(PublishError::kube(format!("get ConfigMap {}", self.target)))?;
         Ok(cm.and_then(|cm| cm.metadata.annotations?.get(ANNOTATION_ID)?.parse().ok()))
+    }
+
+    /// How many part ConfigMaps the last snapshot written took (0: it fit in one), if
+    /// this replica has written one since it last took over.
+    pub(crate) fn parts_written(&self) -> Option<usize> {
+        self.state.lock().expect("configmap state lock").written.as_ref().map(|(_, e)| e.parts.len())
     }
 
     /// Compares what was last written with the cluster and writes again whatever was
@@ -440,7 +471,7 @@ mod tests {
     use consul_resolver_core::assembler::snapshot::{Bootstrap, Content, Part, ResolverEntry, ServiceEntry};
     use consul_resolver_core::model::{Endpoint, Health};
 
-    fn target() -> NamespacedName {
+    pub(super) fn target() -> NamespacedName {
         NamespacedName { namespace: "ops".into(), name: "snap".into() }
     }
 
@@ -460,7 +491,7 @@ mod tests {
     }
 
     /// A snapshot with `n` endpoints, each with `meta_len` random bytes of meta.
-    fn snapshot(n: usize, meta_len: usize) -> Snapshot {
+    pub(super) fn snapshot(n: usize, meta_len: usize) -> Snapshot {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         let endpoints = (0..n)
             .map(|i| Endpoint {
@@ -757,5 +788,220 @@ mod tests {
         assert!(matches!(err, PublishError::NotLeading(_)), "a lapsed deadline is no leadership: {err}");
         assert!(publisher.repair().await.unwrap().is_empty());
         assert!(api.take().is_empty());
+    }
+}
+
+/// Property tests of the decoder, the reader's side of docs/snapshot.md: what the operator
+/// encodes reads back byte for byte in any part order; a changed byte or a part of another
+/// snapshot is refused (never a mix); and any ConfigMaps at all (garbage, a lying index,
+/// gzip bombs) decode or fail within a memory bound, never panic.
+#[cfg(test)]
+mod proptests {
+    use super::tests::{snapshot, target};
+    use super::*;
+    use crate::test_fixtures::peak_heap;
+    use proptest::prelude::*;
+
+    /// The decoder's limit in these tests: small, so that bombs are worth their name.
+    const LIMIT: usize = 64 * 1024;
+
+    fn config() -> ProptestConfig {
+        ProptestConfig { cases: 128, ..ProptestConfig::default() }
+    }
+
+    fn cm(name: &str, data: Option<BTreeMap<String, String>>, binary: Option<BTreeMap<String, Vec<u8>>>) -> ConfigMap {
+        ConfigMap {
+            metadata: ObjectMeta { name: Some(name.to_owned()), ..ObjectMeta::default() },
+            data,
+            binary_data: binary.map(|b| b.into_iter().map(|(k, v)| (k, ByteString(v))).collect()),
+            ..ConfigMap::default()
+        }
+    }
+
+    /// Bytes the ConfigMaps hold: data values and binaryData values.
+    fn input_size(cms: &[&ConfigMap]) -> usize {
+        cms.iter()
+            .map(|c| {
+                c.data.iter().flatten().map(|(_, v)| v.len()).sum::<usize>()
+                    + c.binary_data.iter().flatten().map(|(_, v)| v.0.len()).sum::<usize>()
+            })
+            .sum()
+    }
+
+    /// The gzip of `n` zero bytes: about a thousandth of `n`.
+    fn bomb(n: usize) -> Vec<u8> {
+        use std::io::Write;
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        let zeros = vec![0u8; 64 * 1024];
+        for _ in 0..n / zeros.len() {
+            enc.write_all(&zeros).unwrap();
+        }
+        enc.finish().unwrap()
+    }
+
+    /// Part payloads: random bytes, a gzip bomb's pieces, or nothing.
+    fn payload() -> impl Strategy<Value = Vec<u8>> {
+        prop_oneof![
+            prop::collection::vec(any::<u8>(), 0..256),
+            (1usize..16).prop_map(|mib| bomb(mib << 20)),
+            Just(Vec::new()),
+        ]
+    }
+
+    /// An index whose fields are anything, over parts named from a small set (so names
+    /// repeat), each with its true sha256 or not.
+    fn arbitrary_split() -> impl Strategy<Value = (ConfigMap, Vec<ConfigMap>)> {
+        let part = (prop::sample::select(vec!["snap-1", "snap-2", "snap-3", "other"]), payload(), any::<bool>());
+        (
+            prop::collection::vec(part, 0..5),
+            prop_oneof![Just("gzip".to_owned()), ".{0,6}"],
+            any::<usize>(),
+            any::<u64>(),
+            any::<bool>(),
+        )
+            .prop_map(|(parts, encoding, size, id, whole_sha_true)| {
+                let refs: Vec<PartRef> = parts
+                    .iter()
+                    .map(|(name, bytes, sha_true)| PartRef {
+                        name: (*name).to_owned(),
+                        sha256: if *sha_true { sha256(bytes) } else { "sha256:00".into() },
+                        size: bytes.len(),
+                    })
+                    .collect();
+                let whole: Vec<u8> = parts.iter().flat_map(|(_, b, _)| b.clone()).collect();
+                let index = Index {
+                    encoding,
+                    snapshot_id: id,
+                    snapshot_hash: "sha256:x".into(),
+                    sha256: if whole_sha_true { sha256(&whole) } else { "sha256:00".into() },
+                    size,
+                    parts: refs,
+                };
+                let main = cm(
+                    "snap",
+                    Some(BTreeMap::from([(KEY_INDEX.to_owned(), serde_json::to_string(&index).unwrap())])),
+                    None,
+                );
+                let parts = parts
+                    .into_iter()
+                    .map(|(name, bytes, _)| cm(name, None, Some(BTreeMap::from([(KEY_PART.to_owned(), bytes)]))))
+                    .collect();
+                (main, parts)
+            })
+    }
+
+    /// A main ConfigMap of any of the three encodings, or none, with any content.
+    fn arbitrary_configmaps() -> impl Strategy<Value = (ConfigMap, Vec<ConfigMap>)> {
+        prop_oneof![
+            ".{0,64}".prop_map(|t| (cm("snap", Some(BTreeMap::from([(KEY_JSON.to_owned(), t)])), None), vec![])),
+            (1usize..2048).prop_map(|k| (
+                cm("snap", Some(BTreeMap::from([(KEY_JSON.to_owned(), "x".repeat(k * 64))])), None),
+                vec![]
+            )),
+            payload().prop_map(|b| (cm("snap", None, Some(BTreeMap::from([(KEY_GZIP.to_owned(), b)]))), vec![])),
+            ".{0,64}".prop_map(|t| (cm("snap", Some(BTreeMap::from([(KEY_INDEX.to_owned(), t)])), None), vec![])),
+            arbitrary_split(),
+            Just((cm("snap", None, None), vec![])),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        #[test]
+        fn what_is_encoded_decodes_to_its_bytes_in_any_part_order(
+            endpoints in 0usize..60,
+            meta_len in 0usize..48,
+            budget in 16usize..4096,
+            rotate in any::<usize>(),
+        ) {
+            let s = snapshot(endpoints, meta_len);
+            let json = s.to_json();
+            let e = encode(&target(), &s, budget).unwrap();
+            let mut parts = e.parts.clone();
+            if !parts.is_empty() {
+                let n = rotate % parts.len();
+                parts.rotate_left(n);
+                parts.reverse();
+            }
+            let decoded = decode(&e.main, &parts).unwrap();
+            prop_assert!(decoded == json, "decode(encode(x)) != x");
+            // The document reads back to the same content, hash included.
+            let back = Snapshot::parse(&decoded).unwrap();
+            prop_assert_eq!(&back.hash, &s.hash);
+            prop_assert_eq!(back.content.hash(), s.hash.clone());
+            // Each part, and a snapshot kept whole, within the budget (an index grows with
+            // its parts: a few hundred bytes at the real budget).
+            let whole = e.parts.is_empty().then_some(&e.main);
+            for c in e.parts.iter().chain(whole) {
+                prop_assert!(input_size(&[c]) <= budget, "{} bytes in one ConfigMap", input_size(&[c]));
+            }
+        }
+
+        #[test]
+        fn a_changed_byte_or_another_snapshots_part_is_refused_never_mixed(
+            endpoints in 20usize..60,
+            budget in 64usize..1024,
+            which in any::<usize>(),
+            at in any::<usize>(),
+            flip in 1u8..=255,
+        ) {
+            let s = snapshot(endpoints, 32);
+            let e = encode(&target(), &s, budget).unwrap();
+            prop_assume!(e.parts.len() >= 2);
+            let i = which % e.parts.len();
+            let mut changed = e.parts.clone();
+            let bytes = &mut changed[i].binary_data.as_mut().unwrap().get_mut(KEY_PART).unwrap().0;
+            let j = at % bytes.len();
+            bytes[j] ^= flip;
+            prop_assert!(decode(&e.main, &changed).is_err(), "part {} byte {} changed, and decoded", i, j);
+
+            // A part of the next snapshot, as a reader racing a write sees it: refused, or
+            // (when that part's bytes happen to be the same) the original, never a mix.
+            let next = encode(&target(), &snapshot(endpoints + 1, 32), budget).unwrap();
+            let mut mixed = e.parts.clone();
+            if let Some(p) = next.parts.get(i) {
+                mixed[i] = p.clone();
+            }
+            if let Ok(bytes) = decode(&e.main, &mixed) {
+                prop_assert!(bytes == s.to_json(), "a mix of two snapshots decoded");
+            }
+        }
+
+        #[test]
+        fn any_configmaps_decode_or_fail_within_a_memory_bound((main, parts) in arbitrary_configmaps()) {
+            let (decoded, peak) = peak_heap(|| decode_limited(&main, &parts, LIMIT));
+            let input = input_size(&[&main]) + input_size(&parts.iter().collect::<Vec<_>>());
+            prop_assert!(peak <= 4 * (input + LIMIT) + 256 * 1024, "{} bytes held for {} bytes of input", peak, input);
+            if let Ok(bytes) = decoded {
+                prop_assert!(bytes.len() <= LIMIT);
+            }
+        }
+    }
+
+    #[test]
+    fn a_gzip_bomb_and_an_index_naming_one_part_many_times_are_refused() {
+        let gz = bomb(16 << 20);
+        let main = cm("snap", None, Some(BTreeMap::from([(KEY_GZIP.to_owned(), gz.clone())])));
+        let (err, peak) = peak_heap(|| decode_limited(&main, &[], LIMIT).unwrap_err());
+        assert!(err.contains("larger than 65536 bytes"), "{err}");
+        assert!(peak < 1 << 20, "{peak} bytes held to refuse a bomb");
+
+        // The same part, a thousand times over: without the check, a thousand copies.
+        let part = cm("snap-1", None, Some(BTreeMap::from([(KEY_PART.to_owned(), gz.clone())])));
+        let refs = vec![PartRef { name: "snap-1".into(), sha256: sha256(&gz), size: gz.len() }; 1000];
+        let whole: Vec<u8> = refs.iter().flat_map(|_| gz.clone()).collect();
+        let index = Index {
+            encoding: "gzip".into(),
+            snapshot_id: 1,
+            snapshot_hash: "sha256:x".into(),
+            sha256: sha256(&whole),
+            size: usize::MAX,
+            parts: refs,
+        };
+        let main =
+            cm("snap", Some(BTreeMap::from([(KEY_INDEX.to_owned(), serde_json::to_string(&index).unwrap())])), None);
+        let err = decode(&main, &[part]).unwrap_err();
+        assert!(err.contains("names part snap-1 twice"), "{err}");
     }
 }

@@ -17,6 +17,7 @@ use tokio::io::AsyncReadExt;
 use tokio::process::Command;
 
 use super::{PublishError, Publisher};
+use crate::ops::metrics::Metrics;
 use consul_resolver_core::assembler::Snapshot;
 
 /// The file the command reads, in the hook's directory.
@@ -34,12 +35,14 @@ pub(crate) struct HookPublisher {
     /// Hash of the last snapshot the command succeeded on: a retry caused by another
     /// publisher does not run it again for the same content.
     last_hash: Arc<Mutex<Option<String>>>,
+    /// Runs, failures and durations of the command itself (a publication it skips is none).
+    metrics: Metrics,
 }
 
 impl HookPublisher {
     /// `dir` holds the snapshot file; it is created when missing.
-    pub(crate) fn new(command: PathBuf, timeout: Duration, dir: PathBuf) -> Self {
-        HookPublisher { command, timeout, dir, running: Arc::default(), last_hash: Arc::default() }
+    pub(crate) fn new(command: PathBuf, timeout: Duration, dir: PathBuf, metrics: Metrics) -> Self {
+        HookPublisher { command, timeout, dir, running: Arc::default(), last_hash: Arc::default(), metrics }
     }
 }
 
@@ -106,14 +109,24 @@ impl Publisher for HookPublisher {
 
     fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), PublishError>> {
         let (command, timeout, dir) = (self.command.clone(), self.timeout, self.dir.clone());
-        let (running, last_hash) = (self.running.clone(), self.last_hash.clone());
+        let (running, last_hash, metrics) = (self.running.clone(), self.last_hash.clone(), self.metrics.clone());
         async move {
             let _one_at_a_time = running.lock().await;
             if last_hash.lock().expect("last_hash lock").as_deref() == Some(snapshot.hash.as_str()) {
                 return Ok(());
             }
-            let file = write_atomically(&dir, &snapshot.to_json()).await?;
-            run(&command, snapshot.id, &file, timeout).await?;
+            let started = std::time::Instant::now();
+            let ran = async {
+                let file = write_atomically(&dir, &snapshot.to_json()).await?;
+                run(&command, snapshot.id, &file, timeout).await
+            }
+            .await;
+            metrics.hook_runs.inc();
+            metrics.hook_seconds.observe(started.elapsed().as_secs_f64());
+            if let Err(e) = &ran {
+                metrics.hook_failures.with_label_values(&[e.reason()]).inc();
+            }
+            ran?;
             *last_hash.lock().expect("last_hash lock") = Some(snapshot.hash.clone());
             Ok(())
         }
@@ -173,7 +186,8 @@ mod tests {
                 record.display()
             ),
         );
-        let hook = HookPublisher::new(script, Duration::from_secs(10), tmp.0.join("out"));
+        let metrics = Metrics::new();
+        let hook = HookPublisher::new(script, Duration::from_secs(10), tmp.0.join("out"), metrics.clone());
         let snap = snapshot(17, &[]);
         hook.publish(snap.clone()).await.unwrap();
 
@@ -193,6 +207,9 @@ mod tests {
         // New content: run.
         hook.publish(snapshot(19, &["shop/consul/web"])).await.unwrap();
         assert!(std::fs::read_to_string(&record).unwrap().starts_with("env 19 "));
+        assert_eq!(metrics.hook_runs.get(), 2, "the skipped retry is no run");
+        assert_eq!(metrics.hook_seconds.get_sample_count(), 2);
+        assert_eq!(metrics.hook_failures.with_label_values(&["hook_exit"]).get(), 0);
     }
 
     #[tokio::test]
@@ -200,18 +217,20 @@ mod tests {
         let _exclusive = EXCLUSIVE.lock().await;
         let tmp = TempDir::new("fail");
         let script = tmp.script("fail.sh", "echo 'cannot reach the proxy' >&2; exit 3");
-        let hook = HookPublisher::new(script, Duration::from_secs(10), tmp.0.join("out"));
+        let metrics = Metrics::new();
+        let hook = HookPublisher::new(script, Duration::from_secs(10), tmp.0.join("out"), metrics.clone());
         let err = hook.publish(snapshot(1, &[])).await.unwrap_err().to_string();
         assert!(err.contains("exit status: 3") && err.contains("cannot reach the proxy"), "{err}");
         // Not recorded as done: the retry runs it again.
         assert!(hook.publish(snapshot(2, &[])).await.is_err());
+        assert_eq!((metrics.hook_runs.get(), metrics.hook_failures.with_label_values(&["hook_exit"]).get()), (2, 2));
     }
 
     #[tokio::test]
     async fn a_missing_command_is_an_error() {
         let _exclusive = EXCLUSIVE.lock().await;
         let tmp = TempDir::new("missing");
-        let hook = HookPublisher::new(tmp.0.join("nope"), Duration::from_secs(10), tmp.0.join("out"));
+        let hook = HookPublisher::new(tmp.0.join("nope"), Duration::from_secs(10), tmp.0.join("out"), Metrics::new());
         let err = hook.publish(snapshot(1, &[])).await.unwrap_err().to_string();
         assert!(err.contains("cannot start"), "{err}");
     }
@@ -223,9 +242,11 @@ mod tests {
         let pid_file = tmp.0.join("pid");
         // `exec` so the pid recorded is the sleeping process itself.
         let script = tmp.script("slow.sh", &format!("echo $$ > {}\nexec sleep 5", pid_file.display()));
-        let hook = HookPublisher::new(script, Duration::from_millis(200), tmp.0.join("out"));
+        let metrics = Metrics::new();
+        let hook = HookPublisher::new(script, Duration::from_millis(200), tmp.0.join("out"), metrics.clone());
         let started = std::time::Instant::now();
         let err = hook.publish(snapshot(1, &[])).await.unwrap_err().to_string();
+        assert_eq!(metrics.hook_failures.with_label_values(&["hook_timeout"]).get(), 1);
         assert!(err.contains("did not finish within 200ms") && err.contains("killed"), "{err}");
         assert!(started.elapsed() < Duration::from_secs(4), "did not wait for the child");
         let pid = std::fs::read_to_string(&pid_file).unwrap();
@@ -240,7 +261,7 @@ mod tests {
         // Each run appends start/end; overlapping runs would interleave them.
         let script =
             tmp.script("serial.sh", &format!("echo start >> {l}; sleep 0.1; echo end >> {l}", l = log.display()));
-        let hook = HookPublisher::new(script, Duration::from_secs(10), tmp.0.join("out"));
+        let hook = HookPublisher::new(script, Duration::from_secs(10), tmp.0.join("out"), Metrics::new());
         let (a, b) = tokio::join!(hook.publish(snapshot(1, &[])), hook.publish(snapshot(2, &["x"])));
         a.unwrap();
         b.unwrap();

@@ -97,8 +97,18 @@ pub(crate) fn gzip(bytes: &[u8]) -> Vec<u8> {
 }
 
 pub(crate) fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    gunzip_limited(bytes, usize::MAX)
+}
+
+/// Inflates `bytes`, refusing an output over `limit` bytes (a gzip bomb) before it is in
+/// memory.
+pub(crate) fn gunzip_limited(bytes: &[u8], limit: usize) -> Result<Vec<u8>, String> {
     use std::io::Read;
     let mut out = Vec::new();
-    flate2::read::GzDecoder::new(bytes).read_to_end(&mut out).map_err(|e| format!("gunzip: {e}"))?;
+    let cap = u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1);
+    flate2::read::GzDecoder::new(bytes).take(cap).read_to_end(&mut out).map_err(|e| format!("gunzip: {e}"))?;
+    if out.len() > limit {
+        return Err(format!("gunzip: the snapshot is larger than {limit} bytes"));
+    }
     Ok(out)
 }

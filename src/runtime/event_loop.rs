@@ -4,20 +4,29 @@
 //! not 10,000), applies the registry's diffs to the running watches, feeds the resolver
 //! controller's store, and runs at most one task at a time against the publishers: a
 //! publication, or (every resync period) a repair of the snapshot ConfigMap.
+//!
+//! It beats a heartbeat every time it turns, and turns at least every second (a tick that
+//! also refreshes the gauges read from the world), so `/healthz` tells a wedged loop from
+//! an idle one.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
-use tokio::time::Instant;
+use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use super::publication::{self, Done, Publishers, Task};
 use crate::controller::ResolverController;
 use crate::leadership::Leadership;
-use crate::ops::metrics::Metrics;
+use crate::ops::health::{BEAT_EVERY, Heartbeat};
+use crate::ops::metrics::{Metrics, consul_scope, unix_seconds};
 use crate::sources::Watches;
+use consul_resolver_api::resolver;
+use consul_resolver_core::assembler::resolvers;
+use consul_resolver_core::keys::{KubeKey, WatchKey};
 use consul_resolver_core::model::Event;
 use consul_resolver_core::pipeline::{Pipeline, Step};
 
@@ -36,6 +45,34 @@ pub(super) struct EventLoop {
     pub(super) ready: Arc<AtomicBool>,
     pub(super) identity: String,
     pub(super) resync_period: Duration,
+    /// `/healthz`: beaten every turn.
+    pub(super) heartbeat: Arc<Heartbeat>,
+    /// When the process started, for the bootstrap duration.
+    pub(super) started: Instant,
+    /// What the assembler reads resolvers with, to map each to its Consul scope (metrics).
+    pub(super) ambassador_id: String,
+    pub(super) env: BTreeMap<String, String>,
+}
+
+/// Events received and not yet published: since when, and how many.
+#[derive(Debug, Clone, Copy)]
+struct Unpublished {
+    since: Instant,
+    since_wall: SystemTime,
+    events: u64,
+}
+
+impl Unpublished {
+    fn merge(a: Option<Unpublished>, b: Option<Unpublished>) -> Option<Unpublished> {
+        match (a, b) {
+            (Some(a), Some(b)) => Some(Unpublished {
+                since: a.since.min(b.since),
+                since_wall: a.since_wall.min(b.since_wall),
+                events: a.events + b.events,
+            }),
+            (a, b) => a.or(b),
+        }
+    }
 }
 
 /// What the loop keeps between turns.
@@ -44,6 +81,11 @@ struct Turn {
     task: Option<Task>,
     repair_due: Instant,
     logged_waiting: bool,
+    /// Events received since the last publication started (cleared when the pipeline has
+    /// nothing to publish: they changed nothing).
+    pending: Option<Unpublished>,
+    /// The events the publication in flight carries.
+    in_flight: Option<Unpublished>,
 }
 
 impl EventLoop {
@@ -53,12 +95,25 @@ impl EventLoop {
     pub(super) async fn run(mut self, shutdown: CancellationToken) -> (ResolverController, Watches) {
         let leading = self.leadership.is_leading();
         self.metrics.leader.set(leading as i64);
-        let mut turn =
-            Turn { leading, task: None, repair_due: Instant::now() + self.resync_period, logged_waiting: false };
+        let mut turn = Turn {
+            leading,
+            task: None,
+            repair_due: Instant::now() + self.resync_period,
+            logged_waiting: false,
+            pending: None,
+            in_flight: None,
+        };
+        let mut tick = tokio::time::interval(BEAT_EVERY);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
-            let step = if turn.task.is_none() { self.pipeline.poll(Instant::now()) } else { Step::Idle };
+            self.beat();
+            let step = if turn.task.is_none() { self.poll(&mut turn) } else { Step::Idle };
             let wake = match step {
                 Step::Publish(snapshot) => {
+                    turn.in_flight = turn.pending.take();
+                    if let Some(p) = turn.in_flight {
+                        self.metrics.events_coalesced.inc_by(p.events.saturating_sub(1));
+                    }
                     turn.task = Some(self.publishers.publish(snapshot));
                     continue;
                 }
@@ -72,28 +127,51 @@ impl EventLoop {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 now_leading = self.leadership.changed() => self.on_leadership(&mut turn, now_leading).await,
-                Some(first) = self.events.recv() => self.on_events(first),
+                Some(first) = self.events.recv() => self.on_events(&mut turn, first),
                 done = publication::finished(&mut turn.task), if turn.task.is_some() => {
                     turn.task = None;
-                    self.on_task_done(done);
+                    self.on_task_done(&mut turn, done);
                 }
                 _ = tokio::time::sleep_until(turn.repair_due), if turn.task.is_none() => {
                     turn.repair_due = Instant::now() + self.resync_period;
                     turn.task = self.publishers.repair();
                 }
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {}
+                _ = tick.tick() => self.on_tick(),
             }
         }
         if turn.task.is_some() {
             let done = publication::finished(&mut turn.task).await;
-            self.on_task_done(done);
+            self.on_task_done(&mut turn, done);
         }
         (self.controller, self.watches)
     }
 
+    fn beat(&self) {
+        self.heartbeat.beat(Instant::now());
+        self.metrics.heartbeat_timestamp.set(unix_seconds(SystemTime::now()));
+    }
+
+    /// Asks the pipeline what to do (no task is in flight). Nothing to publish means the
+    /// events received since the last publication changed nothing.
+    fn poll(&mut self, turn: &mut Turn) -> Step {
+        let started = Instant::now();
+        let step = self.pipeline.poll(started);
+        match step {
+            Step::Publish(_) => {
+                self.metrics.assemble_seconds.with_label_values(&["snapshot"]).observe(secs(started.elapsed()))
+            }
+            Step::Idle => turn.pending = None,
+            Step::WaitUntil(_) => {}
+        }
+        self.show_unpublished(turn);
+        step
+    }
+
     /// A batch of source events, starting with `first`: fold it into the world and bring
     /// the running watches and the controller's store in line.
-    fn on_events(&mut self, first: Event) {
+    fn on_events(&mut self, turn: &mut Turn, first: Event) {
+        let received = Instant::now();
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH {
             match self.events.try_recv() {
@@ -101,18 +179,26 @@ impl EventLoop {
                 Err(_) => break,
             }
         }
+        let mut resolvers_touched = false;
         for e in &batch {
             let source = match e {
-                Event::Kube(..) => "kubernetes",
+                Event::Kube(k, _) => {
+                    resolvers_touched |= reads_resolvers(k);
+                    "kubernetes"
+                }
                 Event::Consul(..) => "consul",
             };
             self.metrics.events.with_label_values(&[source]).inc();
         }
+        let received_now = Unpublished { since: received, since_wall: SystemTime::now(), events: batch.len() as u64 };
+        turn.pending = Unpublished::merge(turn.pending, Some(received_now));
         let diff = self.pipeline.apply(batch, Instant::now());
+        self.metrics.assemble_seconds.with_label_values(&["apply"]).observe(secs(received.elapsed()));
         self.watches.apply(&diff);
         self.controller.sync(self.pipeline.world());
-        for (source, n) in self.watches.counts() {
-            self.metrics.watches.with_label_values(&[source]).set(n as i64);
+        let watched = diff.start.iter().chain(&diff.stop);
+        if resolvers_touched || watched.filter_map(as_kube).any(reads_resolvers) {
+            self.show_resolver_scopes();
         }
     }
 
@@ -123,6 +209,8 @@ impl EventLoop {
         if now_leading != turn.leading {
             tracing::info!(identity = %self.identity, leading = now_leading, "leadership changed");
             self.metrics.leader.set(now_leading as i64);
+            let transition = if now_leading { "acquired" } else { "lost" };
+            self.metrics.leader_transitions.with_label_values(&[transition]).inc();
         }
         if now_leading && !turn.leading {
             let floor = self.publishers.took_over().await;
@@ -132,17 +220,80 @@ impl EventLoop {
         turn.leading = now_leading;
     }
 
-    fn on_task_done(&mut self, done: Done) {
+    fn on_task_done(&mut self, turn: &mut Turn, done: Done) {
         match done {
             Done::Published { snapshot, ok } => {
+                let first = !self.pipeline.has_published();
                 self.pipeline.published(&snapshot, ok, Instant::now());
                 self.controller.published(&snapshot);
+                let carried = turn.in_flight.take();
                 if ok {
                     self.ready.store(true, Ordering::Relaxed);
                     self.metrics.bootstrapped.set(1);
+                    self.metrics.last_publication_timestamp.set(unix_seconds(SystemTime::now()));
+                    if first {
+                        self.metrics.bootstrap_seconds.set(secs(self.started.elapsed()));
+                    } else if let Some(c) = carried {
+                        // The first publication waited for the world, not for a change:
+                        // its time is the bootstrap duration's.
+                        self.metrics.publication_latency_seconds.observe(secs(c.since.elapsed()));
+                    }
+                } else {
+                    // Still unpublished: the retry carries them.
+                    turn.pending = Unpublished::merge(carried, turn.pending);
                 }
+                self.show_unpublished(turn);
             }
             Done::Repaired => {}
         }
     }
+
+    /// Every second: the gauges read from the world.
+    fn on_tick(&self) {
+        let now = Instant::now();
+        let world = self.pipeline.world();
+        let kube = world.kube().values().filter(|s| !s.listed).map(|s| s.added_at);
+        let consul = world.consul().values().filter(|s| !s.answered()).map(|s| s.added_at);
+        for (source, added) in [("kubernetes", kube.collect::<Vec<_>>()), ("consul", consul.collect())] {
+            let oldest = added.iter().min().map_or(0.0, |&at| secs(now.saturating_duration_since(at)));
+            self.metrics.unsynced_watches.with_label_values(&[source]).set(added.len() as i64);
+            self.metrics.unsynced_oldest_seconds.with_label_values(&[source]).set(oldest);
+        }
+    }
+
+    /// `consul_resolver_unpublished_change_timestamp_seconds`: the oldest event not yet
+    /// published, in flight or pending; 0 when there is none.
+    fn show_unpublished(&self, turn: &Turn) {
+        let oldest = Unpublished::merge(turn.pending, turn.in_flight);
+        self.metrics.unpublished_change_timestamp.set(oldest.map_or(0.0, |u| unix_seconds(u.since_wall)));
+    }
+
+    /// Which Consul scope each resolver queries, for its contact timestamps.
+    fn show_resolver_scopes(&self) {
+        let scopes = resolvers::read(self.pipeline.world(), &self.ambassador_id, &self.env)
+            .into_iter()
+            .filter_map(|r| {
+                let scope = consul_scope(&r.settings.ok()?.key(""));
+                Some(((r.namespace, r.name), scope))
+            })
+            .collect();
+        self.metrics.consul_contact.set_resolvers(scopes);
+    }
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+fn as_kube(k: &WatchKey) -> Option<&KubeKey> {
+    match k {
+        WatchKey::Kube(k) => Some(k),
+        WatchKey::Consul(_) => None,
+    }
+}
+
+/// Whether a key's objects decide resolvers' Consul scopes: the resolvers themselves and
+/// the Secrets holding their tokens.
+fn reads_resolvers(key: &KubeKey) -> bool {
+    key.is(resolver::GROUP, resolver::KIND) || key.is("", "Secret")
 }

@@ -26,6 +26,7 @@ use crate::cli::RunArgs;
 use crate::controller::ResolverController;
 use crate::leadership::{Campaign, Leadership, LeaseConfig};
 use crate::ops::ServerState;
+use crate::ops::health::Heartbeat;
 use crate::ops::metrics::Metrics;
 use crate::publishers::Publisher;
 use crate::publishers::configmap::ConfigMapPublisher;
@@ -92,6 +93,7 @@ fn identity(args: &RunArgs) -> String {
 }
 
 pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let started = Instant::now();
     let identity = identity(&args);
     let client = crate::kube_client::client(&identity, args.kube_timeout)
         .await
@@ -99,7 +101,14 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
     let metrics = Metrics::new();
     let store = Arc::new(SnapshotStore::default());
     let ready = Arc::new(AtomicBool::new(false));
-    let state = ServerState { store: store.clone(), metrics: metrics.clone(), ready: ready.clone() };
+    let heartbeat = Arc::new(Heartbeat::new(started));
+    let state = ServerState {
+        store: store.clone(),
+        metrics: metrics.clone(),
+        ready: ready.clone(),
+        heartbeat: heartbeat.clone(),
+        heartbeat_timeout: args.heartbeat_timeout,
+    };
     let (bound, server) = crate::ops::serve(args.listen, state, shutdown.clone())
         .await
         .with_context(|| format!("--listen {}: cannot bind", args.listen))?;
@@ -122,9 +131,11 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         sweep: args.consul_sweep,
         max_response_bytes: usize::try_from(args.consul_max_response_bytes).unwrap_or(usize::MAX),
         ..ConsulSettings::default()
-    });
-    let mut watches = Watches::new(KubeSource::new(client.clone(), metrics.clone()), consul, tx);
+    })
+    .with_metrics(metrics.clone());
+    let mut watches = Watches::new(KubeSource::new(client.clone(), metrics.clone()), consul, tx, metrics.clone());
     let clock = WallClock { instant: Instant::now(), wall: SystemTime::now() };
+    let (ambassador_id, env) = (config.ambassador_id.clone(), config.env.clone());
     let mut pipeline = Pipeline::new(config, args.bootstrap_timeout, args.coalesce_window, clock);
     watches.apply(&pipeline.set_fixed(fixed, Instant::now()));
 
@@ -141,7 +152,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
     let mut local: Vec<Arc<dyn Publisher>> = vec![Arc::new(HttpPublisher(store))];
     if let Some(command) = args.on_snapshot.clone() {
         let dir = std::env::temp_dir().join("consul-resolver-operator");
-        local.push(Arc::new(HookPublisher::new(command, args.on_snapshot_timeout, dir)));
+        local.push(Arc::new(HookPublisher::new(command, args.on_snapshot_timeout, dir, metrics.clone())));
     }
     let configmap = args
         .snapshot_configmap
@@ -175,6 +186,10 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         ready,
         identity,
         resync_period: args.resync_period,
+        heartbeat,
+        started,
+        ambassador_id,
+        env,
     };
     let (controller, watches) = event_loop.run(shutdown).await;
     controller.shutdown(args.kube_timeout).await;

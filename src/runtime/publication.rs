@@ -104,10 +104,12 @@ async fn publish(publishers: Arc<Publishers>, snapshot: Arc<Snapshot>) -> bool {
         .filter(|_| publishers.leadership.is_leading())
         .map(|c| c.clone() as Arc<dyn Publisher>);
     for p in publishers.local.iter().cloned().chain(cluster) {
+        let one = StdInstant::now();
         let result = match tokio::time::timeout(publishers.timeout, p.publish(snapshot.clone())).await {
             Ok(r) => r,
             Err(_) => Err(PublishError::Timeout(publishers.timeout)),
         };
+        metrics.publisher_seconds.with_label_values(&[p.name()]).observe(one.elapsed().as_secs_f64());
         if let Err(e) = result {
             tracing::warn!(publisher = p.name(), id = snapshot.id, error = %e, "publication failed; will retry");
             metrics.publish_failures.with_label_values(&[p.name(), e.reason()]).inc();
@@ -118,6 +120,10 @@ async fn publish(publishers: Arc<Publishers>, snapshot: Arc<Snapshot>) -> bool {
     if ok {
         metrics.snapshots_published.inc();
         metrics.snapshot_id.set(snapshot.id as i64);
+        metrics.snapshot_bytes.set(snapshot.to_json().len() as i64);
+        if let Some(parts) = publishers.configmap.as_ref().and_then(|c| c.parts_written()) {
+            metrics.configmap_parts.set(parts as i64);
+        }
         metrics.problems.set(snapshot.content.problems.len() as i64);
         tracing::info!(
             id = snapshot.id,

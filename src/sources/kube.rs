@@ -112,9 +112,20 @@ async fn run(client: Client, key: KubeKey, events: EventSink, metrics: Metrics) 
         config = config.fields(f);
     }
     let mut stream = watcher(api, config).default_backoff().boxed();
+    // Every list after the first is a restart: after an error (its reason), or when the
+    // API server expired the watch's resourceVersion (410 Gone, also an error here).
+    let mut listed_before = false;
+    let mut last_error: Option<&'static str> = None;
     while let Some(item) = stream.next().await {
         let ev = match item {
-            Ok(watcher::Event::Init) => KubeEvent::ListStarted,
+            Ok(watcher::Event::Init) => {
+                if listed_before {
+                    let reason = last_error.take().unwrap_or("relist");
+                    metrics.watch_restarts.with_label_values(&["kubernetes", reason]).inc();
+                }
+                listed_before = true;
+                KubeEvent::ListStarted
+            }
             Ok(watcher::Event::InitApply(o)) => match to_object(o) {
                 Some(o) => KubeEvent::Listed(o),
                 None => continue,
@@ -132,6 +143,7 @@ async fn run(client: Client, key: KubeKey, events: EventSink, metrics: Metrics) 
                 let (failure, reason) = failure(&e);
                 tracing::warn!(watch = %key, error = %failure.message, rejected = failure.rejected, "watch error; retrying with backoff");
                 metrics.watch_errors.with_label_values(&["kubernetes", reason]).inc();
+                last_error = Some(reason);
                 KubeEvent::Failed(failure)
             }
         };

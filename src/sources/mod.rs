@@ -18,6 +18,7 @@ use consul_resolver_core::registry::Diff;
 use tokio::sync::mpsc;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::ops::metrics::Metrics;
 use consul::ConsulSource;
 use kube::KubeSource;
 
@@ -31,6 +32,7 @@ pub(crate) struct Watches {
     consul: ConsulSource,
     running: BTreeMap<WatchKey, AbortOnDropHandle<()>>,
     events: EventSink,
+    metrics: Metrics,
 }
 
 /// A source's name, for logs and metrics.
@@ -42,24 +44,33 @@ fn source(key: &WatchKey) -> &'static str {
 }
 
 impl Watches {
-    pub(crate) fn new(kube: KubeSource, consul: ConsulSource, events: EventSink) -> Self {
-        Watches { kube, consul, running: BTreeMap::new(), events }
+    pub(crate) fn new(kube: KubeSource, consul: ConsulSource, events: EventSink, metrics: Metrics) -> Self {
+        Watches { kube, consul, running: BTreeMap::new(), events, metrics }
     }
 
+    /// Starts and stops watches as `diff` says; `consul_resolver_watches{source}` follows,
+    /// down to 0 when the last one stops.
     pub(crate) fn apply(&mut self, diff: &Diff<WatchKey>) {
         for key in &diff.stop {
             if self.running.remove(key).is_some() {
                 tracing::info!(watch = %key, "watch stopped");
+                self.metrics.watch_stops.with_label_values(&[source(key)]).inc();
             }
         }
         for key in &diff.start {
             tracing::info!(watch = %key, source = source(key), "watch started");
+            self.metrics.watch_starts.with_label_values(&[source(key)]).inc();
             let events = self.events.clone();
             let task = match key {
                 WatchKey::Kube(k) => tokio::spawn(self.kube.watch(k.clone(), events)),
                 WatchKey::Consul(k) => tokio::spawn(self.consul.watch(k.clone(), events)),
             };
             self.running.insert(key.clone(), AbortOnDropHandle::new(task));
+        }
+        if !diff.is_empty() {
+            for (source, n) in self.counts() {
+                self.metrics.watches.with_label_values(&[source]).set(n as i64);
+            }
         }
     }
 
@@ -71,5 +82,45 @@ impl Watches {
             counts[i].1 += 1;
         }
         counts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_fixtures::{not_found, serve};
+    use consul_resolver_core::keys::{ConsulKey, ConsulServer, KubeKey};
+    use std::sync::Arc;
+
+    /// `consul_resolver_watches{source}` follows starts and stops, down to 0.
+    #[tokio::test]
+    async fn the_watches_gauge_follows_starts_and_stops_to_zero() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let api = serve(Arc::new(|_: &str, path: &str, _: &[u8]| not_found(path))).await;
+        let metrics = Metrics::new();
+        let (tx, _rx) = mpsc::channel(16);
+        let consul = ConsulSource::new(Default::default()).with_metrics(metrics.clone());
+        let mut w = Watches::new(KubeSource::new(api.client.clone(), metrics.clone()), consul, tx, metrics.clone());
+        let kube = WatchKey::Kube(KubeKey::new("", "v1", "Secret").in_namespace("a"));
+        let consul = WatchKey::Consul(ConsulKey {
+            // Nothing listens there: the watch only fails, which does not matter here.
+            server: ConsulServer { address: "http://127.0.0.1:1".into(), token: None, tls: None },
+            datacenter: None,
+            namespace: None,
+            partition: None,
+            query: Default::default(),
+            service: "web".into(),
+        });
+        let gauge = |source: &str| metrics.watches.with_label_values(&[source]).get();
+        w.apply(&Diff { start: vec![kube.clone(), consul.clone()], stop: vec![] });
+        assert_eq!((gauge("kubernetes"), gauge("consul")), (1, 1));
+        w.apply(&Diff { start: vec![], stop: vec![consul] });
+        assert_eq!((gauge("kubernetes"), gauge("consul")), (1, 0));
+        w.apply(&Diff { start: vec![], stop: vec![kube] });
+        assert_eq!((gauge("kubernetes"), gauge("consul")), (0, 0));
+        for source in ["kubernetes", "consul"] {
+            assert_eq!(metrics.watch_starts.with_label_values(&[source]).get(), 1);
+            assert_eq!(metrics.watch_stops.with_label_values(&[source]).get(), 1);
+        }
     }
 }

@@ -158,3 +158,82 @@ mod tests {
         assert!(e.to_string().contains("metadata.namespace"), "{e}");
     }
 }
+
+/// Property tests: any object the API server could hand over is read or refused with an
+/// error naming it, never a panic; the three fields read back as written, whichever form
+/// `ambassador_id` takes.
+#[cfg(test)]
+mod proptests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    fn any_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            ".{0,8}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            let key = prop_oneof![
+                prop::sample::select(vec![
+                    "service",
+                    "resolver",
+                    "ambassador_id",
+                    "spec",
+                    "metadata",
+                    "name",
+                    "namespace"
+                ])
+                .prop_map(str::to_owned),
+                "[a-z_]{0,6}",
+            ];
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                prop::collection::btree_map(key, inner, 0..4).prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        #[test]
+        fn any_object_is_read_or_refused_naming_it(object in any_json(), spec in any_json(), tcp in any::<bool>()) {
+            let kind = if tcp { MappingKind::TcpMapping } else { MappingKind::Mapping };
+            // An arbitrary value, and a well-named object with an arbitrary spec.
+            let _ = Mapping::from_object(kind, &object);
+            let named = json!({"metadata": {"name": "m", "namespace": "ns"}, "spec": spec});
+            match Mapping::from_object(kind, &named) {
+                Ok(m) => prop_assert_eq!((m.namespace.as_str(), m.name.as_str()), ("ns", "m")),
+                Err(e) => prop_assert!(e.to_string().starts_with(&format!("{} ns/m: spec is not valid", kind.kind())), "{}", e),
+            }
+        }
+
+        #[test]
+        fn the_fields_read_back_as_written(
+            service in prop::option::of(".{0,12}"),
+            resolver in prop::option::of(".{0,12}"),
+            ids in prop::option::of(prop::collection::vec("[a-z]{1,6}", 0..4)),
+            as_string in any::<bool>(),
+            noise in any_json(),
+        ) {
+            let mut spec = json!({"prefix": "/x/", "timeout_ms": 3000, "extra": noise});
+            if let Some(s) = &service { spec["service"] = json!(s); }
+            if let Some(r) = &resolver { spec["resolver"] = json!(r); }
+            let single = ids.as_ref().filter(|i| as_string && i.len() == 1);
+            match (&ids, single) {
+                (_, Some(one)) => spec["ambassador_id"] = json!(one[0]),
+                (Some(list), None) => spec["ambassador_id"] = json!(list),
+                (None, None) => {}
+            }
+            let m = Mapping::from_object(MappingKind::Mapping, &json!({"metadata": {"name": "m", "namespace": "n"}, "spec": spec})).unwrap();
+            prop_assert_eq!(m.spec.service.clone(), service);
+            prop_assert_eq!(m.spec.resolver.clone(), resolver);
+            prop_assert_eq!(m.spec.ambassador_id.clone(), ids.clone());
+            let serves_default = ids.as_ref().is_none_or(|i| i.is_empty() || i.iter().any(|i| i == "default"));
+            prop_assert_eq!(m.spec.serves_ambassador_id("default"), serves_default);
+        }
+    }
+}

@@ -47,22 +47,25 @@ pub const KIND: &str = "ConsulResolver";
 pub struct ConsulResolverSpec {
     /// Consul HTTP address: `host:port` or `http(s)://host:port`. `${VAR}` is expanded from
     /// the operator's environment, e.g. `${HOST_IP}:8500` for the node-local agent.
-    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    #[cfg_attr(
+        feature = "crd",
+        schemars(length(min = 1, max = 512), regex(pattern = r"^([Hh][Tt][Tt][Pp][Ss]?://)?[^\s/?#]+/?$"))
+    )]
     pub address: String,
 
     /// Consul datacenter, sent as `?dc=`. Empty means the agent's own datacenter.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 253), regex(pattern = r"^[A-Za-z0-9_.-]+$")))]
     pub datacenter: Option<String>,
 
     /// Consul Enterprise namespace, sent as `ns`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9_-]+$")))]
     pub namespace: Option<String>,
 
     /// Consul Enterprise admin partition, sent as `partition`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9_-]+$")))]
     pub partition: Option<String>,
 
     /// Secret in this resolver's namespace holding the Consul ACL token, sent as
@@ -118,18 +121,21 @@ pub struct ConsulResolverSpec {
     pub address_type: Option<String>,
 
     /// Consul services to always watch through this resolver, even when no Mapping
-    /// references them.
+    /// references them. At most 1,000: each is a watch of its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(max = 1000)))]
     pub services: Option<Vec<NonEmpty>>,
 
     /// Ambassador IDs this resolver belongs to. The resolver is ignored unless the list
     /// contains the operator's `--ambassador-id` (default `default`). Empty or absent means
     /// `["default"]`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(max = 64)))]
     pub ambassador_id: Option<Vec<NonEmpty>>,
 }
 
-/// A non-empty string (the schema rejects `""` so mistakes surface at `kubectl apply`).
+/// A non-empty string of at most 512 characters (the schema rejects `""` and longer strings
+/// so mistakes surface at `kubectl apply`).
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[serde(transparent)]
 pub struct NonEmpty(pub String);
@@ -143,7 +149,7 @@ impl JsonSchema for NonEmpty {
         true
     }
     fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        schemars::json_schema!({ "type": "string", "minLength": 1 })
+        schemars::json_schema!({ "type": "string", "minLength": 1, "maxLength": 512 })
     }
 }
 
@@ -193,10 +199,16 @@ fn consistency_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
 #[serde(rename_all = "camelCase")]
 pub struct SecretKeyRef {
     /// Name of the Secret (same namespace as the resolver).
-    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    #[cfg_attr(
+        feature = "crd",
+        schemars(
+            length(min = 1, max = 253),
+            regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+        )
+    )]
     pub name: String,
     /// Key within the Secret's data.
-    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 253), regex(pattern = r"^[-._a-zA-Z0-9]+$")))]
     pub key: String,
 }
 
@@ -212,11 +224,21 @@ pub struct ConsulTls {
     /// Name to verify the server certificate against (SNI), when it differs from the
     /// address's host.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "crd", schemars(length(min = 1)))]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 253), regex(pattern = r"^[A-Za-z0-9.-]+$")))]
     pub server_name: Option<String>,
     /// Skip certificate verification. Off by default; for test clusters only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub insecure_skip_verify: Option<bool>,
+    /// Secret key holding the PEM client certificate (chain) presented to Consul, for a
+    /// Consul that verifies incoming HTTPS clients (`verify_incoming`). Set together with
+    /// `clientKeySecretRef`; for a `kubernetes.io/tls` Secret the keys are `tls.crt` and
+    /// `tls.key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert_secret_ref: Option<SecretKeyRef>,
+    /// Secret key holding the PEM private key of `clientCertSecretRef` (PKCS#8, PKCS#1 or
+    /// SEC1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key_secret_ref: Option<SecretKeyRef>,
 }
 
 impl ConsulResolverSpec {

@@ -283,3 +283,83 @@ mod tests {
         assert!(matches!(ServiceRef::parse("http://billing/api"), Err(ServiceRefError::Path { .. })));
     }
 }
+
+/// Property tests: any string parses or is refused with a message quoting it, never a
+/// panic; what parses prints back to itself; every well-formed reference round-trips.
+#[cfg(test)]
+mod proptests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn config() -> ProptestConfig {
+        ProptestConfig { cases: 512, ..ProptestConfig::default() }
+    }
+
+    /// Strings over the characters that matter to the grammar, so most cases reach deep
+    /// into it; and any Unicode at all.
+    fn input() -> impl Strategy<Value = String> {
+        prop_oneof!["[a-zA-Z0-9:./\\[\\]_+ -]{0,24}", ".{0,24}", "[a-z]{1,6}://[a-z0-9.-]{0,12}(:[0-9]{0,6})?"]
+    }
+
+    fn label() -> impl Strategy<Value = String> {
+        "[a-zA-Z0-9_][a-zA-Z0-9_-]{0,14}"
+    }
+
+    fn well_formed() -> impl Strategy<Value = ServiceRef> {
+        let host = prop_oneof![
+            (label(), prop::option::of(label())).prop_map(|(name, namespace)| Host::Service { name, namespace }),
+            any::<std::net::IpAddr>().prop_map(Host::Ip),
+        ];
+        (prop::option::of("[a-z][a-z0-9+.-]{0,6}"), host, prop::option::of(1u16..))
+            .prop_map(|(scheme, host, port)| ServiceRef { scheme, host, port })
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        #[test]
+        fn any_input_parses_or_is_refused_quoting_it(s in input()) {
+            match ServiceRef::parse(&s) {
+                Ok(r) => {
+                    // What parsed prints to a form that parses to the same reference.
+                    prop_assert_eq!(ServiceRef::parse(&r.to_string()), Ok(r.clone()));
+                    // Nothing is made up: the parts come from the input.
+                    let held = r.scheme.as_ref().map_or(0, String::len)
+                        + r.name().map_or(0, str::len)
+                        + r.namespace().map_or(0, str::len);
+                    prop_assert!(held <= s.len());
+                }
+                Err(ServiceRefError::Empty) => prop_assert!(s.is_empty()),
+                Err(e) => prop_assert!(e.to_string().contains(&format!("{s:?}")), "{e} does not quote {s:?}"),
+            }
+        }
+
+        #[test]
+        fn well_formed_references_round_trip(r in well_formed()) {
+            prop_assert_eq!(ServiceRef::parse(&r.to_string()), Ok(r));
+        }
+
+        #[test]
+        fn kubernetes_suffixes_and_scheme_case_do_not_change_the_reference(
+            scheme in prop::option::of("[a-z][a-z0-9+.-]{0,6}"),
+            name in label(),
+            namespace in label(),
+            port in prop::option::of(1u16..),
+            upper in any::<bool>(),
+        ) {
+            let r = ServiceRef { scheme, host: Host::Service { name, namespace: Some(namespace) }, port };
+            let mut long = r.to_string();
+            if let Some(p) = r.port {
+                long.truncate(long.len() - p.to_string().len() - 1);
+            }
+            long.push_str(".svc.cluster.local");
+            if let Some(p) = r.port {
+                long.push_str(&format!(":{p}"));
+            }
+            if upper {
+                long = long.replacen(r.scheme.as_deref().unwrap_or_default(), &r.scheme.as_deref().unwrap_or_default().to_ascii_uppercase(), 1);
+            }
+            prop_assert_eq!(ServiceRef::parse(&long), Ok(r));
+        }
+    }
+}

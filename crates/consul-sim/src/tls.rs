@@ -34,6 +34,9 @@ pub struct TlsConfig {
     pub client_ca_pem: Option<String>,
     /// `SETTINGS_MAX_CONCURRENT_STREAMS` of HTTP/2 connections.
     pub h2_max_concurrent_streams: u32,
+    /// Whether ALPN offers `h2`; without, every client gets HTTP/1.1 (a server built with
+    /// HTTP/2 turned off, or behind a proxy that does not speak it).
+    pub offer_h2: bool,
 }
 
 impl TlsConfig {
@@ -44,6 +47,7 @@ impl TlsConfig {
             key_pem: key_pem.into(),
             client_ca_pem: None,
             h2_max_concurrent_streams: DEFAULT_H2_MAX_CONCURRENT_STREAMS,
+            offer_h2: true,
         }
     }
 
@@ -55,6 +59,12 @@ impl TlsConfig {
 
     pub fn with_h2_max_concurrent_streams(mut self, n: u32) -> Self {
         self.h2_max_concurrent_streams = n;
+        self
+    }
+
+    /// HTTP/1.1 only: ALPN offers no `h2`.
+    pub fn http1_only(mut self) -> Self {
+        self.offer_h2 = false;
         self
     }
 
@@ -80,7 +90,8 @@ impl TlsConfig {
             }
         };
         let mut config = builder.with_single_cert(chain, key).map_err(|e| format!("certificate chain and key: {e}"))?;
-        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        config.alpn_protocols =
+            if self.offer_h2 { vec![b"h2".to_vec(), b"http/1.1".to_vec()] } else { vec![b"http/1.1".to_vec()] };
         Ok(TlsAcceptor::from(Arc::new(config)))
     }
 }
@@ -103,6 +114,7 @@ impl fmt::Debug for TlsConfig {
             .field("key_pem", &"<redacted>")
             .field("client_ca_pem", &self.client_ca_pem.as_ref().map(|p| format!("<{} bytes>", p.len())))
             .field("h2_max_concurrent_streams", &self.h2_max_concurrent_streams)
+            .field("offer_h2", &self.offer_h2)
             .finish()
     }
 }

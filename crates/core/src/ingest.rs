@@ -47,7 +47,7 @@ impl Reading {
     pub(crate) fn decode(self, obj: &KubeObject) -> Stored {
         let value = &*obj.value;
         let decoded = match self {
-            Reading::Resolver => Decoded::Resolver(resolver_object(value)),
+            Reading::Resolver => Decoded::Resolver(Box::new(resolver_object(value))),
             Reading::Mapping(kind) => Decoded::Mapping(mapping_object(kind, value)),
             Reading::Secret => Decoded::Secret(secret_data(value)),
             Reading::EndpointSlices => Decoded::Endpoints(kube_endpoints::from_slice(value)),

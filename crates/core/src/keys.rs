@@ -123,6 +123,16 @@ pub struct TlsSettings {
     pub ca_pem: Option<Arc<str>>,
     pub server_name: Option<String>,
     pub insecure_skip_verify: bool,
+    /// Client certificate (PEM chain) and its private key, for mutual TLS. The key is a
+    /// [`Secret`]: it never prints.
+    pub client_identity: Option<ClientIdentity>,
+}
+
+/// A client certificate with its key.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ClientIdentity {
+    pub cert_pem: Arc<str>,
+    pub key_pem: Secret,
 }
 
 /// The Consul endpoint a query goes to, with what authenticates it: everything about a

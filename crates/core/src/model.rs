@@ -49,7 +49,8 @@ pub struct Stored {
 /// What the assembler reads of an object, by its kind.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Decoded {
-    Resolver(ResolverObject),
+    /// Boxed: a spec is several times the size of the other variants.
+    Resolver(Box<ResolverObject>),
     /// A Mapping or TCPMapping, or why it cannot be read (a problem on it).
     Mapping(Result<MappingObject, String>),
     /// A Secret's data, base64-decoded per key (`None`: the value is not valid base64).

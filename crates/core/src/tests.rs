@@ -552,6 +552,40 @@ async fn tokens_come_from_secrets_and_never_reach_the_snapshot() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn client_certificates_come_from_secrets_and_go_in_pairs() {
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    let tls = |key_ref: serde_json::Value| {
+        json!({"address": "https://127.0.0.1:8501", "tls": {
+            "clientCertSecretRef": {"name": "consul-client", "key": "tls.crt"}, "clientKeySecretRef": key_ref}})
+    };
+    let both = resolver("shop", "paired", tls(json!({"name": "consul-client", "key": "tls.key"})));
+    let half = resolver("shop", "half", tls(serde_json::Value::Null));
+    p.apply(listed(&resolvers_key(), vec![both, half]), now);
+    let mappings = vec![
+        mapping("shop", "a", json!({"service": "billing", "resolver": "paired"})),
+        mapping("shop", "b", json!({"service": "billing", "resolver": "half"})),
+    ];
+    p.apply(listed(&mappings_key(), mappings), now);
+    use base64::Engine;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let secret = json!({"metadata": {"namespace": "shop", "name": "consul-client"}, "type": "kubernetes.io/tls",
+        "data": {"tls.crt": b64("CERT PEM"), "tls.key": b64("KEY PEM")}});
+    let diff =
+        p.apply(listed(&super::assembler::resolvers::secret_key("shop", "consul-client"), vec![object(secret)]), now);
+    let [WatchKey::Consul(k)] = diff.start.as_slice() else { panic!("one Consul watch: {diff:?}") };
+    let id = k.server.tls.as_ref().and_then(|t| t.client_identity.as_ref()).expect("a client identity");
+    assert_eq!((&*id.cert_pem, id.key_pem.expose()), ("CERT PEM", "KEY PEM"));
+    assert!(!format!("{k:?}").contains("KEY PEM"), "the key never prints");
+    p.apply([Event::Consul(k.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![] })], now);
+    let snap = publish(&mut p).unwrap();
+    let half = snap.content.resolvers.iter().find(|r| r.name == "half").unwrap();
+    let unusable = half.unusable.as_ref().expect("half an identity is refused");
+    assert!(unusable.message.contains("spec.tls.clientKeySecretRef"), "{unusable:?}");
+}
+
+#[tokio::test(start_paused = true)]
 async fn snapshots_are_deterministic() {
     let build = |order: bool| {
         let mut ms = vec![

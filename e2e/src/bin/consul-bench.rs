@@ -11,14 +11,17 @@
 //! - the requests per watched service per minute when nothing changes (`BENCH_IDLE_SECS`,
 //!   60, extrapolated), and peak connections.
 //!
-//! `BENCH_SERVICES` sets the size.
+//! `BENCH_SERVICES` sets the size. `BENCH_TLS=1` serves Consul over TLS (a certificate made
+//! at start) with HTTP/2: every service then has a blocking query of its own, as a stream,
+//! and the report adds the HTTP/2 connections and the most streams on one of them.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use consul_resolver_core::keys::{ConsulKey, ConsulServer, HealthStatuses, QueryOptions};
+use consul_resolver_core::keys::{ConsulKey, ConsulServer, HealthStatuses, QueryOptions, TlsSettings};
 use consul_resolver_core::model::{ConsulEvent, Event, Health};
 use consul_resolver_operator::consul::{ConsulSource, Settings};
+use consul_sim::tls::TestPki;
 use consul_sim::{Config, Simulator};
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -40,10 +43,15 @@ async fn main() -> anyhow::Result<()> {
     let flips = env_usize("BENCH_FLIPS", 1000);
     let idle_secs = env_usize("BENCH_IDLE_SECS", 60) as u64;
     let settings = Settings::default();
+    let pki = std::env::var("BENCH_TLS").is_ok_and(|v| v == "1").then(TestPki::generate).transpose()?;
     // Its own thread and runtime, so the simulator's work does not share ours.
-    let sim = Simulator::start_background(Config::default())?;
+    let sim = Simulator::start_background(Config { tls: pki.as_ref().map(TestPki::server_tls), ..Config::default() })?;
     let base = sim.base_url();
-    let http = reqwest::Client::new();
+    let http = match &pki {
+        Some(pki) => reqwest::Client::builder().use_preconfigured_tls(pki.client_config(false)?).build()?,
+        None => reqwest::Client::new(),
+    };
+    let tls = pki.as_ref().map(|p| TlsSettings { ca_pem: Some(p.ca_cert_pem.as_str().into()), ..Default::default() });
     // `status: None` writes the service alone, leaving its check as it is: a catalog move the
     // checks cannot account for (as on agents that do not rewrite an unchanged check).
     let register = |name: String, port: u16, status: Option<&'static str>| {
@@ -71,7 +79,7 @@ async fn main() -> anyhow::Result<()> {
     let keys: Vec<ConsulKey> = names
         .iter()
         .map(|n| ConsulKey {
-            server: ConsulServer { address: base.clone(), token: None, tls: None },
+            server: ConsulServer { address: base.clone(), token: None, tls: tls.clone() },
             datacenter: None,
             namespace: None,
             partition: None,
@@ -98,8 +106,9 @@ async fn main() -> anyhow::Result<()> {
     tokio::time::sleep(idle).await;
     let idle_requests = sim.requests().len();
     let per_service_minute = idle_requests as f64 / services as f64 * (60.0 / idle.as_secs_f64());
-    // The services holding a blocking query of their own.
-    let dedicated: HashSet<String> = sim.stats().blocking.keys().filter(|k| k.starts_with("svc-")).cloned().collect();
+    // The services holding a blocking query of their own, and the connections they use.
+    let idle_stats = sim.stats();
+    let dedicated: HashSet<String> = idle_stats.blocking.keys().filter(|k| k.starts_with("svc-")).cloned().collect();
 
     // One change at a time, spread over the services; each timed from the write to the
     // event, and the Consul requests it caused counted (the log is cleared before each).
@@ -173,6 +182,12 @@ async fn main() -> anyhow::Result<()> {
     moves_seen.print();
     bare_moves_seen.print();
     println!("peak connections:           {} (429s: {})", stats.peak_connections_total, stats.total_429);
+    if pki.is_some() {
+        println!(
+            "TLS, while idle:            connections by protocol {:?}, most streams on one connection {}",
+            idle_stats.open_connections_by_protocol, idle_stats.peak_streams_per_connection
+        );
+    }
     Ok(())
 }
 

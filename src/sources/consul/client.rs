@@ -6,12 +6,14 @@
 //! into an error message: errors name the address, never the request's headers.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::StatusCode;
 use reqwest::header::HeaderMap;
 
-use super::parse;
+use super::multiplex::{self, Multiplexer, Protocol};
+use super::{parse, tls};
 use consul_resolver_core::keys::{Consistency, ConsulKey, Secret, TlsSettings};
 use consul_resolver_core::model::Endpoint;
 
@@ -26,6 +28,8 @@ pub(crate) enum QueryError {
     Status { address: String, status: u16, body: String },
     #[error("cannot reach Consul at {address}: {cause}")]
     Network { address: String, cause: String },
+    #[error("cannot reach Consul at {address}: {cause}")]
+    Tls { address: String, cause: String },
     #[error("Consul at {address} sent an unreadable answer: {cause}")]
     Body { address: String, cause: String },
     #[error(
@@ -67,10 +71,13 @@ pub(crate) struct Answer<T> {
     pub value: T,
 }
 
-/// A connection pool to one Consul address.
+/// A connection pool to one Consul address: HTTP/2 streams over TLS when the server speaks
+/// it (see [`super::multiplex`]), else HTTP/1.1 connections.
 #[derive(Clone)]
 pub(crate) struct HttpClient {
     http: reqwest::Client,
+    /// `https://` addresses: tried first, until the server turns out to speak HTTP/1.1 only.
+    multiplexer: Option<Arc<Multiplexer>>,
     /// Where requests go (`https://<serverName>:port` when SNI is overridden).
     base: String,
     /// The address as configured, for messages.
@@ -97,11 +104,14 @@ impl HttpClient {
     ///
     /// Redirects are never followed: Consul does not send them, and following one would
     /// hand the ACL token to whatever the `Location` names.
+    ///
+    /// HTTP/2 connections each hold a permit of `budget` while open.
     pub(crate) fn new(
         address: &str,
         tls: Option<&TlsSettings>,
         max_connections: usize,
         max_body: usize,
+        budget: Arc<tokio::sync::Semaphore>,
     ) -> Result<Self, String> {
         let url = reqwest::Url::parse(address).map_err(|e| format!("invalid Consul address {address}: {e}"))?;
         let mut builder = reqwest::Client::builder()
@@ -115,32 +125,40 @@ impl HttpClient {
             .tcp_keepalive(Duration::from_secs(15))
             .tcp_keepalive_interval(Duration::from_secs(5))
             .tcp_keepalive_retries(3)
-            .user_agent(concat!("consul-resolver-operator/", env!("CARGO_PKG_VERSION")));
+            .user_agent(USER_AGENT);
         let mut base = address.trim_end_matches('/').to_owned();
-        if let Some(tls) = tls.filter(|_| url.scheme() == "https") {
-            if let Some(pem) = &tls.ca_pem {
-                let certs = reqwest::Certificate::from_pem_bundle(pem.as_bytes())
-                    .map_err(|e| format!("Consul at {address}: invalid CA bundle: {e}"))?;
-                if certs.is_empty() {
-                    return Err(format!("Consul at {address}: the CA bundle holds no certificate"));
-                }
-                builder = builder.tls_certs_only(certs);
-            }
-            if tls.insecure_skip_verify {
-                builder = builder.tls_danger_accept_invalid_certs(true);
-            }
-            if let Some(name) = tls.server_name.as_deref().filter(|n| !n.is_empty()) {
-                let host = url.host_str().ok_or_else(|| format!("Consul address {address} has no host"))?;
-                let port = url.port_or_known_default().unwrap_or(443);
-                builder = builder.dns_resolver(std::sync::Arc::new(PinnedName {
-                    server_name: name.to_ascii_lowercase(),
-                    host: host.trim_start_matches('[').trim_end_matches(']').to_owned(),
-                }));
+        let mut multiplexer = None;
+        if url.scheme() == "https" {
+            let in_context = |e: String| format!("Consul at {address}: {e}");
+            let host = url.host_str().ok_or_else(|| format!("Consul address {address} has no host"))?;
+            let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+            let port = url.port_or_known_default().unwrap_or(443);
+            let server_name = tls.and_then(|t| t.server_name.as_deref()).filter(|n| !n.is_empty());
+            if let Some(name) = server_name {
+                builder = builder
+                    .dns_resolver(Arc::new(PinnedName { server_name: name.to_ascii_lowercase(), host: host.clone() }));
                 base = format!("https://{name}:{port}");
             }
+            builder = builder.use_preconfigured_tls(tls::client_config(tls, tls::Offer::Http1).map_err(in_context)?);
+            multiplexer = Some(Multiplexer::new(
+                address,
+                &host,
+                port,
+                server_name.unwrap_or(&host),
+                tls::client_config(tls, tls::Offer::Http2OrHttp1).map_err(in_context)?,
+                budget,
+                max_body,
+            )?);
         }
         let http = builder.build().map_err(|e| format!("Consul at {address}: cannot build a client: {e}"))?;
-        Ok(HttpClient { http, base, address: address.to_owned(), max_body })
+        Ok(HttpClient { http, multiplexer, base, address: address.to_owned(), max_body })
+    }
+
+    /// Whether queries are HTTP/2 streams: learnt on the first connection, so `false` until
+    /// a query reached the server. A watch of a multiplexed server needs no slot of the
+    /// budget: a stream is cheap, and connections are counted as they open.
+    pub(crate) fn multiplexed(&self) -> bool {
+        self.multiplexer.as_ref().is_some_and(|m| m.protocol() == Protocol::Http2)
     }
 
     pub(crate) fn address(&self) -> &str {
@@ -236,48 +254,41 @@ impl HttpClient {
         token: Option<&Secret>,
         timeout: Duration,
     ) -> Result<(u64, bytes::Bytes), QueryError> {
-        let mut req = self.http.get(url).query(query).timeout(timeout);
+        let address = &self.address;
+        let mut url = reqwest::Url::parse(url)
+            .map_err(|e| QueryError::Network { address: address.clone(), cause: format!("bad URL: {e}") })?;
+        if !query.is_empty() {
+            url.query_pairs_mut().extend_pairs(query);
+        }
+        let mut headers = HeaderMap::new();
         if let Some(t) = token {
-            let mut h = reqwest::header::HeaderValue::from_str(t.expose()).map_err(|_| QueryError::Status {
-                address: self.address.clone(),
+            let h = multiplex::sensitive(t.expose()).ok_or_else(|| QueryError::Status {
+                address: address.clone(),
                 status: 0,
                 body: "the ACL token is not a valid header value".into(),
             })?;
-            h.set_sensitive(true);
-            req = req.header("X-Consul-Token", h);
+            headers.insert("x-consul-token", h);
         }
-        let address = &self.address;
-        // reqwest errors can include the URL (never headers); the URL holds no secret.
-        let network = |e: reqwest::Error| {
-            let cause = if e.is_timeout() {
-                format!("no complete answer within {timeout:?} (the blocking wait plus a margin)")
-            } else {
-                cause_chain(&e)
-            };
-            QueryError::Network { address: address.clone(), cause }
+        let late = || QueryError::Network {
+            address: address.clone(),
+            cause: format!("no complete answer within {timeout:?} (the blocking wait plus a margin)"),
         };
-        let mut resp = req.send().await.map_err(network)?;
-        let status = resp.status();
-        if status.is_redirection() {
-            return Err(QueryError::Redirect { address: address.clone(), status: status.as_u16() });
-        }
-        let headers = resp.headers().clone();
-        let too_large = || QueryError::TooLarge { address: address.clone(), limit: self.max_body };
-        // Read at most `max_body` bytes (after decompression, so a small gzip bomb is
-        // caught too) instead of buffering whatever the peer sends.
-        if resp.content_length().is_some_and(|n| n > self.max_body as u64) {
-            return Err(too_large());
-        }
-        let mut body = bytes::BytesMut::new();
-        while let Some(chunk) = resp.chunk().await.map_err(network)? {
-            if body.len() + chunk.len() > self.max_body {
-                return Err(too_large());
+        let answer = match &self.multiplexer {
+            Some(m) if m.protocol() != Protocol::Http1 => {
+                headers.insert(reqwest::header::USER_AGENT, reqwest::header::HeaderValue::from_static(USER_AGENT));
+                tokio::time::timeout(timeout, m.get(url.as_str(), &headers)).await.map_err(|_| late())??
             }
-            body.extend_from_slice(&chunk);
-        }
-        let body = body.freeze();
+            _ => None,
+        };
+        let (status, headers, body) = match answer {
+            Some(a) => a,
+            None => tokio::time::timeout(timeout, self.get_http1(url, headers)).await.map_err(|_| late())??,
+        };
         if status.is_success() {
             return Ok((index_header(&headers), body));
+        }
+        if status.is_redirection() {
+            return Err(QueryError::Redirect { address: address.clone(), status: status.as_u16() });
         }
         let text = String::from_utf8_lossy(&body).trim().chars().take(500).collect::<String>();
         Err(match status {
@@ -288,7 +299,38 @@ impl HttpClient {
             s => QueryError::Status { address: address.clone(), status: s.as_u16(), body: text },
         })
     }
+
+    /// The HTTP/1.1 path: reqwest, reading at most `max_body` bytes (after decompression,
+    /// so a small gzip bomb is caught too) instead of buffering whatever the peer sends.
+    async fn get_http1(&self, url: reqwest::Url, headers: HeaderMap) -> Result<multiplex::Response, QueryError> {
+        let address = &self.address;
+        // reqwest errors can include the URL (never headers); the URL holds no secret.
+        let network = |e: reqwest::Error| match tls::explain(&e) {
+            Some(cause) => QueryError::Tls { address: address.clone(), cause },
+            None => QueryError::Network { address: address.clone(), cause: cause_chain(&e) },
+        };
+        let mut resp = self.http.get(url).headers(headers).send().await.map_err(network)?;
+        let status = resp.status();
+        if status.is_redirection() {
+            return Ok((status, resp.headers().clone(), bytes::Bytes::new()));
+        }
+        let too_large = || QueryError::TooLarge { address: address.clone(), limit: self.max_body };
+        if resp.content_length().is_some_and(|n| n > self.max_body as u64) {
+            return Err(too_large());
+        }
+        let headers = resp.headers().clone();
+        let mut body = bytes::BytesMut::new();
+        while let Some(chunk) = resp.chunk().await.map_err(network)? {
+            if body.len() + chunk.len() > self.max_body {
+                return Err(too_large());
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok((status, headers, body.freeze()))
+    }
 }
+
+const USER_AGENT: &str = concat!("consul-resolver-operator/", env!("CARGO_PKG_VERSION"));
 
 /// What a change feed covers: one datacenter, namespace and partition.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -372,7 +414,7 @@ fn encode_segment(s: &str) -> String {
 
 /// An error with its sources, which is where reqwest puts the useful part ("connection
 /// refused").
-fn cause_chain(e: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn cause_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {
@@ -389,6 +431,10 @@ fn cause_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn budget() -> Arc<tokio::sync::Semaphore> {
+        Arc::new(tokio::sync::Semaphore::new(4))
+    }
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -415,7 +461,7 @@ mod tests {
                 conns.push(c);
             }
         });
-        let c = HttpClient::new(&format!("http://{addr}"), None, 4, 1 << 20).unwrap();
+        let c = HttpClient::new(&format!("http://{addr}"), None, 4, 1 << 20, budget()).unwrap();
         let started = std::time::Instant::now();
         let err = c
             .get(&format!("http://{addr}/v1/health/service/web"), &[], None, Duration::from_millis(300))
@@ -476,7 +522,7 @@ mod tests {
             "HTTP/1.1 307 Temporary Redirect\r\nLocation: {elsewhere}/v1/health/service/web\r\nContent-Length: 0\r\n\r\n"
         );
         let (consul, _) = canned(redirect.into_bytes()).await;
-        let c = HttpClient::new(&consul, None, 4, 1 << 20).unwrap();
+        let c = HttpClient::new(&consul, None, 4, 1 << 20, budget()).unwrap();
         let err = c.health(&key(&consul, &[]), None).await.unwrap_err();
         assert!(matches!(err, QueryError::Redirect { status: 307, .. }), "{err}");
         assert!(err.to_string().contains("not followed"), "{err}");
@@ -490,7 +536,7 @@ mod tests {
         // Announced by Content-Length, and streamed without one (read until close).
         for head in [format!("Content-Length: {}\r\n", body.len()), "Connection: close\r\n".to_owned()] {
             let (consul, _) = canned(format!("HTTP/1.1 200 OK\r\n{head}\r\n{body}").into_bytes()).await;
-            let c = HttpClient::new(&consul, None, 4, 64 * 1024).unwrap();
+            let c = HttpClient::new(&consul, None, 4, 64 * 1024, budget()).unwrap();
             let err = c.health(&key(&consul, &[]), None).await.unwrap_err();
             assert!(matches!(err, QueryError::TooLarge { limit: 65536, .. }), "{head}: {err}");
         }
@@ -504,7 +550,7 @@ mod tests {
                        {"Node":{"Node":"n","Address":"10.0.0.1"},"Service":{"ID":"ab","Port":2,"Tags":["B","a"]},"Checks":[]}]"#;
         let response = format!("HTTP/1.1 200 OK\r\nX-Consul-Index: 5\r\nContent-Length: {}\r\n\r\n{body}", body.len());
         let (consul, _) = canned(response.into_bytes()).await;
-        let c = HttpClient::new(&consul, None, 4, 1 << 20).unwrap();
+        let c = HttpClient::new(&consul, None, 4, 1 << 20, budget()).unwrap();
         let answer = c.health(&key(&consul, &["a", "b"]), None).await.unwrap();
         assert_eq!(answer.value.iter().map(|e| e.service_id.as_str()).collect::<Vec<_>>(), ["ab"]);
         assert_eq!(answer.index, 5);
@@ -536,12 +582,16 @@ mod tests {
     #[tokio::test]
     async fn builds_tls_clients_and_rejects_bad_settings() {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let tls = TlsSettings { ca_pem: None, server_name: Some("consul.internal".into()), insecure_skip_verify: true };
-        let c = HttpClient::new("https://127.0.0.1:8501", Some(&tls), 4, 1 << 20).unwrap();
+        let tls = TlsSettings {
+            server_name: Some("consul.internal".into()),
+            insecure_skip_verify: true,
+            ..Default::default()
+        };
+        let c = HttpClient::new("https://127.0.0.1:8501", Some(&tls), 4, 1 << 20, budget()).unwrap();
         assert_eq!(c.base, "https://consul.internal:8501");
         let bad = TlsSettings { ca_pem: Some("not a pem".into()), ..Default::default() };
-        assert!(HttpClient::new("https://127.0.0.1:8501", Some(&bad), 4, 1 << 20).is_err());
-        assert!(HttpClient::new("not a url", None, 4, 1 << 20).is_err());
+        assert!(HttpClient::new("https://127.0.0.1:8501", Some(&bad), 4, 1 << 20, budget()).is_err());
+        assert!(HttpClient::new("not a url", None, 4, 1 << 20, budget()).is_err());
     }
 
     #[test]

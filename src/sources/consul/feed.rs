@@ -20,9 +20,10 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::changes::{CatalogMove, CatalogView, ChecksView, Stale};
 use super::client::{HttpClient, QueryError, Scope};
+use super::observe;
 use super::pool::Pool;
 use super::timing::{Backoff, IndexState, pace};
-use consul_resolver_core::keys::ConsulServer;
+use consul_resolver_core::keys::{ConsulKey, ConsulServer};
 use consul_resolver_core::model::Endpoint;
 
 /// What identifies one feed.
@@ -208,6 +209,18 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
+    /// A key of the feed's scope, for the metrics (which count requests per scope).
+    fn key(&self) -> ConsulKey {
+        ConsulKey {
+            server: self.server.clone(),
+            datacenter: self.scope.datacenter.clone(),
+            namespace: self.scope.namespace.clone(),
+            partition: self.scope.partition.clone(),
+            query: Default::default(),
+            service: String::new(),
+        }
+    }
+
     /// Acts on an answer: wakes what it names (possibly nothing), and records when.
     fn wake(&self, stale: &Stale) {
         let mut members = self.shared.members.lock().expect("feed members poisoned");
@@ -220,7 +233,9 @@ impl Ctx<'_> {
     /// One checks answer: wakes what it names. Returns the index, and whether it was the
     /// view's first answer.
     async fn checks(&self, block: Option<(u64, Duration)>) -> Result<(u64, bool), QueryError> {
-        let answer = self.client.health_state(self.scope, self.server.token.as_ref(), block).await?;
+        let health_state = self.client.health_state(self.scope, self.server.token.as_ref(), block);
+        let answer =
+            observe::request(&self.pool.metrics, observe::Query::Checks, &self.key(), block, health_state).await?;
         let (stale, first) = {
             let mut view = self.checks.lock().expect("checks view poisoned");
             let first = view.index().is_none();
@@ -235,7 +250,8 @@ impl Ctx<'_> {
     /// One catalog answer: wakes the services its body names, and everyone when the move is
     /// not accounted for by check writes.
     async fn catalog(&self, block: Option<(u64, Duration)>, view: &mut CatalogView) -> Result<(u64, bool), QueryError> {
-        let answer = self.client.catalog_services(self.scope, self.server.token.as_ref(), block).await?;
+        let catalog = self.client.catalog_services(self.scope, self.server.token.as_ref(), block);
+        let answer = observe::request(&self.pool.metrics, observe::Query::Catalog, &self.key(), block, catalog).await?;
         let index = answer.index;
         match view.apply(index, answer.value) {
             CatalogMove::Baseline => {

@@ -4,9 +4,12 @@
 pub(crate) mod changes;
 pub(crate) mod client;
 pub(crate) mod feed;
+pub(crate) mod multiplex;
+pub(crate) mod observe;
 pub(crate) mod parse;
 pub(crate) mod pool;
 pub(crate) mod timing;
+pub(crate) mod tls;
 pub(crate) mod watch;
 
 use std::collections::HashMap;
@@ -16,6 +19,7 @@ use std::time::Duration;
 pub use watch::Settings;
 
 use super::EventSink;
+use crate::ops::metrics::Metrics;
 use consul_resolver_core::keys::ConsulKey;
 use pool::Pool;
 
@@ -30,6 +34,8 @@ struct Inner {
     /// per-client connection limit. Shared by every spelling, token and TLS setting that
     /// reaches it, and dropped with the last watch that uses it.
     pools: Mutex<HashMap<String, Weak<Pool>>>,
+    /// Where requests, their outcomes and watch errors are counted.
+    metrics: Metrics,
 }
 
 /// How long a resolution of a Consul host may take before the address's spelling is used
@@ -38,7 +44,13 @@ const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl ConsulSource {
     pub fn new(settings: Settings) -> Self {
-        ConsulSource { inner: Arc::new(Inner { settings, pools: Mutex::new(HashMap::new()) }) }
+        ConsulSource { inner: Arc::new(Inner { settings, pools: Mutex::new(HashMap::new()), metrics: Metrics::new() }) }
+    }
+
+    /// Counts into `metrics` (the operator's) instead of a registry of its own.
+    pub(crate) fn with_metrics(self, metrics: Metrics) -> Self {
+        let settings = self.inner.settings.clone();
+        ConsulSource { inner: Arc::new(Inner { settings, pools: Mutex::new(HashMap::new()), metrics }) }
     }
 
     /// The watch of `key`: runs until dropped, reporting into `events`.
@@ -60,7 +72,7 @@ impl Inner {
         let pool = found.unwrap_or_else(|| {
             pools.retain(|_, p| p.strong_count() > 0);
             let s = &self.settings;
-            Pool::new(s.max_connections, s.wait, s.max_response_bytes)
+            Pool::new(s.max_connections, s.wait, s.max_response_bytes, self.metrics.clone())
         });
         for a in addresses {
             pools.entry(a.clone()).or_insert_with(|| Arc::downgrade(&pool));

@@ -348,3 +348,268 @@ mod tests {
         assert_eq!(health_service(body.as_bytes(), &AddressType::Service).unwrap()[0].health, Health::Critical);
     }
 }
+
+/// Property tests: whatever a Consul (or something pretending to be one) sends, the parsers
+/// return a value or an error, never panic, hold memory linear in the body, and read back
+/// exactly what an agent of either shape (modern, or legacy `null`s) rendered.
+#[cfg(test)]
+mod proptests {
+    use super::*;
+    use crate::test_fixtures::peak_heap;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    /// Heap a parse may hold at once: a small multiple of the body (serde's values, the
+    /// endpoints) plus a constant. A parser that amplified its input (a quadratic copy, an
+    /// allocation sized by a number in the body) would exceed it.
+    fn heap_bound(body: &[u8]) -> usize {
+        64 * body.len() + 64 * 1024
+    }
+
+    /// Any JSON value, a few levels deep, with keys that are mostly the ones the parsers
+    /// read, so that wrong types reach every field.
+    fn any_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>().prop_filter("JSON numbers are finite", |f| f.is_finite()).prop_map(Value::from),
+            ".{0,8}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(4, 48, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::from),
+                prop::collection::btree_map(key(), inner, 0..6).prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    fn key() -> impl Strategy<Value = String> {
+        const READ: &[&str] = &[
+            "Node",
+            "Service",
+            "Checks",
+            "Address",
+            "Port",
+            "ID",
+            "Tags",
+            "Meta",
+            "TaggedAddresses",
+            "Status",
+            "CheckID",
+            "ServiceName",
+            "ModifyIndex",
+            "lan",
+            "wan",
+        ];
+        prop_oneof![3 => prop::sample::select(READ).prop_map(str::to_owned), 1 => "[A-Za-z_]{0,8}"]
+    }
+
+    /// One instance as an agent holds it, and what the parser must make of it.
+    #[derive(Debug, Clone)]
+    struct Instance {
+        node: String,
+        node_address: String,
+        /// Empty: the node's address is published.
+        service_address: String,
+        id: String,
+        port: u16,
+        tags: Vec<String>,
+        meta: BTreeMap<String, String>,
+        /// Check statuses, node checks included; anything unknown counts as critical.
+        checks: Vec<String>,
+    }
+
+    fn text() -> impl Strategy<Value = String> {
+        // Any Unicode, quotes and escapes included: the JSON encoding must round-trip them.
+        ".{0,10}"
+    }
+
+    fn instance() -> impl Strategy<Value = Instance> {
+        let status = prop_oneof![
+            Just("passing".to_owned()),
+            Just("warning".to_owned()),
+            Just("critical".to_owned()),
+            Just("maintenance".to_owned()),
+            text(),
+        ];
+        (
+            (text(), text(), prop_oneof![Just(String::new()), text()], text(), any::<u16>()),
+            prop::collection::vec(text(), 0..4),
+            prop::collection::btree_map(text(), text(), 0..4),
+            prop::collection::vec(status, 0..4),
+        )
+            .prop_map(|((node, node_address, service_address, id, port), tags, meta, checks)| Instance {
+                node,
+                node_address,
+                service_address,
+                id,
+                port,
+                tags,
+                meta,
+                checks,
+            })
+    }
+
+    /// The health entry an agent answers: modern (`{}`/`[]`, extra fields) or legacy
+    /// (`null` for empty tags, meta and tagged addresses).
+    fn render(i: &Instance, legacy: bool) -> Value {
+        let or_null = |v: Value, empty: bool| if legacy && empty { Value::Null } else { v };
+        let mut entry = json!({
+            "Node": {"Node": i.node, "Address": i.node_address, "Datacenter": "dc1",
+                     "TaggedAddresses": or_null(json!({}), true), "Meta": or_null(json!({}), true)},
+            "Service": {"ID": i.id, "Service": "web", "Tags": or_null(json!(i.tags), i.tags.is_empty()),
+                        "Address": i.service_address, "Port": i.port,
+                        "Meta": or_null(json!(i.meta), i.meta.is_empty()),
+                        "TaggedAddresses": or_null(json!({}), true)},
+            "Checks": i.checks.iter().map(|s| json!({"CheckID": "c", "Status": s})).collect::<Vec<_>>(),
+        });
+        if !legacy {
+            entry["Service"]["Weights"] = json!({"Passing": 1, "Warning": 1});
+            entry["Service"]["Proxy"] = json!({"Mode": "", "Expose": {}});
+        }
+        entry
+    }
+
+    fn expected(i: &Instance, kind: &AddressType) -> Endpoint {
+        let address = match kind {
+            AddressType::Node => i.node_address.clone(),
+            _ if i.service_address.is_empty() => i.node_address.clone(),
+            _ => i.service_address.clone(),
+        };
+        let mut tags = i.tags.clone();
+        tags.sort();
+        Endpoint {
+            address,
+            port: i.port,
+            node: i.node.clone(),
+            service_id: i.id.clone(),
+            tags,
+            meta: i.meta.clone(),
+            health: i.checks.iter().map(|s| status(Some(s))).max().unwrap_or(Health::Passing),
+        }
+    }
+
+    fn config() -> ProptestConfig {
+        ProptestConfig { cases: 256, ..ProptestConfig::default() }
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        #[test]
+        fn health_bodies_of_either_shape_read_back_exactly(
+            instances in prop::collection::vec(instance(), 0..6),
+            legacy in any::<bool>(),
+            node_addresses in any::<bool>(),
+        ) {
+            let body = serde_json::to_vec(&instances.iter().map(|i| render(i, legacy)).collect::<Vec<_>>()).unwrap();
+            let kind = if node_addresses { AddressType::Node } else { AddressType::Service };
+            let mut want: Vec<Endpoint> = instances.iter().map(|i| expected(i, &kind)).collect();
+            want.sort();
+            prop_assert_eq!(health_service(&body, &kind).unwrap(), want);
+            // Every strict prefix of a body is an error, never a partial list: a truncated
+            // answer must not publish fewer endpoints.
+            for cut in [0, body.len() / 3, body.len() / 2, body.len() - 1] {
+                prop_assert!(health_service(&body[..cut], &kind).is_err(), "prefix of {} bytes", cut);
+            }
+        }
+
+        #[test]
+        fn any_bytes_are_an_answer_or_an_error_within_a_memory_bound(
+            body in prop_oneof![
+                prop::collection::vec(any::<u8>(), 0..512),
+                any_json().prop_map(|v| serde_json::to_vec(&v).unwrap()),
+                prop::collection::vec(any_json(), 0..4).prop_map(|v| serde_json::to_vec(&v).unwrap()),
+            ],
+            tagged in "[a-z_]{1,8}",
+        ) {
+            for kind in [AddressType::Service, AddressType::Node, AddressType::Tagged(tagged.clone())] {
+                let (parsed, peak) = peak_heap(|| health_service(&body, &kind));
+                prop_assert!(peak <= heap_bound(&body), "{} bytes held for a {}-byte body", peak, body.len());
+                if let Ok(endpoints) = parsed {
+                    // Each endpoint comes from an entry of at least `{"Node":{},"Service":{}}`.
+                    prop_assert!(endpoints.len() * 24 <= body.len());
+                }
+            }
+            let (_, peak) = peak_heap(|| catalog_services(&body));
+            prop_assert!(peak <= heap_bound(&body));
+            let (_, peak) = peak_heap(|| health_state(&body));
+            prop_assert!(peak <= heap_bound(&body));
+        }
+
+        #[test]
+        fn entries_with_wrong_types_anywhere_never_panic(
+            entries in prop::collection::vec(
+                (
+                    prop_oneof![3 => instance().prop_map(|i| render(&i, false)), 1 => any_json()],
+                    key(),
+                    any_json(),
+                ),
+                0..4,
+            ),
+        ) {
+            // A rendered entry with one field (at the top or one level down) replaced.
+            let body: Vec<Value> = entries
+                .into_iter()
+                .map(|(mut entry, field, value)| {
+                    if let Some(obj) = entry.as_object_mut() {
+                        match obj.values_mut().find(|v| v.is_object()) {
+                            Some(Value::Object(inner)) if field.len() % 2 == 0 => { inner.insert(field, value); }
+                            _ => { obj.insert(field, value); }
+                        }
+                    }
+                    entry
+                })
+                .collect();
+            let body = serde_json::to_vec(&body).unwrap();
+            let (_, peak) = peak_heap(|| health_service(&body, &AddressType::Tagged("wan".into())));
+            prop_assert!(peak <= heap_bound(&body));
+        }
+
+        #[test]
+        fn catalog_services_read_back_with_sorted_tags(
+            services in prop::collection::btree_map(text(), prop::collection::vec(text(), 0..4), 0..8),
+            legacy in any::<bool>(),
+        ) {
+            let body: serde_json::Map<String, Value> = services
+                .iter()
+                .map(|(name, tags)| (name.clone(), if legacy && tags.is_empty() { Value::Null } else { json!(tags) }))
+                .collect();
+            let parsed = catalog_services(&serde_json::to_vec(&body).unwrap()).unwrap();
+            let want: BTreeMap<String, Vec<String>> = services
+                .into_iter()
+                .map(|(name, mut tags)| {
+                    tags.sort();
+                    (name, tags)
+                })
+                .collect();
+            prop_assert_eq!(parsed, want);
+        }
+
+        #[test]
+        fn health_state_reads_back_every_check(
+            checks in prop::collection::vec((text(), text(), prop::option::of(text()), any::<u64>()), 0..8),
+        ) {
+            let body: Vec<Value> = checks
+                .iter()
+                .map(|(node, id, service, index)| json!({
+                    "Node": node, "CheckID": id, "Name": "n", "Status": "passing",
+                    "ServiceID": "", "ServiceName": service, "ServiceTags": [], "CreateIndex": 1, "ModifyIndex": index,
+                }))
+                .collect();
+            let rows = health_state(&serde_json::to_vec(&body).unwrap()).unwrap();
+            let want: Vec<CheckRow> = checks
+                .into_iter()
+                .map(|(node, check_id, service, modify_index)| CheckRow {
+                    node,
+                    check_id,
+                    service: service.unwrap_or_default(),
+                    modify_index,
+                })
+                .collect();
+            prop_assert_eq!(rows, want);
+        }
+    }
+}

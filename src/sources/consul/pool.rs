@@ -20,6 +20,7 @@ use tokio::time::Instant;
 
 use super::client::{HttpClient, Scope};
 use super::feed::{Feed, FeedKey};
+use crate::ops::metrics::Metrics;
 use consul_resolver_core::keys::{ConsulKey, TlsSettings};
 use consul_resolver_core::model::Endpoint;
 
@@ -57,10 +58,12 @@ pub(crate) struct Pool {
     feed_permits: Arc<Semaphore>,
     clients: Mutex<HashMap<ClientKey, Weak<HttpClient>>>,
     feeds: Mutex<HashMap<FeedKey, Arc<Feed>>>,
+    /// Where the requests of this server's watches and feeds are counted.
+    pub metrics: Metrics,
 }
 
 impl Pool {
-    pub(crate) fn new(max_connections: usize, wait: Duration, max_body: usize) -> Arc<Pool> {
+    pub(crate) fn new(max_connections: usize, wait: Duration, max_body: usize, metrics: Metrics) -> Arc<Pool> {
         let split = Split::of(max_connections);
         Arc::new(Pool {
             wait,
@@ -71,6 +74,7 @@ impl Pool {
             feed_permits: Arc::new(Semaphore::new(split.feeds)),
             clients: Mutex::new(HashMap::new()),
             feeds: Mutex::new(HashMap::new()),
+            metrics,
         })
     }
 
@@ -82,7 +86,7 @@ impl Pool {
             return Ok(c);
         }
         clients.retain(|_, c| c.strong_count() > 0);
-        let c = Arc::new(HttpClient::new(address, tls, self.max_connections, self.max_body)?);
+        let c = Arc::new(HttpClient::new(address, tls, self.max_connections, self.max_body, self.slots.clone())?);
         clients.insert(key, Arc::downgrade(&c));
         Ok(c)
     }
@@ -176,7 +180,7 @@ mod tests {
     #[tokio::test]
     async fn clients_are_shared_and_dropped_with_their_last_user() {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let pool = Pool::new(10, Duration::from_secs(1), 1 << 20);
+        let pool = Pool::new(10, Duration::from_secs(1), 1 << 20, Metrics::new());
         let a = pool.client("http://127.0.0.1:8500", None).unwrap();
         let b = pool.client("http://127.0.0.1:8500", None).unwrap();
         assert!(Arc::ptr_eq(&a, &b));

@@ -6,6 +6,9 @@
 //! feed says its service may have changed, or every `sweep` at the latest, a safety net for
 //! the few changes neither feed query shows. A fed watch takes a slot as soon as one frees up.
 //!
+//! Over HTTP/2 (an `https://` server that negotiates it) there is no budget of slots to share:
+//! every watch runs its own blocking query as a stream (see [`super::multiplex`]).
+//!
 //! Either way the protocol rules of docs/consul-protocol.md hold: first query without index,
 //! index reset when it goes backwards or a request fails, never below 1, a paced loop,
 //! backoff with jitter on errors, and content comparison before anything is called a change.
@@ -17,6 +20,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
 use super::client::{Answer, HttpClient, QueryError};
+use super::observe::{self, Query};
 use super::pool::{FeedMembership, Pool};
 use super::timing::{Backoff, IndexState, pace};
 use crate::sources::EventSink;
@@ -84,8 +88,10 @@ impl Reported {
 enum Mode {
     /// Holds a slot: blocking queries.
     Dedicated(#[allow(dead_code)] OwnedSemaphorePermit),
+    /// Blocking queries as HTTP/2 streams: the client counts streams and connections.
+    Multiplexed,
     /// Re-reads on feed changes and sweeps.
-    Fed(FeedMembership),
+    Fed(Box<FeedMembership>),
     /// Not decided yet (before the first answer).
     Starting,
 }
@@ -132,17 +138,21 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
         if let Some(at) = earliest {
             tokio::time::sleep_until(at).await;
         }
-        // A fed (or new) watch takes a slot whenever one is free.
-        if !matches!(mode, Mode::Dedicated(_))
+        // Over HTTP/2 every watch blocks on its own stream (learnt once the server is
+        // reached). Otherwise a fed (or new) watch takes a slot whenever one is free.
+        if !matches!(mode, Mode::Multiplexed) && client.multiplexed() {
+            mode = Mode::Multiplexed;
+        } else if matches!(mode, Mode::Starting | Mode::Fed(_))
             && let Ok(permit) = pool.slots.clone().try_acquire_owned()
         {
             mode = Mode::Dedicated(permit);
         }
         let (sent, result) = match &mut mode {
-            Mode::Dedicated(_) => {
+            Mode::Dedicated(_) | Mode::Multiplexed => {
                 let block = state.block(settings.wait);
                 last_query = Some(Instant::now());
-                (block.map(|b| b.0), client.health(&key, block).await)
+                let health = client.health(&key, block);
+                (block.map(|b| b.0), observe::request(&pool.metrics, Query::Service, &key, block, health).await)
             }
             Mode::Starting => {
                 last_query = Some(Instant::now());
@@ -165,18 +175,23 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
         match result {
             Ok(Answer { index, value }) => {
                 backoff.reset();
+                if sent.is_some_and(|s| index < s) {
+                    restarted(&pool, "index_went_back");
+                }
                 state.observe(sent, index);
                 match &mode {
                     Mode::Fed(m) => m.saw(&value),
+                    // The first read told us the server speaks HTTP/2: no feed needed.
+                    Mode::Starting if client.multiplexed() => mode = Mode::Multiplexed,
                     Mode::Starting => {
                         // No slot was free: join the feed. It marks us for an immediate
                         // re-read unless its view predates our first read.
                         let sent_at = first_read.unwrap_or_else(Instant::now);
                         let m = pool.join_feed(&key, &client, sent_at);
                         m.saw(&value);
-                        mode = Mode::Fed(m);
+                        mode = Mode::Fed(Box::new(m));
                     }
-                    Mode::Dedicated(_) => {}
+                    Mode::Dedicated(_) | Mode::Multiplexed => {}
                 }
                 if let Some(ev) = reported.answer(index, value)
                     && !send(ev).await
@@ -187,6 +202,9 @@ pub(crate) async fn run(pool: Arc<Pool>, key: ConsulKey, settings: Settings, eve
             Err(e) => {
                 // The server may come back as another cluster with a lower index: the next
                 // query must not block on ours (docs/consul-protocol.md).
+                if state.block(settings.wait).is_some() {
+                    restarted(&pool, "error");
+                }
                 state.reset();
                 let delay = backoff.failure(&mut rand::rng()).max(e.retry_after().unwrap_or_default());
                 log_failure(&key, &e, delay);
@@ -216,7 +234,13 @@ async fn read(
         let closed = QueryError::Network { address: client.address().to_owned(), cause: "shutting down".into() };
         return (Instant::now(), Err(closed));
     };
-    (Instant::now(), client.health(key, None).await)
+    (Instant::now(), observe::request(&pool.metrics, Query::Service, key, None, client.health(key, None)).await)
+}
+
+/// The watch starts over from a read without index (after an error, or when the server's
+/// index went back): counted, as the Kubernetes source counts relists.
+fn restarted(pool: &Pool, reason: &str) {
+    pool.metrics.watch_restarts.with_label_values(&["consul", reason]).inc();
 }
 
 fn log_failure(key: &ConsulKey, e: &QueryError, delay: Duration) {

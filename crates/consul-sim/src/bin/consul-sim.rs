@@ -71,6 +71,10 @@ struct Args {
     #[arg(long, value_name = "N", default_value_t = DEFAULT_H2_MAX_CONCURRENT_STREAMS, help_heading = "TLS")]
     h2_max_streams: u32,
 
+    /// Offer only `http/1.1` in ALPN (no HTTP/2).
+    #[arg(long, help_heading = "TLS")]
+    tls_http1_only: bool,
+
     /// Behave as a 0.9-line agent: every older-agent switch below, the `null` shapes, and
     /// no per-client connection limit (unless `--max-conns-per-client` is given).
     #[arg(long, help_heading = "Older agents")]
@@ -113,6 +117,9 @@ impl Args {
             TlsConfig::new(read_pem(cert)?, read_pem(key)?).with_h2_max_concurrent_streams(self.h2_max_streams);
         if let Some(ca) = &self.tls_client_ca {
             tls = tls.with_client_ca(read_pem(ca)?);
+        }
+        if self.tls_http1_only {
+            tls = tls.http1_only();
         }
         Ok(Some(tls))
     }

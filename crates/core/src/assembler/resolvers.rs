@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use super::snapshot::{Unusable, UnusableReason};
 use crate::keys::{
-    AddressType, Consistency, ConsulKey, ConsulServer, HealthStatuses, KubeKey, QueryOptions, Secret, TlsSettings,
+    AddressType, ClientIdentity, Consistency, ConsulKey, ConsulServer, HealthStatuses, KubeKey, QueryOptions, Secret,
+    TlsSettings,
 };
 use crate::model::Decoded;
 use crate::world::World;
@@ -115,8 +116,11 @@ pub fn read(world: &World, ambassador_id: &str, env: &BTreeMap<String, String>) 
 /// The Secret references of a spec, with the field each is in.
 fn secret_refs(spec: &ConsulResolverSpec) -> Vec<(&'static str, &SecretKeyRef)> {
     let token = spec.token_secret_ref.as_ref().map(|r| ("spec.tokenSecretRef", r));
-    let ca = spec.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()).map(|r| ("spec.tls.caSecretRef", r));
-    token.into_iter().chain(ca).collect()
+    let tls = spec.tls.as_ref();
+    let ca = tls.and_then(|t| t.ca_secret_ref.as_ref()).map(|r| ("spec.tls.caSecretRef", r));
+    let cert = tls.and_then(|t| t.client_cert_secret_ref.as_ref()).map(|r| ("spec.tls.clientCertSecretRef", r));
+    let key = tls.and_then(|t| t.client_key_secret_ref.as_ref()).map(|r| ("spec.tls.clientKeySecretRef", r));
+    token.into_iter().chain(ca).chain(cert).chain(key).collect()
 }
 
 /// A reference whose name can go into a field selector and whose key can be in a Secret.
@@ -151,6 +155,9 @@ fn settings(
         Some(_) if !address.starts_with("https://") => {
             return Err(invalid("spec.tls is set but spec.address is not https://".to_owned()));
         }
+        Some(t) if t.client_cert_secret_ref.is_some() != t.client_key_secret_ref.is_some() => {
+            return Err(half_identity());
+        }
         Some(t) => non_empty("tls.serverName", &t.server_name)?,
         None => None,
     };
@@ -170,7 +177,21 @@ fn settings(
                 .map(|r| read_secret(world, namespace, r, "spec.tls.caSecretRef"))
                 .transpose()?
                 .map(Arc::<str>::from);
-            Some(TlsSettings { ca_pem, server_name, insecure_skip_verify: t.insecure_skip_verify.unwrap_or(false) })
+            let read = |r, field| read_secret(world, namespace, r, field);
+            let client_identity = match (&t.client_cert_secret_ref, &t.client_key_secret_ref) {
+                (None, None) => None,
+                (Some(cert), Some(key)) => Some(ClientIdentity {
+                    cert_pem: Arc::from(read(cert, "spec.tls.clientCertSecretRef")?),
+                    key_pem: Secret::new(read(key, "spec.tls.clientKeySecretRef")?),
+                }),
+                (Some(_), None) | (None, Some(_)) => return Err(half_identity()),
+            };
+            Some(TlsSettings {
+                ca_pem,
+                server_name,
+                insecure_skip_verify: t.insecure_skip_verify.unwrap_or(false),
+                client_identity,
+            })
         }
     };
     Ok(Settings {
@@ -183,6 +204,10 @@ fn settings(
             service: String::new(),
         },
     })
+}
+
+fn half_identity() -> Unusable {
+    invalid("spec.tls.clientCertSecretRef and spec.tls.clientKeySecretRef go together: set both or neither".to_owned())
 }
 
 /// The spec's query options, validated beyond what the CRD schema can say.

@@ -1,0 +1,243 @@
+//! The Consul source over TLS, against the simulator serving a certificate made at test time
+//! (`consul_sim::tls::TestPki`): HTTP/2 multiplexing within the server's stream limit, the
+//! HTTP/1.1 fallback, CA verification, `serverName`, and client certificates (mTLS).
+//!
+//! Simulator-only (a real agent's TLS setup is not ours to change): compiled ignored when
+//! `E2E_CONSUL_ADDR` names a real agent, so they show as ignored there.
+
+use std::time::Duration;
+
+use consul_resolver_core::keys::{
+    ClientIdentity, ConsulKey, ConsulServer, HealthStatuses, QueryOptions, Secret, TlsSettings,
+};
+use consul_resolver_core::model::{ConsulEvent, Endpoint, Event, Health};
+use consul_resolver_operator::consul::{ConsulSource, Settings};
+use consul_sim::tls::{TestPki, TlsConfig};
+use consul_sim::{Config, HEALTH_STATE_LABEL, RunningSim, Simulator};
+use serde_json::json;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::task::AbortOnDropHandle;
+
+const DEADLINE: Duration = Duration::from_secs(10);
+
+struct Env {
+    sim: RunningSim,
+    pki: TestPki,
+    http: reqwest::Client,
+}
+
+impl Env {
+    async fn start(tls: impl FnOnce(&TestPki) -> TlsConfig) -> Env {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let pki = TestPki::generate().expect("test certificates");
+        let sim = Simulator::start(Config { tls: Some(tls(&pki)), ..Config::default() }).await.expect("simulator");
+        let client = pki.client_config(true).expect("client TLS");
+        let http = reqwest::Client::builder().use_preconfigured_tls(client).build().expect("client");
+        Env { sim, pki, http }
+    }
+
+    /// A key trusting the test CA, as a resolver with `tls.caSecretRef` has.
+    fn key(&self, service: &str) -> ConsulKey {
+        self.key_with(service, TlsSettings { ca_pem: Some(self.pki.ca_cert_pem.as_str().into()), ..Default::default() })
+    }
+
+    fn key_with(&self, service: &str, tls: TlsSettings) -> ConsulKey {
+        ConsulKey {
+            server: ConsulServer { address: self.sim.base_url(), token: None, tls: Some(tls) },
+            datacenter: None,
+            namespace: None,
+            partition: None,
+            query: QueryOptions { statuses: HealthStatuses::ANY, ..QueryOptions::default() },
+            service: service.to_owned(),
+        }
+    }
+
+    fn identity(&self) -> ClientIdentity {
+        ClientIdentity {
+            cert_pem: self.pki.client_cert_pem.as_str().into(),
+            key_pem: Secret::new(self.pki.client_key_pem.as_str()),
+        }
+    }
+
+    async fn register(&self, service: &str, port: u16, status: &str) {
+        let id = format!("{service}-1");
+        let body = json!({
+            "Node": format!("{service}-node"), "Address": "127.0.0.1",
+            "Service": {"ID": id, "Service": service, "Port": port},
+            "Check": {"CheckID": format!("service:{id}"), "Name": "check", "Status": status, "ServiceID": id},
+        });
+        let resp = self.http.put(format!("{}/v1/catalog/register", self.sim.base_url())).json(&body).send().await;
+        assert!(resp.expect("write reaches the simulator").status().is_success());
+    }
+}
+
+struct Watches {
+    source: ConsulSource,
+    tx: mpsc::Sender<Event>,
+    rx: mpsc::Receiver<Event>,
+    tasks: Vec<AbortOnDropHandle<()>>,
+}
+
+impl Watches {
+    fn new(max_connections: usize) -> Self {
+        let (tx, rx) = mpsc::channel(100_000);
+        // A sweep of ten minutes: a change seen in time was not swept up.
+        let settings = Settings {
+            wait: Duration::from_secs(60),
+            max_connections,
+            sweep: Duration::from_secs(600),
+            ..Settings::default()
+        };
+        Watches { source: ConsulSource::new(settings), tx, rx, tasks: Vec::new() }
+    }
+
+    fn start(&mut self, key: &ConsulKey) {
+        self.tasks.push(AbortOnDropHandle::new(tokio::spawn(self.source.watch(key.clone(), self.tx.clone()))));
+    }
+
+    async fn until(&mut self, key: &ConsulKey, what: &str, pred: impl Fn(&ConsulEvent) -> bool) -> ConsulEvent {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+                Ok(Some(Event::Consul(k, ev))) if &k == key && pred(&ev) => return ev,
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("event channel closed"),
+                Err(_) => panic!("timed out waiting for {what} of {}", key.service),
+            }
+        }
+    }
+
+    async fn answer(&mut self, key: &ConsulKey, what: &str, pred: impl Fn(&[Endpoint]) -> bool) {
+        self.until(key, what, |ev| matches!(ev, ConsulEvent::Answer { endpoints, .. } if pred(endpoints))).await;
+    }
+
+    async fn failure(&mut self, key: &ConsulKey, what: &str) -> String {
+        match self.until(key, what, |ev| matches!(ev, ConsulEvent::Failed(_))).await {
+            ConsulEvent::Failed(m) => m,
+            _ => unreachable!(),
+        }
+    }
+}
+
+/// Forty services, a budget of ten connections and a server allowing ten streams per
+/// connection: every service holds its own blocking query (no change feed), over four
+/// HTTP/2 connections (forty streams), and a health flip arrives at once.
+#[tokio::test]
+#[cfg_attr(e2e_real_consul, ignore = "needs the simulator's TLS")]
+async fn every_service_blocks_on_its_own_stream() {
+    let env = Env::start(|pki| pki.server_tls().with_h2_max_concurrent_streams(10)).await;
+    let services: Vec<String> = (0..40).map(|i| format!("h2svc{i}")).collect();
+    for (i, s) in services.iter().enumerate() {
+        env.register(s, 8000 + i as u16, "passing").await;
+    }
+    let mut w = Watches::new(10);
+    let keys: Vec<ConsulKey> = services.iter().map(|s| env.key(s)).collect();
+    for k in &keys {
+        w.start(k);
+    }
+    for k in &keys {
+        w.answer(k, "the first answer", |e| e.len() == 1).await;
+    }
+    let (stats, all_blocking) =
+        env.sim.wait_for_stats(DEADLINE, |s| services.iter().all(|svc| s.blocking.get(svc.as_str()) == Some(&1))).await;
+    assert!(all_blocking, "every service blocks on its own query: {:?}", stats.blocking);
+    assert_eq!(stats.blocking.get(HEALTH_STATE_LABEL), None, "no change feed is needed");
+    let h2 = stats.open_connections_by_protocol.get("h2").copied().unwrap_or(0);
+    assert_eq!(stats.open_connections_by_protocol.get("h1"), None, "{stats:?}");
+    assert!((4..=5).contains(&h2), "40 streams at 10 per connection: {h2} connections");
+    assert!(stats.peak_streams_per_connection <= 10, "the server's limit holds: {stats:?}");
+
+    let started = Instant::now();
+    env.register(&services[17], 8017, "critical").await;
+    w.answer(&keys[17], "the critical instance", |e| e.len() == 1 && e[0].health == Health::Critical).await;
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+}
+
+/// A server that offers only HTTP/1.1 is served as before: a connection per query within
+/// the budget, the rest fed.
+#[tokio::test]
+#[cfg_attr(e2e_real_consul, ignore = "needs the simulator's TLS")]
+async fn an_http1_server_gets_http1() {
+    let env = Env::start(|pki| pki.server_tls().http1_only()).await;
+    let services: Vec<String> = (0..6).map(|i| format!("h1svc{i}")).collect();
+    for (i, s) in services.iter().enumerate() {
+        env.register(s, 8100 + i as u16, "passing").await;
+    }
+    // A budget of 4: one read, the feed's two queries, one dedicated slot.
+    let mut w = Watches::new(4);
+    let keys: Vec<ConsulKey> = services.iter().map(|s| env.key(s)).collect();
+    for k in &keys {
+        w.start(k);
+    }
+    for k in &keys {
+        w.answer(k, "the first answer", |e| e.len() == 1).await;
+    }
+    let (stats, fed) =
+        env.sim.wait_for_stats(DEADLINE, |s| s.blocking.get(HEALTH_STATE_LABEL).copied() == Some(1)).await;
+    assert!(fed, "beyond the budget, watches are fed: {:?}", stats.blocking);
+    assert_eq!(stats.open_connections_by_protocol.get("h2"), None, "{stats:?}");
+    assert!(stats.peak_connections_total <= 4 + 1, "within the budget: {stats:?}");
+    env.register(&services[5], 8105, "critical").await;
+    w.answer(&keys[5], "the critical instance", |e| e.len() == 1 && e[0].health == Health::Critical).await;
+}
+
+/// Certificate verification: a CA that did not sign the server's certificate, and a
+/// `serverName` the certificate does not carry, fail with a message that says which setting
+/// to check; the right `serverName` works against an address the certificate lacks.
+#[tokio::test]
+#[cfg_attr(e2e_real_consul, ignore = "needs the simulator's TLS")]
+async fn verification_failures_name_the_setting() {
+    let env = Env::start(|pki| pki.server_tls()).await;
+    env.register("verified", 8200, "passing").await;
+    let other_ca = TestPki::generate().unwrap().ca_cert_pem;
+    let mut w = Watches::new(10);
+
+    let wrong_ca = env.key_with("verified", TlsSettings { ca_pem: Some(other_ca.into()), ..Default::default() });
+    w.start(&wrong_ca);
+    let said = w.failure(&wrong_ca, "the wrong CA's failure").await;
+    assert!(said.contains("tls.caSecretRef"), "{said}");
+
+    let ca = Some(env.pki.ca_cert_pem.as_str().into());
+    let wrong_name = env.key_with(
+        "verified",
+        TlsSettings { ca_pem: ca.clone(), server_name: Some("elsewhere.test".into()), ..Default::default() },
+    );
+    w.start(&wrong_name);
+    let said = w.failure(&wrong_name, "the wrong name's failure").await;
+    assert!(said.contains("tls.serverName"), "{said}");
+
+    // The certificate names consul.test; reach it by IP with that serverName.
+    let named = env.key_with(
+        "verified",
+        TlsSettings { ca_pem: ca, server_name: Some("consul.test".into()), ..Default::default() },
+    );
+    w.start(&named);
+    w.answer(&named, "the answer through serverName", |e| e.len() == 1).await;
+}
+
+/// Mutual TLS: without a client certificate the server refuses us, with a message about the
+/// client certificate; with the one its CA signed, answers flow.
+#[tokio::test]
+#[cfg_attr(e2e_real_consul, ignore = "needs the simulator's TLS")]
+async fn client_certificates_for_mutual_tls() {
+    let env = Env::start(|pki| pki.mtls()).await;
+    env.register("mutual", 8300, "passing").await;
+    let mut w = Watches::new(10);
+    let without = env.key("mutual");
+    w.start(&without);
+    let said = w.failure(&without, "the refusal").await;
+    assert!(said.contains("tls.clientCertSecretRef"), "{said}");
+    assert!(!said.contains("PRIVATE KEY"), "{said}");
+
+    let with = env.key_with(
+        "mutual",
+        TlsSettings {
+            ca_pem: Some(env.pki.ca_cert_pem.as_str().into()),
+            client_identity: Some(env.identity()),
+            ..Default::default()
+        },
+    );
+    w.start(&with);
+    w.answer(&with, "the answer with a client certificate", |e| e.len() == 1).await;
+}

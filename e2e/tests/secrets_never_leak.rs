@@ -1,0 +1,329 @@
+//! Consul ACL tokens never leave the operator except towards Consul, black box.
+//!
+//! The whole loop runs with known tokens: one Consul accepts, one it rejects, one rotated
+//! in, one in a Secret no resolver names, and one under a key the resolver does not name.
+//! Then every output is searched for each token (raw, and base64 as in a Secret's `data`):
+//! the operator's log at debug level for every crate, resolver statuses, Events, metrics,
+//! every snapshot (HTTP, ConfigMap, the hook's file), the hook's arguments and environment,
+//! and every path of the HTTP port. The API server's audit log shows that the operator read
+//! only the Secrets a resolver names, in the resolver's namespace. And TLS to Consul
+//! verifies the server's certificate unless told otherwise: without the CA, a TLS Consul
+//! is refused; with it (from a Secret), it answers.
+//!
+//! The simulator is the test's own (ACLs with these tokens, and a TLS one), so this runs
+//! only against it.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::Duration;
+
+use consul_sim::tls::TestPki;
+use consul_sim::{AclConfig, AclToken, Config, RunningSim, Simulator};
+use e2e::fixtures::{mapping_yaml, ports, resolver_yaml};
+use e2e::harness::{Cluster, Operator, http_client, unique, wait_for};
+use serde_json::{Value, json};
+
+const T: Duration = Duration::from_secs(30);
+const SYSTEM: &str = "consul-resolver-system";
+
+fn random_token(label: &str) -> String {
+    format!("{label}-{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>())
+}
+
+/// Standard base64, as the API server shows a Secret's `data`.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk.iter().enumerate().fold(0u32, |acc, (i, b)| acc | u32::from(*b) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+        }
+    }
+    while !out.len().is_multiple_of(4) {
+        out.push('=');
+    }
+    out
+}
+
+/// A Secret with `data` (values base64-encoded here, so any bytes can be stored).
+fn secret_yaml(ns: &str, name: &str, data: &[(&str, &[u8])]) -> String {
+    let data: serde_json::Map<String, Value> =
+        data.iter().map(|(k, v)| ((*k).to_owned(), Value::from(base64(v)))).collect();
+    serde_json::to_string(&json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": ns}, "data": data,
+    }))
+    .unwrap()
+}
+
+/// Registers `service` at `port` on `sim` (TLS verified against `ca` when given).
+fn register(sim: &RunningSim, ca: Option<&str>, admin: &str, service: &str, port: u16) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let body = json!({
+            "Node": "node-leak", "Address": "127.0.0.1",
+            "Service": {"ID": format!("{service}-1"), "Service": service, "Port": port},
+            "Check": {"CheckID": format!("check-{service}"), "Name": "c", "Status": "passing", "ServiceID": format!("{service}-1")},
+        });
+        let client = match ca {
+            Some(pem) => reqwest::Client::builder()
+                .tls_certs_only(reqwest::Certificate::from_pem_bundle(pem.as_bytes()).unwrap())
+                .build()
+                .unwrap(),
+            None => http_client(),
+        };
+        let resp = client
+            .put(format!("{}/v1/catalog/register", sim.base_url()))
+            .header("X-Consul-Token", admin)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert!(resp.status().is_success(), "{}", resp.status());
+    });
+}
+
+/// A hook that keeps its arguments, environment and snapshot file per run.
+fn recording_hook(dir: &Path) -> std::path::PathBuf {
+    let script = dir.join("hook.sh");
+    let out = dir.join("runs");
+    std::fs::create_dir_all(&out).unwrap();
+    let body = format!(
+        "#!/bin/sh\nset -e\nout={}\necho \"$@\" > \"$out/args.$1\"\nenv > \"$out/env.$1\"\ncp \"$2\" \"$out/snapshot.$1\"\n",
+        out.display()
+    );
+    std::fs::write(&script, body).unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    script
+}
+
+/// Where each token was found, as `(token label, output)`.
+fn leaks(tokens: &[(&str, &str)], outputs: &[(String, String)]) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for (label, token) in tokens {
+        let forms = [token.to_string(), base64(token.as_bytes())];
+        for (name, text) in outputs {
+            if forms.iter().any(|f| text.contains(f.as_str())) {
+                found.push(((*label).to_owned(), name.clone()));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+#[cfg_attr(e2e_real_consul, ignore = "needs the test's own simulators (ACL tokens it knows, TLS)")]
+fn tokens_never_appear_in_any_output_and_secrets_are_read_only_where_named() {
+    let began = std::time::Instant::now();
+    let cluster = Cluster::shared();
+    let ns = cluster.namespace("leak").unwrap();
+    let elsewhere = cluster.namespace("leak-other").unwrap();
+    cluster.grant_secrets(&ns).unwrap();
+    cluster.grant_secrets(&elsewhere).unwrap();
+
+    let (token, rotated, rejected, unnamed, other_key, foreign, admin) = (
+        random_token("tok"),
+        random_token("rot"),
+        random_token("rej"),
+        random_token("unn"),
+        random_token("key"),
+        random_token("for"),
+        random_token("adm"),
+    );
+    let acl = AclConfig {
+        tokens: vec![
+            AclToken::management(&admin),
+            AclToken::service_read(&token, [""]),
+            AclToken::service_read(&rotated, [""]),
+        ],
+        anonymous_read: false,
+    };
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let consul = Simulator::start_background(Config { acl: Some(acl.clone()), ..Config::default() }).unwrap();
+    let pki = TestPki::generate().unwrap();
+    let tls_consul =
+        Simulator::start_background(Config { acl: Some(acl), tls: Some(pki.server_tls()), ..Config::default() })
+            .unwrap();
+    let svc = format!("leak{}", unique());
+    register(&consul, None, &admin, &svc, 23001);
+    register(&tls_consul, Some(&pki.ca_cert_pem), &admin, &svc, 23002);
+
+    // `acl` holds the token and another key; `unrelated` is named by nobody; `ca` is the CA
+    // bundle of the TLS Consul. The namespace next door holds a Secret named like ours.
+    cluster.apply(&secret_yaml(&ns, "acl", &[("token", token.as_bytes()), ("other", other_key.as_bytes())])).unwrap();
+    cluster.apply(&secret_yaml(&ns, "rejected", &[("token", rejected.as_bytes())])).unwrap();
+    cluster.apply(&secret_yaml(&ns, "unrelated", &[("token", unnamed.as_bytes())])).unwrap();
+    cluster.apply(&secret_yaml(&ns, "ca", &[("ca.crt", pki.ca_cert_pem.as_bytes())])).unwrap();
+    cluster.apply(&secret_yaml(&elsewhere, "acl", &[("token", foreign.as_bytes())])).unwrap();
+
+    let plain = consul.base_url().trim_start_matches("http://").to_owned();
+    let tls = tls_consul.base_url();
+    let token_ref = |secret: &str, key: &str| format!("  tokenSecretRef: {{name: {secret}, key: {key}}}\n");
+    let ca_ref = "  tls: {caSecretRef: {name: ca, key: ca.crt}}\n";
+    for (name, address, extra) in [
+        ("good", plain.as_str(), token_ref("acl", "token")),
+        ("rejected", plain.as_str(), token_ref("rejected", "token")),
+        ("wrongkey", plain.as_str(), token_ref("acl", "missing")),
+        ("tls-unverified", tls.as_str(), token_ref("acl", "token")),
+        ("tls-verified", tls.as_str(), format!("{}{ca_ref}", token_ref("acl", "token"))),
+    ] {
+        cluster.apply(&resolver_yaml(&ns, name, address, &extra)).unwrap();
+        cluster.apply(&mapping_yaml(&ns, &format!("m-{name}"), &svc, Some(name))).unwrap();
+    }
+    // A resolver in the other namespace naming no Secret: that namespace's `acl` is not ours.
+    cluster.apply(&resolver_yaml(&elsewhere, "open", &plain, "")).unwrap();
+
+    let dir = tempfile::Builder::new().prefix("cro-leak-").tempdir().unwrap();
+    let hook = recording_hook(dir.path());
+    let cm = format!("leak-{}", unique());
+    let args = [
+        "--namespace",
+        &ns,
+        "--namespace",
+        &elsewhere,
+        "--snapshot-configmap",
+        &format!("{SYSTEM}/{cm}"),
+        "--on-snapshot",
+        hook.to_str().unwrap(),
+        // The rejected token and the unverified TLS never answer: publish without them.
+        "--bootstrap-timeout",
+        "2s",
+    ];
+    let mut op = Operator::start_with_env(cluster, &args, &[("RUST_LOG", "debug")]).unwrap();
+    op.wait_ready(T).unwrap();
+    eprintln!("{:?}: ready", began.elapsed());
+
+    // The whole loop ran: answers through the token, the rejected token and the missing
+    // key reported, TLS refused without the CA and verified with it.
+    op.wait_snapshot("answers through the token, plain and verified TLS", T, |s| {
+        ports(s, &ns, "good", &svc) == Some(vec![23001]) && ports(s, &ns, "tls-verified", &svc) == Some(vec![23002])
+    })
+    .unwrap();
+    let condition = |name: &str, type_: &str, status: &str, reason: &str| {
+        wait_for(&format!("{name} {type_}={status}/{reason}"), T, || {
+            cluster.resolver_condition(&ns, name, type_).filter(|c| c["status"] == status && c["reason"] == reason)
+        })
+        .unwrap_or_else(|e| panic!("{e}: {:?}\n{}", cluster.resolver_condition(&ns, name, type_), op.logs()))
+    };
+    let rejected_msg = condition("rejected", "ConsulReachable", "False", "QueryFailed");
+    assert!(rejected_msg["message"].as_str().unwrap().contains("ACL token rejected"), "{rejected_msg}");
+    let missing = condition("wrongkey", "ConsulReachable", "False", "SecretUnavailable");
+    assert!(missing["message"].as_str().unwrap().contains("missing"), "the key is named: {missing}");
+    let unverified = condition("tls-unverified", "ConsulReachable", "False", "QueryFailed");
+    let why = unverified["message"].as_str().unwrap().to_ascii_lowercase();
+    assert!(why.contains("certificate") || why.contains("unknownissuer"), "refused for its certificate: {why}");
+    condition("tls-verified", "Ready", "True", "Published");
+    condition("good", "Ready", "True", "Published");
+
+    eprintln!("{:?}: every resolver as expected", began.elapsed());
+    // Rotation: the new token is used, and the old one with it is no longer needed.
+    cluster.apply(&secret_yaml(&ns, "acl", &[("token", rotated.as_bytes()), ("other", other_key.as_bytes())])).unwrap();
+    wait_for("the rotated token in use", T, || {
+        consul.requests().iter().any(|r| r.token.as_deref() == Some(rotated.as_str())).then_some(())
+    })
+    .unwrap();
+    consul.clear_requests();
+    register(&consul, None, &admin, &svc, 23003);
+    op.wait_snapshot("a change read with the rotated token", T, |s| ports(s, &ns, "good", &svc) == Some(vec![23003]))
+        .unwrap();
+    wait_for("the hook to have run on the latest snapshot", T, || {
+        let id = op.snapshot()?["id"].as_u64()?;
+        dir.path().join(format!("runs/snapshot.{id}")).exists().then_some(())
+    })
+    .unwrap();
+    wait_for("the ConfigMap with the latest snapshot", T, || {
+        let hash = op.snapshot()?["hash"].as_str()?.to_owned();
+        let cm = cluster.kubectl(&["-n", SYSTEM, "get", "configmap", &cm, "-o", "json"]).ok()?;
+        cm.contains(&hash).then_some(())
+    })
+    .unwrap();
+
+    eprintln!("{:?}: rotated", began.elapsed());
+    // Every output.
+    let mut outputs: Vec<(String, String)> = Vec::new();
+    let latest = op.snapshot().unwrap()["id"].as_u64().unwrap();
+    for path in ["/", "/healthz", "/readyz", "/metrics", "/snapshot", "/snapshots", "/debug/vars", "/secrets"]
+        .into_iter()
+        .map(str::to_owned)
+        .chain((1..=latest).map(|id| format!("/snapshots/{id}")))
+    {
+        if let Some((code, body)) = op.get(&path) {
+            outputs.push((format!("GET {path} ({code})"), body));
+        }
+    }
+    for (what, args) in [
+        ("resolvers (status)", vec!["get", "cres", "-A", "-o", "json"]),
+        ("events", vec!["get", "events", "-A", "-o", "json"]),
+        ("snapshot configmaps", vec!["-n", SYSTEM, "get", "configmaps", "-o", "json"]),
+    ] {
+        outputs.push((what.to_owned(), cluster.kubectl(&args).unwrap()));
+    }
+    let runs: Vec<_> = std::fs::read_dir(dir.path().join("runs")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert!(runs.iter().any(|p| p.to_string_lossy().contains("env.")), "the hook ran: {runs:?}");
+    for path in runs {
+        outputs.push((format!("hook {}", path.display()), std::fs::read_to_string(&path).unwrap()));
+    }
+    outputs.push(("the operator's environment".into(), {
+        let pid = op.pid().unwrap();
+        String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/environ")).unwrap()).into_owned()
+    }));
+    assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
+    let log = op.logs();
+    assert!(log.contains("DEBUG"), "the log is at debug level");
+    outputs.push(("the operator's log at debug level".into(), log.clone()));
+
+    let tokens = [
+        ("token", token.as_str()),
+        ("rotated token", rotated.as_str()),
+        ("rejected token", rejected.as_str()),
+        ("unnamed Secret's token", unnamed.as_str()),
+        ("other key's value", other_key.as_str()),
+        ("other namespace's token", foreign.as_str()),
+    ];
+    let found = leaks(&tokens, &outputs);
+    let searched: usize = outputs.iter().map(|(_, t)| t.len()).sum();
+    eprintln!(
+        "searched {} outputs, {searched} bytes, {} of log, for {} tokens",
+        outputs.len(),
+        log.len(),
+        tokens.len()
+    );
+    assert!(found.is_empty(), "tokens found: {found:?}");
+    // The search looks where things are: every output holds something, and the service's
+    // name is in the snapshots and the log.
+    let empty: Vec<&String> = outputs.iter().filter(|(_, t)| t.is_empty()).map(|(n, _)| n).collect();
+    assert!(empty.is_empty(), "outputs with nothing to search: {empty:?}");
+    let with_svc = leaks(&[("service", svc.as_str())], &outputs);
+    for place in ["GET /snapshot (200)", "snapshot configmaps", "the operator's log at debug level"] {
+        assert!(with_svc.iter().any(|(_, o)| o == place), "{place} searched: {with_svc:?}");
+    }
+
+    // Only the Secrets a resolver names, in its own namespace, each selected by name.
+    let Some(events) = cluster.audit_events().unwrap() else {
+        eprintln!("SKIP the audit half: no audit log (E2E_KUBECONFIG)");
+        return;
+    };
+    let user = cluster.operator_username().unwrap();
+    let reads: Vec<(String, String)> = events
+        .iter()
+        .filter(|e| e["user"]["username"] == user.as_str() && e["objectRef"]["resource"] == "secrets")
+        .map(|e| {
+            let ns = e["objectRef"]["namespace"].as_str().unwrap_or("<cluster-wide>").to_owned();
+            let uri = e["requestURI"].as_str().unwrap_or_default().to_owned();
+            (ns, uri)
+        })
+        .collect();
+    let named: Vec<&str> = ["acl", "rejected", "ca"].to_vec();
+    let mut seen = std::collections::BTreeSet::new();
+    for (in_ns, uri) in &reads {
+        let url = url::Url::parse(&format!("https://apiserver{uri}")).unwrap();
+        let selector: Option<String> =
+            url.query_pairs().find(|(k, _)| k == "fieldSelector").map(|(_, v)| v.into_owned());
+        let name = selector.as_deref().and_then(|s| s.strip_prefix("metadata.name="));
+        assert_eq!(in_ns, &ns, "a Secret read outside the resolvers' namespace: {uri}");
+        assert!(name.is_some_and(|n| named.contains(&n)), "a Secret read that no resolver names: {uri}");
+        seen.insert(name.unwrap().to_owned());
+    }
+    assert_eq!(seen, named.iter().map(|n| (*n).to_owned()).collect(), "{reads:#?}");
+    eprintln!("audit log: {} Secret requests, all in {ns}, selected by name: {seen:?}", reads.len());
+}

@@ -1,0 +1,166 @@
+//! What every Consul request tells the metrics: its outcome and duration
+//! (`consul_resolver_consul_requests_total`, `..._consul_request_duration_seconds`), and
+//! whether Consul was reached, per scope (`..._consul_last_success_timestamp_seconds` and
+//! `..._last_failure_...`, per resolver). Kept apart from the client so that wrapping a
+//! request is one call where it is made, and the client stays about HTTP.
+
+use std::time::{Duration, SystemTime};
+
+use tokio::time::Instant;
+
+use super::client::{QueryError, request_timeout};
+use crate::ops::metrics::{Metrics, consul_scope};
+use consul_resolver_core::keys::ConsulKey;
+
+/// Which query a request is (a bounded label).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Query {
+    /// `/v1/health/service` (or `connect`): a watch's own query.
+    Service,
+    /// `/v1/health/state/any`: the change feed's checks.
+    Checks,
+    /// `/v1/catalog/services`: the change feed's registrations.
+    Catalog,
+}
+
+impl Query {
+    fn label(self) -> &'static str {
+        match self {
+            Query::Service => "service",
+            Query::Checks => "checks",
+            Query::Catalog => "catalog",
+        }
+    }
+}
+
+/// The outcome label of a finished request: `ok`, `timeout` (no complete answer within its
+/// limit), `transport` (no connection, reset, DNS), `403`, `429`, `4xx`, `5xx`, `invalid`
+/// (Consul answered something unusable: a body that does not parse or is too large, a
+/// redirect; or the request could not be made, e.g. a token that is no header value).
+pub(crate) fn outcome<T>(result: &Result<T, QueryError>, took: Duration, limit: Duration) -> &'static str {
+    match result {
+        Ok(_) => "ok",
+        // reqwest's limit covers the whole exchange: only a timeout takes that long.
+        Err(QueryError::Network { .. }) if took >= limit => "timeout",
+        // A failed TLS handshake is a connection that could not be made.
+        Err(QueryError::Network { .. } | QueryError::Tls { .. }) => "transport",
+        Err(QueryError::Forbidden { .. }) => "403",
+        Err(QueryError::RateLimited { .. }) => "429",
+        Err(QueryError::Status { status, .. }) if *status >= 500 => "5xx",
+        Err(QueryError::Status { status, .. }) if *status >= 400 => "4xx",
+        Err(QueryError::Status { .. } | QueryError::Body { .. } | QueryError::Redirect { .. }) => "invalid",
+        Err(QueryError::TooLarge { .. }) => "invalid",
+    }
+}
+
+/// Whether an outcome means Consul was reached (`Some(true)`: it answered, even with a
+/// refusal; `Some(false)`: it could not be reached or could not serve; `None`: no request
+/// went out).
+fn reached(outcome: &str) -> Option<bool> {
+    match outcome {
+        "timeout" | "transport" | "5xx" => Some(false),
+        "invalid" => None,
+        _ => Some(true),
+    }
+}
+
+/// Runs one request of `key`'s scope (`block`: its index and wait, `None` for a read) and
+/// records what came of it.
+pub(crate) async fn request<T>(
+    metrics: &Metrics,
+    query: Query,
+    key: &ConsulKey,
+    block: Option<(u64, Duration)>,
+    request: impl Future<Output = Result<T, QueryError>>,
+) -> Result<T, QueryError> {
+    let started = Instant::now();
+    let result = request.await;
+    let took = started.elapsed();
+    let outcome = outcome(&result, took, request_timeout(block));
+    let mode = if block.is_some() { "blocking" } else { "read" };
+    metrics.consul_requests.with_label_values(&[query.label(), mode, outcome]).inc();
+    metrics.consul_request_seconds.with_label_values(&[mode]).observe(took.as_secs_f64());
+    if matches!(query, Query::Service) && result.is_err() {
+        metrics.watch_errors.with_label_values(&["consul", outcome]).inc();
+    }
+    if let Some(answered) = reached(outcome) {
+        metrics.consul_contact.record(&consul_scope(key), answered, SystemTime::now());
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use consul_resolver_core::keys::{ConsulServer, QueryOptions, Secret};
+
+    fn err(e: QueryError) -> Result<(), QueryError> {
+        Err(e)
+    }
+
+    #[test]
+    fn outcomes_are_a_small_fixed_set() {
+        let a = || "http://127.0.0.1:8500".to_owned();
+        let (short, limit) = (Duration::from_millis(5), Duration::from_secs(15));
+        let cases = [
+            (Ok(()), "ok"),
+            (err(QueryError::Network { address: a(), cause: "connection refused".into() }), "transport"),
+            (err(QueryError::Forbidden { address: a(), body: "ACL not found".into() }), "403"),
+            (err(QueryError::RateLimited { address: a(), retry_after: None }), "429"),
+            (err(QueryError::Status { address: a(), status: 500, body: "No cluster leader".into() }), "5xx"),
+            (err(QueryError::Status { address: a(), status: 404, body: String::new() }), "4xx"),
+            (err(QueryError::Status { address: a(), status: 0, body: "not a header".into() }), "invalid"),
+            (err(QueryError::Body { address: a(), cause: "eof".into() }), "invalid"),
+            (err(QueryError::TooLarge { address: a(), limit: 1 }), "invalid"),
+        ];
+        for (result, expected) in cases {
+            assert_eq!(outcome(&result, short, limit), expected, "{result:?}");
+        }
+        let slow = err(QueryError::Network { address: a(), cause: "operation timed out".into() });
+        assert_eq!(outcome(&slow, limit, limit), "timeout");
+        assert_eq!(reached("403"), Some(true), "a refusal is an answer: Consul is there");
+        assert_eq!(reached("5xx"), Some(false));
+    }
+
+    fn key(token: &str) -> ConsulKey {
+        ConsulKey {
+            server: ConsulServer {
+                address: "http://127.0.0.1:8500".into(),
+                token: Some(Secret::new(token)),
+                tls: None,
+            },
+            datacenter: None,
+            namespace: None,
+            partition: None,
+            query: QueryOptions::default(),
+            service: "web".into(),
+        }
+    }
+
+    /// A request that runs out its limit (on the paused clock) is a timeout, by mode, and
+    /// a failure to reach its scope; an answer is a success there.
+    #[tokio::test(start_paused = true)]
+    async fn requests_are_counted_timed_and_reach_their_scope() {
+        let metrics = Metrics::new();
+        let k = key("t");
+        metrics.consul_contact.set_resolvers([(("ns".to_owned(), "r".to_owned()), consul_scope(&k))].into());
+        let block = Some((7, Duration::from_secs(60)));
+        let limit = request_timeout(block);
+        let hung = async {
+            tokio::time::sleep(limit).await;
+            err(QueryError::Network { address: "a".into(), cause: "operation timed out".into() })
+        };
+        assert!(request(&metrics, Query::Service, &k, block, hung).await.is_err());
+        assert_eq!(metrics.consul_requests.with_label_values(&["service", "blocking", "timeout"]).get(), 1);
+        let h = metrics.consul_request_seconds.with_label_values(&["blocking"]);
+        assert_eq!((h.get_sample_count(), h.get_sample_sum()), (1, limit.as_secs_f64()));
+        let text = metrics.render();
+        assert!(text.contains("consul_last_failure_timestamp_seconds{resolver_name=\"r\",resolver_namespace=\"ns\"}"));
+        assert!(!text.contains("consul_last_success_timestamp_seconds{"), "{text}");
+
+        let read = async { Ok::<_, QueryError>(()) };
+        request(&metrics, Query::Catalog, &k, None, read).await.unwrap();
+        assert_eq!(metrics.consul_requests.with_label_values(&["catalog", "read", "ok"]).get(), 1);
+        assert!(metrics.render().contains("consul_last_success_timestamp_seconds{resolver_name=\"r\""));
+    }
+}
