@@ -590,3 +590,135 @@ fn a_slow_hook_and_a_slow_api_server_coalesce_changes_and_end_on_the_final_state
     assert!(peak < rss_before + 64 * 1024, "memory grew by {} KiB", peak - rss_before);
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
 }
+
+/// Consul misbehaving in each way docs/consul-protocol.md names, one after the other, under
+/// a running operator. For each: the last endpoints stay published, marked stale, with the
+/// error in the snapshot and `ConsulReachable=False` in the status; requests are paced by
+/// the backoff (or the `Retry-After`), not a hot loop; and once the fault ends, the change
+/// made during it is published and the resolver is reachable again. Slow answers and a
+/// connection dropped mid-block are no failure worth keeping: the next answer is published.
+#[test]
+#[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection")]
+fn consul_faults_keep_the_last_endpoints_are_paced_and_end_on_the_final_state() {
+    use consul_sim::{Budget, FaultsPatch};
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let sim = consul_sim::Simulator::start_background(consul_sim::Config::default()).unwrap();
+    let consul = Consul { base_url: sim.base_url(), token: None, sim: Some(sim) };
+    let sim = consul.sim.as_ref().unwrap();
+    let ns = cluster.namespace("cfault").unwrap();
+    let svc = format!("cf{}", unique());
+    let register = |port| consul.register("node-cf", "127.0.0.1", &svc, &format!("{svc}-1"), port, "passing");
+    register(27000).unwrap();
+    cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), "")).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "m", &svc, Some("consul"))).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    op.wait_ready(T).unwrap();
+    op.wait_snapshot("the first answer", T, |s| ports(s, &ns, "consul", &svc) == Some(vec![27000])).unwrap();
+    let entry = |s: &Value| e2e::fixtures::service(s, &ns, "consul", &svc).cloned().unwrap_or_default();
+    let reachable = |status: &str, says: &str| {
+        wait_for(&format!("ConsulReachable={status} saying {says:?}"), T, || {
+            cluster
+                .resolver_condition(&ns, "consul", "ConsulReachable")
+                .filter(|c| c["status"] == status && c["message"].as_str().is_some_and(|m| m.contains(says)))
+        })
+        .unwrap_or_else(|e| panic!("{e}: {:?}", cluster.resolver_condition(&ns, "consul", "ConsulReachable")))
+    };
+    let faults = [
+        (
+            "500 No cluster leader",
+            FaultsPatch { no_leader: Some(Budget::Always), ..Default::default() },
+            "No cluster leader",
+            6,
+        ),
+        (
+            "429 with Retry-After: 2",
+            FaultsPatch { too_many_requests: Some(Budget::Always), retry_after_s: Some(2), ..Default::default() },
+            "429",
+            2,
+        ),
+        (
+            "429 without Retry-After",
+            FaultsPatch { too_many_requests: Some(Budget::Always), ..Default::default() },
+            "429",
+            6,
+        ),
+        (
+            "a body that is not JSON",
+            FaultsPatch { bad_body: Some(Budget::Always), ..Default::default() },
+            "unreadable",
+            6,
+        ),
+        (
+            "a body cut off mid-way",
+            FaultsPatch { truncated_body: Some(Budget::Always), ..Default::default() },
+            "Consul at",
+            6,
+        ),
+    ];
+    let mut port = 27000;
+    let blocking = || {
+        wait_for("the operator's blocking query", T, || {
+            (sim.stats().blocking.get(svc.as_str()).copied() == Some(1)).then_some(())
+        })
+        .unwrap()
+    };
+    for (what, patch, says, most) in faults {
+        blocking();
+        sim.set_faults(patch);
+        // Wakes the blocking query sent before the fault: its answer is published.
+        port += 1;
+        register(port).unwrap();
+        let kept = vec![u64::from(port)];
+        let snap = op
+            .wait_snapshot(&format!("{what}: the error, the last endpoints kept"), T, |s| {
+                let e = entry(s);
+                ports(s, &ns, "consul", &svc).as_ref() == Some(&kept)
+                    && e["error"].as_str().is_some_and(|m| m.contains(says))
+            })
+            .unwrap();
+        assert!(
+            entry(&snap)["stale"]["since"].is_string(),
+            "{what}: kept endpoints are marked stale: {}",
+            entry(&snap)
+        );
+        reachable("False", says);
+        // Paced: over two seconds of the fault, a handful of requests.
+        sim.clear_requests();
+        std::thread::sleep(Duration::from_secs(2)); // the fault's own length
+        let n = sim.requests().iter().filter(|r| r.service.as_deref() == Some(svc.as_str())).count();
+        assert!((1..=most).contains(&n), "{what}: {n} requests in 2 s (at most {most})");
+        // A change during the fault, then the fault ends: the change is published.
+        port += 1;
+        register(port).unwrap();
+        sim.clear_faults();
+        let ended = Instant::now();
+        let want = vec![u64::from(port)];
+        op.wait_snapshot(&format!("{what}: the change made during it"), T, |s| {
+            ports(s, &ns, "consul", &svc).as_ref() == Some(&want) && entry(s).get("error").is_none()
+        })
+        .unwrap();
+        eprintln!("{what}: {n} requests in 2 s; the change published {:?} after it ended", ended.elapsed());
+        reachable("True", "");
+    }
+
+    // Slow answers, and a blocking query dropped without an answer: the next answer is
+    // published, no error stays.
+    sim.set_faults(FaultsPatch { latency_ms: Some(1500), ..Default::default() });
+    port += 1;
+    register(port).unwrap();
+    let want = vec![u64::from(port)];
+    op.wait_snapshot("a slow answer", T, |s| ports(s, &ns, "consul", &svc).as_ref() == Some(&want)).unwrap();
+    sim.clear_faults();
+    blocking();
+    sim.drop_blocking();
+    port += 1;
+    register(port).unwrap();
+    let want = vec![u64::from(port)];
+    op.wait_snapshot("the change after a dropped connection", T, |s| {
+        ports(s, &ns, "consul", &svc).as_ref() == Some(&want) && entry(s).get("error").is_none()
+    })
+    .unwrap();
+    reachable("True", "");
+    assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
+}
