@@ -490,7 +490,7 @@ fn rss_kib(pid: u32) -> Option<u64> {
     status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
 }
 
-/// A slow hook (1 s a run) and a slow API server (frozen half of every 600 ms) under a
+/// A slow hook (1 s a run) and a slow API server (frozen half of every 800 ms) under a
 /// burst of Consul changes: the changes are coalesced (a handful of publications, never two
 /// at once), memory stays bounded, and once the burst ends the last publication, to every
 /// publisher, is the final state.
@@ -524,7 +524,7 @@ fn a_slow_hook_and_a_slow_api_server_coalesce_changes_and_end_on_the_final_state
     let rss_before = rss_kib(pid).unwrap();
     let published_before = published(dir.path()).len();
 
-    // The burst: 100 changes over about 8 s, while the API server is frozen half the time
+    // The burst: 100 changes over about 10 s, while the API server is frozen half the time
     // and every hook run takes a second.
     const CHANGES: u16 = 100;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
