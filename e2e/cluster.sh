@@ -8,6 +8,9 @@
 #   e2e/cluster.sh up DIR          start etcd + kube-apiserver, state and kubeconfigs in DIR
 #   e2e/cluster.sh down DIR        stop exactly the processes `up` started (by pid)
 #   e2e/cluster.sh env DIR         print the environment a client needs (KUBECONFIG=...)
+#   e2e/cluster.sh apiserver DIR [PORT]
+#                                  start kube-apiserver again for the running etcd of DIR (after
+#                                  a test killed it), on PORT or the port of `up`, and only there
 #   e2e/cluster.sh apiserver-path  print the cached binary's path
 #
 # `up DIR` leaves in DIR (absolute paths; DIR is created if missing):
@@ -314,12 +317,14 @@ start_etcd() {
   die "etcd: could not get free ports after 5 attempts"
 }
 
+# start_apiserver DIR [PORT]: on PORT only when given (a restart: the kubeconfigs name it),
+# else on the port of a previous `up`, else on free ports.
 start_apiserver() {
-  local dir=$1 attempt port rc token
+  local dir=$1 forced=${2:-} attempt port rc token
   token=$(cut -d, -f1 "$dir/tokens.csv")
   for attempt in 1 2 3 4 5; do
-    port=
-    if [ "$attempt" = 1 ]; then port=$(env_value "$dir" APISERVER_PORT); fi
+    port=$forced
+    if [ -z "$port" ] && [ "$attempt" = 1 ]; then port=$(env_value "$dir" APISERVER_PORT); fi
     [ -n "$port" ] || port=$(free_ports 1)
     log "starting kube-apiserver $KUBE_VERSION on https://127.0.0.1:$port"
     start_bg "$dir/apiserver.pid" "$dir/apiserver.log" "$APISERVER_BIN" \
@@ -354,6 +359,7 @@ start_apiserver() {
     rc=0; wait_ready kube-apiserver "$(cat "$dir/apiserver.pid")" "$(apiserver_marker "$dir")" "$dir/apiserver.log" \
       apiserver_ready "$port" "$dir/pki/apiserver.crt" "$token" || rc=$?
     if [ $rc = 0 ]; then APISERVER_PORT=$port; return 0; fi
+    [ -z "$forced" ] || die "kube-apiserver: port $forced is taken"
     log "kube-apiserver: port taken, retrying with another port"
   done
   die "kube-apiserver: could not get a free port after 5 attempts"
@@ -424,6 +430,21 @@ cmd_up() {
   log "up in $((SECONDS - start))s: $url (source <($0 env $dir))"
 }
 
+# The kube-apiserver of DIR again, for its running etcd: tests kill it to see clients
+# survive. The pid file and DIR/env follow the new process.
+cmd_apiserver() {
+  [ -n "${1:-}" ] || die "usage: $0 apiserver DIR [PORT]"
+  local dir; dir=$(cd "$1" && pwd)
+  [ -f "$dir/env" ] || die "$dir/env not found: run \`$0 up $dir\` first"
+  pid_is_ours "$(cat "$dir/etcd.pid" 2>/dev/null || true)" "$(etcd_marker "$dir")" || die "the etcd of $dir is not running"
+  pid_is_ours "$(cat "$dir/apiserver.pid" 2>/dev/null || true)" "$(apiserver_marker "$dir")" &&
+    die "the kube-apiserver of $dir is running: stop it first"
+  ETCD_PORT=$(env_value "$dir" ETCD_PORT)
+  start_apiserver "$dir" "${2:-$(env_value "$dir" APISERVER_PORT)}"
+  sed -i "s/^APISERVER_PID=.*/APISERVER_PID=$(cat "$dir/apiserver.pid")/" "$dir/env"
+  log "kube-apiserver up again on https://127.0.0.1:$APISERVER_PORT"
+}
+
 case "${1:-}" in
   deps) cmd_deps ;;
   build) cmd_deps; cmd_build ;;
@@ -431,5 +452,6 @@ case "${1:-}" in
   up) shift; cmd_up "$@" ;;
   down) shift; cmd_down "$@" ;;
   env) shift; cmd_env "$@" ;;
-  *) die "usage: $0 deps|build|up DIR|down DIR|env DIR|apiserver-path" ;;
+  apiserver) shift; cmd_apiserver "$@" ;;
+  *) die "usage: $0 deps|build|up DIR|down DIR|env DIR|apiserver DIR [PORT]|apiserver-path" ;;
 esac

@@ -180,6 +180,58 @@ impl Cluster {
         Ok(())
     }
 
+    /// A value `cluster.sh up` wrote to DIR/env (`ETCD_URL`, `APISERVER_PORT`, ...); `None`
+    /// for an existing cluster.
+    pub fn env_value(&self, name: &str) -> Option<String> {
+        let text = std::fs::read_to_string(self.dir.as_ref()?.join("env")).ok()?;
+        text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix('=')).map(|v| v.trim_matches('\'').to_owned())
+    }
+
+    /// The pid of our kube-apiserver, as its pid file says.
+    pub fn apiserver_pid(&self) -> Option<i32> {
+        std::fs::read_to_string(self.dir.as_ref()?.join("apiserver.pid")).ok()?.trim().parse().ok()
+    }
+
+    /// Sends `signal` to our kube-apiserver.
+    pub fn signal_apiserver(&self, signal: i32) -> anyhow::Result<()> {
+        let pid = self.apiserver_pid().context("no kube-apiserver of ours")?;
+        // SAFETY: kill(2) on the pid of the kube-apiserver this process started.
+        if unsafe { libc::kill(pid, signal) } != 0 {
+            bail!("signal {signal} to the kube-apiserver (pid {pid}): {}", std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Kills our kube-apiserver (SIGKILL: no goodbye to its clients) and waits until it is
+    /// gone. etcd keeps running.
+    pub fn kill_apiserver(&self) -> anyhow::Result<()> {
+        let pid = self.apiserver_pid().context("no kube-apiserver of ours")?;
+        self.signal_apiserver(libc::SIGKILL)?;
+        let gone = || {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // Gone, or a zombie nobody has reaped yet: either way it serves nothing.
+            (stat.is_empty() || stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')))
+                .then_some(())
+        };
+        wait_for("the killed kube-apiserver to be gone", Duration::from_secs(20), gone)
+    }
+
+    /// Starts our kube-apiserver again for the running etcd, on `port` (a stand-in nobody's
+    /// kubeconfig names) or on its own port, and waits until it is ready.
+    pub fn start_apiserver(&self, port: Option<u16>) -> anyhow::Result<()> {
+        let dir = self.dir.as_ref().context("not our cluster")?;
+        let mut cmd = Command::new("bash");
+        cmd.arg(repo_root().join("e2e/cluster.sh")).arg("apiserver").arg(dir);
+        if let Some(p) = port {
+            cmd.arg(p.to_string());
+        }
+        let status = cmd.status().context("running e2e/cluster.sh apiserver")?;
+        if !status.success() {
+            bail!("e2e/cluster.sh apiserver {} failed ({status})", dir.display());
+        }
+        Ok(())
+    }
+
     /// The apiserver's audit log (ours only).
     pub fn audit_log(&self) -> Option<PathBuf> {
         self.dir.as_ref().map(|d| d.join("audit.log"))
@@ -399,6 +451,23 @@ impl Operator {
         wait_for(what, timeout, || self.snapshot().filter(|s| cond(s))).map_err(|e| {
             anyhow::anyhow!("{e}\nlast snapshot: {:?}\n--- operator log ---\n{}", self.snapshot(), self.logs())
         })
+    }
+
+    /// Sends `signal` to the operator, without waiting.
+    pub fn signal(&self, signal: i32) -> anyhow::Result<()> {
+        let pid = self.pid().context("operator already stopped")?;
+        // SAFETY: kill(2) on the pid of our own child.
+        if unsafe { libc::kill(pid as i32, signal) } != 0 {
+            bail!("signal {signal} to the operator: {}", std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// SIGKILL, then reaps it; returns the exit status.
+    pub fn kill(&mut self) -> anyhow::Result<std::process::ExitStatus> {
+        let mut child = self.child.take().context("operator already stopped")?;
+        child.kill()?;
+        Ok(child.wait()?)
     }
 
     /// SIGTERM, then waits for the exit; returns the exit status.

@@ -684,3 +684,113 @@ on_both_agents! {
         }
     }
 }
+
+/// The health requests for `service` in the log: (ms since the simulator started, status).
+fn request_times(sim: &RunningSim, service: &str) -> Vec<(u64, Option<u16>)> {
+    sim.requests().into_iter().filter(|r| r.service.as_deref() == Some(service)).map(|r| (r.at_ms, r.status)).collect()
+}
+
+on_both_agents! {
+    /// A 429 with `Retry-After` longer than the backoff is honoured: no retry before it has
+    /// passed (the backoff alone would retry after 250 ms, then 500 ms). Then the answer.
+    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
+    async fn a_retry_after_longer_than_the_backoff_is_honoured(config: Config) {
+        let env = Env::start(config).await;
+        let sim = env.simulator();
+        let svc = unique("ra");
+        env.register("n1", &format!("{svc}-1"), &svc, 1, "passing", &[]).await;
+        let mut w = Watches::new(settings(10));
+        let key = env.key(&svc);
+        w.start(&key);
+        w.answer(&key, "the instance", |e| ports(e) == [1]).await;
+        sim.set_faults(FaultsPatch {
+            too_many_requests: Some(Budget::Always),
+            retry_after_s: Some(1),
+            ..Default::default()
+        });
+        sim.clear_requests();
+        // Wakes the blocking query (sent before the fault); the next one meets it.
+        env.register("n1", &format!("{svc}-1"), &svc, 2, "passing", &[]).await;
+        let msg = w.failure(&key, "a 429").await;
+        assert!(msg.contains("429"), "{msg}");
+        tokio::time::sleep(Duration::from_millis(3300)).await;
+        let limited: Vec<u64> =
+            request_times(sim, &svc).into_iter().filter(|(_, s)| *s == Some(429)).map(|(t, _)| t).collect();
+        assert!(limited.len() >= 2, "retried: {limited:?}");
+        for pair in limited.windows(2) {
+            assert!(pair[1] - pair[0] >= 990, "a retry {} ms after a 429 asking for 1 s: {limited:?}", pair[1] - pair[0]);
+        }
+        sim.clear_faults();
+        w.answer(&key, "the change, once the limit lifts", |e| ports(e) == [2]).await;
+    }
+}
+
+on_both_agents! {
+    /// A 200 whose body is not JSON, or is cut off mid-way, is a failure like any other
+    /// (index forgotten, backoff, endpoints kept): never a partial list of endpoints.
+    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
+    async fn unreadable_or_cut_off_answers_are_failures_never_partial_lists(config: Config) {
+        let env = Env::start(config).await;
+        let sim = env.simulator();
+        let svc = unique("cut");
+        for i in 0..20u16 {
+            env.register(&format!("n{i}"), &format!("{svc}-{i}"), &svc, 1000 + i, "passing", &[]).await;
+        }
+        let mut w = Watches::new(settings(10));
+        let key = env.key(&svc);
+        w.start(&key);
+        w.answer(&key, "20 instances", |e| e.len() == 20).await;
+        let mut count = 20u16;
+        for (fault, says) in [
+            (FaultsPatch { bad_body: Some(Budget::Always), ..Default::default() }, &["unreadable answer"][..]),
+            // A body cut off is reported by the HTTP client, as the connection's failure.
+            (FaultsPatch { truncated_body: Some(Budget::Always), ..Default::default() }, &["cannot reach", "unreadable"]),
+        ] {
+            sim.set_faults(fault);
+            // Wakes the blocking query sent before the fault: it answers whole.
+            env.register("late", &format!("{svc}-{count}"), &svc, 1000 + count, "passing", &[]).await;
+            count += 1;
+            let deadline = Instant::now() + DEADLINE;
+            let message = loop {
+                match tokio::time::timeout_at(deadline, w.rx.recv()).await {
+                    Ok(Some(Event::Consul(k, ConsulEvent::Answer { endpoints, .. }))) if k == key => {
+                        assert_eq!(endpoints.len(), usize::from(count), "only whole answers are answers");
+                    }
+                    Ok(Some(Event::Consul(k, ConsulEvent::Failed(m)))) if k == key => break m,
+                    Ok(Some(_)) => {}
+                    other => panic!("no failure for {says:?}: {other:?}"),
+                }
+            };
+            assert!(says.iter().any(|s| message.contains(s)) && message.contains(&env.address), "{message}");
+            // Retried with backoff, not in a loop.
+            let n = count_requests(sim, &svc, Duration::from_secs(2)).await;
+            assert!((1..=5).contains(&n), "{n} requests in 2 s while failing");
+            sim.clear_faults();
+            let want = usize::from(count);
+            w.answer(&key, "whole again", |e| e.len() == want).await;
+        }
+    }
+}
+
+on_both_agents! {
+    /// Slow answers (every request held 1.5 s) are answers, not failures.
+    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
+    async fn slow_answers_are_answers(config: Config) {
+        let env = Env::start(config).await;
+        let sim = env.simulator();
+        let svc = unique("slow");
+        env.register("n1", &format!("{svc}-1"), &svc, 1, "passing", &[]).await;
+        let mut w = Watches::new(settings(10));
+        let key = env.key(&svc);
+        w.start(&key);
+        w.answer(&key, "the instance", |e| ports(e) == [1]).await;
+        sim.set_faults(FaultsPatch { latency_ms: Some(1500), ..Default::default() });
+        for port in [2, 3] {
+            env.register("n1", &format!("{svc}-1"), &svc, port, "passing", &[]).await;
+            match w.until(&key, "the next event", |_| true).await {
+                ConsulEvent::Answer { endpoints, .. } => assert_eq!(ports(&endpoints), [port]),
+                ConsulEvent::Failed(m) => panic!("a slow answer is not a failure: {m}"),
+            }
+        }
+    }
+}

@@ -79,6 +79,14 @@ pub struct Faults {
     /// Health queries answer 429 `Too Many Requests` (the RPC rate limit; the connection stays
     /// open, unlike the connection-limit 429).
     pub too_many_requests: Budget,
+    /// Seconds of `Retry-After` on the 429s of `too_many_requests`; 0 sends none.
+    pub retry_after_s: u64,
+    /// Health queries answer 200 with Consul's headers and a body that is not JSON (an HTML
+    /// error page, as a proxy in front of an agent may send), at once, without blocking.
+    pub bad_body: Budget,
+    /// Health queries answer 200 with the whole body's `Content-Length`, send half of the
+    /// body, and close the connection: an answer cut off mid-body (at once, without blocking).
+    pub truncated_body: Budget,
     /// Answer with the legacy `null` shapes (see [`crate`]).
     pub null_variants: bool,
     /// The `X-Consul-KnownLeader` header value (`false` is normal with the streaming backend).
@@ -110,6 +118,9 @@ impl Faults {
             latency_ms: 0,
             no_leader: Budget::Off,
             too_many_requests: Budget::Off,
+            retry_after_s: 0,
+            bad_body: Budget::Off,
+            truncated_body: Budget::Off,
             null_variants: config.null_variants,
             known_leader: true,
             single_health_index: config.single_health_index,
@@ -135,6 +146,9 @@ impl Faults {
             latency_ms,
             no_leader,
             too_many_requests,
+            retry_after_s,
+            bad_body,
+            truncated_body,
             null_variants,
             known_leader,
             single_health_index,
@@ -151,6 +165,15 @@ impl Faults {
         }
         if let Some(v) = too_many_requests {
             self.too_many_requests = v;
+        }
+        if let Some(v) = retry_after_s {
+            self.retry_after_s = v;
+        }
+        if let Some(v) = bad_body {
+            self.bad_body = v;
+        }
+        if let Some(v) = truncated_body {
+            self.truncated_body = v;
         }
         if let Some(v) = null_variants {
             self.null_variants = v;
@@ -184,6 +207,12 @@ pub struct FaultsPatch {
     pub no_leader: Option<Budget>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub too_many_requests: Option<Budget>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after_s: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bad_body: Option<Budget>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub truncated_body: Option<Budget>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub null_variants: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -109,7 +109,7 @@
 //! | request | body | answer |
 //! |---|---|---|
 //! | `GET /_sim/faults` | | [`Faults`] |
-//! | `PUT /_sim/faults` | [`FaultsPatch`], e.g. `{"latency_ms": 200, "no_leader": 3, "too_many_requests": "always", "null_variants": true, "known_leader": false, "single_health_index": true}` | [`Faults`] after the change |
+//! | `PUT /_sim/faults` | [`FaultsPatch`], e.g. `{"latency_ms": 200, "no_leader": 3, "too_many_requests": "always", "retry_after_s": 2, "bad_body": 1, "truncated_body": 1, "null_variants": true, "known_leader": false, "single_health_index": true}` | [`Faults`] after the change |
 //! | `DELETE /_sim/faults` | | [`Faults`] back to the start-up defaults |
 //! | `POST /_sim/drop-blocking` | | `{"dropped": n}`: every blocking query in flight is closed without a response |
 //! | `PUT /_sim/services/<name>/index[?ns=&partition=]` | `{"index": n}` | `{"service", "index"}`, 404 for an unknown service: the service's index becomes `n` (may go backwards), data unchanged |
@@ -120,7 +120,10 @@
 //! | `DELETE /_sim/stats` | | [`Stats`] after resetting counters (connection peaks restart from the open counts, the streams peak from 0) |
 //!
 //! Fault budgets ([`Budget`]) are `0` (off), a count `n` (the next `n` health queries), or
-//! `"always"` (until cleared). `no_leader` and `too_many_requests` apply to the health reads
+//! `"always"` (until cleared). `no_leader`, `too_many_requests` (with `Retry-After: n` when
+//! `retry_after_s` is `n` > 0), `bad_body` (200 with Consul's headers and an HTML page for a
+//! body) and `truncated_body` (200 announcing the whole body's length, half of it sent, the
+//! connection closed; both answer at once, without blocking) apply to the health reads
 //! (`/v1/health/service`, `/v1/health/connect` and `/v1/health/state`) only, checked after parameter validation,
 //! the datacenter and the token, and before blocking (so writes and the catalog keep working
 //! while a test breaks the read path); `latency_ms` applies to every `/v1/` request. The in-process handle [`RunningSim`] offers the same

@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use flate2::Compression;
 use flate2::write::GzEncoder;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Either, Full, Limited};
 use hyper::body::Incoming;
 use hyper::header::{self, HeaderMap, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
@@ -26,6 +26,62 @@ use super::state::{LogGuard, Shared, lock};
 use super::urls::percent_decode;
 
 type Resp = Response<Full<Bytes>>;
+
+/// What goes on the wire: a whole body, or (the `truncated_body` fault) half of one.
+pub(crate) type WireResp = Response<Either<Full<Bytes>, Truncated>>;
+
+/// Marks a response whose body is to be cut off halfway (see [`Truncated`]).
+#[derive(Clone, Copy)]
+struct CutOff;
+
+/// A body that announces its whole length, sends the first half, waits a moment (so hyper
+/// flushes what it has), then fails, which makes hyper abort the connection: the client
+/// sees an answer cut off mid-body.
+pub(crate) struct Truncated {
+    first_half: Option<Bytes>,
+    len: u64,
+    flushed: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Truncated {
+    fn of(whole: Bytes) -> Self {
+        let len = whole.len() as u64;
+        Truncated { first_half: Some(whole.slice(..whole.len() / 2)), len, flushed: None }
+    }
+}
+
+/// The error that ends a [`Truncated`] body.
+#[derive(Debug, thiserror::Error)]
+#[error("body cut off by fault injection")]
+pub(crate) struct CutOffError;
+
+impl hyper::body::Body for Truncated {
+    type Data = Bytes;
+    type Error = CutOffError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, CutOffError>>> {
+        use std::future::Future;
+        if let Some(half) = self.first_half.take() {
+            self.flushed = Some(Box::pin(tokio::time::sleep(Duration::from_millis(50))));
+            return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(half))));
+        }
+        match self.flushed.as_mut() {
+            Some(wait) => {
+                std::task::ready!(wait.as_mut().poll(cx));
+                self.flushed = None;
+                std::task::Poll::Ready(Some(Err(CutOffError)))
+            }
+            None => std::task::Poll::Ready(None),
+        }
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.len)
+    }
+}
 
 /// Label under which `/v1/catalog/services` blockers are counted in the stats.
 pub const CATALOG_SERVICES_LABEL: &str = "_catalog_services";
@@ -54,11 +110,13 @@ fn text(status: StatusCode, body: impl Into<String>) -> Resp {
 struct ApiError {
     status: StatusCode,
     message: String,
+    /// `Retry-After` seconds, on a 429 of the `too_many_requests` fault.
+    retry_after: Option<u64>,
 }
 
 impl ApiError {
     fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into() }
+        ApiError { status, message: message.into(), retry_after: None }
     }
 
     fn bad_request(message: impl Into<String>) -> Self {
@@ -66,7 +124,11 @@ impl ApiError {
     }
 
     fn into_response(self) -> Resp {
-        text(self.status, self.message)
+        let mut resp = text(self.status, self.message);
+        if let Some(secs) = self.retry_after {
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
     }
 }
 
@@ -234,10 +296,10 @@ fn gzip(resp: Resp) -> Resp {
 }
 
 /// Entry point for every request on a connection.
-pub(crate) async fn handle(shared: Arc<Shared>, peer: SocketAddr, req: Request<Incoming>) -> Result<Resp, Dropped> {
+pub(crate) async fn handle(shared: Arc<Shared>, peer: SocketAddr, req: Request<Incoming>) -> Result<WireResp, Dropped> {
     let path = req.uri().path().to_owned();
     if path == "/_sim" || path.starts_with("/_sim/") {
-        return Ok(control::handle(&shared, req).await);
+        return Ok(control::handle(&shared, req).await.map(Either::Left));
     }
     let query = req.uri().query().unwrap_or("").to_owned();
     let params = Params::parse(&query);
@@ -279,7 +341,14 @@ pub(crate) async fn handle(shared: Arc<Shared>, peer: SocketAddr, req: Request<I
         Ok(resp) => {
             let index = resp.headers().get("x-consul-index").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok());
             log.finish(Outcome::Answered, Some(resp.status().as_u16()), index);
-            Ok(if wants_gzip && resp.status().is_success() { gzip(resp) } else { resp })
+            let resp = if wants_gzip && resp.status().is_success() { gzip(resp) } else { resp };
+            if resp.extensions().get::<CutOff>().is_none() {
+                return Ok(resp.map(Either::Left));
+            }
+            // Full<Bytes> is infallible and ready: take its bytes without an executor.
+            let (parts, body) = resp.into_parts();
+            let whole = futures::FutureExt::now_or_never(body.collect()).and_then(Result::ok).map(|c| c.to_bytes());
+            Ok(Response::from_parts(parts, Either::Right(Truncated::of(whole.unwrap_or_default()))))
         }
         Err(Dropped) => {
             log.finish(Outcome::Dropped, None, None);
@@ -434,6 +503,8 @@ async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap, conn
     check_datacenter(shared, p.first("dc"))?;
     let identity = ctx.identity()?;
     inject_read_faults(shared)?;
+    let body_fault = take_body_fault(shared);
+    let opts = without_blocking_if(body_fault.is_some(), opts);
 
     let quirks = shared.quirks();
     let key = ServiceKey::scoped(name, namespace(p, headers), p.first_non_empty("partition"));
@@ -458,15 +529,59 @@ async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap, conn
     }
     let legacy = shared.with_faults(|f| f.null_variants);
     let body = render::health(&entries, legacy);
-    Ok(ctx.read_ok(&body, index, opts.consistency, acl_filtered))
+    Ok(with_body_fault(ctx.read_ok(&body, index, opts.consistency, acl_filtered), body_fault))
 }
 
-/// The `no_leader` and `too_many_requests` faults of health reads: checked after the
+/// What the `bad_body` and `truncated_body` faults do to a successful health read.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum BodyFault {
+    NotJson,
+    CutOff,
+}
+
+/// Takes one use of a body fault for this read, if any is active (checked with the other
+/// read faults; the read then does not block).
+fn take_body_fault(shared: &Shared) -> Option<BodyFault> {
+    shared.with_faults(|f| {
+        if f.truncated_body.take() {
+            Some(BodyFault::CutOff)
+        } else if f.bad_body.take() {
+            Some(BodyFault::NotJson)
+        } else {
+            None
+        }
+    })
+}
+
+/// A read with a body fault answers at once, as a broken proxy or agent does, rather than
+/// after blocking (a blocking query's answer may be minutes away).
+fn without_blocking_if(faulty: bool, opts: ReadOptions) -> ReadOptions {
+    if faulty { ReadOptions { index: 0, ..opts } } else { opts }
+}
+
+fn with_body_fault(mut resp: Resp, fault: Option<BodyFault>) -> Resp {
+    match fault {
+        None => {}
+        Some(BodyFault::NotJson) => {
+            let page = "<html><head><title>502 Bad Gateway</title></head><body>502 Bad Gateway</body></html>";
+            *resp.body_mut() = Full::new(Bytes::from_static(page.as_bytes()));
+            resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html"));
+        }
+        Some(BodyFault::CutOff) => {
+            resp.extensions_mut().insert(CutOff);
+        }
+    }
+    resp
+}
+
+/// The `no_leader` and `too_many_requests` faults of health reads (a 429 with `Retry-After`
+/// when `retry_after_s` is set): checked after the
 /// parameters, datacenter and token, before blocking.
 fn inject_read_faults(shared: &Shared) -> Result<(), ApiError> {
     let injected = shared.with_faults(|f| {
         if f.too_many_requests.take() {
-            Some(ApiError::new(StatusCode::TOO_MANY_REQUESTS, "Too Many Requests"))
+            let retry_after = (f.retry_after_s > 0).then_some(f.retry_after_s);
+            Some(ApiError { retry_after, ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, "Too Many Requests") })
         } else if f.no_leader.take() {
             Some(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "No cluster leader"))
         } else {
@@ -509,6 +624,8 @@ async fn health_state(ctx: &Ctx<'_>, raw_state: &str, headers: &HeaderMap) -> Ha
     let identity = ctx.identity()?;
     inject_read_faults(shared)?;
 
+    let body_fault = take_body_fault(shared);
+    let opts = without_blocking_if(body_fault.is_some(), opts);
     let ns = namespace(p, headers);
     let partition = p.first_non_empty("partition");
     let (index, mut entries) = ctx
@@ -519,7 +636,7 @@ async fn health_state(ctx: &Ctx<'_>, raw_state: &str, headers: &HeaderMap) -> Ha
     entries.retain(|e| e.owner.as_ref().is_none_or(|o| identity.can_read_service(&o.key.name)));
     let legacy = shared.with_faults(|f| f.null_variants);
     let body = render::checks(&entries, legacy);
-    Ok(ctx.read_ok(&body, index, opts.consistency, entries.len() != before))
+    Ok(with_body_fault(ctx.read_ok(&body, index, opts.consistency, entries.len() != before), body_fault))
 }
 
 async fn catalog_services(ctx: &Ctx<'_>, headers: &HeaderMap) -> Handled {

@@ -898,6 +898,58 @@ async fn fault_too_many_requests_keeps_the_connection() {
     assert_eq!(r.json()["total_429"], 0);
 }
 
+#[tokio::test]
+async fn fault_too_many_requests_with_and_without_retry_after() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    put(a, "/_sim/faults", &json!({"too_many_requests": 1, "retry_after_s": 7})).await;
+    let r = get(a, "/v1/health/service/web").await;
+    assert_eq!((r.status, r.header("Retry-After")), (429, Some("7")));
+    put(a, "/_sim/faults", &json!({"too_many_requests": 1, "retry_after_s": 0})).await;
+    let r = get(a, "/v1/health/service/web").await;
+    assert_eq!((r.status, r.header("Retry-After")), (429, None));
+    assert_eq!(sim.faults().retry_after_s, 0);
+}
+
+#[tokio::test]
+async fn fault_bad_body_answers_200_with_headers_and_no_json() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    put(a, "/_sim/faults", &json!({"bad_body": 2})).await;
+    for path in ["/v1/health/service/web", "/v1/health/state/any"] {
+        let r = get(a, path).await;
+        assert_eq!(r.status, 200, "{path}");
+        assert!(r.index() >= 1, "{path}: Consul's headers are there");
+        assert!(serde_json::from_slice::<Value>(&r.body).is_err(), "{path}: {}", r.text());
+        assert!(r.text().contains("502 Bad Gateway"));
+    }
+    assert_eq!(get(a, "/v1/health/service/web").await.json().as_array().map(Vec::len), Some(1));
+}
+
+#[tokio::test]
+async fn fault_truncated_body_sends_half_and_closes() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    for i in 0..20 {
+        register(a, &format!("n{i}"), "web", &format!("web-{i}"), "passing", &[]).await;
+    }
+    let whole = get(a, "/v1/health/service/web").await;
+    put(a, "/_sim/faults", &json!({"truncated_body": 1})).await;
+    let mut c = Conn::open(a).await;
+    c.send("GET", "/v1/health/service/web", &[], None).await;
+    // Everything until the server closes: the head announces the whole body, half comes.
+    let mut got = Vec::new();
+    c.stream.read_to_end(&mut got).await.expect("read until closed");
+    let head_end = got.windows(4).position(|w| w == b"\r\n\r\n").expect("the head arrived");
+    let head = String::from_utf8_lossy(&got[..head_end]).to_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains(&format!("content-length: {}", whole.body.len())), "{head}");
+    assert_eq!(got.len() - head_end - 4, whole.body.len() / 2, "half the body, then the connection closed");
+    // The next request is whole again.
+    assert_eq!(get(a, "/v1/health/service/web").await.body, whole.body);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fault_drop_blocking_closes_without_response() {
     let sim = start_default().await;
