@@ -22,7 +22,10 @@
 //!    the new port: spaced (each after a quiet coalescing window: the leading edge) and
 //!    back to back (each inside the window of the previous publication); the operator's
 //!    CPU time (utime + stime, /proc/<pid>/stat) read right before and after each series
-//!    gives its CPU per change;
+//!    gives its CPU per change; then health flips (`BENCH_CHANGES` of them: one instance's
+//!    check critical, then passing again, each timed until the ConfigMap leaves it out or
+//!    lists it again; spaced), which reach services without a blocking query of their own
+//!    through the change feed;
 //! 3. watches the operator opened (the audit log: verb `watch` by its ServiceAccount, read
 //!    after it exits since a 1.20 API server audits a watch when it ends), the simulator's
 //!    blocking queries per service and request counts;
@@ -36,7 +39,7 @@
 //!
 //! Targets (the output names the set that applies, and gives met / MISSED for each):
 //! cold start / bare reflector <= 1.2x, spaced change p50 <= 50 ms and p99 <= 100 ms,
-//! back-to-back p99 <= window + 100 ms, peak RSS <= 100 MiB. `BENCH_PROFILE=scale`
+//! back-to-back p99 <= window + 100 ms, health flip p99 <= window + 250 ms, peak RSS <= 100 MiB. `BENCH_PROFILE=scale`
 //! (`make bench-scale`) changes the defaults to 5,000 services x 15 instances (75,000
 //! endpoints), 10 Mappings per service (50,000), 5 namespaces and `BENCH_MODES=100`, and
 //! the targets to cold start < 10 s, spaced and back-to-back p99 < window + 250 ms, peak
@@ -205,6 +208,8 @@ struct Targets {
     spaced_p50: Option<Limit<Duration>>,
     spaced_p99: Option<Limit<Duration>>,
     back_to_back_p99: Option<Limit<Duration>>,
+    /// A health flip of any service, fed or not, to the ConfigMap.
+    flip_p99: Limit<Duration>,
     /// VmHWM at the end, in KiB.
     peak_rss_kib: Limit<u64>,
 }
@@ -221,6 +226,7 @@ impl Targets {
                 spaced_p50: None,
                 spaced_p99: Some(change),
                 back_to_back_p99: Some(change),
+                flip_p99: Limit::at_most(window + Duration::from_millis(250)),
                 peak_rss_kib: Limit::below(400 * 1024),
             }
         } else {
@@ -231,6 +237,7 @@ impl Targets {
                 spaced_p50: Some(Limit::at_most(Duration::from_millis(50))),
                 spaced_p99: Some(Limit::at_most(Duration::from_millis(100))),
                 back_to_back_p99: Some(Limit::at_most(window + Duration::from_millis(100))),
+                flip_p99: Limit::at_most(window + Duration::from_millis(250)),
                 peak_rss_kib: Limit::at_most(100 * 1024),
             }
         }
@@ -248,6 +255,7 @@ impl Targets {
         duration("spaced change p50", self.spaced_p50, r.spaced.percentile(0.5));
         duration("spaced change p99", self.spaced_p99, r.spaced.percentile(0.99));
         duration("back-to-back change p99", self.back_to_back_p99, r.back_to_back.percentile(0.99));
+        duration("health flip p99", Some(self.flip_p99), r.flips.percentile(0.99));
         if let Some(l) = self.overhead {
             let ratio = median(&r.cold).as_secs_f64() / median(&r.reflector).as_secs_f64();
             out.push(("cold start / bare reflector", l.text(ratio_x), ratio_x(ratio), l.holds(ratio)));
@@ -353,6 +361,16 @@ async fn register(http: &reqwest::Client, base: &str, name: &str, node: &str, po
         "Check": {"CheckID": format!("service:{name}"), "Name": "c", "Status": "passing", "ServiceID": name}});
     let r = http.put(format!("{base}/v1/catalog/register")).json(&body).send().await?;
     ensure!(r.status().is_success(), "register {name} on {node}: {}", r.status());
+    Ok(())
+}
+
+/// A health flip: the check of service `name`'s instance on `node` set to `status`, the
+/// service itself left alone (what an agent writes when a check changes).
+async fn set_check(http: &reqwest::Client, base: &str, name: &str, node: &str, status: &str) -> anyhow::Result<()> {
+    let body = json!({"Node": node, "Address": "127.0.0.1",
+        "Check": {"CheckID": format!("service:{name}"), "Name": "c", "Status": status, "ServiceID": name}});
+    let r = http.put(format!("{base}/v1/catalog/register")).json(&body).send().await?;
+    ensure!(r.status().is_success(), "check of {name} on {node}: {}", r.status());
     Ok(())
 }
 
@@ -504,6 +522,21 @@ impl Ports {
             if let Some(s) = r.services.iter().find(|s| s.name == service) {
                 seen = true;
                 if s.endpoints.len() != instances || !s.endpoints.iter().any(|e| e.node == node && e.port == port) {
+                    return false;
+                }
+            }
+        }
+        seen
+    }
+
+    /// Whether every resolver listing `service` lists (`present`) or leaves out an endpoint
+    /// on `node`.
+    fn node_is(&self, service: &str, node: &str, present: bool) -> bool {
+        let mut seen = false;
+        for r in &self.resolvers {
+            if let Some(s) = r.services.iter().find(|s| s.name == service) {
+                seen = true;
+                if s.endpoints.iter().any(|e| e.node == node) != present {
                     return false;
                 }
             }
@@ -819,6 +852,46 @@ async fn changes(
     Ok(Latencies(out))
 }
 
+/// Health flips, spaced: one instance's check goes critical (the resolvers publish passing
+/// instances only, so it leaves the snapshot), then passing again (it comes back), each
+/// timed until the ConfigMap shows it. Fed services included: at the default budget most
+/// services have no blocking query of their own.
+async fn health_flips(
+    http: &reqwest::Client,
+    base: &str,
+    rx: &mut mpsc::UnboundedReceiver<(Instant, anyhow::Result<Ports>)>,
+    s: &Settings,
+    offset: usize,
+) -> anyhow::Result<Latencies> {
+    let mut out = Vec::with_capacity(2 * s.changes);
+    for i in 0..s.changes {
+        let svc = service_name((i * 7919 + offset) % s.services);
+        let node = node_name((i + offset) % s.instances);
+        for (status, present) in [("critical", false), ("passing", true)] {
+            while rx.try_recv().is_ok() {}
+            let t0 = Instant::now();
+            set_check(http, base, &svc, &node, status).await?;
+            loop {
+                let left = CHANGE_LIMIT.saturating_sub(t0.elapsed());
+                match tokio::time::timeout(left, rx.recv()).await {
+                    Err(_) => {
+                        bail!("flip {i} ({svc} on {node} -> {status}) not in the ConfigMap after {CHANGE_LIMIT:?}")
+                    }
+                    Ok(None) => bail!("the ConfigMap watch ended"),
+                    Ok(Some((_, Err(e)))) => eprintln!("  ConfigMap not decodable (retrying): {e:#}"),
+                    Ok(Some((at, Ok(p)))) if p.node_is(&svc, &node, present) => {
+                        out.push(at.duration_since(t0));
+                        break;
+                    }
+                    Ok(Some(_)) => {}
+                }
+            }
+            tokio::time::sleep(s.window() + Duration::from_millis(50)).await;
+        }
+    }
+    Ok(Latencies(out))
+}
+
 /// One operator process, from spawn to its first complete snapshot.
 struct Instance {
     op: Operator,
@@ -917,6 +990,9 @@ struct Run {
     encoding: String,
     spaced: Latencies,
     back_to_back: Latencies,
+    /// Health flips (critical, then passing again), spaced, and the Consul requests of them.
+    flips: Latencies,
+    flip_requests: u64,
     /// The operator's CPU time over each series of changes, per change.
     cpu_spaced: Duration,
     cpu_back_to_back: Duration,
@@ -1058,6 +1134,10 @@ fn run_operator(
         cpu_ms(cpu_back_to_back)
     );
     let change_requests = sim.stats().requests_total - before_changes;
+    let before_flips = sim.stats().requests_total;
+    let flips = rt.block_on(health_flips(&http, &setup.base_url, &mut rx, s, 29))?;
+    let flip_requests = sim.stats().requests_total - before_flips;
+    println!("  health flips: {}; {} Consul requests for {} flips", flips.summary(), flip_requests, flips.0.len());
     let publish_mean = match (publish_before, rt.block_on(publish_seconds(&op))) {
         (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some(Duration::from_secs_f64((s1 - s0) / (n1 - n0) as f64)),
         _ => None,
@@ -1083,6 +1163,8 @@ fn run_operator(
         encoding,
         spaced,
         back_to_back,
+        flips,
+        flip_requests,
         cpu_spaced,
         cpu_back_to_back,
         audit,
@@ -1274,6 +1356,17 @@ fn main() -> anyhow::Result<()> {
         "Consul change -> ConfigMap, back to back (inside the window)",
         &target(&[targets.back_to_back_p99.map(|l| p("p99", l))]),
         &|r| r.back_to_back.summary(),
+    );
+    row(
+        "Consul health flip -> ConfigMap, spaced (critical and back; fed services included)",
+        &p("p99", targets.flip_p99),
+        &|r| {
+            format!(
+                "{}; {:.1} Consul requests per flip",
+                r.flips.summary(),
+                r.flip_requests as f64 / r.flips.0.len().max(1) as f64
+            )
+        },
     );
     row("Kubernetes watches opened (audit log, verb watch)", "one per key", &|r| match &r.audit {
         Some(a) => format!(
