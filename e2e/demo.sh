@@ -82,7 +82,7 @@ MSG
 # /snapshot, the lease holder writes the ConfigMap, statuses and Events.
 start_replica() { # name port
   DEMO_CONSUL_ADDR="$CONSUL_ADDR" KUBECONFIG="$DIR/cluster/operator.kubeconfig" RUST_LOG="${RUST_LOG:-info,kube=warn}" \
-    "$TARGET/consul-resolver-operator" run --listen "127.0.0.1:$2" --bootstrap-timeout 10s \
+    "$TARGET/consul-resolver-operator" run --listen "127.0.0.1:$2" --bootstrap-timeout 10s --address-env DEMO_CONSUL_ADDR \
     --snapshot-configmap consul-resolver-system/consul-resolver-snapshot \
     --leader-election-lease consul-resolver-system/consul-resolver-operator \
     --leader-election-identity "$1" --leader-election-duration 5s > "$DIR/$1.log" 2>&1 &

@@ -147,6 +147,12 @@ pub(crate) struct RunArgs {
     /// appear in the snapshot. Repeatable.
     #[arg(long = "watch", env = "STATIC_WATCHES", value_delimiter = ',', value_parser = parse_watch)]
     pub watches: Vec<KubeKey>,
+
+    /// Environment variable a resolver's `address` may name as `${VAR}`; repeatable. Any
+    /// other is refused (InvalidSpec): an expanded address is published in the snapshot and
+    /// statuses, and the operator's environment may hold secrets.
+    #[arg(long = "address-env", env = "ADDRESS_ENV", value_delimiter = ',', default_value = "HOST_IP", value_parser = parse_env_name)]
+    pub address_env: Vec<String>,
 }
 
 /// An object by namespace and name (`NAMESPACE/NAME`).
@@ -188,6 +194,13 @@ fn parse_namespaced_name(s: &str) -> Result<NamespacedName, String> {
         }
         _ => Err(format!("{s:?} is not NAMESPACE/NAME")),
     }
+}
+
+fn parse_env_name(s: &str) -> Result<String, String> {
+    let mut chars = s.chars();
+    let valid = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if valid { Ok(s.to_owned()) } else { Err(format!("{s:?} is not an environment variable name")) }
 }
 
 fn parse_lease_duration(s: &str) -> Result<Duration, String> {
@@ -288,6 +301,7 @@ mod tests {
         assert!(r.namespaces.is_empty() && r.watches.is_empty());
         assert_eq!((r.kube_timeout, r.publish_timeout), (Duration::from_secs(10), Duration::from_secs(60)));
         assert_eq!(r.resync_period, Duration::from_secs(300));
+        assert_eq!(r.address_env, ["HOST_IP"]);
     }
 
     #[test]
@@ -315,6 +329,8 @@ mod tests {
         assert_eq!(r.default_resolver, Some(ResolverName { namespace: Some("ops".into()), name: "consul".into() }));
         assert_eq!(r.watches[0], KubeKey::new("", "", "Service").in_namespace("shop").with_labels("app=web"));
         assert_eq!(r.watches[1], KubeKey::new("getambassador.io", "", "Mapping"));
+        let r = run(&["--address-env", "HOST_IP,CONSUL_HOST", "--address-env", "_X1"]).unwrap();
+        assert_eq!(r.address_env, ["HOST_IP", "CONSUL_HOST", "_X1"]);
     }
 
     #[test]
@@ -330,6 +346,7 @@ mod tests {
             (&["--leader-election-duration", "1500ms"][..], "--leader-election-duration"),
             (&["--kube-timeout", "0s"][..], "--kube-timeout"),
             (&["--resync-period", "never"][..], "--resync-period"),
+            (&["--address-env", "HOST-IP"][..], "--address-env"),
         ] {
             let e = run(args).unwrap_err();
             let first = e.render().to_string();

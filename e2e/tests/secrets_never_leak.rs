@@ -5,7 +5,9 @@
 //! Then every output is searched for each token (raw, and base64 as in a Secret's `data`):
 //! the operator's log at debug level for every crate, resolver statuses, Events, metrics,
 //! every snapshot (HTTP, ConfigMap, the hook's file), the hook's arguments and environment,
-//! and every path of the HTTP port. The API server's audit log shows that the operator read
+//! and every path of the HTTP port. A token in the operator's own environment cannot be
+//! drawn into a published address by a resolver's `${VAR}` (only `--address-env` variables
+//! expand). The API server's audit log shows that the operator read
 //! only the Secrets a resolver names, in the resolver's namespace. And TLS to Consul
 //! verifies the server's certificate unless told otherwise: without the CA, a TLS Consul
 //! is refused; with it (from a Secret), it answers.
@@ -121,7 +123,8 @@ fn tokens_never_appear_in_any_output_and_secrets_are_read_only_where_named() {
     cluster.grant_secrets(&ns).unwrap();
     cluster.grant_secrets(&elsewhere).unwrap();
 
-    let (token, rotated, rejected, unnamed, other_key, foreign, admin) = (
+    let (in_env, token, rotated, rejected, unnamed, other_key, foreign, admin) = (
+        random_token("env"),
         random_token("tok"),
         random_token("rot"),
         random_token("rej"),
@@ -172,6 +175,9 @@ fn tokens_never_appear_in_any_output_and_secrets_are_read_only_where_named() {
     }
     // A resolver in the other namespace naming no Secret: that namespace's `acl` is not ours.
     cluster.apply(&resolver_yaml(&elsewhere, "open", &plain, "")).unwrap();
+    // One that would put the operator's own environment into its published address.
+    cluster.apply(&resolver_yaml(&ns, "envleak", "${OPERATOR_SECRET}:8500", "")).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "m-envleak", &svc, Some("envleak"))).unwrap();
 
     let dir = tempfile::Builder::new().prefix("cro-leak-").tempdir().unwrap();
     let hook = recording_hook(dir.path());
@@ -189,7 +195,9 @@ fn tokens_never_appear_in_any_output_and_secrets_are_read_only_where_named() {
         "--bootstrap-timeout",
         "2s",
     ];
-    let mut op = Operator::start_with_env(cluster, &args, &[("RUST_LOG", "debug")]).unwrap();
+    let mut op =
+        Operator::start_with_env(cluster, &args, &[("RUST_LOG", "debug"), ("OPERATOR_SECRET", in_env.as_str())])
+            .unwrap();
     op.wait_ready(T).unwrap();
     eprintln!("{:?}: ready", began.elapsed());
 
@@ -213,6 +221,8 @@ fn tokens_never_appear_in_any_output_and_secrets_are_read_only_where_named() {
     let why = unverified["message"].as_str().unwrap().to_ascii_lowercase();
     assert!(why.contains("certificate") || why.contains("unknownissuer"), "refused for its certificate: {why}");
     condition("tls-verified", "Ready", "True", "Published");
+    let env_refused = condition("envleak", "Ready", "False", "InvalidSpec");
+    assert!(env_refused["message"].as_str().unwrap().contains("--address-env"), "{env_refused}");
     condition("good", "Ready", "True", "Published");
 
     eprintln!("{:?}: every resolver as expected", began.elapsed());
@@ -280,7 +290,15 @@ fn tokens_never_appear_in_any_output_and_secrets_are_read_only_where_named() {
         ("other key's value", other_key.as_str()),
         ("other namespace's token", foreign.as_str()),
     ];
-    let found = leaks(&tokens, &outputs);
+    let mut found = leaks(&tokens, &outputs);
+    // The operator's own environment holds it (and the hook inherits that environment): any
+    // other output must not.
+    let inherited = |name: &str| name.contains("/env.") || name == "the operator's environment";
+    found.extend(
+        leaks(&[("the operator's environment variable", in_env.as_str())], &outputs)
+            .into_iter()
+            .filter(|(_, output)| !inherited(output)),
+    );
     let searched: usize = outputs.iter().map(|(_, t)| t.len()).sum();
     eprintln!(
         "searched {} outputs, {searched} bytes, {} of log, for {} tokens",

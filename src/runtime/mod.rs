@@ -119,7 +119,9 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         ambassador_id: args.ambassador_id.clone(),
         default_resolver: args.default_resolver.clone(),
         endpoints_api: endpoints_api(&client).await,
-        env: std::env::vars().collect(),
+        // Only the variables an address may name: the rest of the environment may hold
+        // secrets, and an expanded address is published.
+        env: std::env::vars().filter(|(name, _)| args.address_env.contains(name)).collect(),
         static_watches: args.watches.clone(),
     };
     tracing::info!(endpoints = ?config.endpoints_api, watches = fixed.len(), %identity, "starting");

@@ -46,7 +46,8 @@ pub const KIND: &str = "ConsulResolver";
 #[serde(rename_all = "camelCase")]
 pub struct ConsulResolverSpec {
     /// Consul HTTP address: `host:port` or `http(s)://host:port`. `${VAR}` is expanded from
-    /// the operator's environment, e.g. `${HOST_IP}:8500` for the node-local agent.
+    /// the operator's environment, for the variables its `--address-env` allows (default
+    /// `HOST_IP`), e.g. `${HOST_IP}:8500` for the node-local agent.
     #[cfg_attr(
         feature = "crd",
         schemars(length(min = 1, max = 512), regex(pattern = r"^([Hh][Tt][Tt][Pp][Ss]?://)?[^\s/?#]+/?$"))

@@ -317,7 +317,9 @@ pub fn expand_env(input: &str, env: &BTreeMap<String, String>) -> Result<String,
         if var.is_empty() || !var.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
             return Err(format!("invalid variable name {var:?} in {input:?}"));
         }
-        let value = env.get(var).ok_or_else(|| format!("environment variable {var} is not set in the operator"))?;
+        let value = env.get(var).ok_or_else(|| {
+            format!("environment variable {var} is not set in the operator, or not one --address-env allows")
+        })?;
         out.push_str(value);
         rest = &after[end + 1..];
     }
