@@ -4,3 +4,4 @@
 pub mod consul;
 pub mod fixtures;
 pub mod harness;
+pub mod watches;

@@ -12,14 +12,11 @@ use consul_resolver_core::keys::{
 };
 use consul_resolver_core::model::{ConsulEvent, Event};
 use consul_resolver_core::model::{Endpoint, Health};
-use consul_resolver_operator::consul::{ConsulSource, Settings};
+use consul_resolver_operator::consul::Settings;
 use consul_sim::{AclConfig, AclToken, Budget, Config, FaultsPatch, HEALTH_STATE_LABEL, RunningSim, Simulator};
+use e2e::watches::{DEADLINE, Watches};
 use serde_json::json;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tokio_util::task::AbortOnDropHandle;
-
-const DEADLINE: Duration = Duration::from_secs(10);
 
 /// Where Consul is: a real agent from the environment, or a fresh simulator.
 struct Env {
@@ -98,53 +95,6 @@ fn unique(prefix: &str) -> String {
 
 fn settings(max_connections: usize) -> Settings {
     Settings { wait: Duration::from_secs(1), max_connections, ..Settings::default() }
-}
-
-/// Running watches and the events they send.
-struct Watches {
-    source: ConsulSource,
-    tx: mpsc::Sender<Event>,
-    rx: mpsc::Receiver<Event>,
-    tasks: Vec<AbortOnDropHandle<()>>,
-}
-
-impl Watches {
-    fn new(settings: Settings) -> Self {
-        let (tx, rx) = mpsc::channel(100_000);
-        Watches { source: ConsulSource::new(settings), tx, rx, tasks: Vec::new() }
-    }
-
-    fn start(&mut self, key: &ConsulKey) {
-        let fut = self.source.watch(key.clone(), self.tx.clone());
-        self.tasks.push(AbortOnDropHandle::new(tokio::spawn(fut)));
-    }
-
-    /// Waits for an event of `key` satisfying `pred`; panics at the deadline.
-    async fn until(&mut self, key: &ConsulKey, what: &str, pred: impl Fn(&ConsulEvent) -> bool) -> ConsulEvent {
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
-                Ok(Some(Event::Consul(k, ev))) if &k == key && pred(&ev) => return ev,
-                Ok(Some(_)) => {}
-                Ok(None) => panic!("event channel closed"),
-                Err(_) => panic!("timed out waiting for {what} of {key}"),
-            }
-        }
-    }
-
-    async fn answer(&mut self, key: &ConsulKey, what: &str, pred: impl Fn(&[Endpoint]) -> bool) -> Vec<Endpoint> {
-        match self.until(key, what, |ev| matches!(ev, ConsulEvent::Answer { endpoints, .. } if pred(endpoints))).await {
-            ConsulEvent::Answer { endpoints, .. } => endpoints,
-            _ => unreachable!(),
-        }
-    }
-
-    async fn failure(&mut self, key: &ConsulKey, what: &str) -> String {
-        match self.until(key, what, |ev| matches!(ev, ConsulEvent::Failed(_))).await {
-            ConsulEvent::Failed(m) => m,
-            _ => unreachable!(),
-        }
-    }
 }
 
 fn ports(eps: &[Endpoint]) -> Vec<u16> {
@@ -441,13 +391,13 @@ on_both_agents! {
         let mut answered = BTreeSet::new();
         let deadline = Instant::now() + Duration::from_secs(30);
         while answered.len() < SERVICES {
-            match tokio::time::timeout_at(deadline, w.rx.recv()).await {
-                Ok(Some(Event::Consul(k, ConsulEvent::Answer { .. }))) => {
+            match w.next(deadline).await {
+                Some(Event::Consul(k, ConsulEvent::Answer { .. })) => {
                     answered.insert(k.service);
                 }
-                Ok(Some(Event::Consul(k, ConsulEvent::Failed(m)))) => panic!("{k}: {m}"),
-                Ok(_) => {}
-                Err(_) => panic!("only {} of {SERVICES} answered", answered.len()),
+                Some(Event::Consul(k, ConsulEvent::Failed(m))) => panic!("{k}: {m}"),
+                Some(_) => {}
+                None => panic!("only {} of {SERVICES} answered", answered.len()),
             }
         }
         // Changes to a dedicated-looking and a fed-looking service, and a new instance, arrive.
@@ -486,7 +436,7 @@ async fn dropping_a_watch_cancels_its_query(config: Config) {
         w.answer(&key, "first", |_| true).await;
         let (_, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking.get("gone").copied().unwrap_or(0) == 1).await;
         assert!(ok, "blocking");
-        w.tasks.clear();
+        w.stop_all();
         if server_cancels {
             let (_, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking.get("gone").copied().unwrap_or(0) == 0).await;
             assert!(ok, "the blocking query is cancelled when the watch is dropped");
@@ -752,13 +702,13 @@ on_both_agents! {
             count += 1;
             let deadline = Instant::now() + DEADLINE;
             let message = loop {
-                match tokio::time::timeout_at(deadline, w.rx.recv()).await {
-                    Ok(Some(Event::Consul(k, ConsulEvent::Answer { endpoints, .. }))) if k == key => {
+                match w.next(deadline).await {
+                    Some(Event::Consul(k, ConsulEvent::Answer { endpoints, .. })) if k == key => {
                         assert_eq!(endpoints.len(), usize::from(count), "only whole answers are answers");
                     }
-                    Ok(Some(Event::Consul(k, ConsulEvent::Failed(m)))) if k == key => break m,
-                    Ok(Some(_)) => {}
-                    other => panic!("no failure for {says:?}: {other:?}"),
+                    Some(Event::Consul(k, ConsulEvent::Failed(m))) if k == key => break m,
+                    Some(_) => {}
+                    None => panic!("no failure for {says:?} within {DEADLINE:?}"),
                 }
             };
             assert!(says.iter().any(|s| message.contains(s)) && message.contains(&env.address), "{message}");

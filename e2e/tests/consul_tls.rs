@@ -10,16 +10,13 @@ use std::time::Duration;
 use consul_resolver_core::keys::{
     ClientIdentity, ConsulKey, ConsulServer, HealthStatuses, QueryOptions, Secret, TlsSettings,
 };
-use consul_resolver_core::model::{ConsulEvent, Endpoint, Event, Health};
-use consul_resolver_operator::consul::{ConsulSource, Settings};
+use consul_resolver_core::model::Health;
+use consul_resolver_operator::consul::Settings;
 use consul_sim::tls::{TestPki, TlsConfig};
 use consul_sim::{Config, HEALTH_STATE_LABEL, RunningSim, Simulator};
+use e2e::watches::{DEADLINE, Watches};
 use serde_json::json;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tokio_util::task::AbortOnDropHandle;
-
-const DEADLINE: Duration = Duration::from_secs(10);
 
 struct Env {
     sim: RunningSim,
@@ -72,52 +69,14 @@ impl Env {
     }
 }
 
-struct Watches {
-    source: ConsulSource,
-    tx: mpsc::Sender<Event>,
-    rx: mpsc::Receiver<Event>,
-    tasks: Vec<AbortOnDropHandle<()>>,
-}
-
-impl Watches {
-    fn new(max_connections: usize) -> Self {
-        let (tx, rx) = mpsc::channel(100_000);
-        // A sweep of ten minutes: a change seen in time was not swept up.
-        let settings = Settings {
-            wait: Duration::from_secs(60),
-            max_connections,
-            sweep: Duration::from_secs(600),
-            ..Settings::default()
-        };
-        Watches { source: ConsulSource::new(settings), tx, rx, tasks: Vec::new() }
-    }
-
-    fn start(&mut self, key: &ConsulKey) {
-        self.tasks.push(AbortOnDropHandle::new(tokio::spawn(self.source.watch(key.clone(), self.tx.clone()))));
-    }
-
-    async fn until(&mut self, key: &ConsulKey, what: &str, pred: impl Fn(&ConsulEvent) -> bool) -> ConsulEvent {
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
-                Ok(Some(Event::Consul(k, ev))) if &k == key && pred(&ev) => return ev,
-                Ok(Some(_)) => {}
-                Ok(None) => panic!("event channel closed"),
-                Err(_) => panic!("timed out waiting for {what} of {}", key.service),
-            }
-        }
-    }
-
-    async fn answer(&mut self, key: &ConsulKey, what: &str, pred: impl Fn(&[Endpoint]) -> bool) {
-        self.until(key, what, |ev| matches!(ev, ConsulEvent::Answer { endpoints, .. } if pred(endpoints))).await;
-    }
-
-    async fn failure(&mut self, key: &ConsulKey, what: &str) -> String {
-        match self.until(key, what, |ev| matches!(ev, ConsulEvent::Failed(_))).await {
-            ConsulEvent::Failed(m) => m,
-            _ => unreachable!(),
-        }
-    }
+/// Watches with a ten-minute sweep: a change seen in time was not swept up.
+fn watches(max_connections: usize) -> Watches {
+    Watches::new(Settings {
+        wait: Duration::from_secs(60),
+        max_connections,
+        sweep: Duration::from_secs(600),
+        ..Settings::default()
+    })
 }
 
 /// Forty services, a budget of ten connections and a server allowing ten streams per
@@ -131,7 +90,7 @@ async fn every_service_blocks_on_its_own_stream() {
     for (i, s) in services.iter().enumerate() {
         env.register(s, 8000 + i as u16, "passing").await;
     }
-    let mut w = Watches::new(10);
+    let mut w = watches(10);
     let keys: Vec<ConsulKey> = services.iter().map(|s| env.key(s)).collect();
     for k in &keys {
         w.start(k);
@@ -165,7 +124,7 @@ async fn an_http1_server_gets_http1() {
         env.register(s, 8100 + i as u16, "passing").await;
     }
     // A budget of 4: one read, the feed's two queries, one dedicated slot.
-    let mut w = Watches::new(4);
+    let mut w = watches(4);
     let keys: Vec<ConsulKey> = services.iter().map(|s| env.key(s)).collect();
     for k in &keys {
         w.start(k);
@@ -191,7 +150,7 @@ async fn verification_failures_name_the_setting() {
     let env = Env::start(|pki| pki.server_tls()).await;
     env.register("verified", 8200, "passing").await;
     let other_ca = TestPki::generate().unwrap().ca_cert_pem;
-    let mut w = Watches::new(10);
+    let mut w = watches(10);
 
     let wrong_ca = env.key_with("verified", TlsSettings { ca_pem: Some(other_ca.into()), ..Default::default() });
     w.start(&wrong_ca);
@@ -223,7 +182,7 @@ async fn verification_failures_name_the_setting() {
 async fn client_certificates_for_mutual_tls() {
     let env = Env::start(|pki| pki.mtls()).await;
     env.register("mutual", 8300, "passing").await;
-    let mut w = Watches::new(10);
+    let mut w = watches(10);
     let without = env.key("mutual");
     w.start(&without);
     let said = w.failure(&without, "the refusal").await;
