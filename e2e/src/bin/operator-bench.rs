@@ -826,21 +826,8 @@ async fn changes(
         while rx.try_recv().is_ok() {}
         let t0 = Instant::now();
         register(http, base, &svc, &node, port).await?;
-        loop {
-            let left = CHANGE_LIMIT.saturating_sub(t0.elapsed());
-            match tokio::time::timeout(left, rx.recv()).await {
-                Err(_) => {
-                    bail!("change {i} ({svc} on {node} -> port {port}) not in the ConfigMap after {CHANGE_LIMIT:?}")
-                }
-                Ok(None) => bail!("the ConfigMap watch ended"),
-                Ok(Some((_, Err(e)))) => eprintln!("  ConfigMap not decodable (retrying): {e:#}"),
-                Ok(Some((at, Ok(p)))) if p.has(&svc, s.instances, &node, port) => {
-                    out.push(at.duration_since(t0));
-                    break;
-                }
-                Ok(Some(_)) => {}
-            }
-        }
+        let what = || format!("change {i} ({svc} on {node} -> port {port})");
+        out.push(until_configmap(rx, t0, what, |p| p.has(&svc, s.instances, &node, port)).await?);
         if spaced {
             tokio::time::sleep(s.window() + Duration::from_millis(50)).await;
         }
@@ -850,6 +837,26 @@ async fn changes(
     }
     println!("  operator VmRSS after n changes: {}", rss.join(", "));
     Ok(Latencies(out))
+}
+
+/// How long after `t0` the ConfigMap first satisfied `shows`; an error after
+/// `CHANGE_LIMIT` naming `what`.
+async fn until_configmap(
+    rx: &mut mpsc::UnboundedReceiver<(Instant, anyhow::Result<Ports>)>,
+    t0: Instant,
+    what: impl Fn() -> String,
+    shows: impl Fn(&Ports) -> bool,
+) -> anyhow::Result<Duration> {
+    loop {
+        let left = CHANGE_LIMIT.saturating_sub(t0.elapsed());
+        match tokio::time::timeout(left, rx.recv()).await {
+            Err(_) => bail!("{} not in the ConfigMap after {CHANGE_LIMIT:?}", what()),
+            Ok(None) => bail!("the ConfigMap watch ended"),
+            Ok(Some((_, Err(e)))) => eprintln!("  ConfigMap not decodable (retrying): {e:#}"),
+            Ok(Some((at, Ok(p)))) if shows(&p) => return Ok(at.duration_since(t0)),
+            Ok(Some(_)) => {}
+        }
+    }
 }
 
 /// Health flips, spaced: one instance's check goes critical (the resolvers publish passing
@@ -871,21 +878,8 @@ async fn health_flips(
             while rx.try_recv().is_ok() {}
             let t0 = Instant::now();
             set_check(http, base, &svc, &node, status).await?;
-            loop {
-                let left = CHANGE_LIMIT.saturating_sub(t0.elapsed());
-                match tokio::time::timeout(left, rx.recv()).await {
-                    Err(_) => {
-                        bail!("flip {i} ({svc} on {node} -> {status}) not in the ConfigMap after {CHANGE_LIMIT:?}")
-                    }
-                    Ok(None) => bail!("the ConfigMap watch ended"),
-                    Ok(Some((_, Err(e)))) => eprintln!("  ConfigMap not decodable (retrying): {e:#}"),
-                    Ok(Some((at, Ok(p)))) if p.node_is(&svc, &node, present) => {
-                        out.push(at.duration_since(t0));
-                        break;
-                    }
-                    Ok(Some(_)) => {}
-                }
-            }
+            let what = || format!("flip {i} ({svc} on {node} -> {status})");
+            out.push(until_configmap(rx, t0, what, |p| p.node_is(&svc, &node, present)).await?);
             tokio::time::sleep(s.window() + Duration::from_millis(50)).await;
         }
     }
