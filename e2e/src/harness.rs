@@ -420,6 +420,21 @@ impl Operator {
         text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
     }
 
+    /// The sum of every sample of `/metrics` metric `name`, whatever its labels
+    /// (`consul_resolver_consul_requests_total`: every Consul request, of any kind and outcome).
+    pub fn metric_sum(&self, name: &str) -> Option<f64> {
+        let text = self.get("/metrics")?.1;
+        let samples = text.lines().filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let value = match rest.strip_prefix('{') {
+                Some(labelled) => labelled.split_once("} ")?.1,
+                None => rest.strip_prefix(' ')?,
+            };
+            value.trim().parse::<f64>().ok()
+        });
+        Some(samples.sum())
+    }
+
     pub fn logs(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }

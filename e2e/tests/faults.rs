@@ -722,3 +722,142 @@ fn consul_faults_keep_the_last_endpoints_are_paced_and_end_on_the_final_state() 
     reachable("True", "");
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
 }
+
+/// Consul's `X-Consul-Index` for service `svc` (a non-blocking read through the HTTP API).
+fn consul_index(base_url: &str, svc: &str) -> u64 {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let url = format!("{base_url}/v1/health/service/{svc}");
+        let resp = http_client().get(&url).timeout(Duration::from_secs(5)).send().await.unwrap();
+        assert!(resp.status().is_success(), "{url}: {}", resp.status());
+        let index = resp.headers().get("X-Consul-Index").and_then(|v| v.to_str().ok()?.parse().ok());
+        index.unwrap_or_else(|| panic!("{url}: no X-Consul-Index"))
+    })
+}
+
+/// The Consul source's backoff cap (src/sources/consul/timing.rs): the longest a watch waits
+/// between two attempts.
+const BACKOFF_CAP: Duration = Duration::from_secs(60);
+
+/// Consul gone for a minute (the agent stopped: every connection closed, then refused), then
+/// back on the same address as a fresh cluster: other data, and an index far below the one
+/// the watch last saw. Through the outage the last endpoints stay published, marked stale,
+/// and `ConsulReachable=False` within seconds; the watch retries on its backoff (counted at
+/// `consul_resolver_consul_requests_total`), not in a loop; and once Consul is back, the new
+/// cluster's data is published within the backoff cap plus one round trip, after which the
+/// watch blocks on the new, lower index (a change is published at once, not after a wait
+/// for the old index).
+#[test]
+#[cfg_attr(e2e_real_consul, ignore = "stops and replaces Consul: needs the simulator")]
+fn a_minute_without_consul_then_a_fresh_cluster_keeps_the_last_endpoints_backs_off_and_converges() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    // A cluster that has lived a while: its index is in the thousands.
+    let first = consul_sim::Config { initial_index: 5000, ..consul_sim::Config::default() };
+    let first = consul_sim::Simulator::start_background(first).unwrap();
+    let addr = first.addr();
+    let mut consul = Consul { base_url: first.base_url(), token: None, sim: Some(first) };
+    let ns = cluster.namespace("outage").unwrap();
+    let svc = format!("out{}", unique());
+    consul.register("node-old", "127.0.0.1", &svc, &format!("{svc}-old"), 27500, "passing").unwrap();
+    cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), "")).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "m", &svc, Some("consul"))).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    op.wait_ready(T).unwrap();
+    op.wait_snapshot("the first answer", T, |s| ports(s, &ns, "consul", &svc) == Some(vec![27500])).unwrap();
+    let entry = |s: &Value| e2e::fixtures::service(s, &ns, "consul", &svc).cloned().unwrap_or_default();
+    let reachable = |status: &str, within: Duration| {
+        wait_for(&format!("ConsulReachable={status}"), within, || {
+            cluster.resolver_condition(&ns, "consul", "ConsulReachable").filter(|c| c["status"] == status)
+        })
+        .unwrap_or_else(|e| {
+            panic!("{e}: {:?}\n{}", cluster.resolver_condition(&ns, "consul", "ConsulReachable"), op.logs())
+        })
+    };
+
+    // One round trip while all is well: a change, until it is published.
+    let t0 = Instant::now();
+    consul.register("node-old", "127.0.0.1", &svc, &format!("{svc}-old"), 27501, "passing").unwrap();
+    op.wait_snapshot("a change before the outage", T, |s| ports(s, &ns, "consul", &svc) == Some(vec![27501])).unwrap();
+    let round_trip = t0.elapsed();
+    let old_index = consul_index(&consul.base_url, &svc);
+    assert!(old_index > 5000, "the first cluster's index: {old_index}");
+    let sim = consul.sim.as_ref().unwrap();
+    wait_for("the operator's blocking query", T, || {
+        (sim.stats().blocking.get(svc.as_str()).copied() == Some(1)).then_some(())
+    })
+    .unwrap();
+
+    // The outage: the agent goes, its connections with it (the blocking query in flight
+    // fails at once), and every new connection is refused.
+    let requests = || op.metric_sum("consul_resolver_consul_requests_total").expect("the operator's /metrics");
+    let before = requests();
+    drop(consul.sim.take());
+    let down = Instant::now();
+    reachable("False", Duration::from_secs(10));
+    let noticed = down.elapsed();
+    let snap = op
+        .wait_snapshot("the error, the last endpoints kept", Duration::from_secs(10), |s| {
+            ports(s, &ns, "consul", &svc) == Some(vec![27501]) && entry(s)["error"].is_string()
+        })
+        .unwrap();
+    let since = entry(&snap)["stale"]["since"].clone();
+    assert!(since.is_string(), "kept endpoints are marked stale: {}", entry(&snap));
+    // Throughout the minute: still ready, still the last endpoints, stale since the start.
+    while down.elapsed() < Duration::from_secs(60) {
+        let snap = op.snapshot().expect("the operator serves its snapshot");
+        assert_eq!(ports(&snap, &ns, "consul", &svc), Some(vec![27501]), "{:?} into the outage", down.elapsed());
+        assert_eq!(entry(&snap)["stale"]["since"], since, "{:?} into the outage", down.elapsed());
+        assert_eq!(op.get("/readyz").map(|r| r.0), Some(200), "ready {:?} into the outage", down.elapsed());
+        std::thread::sleep(Duration::from_secs(1)); // the outage's own length, checked each second
+    }
+    // The backoff (250 ms doubling, up to 25% shaved off each step) makes 8 or 9 attempts
+    // in a minute, the one in flight when Consul went included; a loop would make thousands.
+    let attempts = requests() - before;
+    assert!((6.0..=10.0).contains(&attempts), "{attempts} Consul requests in the minute without Consul");
+
+    // Back on the same address, a fresh cluster: its index starts over, and it knows another
+    // instance of the service, not the one published.
+    let second = wait_for("the address to be free again", Duration::from_secs(10), || {
+        let config = consul_sim::Config { listen: addr, ..consul_sim::Config::default() };
+        consul_sim::Simulator::start_background(config).ok()
+    })
+    .unwrap();
+    consul.sim = Some(second);
+    consul.register("node-new", "127.0.0.1", &svc, &format!("{svc}-new"), 27600, "passing").unwrap();
+    let back = Instant::now();
+    let new_index = consul_index(&consul.base_url, &svc);
+    assert!(new_index < old_index, "the new cluster's index {new_index} is below the old {old_index}");
+    op.wait_snapshot("the new cluster's data", BACKOFF_CAP + T, |s| {
+        ports(s, &ns, "consul", &svc) == Some(vec![27600]) && entry(s).get("error").is_none()
+    })
+    .unwrap();
+    let converged = back.elapsed();
+    assert!(
+        entry(&op.snapshot().unwrap()).get("stale").is_none(),
+        "no longer stale: {}",
+        entry(&op.snapshot().unwrap())
+    );
+    // One round trip on a loaded machine: the one measured above, with room.
+    let bound = BACKOFF_CAP + Duration::from_secs(5).max(round_trip * 2);
+    assert!(converged <= bound, "converged {converged:?} after Consul came back (at most {bound:?})");
+    reachable("True", T);
+    eprintln!(
+        "ConsulReachable=False {noticed:?} into the outage; {attempts} Consul requests in the minute; \
+         the new cluster (index {new_index}, was {old_index}) published {converged:?} after it came back \
+         (a round trip before the outage: {round_trip:?})"
+    );
+
+    // The watch blocks on the new cluster's index, not the old one: a change is published at
+    // once (a query blocking on index {old_index} would hang until its wait ran out).
+    let sim = consul.sim.as_ref().unwrap();
+    wait_for("a blocking query on the new cluster", T, || {
+        (sim.stats().blocking.get(svc.as_str()).copied() == Some(1)).then_some(())
+    })
+    .unwrap();
+    let t1 = Instant::now();
+    consul.register("node-new", "127.0.0.1", &svc, &format!("{svc}-new"), 27601, "passing").unwrap();
+    op.wait_snapshot("a change on the new cluster", T, |s| ports(s, &ns, "consul", &svc) == Some(vec![27601])).unwrap();
+    assert!(t1.elapsed() < Duration::from_secs(10), "a change on the new cluster took {:?}", t1.elapsed());
+    assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
+}
