@@ -90,6 +90,9 @@ pub(crate) struct Metrics {
     pub leader: IntGauge,
     pub leader_transitions: IntCounterVec,
     pub heartbeat_timestamp: Gauge,
+    /// Tasks alive in the async runtime, read at each scrape: a task that outlives its
+    /// watch (a leak) shows as steady growth (the soak benchmark follows it).
+    runtime_tasks: IntGauge,
 }
 
 impl Default for Metrics {
@@ -274,6 +277,10 @@ impl Metrics {
                 "heartbeat_timestamp_seconds",
                 "Unix time the event loop last turned (it turns at least every second; /healthz fails when it stops)",
             ),
+            runtime_tasks: int_gauge(
+                "runtime_tasks",
+                "Tasks alive in the operator's async runtime, read at each scrape (steady growth is a leak)",
+            ),
             process: Registry::new(),
             registry,
         };
@@ -323,6 +330,7 @@ impl Metrics {
             Box::new(m.leader.clone()),
             Box::new(m.leader_transitions.clone()),
             Box::new(m.heartbeat_timestamp.clone()),
+            Box::new(m.runtime_tasks.clone()),
         ];
         for c in collectors {
             m.registry.register(c).expect("metric names are unique");
@@ -360,6 +368,11 @@ impl Metrics {
     /// The Prometheus text exposition.
     pub(crate) fn render(&self) -> String {
         self.consul_contact.export(&self.consul_last_success, &self.consul_last_failure);
+        // Scrapes are served on the runtime; outside one (a unit test) the gauge stays as is.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let alive = runtime.metrics().num_alive_tasks();
+            self.runtime_tasks.set(i64::try_from(alive).unwrap_or(i64::MAX));
+        }
         let mut families = self.registry.gather();
         families.extend(self.process.gather());
         let mut buf = Vec::new();
@@ -471,6 +484,30 @@ mod tests {
         assert!(text.contains("consul_resolver_build_info{revision="), "{text}");
         #[cfg(target_os = "linux")]
         assert!(text.contains("\nprocess_resident_memory_bytes "), "{text}");
+    }
+
+    #[tokio::test]
+    async fn runtime_tasks_count_the_tasks_alive_at_the_scrape() {
+        let m = Metrics::new();
+        let tasks = |text: &str| -> i64 {
+            let line = text.lines().find(|l| l.starts_with("consul_resolver_runtime_tasks ")).expect("the gauge");
+            line.rsplit(' ').next().and_then(|v| v.parse().ok()).expect("a number")
+        };
+        let before = tasks(&m.render());
+        // Three tasks parked until the sender goes.
+        let (stop, stopped) = tokio::sync::watch::channel(());
+        let parked: Vec<_> = (0..3)
+            .map(|_| {
+                let mut stopped = stopped.clone();
+                tokio::spawn(async move { while stopped.changed().await.is_ok() {} })
+            })
+            .collect();
+        assert_eq!(tasks(&m.render()), before + 3);
+        drop(stop);
+        for task in parked {
+            task.await.unwrap();
+        }
+        assert_eq!(tasks(&m.render()), before);
     }
 
     fn key(token: &str, service: &str) -> ConsulKey {
