@@ -1,7 +1,7 @@
 # consul-resolver-operator. `make test` is what CI runs (.ci/run).
 CARGO ?= cargo
 
-.PHONY: build release test check e2e unit cluster-selftest e2e-deps image image-deps crds fmt lint demo bench-operator bench-scale bench-cost
+.PHONY: build release test check e2e unit cluster-selftest e2e-deps image image-deps crds fmt lint demo bench-operator bench-scale bench-soak bench-cost
 
 build:
 	$(CARGO) build --workspace --all-targets
@@ -43,6 +43,12 @@ bench-operator:
 # 50,000 Mappings, 5,000 Consul services x 15 instances, held to the scale targets.
 bench-scale:
 	BENCH_PROFILE=scale $(CARGO) run --release -p e2e --bin operator-bench
+
+# Soak: 10 minutes of steady changes (port changes, health flips, Mapping churn) at the
+# default size; memory, sockets and tasks after warm-up, every change in the final snapshot.
+bench-soak:
+	BENCH_SOAK_SECS=$${BENCH_SOAK_SECS:-600} BENCH_MODES=$${BENCH_MODES:-100} \
+		$(CARGO) run --release -p e2e --bin operator-bench
 
 # Cost table: 2,500 / 10,000 / 50,000 Mappings with 1 / 1 / 15 instances per service.
 bench-cost:

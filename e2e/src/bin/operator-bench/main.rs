@@ -52,6 +52,13 @@
 //! reflector), in the first of `BENCH_MODES`, then prints a markdown table: Mappings,
 //! services, endpoints, snapshot bytes, cold start, spaced p50 / p99, operator CPU per
 //! spaced and per back-to-back change, peak RSS. It is held to no target.
+//!
+//! Soak: `BENCH_SOAK_SECS=600` (`make bench-soak`) runs one operator under a steady stream
+//! of port changes, health flips and Mapping churn instead, samples its memory, sockets,
+//! threads and runtime tasks, and checks that the final snapshot holds every change: see
+//! `soak.rs`.
+
+mod soak;
 
 use std::collections::{BTreeMap, HashSet};
 use std::io::{Read, Seek, SeekFrom};
@@ -1259,6 +1266,11 @@ fn main() -> anyhow::Result<()> {
     println!("operator binary: {}", bin.display());
     let cluster = Cluster::shared();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    if let Some(soak) = soak::Soak::from_env()? {
+        soak::run(&rt, cluster, &s, &soak, &load_start)?;
+        println!("wall time: {}", secs(wall.elapsed()));
+        return Ok(());
+    }
     if !s.sizes.is_empty() {
         cost_table(&rt, cluster, &s, &load_start)?;
         println!("wall time: {}", secs(wall.elapsed()));
