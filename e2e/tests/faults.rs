@@ -339,7 +339,12 @@ impl Polling {
                         let known = states.lock().unwrap().contains(&ports);
                         assert!(known, "snapshot {id} ({hash}) holds a state Consul never had: {} ports", ports.len());
                     }
-                    Read::Raced(_) => raced += 1,
+                    Read::Raced(why) => {
+                        raced += 1;
+                        if raced == 1 {
+                            eprintln!("a read raced two publications and is told: {why}");
+                        }
+                    }
                     Read::Absent => {}
                 }
             }
@@ -356,11 +361,12 @@ impl Polling {
 }
 
 /// SIGTERM and SIGKILL while a snapshot split over ConfigMaps is being written. A reader
-/// polling the ConfigMaps all along never assembles a mix of two snapshots (parts first,
-/// index last, each part checked by its sha256). SIGTERM lets the write finish: the
-/// ConfigMaps hold the whole new snapshot when the process is gone. SIGKILL leaves parts of
-/// the new one under the old index (a reader gets "read again"), and the next process
-/// writes the current state whole.
+/// polling the ConfigMaps all along never assembles a mix of two snapshots (parts first, to
+/// the slot the index does not name, index last, each part checked by its sha256). SIGTERM
+/// lets the write finish: the ConfigMaps hold the whole new snapshot when the process is
+/// gone. SIGKILL between the new parts and the index leaves the old index naming the old
+/// parts, untouched: a reader gets the old snapshot whole. The next process writes the
+/// current state whole.
 #[test]
 #[cfg_attr(e2e_external_cluster, ignore = "freezes the API server: needs the suite's own control plane")]
 fn sigterm_and_sigkill_during_a_split_publication_never_leave_a_mix() {
@@ -440,12 +446,24 @@ fn sigterm_and_sigkill_during_a_split_publication_never_leave_a_mix() {
     }
 
     // SIGKILL as soon as the API server has written a part of the next snapshot, before its
-    // index: the audit log (written before each response, blocking mode) says when.
+    // index: the audit log (written before each response, blocking mode) says when. First
+    // the new process writes what it starts with to the slot the index does not name; its
+    // next snapshot then goes back to the first slot.
+    let first_part = |main: &Value| -> String {
+        let index: Value = serde_json::from_str(main["data"]["index.json"].as_str().expect("an index")).unwrap();
+        index["parts"][0]["name"].as_str().expect("a part").to_owned()
+    };
+    let before = first_part(&reader.get(&cm).unwrap());
     let mut op = Operator::start(cluster, &args).unwrap();
     op.wait_ready(T).unwrap();
+    wait_for("the new process's first snapshot in the other slot", T, || {
+        let main = reader.get(&cm)?;
+        (first_part(&main) != before).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
     in_configmap(&state_b).unwrap();
     let user = cluster.operator_username().unwrap();
-    let part1 = format!("{cm}-1");
+    let part1 = before.clone();
     let mut audit = AuditTail::from_end(&cluster.audit_log().unwrap());
     // Instance 0 to the front of the list: the first part's bytes change.
     let state_c = move_first(19_000);
@@ -466,10 +484,14 @@ fn sigterm_and_sigkill_during_a_split_publication_never_leave_a_mix() {
     }
     let status = op.kill().unwrap();
     assert!(!status.success(), "killed: {status}");
-    // The first part is the new snapshot's, the index still the old one's: a reader is told
-    // to read again, never handed a mix.
+    // A part of the new snapshot is written, the index still names the old one's parts,
+    // untouched: a reader gets the old snapshot whole.
     match reader.read(&cm, &svc, &ns) {
-        Read::Raced(why) => eprintln!("right after SIGKILL, a reader is told: {why}"),
+        Read::Whole { ports, id, .. } => {
+            assert!(ports == state_b, "right after SIGKILL the index names snapshot {id}, not the last whole one");
+            assert_ne!(first_part(&reader.get(&cm).unwrap()), part1, "the index was not switched");
+            eprintln!("right after SIGKILL between a part and its index, a reader reads snapshot {id} whole");
+        }
         other => panic!("right after SIGKILL between a part and its index: {other:?}"),
     }
     // The next process writes the current state whole.

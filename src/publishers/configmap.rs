@@ -5,13 +5,19 @@
 //!
 //! - `data["snapshot.json"]` when the JSON fits the budget;
 //! - else `binaryData["snapshot.json.gz"]` when the gzip of it fits;
-//! - else the gzip bytes split over `NAME-1`..`NAME-n` (`binaryData["part"]`), and `NAME`
-//!   holds `data["index.json"]`: the parts, their sha256, and the sha256 of the whole.
+//! - else the gzip bytes split over parts `NAME-a-1`..`NAME-a-n` or `NAME-b-1`..`NAME-b-n`
+//!   (`binaryData["part"]`), and `NAME` holds `data["index.json"]`: the parts, their
+//!   sha256, and the sha256 of the whole.
 //!
-//! Parts are written before the index, so an index never names a part that does not exist
-//! yet; parts left over from an earlier, larger snapshot are deleted after the index. A
-//! reader that races a write sees a part whose sha256 does not match the index it read and
-//! reads again ([`decode`] checks).
+//! The switch to a new split snapshot is atomic: its parts go to the slot (`a` or `b`) the
+//! index does not name, and only then is the index written, naming them. Until then the
+//! index names the previous snapshot's parts, which stay untouched: a reader gets the old
+//! snapshot whole or the new one whole, and a writer stopped at any point (even SIGKILL)
+//! leaves the old one readable. Only a read spanning two publications can find its parts
+//! rewritten; it sees a part whose sha256 does not match the index it read and reads again
+//! ([`decode`] checks). After the index, parts beyond the new snapshot's in its own slot
+//! are deleted; the other slot's are kept for readers still reading them, and deleted when a
+//! snapshot fits in `NAME` alone.
 //!
 //! Writes happen only while this replica leads, each bounded by the leadership deadline,
 //! and each is conditional on the resourceVersion this replica last wrote or read: a write
@@ -83,21 +89,62 @@ pub struct PartRef {
     pub size: usize,
 }
 
+/// The two sets of part names a split snapshot alternates between, so that writing one
+/// never touches the parts the index names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Slot {
+    A,
+    B,
+}
+
+impl Slot {
+    fn letter(self) -> &'static str {
+        match self {
+            Slot::A => "a",
+            Slot::B => "b",
+        }
+    }
+
+    pub(crate) fn other(self) -> Slot {
+        match self {
+            Slot::A => Slot::B,
+            Slot::B => Slot::A,
+        }
+    }
+
+    /// The slot of `part` when it is a part name of `name` (`NAME-a-3`); `None` for any
+    /// other name, such as an earlier version's `NAME-3`.
+    fn of_part(name: &str, part: &str) -> Option<Slot> {
+        let rest = part.strip_prefix(name)?.strip_prefix('-')?;
+        let (letter, number) = rest.split_once('-')?;
+        number.parse::<usize>().ok()?;
+        [Slot::A, Slot::B].into_iter().find(|s| s.letter() == letter)
+    }
+}
+
 /// The ConfigMaps of one snapshot, in the order they must be written.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Encoded {
-    /// `NAME-1`..`NAME-n`; empty unless split.
+    /// `NAME-<slot>-1`..`NAME-<slot>-n`; empty unless split.
     pub parts: Vec<ConfigMap>,
     /// `NAME`: the snapshot itself, or the index of the parts.
     pub main: ConfigMap,
+    /// The slot of the parts; `None` unless split.
+    pub slot: Option<Slot>,
 }
 
 fn sha256(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
-/// The name of part `i` (1-based) of `name`.
-pub(crate) fn part_name(name: &str, i: usize) -> String {
+/// The name of part `i` (1-based) of `name` in `slot`.
+pub(crate) fn part_name(name: &str, slot: Slot, i: usize) -> String {
+    format!("{name}-{}-{i}", slot.letter())
+}
+
+/// Part `i` as versions before the slots named it (`NAME-i`): deleted once, after the
+/// first write of a process or a new leader.
+fn legacy_part_name(name: &str, i: usize) -> String {
     format!("{name}-{i}")
 }
 
@@ -119,8 +166,13 @@ fn meta(target: &NamespacedName, name: String, id: u64, hash: &str, part_of: boo
 }
 
 /// Chooses the encoding of `snapshot` for `target`, with at most `budget` bytes of data
-/// per ConfigMap.
-pub(crate) fn encode(target: &NamespacedName, snapshot: &Snapshot, budget: usize) -> Result<Encoded, String> {
+/// per ConfigMap; split, its parts are named in `slot`.
+pub(crate) fn encode(
+    target: &NamespacedName,
+    snapshot: &Snapshot,
+    budget: usize,
+    slot: Slot,
+) -> Result<Encoded, String> {
     let (id, hash, json) = (snapshot.id, snapshot.hash.as_str(), &snapshot.to_json()[..]);
     let budget = budget.max(1);
     let main_meta = || meta(target, target.name.clone(), id, hash, false);
@@ -131,7 +183,7 @@ pub(crate) fn encode(target: &NamespacedName, snapshot: &Snapshot, budget: usize
             data: Some(BTreeMap::from([(KEY_JSON.to_owned(), text.to_owned())])),
             ..ConfigMap::default()
         };
-        return Ok(Encoded { parts: Vec::new(), main });
+        return Ok(Encoded { parts: Vec::new(), main, slot: None });
     }
     let gz = snapshot.gzipped(gzip);
     if gz.len() <= budget {
@@ -140,12 +192,12 @@ pub(crate) fn encode(target: &NamespacedName, snapshot: &Snapshot, budget: usize
             binary_data: Some(BTreeMap::from([(KEY_GZIP.to_owned(), ByteString(gz.to_vec()))])),
             ..ConfigMap::default()
         };
-        return Ok(Encoded { parts: Vec::new(), main });
+        return Ok(Encoded { parts: Vec::new(), main, slot: None });
     }
     let mut parts = Vec::new();
     let mut refs = Vec::new();
     for (i, chunk) in gz.chunks(budget).enumerate() {
-        let name = part_name(&target.name, i + 1);
+        let name = part_name(&target.name, slot, i + 1);
         refs.push(PartRef { name: name.clone(), sha256: sha256(chunk), size: chunk.len() });
         parts.push(ConfigMap {
             metadata: meta(target, name, id, hash, true),
@@ -167,7 +219,7 @@ pub(crate) fn encode(target: &NamespacedName, snapshot: &Snapshot, budget: usize
         data: Some(BTreeMap::from([(KEY_INDEX.to_owned(), index)])),
         ..ConfigMap::default()
     };
-    Ok(Encoded { parts, main })
+    Ok(Encoded { parts, main, slot: Some(slot) })
 }
 
 /// The index of a split snapshot, if `main` is one.
@@ -259,6 +311,10 @@ struct State {
     written: Option<(String, Arc<Encoded>)>,
     /// The resourceVersion of each of our ConfigMaps as we last wrote or read it.
     versions: BTreeMap<String, String>,
+    /// The slot the cluster's index names (`Some(None)`: no split snapshot there), as of
+    /// our last complete write; `None` when unknown (at start, after taking over or a
+    /// failed write), so the next write reads it first.
+    live: Option<Option<Slot>>,
 }
 
 impl ConfigMapPublisher {
@@ -382,12 +438,29 @@ async fn apply(
     Err(PublishError::Conflict(name))
 }
 
-/// Deletes `NAME-(from)`, `NAME-(from+1)`, ... while they exist and are our parts. Parts
-/// are always written as `1..n`, so the first gap ends the stale ones.
-async fn delete_stale_parts(api: &Api<ConfigMap>, target: &NamespacedName, from: usize) -> Result<usize, PublishError> {
+/// The slot the index in the cluster names now: `None` when `NAME` is absent, not split, or
+/// split by an earlier version (unslotted part names).
+async fn live_slot(api: &Api<ConfigMap>, target: &NamespacedName) -> Result<Option<Slot>, PublishError> {
+    let main = api.get_opt(&target.name).await.map_err(PublishError::kube(format!("get ConfigMap {target}")))?;
+    let index = main.as_ref().and_then(|m| index_of(m).ok().flatten());
+    Ok(index.and_then(|i| i.parts.first().and_then(|p| Slot::of_part(&target.name, &p.name))))
+}
+
+/// Deletes parts `from`, `from+1`, ... of `slot` (`None`: the unslotted names of earlier
+/// versions) while they exist and are ours. Parts are always written as `1..n`, so the
+/// first gap ends the stale ones.
+async fn delete_stale_parts(
+    api: &Api<ConfigMap>,
+    target: &NamespacedName,
+    slot: Option<Slot>,
+    from: usize,
+) -> Result<usize, PublishError> {
     let mut deleted = 0;
     for i in from.. {
-        let name = part_name(&target.name, i);
+        let name = match slot {
+            Some(slot) => part_name(&target.name, slot, i),
+            None => legacy_part_name(&target.name, i),
+        };
         let existing = match api.get_opt(&name).await {
             Ok(Some(cm)) => cm,
             Ok(None) => break,
@@ -418,36 +491,61 @@ impl Publisher for ConfigMapPublisher {
         st.epoch += 1;
         st.written = None;
         st.versions.clear();
+        st.live = None;
     }
 
     fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), PublishError>> {
-        let (epoch, mut versions) = {
+        let (epoch, mut versions, live) = {
             let st = self.state.lock().expect("configmap state lock");
             if st.written.as_ref().is_some_and(|(hash, _)| *hash == snapshot.hash) {
                 return futures::future::ready(Ok(())).boxed();
             }
-            (st.epoch, st.versions.clone())
+            (st.epoch, st.versions.clone(), st.live)
         };
         let (api, target, budget, leadership, state) =
             (self.api.clone(), self.target.clone(), self.budget, self.leadership.clone(), self.state.clone());
         async move {
             let until = leadership.until().ok_or(PublishError::NotLeading("the snapshot ConfigMap"))?;
             let json = snapshot.to_json();
-            let encoded = Arc::new(encode(&target, &snapshot, budget).map_err(PublishError::Encode)?);
-            let deleted = tokio::time::timeout_at(until, async {
+            let written = tokio::time::timeout_at(until, async {
+                // Never the slot the index names: its parts are what readers are reading.
+                let known = match live {
+                    Some(live) => live,
+                    None => live_slot(&api, &target).await?,
+                };
+                let slot = known.map_or(Slot::A, Slot::other);
+                let encoded = Arc::new(encode(&target, &snapshot, budget, slot).map_err(PublishError::Encode)?);
                 for part in &encoded.parts {
                     apply(&api, part, &mut versions).await?;
                 }
                 apply(&api, &encoded.main, &mut versions).await?;
-                delete_stale_parts(&api, &target, encoded.parts.len() + 1).await
+                // Switched. Parts beyond the new snapshot's in its slot name nothing; nor do
+                // the parts of either slot once a snapshot fits in NAME alone (looked for when
+                // the last one was split, or is unknown); nor, once, an earlier version's.
+                let n = encoded.parts.len();
+                let mut deleted = 0;
+                if n > 0 {
+                    deleted += delete_stale_parts(&api, &target, Some(slot), n + 1).await?;
+                } else if known.is_some() || live.is_none() {
+                    for slot in [Slot::A, Slot::B] {
+                        deleted += delete_stale_parts(&api, &target, Some(slot), 1).await?;
+                    }
+                }
+                if live.is_none() {
+                    deleted += delete_stale_parts(&api, &target, None, 1).await?;
+                }
+                Ok::<_, PublishError>((encoded, deleted))
             })
             .await
-            .map_err(|_| PublishError::LeadershipLapsed("the snapshot ConfigMap"))?;
+            .map_err(|_| PublishError::LeadershipLapsed("the snapshot ConfigMap"))
+            .and_then(|r| r);
             let mut st = state.lock().expect("configmap state lock");
             if st.epoch == epoch {
                 st.versions = versions;
+                // After a failure the index may or may not have switched: read it next time.
+                st.live = written.as_ref().ok().map(|(encoded, _)| encoded.slot);
             }
-            let deleted = deleted?;
+            let (encoded, deleted) = written?;
             tracing::debug!(
                 configmap = %target,
                 id = snapshot.id,
@@ -541,7 +639,7 @@ mod tests {
 
     fn roundtrip(s: &Snapshot) -> Encoded {
         let json = s.to_json();
-        let e = encode(&target(), s, DATA_BUDGET).unwrap();
+        let e = encode(&target(), s, DATA_BUDGET, Slot::A).unwrap();
         assert_eq!(decode(&e.main, &e.parts).unwrap(), json, "decode(encode(x)) == x");
         assert_eq!(Snapshot::parse(&decode(&e.main, &e.parts).unwrap()).unwrap(), *s);
         assert_eq!(e.main.metadata.name.as_deref(), Some("snap"));
@@ -581,28 +679,32 @@ mod tests {
         let e = roundtrip(&s);
         assert!(e.parts.len() >= 2, "{} parts", e.parts.len());
         for (i, part) in e.parts.iter().enumerate() {
-            assert_eq!(part.metadata.name, Some(format!("snap-{}", i + 1)));
+            assert_eq!(part.metadata.name, Some(format!("snap-a-{}", i + 1)));
             assert_eq!(part.metadata.labels.as_ref().unwrap()[LABEL_PART_OF], "snap");
         }
         let index = index_of(&e.main).unwrap().unwrap();
         assert_eq!(index.snapshot_id, 42);
         assert_eq!(index.snapshot_hash, s.hash);
         let names: Vec<_> = index.parts.iter().map(|p| p.name.clone()).collect();
-        assert_eq!(names, (1..=e.parts.len()).map(|i| format!("snap-{i}")).collect::<Vec<_>>());
+        assert_eq!(names, (1..=e.parts.len()).map(|i| format!("snap-a-{i}")).collect::<Vec<_>>());
+        assert_eq!(e.slot, Some(Slot::A));
+        let b = encode(&target(), &s, DATA_BUDGET, Slot::B).unwrap();
+        assert_eq!(b.parts[0].metadata.name.as_deref(), Some("snap-b-1"), "the other slot's names");
+        assert_eq!(decode(&b.main, &b.parts).unwrap(), json);
     }
 
     #[test]
     fn a_part_from_another_write_or_a_missing_part_is_an_error_not_garbage() {
         let s = snapshot(8_000, 200);
-        let e = encode(&target(), &s, DATA_BUDGET).unwrap();
+        let e = encode(&target(), &s, DATA_BUDGET, Slot::A).unwrap();
         let err = decode(&e.main, &e.parts[..1]).unwrap_err();
-        assert!(err.contains("snap-2 is missing"), "{err}");
+        assert!(err.contains("snap-a-2 is missing"), "{err}");
 
         let other = snapshot(8_001, 200);
-        let o = encode(&target(), &other, DATA_BUDGET).unwrap();
+        let o = encode(&target(), &other, DATA_BUDGET, Slot::A).unwrap();
         let mixed = vec![e.parts[0].clone(), o.parts[1].clone()];
         let err = decode(&e.main, &mixed).unwrap_err();
-        assert!(err.contains("snap-2 does not match the index"), "{err}");
+        assert!(err.contains("snap-a-2 does not match the index"), "{err}");
     }
 
     #[test]
@@ -640,24 +742,29 @@ mod tests {
     #[tokio::test]
     async fn parts_are_applied_before_the_index_then_stale_parts_go_and_equal_content_is_skipped() {
         let s = Arc::new(snapshot(40, 64));
-        let n = encode(&target(), &s, 1000).unwrap().parts.len();
+        let n = encode(&target(), &s, 1000, Slot::A).unwrap().parts.len();
         assert!(n >= 2, "the budget below splits this snapshot ({n} parts)");
-        // Two stale parts of ours from a larger snapshot, then a gap, then someone else's.
+        // Two stale parts of ours from a larger snapshot, then a gap, then someone else's;
+        // and an earlier version's unslotted part.
         let existing = BTreeMap::from([
-            (part_name("snap", n + 1), true),
-            (part_name("snap", n + 2), true),
-            (part_name("snap", n + 4), false),
+            (part_name("snap", Slot::A, n + 1), true),
+            (part_name("snap", Slot::A, n + 2), true),
+            (part_name("snap", Slot::A, n + 4), false),
+            (legacy_part_name("snap", 1), true),
         ]);
         let api = fake_api(existing).await;
         let publisher = ConfigMapPublisher::with_budget(api.client.clone(), target(), Leadership::always(), 1000);
 
         publisher.publish(s.clone()).await.unwrap();
-        let mut expected: Vec<String> = (1..=n).map(|i| format!("PATCH snap-{i}")).collect();
+        // The index is read first (none: slot a), the parts written, then the index.
+        let mut expected = vec!["GET snap".to_owned()];
+        expected.extend((1..=n).map(|i| format!("PATCH snap-a-{i}")));
         expected.push("PATCH snap".into());
         for i in [n + 1, n + 2] {
-            expected.extend([format!("GET snap-{i}"), format!("DELETE snap-{i}")]);
+            expected.extend([format!("GET snap-a-{i}"), format!("DELETE snap-a-{i}")]);
         }
-        expected.push(format!("GET snap-{}", n + 3));
+        expected.push(format!("GET snap-a-{}", n + 3));
+        expected.extend(["GET snap-1".into(), "DELETE snap-1".into(), "GET snap-2".into()]);
         assert_eq!(api.take(), expected);
 
         let same_content = Arc::new(s.content.clone().into_snapshot(s.id + 1));
@@ -670,14 +777,14 @@ mod tests {
         let api = fake_api(BTreeMap::from([("snap-1".into(), false)])).await;
         let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
-        assert_eq!(api.take(), ["PATCH snap", "GET snap-1"]);
+        assert_eq!(api.take(), ["GET snap", "PATCH snap", "GET snap-a-1", "GET snap-b-1", "GET snap-1"]);
     }
 
     #[test]
     fn a_tiny_budget_splits_into_many_parts_in_order() {
         let s = snapshot(50, 64);
         let json = s.to_json();
-        let e = encode(&target(), &s, 1000).unwrap();
+        let e = encode(&target(), &s, 1000, Slot::A).unwrap();
         assert!(e.parts.len() > 2);
         assert_eq!(decode(&e.main, &e.parts).unwrap(), json);
         let mut reversed = e.parts.clone();
@@ -767,9 +874,69 @@ mod tests {
             serde_json::json!("other");
         api.take();
         publisher.publish(Arc::new(snapshot(3, 8))).await.unwrap();
-        assert_eq!(api.take(), ["PATCH snap", "GET snap", "PATCH snap", "GET snap-1"]);
+        assert_eq!(api.take(), ["PATCH snap", "GET snap", "PATCH snap"], "not split before or now: no parts");
         let back = stored.lock().unwrap().objects["snap"].clone();
         assert_eq!(back["data"][KEY_JSON].as_str().unwrap().as_bytes(), snapshot(3, 8).to_json());
+    }
+
+    /// The objects `stored` holds, decoded as a reader would from `main` (an index read
+    /// earlier, say).
+    fn read_with(stored: &Stored, main: &serde_json::Value) -> Result<Vec<u8>, String> {
+        let main: ConfigMap = serde_json::from_value(main.clone()).unwrap();
+        let parts: Vec<ConfigMap> =
+            stored.objects.values().map(|o| serde_json::from_value(o.clone()).unwrap()).collect();
+        decode(&main, &parts)
+    }
+
+    #[tokio::test]
+    async fn split_snapshots_alternate_slots_and_never_touch_the_parts_the_index_names() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let api = stored_api(stored.clone()).await;
+        let publisher = ConfigMapPublisher::with_budget(api.client.clone(), target(), Leadership::always(), 1000);
+        let (s1, s2, s3) = (snapshot(40, 64), snapshot(41, 64), snapshot(42, 64));
+        let n2 = encode(&target(), &s2, 1000, Slot::B).unwrap().parts.len();
+
+        publisher.publish(Arc::new(s1.clone())).await.unwrap();
+        let index1 = stored.lock().unwrap().objects["snap"].clone();
+        api.take();
+        publisher.publish(Arc::new(s2.clone())).await.unwrap();
+        let calls = api.take();
+        let mut expected: Vec<String> = (1..=n2).map(|i| format!("PATCH snap-b-{i}")).collect();
+        expected.extend(["PATCH snap".into(), format!("GET snap-b-{}", n2 + 1)]);
+        assert_eq!(calls, expected, "slot b, the index known: not read again");
+        // A reader holding the first index still reads the first snapshot, whole.
+        assert_eq!(read_with(&stored.lock().unwrap(), &index1).unwrap(), s1.to_json());
+        let index2 = stored.lock().unwrap().objects["snap"].clone();
+        assert_eq!(read_with(&stored.lock().unwrap(), &index2).unwrap(), s2.to_json());
+
+        // The third goes back to slot a: a reader of the second index still reads it whole.
+        publisher.publish(Arc::new(s3.clone())).await.unwrap();
+        assert!(api.take().iter().all(|c| !c.contains("snap-b-")), "the second snapshot's parts are left alone");
+        assert_eq!(read_with(&stored.lock().unwrap(), &index2).unwrap(), s2.to_json());
+        let index3 = stored.lock().unwrap().objects["snap"].clone();
+        assert_eq!(read_with(&stored.lock().unwrap(), &index3).unwrap(), s3.to_json());
+
+        // A new process (or leader) reads the index first and writes the other slot.
+        let next = ConfigMapPublisher::with_budget(api.client.clone(), target(), Leadership::always(), 1000);
+        next.publish(Arc::new(s2.clone())).await.unwrap();
+        let calls = api.take();
+        assert_eq!(calls[0], "GET snap");
+        assert!(calls.iter().any(|c| c == "PATCH snap-b-1") && !calls.iter().any(|c| c.starts_with("PATCH snap-a-")));
+        assert_eq!(read_with(&stored.lock().unwrap(), &index3).unwrap(), s3.to_json());
+
+        // A snapshot that fits in one ConfigMap: both slots' parts go.
+        next.publish(Arc::new(snapshot(2, 8))).await.unwrap();
+        let left: Vec<String> = stored.lock().unwrap().objects.keys().cloned().collect();
+        assert_eq!(left, ["snap"], "no part left once none is needed");
+    }
+
+    #[test]
+    fn a_slot_is_read_from_part_names_of_this_configmap_only() {
+        assert_eq!(Slot::of_part("snap", "snap-a-1"), Some(Slot::A));
+        assert_eq!(Slot::of_part("snap", "snap-b-12"), Some(Slot::B));
+        for other in ["snap-1", "snap-c-1", "snap-a-", "snap-a-x", "other-a-1", "snapa-1", "snap-a"] {
+            assert_eq!(Slot::of_part("snap", other), None, "{other}");
+        }
     }
 
     #[tokio::test(start_paused = true)]
@@ -917,7 +1084,7 @@ mod proptests {
         ) {
             let s = snapshot(endpoints, meta_len);
             let json = s.to_json();
-            let e = encode(&target(), &s, budget).unwrap();
+            let e = encode(&target(), &s, budget, Slot::A).unwrap();
             let mut parts = e.parts.clone();
             if !parts.is_empty() {
                 let n = rotate % parts.len();
@@ -947,7 +1114,7 @@ mod proptests {
             flip in 1u8..=255,
         ) {
             let s = snapshot(endpoints, 32);
-            let e = encode(&target(), &s, budget).unwrap();
+            let e = encode(&target(), &s, budget, Slot::A).unwrap();
             prop_assume!(e.parts.len() >= 2);
             let i = which % e.parts.len();
             let mut changed = e.parts.clone();
@@ -958,7 +1125,7 @@ mod proptests {
 
             // A part of the next snapshot, as a reader racing a write sees it: refused, or
             // (when that part's bytes happen to be the same) the original, never a mix.
-            let next = encode(&target(), &snapshot(endpoints + 1, 32), budget).unwrap();
+            let next = encode(&target(), &snapshot(endpoints + 1, 32), budget, Slot::A).unwrap();
             let mut mixed = e.parts.clone();
             if let Some(p) = next.parts.get(i) {
                 mixed[i] = p.clone();
