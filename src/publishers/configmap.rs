@@ -307,14 +307,13 @@ pub(crate) struct ConfigMapPublisher {
 struct State {
     /// Bumped by [`Publisher::forget`]: a write that started before does not record itself.
     epoch: u64,
-    /// The hash and ConfigMaps of the last snapshot written completely.
+    /// The hash and ConfigMaps of the last snapshot written completely, so also the slot
+    /// the cluster's index names; `None` at start, after taking over and after a failed
+    /// write (which may or may not have switched the index): the next write then reads the
+    /// index first, and is never skipped as equal to what the cluster holds.
     written: Option<(String, Arc<Encoded>)>,
     /// The resourceVersion of each of our ConfigMaps as we last wrote or read it.
     versions: BTreeMap<String, String>,
-    /// The slot the cluster's index names (`Some(None)`: no split snapshot there), as of
-    /// our last complete write; `None` when unknown (at start, after taking over or a
-    /// failed write), so the next write reads it first.
-    live: Option<Option<Slot>>,
 }
 
 impl ConfigMapPublisher {
@@ -491,7 +490,6 @@ impl Publisher for ConfigMapPublisher {
         st.epoch += 1;
         st.written = None;
         st.versions.clear();
-        st.live = None;
     }
 
     fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), PublishError>> {
@@ -500,7 +498,9 @@ impl Publisher for ConfigMapPublisher {
             if st.written.as_ref().is_some_and(|(hash, _)| *hash == snapshot.hash) {
                 return futures::future::ready(Ok(())).boxed();
             }
-            (st.epoch, st.versions.clone(), st.live)
+            // `Some(None)`: the index names no slot (not split); `None`: not known.
+            let live = st.written.as_ref().map(|(_, encoded)| encoded.slot);
+            (st.epoch, st.versions.clone(), live)
         };
         let (api, target, budget, leadership, state) =
             (self.api.clone(), self.target.clone(), self.budget, self.leadership.clone(), self.state.clone());
@@ -542,8 +542,10 @@ impl Publisher for ConfigMapPublisher {
             let mut st = state.lock().expect("configmap state lock");
             if st.epoch == epoch {
                 st.versions = versions;
-                // After a failure the index may or may not have switched: read it next time.
-                st.live = written.as_ref().ok().map(|(encoded, _)| encoded.slot);
+                if written.is_err() {
+                    // The index may or may not have switched: known again after a write.
+                    st.written = None;
+                }
             }
             let (encoded, deleted) = written?;
             tracing::debug!(
@@ -798,6 +800,8 @@ mod tests {
     struct Stored {
         objects: BTreeMap<String, serde_json::Value>,
         version: u64,
+        /// GETs of parts (any name but `snap`) answer 500.
+        fail_part_reads: bool,
     }
 
     async fn stored_api(stored: Arc<Mutex<Stored>>) -> crate::test_fixtures::FakeApi {
@@ -822,6 +826,11 @@ mod tests {
                     st.objects.insert(name, cm.clone());
                     (200, cm)
                 }
+                "GET" if st.fail_part_reads && name != "snap" => (
+                    500,
+                    serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "reason": "InternalError", "code": 500, "message": "etcd is away"}),
+                ),
                 "GET" => match st.objects.get(&name) {
                     Some(cm) => (200, cm.clone()),
                     None => not_found(&name),
@@ -928,6 +937,29 @@ mod tests {
         next.publish(Arc::new(snapshot(2, 8))).await.unwrap();
         let left: Vec<String> = stored.lock().unwrap().objects.keys().cloned().collect();
         assert_eq!(left, ["snap"], "no part left once none is needed");
+    }
+
+    /// A write that fails after switching the index (here: looking for stale parts) leaves
+    /// the cluster holding a snapshot this publisher did not record: the next one is written
+    /// even when it equals the one written before, and the index is read again first.
+    #[tokio::test]
+    async fn after_a_failed_write_nothing_is_skipped_as_already_written() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let api = stored_api(stored.clone()).await;
+        let publisher = ConfigMapPublisher::with_budget(api.client.clone(), target(), Leadership::always(), 1000);
+        let (small, split) = (snapshot(2, 8), snapshot(40, 64));
+        publisher.publish(Arc::new(small.clone())).await.unwrap();
+        stored.lock().unwrap().fail_part_reads = true;
+        publisher.publish(Arc::new(split.clone())).await.unwrap_err();
+        let main = stored.lock().unwrap().objects["snap"].clone();
+        assert_eq!(read_with(&stored.lock().unwrap(), &main).unwrap(), split.to_json(), "the index had switched");
+        stored.lock().unwrap().fail_part_reads = false;
+        api.take();
+
+        publisher.publish(Arc::new(small.clone())).await.unwrap();
+        assert_eq!(api.take()[0], "GET snap", "the index is read again");
+        let main = stored.lock().unwrap().objects["snap"].clone();
+        assert_eq!(read_with(&stored.lock().unwrap(), &main).unwrap(), small.to_json(), "written, not skipped");
     }
 
     #[test]
