@@ -416,8 +416,7 @@ impl Operator {
     /// A sample of `/metrics`: `series` is the metric name with its labels as exposed
     /// (`consul_resolver_leader`, `consul_resolver_repairs_total{object="configmap"}`).
     pub fn metric(&self, series: &str) -> Option<f64> {
-        let text = self.get("/metrics")?.1;
-        text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+        metric_sample(&self.get("/metrics")?.1, series)
     }
 
     /// The sum of every sample of `/metrics` metric `name`, whatever its labels
@@ -506,6 +505,12 @@ impl Drop for Operator {
             let _ = c.wait();
         }
     }
+}
+
+/// The sample of `series` (a metric name with its labels as exposed) in a Prometheus text
+/// exposition.
+pub fn metric_sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 /// An HTTP client for tests. reqwest is built without a default TLS provider (the

@@ -74,6 +74,12 @@ fn configmap_json(cluster: &Cluster, name: &str) -> Option<Value> {
     serde_json::from_str(&data).ok()
 }
 
+/// Waits until the simulator holds exactly one blocking query for `svc`: the operator's.
+fn one_blocking_query(sim: &consul_sim::RunningSim, svc: &str) {
+    wait_for("the operator's blocking query", T, || (sim.stats().blocking.get(svc).copied() == Some(1)).then_some(()))
+        .unwrap();
+}
+
 /// etcd's v3 JSON gateway: `POST path` with `body`.
 fn etcd(cluster: &Cluster, path: &str, body: Value) -> Value {
     let url = format!("{}{path}", cluster.env_value("ETCD_URL").expect("our own etcd"));
@@ -679,14 +685,8 @@ fn consul_faults_keep_the_last_endpoints_are_paced_and_end_on_the_final_state() 
         ),
     ];
     let mut port = 27000;
-    let blocking = || {
-        wait_for("the operator's blocking query", T, || {
-            (sim.stats().blocking.get(svc.as_str()).copied() == Some(1)).then_some(())
-        })
-        .unwrap()
-    };
     for (what, patch, says, most) in faults {
-        blocking();
+        one_blocking_query(sim, &svc);
         sim.set_faults(patch);
         // Wakes the blocking query sent before the fault: its answer is published.
         port += 1;
@@ -732,7 +732,7 @@ fn consul_faults_keep_the_last_endpoints_are_paced_and_end_on_the_final_state() 
     let want = vec![u64::from(port)];
     op.wait_snapshot("a slow answer", T, |s| ports(s, &ns, "consul", &svc).as_ref() == Some(&want)).unwrap();
     sim.clear_faults();
-    blocking();
+    one_blocking_query(sim, &svc);
     sim.drop_blocking();
     port += 1;
     register(port).unwrap();
@@ -804,11 +804,7 @@ fn a_minute_without_consul_then_a_fresh_cluster_keeps_the_last_endpoints_backs_o
     let round_trip = t0.elapsed();
     let old_index = consul_index(&consul.base_url, &svc);
     assert!(old_index > 5000, "the first cluster's index: {old_index}");
-    let sim = consul.sim.as_ref().unwrap();
-    wait_for("the operator's blocking query", T, || {
-        (sim.stats().blocking.get(svc.as_str()).copied() == Some(1)).then_some(())
-    })
-    .unwrap();
+    one_blocking_query(consul.sim.as_ref().unwrap(), &svc);
 
     // The outage: the agent goes, its connections with it (the blocking query in flight
     // fails at once), and every new connection is refused.
@@ -872,11 +868,7 @@ fn a_minute_without_consul_then_a_fresh_cluster_keeps_the_last_endpoints_backs_o
 
     // The watch blocks on the new cluster's index, not the old one: a change is published at
     // once (a query blocking on index {old_index} would hang until its wait ran out).
-    let sim = consul.sim.as_ref().unwrap();
-    wait_for("a blocking query on the new cluster", T, || {
-        (sim.stats().blocking.get(svc.as_str()).copied() == Some(1)).then_some(())
-    })
-    .unwrap();
+    one_blocking_query(consul.sim.as_ref().unwrap(), &svc);
     let t1 = Instant::now();
     consul.register("node-new", "127.0.0.1", &svc, &format!("{svc}-new"), 27601, "passing").unwrap();
     op.wait_snapshot("a change on the new cluster", T, |s| ports(s, &ns, "consul", &svc) == Some(vec![27601])).unwrap();

@@ -69,7 +69,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::{Context, bail, ensure};
 use consul_resolver_operator::snapshot_configmap as configmap;
 use consul_sim::{Config as SimConfig, RunningSim, Simulator};
-use e2e::harness::{Cluster, Operator, operator_binary, unique};
+use e2e::harness::{Cluster, Operator, metric_sample, operator_binary, unique};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
@@ -777,11 +777,9 @@ async fn watch_configmap(
 async fn publish_seconds(op: &Operator) -> Option<(f64, u64)> {
     let text = reqwest::Client::builder().no_proxy().build().ok()?.get(op.url("/metrics")).send().await.ok()?;
     let text = text.text().await.ok()?;
-    let value =
-        |name: &str| text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' '))).map(str::trim);
     Some((
-        value("consul_resolver_publish_duration_seconds_sum")?.parse().ok()?,
-        value("consul_resolver_publish_duration_seconds_count")?.parse().ok()?,
+        metric_sample(&text, "consul_resolver_publish_duration_seconds_sum")?,
+        metric_sample(&text, "consul_resolver_publish_duration_seconds_count")? as u64,
     ))
 }
 

@@ -26,6 +26,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
+use e2e::harness::metric_sample;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams};
 use serde_json::{Value, json};
@@ -156,11 +157,6 @@ fn threads(pid: u32) -> anyhow::Result<u64> {
         .with_context(|| format!("no Threads in /proc/{pid}/status"))
 }
 
-/// One sample of the operator's `/metrics`, by exact series.
-fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
 async fn sample(
     http: &reqwest::Client,
     metrics_url: &str,
@@ -179,9 +175,9 @@ async fn sample(
         fds,
         sockets,
         threads: threads(pid)?,
-        tasks: metric(&text, "consul_resolver_runtime_tasks"),
-        consul_watches: metric(&text, "consul_resolver_watches{source=\"consul\"}"),
-        kube_watches: metric(&text, "consul_resolver_watches{source=\"kubernetes\"}"),
+        tasks: metric_sample(&text, "consul_resolver_runtime_tasks"),
+        consul_watches: metric_sample(&text, "consul_resolver_watches{source=\"consul\"}"),
+        kube_watches: metric_sample(&text, "consul_resolver_watches{source=\"kubernetes\"}"),
         sim_connections: sim.stats().open_connections_total,
         cpu: cpu_time(pid)?,
     })
