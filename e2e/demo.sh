@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # make demo: a local control plane, the Consul simulator, a realistic example, and the
 # operator in the foreground. Ctrl-C tears everything down (only what this script started).
+#
+#   DEMO_TOUR=1      (default) the guided tour, then the operator keeps running until Ctrl-C
+#   DEMO_TOUR=0      no tour: the operator runs until Ctrl-C
+#   DEMO_TOUR=check  the whole tour non-interactively, then everything is torn down; exits 1
+#                    when a step fails (e2e/tests/demo.rs runs this in `make test`)
+#   DEMO_PORT, DEMO_PORT2  the replicas' ports (default 8080 and the next one)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 say() { printf '\033[1m[demo]\033[0m %s\n' "$*"; }
+TOUR="${DEMO_TOUR:-1}"
+case "$TOUR" in 0|1|check) ;; *) say "DEMO_TOUR must be 0, 1 or check, not '$TOUR'"; exit 2 ;; esac
 
 bash e2e/cluster.sh build
 say "building the operator and the Consul simulator"
-cargo build --quiet -p consul-resolver-operator --bin consul-resolver-operator -p e2e --bin consul-sim
+# The simulator is its own crate (crates/consul-sim); both builds are the ones `make test` makes.
+cargo build --quiet -p consul-resolver-operator --bin consul-resolver-operator -p consul-sim --bin consul-sim
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}/debug"
 
 DIR="$(mktemp -d -t cro-demo-XXXXXX)"
@@ -60,7 +69,7 @@ kubectl create namespace demo-blog > /dev/null
 kubectl apply -f e2e/demo/example.yaml > /dev/null
 
 PORT="${DEMO_PORT:-8080}"
-PORT2=$((PORT + 1))
+PORT2="${DEMO_PORT2:-$((PORT + 1))}"
 cat <<MSG
 
   Where to look (in another terminal):
@@ -74,7 +83,7 @@ cat <<MSG
   Change the world through Consul's HTTP API, e.g.:
     curl -X PUT http://$CONSUL_ADDR/v1/catalog/deregister -d '{"Node":"node-1","ServiceID":"billing-1"}'
   Both replicas run as the ServiceAccount consul-resolver-operator with the RBAC of manifests/.
-  Ctrl-C stops everything. DEMO_TOUR=0 skips the guided tour.
+  Ctrl-C stops everything. DEMO_TOUR=0 skips the guided tour; DEMO_TOUR=check runs it and exits.
 
 MSG
 
@@ -107,46 +116,62 @@ snapshot_has() { # python expression over s (the snapshot)
 endpoints_of() { # resolver-namespace service -> python expression: its endpoint count
   echo "sum(len(v['endpoints']) for r in s['resolvers'] if r['namespace']=='$1' for v in r['services'] if v['name']=='$2')"
 }
+# The tour: each step changes the world and waits for the operator to follow. Called where
+# `set -e` does not apply (a failed tour must not skip the teardown), so every command that
+# matters ends in `|| return 1`.
 tour() {
-  until_ok "first snapshot published" curl -fsS "http://127.0.0.1:$PORT/readyz" || return
-  say "kubectl get cres -A:"; kubectl get cres -A
+  until_ok "first snapshot published" curl -fsS "http://127.0.0.1:$PORT/readyz" || return 1
+  say "kubectl get cres -A:"; kubectl get cres -A || return 1
   say "leader: $(kubectl -n consul-resolver-system get lease consul-resolver-operator -o jsonpath='{.spec.holderIdentity}')"
 
   say "1. deregistering billing-1 in Consul: the snapshot, the ConfigMap and the status follow"
-  curl -fsS -X PUT "http://$CONSUL_ADDR/v1/catalog/deregister" -d '{"Node":"node-1","ServiceID":"billing-1"}' > /dev/null
-  until_ok "billing has 1 endpoint in the snapshot" snapshot_has "$(endpoints_of demo-shop billing) == 1" || return
-  kubectl get cres -A
+  curl -fsS -X PUT "http://$CONSUL_ADDR/v1/catalog/deregister" -d '{"Node":"node-1","ServiceID":"billing-1"}' > /dev/null || return 1
+  until_ok "billing has 1 endpoint in the snapshot" snapshot_has "$(endpoints_of demo-shop billing) == 1" || return 1
+  kubectl get cres -A || return 1
 
   say "2. checkout-3's check turns passing: it joins checkout's endpoints"
-  register node-3 192.0.2.99 checkout checkout-3 9000 passing
-  until_ok "checkout has 3 endpoints" snapshot_has "$(endpoints_of demo-shop checkout) == 3" || return
+  register node-3 192.0.2.99 checkout checkout-3 9000 passing || return 1
+  until_ok "checkout has 3 endpoints" snapshot_has "$(endpoints_of demo-shop checkout) == 3" || return 1
 
   say "3. a resolver with an unset variable in its address: InvalidSpec, and an Event"
-  kubectl apply -f - > /dev/null <<'YAML'
+  kubectl apply -f - > /dev/null <<'YAML' || return 1
 apiVersion: consulresolver.io/v1alpha1
 kind: ConsulResolver
 metadata: {name: broken, namespace: demo-shop}
 spec: {address: "${NOT_SET_ANYWHERE}:8500"}
 YAML
-  until_ok "Ready=False reason InvalidSpec" sh -c "kubectl -n demo-shop get cres broken -o jsonpath='{.status.conditions[0].reason}' | grep -qx InvalidSpec" || return
+  until_ok "Ready=False reason InvalidSpec" sh -c "kubectl -n demo-shop get cres broken -o jsonpath='{.status.conditions[0].reason}' | grep -qx InvalidSpec" || return 1
   kubectl -n demo-shop describe cres broken | sed -n '/^Status:/,$p'
 
   say "4. the cart Mapping moves to the search service: cart's Consul watch stops, search's is shared"
-  kubectl -n demo-shop patch mapping cart --type merge -p '{"spec":{"service":"search"}}' > /dev/null
-  until_ok "cart gone from the snapshot's services" snapshot_has "$(endpoints_of demo-shop cart) == 0 and not any(v['name']=='cart' for r in s['resolvers'] for v in r['services'])" || return
+  kubectl -n demo-shop patch mapping cart --type merge -p '{"spec":{"service":"search"}}' > /dev/null || return 1
+  until_ok "cart gone from the snapshot's services" snapshot_has "$(endpoints_of demo-shop cart) == 0 and not any(v['name']=='cart' for r in s['resolvers'] for v in r['services'])" || return 1
 
   say "5. the leader stops: the other replica takes the lease and carries on"
-  local leader; leader=$(kubectl -n consul-resolver-system get lease consul-resolver-operator -o jsonpath='{.spec.holderIdentity}')
+  local leader; leader=$(kubectl -n consul-resolver-system get lease consul-resolver-operator -o jsonpath='{.spec.holderIdentity}') || return 1
   local pid=$OP_PID; LIVE_PORT=$PORT2
   if [ "$leader" = replica-b ]; then pid=$OP2_PID; LIVE_PORT=$PORT; fi
-  kill "$pid"
-  until_ok "the lease moved from $leader" sh -c "kubectl -n consul-resolver-system get lease consul-resolver-operator -o jsonpath='{.spec.holderIdentity}' | grep -qv '^$leader\$'" || return
+  kill "$pid" || return 1
+  until_ok "the lease moved from $leader" sh -c "kubectl -n consul-resolver-system get lease consul-resolver-operator -o jsonpath='{.spec.holderIdentity}' | grep -qv '^$leader\$'" || return 1
   say "leader now: $(kubectl -n consul-resolver-system get lease consul-resolver-operator -o jsonpath='{.spec.holderIdentity}')"
   say "6. a change after the handover reaches the ConfigMap through the new leader"
-  curl -fsS -X PUT "http://$CONSUL_ADDR/v1/catalog/deregister" -d '{"Node":"node-2","ServiceID":"billing-2"}' > /dev/null
-  until_ok "billing has no endpoints in the ConfigMap" sh -c "kubectl -n consul-resolver-system get configmap consul-resolver-snapshot -o jsonpath='{.data.snapshot\\.json}' | python3 -c \"import json,sys; s=json.load(sys.stdin); sys.exit(0 if ($(endpoints_of demo-shop billing)) == 0 else 1)\"" || return
-  kubectl get cres -A
-  say "tour done; the remaining replica keeps running. Ctrl-C stops everything."
+  curl -fsS -X PUT "http://$CONSUL_ADDR/v1/catalog/deregister" -d '{"Node":"node-2","ServiceID":"billing-2"}' > /dev/null || return 1
+  until_ok "billing has no endpoints in the ConfigMap" sh -c "kubectl -n consul-resolver-system get configmap consul-resolver-snapshot -o jsonpath='{.data.snapshot\\.json}' | python3 -c \"import json,sys; s=json.load(sys.stdin); sys.exit(0 if ($(endpoints_of demo-shop billing)) == 0 else 1)\"" || return 1
+  kubectl get cres -A || return 1
 }
-if [ "${DEMO_TOUR:-1}" != 0 ]; then tour || true; fi
+case "$TOUR" in
+  check)
+    if tour; then say "tour passed: every step"; exit 0; fi
+    say "tour FAILED; the replicas' last log lines:"
+    tail -n 20 "$DIR/replica-a.log" "$DIR/replica-b.log" || true
+    exit 1
+    ;;
+  1)
+    if tour; then
+      say "tour done; the remaining replica keeps running. Ctrl-C stops everything."
+    else
+      say "the tour FAILED at the step above; the replicas keep running for a look (logs above). Ctrl-C stops everything."
+    fi
+    ;;
+esac
 wait "$OP_PID" "$OP2_PID" || true
