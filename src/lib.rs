@@ -26,12 +26,6 @@ mod test_fixtures;
 
 pub use process::main;
 
-/// The Consul source, for tests and benchmarks that drive it directly.
-pub mod consul {
-    pub use crate::sources::EventSink;
-    pub use crate::sources::consul::{ConsulSource, Settings};
-}
-
 /// The snapshot ConfigMap format (docs/snapshot.md), for readers of it.
 pub mod snapshot_configmap {
     pub use crate::publishers::configmap::{

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use consul_resolver_core::keys::ConsulKey;
 use consul_resolver_core::model::{ConsulEvent, Endpoint, Event};
-use consul_resolver_operator::consul::{ConsulSource, Settings};
+use consul_watch::{ConsulSource, Metrics, Settings};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
@@ -16,6 +16,8 @@ pub const DEADLINE: Duration = Duration::from_secs(10);
 /// Running watches and the events they send.
 pub struct Watches {
     source: ConsulSource,
+    /// What the watches counted (requests by query, mode and outcome).
+    pub metrics: Metrics,
     tx: mpsc::Sender<Event>,
     rx: mpsc::Receiver<Event>,
     tasks: Vec<AbortOnDropHandle<()>>,
@@ -24,7 +26,8 @@ pub struct Watches {
 impl Watches {
     pub fn new(settings: Settings) -> Self {
         let (tx, rx) = mpsc::channel(100_000);
-        Watches { source: ConsulSource::new(settings), tx, rx, tasks: Vec::new() }
+        let metrics = Metrics::unregistered();
+        Watches { source: ConsulSource::new(settings, metrics.clone()), metrics, tx, rx, tasks: Vec::new() }
     }
 
     pub fn start(&mut self, key: &ConsulKey) {

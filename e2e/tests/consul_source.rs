@@ -12,8 +12,8 @@ use consul_resolver_core::keys::{
 };
 use consul_resolver_core::model::{ConsulEvent, Event};
 use consul_resolver_core::model::{Endpoint, Health};
-use consul_resolver_operator::consul::Settings;
 use consul_sim::{AclConfig, AclToken, Budget, Config, FaultsPatch, HEALTH_STATE_LABEL, RunningSim, Simulator};
+use consul_watch::Settings;
 use e2e::watches::{DEADLINE, Watches};
 use serde_json::json;
 use tokio::time::Instant;

@@ -11,9 +11,9 @@ use consul_resolver_core::keys::{
     ClientIdentity, ConsulKey, ConsulServer, HealthStatuses, QueryOptions, Secret, TlsSettings,
 };
 use consul_resolver_core::model::Health;
-use consul_resolver_operator::consul::Settings;
 use consul_sim::tls::{TestPki, TlsConfig};
 use consul_sim::{Config, HEALTH_STATE_LABEL, RunningSim, Simulator};
+use consul_watch::Settings;
 use e2e::watches::{DEADLINE, Watches};
 use serde_json::json;
 use tokio::time::Instant;

@@ -757,7 +757,7 @@ fn consul_index(base_url: &str, svc: &str) -> u64 {
     })
 }
 
-/// The Consul source's backoff cap (src/sources/consul/timing.rs): the longest a watch waits
+/// The Consul source's backoff cap (crates/consul-watch/src/timing.rs): the longest a watch waits
 /// between two attempts.
 const BACKOFF_CAP: Duration = Duration::from_secs(60);
 

@@ -6,7 +6,7 @@
 //! name (bounded by the objects). Never a Consul service name or a watch key (a Consul key
 //! holds a token), never a token.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -16,15 +16,11 @@ use prometheus::{
     Opts, Registry, TextEncoder,
 };
 
-use consul_resolver_core::keys::{ConsulKey, QueryOptions};
+use consul_resolver_core::keys::ConsulKey;
 
 /// Buckets for work done in memory (assembly, one publisher, a reconcile): 1 ms to 1 min.
 const WORK_BUCKETS: &[f64] =
     &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
-/// Buckets for Consul requests: a non-blocking read takes milliseconds, a blocking one up
-/// to its `wait` (5 min by default, Consul's cap 10 min) and a little more.
-const REQUEST_BUCKETS: &[f64] =
-    &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 330.0, 600.0, 660.0];
 /// Buckets for change -> publication: the coalescing window (250 ms by default) plus the
 /// publication, up to retries with backoff.
 const LATENCY_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0];
@@ -34,6 +30,8 @@ pub(crate) struct Metrics {
     registry: Registry,
     /// The standard `process_*` metrics, unprefixed (dashboards expect these names).
     process: Registry,
+    /// The Consul source's own metrics (`consul_requests_total`, ...), registered by it.
+    pub consul: consul_watch::Metrics,
     /// Per resolver: when its Consul was last reached, exported at each scrape.
     pub consul_contact: Arc<ConsulContact>,
     consul_last_success: GaugeVec,
@@ -52,8 +50,6 @@ pub(crate) struct Metrics {
     /// Watches without a first list (Kubernetes) or answer (Consul) yet.
     pub unsynced_watches: IntGaugeVec,
     pub unsynced_oldest_seconds: GaugeVec,
-    pub consul_requests: IntCounterVec,
-    pub consul_request_seconds: HistogramVec,
 
     // Pipeline and publication.
     pub bootstrapped: IntGauge,
@@ -125,7 +121,8 @@ impl Metrics {
     pub(crate) fn new() -> Self {
         let registry = Registry::new_custom(Some("consul_resolver".into()), None).expect("valid prefix");
         let resolver = &["resolver_namespace", "resolver_name"];
-        let m = Metrics {
+        let mut m = Metrics {
+            consul: consul_watch::Metrics::unregistered(),
             consul_contact: Arc::default(),
             consul_last_success: GaugeVec::new(
                 Opts::new(
@@ -167,17 +164,6 @@ impl Metrics {
                 &["source"],
             )
             .expect("valid metric"),
-            consul_requests: counter_vec(
-                "consul_requests_total",
-                "Consul requests by query (service, checks, catalog), mode (blocking, read) and outcome",
-                &["query", "mode", "outcome"],
-            ),
-            consul_request_seconds: histogram_vec(
-                "consul_request_duration_seconds",
-                "Duration of Consul requests, blocking queries apart from non-blocking reads",
-                &["mode"],
-                REQUEST_BUCKETS,
-            ),
             bootstrapped: int_gauge(
                 "bootstrapped",
                 "1 once the first snapshot was published (the world was complete, or past --bootstrap-timeout)",
@@ -302,8 +288,6 @@ impl Metrics {
             Box::new(m.events.clone()),
             Box::new(m.unsynced_watches.clone()),
             Box::new(m.unsynced_oldest_seconds.clone()),
-            Box::new(m.consul_requests.clone()),
-            Box::new(m.consul_request_seconds.clone()),
             Box::new(m.bootstrapped.clone()),
             Box::new(m.bootstrap_seconds.clone()),
             Box::new(m.assemble_seconds.clone()),
@@ -335,6 +319,8 @@ impl Metrics {
         for c in collectors {
             m.registry.register(c).expect("metric names are unique");
         }
+        m.consul = consul_watch::Metrics::register(&m.registry, m.watch_errors.clone(), m.watch_restarts.clone())
+            .expect("metric names are unique");
         // Label values that exist from the start, so a dashboard or alert sees 0 rather
         // than no series (a `rate()` over a counter that appears at 1 misses that 1).
         for source in ["kubernetes", "consul"] {
@@ -344,13 +330,6 @@ impl Metrics {
             m.events.with_label_values(&[source]);
             m.unsynced_watches.with_label_values(&[source]).set(0);
             m.unsynced_oldest_seconds.with_label_values(&[source]).set(0.0);
-        }
-        // The Consul source's restarts have two reasons (Kubernetes' are its errors').
-        for reason in ["error", "index_went_back"] {
-            m.watch_restarts.with_label_values(&["consul", reason]);
-        }
-        for mode in ["blocking", "read"] {
-            m.consul_request_seconds.with_label_values(&[mode]);
         }
         for stage in ["apply", "snapshot"] {
             m.assemble_seconds.with_label_values(&[stage]);
@@ -367,7 +346,7 @@ impl Metrics {
 
     /// The Prometheus text exposition.
     pub(crate) fn render(&self) -> String {
-        self.consul_contact.export(&self.consul_last_success, &self.consul_last_failure);
+        self.consul_contact.export(self.consul.contact(), &self.consul_last_success, &self.consul_last_failure);
         // Scrapes are served on the runtime; outside one (a unit test) the gauge stays as is.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let alive = runtime.metrics().num_alive_tasks();
@@ -386,80 +365,40 @@ pub(crate) fn unix_seconds(t: SystemTime) -> f64 {
     t.duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
-/// The scope of a Consul query as far as reaching Consul goes: its server (address, token,
-/// TLS), datacenter, namespace and partition, with the service and query options left out.
-/// Every query of one resolver has the same scope (the change feed's queries too).
-pub(crate) fn consul_scope(key: &ConsulKey) -> ConsulKey {
-    ConsulKey {
-        server: key.server.clone(),
-        datacenter: key.datacenter.clone(),
-        namespace: key.namespace.clone(),
-        partition: key.partition.clone(),
-        query: QueryOptions::default(),
-        service: String::new(),
-    }
-}
-
-/// When Consul was last reached, per scope (as the Consul source sees it), and which scope
-/// each resolver queries (as the runtime reads the resolvers): joined at each scrape into
-/// per-resolver timestamps. The scopes hold tokens: they stay in memory, only the
-/// resolvers' names are exported.
+/// Which Consul scope (see [`consul_watch::contact_scope`]) each resolver queries, as the
+/// runtime reads the resolvers: joined at each scrape with the Consul source's contact
+/// times into per-resolver timestamps. The scopes hold tokens: they stay in memory, only
+/// the resolvers' names are exported.
 #[derive(Default)]
 pub(crate) struct ConsulContact {
-    state: Mutex<ContactState>,
-}
-
-#[derive(Default)]
-struct ContactState {
-    scopes: HashMap<ConsulKey, Contact>,
-    resolvers: BTreeMap<(String, String), ConsulKey>,
-}
-
-#[derive(Default, Clone, Copy)]
-struct Contact {
-    success: Option<SystemTime>,
-    failure: Option<SystemTime>,
+    resolvers: Mutex<BTreeMap<(String, String), ConsulKey>>,
 }
 
 impl ConsulContact {
-    fn lock(&self) -> std::sync::MutexGuard<'_, ContactState> {
-        self.state.lock().expect("consul contact poisoned")
-    }
-
-    /// A request of `scope` (see [`consul_scope`]) reached Consul (`answered`) or not, at `at`.
-    pub(crate) fn record(&self, scope: &ConsulKey, answered: bool, at: SystemTime) {
-        let mut st = self.lock();
-        let contact = match st.scopes.get_mut(scope) {
-            Some(c) => c,
-            None => st.scopes.entry(scope.clone()).or_default(),
-        };
-        if answered {
-            contact.success = Some(at);
-        } else {
-            contact.failure = Some(at);
-        }
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, String), ConsulKey>> {
+        self.resolvers.lock().expect("consul contact poisoned")
     }
 
     /// The resolvers in scope and the Consul scope of each (usable ones only). Scopes no
-    /// resolver names any more are forgotten.
-    pub(crate) fn set_resolvers(&self, resolvers: BTreeMap<(String, String), ConsulKey>) {
-        let mut st = self.lock();
-        let named: std::collections::HashSet<&ConsulKey> = resolvers.values().collect();
-        let ContactState { scopes, .. } = &mut *st;
-        scopes.retain(|k, _| named.contains(k));
-        st.resolvers = resolvers;
+    /// resolver names any more are forgotten by `contact`.
+    pub(crate) fn set_resolvers(
+        &self,
+        contact: &consul_watch::Contact,
+        resolvers: BTreeMap<(String, String), ConsulKey>,
+    ) {
+        contact.retain(&resolvers.values().collect());
+        *self.lock() = resolvers;
     }
 
-    fn export(&self, success: &GaugeVec, failure: &GaugeVec) {
-        let st = self.lock();
+    fn export(&self, contact: &consul_watch::Contact, success: &GaugeVec, failure: &GaugeVec) {
         success.reset();
         failure.reset();
-        for ((ns, name), scope) in &st.resolvers {
-            let Some(c) = st.scopes.get(scope) else { continue };
-            if let Some(t) = c.success {
+        for ((ns, name), scope) in self.lock().iter() {
+            let last = contact.last(scope);
+            if let Some(t) = last.success {
                 success.with_label_values(&[ns, name]).set(unix_seconds(t));
             }
-            if let Some(t) = c.failure {
+            if let Some(t) = last.failure {
                 failure.with_label_values(&[ns, name]).set(unix_seconds(t));
             }
         }
@@ -469,7 +408,8 @@ impl ConsulContact {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use consul_resolver_core::keys::{ConsulServer, Secret};
+    use consul_resolver_core::keys::{ConsulServer, QueryOptions, Secret};
+    use consul_watch::contact_scope;
     use std::time::Duration;
 
     #[test]
@@ -529,15 +469,18 @@ mod tests {
     fn contact_is_per_resolver_and_never_shows_the_token() {
         let m = Metrics::new();
         let t0 = UNIX_EPOCH + Duration::from_secs(1_000);
-        let scope = consul_scope(&key("s3cret-token", "web"));
-        assert_eq!(scope, consul_scope(&key("s3cret-token", "api")), "one scope for every service");
-        assert_ne!(scope, consul_scope(&key("other", "web")), "a token is another scope (ACLs)");
-        m.consul_contact.set_resolvers(BTreeMap::from([
-            (("shop".into(), "consul".into()), scope.clone()),
-            (("pay".into(), "consul".into()), consul_scope(&key("other", "x"))),
-        ]));
-        m.consul_contact.record(&scope, true, t0);
-        m.consul_contact.record(&scope, false, t0 + Duration::from_secs(5));
+        let scope = contact_scope(&key("s3cret-token", "web"));
+        assert_eq!(scope, contact_scope(&key("s3cret-token", "api")), "one scope for every service");
+        assert_ne!(scope, contact_scope(&key("other", "web")), "a token is another scope (ACLs)");
+        m.consul_contact.set_resolvers(
+            m.consul.contact(),
+            BTreeMap::from([
+                (("shop".into(), "consul".into()), scope.clone()),
+                (("pay".into(), "consul".into()), contact_scope(&key("other", "x"))),
+            ]),
+        );
+        m.consul.contact().record(&scope, true, t0);
+        m.consul.contact().record(&scope, false, t0 + Duration::from_secs(5));
         let text = m.render();
         assert!(
             text.contains(
@@ -551,9 +494,9 @@ mod tests {
         assert!(!text.contains("resolver_namespace=\"pay\""), "no contact yet, no series: {text}");
         assert!(!text.contains("s3cret"), "{text}");
         // A resolver that goes takes its series, and its scope's record, with it.
-        m.consul_contact.set_resolvers(BTreeMap::new());
+        m.consul_contact.set_resolvers(m.consul.contact(), BTreeMap::new());
         assert!(!m.render().contains("resolver_namespace=\"shop\""));
-        assert!(m.consul_contact.lock().scopes.is_empty());
+        assert_eq!(m.consul.contact().last(&scope), Default::default(), "the scope's record is forgotten");
     }
 
     /// docs/metrics.md lists every metric this process exposes, and nothing else.
@@ -576,7 +519,7 @@ mod tests {
         // collectors' descriptions.
         for c in [&m.consul_last_success as &dyn Collector, &m.consul_last_failure, &m.watch_errors, &m.watch_restarts]
             .into_iter()
-            .chain([&m.consul_requests as &dyn Collector, &m.publish_failures, &m.publisher_seconds, &m.hook_failures])
+            .chain([&m.publish_failures as &dyn Collector, &m.publisher_seconds, &m.hook_failures])
             .chain([&m.repairs as &dyn Collector, &m.reconcile_errors, &m.leader_transitions])
         {
             for d in c.desc() {

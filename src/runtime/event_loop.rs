@@ -22,7 +22,7 @@ use super::publication::{self, Done, Publishers, Task};
 use crate::controller::ResolverController;
 use crate::leadership::Leadership;
 use crate::ops::health::{BEAT_EVERY, Heartbeat};
-use crate::ops::metrics::{Metrics, consul_scope, unix_seconds};
+use crate::ops::metrics::{Metrics, unix_seconds};
 use crate::sources::Watches;
 use consul_resolver_api::resolver;
 use consul_resolver_core::assembler::resolvers;
@@ -273,11 +273,11 @@ impl EventLoop {
         let scopes = resolvers::read(self.pipeline.world(), &self.ambassador_id, &self.env)
             .into_iter()
             .filter_map(|r| {
-                let scope = consul_scope(&r.settings.ok()?.key(""));
+                let scope = consul_watch::contact_scope(&r.settings.ok()?.key(""));
                 Some(((r.namespace, r.name), scope))
             })
             .collect();
-        self.metrics.consul_contact.set_resolvers(scopes);
+        self.metrics.consul_contact.set_resolvers(self.metrics.consul.contact(), scopes);
     }
 }
 

@@ -33,7 +33,6 @@ use crate::publishers::configmap::ConfigMapPublisher;
 use crate::publishers::hook::HookPublisher;
 use crate::publishers::http::{HttpPublisher, SnapshotStore};
 use crate::sources::Watches;
-use crate::sources::consul::{ConsulSource, Settings as ConsulSettings};
 use crate::sources::kube::KubeSource;
 use consul_resolver_api::mapping::{self, MappingKind};
 use consul_resolver_api::resolver;
@@ -41,6 +40,7 @@ use consul_resolver_core::assembler::{self, EndpointsApi};
 use consul_resolver_core::keys::{KubeKey, WatchKey};
 use consul_resolver_core::model::Event;
 use consul_resolver_core::pipeline::{Pipeline, WallClock};
+use consul_watch::{ConsulSource, Settings as ConsulSettings};
 use event_loop::EventLoop;
 use publication::Publishers;
 
@@ -127,14 +127,16 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
     tracing::info!(endpoints = ?config.endpoints_api, watches = fixed.len(), %identity, "starting");
 
     let (tx, rx) = mpsc::channel::<Event>(4096);
-    let consul = ConsulSource::new(ConsulSettings {
-        wait: args.consul_wait,
-        max_connections: args.consul_max_connections as usize,
-        sweep: args.consul_sweep,
-        max_response_bytes: usize::try_from(args.consul_max_response_bytes).unwrap_or(usize::MAX),
-        ..ConsulSettings::default()
-    })
-    .with_metrics(metrics.clone());
+    let consul = ConsulSource::new(
+        ConsulSettings {
+            wait: args.consul_wait,
+            max_connections: args.consul_max_connections as usize,
+            sweep: args.consul_sweep,
+            max_response_bytes: usize::try_from(args.consul_max_response_bytes).unwrap_or(usize::MAX),
+            ..ConsulSettings::default()
+        },
+        metrics.consul.clone(),
+    );
     let mut watches = Watches::new(KubeSource::new(client.clone(), metrics.clone()), consul, tx, metrics.clone());
     let clock = WallClock { instant: Instant::now(), wall: SystemTime::now() };
     let (ambassador_id, env) = (config.ambassador_id.clone(), config.env.clone());

@@ -7,24 +7,20 @@
 //! kind of source is a new `WatchKey` variant, its events in the core's model and its
 //! store in the world, and a new arm here.
 
-pub(crate) mod consul;
 pub(crate) mod kube;
 
 use std::collections::BTreeMap;
 
 use consul_resolver_core::keys::WatchKey;
-use consul_resolver_core::model::Event;
 use consul_resolver_core::registry::Diff;
-use tokio::sync::mpsc;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::ops::metrics::Metrics;
-use consul::ConsulSource;
+use consul_watch::ConsulSource;
 use kube::KubeSource;
 
-/// Where sources send events. Bounded, so a flood applies backpressure to the sources
-/// rather than memory.
-pub type EventSink = mpsc::Sender<Event>;
+/// Where sources send events (the Consul source's type: the core's bounded event channel).
+pub(crate) use consul_watch::EventSink;
 
 /// The running watches, one task per key.
 pub(crate) struct Watches {
@@ -91,6 +87,7 @@ mod tests {
     use crate::test_fixtures::{not_found, serve};
     use consul_resolver_core::keys::{ConsulKey, ConsulServer, KubeKey};
     use std::sync::Arc;
+    use tokio::sync::mpsc;
 
     /// `consul_resolver_watches{source}` follows starts and stops, down to 0.
     #[tokio::test]
@@ -99,7 +96,7 @@ mod tests {
         let api = serve(Arc::new(|_: &str, path: &str, _: &[u8]| not_found(path))).await;
         let metrics = Metrics::new();
         let (tx, _rx) = mpsc::channel(16);
-        let consul = ConsulSource::new(Default::default()).with_metrics(metrics.clone());
+        let consul = ConsulSource::new(Default::default(), metrics.consul.clone());
         let mut w = Watches::new(KubeSource::new(api.client.clone(), metrics.clone()), consul, tx, metrics.clone());
         let kube = WatchKey::Kube(KubeKey::new("", "v1", "Secret").in_namespace("a"));
         let consul = WatchKey::Consul(ConsulKey {

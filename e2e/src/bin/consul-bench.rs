@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 
 use consul_resolver_core::keys::{ConsulKey, ConsulServer, HealthStatuses, QueryOptions, TlsSettings};
 use consul_resolver_core::model::{ConsulEvent, Event, Health};
-use consul_resolver_operator::consul::{ConsulSource, Settings};
 use consul_sim::tls::TestPki;
 use consul_sim::{Config, Simulator};
+use consul_watch::{ConsulSource, Metrics, Settings};
 use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_util::task::AbortOnDropHandle;
@@ -74,7 +74,7 @@ async fn main() -> anyhow::Result<()> {
         register(n.clone(), 1, Some("passing")).await?;
     }
 
-    let source = ConsulSource::new(settings.clone());
+    let source = ConsulSource::new(settings.clone(), Metrics::unregistered());
     let (tx, mut rx) = mpsc::channel(100_000);
     let keys: Vec<ConsulKey> = names
         .iter()

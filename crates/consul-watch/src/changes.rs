@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::parse::CheckRow;
+use crate::client::parse::CheckRow;
 
 /// What to re-read. Service names are lower case: Consul compares them case-insensitively.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]

@@ -355,7 +355,7 @@ mod tests {
 #[cfg(test)]
 mod proptests {
     use super::*;
-    use crate::test_fixtures::peak_heap;
+    use heap_peak::peak_heap;
     use proptest::prelude::*;
     use serde_json::json;
 

@@ -18,9 +18,9 @@ use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::time::Instant;
 
-use super::client::{HttpClient, Scope};
-use super::feed::{Feed, FeedKey};
-use crate::ops::metrics::Metrics;
+use crate::client::{HttpClient, Scope};
+use crate::feed::{Feed, FeedKey};
+use crate::metrics::Metrics;
 use consul_resolver_core::keys::{ConsulKey, TlsSettings};
 use consul_resolver_core::model::Endpoint;
 
@@ -180,7 +180,7 @@ mod tests {
     #[tokio::test]
     async fn clients_are_shared_and_dropped_with_their_last_user() {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let pool = Pool::new(10, Duration::from_secs(1), 1 << 20, Metrics::new());
+        let pool = Pool::new(10, Duration::from_secs(1), 1 << 20, Metrics::unregistered());
         let a = pool.client("http://127.0.0.1:8500", None).unwrap();
         let b = pool.client("http://127.0.0.1:8500", None).unwrap();
         assert!(Arc::ptr_eq(&a, &b));

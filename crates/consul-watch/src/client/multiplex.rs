@@ -24,8 +24,8 @@ use tokio::net::TcpStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::AbortOnDropHandle;
 
-use super::client::{QueryError, cause_chain};
 use super::tls;
+use crate::error::{QueryError, cause_chain};
 
 /// Streams we put on one connection even when the server allows more (Go's HTTP/2 server,
 /// which Consul uses, allows 250 by default): past this, another connection shares the

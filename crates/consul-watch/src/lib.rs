@@ -1,28 +1,48 @@
-//! The Consul source: one watch per [`ConsulKey`] on `/v1/health/service/<name>`, within a
-//! connection budget per Consul server. See docs/consul.md for the strategy and its costs.
+//! Following Consul services: one watch per [`ConsulKey`] on `/v1/health/service/<name>`
+//! (or `/v1/health/connect/<name>`), within a connection budget per Consul server, reporting
+//! each answer or failure as a [`ConsulEvent`](consul_resolver_core::model::ConsulEvent) of
+//! the core's model. The repository's docs/consul.md gives the strategy and its costs,
+//! docs/consul-protocol.md the protocol rules every request follows.
+//!
+//! The layers, from the network in:
+//! - `client` (with `parse`, `tls`, `multiplex`): requests and answers of one Consul address;
+//! - `timing`, `changes`: the protocol's pure rules (index, pacing, backoff) and the change
+//!   feed's diffing, free of I/O;
+//! - `pool`, `feed`, `watch`: the budget of one server, the change feed of one scope, and
+//!   the watch of one key;
+//! - `observe`, `metrics`: what every request tells the metrics.
 
-pub(crate) mod changes;
-pub(crate) mod client;
-pub(crate) mod feed;
-pub(crate) mod multiplex;
-pub(crate) mod observe;
-pub(crate) mod parse;
-pub(crate) mod pool;
-pub(crate) mod timing;
-pub(crate) mod tls;
-pub(crate) mod watch;
+mod changes;
+mod client;
+mod error;
+mod feed;
+mod metrics;
+mod observe;
+mod pool;
+mod timing;
+mod watch;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-pub use watch::Settings;
-
-use super::EventSink;
-use crate::ops::metrics::Metrics;
 use consul_resolver_core::keys::ConsulKey;
+use consul_resolver_core::model::Event;
 use pool::Pool;
 
+pub use metrics::{Contact, LastContact, Metrics, contact_scope};
+pub use watch::Settings;
+
+/// The unit tests' allocator counts heap bytes (the parsers' memory bounds are tested).
+#[cfg(test)]
+#[global_allocator]
+static ALLOCATOR: heap_peak::Counting = heap_peak::Counting;
+
+/// Where watches send their events: the core's event channel. Bounded, so a flood applies
+/// backpressure to the watches rather than memory.
+pub type EventSink = tokio::sync::mpsc::Sender<Event>;
+
+/// The Consul source: starts watches, and keeps what they share per server.
 pub struct ConsulSource {
     inner: Arc<Inner>,
 }
@@ -43,13 +63,8 @@ struct Inner {
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl ConsulSource {
-    pub fn new(settings: Settings) -> Self {
-        ConsulSource { inner: Arc::new(Inner { settings, pools: Mutex::new(HashMap::new()), metrics: Metrics::new() }) }
-    }
-
-    /// Counts into `metrics` (the operator's) instead of a registry of its own.
-    pub(crate) fn with_metrics(self, metrics: Metrics) -> Self {
-        let settings = self.inner.settings.clone();
+    /// Watches counting into `metrics` (see [`Metrics::register`]).
+    pub fn new(settings: Settings, metrics: Metrics) -> Self {
         ConsulSource { inner: Arc::new(Inner { settings, pools: Mutex::new(HashMap::new()), metrics }) }
     }
 
@@ -114,7 +129,7 @@ mod tests {
         let localhost = socket_addresses("http://localhost:8500").await;
         assert!(localhost.contains(&a[0]), "{localhost:?}");
 
-        let source = ConsulSource::new(Settings::default());
+        let source = ConsulSource::new(Settings::default(), Metrics::unregistered());
         let p = source.inner.pool(&a);
         assert!(Arc::ptr_eq(&p, &source.inner.pool(&localhost)), "localhost reaches the same server");
         assert!(!Arc::ptr_eq(&p, &source.inner.pool(&socket_addresses("http://127.0.0.1:8501").await)));

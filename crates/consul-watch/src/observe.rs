@@ -8,8 +8,9 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
-use super::client::{QueryError, request_timeout};
-use crate::ops::metrics::{Metrics, consul_scope};
+use crate::client::request_timeout;
+use crate::error::QueryError;
+use crate::metrics::{Metrics, contact_scope};
 use consul_resolver_core::keys::ConsulKey;
 
 /// Which query a request is (a bounded label).
@@ -78,13 +79,13 @@ pub(crate) async fn request<T>(
     let took = started.elapsed();
     let outcome = outcome(&result, took, request_timeout(block));
     let mode = if block.is_some() { "blocking" } else { "read" };
-    metrics.consul_requests.with_label_values(&[query.label(), mode, outcome]).inc();
-    metrics.consul_request_seconds.with_label_values(&[mode]).observe(took.as_secs_f64());
+    metrics.requests.with_label_values(&[query.label(), mode, outcome]).inc();
+    metrics.request_seconds.with_label_values(&[mode]).observe(took.as_secs_f64());
     if matches!(query, Query::Service) && result.is_err() {
-        metrics.watch_errors.with_label_values(&["consul", outcome]).inc();
+        metrics.errors.with_label_values(&["consul", outcome]).inc();
     }
     if let Some(answered) = reached(outcome) {
-        metrics.consul_contact.record(&consul_scope(key), answered, SystemTime::now());
+        metrics.contact.record(&contact_scope(key), answered, SystemTime::now());
     }
     result
 }
@@ -141,9 +142,8 @@ mod tests {
     /// a failure to reach its scope; an answer is a success there.
     #[tokio::test(start_paused = true)]
     async fn requests_are_counted_timed_and_reach_their_scope() {
-        let metrics = Metrics::new();
+        let metrics = Metrics::unregistered();
         let k = key("t");
-        metrics.consul_contact.set_resolvers([(("ns".to_owned(), "r".to_owned()), consul_scope(&k))].into());
         let block = Some((7, Duration::from_secs(60)));
         let limit = request_timeout(block);
         let hung = async {
@@ -151,16 +151,18 @@ mod tests {
             err(QueryError::Network { address: "a".into(), cause: "operation timed out".into() })
         };
         assert!(request(&metrics, Query::Service, &k, block, hung).await.is_err());
-        assert_eq!(metrics.consul_requests.with_label_values(&["service", "blocking", "timeout"]).get(), 1);
-        let h = metrics.consul_request_seconds.with_label_values(&["blocking"]);
+        assert_eq!(metrics.requests("service", "blocking", "timeout"), 1);
+        let h = metrics.request_seconds.with_label_values(&["blocking"]);
         assert_eq!((h.get_sample_count(), h.get_sample_sum()), (1, limit.as_secs_f64()));
-        let text = metrics.render();
-        assert!(text.contains("consul_last_failure_timestamp_seconds{resolver_name=\"r\",resolver_namespace=\"ns\"}"));
-        assert!(!text.contains("consul_last_success_timestamp_seconds{"), "{text}");
+        let scope = contact_scope(&k);
+        let last = metrics.contact().last(&scope);
+        assert!(last.failure.is_some() && last.success.is_none(), "{last:?}");
+        assert_eq!(metrics.contact().last(&contact_scope(&key("other token"))), Default::default(), "per scope");
 
         let read = async { Ok::<_, QueryError>(()) };
         request(&metrics, Query::Catalog, &k, None, read).await.unwrap();
-        assert_eq!(metrics.consul_requests.with_label_values(&["catalog", "read", "ok"]).get(), 1);
-        assert!(metrics.render().contains("consul_last_success_timestamp_seconds{resolver_name=\"r\""));
+        assert_eq!(metrics.requests("catalog", "read", "ok"), 1);
+        assert!(metrics.contact().last(&scope).success.is_some());
+        assert_eq!(metrics.requests_total(), 2);
     }
 }

@@ -2,12 +2,12 @@
 //!
 //! While the server's budget has a free slot the watch holds it and runs a plain blocking
 //! query loop. Otherwise it is "fed": it joins the change feed of its scope (see
-//! [`super::feed`]) and re-reads (without blocking, through the small read pool) when the
+//! [`crate::feed`]) and re-reads (without blocking, through the small read pool) when the
 //! feed says its service may have changed, or every `sweep` at the latest, a safety net for
 //! the few changes neither feed query shows. A fed watch takes a slot as soon as one frees up.
 //!
 //! Over HTTP/2 (an `https://` server that negotiates it) there is no budget of slots to share:
-//! every watch runs its own blocking query as a stream (see [`super::multiplex`]).
+//! every watch runs its own blocking query as a stream (see [`crate::client::multiplex`]).
 //!
 //! Either way the protocol rules of docs/consul-protocol.md hold: first query without index,
 //! index reset when it goes backwards or a request fails, never below 1, a paced loop,
@@ -19,11 +19,12 @@ use std::time::Duration;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
-use super::client::{Answer, HttpClient, QueryError};
-use super::observe::{self, Query};
-use super::pool::{FeedMembership, Pool};
-use super::timing::{Backoff, IndexState, pace};
-use crate::sources::EventSink;
+use crate::EventSink;
+use crate::client::{Answer, HttpClient};
+use crate::error::QueryError;
+use crate::observe::{self, Query};
+use crate::pool::{FeedMembership, Pool};
+use crate::timing::{Backoff, IndexState, pace};
 use consul_resolver_core::keys::ConsulKey;
 use consul_resolver_core::model::Endpoint;
 use consul_resolver_core::model::{ConsulEvent, Event};
@@ -240,7 +241,7 @@ async fn read(
 /// The watch starts over from a read without index (after an error, or when the server's
 /// index went back): counted, as the Kubernetes source counts relists.
 fn restarted(pool: &Pool, reason: &str) {
-    pool.metrics.watch_restarts.with_label_values(&["consul", reason]).inc();
+    pool.metrics.restarts.with_label_values(&["consul", reason]).inc();
 }
 
 fn log_failure(key: &ConsulKey, e: &QueryError, delay: Duration) {

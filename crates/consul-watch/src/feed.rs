@@ -4,7 +4,7 @@
 //!
 //! Two blocking queries, each holding one permit of the address's budget for the feed's
 //! life: `/v1/health/state/any` (every check write) and `/v1/catalog/services` (every
-//! service registration change). Their answers are diffed ([`super::changes`]) and only the
+//! service registration change). Their answers are diffed ([`crate::changes`]) and only the
 //! members they name are woken; a catalog move the checks do not account for wakes every
 //! member (each re-read still goes through the small read pool, so the burst is spread).
 //! Both queries follow the watch rules: paced, backoff with jitter on errors, the index
@@ -18,11 +18,12 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
-use super::changes::{CatalogMove, CatalogView, ChecksView, Stale};
-use super::client::{HttpClient, QueryError, Scope};
-use super::observe;
-use super::pool::Pool;
-use super::timing::{Backoff, IndexState, pace};
+use crate::changes::{CatalogMove, CatalogView, ChecksView, Stale};
+use crate::client::{HttpClient, Scope};
+use crate::error::QueryError;
+use crate::observe;
+use crate::pool::Pool;
+use crate::timing::{Backoff, IndexState, pace};
 use consul_resolver_core::keys::{ConsulKey, ConsulServer};
 use consul_resolver_core::model::Endpoint;
 

@@ -1,9 +1,16 @@
 //! The HTTP side: one `reqwest::Client` per Consul address and TLS settings, and the health
 //! query with Consul's parameters and error statuses.
 //!
+//! `parse` reads the bodies, `tls` builds the TLS configuration both protocol paths share,
+//! `multiplex` carries queries as HTTP/2 streams.
+//!
 //! The ACL token is a per-request header rather than part of the client, so watches with
 //! different tokens share one connection pool (and one connection budget). It is never put
 //! into an error message: errors name the address, never the request's headers.
+
+pub(crate) mod multiplex;
+pub(crate) mod parse;
+pub(crate) mod tls;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -12,43 +19,10 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use reqwest::header::HeaderMap;
 
-use super::multiplex::{self, Multiplexer, Protocol};
-use super::{parse, tls};
+use crate::error::{QueryError, cause_chain};
 use consul_resolver_core::keys::{Consistency, ConsulKey, Secret, TlsSettings};
 use consul_resolver_core::model::Endpoint;
-
-/// Why a query failed; the text is what the operator reports.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum QueryError {
-    #[error("Consul at {address} rejected the request: ACL token rejected ({body})")]
-    Forbidden { address: String, body: String },
-    #[error("Consul at {address} is rate limiting (429 Too Many Requests)")]
-    RateLimited { address: String, retry_after: Option<Duration> },
-    #[error("Consul at {address} answered {status}: {body}")]
-    Status { address: String, status: u16, body: String },
-    #[error("cannot reach Consul at {address}: {cause}")]
-    Network { address: String, cause: String },
-    #[error("cannot reach Consul at {address}: {cause}")]
-    Tls { address: String, cause: String },
-    #[error("Consul at {address} sent an unreadable answer: {cause}")]
-    Body { address: String, cause: String },
-    #[error(
-        "Consul at {address} answered {status} redirecting elsewhere; redirects are not followed (the token would go with them)"
-    )]
-    Redirect { address: String, status: u16 },
-    #[error("Consul at {address} sent an answer larger than {limit} bytes (--consul-max-response-bytes)")]
-    TooLarge { address: String, limit: usize },
-}
-
-impl QueryError {
-    /// A delay the server asked for (Retry-After), if any.
-    pub(crate) fn retry_after(&self) -> Option<Duration> {
-        match self {
-            QueryError::RateLimited { retry_after, .. } => *retry_after,
-            _ => None,
-        }
-    }
-}
+use multiplex::{Multiplexer, Protocol};
 
 /// How much longer than its `wait` (plus the server's random extra of up to wait/16) a
 /// request may take before the client gives up on it: a non-blocking read gets this alone.
@@ -410,22 +384,6 @@ fn encode_segment(s: &str) -> String {
         }
     }
     out
-}
-
-/// An error with its sources, which is where reqwest puts the useful part ("connection
-/// refused").
-pub(crate) fn cause_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let t = c.to_string();
-        if !s.contains(&t) {
-            s.push_str(": ");
-            s.push_str(&t);
-        }
-        cur = c.source();
-    }
-    s
 }
 
 #[cfg(test)]

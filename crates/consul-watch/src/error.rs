@@ -1,0 +1,53 @@
+//! Why a Consul request failed. Every message names the address it was sent to and never
+//! a request header (the ACL token travels in one).
+
+use std::time::Duration;
+
+/// Why a query failed; the text is what the operator reports.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum QueryError {
+    #[error("Consul at {address} rejected the request: ACL token rejected ({body})")]
+    Forbidden { address: String, body: String },
+    #[error("Consul at {address} is rate limiting (429 Too Many Requests)")]
+    RateLimited { address: String, retry_after: Option<Duration> },
+    #[error("Consul at {address} answered {status}: {body}")]
+    Status { address: String, status: u16, body: String },
+    #[error("cannot reach Consul at {address}: {cause}")]
+    Network { address: String, cause: String },
+    #[error("cannot reach Consul at {address}: {cause}")]
+    Tls { address: String, cause: String },
+    #[error("Consul at {address} sent an unreadable answer: {cause}")]
+    Body { address: String, cause: String },
+    #[error(
+        "Consul at {address} answered {status} redirecting elsewhere; redirects are not followed (the token would go with them)"
+    )]
+    Redirect { address: String, status: u16 },
+    #[error("Consul at {address} sent an answer larger than {limit} bytes (--consul-max-response-bytes)")]
+    TooLarge { address: String, limit: usize },
+}
+
+impl QueryError {
+    /// A delay the server asked for (Retry-After), if any.
+    pub(crate) fn retry_after(&self) -> Option<Duration> {
+        match self {
+            QueryError::RateLimited { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
+}
+
+/// An error with its sources, which is where reqwest puts the useful part ("connection
+/// refused").
+pub(crate) fn cause_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cur = c.source();
+    }
+    s
+}

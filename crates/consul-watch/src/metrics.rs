@@ -1,0 +1,171 @@
+//! What the Consul source measures, registered here, beside the code that measures it.
+//!
+//! Labels are bounded: queries, modes and outcomes are fixed sets. Never an address, a
+//! service name or a key (a key holds a token). Per-scope contact times are kept in memory
+//! ([`Contact`]) for the embedding program to export under names it chooses (the operator
+//! exports them per resolver).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+
+use consul_resolver_core::keys::{ConsulKey, QueryOptions};
+
+/// Buckets for Consul requests: a non-blocking read takes milliseconds, a blocking one up
+/// to its `wait` (5 min by default, Consul's cap 10 min) and a little more.
+const REQUEST_BUCKETS: &[f64] =
+    &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 330.0, 600.0, 660.0];
+
+/// The Consul source's metrics. Cloning shares them.
+#[derive(Clone)]
+pub struct Metrics {
+    /// `consul_requests_total{query,mode,outcome}`.
+    pub(crate) requests: IntCounterVec,
+    /// `consul_request_duration_seconds{mode}`.
+    pub(crate) request_seconds: HistogramVec,
+    /// The `source="consul"` children of the embedding program's `watch_errors_total` and
+    /// `watch_restarts_total{source,reason}` (one family for every source).
+    pub(crate) errors: IntCounterVec,
+    pub(crate) restarts: IntCounterVec,
+    pub(crate) contact: Arc<Contact>,
+}
+
+impl Metrics {
+    /// Registers the source's own metrics in `registry`; `watch_errors` and
+    /// `watch_restarts` are families `{source, reason}` the caller shares between its
+    /// sources (and registers itself).
+    pub fn register(
+        registry: &Registry,
+        watch_errors: IntCounterVec,
+        watch_restarts: IntCounterVec,
+    ) -> prometheus::Result<Metrics> {
+        let m = Metrics { errors: watch_errors, restarts: watch_restarts, ..Metrics::unregistered() };
+        registry.register(Box::new(m.requests.clone()))?;
+        registry.register(Box::new(m.request_seconds.clone()))?;
+        // Series that exist from the start, so a `rate()` sees 0 rather than no series.
+        for mode in ["blocking", "read"] {
+            m.request_seconds.with_label_values(&[mode]);
+            m.requests.with_label_values(&["service", mode, "ok"]);
+        }
+        for reason in ["error", "index_went_back"] {
+            m.restarts.with_label_values(&["consul", reason]);
+        }
+        Ok(m)
+    }
+
+    /// Metrics counted but exported nowhere (tests and benchmarks that read them directly).
+    pub fn unregistered() -> Metrics {
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
+        };
+        Metrics {
+            requests: counter(
+                "consul_requests_total",
+                "Consul requests by query (service, checks, catalog), mode (blocking, read) and outcome",
+                &["query", "mode", "outcome"],
+            ),
+            request_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "consul_request_duration_seconds",
+                    "Duration of Consul requests, blocking queries apart from non-blocking reads",
+                )
+                .buckets(REQUEST_BUCKETS.to_vec()),
+                &["mode"],
+            )
+            .expect("valid metric"),
+            errors: counter("watch_errors_total", "Failed watches by source and reason", &["source", "reason"]),
+            restarts: counter(
+                "watch_restarts_total",
+                "Watches that started over from a full read, by source and reason",
+                &["source", "reason"],
+            ),
+            contact: Arc::default(),
+        }
+    }
+
+    /// When Consul was last reached, per scope.
+    pub fn contact(&self) -> &Contact {
+        &self.contact
+    }
+
+    /// Requests counted with these labels so far (tests and benchmarks).
+    pub fn requests(&self, query: &str, mode: &str, outcome: &str) -> u64 {
+        self.requests.with_label_values(&[query, mode, outcome]).get()
+    }
+
+    /// Every request counted so far, whatever its labels.
+    pub fn requests_total(&self) -> u64 {
+        use prometheus::core::Collector;
+        self.requests
+            .collect()
+            .iter()
+            .flat_map(|family| family.get_metric())
+            .map(|m| m.get_counter().get_value() as u64)
+            .sum()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::unregistered()
+    }
+}
+
+/// The scope of a Consul query as far as reaching Consul goes: its server (address, token,
+/// TLS), datacenter, namespace and partition, with the service and query options left out.
+/// Every query of one resolver has the same scope (the change feed's queries too).
+pub fn contact_scope(key: &ConsulKey) -> ConsulKey {
+    ConsulKey {
+        server: key.server.clone(),
+        datacenter: key.datacenter.clone(),
+        namespace: key.namespace.clone(),
+        partition: key.partition.clone(),
+        query: QueryOptions::default(),
+        service: String::new(),
+    }
+}
+
+/// When a request of each scope (see [`contact_scope`]) last reached Consul, and last did
+/// not. The scopes hold tokens: they stay in memory.
+#[derive(Default)]
+pub struct Contact {
+    scopes: Mutex<HashMap<ConsulKey, LastContact>>,
+}
+
+/// The last success and failure of one scope.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct LastContact {
+    pub success: Option<SystemTime>,
+    pub failure: Option<SystemTime>,
+}
+
+impl Contact {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ConsulKey, LastContact>> {
+        self.scopes.lock().expect("consul contact poisoned")
+    }
+
+    /// A request of `scope` reached Consul (`answered`) or not, at `at`.
+    pub fn record(&self, scope: &ConsulKey, answered: bool, at: SystemTime) {
+        let mut scopes = self.lock();
+        let last = match scopes.get_mut(scope) {
+            Some(c) => c,
+            None => scopes.entry(scope.clone()).or_default(),
+        };
+        if answered {
+            last.success = Some(at);
+        } else {
+            last.failure = Some(at);
+        }
+    }
+
+    pub fn last(&self, scope: &ConsulKey) -> LastContact {
+        self.lock().get(scope).copied().unwrap_or_default()
+    }
+
+    /// Forgets the scopes not in `keep` (no resolver queries them any more).
+    pub fn retain(&self, keep: &HashSet<&ConsulKey>) {
+        self.lock().retain(|k, _| keep.contains(k));
+    }
+}
