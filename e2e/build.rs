@@ -31,6 +31,15 @@ fn main() {
     if std::env::var_os("E2E_CONSUL_ADDR").is_some() {
         println!("cargo::rustc-cfg=e2e_real_consul");
     }
+    // A real agent older than Consul 1.2 has no Connect: its tests are ignored, visibly.
+    println!("cargo::rustc-check-cfg=cfg(e2e_consul_without_connect)");
+    if let Ok(addr) = std::env::var("E2E_CONSUL_ADDR") {
+        match agent_version(&addr) {
+            Some(v) if v < (1, 2) => println!("cargo::rustc-cfg=e2e_consul_without_connect"),
+            Some(_) => {}
+            None => println!("cargo::warning=cannot read the version of the Consul agent at {addr} (/v1/agent/self)"),
+        }
+    }
     // A real agent without a token given: ACLs cannot be exercised.
     if std::env::var_os("E2E_CONSUL_ADDR").is_some() && std::env::var_os("E2E_CONSUL_TOKEN").is_none() {
         println!("cargo::rustc-cfg=e2e_consul_without_acls");
@@ -44,4 +53,23 @@ fn on_path(tool: &str) -> bool {
     std::env::split_paths(&path)
         .map(|dir| dir.join(tool))
         .any(|p| std::fs::metadata(&p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+}
+
+/// The (major, minor) version the Consul agent at `addr` (`host:port` or `http://host:port`)
+/// reports in `/v1/agent/self`, asked once at build time with a plain HTTP/1.0 request.
+fn agent_version(addr: &str) -> Option<(u32, u32)> {
+    use std::io::{Read, Write};
+    use std::time::Duration;
+    let hostport = addr.trim_start_matches("http://").trim_end_matches('/');
+    let sock = std::net::ToSocketAddrs::to_socket_addrs(hostport).ok()?.next()?;
+    let mut stream = std::net::TcpStream::connect_timeout(&sock, Duration::from_secs(5)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let token = std::env::var("E2E_CONSUL_TOKEN").map(|t| format!("X-Consul-Token: {t}\r\n")).unwrap_or_default();
+    write!(stream, "GET /v1/agent/self HTTP/1.0\r\nHost: {hostport}\r\n{token}\r\n").ok()?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).ok()?;
+    let at = answer.find("\"Version\":")? + "\"Version\":".len();
+    let version = answer[at..].trim_start().trim_start_matches('"');
+    let mut parts = version.split(|c: char| !c.is_ascii_digit()).filter(|p| !p.is_empty());
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
 }

@@ -1,6 +1,7 @@
 //! Consul watches driven directly (no Kubernetes), for the Consul source's tests: start
 //! watches of keys and wait, with a deadline, for their events.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 use consul_resolver_core::keys::ConsulKey;
@@ -20,23 +21,44 @@ pub struct Watches {
     pub metrics: Metrics,
     tx: mpsc::Sender<Event>,
     rx: mpsc::Receiver<Event>,
-    tasks: Vec<AbortOnDropHandle<()>>,
+    tasks: BTreeMap<ConsulKey, AbortOnDropHandle<()>>,
+    /// Events received while waiting for another key's, kept for that key in arrival order:
+    /// a real agent may answer the first reads in any order.
+    pending: BTreeMap<ConsulKey, VecDeque<ConsulEvent>>,
 }
 
 impl Watches {
     pub fn new(settings: Settings) -> Self {
         let (tx, rx) = mpsc::channel(100_000);
         let metrics = Metrics::unregistered();
-        Watches { source: ConsulSource::new(settings, metrics.clone()), metrics, tx, rx, tasks: Vec::new() }
+        Watches {
+            source: ConsulSource::new(settings, metrics.clone()),
+            metrics,
+            tx,
+            rx,
+            tasks: BTreeMap::new(),
+            pending: BTreeMap::new(),
+        }
     }
 
     pub fn start(&mut self, key: &ConsulKey) {
         let fut = self.source.watch(key.clone(), self.tx.clone());
-        self.tasks.push(AbortOnDropHandle::new(tokio::spawn(fut)));
+        self.tasks.insert(key.clone(), AbortOnDropHandle::new(tokio::spawn(fut)));
     }
 
-    /// The next event of any watch, or `None` at `deadline`.
+    /// Stops the watch of `key` (its task is aborted, dropping its request in flight), and
+    /// forgets its pending events.
+    pub fn stop(&mut self, key: &ConsulKey) {
+        self.tasks.remove(key);
+        self.pending.remove(key);
+    }
+
+    /// The next event of any watch (those kept for a key first), or `None` at `deadline`.
     pub async fn next(&mut self, deadline: Instant) -> Option<Event> {
+        if let Some(key) = self.pending.iter().find(|(_, q)| !q.is_empty()).map(|(k, _)| k.clone()) {
+            let ev = self.pending.get_mut(&key).and_then(VecDeque::pop_front)?;
+            return Some(Event::Consul(key, ev));
+        }
         tokio::time::timeout_at(deadline, self.rx.recv()).await.ok().flatten()
     }
 
@@ -45,22 +67,56 @@ impl Watches {
         self.tasks.clear();
     }
 
-    /// Waits for an event of `key` satisfying `pred`; panics at the deadline.
+    /// Waits for an event of `key` satisfying `pred`; panics at the deadline. Events of
+    /// `key` that do not satisfy it are consumed; other keys' events are kept for them.
     pub async fn until(&mut self, key: &ConsulKey, what: &str, pred: impl Fn(&ConsulEvent) -> bool) -> ConsulEvent {
-        let deadline = Instant::now() + DEADLINE;
+        self.until_within(key, what, DEADLINE, pred).await
+    }
+
+    /// [`Watches::until`] with a deadline of `within` from now.
+    pub async fn until_within(
+        &mut self,
+        key: &ConsulKey,
+        what: &str,
+        within: Duration,
+        pred: impl Fn(&ConsulEvent) -> bool,
+    ) -> ConsulEvent {
+        let deadline = Instant::now() + within;
+        while let Some(ev) = self.pending.get_mut(key).and_then(VecDeque::pop_front) {
+            if pred(&ev) {
+                return ev;
+            }
+        }
         loop {
             match tokio::time::timeout_at(deadline, self.rx.recv()).await {
-                Ok(Some(Event::Consul(k, ev))) if &k == key && pred(&ev) => return ev,
+                Ok(Some(Event::Consul(k, ev))) if &k == key => {
+                    if pred(&ev) {
+                        return ev;
+                    }
+                }
+                Ok(Some(Event::Consul(k, ev))) => self.pending.entry(k).or_default().push_back(ev),
                 Ok(Some(_)) => {}
                 Ok(None) => panic!("event channel closed"),
-                Err(_) => panic!("timed out waiting for {what} of {key}"),
+                Err(_) => panic!("timed out after {within:?} waiting for {what} of {key}"),
             }
         }
     }
 
     /// Waits for an answer of `key` whose endpoints satisfy `pred`, and returns them.
     pub async fn answer(&mut self, key: &ConsulKey, what: &str, pred: impl Fn(&[Endpoint]) -> bool) -> Vec<Endpoint> {
-        match self.until(key, what, |ev| matches!(ev, ConsulEvent::Answer { endpoints, .. } if pred(endpoints))).await {
+        self.answer_within(key, what, DEADLINE, pred).await
+    }
+
+    /// [`Watches::answer`] with a deadline of `within` from now.
+    pub async fn answer_within(
+        &mut self,
+        key: &ConsulKey,
+        what: &str,
+        within: Duration,
+        pred: impl Fn(&[Endpoint]) -> bool,
+    ) -> Vec<Endpoint> {
+        let matches = |ev: &ConsulEvent| matches!(ev, ConsulEvent::Answer { endpoints, .. } if pred(endpoints));
+        match self.until_within(key, what, within, matches).await {
             ConsulEvent::Answer { endpoints, .. } => endpoints,
             _ => unreachable!("until returns what the predicate accepted"),
         }
