@@ -12,7 +12,10 @@ use consul_resolver_core::keys::{
 };
 use consul_resolver_core::model::{ConsulEvent, Event};
 use consul_resolver_core::model::{Endpoint, Health};
-use consul_sim::{AclConfig, AclToken, Budget, Config, FaultsPatch, HEALTH_STATE_LABEL, RunningSim, Simulator};
+use consul_sim::{
+    AclConfig, AclToken, Budget, Config, FaultsPatch, HEALTH_CONNECT_LABEL_PREFIX, HEALTH_STATE_LABEL, RunningSim,
+    Simulator,
+};
 use consul_watch::Settings;
 use e2e::watches::{DEADLINE, Watches};
 use serde_json::json;
@@ -65,7 +68,10 @@ impl Env {
 
     /// A key that publishes every instance whatever its health, to see health change.
     fn key_any(&self, service: &str) -> ConsulKey {
-        ConsulKey { query: QueryOptions { statuses: HealthStatuses::ANY, ..QueryOptions::default() }, ..self.key(service) }
+        ConsulKey {
+            query: QueryOptions { statuses: HealthStatuses::ANY, ..QueryOptions::default() },
+            ..self.key(service)
+        }
     }
 
     /// Sets a node's own check (`serfHealth`), which counts against every instance on it.
@@ -513,7 +519,8 @@ async fn one_instance_each(env: &Env, services: &[String]) {
 /// reads have settled (members joining re-read once: a finite burst), then clears the log.
 async fn feed_settled(env: &Env) {
     if let Some(sim) = &env.sim {
-        let (_, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking.get(HEALTH_STATE_LABEL).copied().unwrap_or(0) >= 1).await;
+        let (_, ok) =
+            sim.wait_for_stats(DEADLINE, |s| s.blocking.get(HEALTH_STATE_LABEL).copied().unwrap_or(0) >= 1).await;
         assert!(ok, "the feed's checks query blocks");
         wait_until_no_reads_for(sim, Duration::from_millis(500)).await;
         sim.clear_requests();
@@ -593,31 +600,30 @@ on_both_agents! {
         let localhost = env.address.replace("127.0.0.1", "localhost");
         // Two spellings of one agent; and, where tokens are not checked (no ACLs), a second
         // token, which is another scope to us whatever the agent does with it.
-        let mut scopes: Vec<Box<dyn Fn(&str) -> ConsulKey>> = vec![
-            Box::new(|s: &str| env.key(s)),
-            Box::new(|s: &str| {
-                let mut k = env.key(s);
-                k.server.address = localhost.clone();
-                k
-            }),
+        // Each scope as (address, token).
+        let mut scopes: Vec<(String, Option<Secret>)> = vec![
+            (env.address.clone(), env.admin_token.clone().map(Secret::new)),
+            (localhost, env.admin_token.clone().map(Secret::new)),
         ];
         if env.admin_token.is_none() {
-            scopes.push(Box::new(|s: &str| {
-                let mut k = env.key(s);
-                k.server.token = Some(Secret::new("second-team-token"));
-                k
-            }));
+            scopes.push((env.address.clone(), Some(Secret::new("second-team-token"))));
         }
+        let scoped = |(address, token): &(String, Option<Secret>), s: &str| {
+            let mut k = env.key(s);
+            (k.server.address, k.server.token) = (address.clone(), token.clone());
+            k
+        };
         let svcs: Vec<Vec<String>> =
-            (0..scopes.len()).map(|t| (0..4).map(|i| unique(&format!("team{t}-{i}"))).collect()).collect();
+            (0..scopes.len()).map(|t| (0..6).map(|i| unique(&format!("team{t}-{i}"))).collect()).collect();
         for team in &svcs {
             one_instance_each(&env, team).await;
         }
-        // A budget of 8: one read and seven for blocking queries, fewer than the twelve
-        // watches.
+        // A budget of 8: one read and seven lanes for blocking queries, far fewer than the
+        // watches. The two spellings of one server share a feed (plain HTTP, one token);
+        // the second token needs its own.
         let mut w = Watches::new(Settings { wait: Duration::from_secs(60), sweep: NO_SWEEP, ..settings(8) });
         let keys: Vec<Vec<ConsulKey>> =
-            scopes.iter().zip(&svcs).map(|(scope, team)| team.iter().map(|s| scope(s)).collect()).collect();
+            scopes.iter().zip(&svcs).map(|(scope, team)| team.iter().map(|s| scoped(scope, s)).collect()).collect();
         for k in keys.iter().flatten() {
             w.start(k);
         }
@@ -625,6 +631,12 @@ on_both_agents! {
             w.answer(k, "the first answer", |e| e.len() == 1).await;
         }
         feed_settled(&env).await;
+        if let Some(sim) = &env.sim {
+            let feeds = if env.admin_token.is_none() { 2 } else { 1 };
+            let (stats, ok) =
+                sim.wait_for_stats(DEADLINE, |s| s.blocking.get(HEALTH_STATE_LABEL).copied() == Some(feeds)).await;
+            assert!(ok, "{feeds} change feeds: {stats:?}");
+        }
         for (team, keys) in svcs.iter().zip(&keys) {
             for (i, status) in [(1, "critical"), (1, "passing"), (2, "critical"), (2, "passing")] {
                 let started = Instant::now();
@@ -659,7 +671,8 @@ on_both_agents! {
         let first = env.key(&first);
         w.start(&first);
         w.answer(&first, "the first watch's answer", |e| e.len() == 1).await;
-        let svcs: Vec<String> = (0..2).map(|i| unique(&format!("mesh{i}"))).collect();
+        // Three Connect watches: with the first, more watches than lanes.
+        let svcs: Vec<String> = (0..3).map(|i| unique(&format!("mesh{i}"))).collect();
         let proxy = |svc: &str, name: &str, id: &str, port: u16, status: &str| {
             json!({"Node": format!("{svc}-node"), "Address": "127.0.0.1",
                    "Service": {"ID": id, "Service": name, "Kind": "connect-proxy", "Port": port,
@@ -682,6 +695,10 @@ on_both_agents! {
         }
         feed_settled(&env).await;
         let s = &svcs[1];
+        if let Some(sim) = &env.sim {
+            let blocking = sim.stats().blocking.get(&format!("{HEALTH_CONNECT_LABEL_PREFIX}{s}")).copied();
+            assert_eq!(blocking.unwrap_or(0), 0, "the Connect watch under test is fed");
+        }
         let sidecar = format!("{s}-sidecar-proxy");
         env.put("/v1/catalog/register", proxy(s, &sidecar, &format!("{s}-p1"), 21000, "critical")).await;
         w.answer_within(&keys[1], "its proxy critical", PROMPT, |e| e.is_empty()).await;
@@ -704,29 +721,45 @@ on_both_agents! {
     async fn a_freed_slot_goes_to_a_fed_watch_at_once(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
-        let (a, b) = (unique("holder"), unique("waiter"));
-        one_instance_each(&env, &[a.clone(), b.clone()]).await;
-        // A budget of 4: one read, the feed's two queries, one dedicated query.
+        let holder = unique("holder");
+        let waiters: Vec<String> = (0..3).map(|i| unique(&format!("waiter{i}"))).collect();
+        one_instance_each(&env, &[vec![holder.clone()], waiters.clone()].concat()).await;
+        // A budget of 4: one read and three lanes for four watches: a feed (two lanes) and
+        // one dedicated query, which the first watch holds.
         let mut w = Watches::new(Settings { wait: Duration::from_secs(60), sweep: NO_SWEEP, ..settings(4) });
-        let (ka, kb) = (env.key(&a), env.key(&b));
-        w.start(&ka);
-        w.answer(&ka, "the holder's answer", |e| e.len() == 1).await;
         fn blocking(name: &str) -> impl Fn(&consul_sim::Stats) -> bool + '_ {
             move |s| s.blocking.get(name).copied().unwrap_or(0) >= 1
         }
-        let (_, ok) = sim.wait_for_stats(DEADLINE, blocking(&a)).await;
+        let kh = env.key(&holder);
+        w.start(&kh);
+        w.answer(&kh, "the holder's answer", |e| e.len() == 1).await;
+        let (_, ok) = sim.wait_for_stats(DEADLINE, blocking(&holder)).await;
         assert!(ok, "the first watch blocks on its own query");
-        w.start(&kb);
-        w.answer(&kb, "the waiter's answer", |e| e.len() == 1).await;
+        let keys: Vec<ConsulKey> = waiters.iter().map(|s| env.key(s)).collect();
+        for k in &keys {
+            w.start(k);
+            w.answer(k, "the waiter's answer", |e| e.len() == 1).await;
+        }
         feed_settled(&env).await;
-        assert_eq!(sim.stats().blocking.get(b.as_str()).copied().unwrap_or(0), 0, "the second watch is fed");
+        let stats = sim.stats();
+        for name in &waiters {
+            assert_eq!(stats.blocking.get(name.as_str()).copied().unwrap_or(0), 0, "{name} is fed: {stats:?}");
+        }
+        assert!(blocking(&holder)(&stats), "the holder kept its lane");
         let stopped = Instant::now();
-        w.stop(&ka);
-        let (stats, ok) = sim.wait_for_stats(Duration::from_secs(2), blocking(&b)).await;
-        assert!(ok, "the freed slot did not go to the fed watch within 2 s: {stats:?}");
-        eprintln!("the fed watch blocked on its own query {:?} after the slot freed", stopped.elapsed());
-        env.register(&format!("{b}-node"), &format!("{b}-1"), &b, 9999, "passing", &[]).await;
-        w.answer_within(&kb, "a change through its own query", PROMPT, |e| ports(e) == [9999]).await;
+        w.stop(&kh);
+        // Three watches on three lanes: each gets one, the feed stops.
+        for name in &waiters {
+            let (stats, ok) = sim.wait_for_stats(Duration::from_secs(2), blocking(name)).await;
+            assert!(ok, "the freed lanes did not go to the fed watches within 2 s: {stats:?}");
+        }
+        eprintln!("the fed watches blocked on their own queries {:?} after the lane freed", stopped.elapsed());
+        // (An older agent keeps a dropped query until its wait ends: count ours.)
+        assert_eq!(w.metrics.feeds(), 0, "a feed with no member left stops");
+        assert_eq!(w.metrics.watches("dedicated"), 3);
+        let b = &waiters[0];
+        env.register(&format!("{b}-node"), &format!("{b}-1"), b, 9999, "passing", &[]).await;
+        w.answer_within(&keys[0], "a change through its own query", PROMPT, |e| ports(e) == [9999]).await;
     }
 }
 

@@ -24,6 +24,10 @@ pub(crate) struct Stale {
     pub services: BTreeSet<String>,
     /// Nodes whose node checks changed: every instance on them.
     pub nodes: BTreeSet<String>,
+    /// Service names new to the catalog. A watch of a service's Connect proxies cannot know
+    /// the name of a proxy it has not seen yet (any name may name the service as its
+    /// destination): it re-reads when a name appears.
+    pub appeared: BTreeSet<String>,
     pub everything: bool,
 }
 
@@ -33,7 +37,7 @@ impl Stale {
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        !self.everything && self.services.is_empty() && self.nodes.is_empty()
+        !self.everything && self.services.is_empty() && self.nodes.is_empty() && self.appeared.is_empty()
     }
 
     fn check(&mut self, node: &str, service: &str) {
@@ -123,8 +127,8 @@ pub(crate) enum CatalogMove {
     /// The index went backwards: a restored or rebuilt cluster.
     Restarted,
     /// The index moved over `(after, upto]`; `named` are the services whose name or tags
-    /// appeared, disappeared or changed.
-    Moved { named: BTreeSet<String>, after: u64, upto: u64 },
+    /// appeared, disappeared or changed, `appeared` those new to the catalog.
+    Moved { named: BTreeSet<String>, appeared: BTreeSet<String>, after: u64, upto: u64 },
 }
 
 /// The last answer of `/v1/catalog/services`.
@@ -143,14 +147,21 @@ impl CatalogView {
             Some(p) if index < p => CatalogMove::Restarted,
             Some(p) if index == p => CatalogMove::Unchanged,
             Some(after) => {
-                let mut named = BTreeSet::new();
+                let (mut named, mut appeared) = (BTreeSet::new(), BTreeSet::new());
                 for (name, tags) in &self.services {
-                    if old.get(name) != Some(tags) {
-                        named.insert(name.to_ascii_lowercase());
+                    match old.get(name) {
+                        Some(was) if was == tags => {}
+                        Some(_) => {
+                            named.insert(name.to_ascii_lowercase());
+                        }
+                        None => {
+                            named.insert(name.to_ascii_lowercase());
+                            appeared.insert(name.to_ascii_lowercase());
+                        }
                     }
                 }
                 named.extend(old.keys().filter(|n| !self.services.contains_key(*n)).map(|n| n.to_ascii_lowercase()));
-                CatalogMove::Moved { named, after, upto: index }
+                CatalogMove::Moved { named, appeared, after, upto: index }
             }
         }
     }
@@ -223,12 +234,17 @@ mod tests {
         assert_eq!(c.apply(5, m(&[("web", &["a"]), ("api", &[])])), CatalogMove::Unchanged);
         assert_eq!(
             c.apply(8, m(&[("Web", &["a", "b"]), ("db", &[])])),
-            CatalogMove::Moved { named: names(&["web", "api", "db"]), after: 5, upto: 8 },
-            "web's spelling and tags changed, api left, db came"
+            CatalogMove::Moved {
+                named: names(&["web", "api", "db"]),
+                appeared: names(&["web", "db"]),
+                after: 5,
+                upto: 8
+            },
+            "web's spelling and tags changed (a new spelling is a new key), api left, db came"
         );
         assert_eq!(
             c.apply(9, m(&[("Web", &["a", "b"]), ("db", &[])])),
-            CatalogMove::Moved { named: BTreeSet::new(), after: 8, upto: 9 },
+            CatalogMove::Moved { named: BTreeSet::new(), appeared: BTreeSet::new(), after: 8, upto: 9 },
             "a port change shows in the index only"
         );
         assert_eq!(c.apply(2, m(&[])), CatalogMove::Restarted);

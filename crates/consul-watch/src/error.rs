@@ -27,6 +27,23 @@ pub(crate) enum QueryError {
 }
 
 impl QueryError {
+    /// The request did not reach the server, or got no answer from it (refused, reset,
+    /// timed out, no address): the server may be down. Not a TLS setup that fails, nor any
+    /// answer, which are the request's own.
+    pub(crate) fn unreachable(&self) -> bool {
+        matches!(self, QueryError::Network { .. })
+    }
+
+    /// What went wrong, without the address (the caller names its own).
+    pub(crate) fn cause(&self) -> String {
+        match self {
+            QueryError::Network { cause, .. } | QueryError::Tls { cause, .. } | QueryError::Body { cause, .. } => {
+                cause.clone()
+            }
+            other => other.to_string(),
+        }
+    }
+
     /// A delay the server asked for (Retry-After), if any.
     pub(crate) fn retry_after(&self) -> Option<Duration> {
         match self {

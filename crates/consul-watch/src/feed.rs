@@ -1,47 +1,74 @@
-//! The change feed of one scope (datacenter, namespace, partition, and the server with its
-//! token, so ACL filtering is that of the watches it serves): how watches without a
-//! blocking query of their own ("fed" watches) learn which of them to re-read.
+//! The change feed of one group of watches: how watches without a blocking query of their
+//! own ("fed" watches) learn which of them to re-read (docs/consul.md, "Services without a
+//! blocking query of their own").
 //!
-//! Two blocking queries, each holding one permit of the address's budget for the feed's
-//! life: `/v1/health/state/any` (every check write) and `/v1/catalog/services` (every
-//! service registration change). Their answers are diffed ([`crate::changes`]) and only the
-//! members they name are woken; a catalog move the checks do not account for wakes every
-//! member (each re-read still goes through the small read pool, so the burst is spread).
-//! Both queries follow the watch rules: paced, backoff with jitter on errors, the index
-//! reset after a failure or when it goes backwards.
+//! A group is what one answer of the feed's queries is the same for: datacenter, namespace,
+//! partition, token (ACLs filter what a token sees) and, over TLS, the address and TLS
+//! settings (what a connection trusts). Plain-HTTP spellings of one server share a feed.
+//!
+//! Two blocking queries, each holding one lane of the server's budget for the feed's life:
+//! `/v1/health/state/any` (every check write) and `/v1/catalog/services` (every service
+//! registration change). Their answers are diffed ([`crate::changes`]) and only the members
+//! they name are woken: those whose service names, or nodes, the diff names (what the member
+//! asked about, not what its last answer kept: see [`Heard`]); a Connect member also when a
+//! new name appears (a proxy's name is any). A catalog move the checks do not account for
+//! wakes every member (each re-read still goes through the small read pool, so the burst is
+//! spread). Both queries follow the watch rules: paced, backoff with jitter on errors, the
+//! index reset after a failure or when it goes backwards; while the server is down they
+//! wait for it ([`crate::reach`]).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
-use tokio_util::task::AbortOnDropHandle;
 
 use crate::changes::{CatalogMove, CatalogView, ChecksView, Stale};
-use crate::client::{HttpClient, Scope};
+use crate::client::{Heard, HttpClient, Scope};
 use crate::error::QueryError;
+use crate::metrics::{Metrics, contact_scope};
 use crate::observe;
-use crate::pool::Pool;
+use crate::reach::{Reach, Reachability};
 use crate::timing::{Backoff, IndexState, pace};
-use consul_resolver_core::keys::{ConsulKey, ConsulServer};
-use consul_resolver_core::model::Endpoint;
+use consul_resolver_core::keys::{ConsulKey, Secret, TlsSettings};
 
-/// What identifies one feed.
-pub(crate) type FeedKey = (Scope, ConsulServer);
+/// What identifies one feed: see the module's doc.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct FeedKey {
+    scope: Scope,
+    token: Option<Secret>,
+    /// `https://` only: the address as spelled (the name TLS verifies) and the settings.
+    tls: Option<(String, Option<TlsSettings>)>,
+}
+
+impl FeedKey {
+    /// The feed that can serve `key`'s watch.
+    pub(crate) fn of(key: &ConsulKey) -> FeedKey {
+        let server = &key.server;
+        let tls = server.address.starts_with("https://").then(|| (server.address.clone(), server.tls.clone()));
+        FeedKey { scope: Scope::of(key), token: server.token.clone(), tls }
+    }
+}
 
 /// How long a catalog move waits for the checks query to catch up with its index before it
 /// is judged (a registration writes the catalog and its check at one index, and the two
 /// answers race).
 const CHECKS_CATCH_UP: Duration = Duration::from_millis(250);
 
-/// A running feed; dropping it stops its queries.
-pub(crate) struct Feed {
-    shared: Arc<Shared>,
-    _task: AbortOnDropHandle<()>,
+/// What a feed runs on: its server's lanes, reachability and metrics.
+#[derive(Clone)]
+pub(crate) struct FeedEnv {
+    pub lanes: Arc<Semaphore>,
+    pub reach: Arc<Reachability>,
+    pub metrics: Metrics,
+    pub wait: Duration,
 }
 
-struct Shared {
+/// The members of a feed, shared by its queries and by the memberships. The queries run in
+/// [`Feed::run`], a task the server owns: dropping the task stops them, whoever still holds
+/// the feed.
+pub(crate) struct Feed {
     members: Mutex<Members>,
     /// The checks view's index, for a catalog move waiting on it.
     checks_index: watch::Sender<u64>,
@@ -53,38 +80,39 @@ struct Members {
     all: HashMap<u64, Member>,
     /// When both queries had answered once: the feed's diffs cover everything since.
     baseline_at: Option<Instant>,
-    /// When the feed last acted on an answer. A member whose first read was sent after
+    /// When the feed last acted on an answer. A member whose last read was sent after
     /// this (and after the baseline) misses nothing: anything its read did not see comes
     /// in a later answer, acted on once it is a member.
     last_answer: Option<Instant>,
 }
 
 struct Member {
-    /// Lower case, as Consul compares service names.
-    service: String,
-    /// Nodes of its last answer: a node check change there wakes it.
-    nodes: BTreeSet<String>,
+    heard: Heard,
+    /// A Connect watch: its proxies may carry any name.
+    connect: bool,
     wake: watch::Sender<()>,
 }
 
 impl Members {
-    fn join(&mut self, service: &str, first_read: Instant) -> (u64, watch::Receiver<()>) {
+    fn join(&mut self, heard: Heard, connect: bool, last_read: Instant) -> (u64, watch::Receiver<()>) {
         let id = self.next_id;
         self.next_id += 1;
         let (wake, mut rx) = watch::channel(());
-        let covered = self.baseline_at.is_some() && self.last_answer.is_none_or(|a| a <= first_read);
+        let covered =
+            self.baseline_at.is_some_and(|b| b <= last_read) && self.last_answer.is_none_or(|a| a <= last_read);
         if !covered {
             rx.mark_changed();
         }
-        self.all.insert(id, Member { service: service.to_ascii_lowercase(), nodes: BTreeSet::new(), wake });
+        self.all.insert(id, Member { heard, connect, wake });
         (id, rx)
     }
 
     fn wake(&self, stale: &Stale) {
         for m in self.all.values() {
             if stale.everything
-                || stale.services.contains(&m.service)
-                || m.nodes.iter().any(|n| stale.nodes.contains(n))
+                || m.heard.names.iter().any(|n| stale.services.contains(n))
+                || m.heard.nodes.iter().any(|n| stale.nodes.contains(n))
+                || (m.connect && !stale.appeared.is_empty())
             {
                 m.wake.send_replace(());
             }
@@ -92,38 +120,45 @@ impl Members {
     }
 }
 
-impl Feed {
-    pub(crate) fn start(pool: Arc<Pool>, key: FeedKey, client: Arc<HttpClient>) -> Feed {
-        let shared = Arc::new(Shared { members: Mutex::default(), checks_index: watch::Sender::new(0) });
-        let task = tokio::spawn(run(pool, key, client, shared.clone()));
-        Feed { shared, _task: AbortOnDropHandle::new(task) }
-    }
+/// A fed watch's subscription; leaving is dropping it.
+pub(crate) struct Membership {
+    feed: Arc<Feed>,
+    id: u64,
+    /// Changed when the feed says this watch's service may have changed.
+    pub changes: watch::Receiver<()>,
+}
 
-    pub(crate) fn is_empty(&self) -> bool {
-        self.lock().all.is_empty()
+impl Membership {
+    /// Records what the member's latest answer asked about.
+    pub(crate) fn saw(&self, heard: &Heard) {
+        if let Some(m) = self.feed.lock().all.get_mut(&self.id) {
+            m.heard.clone_from(heard);
+        }
+    }
+}
+
+impl Drop for Membership {
+    fn drop(&mut self) {
+        self.feed.lock().all.remove(&self.id);
+    }
+}
+
+impl Feed {
+    pub(crate) fn new() -> Arc<Feed> {
+        Arc::new(Feed { members: Mutex::default(), checks_index: watch::Sender::new(0) })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Members> {
-        self.shared.members.lock().expect("feed members poisoned")
+        self.members.lock().expect("feed members poisoned")
     }
 
-    /// Adds a member watching `service`, whose first read was sent at `first_read`. Its
-    /// receiver is already marked changed (re-read at once) unless the feed had its
-    /// baseline and acted on no answer since that read was sent, so nothing between the
-    /// read and joining is lost.
-    pub(crate) fn join(&self, service: &str, first_read: Instant) -> (u64, watch::Receiver<()>) {
-        self.lock().join(service, first_read)
-    }
-
-    pub(crate) fn leave(&self, id: u64) {
-        self.lock().all.remove(&id);
-    }
-
-    /// Records the nodes of a member's latest answer.
-    pub(crate) fn saw(&self, id: u64, endpoints: &[Endpoint]) {
-        if let Some(m) = self.lock().all.get_mut(&id) {
-            m.nodes = endpoints.iter().map(|e| e.node.clone()).collect();
-        }
+    /// Adds a member that asked about `heard` in a read sent at `last_read`. Its receiver
+    /// is already marked changed (re-read at once) unless the feed had its baseline and
+    /// acted on no answer since that read was sent, so nothing between the read and
+    /// joining is lost.
+    pub(crate) fn join(self: &Arc<Self>, heard: Heard, connect: bool, last_read: Instant) -> Membership {
+        let (id, changes) = self.lock().join(heard, connect, last_read);
+        Membership { feed: self.clone(), id, changes }
     }
 }
 
@@ -134,97 +169,107 @@ enum Query {
     Catalog,
 }
 
-async fn run(pool: Arc<Pool>, (scope, server): FeedKey, client: Arc<HttpClient>, shared: Arc<Shared>) {
-    let checks = Mutex::new(ChecksView::default());
-    let baselines = Mutex::new(0u8);
-    let ctx = Ctx { pool: &pool, scope: &scope, server: &server, client: &client, shared: &shared, checks: &checks };
-    // The checks query takes its permit first: with room for only one query (a budget of
-    // two), health changes are what must stay prompt; the catalog's then wait for the sweep.
-    let checks_permit = pool.feed_permit().await;
-    // `permit`: taken already, or `None` to wait for one.
-    let one = |q: Query, permit: Option<Option<tokio::sync::OwnedSemaphorePermit>>| {
-        let ctx = &ctx;
-        let baselines = &baselines;
-        async move {
-            let _permit = match permit {
-                Some(p) => p,
-                None => ctx.pool.feed_permit().await,
-            };
-            let mut catalog = CatalogView::default();
-            let mut state = IndexState::default();
-            let mut backoff = Backoff::default();
-            let mut last: Option<Instant> = None;
-            loop {
-                if let Some(at) = last {
-                    let gap = pace(Duration::from_millis(100), &mut rand::rng());
-                    tokio::time::sleep_until(at + gap).await;
-                }
-                last = Some(Instant::now());
-                let block = state.block(ctx.pool.wait);
-                let answered = match q {
-                    Query::Checks => ctx.checks(block).await,
-                    Query::Catalog => ctx.catalog(block, &mut catalog).await,
-                };
-                match answered {
-                    Ok((index, first)) => {
-                        backoff.reset();
-                        state.observe(block.map(|b| b.0), index);
-                        if first {
-                            let mut b = baselines.lock().expect("baselines poisoned");
-                            *b += 1;
-                            if *b == 2 {
-                                // Both views have a baseline: everyone who joined before
-                                // re-reads once, and later joiners need not.
-                                let mut members = ctx.shared.members.lock().expect("feed members poisoned");
-                                let now = Instant::now();
-                                members.baseline_at = Some(now);
-                                members.last_answer = Some(now);
-                                members.wake(&Stale::everything());
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        // The server may come back as another cluster with a lower index:
-                        // never block on the old one (docs/consul-protocol.md).
-                        state.reset();
-                        let step = backoff.failure(&mut rand::rng());
-                        let delay = step.max(e.retry_after().unwrap_or_default());
-                        tracing::warn!(consul = %ctx.client.address(), feed = ?q, error = %e, retry_in = ?delay,
-                            "change feed query failed; services without their own blocking query are re-read when it recovers");
-                        tokio::time::sleep(delay).await;
-                    }
-                }
-            }
-        }
-    };
-    tokio::join!(one(Query::Checks, Some(checks_permit)), one(Query::Catalog, None));
+impl Feed {
+    /// The feed's two queries, run until the task is dropped. `scope_key` is a key of the
+    /// group, for the metrics (which count requests per scope).
+    pub(crate) async fn run(self: Arc<Self>, client: Arc<HttpClient>, scope_key: ConsulKey, env: FeedEnv) {
+        let checks = Mutex::new(ChecksView::default());
+        let baselines = Mutex::new(0u8);
+        let ctx = Ctx {
+            feed: &self,
+            client: &client,
+            scope: Scope::of(&scope_key),
+            key: contact_scope(&scope_key),
+            env: &env,
+            checks: &checks,
+        };
+        tokio::join!(ctx.query(Query::Checks, &baselines), ctx.query(Query::Catalog, &baselines));
+    }
 }
 
 struct Ctx<'a> {
-    pool: &'a Pool,
-    scope: &'a Scope,
-    server: &'a ConsulServer,
-    client: &'a HttpClient,
-    shared: &'a Shared,
+    feed: &'a Feed,
+    client: &'a Arc<HttpClient>,
+    scope: Scope,
+    /// The group's contact scope (server, token, TLS, dc, ns, partition).
+    key: ConsulKey,
+    env: &'a FeedEnv,
     checks: &'a Mutex<ChecksView>,
 }
 
 impl Ctx<'_> {
-    /// A key of the feed's scope, for the metrics (which count requests per scope).
-    fn key(&self) -> ConsulKey {
-        ConsulKey {
-            server: self.server.clone(),
-            datacenter: self.scope.datacenter.clone(),
-            namespace: self.scope.namespace.clone(),
-            partition: self.scope.partition.clone(),
-            query: Default::default(),
-            service: String::new(),
+    /// One of the two queries, for the feed's life: a lane held throughout, paced, backing
+    /// off on errors, waiting while the server is down.
+    async fn query(&self, q: Query, baselines: &Mutex<u8>) {
+        let Ok(_lane) = self.env.lanes.acquire().await else { return };
+        let mut reach = self.env.reach.subscribe();
+        let mut catalog = CatalogView::default();
+        let mut state = IndexState::default();
+        let mut backoff = Backoff::default();
+        let mut last: Option<Instant> = None;
+        loop {
+            if !matches!(*reach.borrow_and_update(), Reach::Up) {
+                // The index is forgotten (the server may come back as another cluster) and
+                // the next answer is diffed against the last one seen.
+                state.reset();
+                backoff.reset();
+                if reach.wait_for(|r| matches!(r, Reach::Up)).await.is_err() {
+                    return;
+                }
+            }
+            if let Some(at) = last {
+                let gap = pace(Duration::from_millis(100), &mut rand::rng());
+                tokio::time::sleep_until(at + gap).await;
+            }
+            last = Some(Instant::now());
+            let block = state.block(self.env.wait);
+            let answered = tokio::select! {
+                a = async {
+                    match q {
+                        Query::Checks => self.checks(block).await,
+                        Query::Catalog => self.catalog(block, &mut catalog).await,
+                    }
+                } => a,
+                // The server went down: the query in flight is dropped.
+                _ = reach.wait_for(|r| !matches!(r, Reach::Up)) => continue,
+            };
+            match answered {
+                Ok((index, first)) => {
+                    backoff.reset();
+                    state.observe(block.map(|b| b.0), index);
+                    if first {
+                        let mut b = baselines.lock().expect("baselines poisoned");
+                        *b += 1;
+                        if *b == 2 {
+                            // Both views have a baseline: everyone who joined before
+                            // re-reads once, and later joiners need not.
+                            let mut members = self.feed.lock();
+                            let now = Instant::now();
+                            members.baseline_at = Some(now);
+                            members.last_answer = Some(now);
+                            members.wake(&Stale::everything());
+                        }
+                    }
+                }
+                Err(e) => {
+                    // Never block on the old index after a failure (docs/consul-protocol.md).
+                    state.reset();
+                    self.env.reach.suspect(self.client, &e);
+                    let delay = backoff.failure(&mut rand::rng()).max(e.retry_after().unwrap_or_default());
+                    tracing::warn!(consul = %self.client.address(), feed = ?q, error = %e, retry_in = ?delay,
+                        "change feed query failed; services without their own blocking query are re-read when it recovers");
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => {}
+                        _ = reach.wait_for(|r| !matches!(r, Reach::Up)) => {}
+                    }
+                }
+            }
         }
     }
 
     /// Acts on an answer: wakes what it names (possibly nothing), and records when.
     fn wake(&self, stale: &Stale) {
-        let mut members = self.shared.members.lock().expect("feed members poisoned");
+        let mut members = self.feed.lock();
         members.last_answer = Some(Instant::now());
         if !stale.is_empty() {
             members.wake(stale);
@@ -234,15 +279,16 @@ impl Ctx<'_> {
     /// One checks answer: wakes what it names. Returns the index, and whether it was the
     /// view's first answer.
     async fn checks(&self, block: Option<(u64, Duration)>) -> Result<(u64, bool), QueryError> {
-        let health_state = self.client.health_state(self.scope, self.server.token.as_ref(), block);
+        let token = self.key.server.token.as_ref();
+        let health_state = self.client.health_state(&self.scope, token, block);
         let answer =
-            observe::request(&self.pool.metrics, observe::Query::Checks, &self.key(), block, health_state).await?;
+            observe::request(&self.env.metrics, observe::Query::Checks, Some(&self.key), block, health_state).await?;
         let (stale, first) = {
             let mut view = self.checks.lock().expect("checks view poisoned");
             let first = view.index().is_none();
             (view.apply(answer.index, answer.value), first)
         };
-        self.shared.checks_index.send_replace(answer.index);
+        self.feed.checks_index.send_replace(answer.index);
         // A baseline names nothing: the members re-read once both views have one.
         self.wake(&if first { Stale::default() } else { stale });
         Ok((answer.index, first))
@@ -251,8 +297,10 @@ impl Ctx<'_> {
     /// One catalog answer: wakes the services its body names, and everyone when the move is
     /// not accounted for by check writes.
     async fn catalog(&self, block: Option<(u64, Duration)>, view: &mut CatalogView) -> Result<(u64, bool), QueryError> {
-        let catalog = self.client.catalog_services(self.scope, self.server.token.as_ref(), block);
-        let answer = observe::request(&self.pool.metrics, observe::Query::Catalog, &self.key(), block, catalog).await?;
+        let token = self.key.server.token.as_ref();
+        let catalog = self.client.catalog_services(&self.scope, token, block);
+        let answer =
+            observe::request(&self.env.metrics, observe::Query::Catalog, Some(&self.key), block, catalog).await?;
         let index = answer.index;
         match view.apply(index, answer.value) {
             CatalogMove::Baseline => {
@@ -261,9 +309,9 @@ impl Ctx<'_> {
             }
             CatalogMove::Unchanged => self.wake(&Stale::default()),
             CatalogMove::Restarted => self.wake(&Stale::everything()),
-            CatalogMove::Moved { named, after, upto } => {
-                self.wake(&Stale { services: named, ..Stale::default() });
-                let mut caught_up = self.shared.checks_index.subscribe();
+            CatalogMove::Moved { named, appeared, after, upto } => {
+                self.wake(&Stale { services: named, appeared, ..Stale::default() });
+                let mut caught_up = self.feed.checks_index.subscribe();
                 let _ = tokio::time::timeout(CHECKS_CATCH_UP, caught_up.wait_for(|i| *i >= upto)).await;
                 let accounted = self.checks.lock().expect("checks view poisoned").accounts_for(after, upto);
                 if !accounted {
@@ -280,12 +328,21 @@ impl Ctx<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
+
+    fn set(v: &[&str]) -> BTreeSet<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn heard(names: &[&str], nodes: &[&str]) -> Heard {
+        Heard { names: set(names), nodes: set(nodes) }
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_joiner_rereads_unless_the_feed_saw_nothing_after_its_read() {
         let mut m = Members::default();
         let t0 = Instant::now();
-        let (_, mut before_baseline) = m.join("web", t0);
+        let (_, before_baseline) = m.join(heard(&["web"], &[]), false, t0);
         assert!(before_baseline.has_changed().unwrap(), "no baseline yet: re-read");
 
         tokio::time::advance(Duration::from_millis(10)).await;
@@ -293,24 +350,63 @@ mod tests {
         (m.baseline_at, m.last_answer) = (Some(now), Some(now));
         tokio::time::advance(Duration::from_millis(10)).await;
         let read = Instant::now();
-        let (_, mut covered) = m.join("api", read);
+        let (_, covered) = m.join(heard(&["api"], &[]), false, read);
         assert!(!covered.has_changed().unwrap(), "read after the baseline and the last answer");
 
         // An answer acted on between a read and the join: that read may have missed it.
         let read = Instant::now();
         tokio::time::advance(Duration::from_millis(10)).await;
         m.last_answer = Some(Instant::now());
-        let (_, raced) = m.join("db", read);
+        let (_, raced) = m.join(heard(&["db"], &[]), false, read);
         assert!(raced.has_changed().unwrap(), "an answer came between its read and its join");
+    }
 
-        // Waking by service (case-insensitive names are stored lower case) and by node.
-        covered.mark_unchanged();
-        let api = m.all.values_mut().find(|x| x.service == "api").unwrap();
-        api.nodes = BTreeSet::from(["n1".to_owned()]);
-        m.wake(&Stale { nodes: BTreeSet::from(["n1".to_owned()]), ..Stale::default() });
-        assert!(covered.has_changed().unwrap());
-        before_baseline.mark_unchanged();
-        m.wake(&Stale { services: BTreeSet::from(["web".to_owned()]), ..Stale::default() });
-        assert!(before_baseline.has_changed().unwrap());
+    /// A member is woken by the names and nodes it asked about: a node of an instance its
+    /// last answer filtered out (critical) included, so the node's recovery is heard.
+    #[tokio::test(start_paused = true)]
+    async fn members_wake_for_what_they_asked_about() {
+        let mut m = Members::default();
+        let (_, mut web) = m.join(heard(&["web"], &["n1", "n2-critical"]), false, Instant::now());
+        let (_, mut mesh) = m.join(heard(&["mesh", "mesh-sidecar-proxy"], &["n3"]), true, Instant::now());
+        let quiet = |web: &mut watch::Receiver<()>, mesh: &mut watch::Receiver<()>| {
+            web.mark_unchanged();
+            mesh.mark_unchanged();
+        };
+        quiet(&mut web, &mut mesh);
+        m.wake(&Stale { nodes: set(&["n2-critical"]), ..Stale::default() });
+        assert!(web.has_changed().unwrap() && !mesh.has_changed().unwrap());
+        quiet(&mut web, &mut mesh);
+        m.wake(&Stale { services: set(&["mesh-sidecar-proxy"]), ..Stale::default() });
+        assert!(!web.has_changed().unwrap() && mesh.has_changed().unwrap(), "a proxy's own name");
+        quiet(&mut web, &mut mesh);
+        m.wake(&Stale { appeared: set(&["mesh-edge"]), ..Stale::default() });
+        assert!(!web.has_changed().unwrap() && mesh.has_changed().unwrap(), "a new name: maybe a new proxy");
+        quiet(&mut web, &mut mesh);
+        m.wake(&Stale { services: set(&["other"]), nodes: set(&["n9"]), ..Stale::default() });
+        assert!(!web.has_changed().unwrap() && !mesh.has_changed().unwrap());
+        m.wake(&Stale::everything());
+        assert!(web.has_changed().unwrap() && mesh.has_changed().unwrap());
+    }
+
+    #[test]
+    fn plain_http_spellings_share_a_feed_and_tls_ones_do_not() {
+        use consul_resolver_core::keys::ConsulServer;
+        let key = |address: &str, token: Option<&str>| ConsulKey {
+            server: ConsulServer { address: address.into(), token: token.map(Secret::new), tls: None },
+            datacenter: None,
+            namespace: None,
+            partition: None,
+            query: Default::default(),
+            service: "web".into(),
+        };
+        assert_eq!(FeedKey::of(&key("http://127.0.0.1:8500", None)), FeedKey::of(&key("http://localhost:8500", None)));
+        assert_ne!(
+            FeedKey::of(&key("http://127.0.0.1:8500", None)),
+            FeedKey::of(&key("http://127.0.0.1:8500", Some("t")))
+        );
+        assert_ne!(
+            FeedKey::of(&key("https://127.0.0.1:8501", None)),
+            FeedKey::of(&key("https://localhost:8501", None))
+        );
     }
 }

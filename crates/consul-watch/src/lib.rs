@@ -8,8 +8,10 @@
 //! - `client` (with `parse`, `tls`, `multiplex`): requests and answers of one Consul address;
 //! - `timing`, `changes`: the protocol's pure rules (index, pacing, backoff) and the change
 //!   feed's diffing, free of I/O;
-//! - `pool`, `feed`, `watch`: the budget of one server, the change feed of one scope, and
-//!   the watch of one key;
+//! - `plan`: how one server's budget is shared (pure);
+//! - `server`, `reach`, `feed`, `watch`: the budget, plan and reachability of one server,
+//!   the change feed of one group, and the watch of one key (`watch::machine`, pure, decides;
+//!   `watch::run` performs);
 //! - `observe`, `metrics`: what every request tells the metrics.
 
 mod changes;
@@ -18,7 +20,9 @@ mod error;
 mod feed;
 mod metrics;
 mod observe;
-mod pool;
+mod plan;
+mod reach;
+mod server;
 mod timing;
 mod watch;
 
@@ -28,7 +32,7 @@ use std::time::Duration;
 
 use consul_resolver_core::keys::ConsulKey;
 use consul_resolver_core::model::Event;
-use pool::Pool;
+use server::Server;
 
 pub use metrics::{Contact, LastContact, Metrics, contact_scope};
 pub use watch::Settings;
@@ -53,7 +57,7 @@ struct Inner {
     /// `http://localhost:8500` and `http://127.0.0.1:8500` are one server to Consul's
     /// per-client connection limit. Shared by every spelling, token and TLS setting that
     /// reaches it, and dropped with the last watch that uses it.
-    pools: Mutex<HashMap<String, Weak<Pool>>>,
+    servers: Mutex<HashMap<String, Weak<Server>>>,
     /// Where requests, their outcomes and watch errors are counted.
     metrics: Metrics,
 }
@@ -65,7 +69,7 @@ const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 impl ConsulSource {
     /// Watches counting into `metrics` (see [`Metrics::register`]).
     pub fn new(settings: Settings, metrics: Metrics) -> Self {
-        ConsulSource { inner: Arc::new(Inner { settings, pools: Mutex::new(HashMap::new()), metrics }) }
+        ConsulSource { inner: Arc::new(Inner { settings, servers: Mutex::new(HashMap::new()), metrics }) }
     }
 
     /// The watch of `key`: runs until dropped, reporting into `events`.
@@ -73,26 +77,26 @@ impl ConsulSource {
         let inner = self.inner.clone();
         async move {
             let addresses = socket_addresses(&key.server.address).await;
-            let pool = inner.pool(&addresses);
-            watch::run(pool, key, inner.settings.clone(), events).await;
+            let server = inner.server(&addresses);
+            watch::run(server, key, events).await;
         }
     }
 }
 
 impl Inner {
-    /// The pool of the server reached at any of `addresses`.
-    fn pool(&self, addresses: &[String]) -> Arc<Pool> {
-        let mut pools = self.pools.lock().expect("pool map poisoned");
-        let found = addresses.iter().find_map(|a| pools.get(a).and_then(Weak::upgrade));
-        let pool = found.unwrap_or_else(|| {
-            pools.retain(|_, p| p.strong_count() > 0);
+    /// The server reached at any of `addresses`.
+    fn server(&self, addresses: &[String]) -> Arc<Server> {
+        let mut servers = self.servers.lock().expect("server map poisoned");
+        let found = addresses.iter().find_map(|a| servers.get(a).and_then(Weak::upgrade));
+        let server = found.unwrap_or_else(|| {
+            servers.retain(|_, p| p.strong_count() > 0);
             let s = &self.settings;
-            Pool::new(s.max_connections, s.wait, s.max_response_bytes, self.metrics.clone())
+            Server::new(s.clone(), self.metrics.clone())
         });
         for a in addresses {
-            pools.entry(a.clone()).or_insert_with(|| Arc::downgrade(&pool));
+            servers.entry(a.clone()).or_insert_with(|| Arc::downgrade(&server));
         }
-        pool
+        server
     }
 }
 
@@ -130,10 +134,10 @@ mod tests {
         assert!(localhost.contains(&a[0]), "{localhost:?}");
 
         let source = ConsulSource::new(Settings::default(), Metrics::unregistered());
-        let p = source.inner.pool(&a);
-        assert!(Arc::ptr_eq(&p, &source.inner.pool(&localhost)), "localhost reaches the same server");
-        assert!(!Arc::ptr_eq(&p, &source.inner.pool(&socket_addresses("http://127.0.0.1:8501").await)));
+        let p = source.inner.server(&a);
+        assert!(Arc::ptr_eq(&p, &source.inner.server(&localhost)), "localhost reaches the same server");
+        assert!(!Arc::ptr_eq(&p, &source.inner.server(&socket_addresses("http://127.0.0.1:8501").await)));
         drop(p);
-        assert_eq!(source.inner.pools.lock().unwrap().values().filter(|p| p.strong_count() > 0).count(), 0);
+        assert_eq!(source.inner.servers.lock().unwrap().values().filter(|p| p.strong_count() > 0).count(), 0);
     }
 }

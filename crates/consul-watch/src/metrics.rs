@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 use consul_resolver_core::keys::{ConsulKey, QueryOptions};
 
@@ -29,6 +29,12 @@ pub struct Metrics {
     /// `watch_restarts_total{source,reason}` (one family for every source).
     pub(crate) errors: IntCounterVec,
     pub(crate) restarts: IntCounterVec,
+    /// `consul_watches{mode}`: watches by how they follow their service.
+    pub(crate) watches: IntGaugeVec,
+    /// `consul_feeds`: change feeds running.
+    pub(crate) feeds: IntGauge,
+    /// `consul_unreachable_servers`: servers that do not answer (their watches wait).
+    pub(crate) unreachable_servers: IntGauge,
     pub(crate) contact: Arc<Contact>,
 }
 
@@ -44,6 +50,12 @@ impl Metrics {
         let m = Metrics { errors: watch_errors, restarts: watch_restarts, ..Metrics::unregistered() };
         registry.register(Box::new(m.requests.clone()))?;
         registry.register(Box::new(m.request_seconds.clone()))?;
+        registry.register(Box::new(m.watches.clone()))?;
+        registry.register(Box::new(m.feeds.clone()))?;
+        registry.register(Box::new(m.unreachable_servers.clone()))?;
+        for mode in ["unplaced", "dedicated", "multiplexed", "fed", "swept"] {
+            m.watches.with_label_values(&[mode]).set(0);
+        }
         // Series that exist from the start, so a `rate()` sees 0 rather than no series.
         for mode in ["blocking", "read"] {
             m.request_seconds.with_label_values(&[mode]);
@@ -63,7 +75,7 @@ impl Metrics {
         Metrics {
             requests: counter(
                 "consul_requests_total",
-                "Consul requests by query (service, checks, catalog), mode (blocking, read) and outcome",
+                "Consul requests by query (service, checks, catalog, probe), mode (blocking, read) and outcome",
                 &["query", "mode", "outcome"],
             ),
             request_seconds: HistogramVec::new(
@@ -81,6 +93,20 @@ impl Metrics {
                 "Watches that started over from a full read, by source and reason",
                 &["source", "reason"],
             ),
+            watches: IntGaugeVec::new(
+                Opts::new(
+                    "consul_watches",
+                    "Consul watches by mode: dedicated (own blocking query), multiplexed (own HTTP/2 stream), fed (a change feed names it), swept (re-read every --consul-sweep only), unplaced (before its first answer)",
+                ),
+                &["mode"],
+            )
+            .expect("valid metric"),
+            feeds: IntGauge::new("consul_feeds", "Change feeds running (two blocking queries each)").expect("valid metric"),
+            unreachable_servers: IntGauge::new(
+                "consul_unreachable_servers",
+                "Consul servers that do not answer: their watches wait while one probe tries",
+            )
+            .expect("valid metric"),
             contact: Arc::default(),
         }
     }
@@ -93,6 +119,16 @@ impl Metrics {
     /// Requests counted with these labels so far (tests and benchmarks).
     pub fn requests(&self, query: &str, mode: &str, outcome: &str) -> u64 {
         self.requests.with_label_values(&[query, mode, outcome]).get()
+    }
+
+    /// Change feeds running now.
+    pub fn feeds(&self) -> i64 {
+        self.feeds.get()
+    }
+
+    /// Watches in `mode` now (`dedicated`, `multiplexed`, `fed`, `swept`, `unplaced`).
+    pub fn watches(&self, mode: &str) -> i64 {
+        self.watches.with_label_values(&[mode]).get()
     }
 
     /// Every request counted so far, whatever its labels.

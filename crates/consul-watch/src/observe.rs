@@ -22,6 +22,8 @@ pub(crate) enum Query {
     Checks,
     /// `/v1/catalog/services`: the change feed's registrations.
     Catalog,
+    /// `/v1/status/leader`: whether a server that seems gone answers (one probe per server).
+    Probe,
 }
 
 impl Query {
@@ -30,6 +32,7 @@ impl Query {
             Query::Service => "service",
             Query::Checks => "checks",
             Query::Catalog => "catalog",
+            Query::Probe => "probe",
         }
     }
 }
@@ -65,12 +68,12 @@ fn reached(outcome: &str) -> Option<bool> {
     }
 }
 
-/// Runs one request of `key`'s scope (`block`: its index and wait, `None` for a read) and
-/// records what came of it.
+/// Runs one request of `key`'s scope (`None`: of no scope, a probe; `block`: its index and
+/// wait, `None` for a read) and records what came of it.
 pub(crate) async fn request<T>(
     metrics: &Metrics,
     query: Query,
-    key: &ConsulKey,
+    key: Option<&ConsulKey>,
     block: Option<(u64, Duration)>,
     request: impl Future<Output = Result<T, QueryError>>,
 ) -> Result<T, QueryError> {
@@ -84,7 +87,7 @@ pub(crate) async fn request<T>(
     if matches!(query, Query::Service) && result.is_err() {
         metrics.errors.with_label_values(&["consul", outcome]).inc();
     }
-    if let Some(answered) = reached(outcome) {
+    if let (Some(key), Some(answered)) = (key, reached(outcome)) {
         metrics.contact.record(&contact_scope(key), answered, SystemTime::now());
     }
     result
@@ -150,7 +153,7 @@ mod tests {
             tokio::time::sleep(limit).await;
             err(QueryError::Network { address: "a".into(), cause: "operation timed out".into() })
         };
-        assert!(request(&metrics, Query::Service, &k, block, hung).await.is_err());
+        assert!(request(&metrics, Query::Service, Some(&k), block, hung).await.is_err());
         assert_eq!(metrics.requests("service", "blocking", "timeout"), 1);
         let h = metrics.request_seconds.with_label_values(&["blocking"]);
         assert_eq!((h.get_sample_count(), h.get_sample_sum()), (1, limit.as_secs_f64()));
@@ -160,7 +163,7 @@ mod tests {
         assert_eq!(metrics.contact().last(&contact_scope(&key("other token"))), Default::default(), "per scope");
 
         let read = async { Ok::<_, QueryError>(()) };
-        request(&metrics, Query::Catalog, &k, None, read).await.unwrap();
+        request(&metrics, Query::Catalog, Some(&k), None, read).await.unwrap();
         assert_eq!(metrics.requests("catalog", "read", "ok"), 1);
         assert!(metrics.contact().last(&scope).success.is_some());
         assert_eq!(metrics.requests_total(), 2);

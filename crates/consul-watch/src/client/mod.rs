@@ -12,7 +12,7 @@ pub(crate) mod multiplex;
 pub(crate) mod parse;
 pub(crate) mod tls;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,6 +43,24 @@ pub(crate) fn request_timeout(block: Option<(u64, Duration)>) -> Duration {
 pub(crate) struct Answer<T> {
     pub index: u64,
     pub value: T,
+}
+
+/// One answer of a watch's query.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Instances {
+    /// The instances the key's options admit, sorted.
+    pub endpoints: Vec<Endpoint>,
+    /// What a change feed must wake this watch for.
+    pub heard: Heard,
+}
+
+/// What a watch asked about, before any filter of ours: every node its service's instances
+/// run on and every service name they carry (its own, and on `connect` the proxies'), in
+/// lower case as Consul compares names.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Heard {
+    pub nodes: BTreeSet<String>,
+    pub names: BTreeSet<String>,
 }
 
 /// A connection pool to one Consul address: HTTP/2 streams over TLS when the server speaks
@@ -142,17 +160,22 @@ impl HttpClient {
     /// `GET /v1/health/service/<name>` (or `/v1/health/connect/<name>`) for `key`; blocking
     /// when `block` is `Some((index, wait))`. What the server cannot filter (every tag on
     /// old agents, excluded tags, statuses other than passing-only) is filtered here.
+    ///
+    /// Only a blocking query lets Consul filter health (`?passing`): a read asks for every
+    /// instance and filters here, so that it can say every node and name the service has,
+    /// healthy or not. A fed watch must hear of those nodes' checks: a node that comes back
+    /// to passing brings back instances no filtered answer showed.
     pub(crate) async fn health(
         &self,
         key: &ConsulKey,
         block: Option<(u64, Duration)>,
-    ) -> Result<Answer<Vec<Endpoint>>, QueryError> {
+    ) -> Result<Answer<Instances>, QueryError> {
         let q = &key.query;
         let endpoint = if q.connect { "connect" } else { "service" };
         let url = format!("{}/v1/health/{endpoint}/{}", self.base, encode_segment(&key.service));
         let mut query: Vec<(&str, String)> = Vec::new();
         scope_params(&mut query, key.datacenter.as_deref(), key.namespace.as_deref(), key.partition.as_deref());
-        if q.statuses.only_passing() {
+        if q.statuses.only_passing() && block.is_some() {
             query.push(("passing", "1".into()));
         }
         for t in &q.tags {
@@ -168,14 +191,23 @@ impl HttpClient {
         }
         push_block(&mut query, block);
         let (index, body) = self.get(&url, &query, key.server.token.as_ref(), request_timeout(block)).await?;
-        let mut value = parse::health_service(&body, &q.address).map_err(|cause| self.body_error(cause))?;
+        let (mut endpoints, mut names) =
+            parse::health_instances(&body, &q.address).map_err(|cause| self.body_error(cause))?;
+        names.insert(key.service.to_ascii_lowercase());
+        let nodes = endpoints.iter().map(|e| e.node.clone()).collect();
         let carries = |e: &Endpoint, want: &String| e.tags.iter().any(|t| t.eq_ignore_ascii_case(want));
-        value.retain(|e| {
+        endpoints.retain(|e| {
             q.statuses.admits(e.health)
                 && q.tags.iter().all(|want| carries(e, want))
                 && !q.excluded_tags.iter().any(|no| carries(e, no))
         });
-        Ok(Answer { index, value })
+        Ok(Answer { index, value: Instances { endpoints, heard: Heard { nodes, names } } })
+    }
+
+    /// `GET /v1/status/leader`: whether the server answers at all (any HTTP answer is one).
+    pub(crate) async fn probe(&self, timeout: Duration) -> Result<(), QueryError> {
+        let url = format!("{}/v1/status/leader", self.base);
+        self.get(&url, &[], None, timeout).await.map(|_| ())
     }
 
     /// `GET /v1/catalog/services`: service names and their tags (the change feed).
@@ -510,8 +542,46 @@ mod tests {
         let (consul, _) = canned(response.into_bytes()).await;
         let c = HttpClient::new(&consul, None, 4, 1 << 20, budget()).unwrap();
         let answer = c.health(&key(&consul, &["a", "b"]), None).await.unwrap();
-        assert_eq!(answer.value.iter().map(|e| e.service_id.as_str()).collect::<Vec<_>>(), ["ab"]);
+        assert_eq!(answer.value.endpoints.iter().map(|e| e.service_id.as_str()).collect::<Vec<_>>(), ["ab"]);
         assert_eq!(answer.index, 5);
+    }
+
+    /// A read asks for every instance and filters health here (the same answer `?passing`
+    /// would give), and says every node and name it saw: the critical instance's node too,
+    /// whose recovery a fed watch must hear of. A blocking query lets Consul filter.
+    #[tokio::test]
+    async fn a_read_filters_health_here_and_hears_every_node() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let body = r#"[{"Node":{"Node":"up","Address":"10.0.0.1"},"Service":{"ID":"a","Service":"Web","Port":1},
+                        "Checks":[{"Status":"passing"}]},
+                       {"Node":{"Node":"down","Address":"10.0.0.2"},"Service":{"ID":"b","Service":"web","Port":2},
+                        "Checks":[{"Status":"passing"},{"Status":"critical"}]}]"#;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let consul = format!("http://{}", listener.local_addr().unwrap());
+        let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel::<String>();
+        tokio::spawn(async move {
+            while let Ok((mut c, _)) = listener.accept().await {
+                let mut buf = vec![0u8; 8192];
+                let n = c.read(&mut buf).await.unwrap_or(0);
+                let _ = seen_tx.send(String::from_utf8_lossy(&buf[..n]).lines().next().unwrap_or("").to_owned());
+                let response =
+                    format!("HTTP/1.1 200 OK\r\nX-Consul-Index: 5\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+                let _ = c.write_all(response.as_bytes()).await;
+                let _ = c.shutdown().await;
+            }
+        });
+        let c = HttpClient::new(&consul, None, 4, 1 << 20, budget()).unwrap();
+        let passing = ConsulKey { query: Default::default(), ..key(&consul, &[]) };
+        let read = c.health(&passing, None).await.unwrap().value;
+        let line = seen.recv().await.unwrap();
+        assert!(!line.contains("passing"), "{line}");
+        assert_eq!(read.endpoints.iter().map(|e| e.port).collect::<Vec<_>>(), [1], "filtered here");
+        assert_eq!(read.heard.nodes, BTreeSet::from(["down".to_owned(), "up".to_owned()]));
+        assert_eq!(read.heard.names, BTreeSet::from(["web".to_owned()]), "lower case, the key's own included");
+        let _ = c.health(&passing, Some((5, Duration::from_secs(1)))).await;
+        let line = seen.recv().await.unwrap();
+        assert!(line.contains("passing=1") && line.contains("index=5"), "{line}");
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! not use is ignored, every field we use tolerates `null`, and anything else malformed is
 //! an error rather than a panic.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -50,6 +50,10 @@ struct ServiceAddress {
 struct Service {
     #[serde(rename = "ID", default)]
     id: Option<String>,
+    /// The instance's service name: the destination's on `/v1/health/service`, the
+    /// proxy's own (`web-sidecar-proxy`) on `/v1/health/connect`.
+    #[serde(rename = "Service", default)]
+    name: Option<String>,
     #[serde(default)]
     address: Option<String>,
     #[serde(default)]
@@ -80,12 +84,31 @@ fn status(s: Option<&str>) -> Health {
 }
 
 /// Parses a health body into endpoints with the address `address` asks for, sorted.
+#[cfg(test)]
 pub(crate) fn health_service(body: &[u8], address: &AddressType) -> Result<Vec<Endpoint>, String> {
+    health_instances(body, address).map(|(endpoints, _)| endpoints)
+}
+
+/// Parses a health body into endpoints with the address `address` asks for, sorted, and
+/// the service names the instances carry (lower case, as Consul compares them).
+pub(crate) fn health_instances(
+    body: &[u8],
+    address: &AddressType,
+) -> Result<(Vec<Endpoint>, BTreeSet<String>), String> {
     let entries: Vec<Entry> =
         serde_json::from_slice(body).map_err(|e| format!("malformed /v1/health/service body: {e}"))?;
-    let mut out: Vec<Endpoint> = entries.into_iter().map(|e| endpoint(e, address)).collect();
+    let mut names = BTreeSet::new();
+    let mut out: Vec<Endpoint> = entries
+        .into_iter()
+        .map(|mut e| {
+            if let Some(name) = e.service.name.take() {
+                names.insert(name.to_ascii_lowercase());
+            }
+            endpoint(e, address)
+        })
+        .collect();
     out.sort();
-    Ok(out)
+    Ok((out, names))
 }
 
 /// The (address, port) to publish: see [`AddressType`]. Empty values count as absent.
@@ -200,7 +223,6 @@ fn endpoint(mut e: Entry, kind: &AddressType) -> Endpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeSet;
 
     /// A modern agent's answer (1.15+ shape, trimmed of nothing we rely on).
     const MODERN: &str = r#"[

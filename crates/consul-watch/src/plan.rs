@@ -1,0 +1,292 @@
+//! How one server's connection budget is shared between its watches: the pure planning
+//! behind [`crate::server`] (docs/consul.md, "Staying within --consul-max-connections").
+//!
+//! Over HTTP/1.1 every blocking query holds a connection, and the budget's "lanes" (what is
+//! left after the non-blocking reads) are fewer than the watches at scale. A watch is then
+//! one of:
+//! - **dedicated**: its own blocking query, one lane;
+//! - **fed**: a member of its group's change feed, which holds two lanes for the whole group
+//!   and names which members to re-read; as prompt as a dedicated query, one round trip later;
+//! - **swept**: neither could be given; re-read at the sweep only. Surfaced (metric, log),
+//!   never silent.
+//!
+//! The plan covers as many watches promptly as the lanes allow: while every watch fits,
+//! each is dedicated; beyond that the largest groups get feeds first (two lanes for a whole
+//! group), then single watches get dedicated lanes (those that cannot be fed first, then
+//! the members of groups too small to be worth a feed), and what remains goes to members of
+//! fed groups, so that fewer re-reads go through the feed. A group whose every member ends
+//! up dedicated gives its feed's lanes back. Within a group the watches that already hold a
+//! lane keep it, then the oldest: a change of plan moves as few watches as it can.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A watch, as the plan knows it: an id the server gave it.
+pub(crate) type WatchId = u64;
+
+/// What a watch is told to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Role {
+    Dedicated,
+    Fed,
+    Swept,
+}
+
+/// The planner of one server: its watches, their groups and their current roles.
+#[derive(Debug)]
+pub(crate) struct Planner<G> {
+    lanes: usize,
+    /// In joining order (ids grow).
+    watches: BTreeMap<WatchId, Entry<G>>,
+}
+
+#[derive(Debug)]
+struct Entry<G> {
+    /// The change feed that can serve it; `None` when none can (its answers come from
+    /// elsewhere than the feed sees, e.g. another cluster).
+    group: Option<G>,
+    role: Option<Role>,
+}
+
+/// A plan: every watch's role, and the groups whose feeds run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Plan<G: Ord> {
+    pub roles: BTreeMap<WatchId, Role>,
+    pub feeds: BTreeSet<G>,
+}
+
+impl<G: Ord + Clone> Planner<G> {
+    pub(crate) fn new(lanes: usize) -> Self {
+        Planner { lanes, watches: BTreeMap::new() }
+    }
+
+    pub(crate) fn join(&mut self, id: WatchId, group: Option<G>) {
+        self.watches.insert(id, Entry { group, role: None });
+    }
+
+    pub(crate) fn leave(&mut self, id: WatchId) {
+        self.watches.remove(&id);
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.watches.is_empty()
+    }
+
+    /// Plans, and remembers the roles it gave (the next plan keeps them where it can).
+    pub(crate) fn plan(&mut self) -> Plan<G> {
+        let plan = self.decide();
+        for (id, role) in &plan.roles {
+            if let Some(e) = self.watches.get_mut(id) {
+                e.role = Some(*role);
+            }
+        }
+        plan
+    }
+
+    fn decide(&self) -> Plan<G> {
+        let mut roles: BTreeMap<WatchId, Role> = BTreeMap::new();
+        let mut feeds = BTreeSet::new();
+        if self.watches.len() <= self.lanes {
+            roles.extend(self.watches.keys().map(|id| (*id, Role::Dedicated)));
+            return Plan { roles, feeds };
+        }
+        // Members by group, each list with current lane holders first, then the oldest.
+        let mut groups: BTreeMap<&G, Vec<WatchId>> = BTreeMap::new();
+        let mut loners: Vec<WatchId> = Vec::new();
+        for (id, e) in &self.watches {
+            match &e.group {
+                Some(g) => groups.entry(g).or_default().push(*id),
+                None => loners.push(*id),
+            }
+        }
+        let holds_lane = |id: &WatchId| self.watches[id].role == Some(Role::Dedicated);
+        for members in groups.values_mut() {
+            members.sort_by_key(|id| (!holds_lane(id), *id));
+        }
+        loners.sort_by_key(|id| (!holds_lane(id), *id));
+
+        let mut free = self.lanes;
+        // 1. Feeds for the groups a feed serves best: those of three or more (two lanes
+        //    for all of them), the largest first.
+        let mut by_size: Vec<(&G, usize)> = groups.iter().map(|(g, m)| (*g, m.len())).collect();
+        by_size.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(b.0)));
+        for (g, size) in &by_size {
+            if *size >= 3 && free >= 2 {
+                feeds.insert((*g).clone());
+                free -= 2;
+            }
+        }
+        // 2. One lane each: the watches no feed can serve, then the members of groups too
+        //    small for a feed (or that got none), smallest groups first.
+        let mut unfed: Vec<(&G, &Vec<WatchId>)> =
+            groups.iter().filter(|(g, _)| !feeds.contains(**g)).map(|(g, m)| (*g, m)).collect();
+        unfed.sort_by_key(|(g, m)| (m.len(), *g));
+        for id in loners.iter().chain(unfed.iter().flat_map(|(_, m)| m.iter())) {
+            if free == 0 {
+                break;
+            }
+            roles.insert(*id, Role::Dedicated);
+            free -= 1;
+        }
+        // 3. What remains: dedicated members of fed groups; a group whose members all get
+        //    one gives its feed's two lanes back (smallest groups first, where that is
+        //    likeliest).
+        let mut fed: Vec<(&G, &Vec<WatchId>)> =
+            groups.iter().filter(|(g, _)| feeds.contains(**g)).map(|(g, m)| (*g, m)).collect();
+        fed.sort_by_key(|(g, m)| (m.len(), *g));
+        for (g, members) in &fed {
+            if members.len() <= free + 2 {
+                feeds.remove(*g);
+                free = free + 2 - members.len();
+                roles.extend(members.iter().map(|id| (*id, Role::Dedicated)));
+            }
+        }
+        for (_, members) in fed.iter().filter(|(g, _)| feeds.contains(*g)) {
+            for id in members.iter().take(free) {
+                roles.insert(*id, Role::Dedicated);
+            }
+            free -= members.len().min(free);
+        }
+        for (id, e) in &self.watches {
+            roles.entry(*id).or_insert(match &e.group {
+                Some(g) if feeds.contains(g) => Role::Fed,
+                _ => Role::Swept,
+            });
+        }
+        Plan { roles, feeds }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn count(p: &Plan<&'static str>, role: Role) -> usize {
+        p.roles.values().filter(|r| **r == role).count()
+    }
+
+    /// Lanes used: two per feed, one per dedicated watch.
+    fn used(p: &Plan<&'static str>) -> usize {
+        2 * p.feeds.len() + count(p, Role::Dedicated)
+    }
+
+    fn planner(lanes: usize, groups: &[(&'static str, usize)]) -> Planner<&'static str> {
+        let mut p = Planner::new(lanes);
+        let mut id = 0;
+        for (g, n) in groups {
+            for _ in 0..*n {
+                p.join(id, (!g.is_empty()).then_some(*g));
+                id += 1;
+            }
+        }
+        p
+    }
+
+    #[test]
+    fn while_every_watch_fits_each_is_dedicated() {
+        let p = planner(5, &[("a", 3), ("b", 2)]).plan();
+        assert_eq!(count(&p, Role::Dedicated), 5);
+        assert!(p.feeds.is_empty());
+    }
+
+    #[test]
+    fn beyond_the_lanes_every_group_gets_a_feed_and_nothing_is_swept() {
+        // Three groups of four on seven lanes: three feeds (six lanes), one dedicated.
+        let p = planner(7, &[("a", 4), ("b", 4), ("c", 4)]).plan();
+        assert_eq!(p.feeds, BTreeSet::from(["a", "b", "c"]));
+        assert_eq!(count(&p, Role::Swept), 0);
+        assert_eq!(count(&p, Role::Dedicated), 1);
+        assert_eq!(used(&p), 7);
+    }
+
+    #[test]
+    fn the_default_budget_at_scale_runs_one_feed_and_fills_the_rest_with_dedicated_queries() {
+        // 1,000 watches of one scope, 90 lanes (a budget of 100 less its 10 reads).
+        let p = planner(90, &[("a", 1000)]).plan();
+        assert_eq!(p.feeds.len(), 1);
+        assert_eq!(count(&p, Role::Dedicated), 88);
+        assert_eq!(count(&p, Role::Fed), 912);
+    }
+
+    #[test]
+    fn what_cannot_be_fed_is_dedicated_first_and_small_groups_take_single_lanes() {
+        // Two watches no feed serves, a group of 2, a group of 10, on 5 lanes: the group
+        // of 10 gets a feed (2), the loners 2 lanes, one of the pair the last lane.
+        let p = planner(5, &[("", 2), ("pair", 2), ("big", 10)]).plan();
+        assert_eq!(p.feeds, BTreeSet::from(["big"]));
+        assert_eq!([p.roles[&0], p.roles[&1]], [Role::Dedicated; 2]);
+        assert_eq!(count(&p, Role::Swept), 1, "one of the pair waits for the sweep: {p:?}");
+        assert_eq!(used(&p), 5);
+    }
+
+    #[test]
+    fn when_lanes_run_out_the_largest_groups_keep_their_feeds_and_the_rest_is_swept() {
+        let p = planner(4, &[("a", 3), ("b", 5), ("c", 9)]).plan();
+        assert_eq!(p.feeds, BTreeSet::from(["b", "c"]));
+        assert_eq!(count(&p, Role::Swept), 3, "{p:?}");
+        let p = planner(1, &[("a", 3)]).plan();
+        assert!(p.feeds.is_empty());
+        assert_eq!((count(&p, Role::Dedicated), count(&p, Role::Swept)), (1, 2));
+        let p = planner(0, &[("a", 3)]).plan();
+        assert_eq!(count(&p, Role::Swept), 3);
+    }
+
+    #[test]
+    fn a_group_fully_dedicated_gives_its_feed_back() {
+        // 9 lanes, groups of 3 and 8: feeds for both (4 lanes), then the group of 3 can be
+        // dedicated entirely for one more lane (its feed's two back): feed only for the 8.
+        let p = planner(9, &[("small", 3), ("big", 8)]).plan();
+        assert_eq!(p.feeds, BTreeSet::from(["big"]));
+        assert_eq!(used(&p), 9);
+        assert_eq!(count(&p, Role::Swept), 0);
+        for id in 0..3 {
+            assert_eq!(p.roles[&id], Role::Dedicated);
+        }
+    }
+
+    #[test]
+    fn lane_holders_keep_their_lanes_and_a_freed_lane_goes_to_a_fed_watch() {
+        let mut p = planner(3, &[("a", 4)]);
+        let first = p.plan();
+        assert_eq!(first.feeds.len(), 1);
+        let holder = *first.roles.iter().find(|(_, r)| **r == Role::Dedicated).unwrap().0;
+        // A newcomer does not take the holder's lane.
+        p.join(100, Some("a"));
+        let second = p.plan();
+        assert_eq!(second.roles[&holder], Role::Dedicated);
+        assert_eq!(second.roles[&100], Role::Fed);
+        // The holder leaves: its lane goes to the oldest fed watch.
+        p.leave(holder);
+        let third = p.plan();
+        let promoted: Vec<_> = third.roles.iter().filter(|(_, r)| **r == Role::Dedicated).map(|(id, _)| *id).collect();
+        assert_eq!(promoted.len(), 1);
+        assert_ne!(promoted[0], 100, "the oldest fed watch, not the newcomer");
+        // Down to what fits: everyone dedicated, no feed.
+        for id in [0, 1, 2, 3] {
+            p.leave(id);
+        }
+        let last = p.plan();
+        assert!(last.feeds.is_empty());
+        assert_eq!(last.roles.values().collect::<Vec<_>>(), [&Role::Dedicated]);
+    }
+
+    #[test]
+    fn plans_never_use_more_lanes_than_there_are() {
+        // Every mix of up to four groups and loners on up to 12 lanes.
+        for lanes in 0..12 {
+            for a in 0..6 {
+                for b in 0..6 {
+                    for loners in 0..4 {
+                        let p = planner(lanes, &[("a", a), ("b", b), ("", loners)]).plan();
+                        assert!(used(&p) <= lanes, "{lanes} lanes, a={a} b={b} loners={loners}: {p:?}");
+                        assert_eq!(p.roles.len(), a + b + loners);
+                        // Ids 0..a are group a's, a..a+b group b's.
+                        for (g, ids) in [("a", 0..a), ("b", a..a + b)] {
+                            let fed = ids.clone().filter(|id| p.roles[&(*id as u64)] == Role::Fed).count();
+                            assert_eq!(p.feeds.contains(g), fed > 0, "feed {g} iff a member is fed: {p:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

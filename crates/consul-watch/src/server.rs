@@ -1,0 +1,358 @@
+//! One Consul server (its resolved socket addresses, however the resolvers spell them): the
+//! connection budget its watches share, the clients that talk to it, where each watch stands
+//! in the budget ([`crate::plan`]), the change feeds the plan runs, and whether it answers
+//! ([`crate::reach`]). See docs/consul.md, "Staying within --consul-max-connections".
+//!
+//! Every request holds a permit for its whole life, and the permits of one server add up to
+//! `--consul-max-connections`, so no more requests are in flight than the budget allows
+//! (open connections follow: reqwest reuses an idle connection before opening one):
+//! - `reads`, a tenth (at least one): short non-blocking reads (first answers, re-reads of
+//!   fed watches) and probes;
+//! - `lanes`, the rest: the blocking queries of dedicated watches (one each) and of change
+//!   feeds (two each), as the plan shares them; over HTTP/2, its connections.
+//!
+//! The plan is made again, for all the server's watches at once, whenever a watch joins or
+//! leaves (a burst of those is one plan): a freed lane goes to a fed watch at once, and a
+//! group that needs a feed gets one, a dedicated watch giving up its lane if need be. A
+//! watch holds its lane permit only while the plan says it is dedicated, so the permits
+//! enforce what the plan decided even while watches move.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use tokio::sync::{Notify, Semaphore, watch};
+use tokio_util::task::AbortOnDropHandle;
+
+use crate::client::HttpClient;
+use crate::feed::{Feed, FeedEnv, FeedKey};
+use crate::metrics::Metrics;
+use crate::plan::{Plan, Planner, Role, WatchId};
+use crate::reach::Reachability;
+use crate::watch::Settings;
+use consul_resolver_core::keys::{ConsulKey, TlsSettings};
+
+/// How the budget is split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Split {
+    pub lanes: usize,
+    pub reads: usize,
+}
+
+impl Split {
+    /// A tenth (at least one) for reads, the rest for blocking queries.
+    pub(crate) fn of(budget: usize) -> Split {
+        let budget = budget.max(1);
+        let reads = (budget / 10).max(1);
+        Split { lanes: budget - reads, reads }
+    }
+}
+
+/// Plans wait this long for more joins and leaves before they are made: a thousand watches
+/// joining at start-up are a few plans, not a thousand, and a freed lane still moves within
+/// a moment.
+const PLAN_COALESCING: Duration = Duration::from_millis(10);
+
+/// Where a watch stands, as its server told it.
+#[derive(Clone)]
+pub(crate) enum Assignment {
+    /// Not placed yet.
+    Pending,
+    Dedicated,
+    Fed(Arc<Feed>),
+    Swept,
+}
+
+/// Clients are shared by the watches with one address spelling and TLS settings, and
+/// dropped (closing their connections) when the last of them ends.
+type ClientKey = (String, Option<TlsSettings>);
+
+pub(crate) struct Server {
+    pub settings: Settings,
+    pub metrics: Metrics,
+    pub lanes: Arc<Semaphore>,
+    pub reads: Arc<Semaphore>,
+    pub reach: Arc<Reachability>,
+    clients: Mutex<HashMap<ClientKey, Weak<HttpClient>>>,
+    seats: Mutex<Seats>,
+    replan: Arc<Notify>,
+    _planner: AbortOnDropHandle<()>,
+}
+
+/// The watches placed in the plan, and the feeds it runs.
+struct Seats {
+    planner: Planner<FeedKey>,
+    next_id: WatchId,
+    watches: HashMap<WatchId, Seated>,
+    feeds: BTreeMap<FeedKey, RunningFeed>,
+    /// Watches swept at the last plan (to say so when it changes).
+    swept: usize,
+}
+
+struct Seated {
+    group: FeedKey,
+    /// A key and client of the watch, should a feed of its group have to start.
+    key: ConsulKey,
+    client: Arc<HttpClient>,
+    role: Option<Role>,
+    assignment: watch::Sender<Assignment>,
+}
+
+struct RunningFeed {
+    feed: Arc<Feed>,
+    _task: AbortOnDropHandle<()>,
+}
+
+/// A watch's place in its server's plan; leaving is dropping it.
+pub(crate) struct Seat {
+    server: Arc<Server>,
+    id: WatchId,
+    /// What the server tells the watch to be.
+    pub assignment: watch::Receiver<Assignment>,
+}
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        self.server.leave(self.id);
+    }
+}
+
+impl Server {
+    pub(crate) fn new(settings: Settings, metrics: Metrics) -> Arc<Server> {
+        let split = Split::of(settings.max_connections);
+        let reads = Arc::new(Semaphore::new(split.reads));
+        Arc::new_cyclic(|me: &Weak<Server>| {
+            let replan = Arc::new(Notify::new());
+            let planner = tokio::spawn(plan_when_told(me.clone(), replan.clone()));
+            Server {
+                lanes: Arc::new(Semaphore::new(split.lanes)),
+                reach: Reachability::new(reads.clone(), metrics.clone()),
+                reads,
+                clients: Mutex::new(HashMap::new()),
+                seats: Mutex::new(Seats {
+                    planner: Planner::new(split.lanes),
+                    next_id: 0,
+                    watches: HashMap::new(),
+                    feeds: BTreeMap::new(),
+                    swept: 0,
+                }),
+                replan,
+                _planner: AbortOnDropHandle::new(planner),
+                settings,
+                metrics,
+            }
+        })
+    }
+
+    /// The client for this address spelling and TLS settings, shared while anyone holds it.
+    pub(crate) fn client(&self, address: &str, tls: Option<&TlsSettings>) -> Result<Arc<HttpClient>, String> {
+        let mut clients = self.clients.lock().expect("client map poisoned");
+        let key = (address.to_owned(), tls.cloned());
+        if let Some(c) = clients.get(&key).and_then(Weak::upgrade) {
+            return Ok(c);
+        }
+        clients.retain(|_, c| c.strong_count() > 0);
+        let s = &self.settings;
+        let c = Arc::new(HttpClient::new(address, tls, s.max_connections, s.max_response_bytes, self.lanes.clone())?);
+        clients.insert(key, Arc::downgrade(&c));
+        Ok(c)
+    }
+
+    /// Clients alive (for tests of eviction).
+    #[cfg(test)]
+    pub(crate) fn live_clients(&self) -> usize {
+        self.clients.lock().expect("client map poisoned").values().filter(|c| c.strong_count() > 0).count()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Seats> {
+        self.seats.lock().expect("seats poisoned")
+    }
+
+    /// Places the watch of `key` (reached through `client`) in the plan.
+    pub(crate) fn join(self: &Arc<Self>, key: &ConsulKey, client: &Arc<HttpClient>) -> Seat {
+        let (assignment, rx) = watch::channel(Assignment::Pending);
+        let id = {
+            let mut seats = self.lock();
+            let id = seats.next_id;
+            seats.next_id += 1;
+            let group = FeedKey::of(key);
+            seats.planner.join(id, Some(group.clone()));
+            seats
+                .watches
+                .insert(id, Seated { group, key: key.clone(), client: client.clone(), role: None, assignment });
+            id
+        };
+        self.replan.notify_one();
+        Seat { server: self.clone(), id, assignment: rx }
+    }
+
+    fn leave(&self, id: WatchId) {
+        let mut seats = self.lock();
+        seats.planner.leave(id);
+        seats.watches.remove(&id);
+        if seats.watches.is_empty() {
+            // Nobody to plan for: the feeds stop now, not at the next plan.
+            seats.feeds.clear();
+            self.metrics.feeds.set(0);
+        }
+        drop(seats);
+        self.replan.notify_one();
+    }
+
+    /// Plans again and tells every watch whose place changed; starts and stops feeds.
+    fn replan_now(&self) {
+        let mut seats = self.lock();
+        if seats.planner.is_empty() {
+            return;
+        }
+        let Plan { roles, feeds } = seats.planner.plan();
+        let Seats { watches, feeds: running, .. } = &mut *seats;
+        // Feeds the plan no longer runs stop first, giving their lanes back.
+        running.retain(|g, _| feeds.contains(g));
+        for g in feeds {
+            if running.contains_key(&g) {
+                continue;
+            }
+            let Some(seed) = watches.values().find(|w| w.group == g) else { continue };
+            let feed = Feed::new();
+            let env = FeedEnv {
+                lanes: self.lanes.clone(),
+                reach: self.reach.clone(),
+                metrics: self.metrics.clone(),
+                wait: self.settings.wait,
+            };
+            let task = tokio::spawn(feed.clone().run(seed.client.clone(), seed.key.clone(), env));
+            running.insert(g, RunningFeed { feed, _task: AbortOnDropHandle::new(task) });
+        }
+        self.metrics.feeds.set(i64::try_from(running.len()).unwrap_or(i64::MAX));
+        let mut swept = 0;
+        for (id, role) in roles {
+            let Some(w) = watches.get_mut(&id) else { continue };
+            swept += usize::from(role == Role::Swept);
+            if w.role == Some(role) {
+                continue;
+            }
+            w.role = Some(role);
+            let assignment = match role {
+                Role::Dedicated => Assignment::Dedicated,
+                Role::Swept => Assignment::Swept,
+                Role::Fed => match running.get(&w.group) {
+                    Some(f) => Assignment::Fed(f.feed.clone()),
+                    None => Assignment::Swept,
+                },
+            };
+            w.assignment.send_replace(assignment);
+        }
+        if swept != seats.swept {
+            if swept > 0 {
+                tracing::warn!(
+                    swept,
+                    "Consul watches beyond the connection budget that get no change feed: \
+                    each is re-read every --consul-sweep only; raise --consul-max-connections, or use fewer \
+                    distinct tokens, datacenters, namespaces or partitions on this server"
+                );
+            } else {
+                tracing::info!("every Consul watch of this server has a blocking query or a change feed again");
+            }
+            seats.swept = swept;
+        }
+    }
+}
+
+/// Plans whenever told, a burst of joins and leaves at a time, for as long as the server
+/// lives.
+async fn plan_when_told(server: Weak<Server>, replan: Arc<Notify>) {
+    loop {
+        replan.notified().await;
+        tokio::time::sleep(PLAN_COALESCING).await;
+        let Some(server) = server.upgrade() else { return };
+        server.replan_now();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_adds_up_to_the_budget() {
+        for budget in 1..300 {
+            let s = Split::of(budget);
+            assert_eq!(s.lanes + s.reads, budget, "{budget}: {s:?}");
+            assert!(s.reads >= 1);
+        }
+        assert_eq!(Split::of(100), Split { lanes: 90, reads: 10 });
+        assert_eq!(Split::of(1), Split { lanes: 0, reads: 1 });
+        assert_eq!(Split::of(4), Split { lanes: 3, reads: 1 });
+    }
+
+    #[tokio::test]
+    async fn clients_are_shared_and_dropped_with_their_last_user() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let settings = Settings { max_connections: 10, wait: Duration::from_secs(1), ..Settings::default() };
+        let server = Server::new(settings, Metrics::unregistered());
+        let a = server.client("http://127.0.0.1:8500", None).unwrap();
+        let b = server.client("http://127.0.0.1:8500", None).unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        let c = server.client("http://localhost:8500", None).unwrap();
+        assert!(!Arc::ptr_eq(&a, &c), "one client per spelling (the Host header and TLS name differ)");
+        assert_eq!(server.live_clients(), 2);
+        drop((a, b));
+        assert_eq!(server.live_clients(), 1);
+        drop(c);
+        assert_eq!(server.live_clients(), 0);
+    }
+
+    fn key(service: &str, token: Option<&str>) -> ConsulKey {
+        use consul_resolver_core::keys::{ConsulServer, Secret};
+        ConsulKey {
+            server: ConsulServer { address: "http://127.0.0.1:8500".into(), token: token.map(Secret::new), tls: None },
+            datacenter: None,
+            namespace: None,
+            partition: None,
+            query: Default::default(),
+            service: service.into(),
+        }
+    }
+
+    /// The plan reaches the watches: beyond the lanes, each scope's watches are fed by a
+    /// feed of their own; when a dedicated watch leaves, a fed one is told to take its lane.
+    #[tokio::test(start_paused = true)]
+    async fn watches_are_told_their_place_and_a_freed_lane_moves_at_once() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        // A budget of 8: 7 lanes.
+        let settings = Settings { max_connections: 8, ..Settings::default() };
+        let server = Server::new(settings, Metrics::unregistered());
+        let client = server.client("http://127.0.0.1:1", None).unwrap();
+        let mut seats: Vec<Seat> = Vec::new();
+        for team in ["a", "b"] {
+            for i in 0..5 {
+                seats.push(server.join(&key(&format!("{team}{i}"), Some(team)), &client));
+            }
+        }
+        tokio::time::sleep(PLAN_COALESCING * 2).await;
+        let placed = |seats: &[Seat]| -> Vec<&'static str> {
+            seats
+                .iter()
+                .map(|s| match *s.assignment.borrow() {
+                    Assignment::Pending => "pending",
+                    Assignment::Dedicated => "dedicated",
+                    Assignment::Fed(_) => "fed",
+                    Assignment::Swept => "swept",
+                })
+                .collect()
+        };
+        // Ten watches of two tokens on seven lanes: both teams' groups could have a feed
+        // (four lanes); team a is cheaper dedicated whole (five lanes, its feed's two back),
+        // team b keeps its feed.
+        assert_eq!(placed(&seats), [["dedicated"; 5], ["fed"; 5]].concat());
+        assert_eq!(server.metrics.feeds.get(), 1);
+        // A dedicated watch leaves: its lane goes to team b's oldest fed watch.
+        seats.remove(0);
+        tokio::time::sleep(PLAN_COALESCING * 2).await;
+        assert_eq!(placed(&seats), [&["dedicated"; 5][..], &["fed"; 4][..]].concat());
+        // All gone: the feeds stop with the last one.
+        seats.clear();
+        assert_eq!(server.metrics.feeds.get(), 0);
+    }
+}

@@ -1,0 +1,342 @@
+//! The watch of one Consul key: [`machine`] decides, [`run`] performs.
+//!
+//! A watch reads its service once, then takes the place its server's plan gives it
+//! ([`crate::server`]): a dedicated blocking query, a membership of its group's change feed,
+//! or (when neither fits the budget) the sweep alone. Over HTTP/2 it blocks on its own
+//! stream, outside the plan. It follows its place as the plan changes, and its server's
+//! reachability ([`crate::reach`]): while the server is down it sends nothing.
+
+mod machine;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, watch};
+use tokio::time::Instant;
+
+use crate::EventSink;
+use crate::client::{Heard, HttpClient};
+use crate::error::QueryError;
+use crate::feed::Membership;
+use crate::observe::{self, Query};
+use crate::reach::Reach;
+use crate::server::{Assignment, Seat, Server};
+use crate::timing::Backoff;
+use consul_resolver_core::keys::ConsulKey;
+use consul_resolver_core::model::{ConsulEvent, Event};
+use machine::{Machine, Mode, Next, Timing};
+
+/// Settings shared by every watch.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// `wait` of blocking queries.
+    pub wait: Duration,
+    /// Connection budget per Consul server.
+    pub max_connections: usize,
+    /// Least time between two queries of one watch (plus up to half of it at random).
+    pub min_interval: Duration,
+    /// Longest time a fed watch goes without re-reading (a safety net: the change feed
+    /// wakes it when its service changes; see docs/consul.md for what only this catches).
+    pub sweep: Duration,
+    /// Largest answer body accepted from Consul, after decompression.
+    pub max_response_bytes: usize,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            wait: Duration::from_secs(300),
+            max_connections: 100,
+            min_interval: Duration::from_millis(100),
+            sweep: Duration::from_secs(300),
+            max_response_bytes: 64 << 20,
+        }
+    }
+}
+
+/// What a watch holds while it runs, besides its machine.
+struct Held {
+    server: Arc<Server>,
+    client: Arc<HttpClient>,
+    key: ConsulKey,
+    /// Its place in the plan, once it has answered (never over HTTP/2).
+    seat: Option<Seat>,
+    /// Its lane, while dedicated.
+    lane: Option<OwnedSemaphorePermit>,
+    /// Its feed, while fed.
+    membership: Option<Membership>,
+    /// What its last answer asked about, for the feed.
+    heard: Heard,
+    /// When its last read was sent: a feed whose view is newer needs no re-read from it.
+    last_read: Option<Instant>,
+    /// `consul_watches{mode}`, counted while the watch runs.
+    counted: ModeGauge,
+}
+
+/// Runs the watch until the future is dropped or the event channel closes.
+pub(crate) async fn run(server: Arc<Server>, key: ConsulKey, events: EventSink) {
+    let send = |ev: ConsulEvent| {
+        let events = events.clone();
+        let key = key.clone();
+        async move { events.send(Event::Consul(key, ev)).await.is_ok() }
+    };
+    let timing =
+        Timing { wait: server.settings.wait, min_interval: server.settings.min_interval, sweep: server.settings.sweep };
+    let mut machine = Machine::new(timing);
+    let client = {
+        // A client that cannot be built (an invalid address or TLS setup) is reported and
+        // retried with backoff: the Secret it names may be fixed.
+        let mut backoff = Backoff::default();
+        let mut last = None;
+        loop {
+            match server.client(&key.server.address, key.server.tls.as_ref()) {
+                Ok(c) => break c,
+                Err(e) => {
+                    if last.as_ref() != Some(&e) && !send(ConsulEvent::Failed(e.clone())).await {
+                        return;
+                    }
+                    last = Some(e);
+                    let delay = backoff.failure(&mut rand::rng());
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        }
+    };
+    let mut reach = server.reach.subscribe();
+    let counted = ModeGauge::new(&server, machine.mode());
+    let mut held = Held {
+        server,
+        client,
+        key: key.clone(),
+        seat: None,
+        lane: None,
+        membership: None,
+        heard: Heard::default(),
+        last_read: None,
+        counted,
+    };
+    loop {
+        // Its server's state first: while down, nothing goes out.
+        let state = reach.borrow_and_update().clone();
+        match state {
+            Reach::Down { cause } => {
+                let message =
+                    QueryError::Network { address: held.client.address().to_owned(), cause: cause.to_string() };
+                if let Some(ev) = machine.server_down(message.to_string())
+                    && !send(ev).await
+                {
+                    return;
+                }
+            }
+            Reach::Up => machine.server_up(Instant::now(), &mut rand::rng()),
+        }
+        held.follow_assignment(&mut machine);
+        match machine.next(Instant::now()) {
+            Next::Query(block) => {
+                let Some(ev) = held.query(&mut machine, block, &mut reach).await else { continue };
+                if !send(ev).await {
+                    return;
+                }
+            }
+            Next::Sleep(at) => {
+                tokio::select! {
+                    () = tokio::time::sleep_until(at) => {}
+                    () = changed(&mut held.seat, &mut reach) => {}
+                    () = woken(&mut held.membership) => machine.woken(),
+                }
+            }
+            Next::Idle => {
+                tokio::select! {
+                    () = changed(&mut held.seat, &mut reach) => {}
+                    () = woken(&mut held.membership) => machine.woken(),
+                }
+            }
+        }
+    }
+}
+
+impl Held {
+    /// Takes the place the plan gives, if it changed: lanes and memberships follow.
+    fn follow_assignment(&mut self, machine: &mut Machine) {
+        let Some(seat) = self.seat.as_mut() else { return };
+        if !seat.assignment.has_changed().unwrap_or(false) {
+            return;
+        }
+        let assignment = seat.assignment.borrow_and_update().clone();
+        let mode = match &assignment {
+            Assignment::Pending => return,
+            Assignment::Dedicated => Mode::Dedicated,
+            Assignment::Fed(_) => Mode::Fed,
+            Assignment::Swept => Mode::Swept,
+        };
+        if mode != Mode::Dedicated {
+            self.lane = None;
+        }
+        self.membership = match assignment {
+            Assignment::Fed(feed) => {
+                let last_read = self.last_read.unwrap_or_else(Instant::now);
+                let m = feed.join(self.heard.clone(), self.key.query.connect, last_read);
+                if m.changes.has_changed().unwrap_or(false) {
+                    machine.woken();
+                }
+                Some(m)
+            }
+            _ => None,
+        };
+        machine.place(mode, Instant::now(), &mut rand::rng());
+        self.counted.set(mode);
+    }
+
+    /// Sends the query the machine asked for and feeds it the outcome. `None` when the
+    /// query was dropped (the watch's place changed or its server went down) or changed
+    /// nothing worth an event.
+    async fn query(
+        &mut self,
+        machine: &mut Machine,
+        block: Option<(u64, Duration)>,
+        reach: &mut watch::Receiver<Reach>,
+    ) -> Option<ConsulEvent> {
+        // Permits: a dedicated watch holds its lane for as long as it is dedicated (it may
+        // wait for a watch that was just moved to give one back); a read takes one of the
+        // read pool's for its own life; an HTTP/2 stream needs none.
+        let _read = if machine.holds_lane() {
+            if self.lane.is_none() {
+                let lanes = self.server.lanes.clone();
+                tokio::select! {
+                    p = lanes.acquire_owned() => self.lane = Some(p.ok()?),
+                    () = changed(&mut self.seat, reach) => return None,
+                }
+            }
+            None
+        } else if machine.mode() == Mode::Multiplexed {
+            None
+        } else {
+            let reads = self.server.reads.clone();
+            tokio::select! {
+                p = reads.acquire_owned() => Some(p.ok()?),
+                () = changed(&mut self.seat, reach) => return None,
+            }
+        };
+        let now = Instant::now();
+        machine.sent(now, &mut rand::rng());
+        if block.is_none() {
+            self.last_read = Some(now);
+            // Wakes before this read are answered by it; those during it call for another.
+            if let Some(m) = self.membership.as_mut() {
+                m.changes.mark_unchanged();
+            }
+        }
+        let server = self.server.clone();
+        let health = self.client.health(&self.key, block);
+        let request = observe::request(&server.metrics, Query::Service, Some(&self.key), block, health);
+        let result = tokio::select! {
+            r = request => r,
+            () = changed(&mut self.seat, reach) => return None,
+        };
+        let now = Instant::now();
+        match result {
+            Ok(answer) => {
+                let went_back = block.is_some_and(|(sent, _)| answer.index < sent);
+                if went_back {
+                    restarted(&server, "index_went_back");
+                }
+                let instances = answer.value;
+                self.heard = instances.heard;
+                if let Some(m) = &self.membership {
+                    m.saw(&self.heard);
+                }
+                let event =
+                    machine.answered(block.map(|b| b.0), answer.index, instances.endpoints, now, &mut rand::rng());
+                if machine.mode() == Mode::Unplaced {
+                    self.placed(machine);
+                }
+                event
+            }
+            Err(e) => {
+                if machine.blocking() {
+                    restarted(&server, "error");
+                }
+                server.reach.suspect(&self.client, &e);
+                let event = machine.failed(&e, now, &mut rand::rng());
+                if event.is_some() {
+                    tracing::warn!(watch = %self.key, error = %e, "Consul query failed; keeping the last endpoints");
+                }
+                event
+            }
+        }
+    }
+
+    /// After its first answer: over HTTP/2 the watch blocks on its own stream; otherwise it
+    /// takes a seat in its server's plan.
+    fn placed(&mut self, machine: &mut Machine) {
+        if self.client.multiplexed() {
+            machine.place(Mode::Multiplexed, Instant::now(), &mut rand::rng());
+            self.counted.set(Mode::Multiplexed);
+        } else {
+            self.seat = Some(self.server.join(&self.key, &self.client));
+        }
+    }
+}
+
+/// Resolves when the watch's place (`seat`) or its server's reachability changes.
+async fn changed(seat: &mut Option<Seat>, reach: &mut watch::Receiver<Reach>) {
+    let assignment = async {
+        let Some(seat) = seat.as_mut() else { return std::future::pending().await };
+        if seat.assignment.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+        // `changed` marks the value seen: leave it for `follow_assignment` to take.
+        seat.assignment.mark_changed();
+    };
+    let reachability = async {
+        if reach.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        () = assignment => {}
+        () = reachability => {}
+    }
+}
+
+/// Resolves when the watch's feed names it.
+async fn woken(membership: &mut Option<Membership>) {
+    let Some(m) = membership.as_mut() else { return std::future::pending().await };
+    if m.changes.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// The watch starts over from a read without index (after an error, or when the server's
+/// index went back): counted, as the Kubernetes source counts relists.
+fn restarted(server: &Server, reason: &str) {
+    server.metrics.restarts.with_label_values(&["consul", reason]).inc();
+}
+
+/// A watch counted in `consul_watches{mode}` under its current mode, uncounted when dropped.
+struct ModeGauge {
+    gauge: prometheus::IntGaugeVec,
+    mode: Mode,
+}
+
+impl ModeGauge {
+    fn new(server: &Server, mode: Mode) -> Self {
+        let gauge = server.metrics.watches.clone();
+        gauge.with_label_values(&[mode.label()]).inc();
+        ModeGauge { gauge, mode }
+    }
+
+    fn set(&mut self, mode: Mode) {
+        if mode != self.mode {
+            self.gauge.with_label_values(&[self.mode.label()]).dec();
+            self.gauge.with_label_values(&[mode.label()]).inc();
+            self.mode = mode;
+        }
+    }
+}
+
+impl Drop for ModeGauge {
+    fn drop(&mut self) {
+        self.gauge.with_label_values(&[self.mode.label()]).dec();
+    }
+}
