@@ -61,6 +61,7 @@ impl Env {
             datacenter: None,
             namespace: None,
             partition: None,
+            remote: None,
             query: QueryOptions::default(),
             service: service.to_owned(),
         }
@@ -239,6 +240,7 @@ async fn dc_ns_partition_and_tags_are_sent(config: Config) {
             datacenter: Some("dc1".into()),
             namespace: Some("team-a".into()),
             partition: Some("part-1".into()),
+            remote: None,
             query: QueryOptions { tags: ["x".to_owned(), "y".to_owned()].into(), ..QueryOptions::default() },
             ..env.key("billing")
         };
@@ -1046,6 +1048,7 @@ on_both_agents! {
             match w.until(&key, "the next event", |_| true).await {
                 ConsulEvent::Answer { endpoints, .. } => assert_eq!(ports(&endpoints), [port]),
                 ConsulEvent::Failed(m) => panic!("a slow answer is not a failure: {m}"),
+                other => panic!("not a cached read: {other:?}"),
             }
         }
     }

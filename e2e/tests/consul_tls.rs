@@ -45,6 +45,7 @@ impl Env {
             datacenter: None,
             namespace: None,
             partition: None,
+            remote: None,
             query: QueryOptions { statuses: HealthStatuses::ANY, ..QueryOptions::default() },
             service: service.to_owned(),
         }

@@ -460,6 +460,7 @@ mod tests {
             datacenter: Some("dc1".into()),
             namespace: None,
             partition: None,
+            remote: None,
             query: QueryOptions { cached: true, ..QueryOptions::default() },
             service: service.into(),
         }

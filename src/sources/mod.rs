@@ -105,6 +105,7 @@ mod tests {
             datacenter: None,
             namespace: None,
             partition: None,
+            remote: None,
             query: Default::default(),
             service: "web".into(),
         });

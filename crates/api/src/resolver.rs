@@ -69,6 +69,32 @@ pub struct ConsulResolverSpec {
     #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9_-]+$")))]
     pub partition: Option<String>,
 
+    /// Consul cluster peer whose imported services to read (cluster peering, Consul 1.13+),
+    /// sent as `?peer=`. Not with `samenessGroup`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "crd",
+        schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$"))
+    )]
+    pub peer: Option<String>,
+
+    /// Consul sameness group (Consul Enterprise 1.16+), sent as `?sameness-group=`: the
+    /// instances of the group's first member (the local partition or a peer) that has
+    /// healthy ones. Not with `peer`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "crd",
+        schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$"))
+    )]
+    pub sameness_group: Option<String>,
+
+    /// A Consul filter expression (go-bexpr, e.g. `Service.Meta.version == "2"`), sent as
+    /// `?filter=` and applied by Consul (agents 1.4 and later). Consul's answer to an
+    /// expression it cannot read is shown on this resolver.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 2048)))]
+    pub filter: Option<String>,
+
     /// Secret in this resolver's namespace holding the Consul ACL token, sent as
     /// `X-Consul-Token`. The token is re-read when the Secret changes and is never logged
     /// or shown in status.

@@ -11,7 +11,7 @@
 //! registration change). Their answers are diffed ([`crate::changes`]) and only the members
 //! they name are woken: those whose service names, or nodes, the diff names (what the member
 //! asked about, not what its last answer kept: see [`Heard`]); a Connect member also when a
-//! new name appears (a proxy's name is any). A catalog move the checks do not account for
+//! new name appears (a proxy's name is any), a member with a `filter` on any node check. A catalog move the checks do not account for
 //! wakes every member (each re-read still goes through the small read pool, so the burst is
 //! spread). Both queries follow the watch rules: paced, backoff with jitter on errors, the
 //! index reset after a failure or when it goes backwards; while the server is down they
@@ -31,7 +31,7 @@ use crate::metrics::{Metrics, contact_scope};
 use crate::observe;
 use crate::reach::{Reach, Reachability};
 use crate::timing::{Backoff, IndexState, pace};
-use consul_resolver_core::keys::{ConsulKey, Secret, TlsSettings};
+use consul_resolver_core::keys::{ConsulKey, QueryOptions, Secret, TlsSettings};
 
 /// What identifies one feed: see the module's doc.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -43,11 +43,16 @@ pub(crate) struct FeedKey {
 }
 
 impl FeedKey {
-    /// The feed that can serve `key`'s watch.
-    pub(crate) fn of(key: &ConsulKey) -> FeedKey {
+    /// The feed that can serve `key`'s watch; `None` when no feed can: the instances of a
+    /// peer or a sameness group come from another cluster, whose checks and catalog the
+    /// local feed does not see.
+    pub(crate) fn of(key: &ConsulKey) -> Option<FeedKey> {
+        if key.remote.is_some() {
+            return None;
+        }
         let server = &key.server;
         let tls = server.address.starts_with("https://").then(|| (server.address.clone(), server.tls.clone()));
-        FeedKey { scope: Scope::of(key), token: server.token.clone(), tls }
+        Some(FeedKey { scope: Scope::of(key), token: server.token.clone(), tls })
     }
 }
 
@@ -90,11 +95,14 @@ struct Member {
     heard: Heard,
     /// A Connect watch: its proxies may carry any name.
     connect: bool,
+    /// A watch with a `filter`: Consul left out instances we never saw, and their nodes
+    /// with them (a filter may select on checks), so any node check may concern it.
+    filtered: bool,
     wake: watch::Sender<()>,
 }
 
 impl Members {
-    fn join(&mut self, heard: Heard, connect: bool, last_read: Instant) -> (u64, watch::Receiver<()>) {
+    fn join(&mut self, heard: Heard, query: &QueryOptions, last_read: Instant) -> (u64, watch::Receiver<()>) {
         let id = self.next_id;
         self.next_id += 1;
         let (wake, mut rx) = watch::channel(());
@@ -103,7 +111,7 @@ impl Members {
         if !covered {
             rx.mark_changed();
         }
-        self.all.insert(id, Member { heard, connect, wake });
+        self.all.insert(id, Member { heard, connect: query.connect, filtered: query.filter.is_some(), wake });
         (id, rx)
     }
 
@@ -113,6 +121,7 @@ impl Members {
                 || m.heard.names.iter().any(|n| stale.services.contains(n))
                 || m.heard.nodes.iter().any(|n| stale.nodes.contains(n))
                 || (m.connect && !stale.appeared.is_empty())
+                || (m.filtered && !stale.nodes.is_empty())
             {
                 m.wake.send_replace(());
             }
@@ -156,8 +165,8 @@ impl Feed {
     /// is already marked changed (re-read at once) unless the feed had its baseline and
     /// acted on no answer since that read was sent, so nothing between the read and
     /// joining is lost.
-    pub(crate) fn join(self: &Arc<Self>, heard: Heard, connect: bool, last_read: Instant) -> Membership {
-        let (id, changes) = self.lock().join(heard, connect, last_read);
+    pub(crate) fn join(self: &Arc<Self>, heard: Heard, query: &QueryOptions, last_read: Instant) -> Membership {
+        let (id, changes) = self.lock().join(heard, query, last_read);
         Membership { feed: self.clone(), id, changes }
     }
 }
@@ -334,6 +343,10 @@ mod tests {
         v.iter().map(|s| s.to_string()).collect()
     }
 
+    fn plain() -> QueryOptions {
+        QueryOptions::default()
+    }
+
     fn heard(names: &[&str], nodes: &[&str]) -> Heard {
         Heard { names: set(names), nodes: set(nodes) }
     }
@@ -342,7 +355,7 @@ mod tests {
     async fn a_joiner_rereads_unless_the_feed_saw_nothing_after_its_read() {
         let mut m = Members::default();
         let t0 = Instant::now();
-        let (_, before_baseline) = m.join(heard(&["web"], &[]), false, t0);
+        let (_, before_baseline) = m.join(heard(&["web"], &[]), &plain(), t0);
         assert!(before_baseline.has_changed().unwrap(), "no baseline yet: re-read");
 
         tokio::time::advance(Duration::from_millis(10)).await;
@@ -350,14 +363,14 @@ mod tests {
         (m.baseline_at, m.last_answer) = (Some(now), Some(now));
         tokio::time::advance(Duration::from_millis(10)).await;
         let read = Instant::now();
-        let (_, covered) = m.join(heard(&["api"], &[]), false, read);
+        let (_, covered) = m.join(heard(&["api"], &[]), &plain(), read);
         assert!(!covered.has_changed().unwrap(), "read after the baseline and the last answer");
 
         // An answer acted on between a read and the join: that read may have missed it.
         let read = Instant::now();
         tokio::time::advance(Duration::from_millis(10)).await;
         m.last_answer = Some(Instant::now());
-        let (_, raced) = m.join(heard(&["db"], &[]), false, read);
+        let (_, raced) = m.join(heard(&["db"], &[]), &plain(), read);
         assert!(raced.has_changed().unwrap(), "an answer came between its read and its join");
     }
 
@@ -366,8 +379,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn members_wake_for_what_they_asked_about() {
         let mut m = Members::default();
-        let (_, mut web) = m.join(heard(&["web"], &["n1", "n2-critical"]), false, Instant::now());
-        let (_, mut mesh) = m.join(heard(&["mesh", "mesh-sidecar-proxy"], &["n3"]), true, Instant::now());
+        let (_, mut web) = m.join(heard(&["web"], &["n1", "n2-critical"]), &plain(), Instant::now());
+        let connect = QueryOptions { connect: true, ..plain() };
+        let (_, mut mesh) = m.join(heard(&["mesh", "mesh-sidecar-proxy"], &["n3"]), &connect, Instant::now());
         let quiet = |web: &mut watch::Receiver<()>, mesh: &mut watch::Receiver<()>| {
             web.mark_unchanged();
             mesh.mark_unchanged();
@@ -386,6 +400,12 @@ mod tests {
         assert!(!web.has_changed().unwrap() && !mesh.has_changed().unwrap());
         m.wake(&Stale::everything());
         assert!(web.has_changed().unwrap() && mesh.has_changed().unwrap());
+        // A filter may hide nodes: any node check concerns it.
+        let filtered = QueryOptions { filter: Some("Service.Meta.v == \"2\"".into()), ..plain() };
+        let (_, mut f) = m.join(heard(&["api"], &["n1"]), &filtered, Instant::now());
+        f.mark_unchanged();
+        m.wake(&Stale { nodes: set(&["n7"]), ..Stale::default() });
+        assert!(f.has_changed().unwrap());
     }
 
     #[test]
@@ -396,10 +416,16 @@ mod tests {
             datacenter: None,
             namespace: None,
             partition: None,
+            remote: None,
             query: Default::default(),
             service: "web".into(),
         };
         assert_eq!(FeedKey::of(&key("http://127.0.0.1:8500", None)), FeedKey::of(&key("http://localhost:8500", None)));
+        let peered = ConsulKey {
+            remote: Some(consul_resolver_core::keys::Remote::Peer("other".into())),
+            ..key("http://127.0.0.1:8500", None)
+        };
+        assert_eq!(FeedKey::of(&peered), None, "another cluster's instances: no local feed sees them");
         assert_ne!(
             FeedKey::of(&key("http://127.0.0.1:8500", None)),
             FeedKey::of(&key("http://127.0.0.1:8500", Some("t")))

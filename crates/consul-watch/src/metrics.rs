@@ -150,7 +150,8 @@ impl Default for Metrics {
 }
 
 /// The scope of a Consul query as far as reaching Consul goes: its server (address, token,
-/// TLS), datacenter, namespace and partition, with the service and query options left out.
+/// TLS), datacenter, namespace, partition, peer and sameness group, with the service and
+/// query options left out.
 /// Every query of one resolver has the same scope (the change feed's queries too).
 pub fn contact_scope(key: &ConsulKey) -> ConsulKey {
     ConsulKey {
@@ -158,6 +159,7 @@ pub fn contact_scope(key: &ConsulKey) -> ConsulKey {
         datacenter: key.datacenter.clone(),
         namespace: key.namespace.clone(),
         partition: key.partition.clone(),
+        remote: key.remote.clone(),
         query: QueryOptions::default(),
         service: String::new(),
     }

@@ -136,6 +136,7 @@ mod tests {
             datacenter: None,
             namespace: None,
             partition: None,
+            remote: None,
             query: QueryOptions::default(),
             service: "web".into(),
         }

@@ -90,7 +90,7 @@ struct Seats {
 }
 
 struct Seated {
-    group: FeedKey,
+    group: Option<FeedKey>,
     /// A key and client of the watch, should a feed of its group have to start.
     key: ConsulKey,
     client: Arc<HttpClient>,
@@ -176,7 +176,7 @@ impl Server {
             let id = seats.next_id;
             seats.next_id += 1;
             let group = FeedKey::of(key);
-            seats.planner.join(id, Some(group.clone()));
+            seats.planner.join(id, group.clone());
             seats
                 .watches
                 .insert(id, Seated { group, key: key.clone(), client: client.clone(), role: None, assignment });
@@ -213,7 +213,7 @@ impl Server {
             if running.contains_key(&g) {
                 continue;
             }
-            let Some(seed) = watches.values().find(|w| w.group == g) else { continue };
+            let Some(seed) = watches.values().find(|w| w.group.as_ref() == Some(&g)) else { continue };
             let feed = Feed::new();
             let env = FeedEnv {
                 lanes: self.lanes.clone(),
@@ -236,7 +236,7 @@ impl Server {
             let assignment = match role {
                 Role::Dedicated => Assignment::Dedicated,
                 Role::Swept => Assignment::Swept,
-                Role::Fed => match running.get(&w.group) {
+                Role::Fed => match w.group.as_ref().and_then(|g| running.get(g)) {
                     Some(f) => Assignment::Fed(f.feed.clone()),
                     None => Assignment::Swept,
                 },
@@ -310,6 +310,7 @@ mod tests {
             datacenter: None,
             namespace: None,
             partition: None,
+            remote: None,
             query: Default::default(),
             service: service.into(),
         }

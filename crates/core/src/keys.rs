@@ -153,9 +153,21 @@ pub struct ConsulKey {
     pub datacenter: Option<String>,
     pub namespace: Option<String>,
     pub partition: Option<String>,
+    /// Instances of another cluster instead of the local one: `None` for the local.
+    pub remote: Option<Remote>,
     /// Which instances are kept, and how they are read.
     pub query: QueryOptions,
     pub service: String,
+}
+
+/// Where instances come from when not the local cluster's (one or the other).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Remote {
+    /// A cluster peer whose imported services are read (`?peer=`).
+    Peer(String),
+    /// A sameness group (`?sameness-group=`): the first of its members with healthy
+    /// instances answers.
+    SamenessGroup(String),
 }
 
 /// The parts of a resolver's spec that shape each of its queries besides the server and
@@ -174,6 +186,8 @@ pub struct QueryOptions {
     /// `/v1/health/connect/<service>`: the service's Connect sidecar proxies instead.
     pub connect: bool,
     pub address: AddressType,
+    /// A Consul filter expression (`?filter=`), applied by Consul.
+    pub filter: Option<Arc<str>>,
 }
 
 /// The aggregate check statuses an instance may have to be published. Default: passing.
@@ -251,6 +265,11 @@ impl fmt::Display for ConsulKey {
                 write!(f, " {name}={v}")?;
             }
         }
+        match &self.remote {
+            None => {}
+            Some(Remote::Peer(p)) => write!(f, " peer={p}")?,
+            Some(Remote::SamenessGroup(g)) => write!(f, " sameness-group={g}")?,
+        }
         let q = &self.query;
         if q.connect {
             f.write_str(" connect")?;
@@ -273,6 +292,9 @@ impl fmt::Display for ConsulKey {
         }
         if q.cached {
             f.write_str(" cached")?;
+        }
+        if let Some(filter) = &q.filter {
+            write!(f, " filter={filter:?}")?;
         }
         match &q.address {
             AddressType::Service => {}
@@ -332,6 +354,7 @@ mod tests {
             datacenter: Some("dc1".into()),
             namespace: None,
             partition: None,
+            remote: None,
             query: QueryOptions::default(),
             service: service.into(),
         }

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use consul_resolver_api::mapping::MappingKind;
 use consul_resolver_api::resolver::ConsulResolverSpec;
@@ -177,6 +178,10 @@ impl WatchFailure {
 pub enum ConsulEvent {
     /// Consul answered: the full current endpoint list (sorted) and its index.
     Answer { index: u64, endpoints: Vec<Endpoint> },
+    /// A Consul agent answered a `cached` read from its cache, and its cache has been cut
+    /// off from the servers since `cut_off_since` (its `Age` header): the endpoints as the
+    /// agent last knew them, published marked stale since then.
+    Cached { index: u64, endpoints: Vec<Endpoint>, cut_off_since: SystemTime },
     /// A query failed; the last known endpoints stay in place.
     Failed(String),
 }

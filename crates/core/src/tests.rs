@@ -772,6 +772,49 @@ async fn names_that_cannot_be_selected_are_reported_and_never_watched() {
     assert_eq!(watched, ["consul web at http://127.0.0.1:8500 passing"], "no Secret, no endpoints watch");
 }
 
+/// A `cached` read answered by an agent cut off from its servers: its endpoints are
+/// published (they are what the agent last knew), marked stale since the cut-off, with the
+/// reason; a later answer of the same cut-off keeps that time; back in touch, not stale.
+#[tokio::test(start_paused = true)]
+async fn an_agent_cache_cut_off_from_its_servers_is_published_stale_since_the_cut_off() {
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    let spec = json!({"address": "127.0.0.1:8500", "cached": true});
+    p.apply(listed(&resolvers_key(), vec![resolver("shop", "consul", spec)]), now);
+    p.apply(
+        listed(&mappings_key(), vec![mapping("shop", "m", json!({"service": "billing", "resolver": "consul"}))]),
+        now,
+    );
+    let key = consul_keys(&p).remove(0);
+    p.apply([answer(&key, 5, vec![ep("10.0.0.1", 80)])], now);
+    let snap = publish(&mut p).unwrap();
+    assert_eq!(snap.content.resolvers[0].services[0].stale, None);
+    let cut = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_000_000);
+    let cached = |index, port, since| {
+        Event::Consul(key.clone(), ConsulEvent::Cached { index, endpoints: vec![ep("10.0.0.1", port)], cut_off_since: since })
+    };
+    tokio::time::advance(Duration::from_secs(1)).await;
+    p.apply([cached(6, 81, cut)], Instant::now());
+    let snap = publish(&mut p).unwrap();
+    let s = snap.content.resolvers[0].services[0].as_ref().clone();
+    assert_eq!(s.endpoints, vec![ep("10.0.0.1", 81)], "the agent's last knowledge is published");
+    assert!(s.synced && s.error.is_none(), "{s:?}");
+    let stale = s.stale.expect("stale while the agent is cut off");
+    assert_eq!(stale.since, "2026-11-18T11:06:40Z", "since the cut-off, not since we noticed");
+    assert!(stale.reason.contains("cut off from its servers"), "{}", stale.reason);
+    // The same cut-off answering again (a second later by its Age) changes nothing.
+    let later = cut + Duration::from_secs(1);
+    p.apply([cached(6, 81, later)], Instant::now());
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert!(publish(&mut p).is_none(), "nothing to publish");
+    // Back in touch: current again.
+    tokio::time::advance(Duration::from_secs(1)).await;
+    p.apply([answer(&key, 7, vec![ep("10.0.0.1", 81)])], Instant::now());
+    let snap = publish(&mut p).unwrap();
+    assert_eq!(snap.content.resolvers[0].services[0].stale, None);
+}
+
 #[tokio::test(start_paused = true)]
 async fn endpoints_last_obtained_outlive_a_token_rotation_a_lost_secret_and_a_broken_spec() {
     let mut p = pipeline(Config::default());

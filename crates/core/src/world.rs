@@ -20,7 +20,7 @@
 //! and no I/O.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
@@ -82,6 +82,8 @@ pub struct ConsulStore {
     pub endpoints: Vec<Endpoint>,
     pub changed_at: Option<Instant>,
     pub last_error: Option<String>,
+    /// The last answer came from an agent's cache cut off from its servers since then.
+    pub cut_off_since: Option<SystemTime>,
 }
 
 impl ConsulStore {
@@ -179,6 +181,7 @@ impl World {
                     endpoints: Vec::new(),
                     changed_at: None,
                     last_error: None,
+                    cut_off_since: None,
                 });
                 self.changes.consul.insert(k.clone());
             }
@@ -384,31 +387,37 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
 }
 
 fn apply_consul(store: &mut ConsulStore, ev: ConsulEvent, now: Instant) -> bool {
-    match ev {
-        ConsulEvent::Answer { index, endpoints } => {
-            let first = !store.answered();
-            let errored = store.last_error.take().is_some();
-            // The index is that of the answer that brought the endpoints: an answer with
-            // the same endpoints (a wake-up, a timeout) changes nothing, not even it, so
-            // the snapshot never depends on when else it happens to be read.
-            if first || endpoints != store.endpoints {
-                store.index = Some(index);
-                store.endpoints = endpoints;
-                store.changed_at = Some(now);
-                true
-            } else {
-                // Same content: not an event for the snapshot, but a cleared error is.
-                if errored {
-                    store.index = Some(index);
-                }
-                errored
-            }
-        }
+    let (index, endpoints, cut_off_since) = match ev {
+        ConsulEvent::Answer { index, endpoints } => (index, endpoints, None),
+        ConsulEvent::Cached { index, endpoints, cut_off_since } => (index, endpoints, Some(cut_off_since)),
         ConsulEvent::Failed(e) => {
             let changed = store.last_error.as_deref() != Some(e.as_str());
             store.last_error = Some(e);
-            changed
+            return changed;
         }
+    };
+    let first = !store.answered();
+    let errored = store.last_error.take().is_some();
+    // Being cut off, or no longer, is a change; a later answer of the same cut-off keeps
+    // when it began.
+    let cut_off_changed = store.cut_off_since.is_some() != cut_off_since.is_some();
+    if cut_off_changed {
+        store.cut_off_since = cut_off_since;
+    }
+    // The index is that of the answer that brought the endpoints: an answer with the same
+    // endpoints (a wake-up, a timeout) changes nothing, not even it, so the snapshot never
+    // depends on when else it happens to be read.
+    if first || endpoints != store.endpoints {
+        store.index = Some(index);
+        store.endpoints = endpoints;
+        store.changed_at = Some(now);
+        true
+    } else {
+        // Same content: not an event for the snapshot, but a cleared error is.
+        if errored {
+            store.index = Some(index);
+        }
+        errored || cut_off_changed
     }
 }
 
@@ -430,6 +439,7 @@ mod tests {
             datacenter: None,
             namespace: None,
             partition: None,
+            remote: None,
             query: Default::default(),
             service: service.into(),
         }

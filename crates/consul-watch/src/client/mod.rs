@@ -20,7 +20,7 @@ use reqwest::StatusCode;
 use reqwest::header::HeaderMap;
 
 use crate::error::{QueryError, cause_chain};
-use consul_resolver_core::keys::{Consistency, ConsulKey, Secret, TlsSettings};
+use consul_resolver_core::keys::{Consistency, ConsulKey, Remote, Secret, TlsSettings};
 use consul_resolver_core::model::Endpoint;
 use multiplex::{Multiplexer, Protocol};
 
@@ -52,6 +52,17 @@ pub(crate) struct Instances {
     pub endpoints: Vec<Endpoint>,
     /// What a change feed must wake this watch for.
     pub heard: Heard,
+    /// A `cached` read answered from an agent's cache that lost its servers this long ago
+    /// (see [`cache_age`]); `None` for a current answer.
+    pub cache_age: Option<Duration>,
+}
+
+/// A successful response: its index, the agent cache's age, its body.
+#[derive(Debug)]
+struct Got {
+    index: u64,
+    cache_age: Option<Duration>,
+    body: bytes::Bytes,
 }
 
 /// What a watch asked about, before any filter of ours: every node its service's instances
@@ -175,6 +186,14 @@ impl HttpClient {
         let url = format!("{}/v1/health/{endpoint}/{}", self.base, encode_segment(&key.service));
         let mut query: Vec<(&str, String)> = Vec::new();
         scope_params(&mut query, key.datacenter.as_deref(), key.namespace.as_deref(), key.partition.as_deref());
+        match &key.remote {
+            None => {}
+            Some(Remote::Peer(peer)) => query.push(("peer", peer.clone())),
+            Some(Remote::SamenessGroup(group)) => query.push(("sameness-group", group.clone())),
+        }
+        if let Some(filter) = &q.filter {
+            query.push(("filter", filter.to_string()));
+        }
         if q.statuses.only_passing() && block.is_some() {
             query.push(("passing", "1".into()));
         }
@@ -190,7 +209,8 @@ impl HttpClient {
             query.push(("cached", String::new()));
         }
         push_block(&mut query, block);
-        let (index, body) = self.get(&url, &query, key.server.token.as_ref(), request_timeout(block)).await?;
+        let got = self.get(&url, &query, key.server.token.as_ref(), request_timeout(block)).await?;
+        let (index, body) = (got.index, got.body);
         let (mut endpoints, mut names) =
             parse::health_instances(&body, &q.address).map_err(|cause| self.body_error(cause))?;
         names.insert(key.service.to_ascii_lowercase());
@@ -201,7 +221,7 @@ impl HttpClient {
                 && q.tags.iter().all(|want| carries(e, want))
                 && !q.excluded_tags.iter().any(|no| carries(e, no))
         });
-        Ok(Answer { index, value: Instances { endpoints, heard: Heard { nodes, names } } })
+        Ok(Answer { index, value: Instances { endpoints, heard: Heard { nodes, names }, cache_age: got.cache_age } })
     }
 
     /// `GET /v1/status/leader`: whether the server answers at all (any HTTP answer is one).
@@ -218,7 +238,7 @@ impl HttpClient {
         block: Option<(u64, Duration)>,
     ) -> Result<Answer<BTreeMap<String, Vec<String>>>, QueryError> {
         let url = format!("{}/v1/catalog/services", self.base);
-        let (index, body) = self.scoped_get(&url, scope, token, block).await?;
+        let Got { index, body, .. } = self.scoped_get(&url, scope, token, block).await?;
         let value = parse::catalog_services(&body).map_err(|cause| self.body_error(cause))?;
         Ok(Answer { index, value })
     }
@@ -231,7 +251,7 @@ impl HttpClient {
         block: Option<(u64, Duration)>,
     ) -> Result<Answer<Vec<parse::CheckRow>>, QueryError> {
         let url = format!("{}/v1/health/state/any", self.base);
-        let (index, body) = self.scoped_get(&url, scope, token, block).await?;
+        let Got { index, body, .. } = self.scoped_get(&url, scope, token, block).await?;
         let value = parse::health_state(&body).map_err(|cause| self.body_error(cause))?;
         Ok(Answer { index, value })
     }
@@ -242,7 +262,7 @@ impl HttpClient {
         scope: &Scope,
         token: Option<&Secret>,
         block: Option<(u64, Duration)>,
-    ) -> Result<(u64, bytes::Bytes), QueryError> {
+    ) -> Result<Got, QueryError> {
         let mut query = Vec::new();
         scope_params(&mut query, scope.datacenter.as_deref(), scope.namespace.as_deref(), scope.partition.as_deref());
         push_block(&mut query, block);
@@ -259,7 +279,7 @@ impl HttpClient {
         query: &[(&str, String)],
         token: Option<&Secret>,
         timeout: Duration,
-    ) -> Result<(u64, bytes::Bytes), QueryError> {
+    ) -> Result<Got, QueryError> {
         let address = &self.address;
         let mut url = reqwest::Url::parse(url)
             .map_err(|e| QueryError::Network { address: address.clone(), cause: format!("bad URL: {e}") })?;
@@ -291,7 +311,7 @@ impl HttpClient {
             None => tokio::time::timeout(timeout, self.get_http1(url, headers)).await.map_err(|_| late())??,
         };
         if status.is_success() {
-            return Ok((index_header(&headers), body));
+            return Ok(Got { index: index_header(&headers), cache_age: cache_age(&headers), body });
         }
         if status.is_redirection() {
             return Err(QueryError::Redirect { address: address.clone(), status: status.as_u16() });
@@ -399,6 +419,17 @@ fn index_header(headers: &HeaderMap) -> u64 {
     headers.get("x-consul-index").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()).unwrap_or(1).max(1)
 }
 
+/// How long an agent's cache has been without its servers, from a `cached` read's headers:
+/// `X-Cache: HIT` with an `Age` above 0. For results the agent refreshes in the background
+/// (service health) `Age` stays 0 while it is connected to its servers and counts the
+/// seconds since it lost them otherwise (Consul's agent caching docs). `None`: current.
+fn cache_age(headers: &HeaderMap) -> Option<Duration> {
+    let hit =
+        headers.get("x-cache").and_then(|v| v.to_str().ok()).is_some_and(|v| v.trim().eq_ignore_ascii_case("hit"));
+    let age: u64 = headers.get(reqwest::header::AGE)?.to_str().ok()?.trim().parse().ok()?;
+    (hit && age > 0).then(|| Duration::from_secs(age))
+}
+
 /// `Retry-After` in seconds (the HTTP-date form is not used by Consul).
 fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let secs: u64 = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim().parse().ok()?;
@@ -494,6 +525,7 @@ mod tests {
             datacenter: None,
             namespace: None,
             partition: None,
+            remote: None,
             query: consul_resolver_core::keys::QueryOptions {
                 statuses: consul_resolver_core::keys::HealthStatuses::ANY,
                 tags: tags.iter().filter(|t| !t.starts_with('!')).map(|t| t.to_string()).collect(),
@@ -582,6 +614,22 @@ mod tests {
         let _ = c.health(&passing, Some((5, Duration::from_secs(1)))).await;
         let line = seen.recv().await.unwrap();
         assert!(line.contains("passing=1") && line.contains("index=5"), "{line}");
+    }
+
+    #[test]
+    fn an_agent_cache_without_its_servers_has_an_age() {
+        let headers = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in pairs {
+                h.insert(*k, v.parse().unwrap());
+            }
+            h
+        };
+        assert_eq!(cache_age(&headers(&[("x-cache", "HIT"), ("age", "42")])), Some(Duration::from_secs(42)));
+        assert_eq!(cache_age(&headers(&[("x-cache", "HIT"), ("age", "0")])), None, "connected: current");
+        assert_eq!(cache_age(&headers(&[("x-cache", "MISS")])), None);
+        assert_eq!(cache_age(&headers(&[("age", "42")])), None, "not from the agent's cache");
+        assert_eq!(cache_age(&headers(&[("x-cache", "HIT"), ("age", "soon")])), None);
     }
 
     #[test]

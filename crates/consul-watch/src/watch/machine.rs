@@ -14,7 +14,7 @@
 //! - content comparison: only a first answer, a changed one, or any answer after an error
 //!   (which clears it) is an event; a failure only when its message changes.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use rand::Rng;
 use tokio::time::Instant;
@@ -78,16 +78,29 @@ pub(crate) enum Next {
 struct Reported {
     endpoints: Option<Vec<Endpoint>>,
     error: Option<String>,
+    /// Since when the answers come from an agent's cache cut off from its servers.
+    cut_off: Option<SystemTime>,
 }
 
 impl Reported {
-    fn answer(&mut self, index: u64, endpoints: Vec<Endpoint>) -> Option<ConsulEvent> {
-        if self.error.is_none() && self.endpoints.as_ref() == Some(&endpoints) {
+    /// An answer (from a cut-off agent cache since `cut_off`): sent when it is the first,
+    /// its endpoints changed, it follows an error, or the cut-off began or ended. A cut-off
+    /// keeps the time it was first seen to begin (each answer's `Age` moves by a second or
+    /// so with its arrival).
+    fn answer(&mut self, index: u64, endpoints: Vec<Endpoint>, cut_off: Option<SystemTime>) -> Option<ConsulEvent> {
+        let same_cut_off = self.cut_off.is_some() == cut_off.is_some();
+        if self.error.is_none() && same_cut_off && self.endpoints.as_ref() == Some(&endpoints) {
             return None;
+        }
+        if !same_cut_off {
+            self.cut_off = cut_off;
         }
         self.error = None;
         self.endpoints = Some(endpoints.clone());
-        Some(ConsulEvent::Answer { index, endpoints })
+        Some(match self.cut_off {
+            Some(cut_off_since) => ConsulEvent::Cached { index, endpoints, cut_off_since },
+            None => ConsulEvent::Answer { index, endpoints },
+        })
     }
 
     fn failure(&mut self, message: String) -> Option<ConsulEvent> {
@@ -166,12 +179,14 @@ impl Machine {
         self.not_before = Some(now + pace(self.timing.min_interval, rng));
     }
 
-    /// The answer to a query that sent `sent` (its index; `None` for a read).
+    /// The answer to a query that sent `sent` (its index; `None` for a read), from an agent
+    /// cache cut off from its servers since `cut_off`, if so.
     pub(crate) fn answered(
         &mut self,
         sent: Option<u64>,
         index: u64,
         endpoints: Vec<Endpoint>,
+        cut_off: Option<SystemTime>,
         now: Instant,
         rng: &mut impl Rng,
     ) -> Option<ConsulEvent> {
@@ -183,7 +198,7 @@ impl Machine {
                 self.sweep_at = Some(self.next_sweep(now, rng));
             }
         }
-        self.reported.answer(index, endpoints)
+        self.reported.answer(index, endpoints, cut_off)
     }
 
     /// The query failed: back off, forget the index (the server may come back as another
@@ -290,7 +305,7 @@ mod tests {
     async fn the_first_query_reads_then_a_dedicated_watch_blocks_on_its_index_paced() {
         let (mut m, mut rng) = machine();
         assert_eq!(send(&mut m, &mut rng), None, "the first query does not block");
-        assert!(m.answered(None, 0, vec![], Instant::now(), &mut rng).is_some(), "the first answer, even empty");
+        assert!(m.answered(None, 0, vec![], None, Instant::now(), &mut rng).is_some(), "the first answer, even empty");
         assert_eq!(m.next(Instant::now()), Next::Idle, "unplaced after its read: waits to be placed");
         m.place(Mode::Dedicated, Instant::now(), &mut rng);
         // Paced: 100 ms plus up to half of it after the last query.
@@ -299,7 +314,7 @@ mod tests {
         assert!((MIN..MIN * 3 / 2).contains(&gap), "{gap:?}");
         tokio::time::advance(gap).await;
         assert_eq!(send(&mut m, &mut rng), Some((1, WAIT)), "never below 1, even after index 0");
-        assert!(m.answered(Some(1), 9, vec![], Instant::now(), &mut rng).is_none(), "same content: no event");
+        assert!(m.answered(Some(1), 9, vec![], None, Instant::now(), &mut rng).is_none(), "same content: no event");
         tokio::time::advance(MIN * 2).await;
         assert_eq!(send(&mut m, &mut rng), Some((9, WAIT)));
         assert_eq!(m.mode(), Mode::Dedicated);
@@ -309,14 +324,14 @@ mod tests {
     async fn an_index_going_back_or_a_failure_starts_over_from_a_read() {
         let (mut m, mut rng) = machine();
         send(&mut m, &mut rng);
-        m.answered(None, 100, vec![ep(1)], Instant::now(), &mut rng);
+        m.answered(None, 100, vec![ep(1)], None, Instant::now(), &mut rng);
         m.place(Mode::Dedicated, Instant::now(), &mut rng);
         tokio::time::advance(MIN * 2).await;
         assert_eq!(send(&mut m, &mut rng), Some((100, WAIT)));
-        m.answered(Some(100), 7, vec![ep(1)], Instant::now(), &mut rng);
+        m.answered(Some(100), 7, vec![ep(1)], None, Instant::now(), &mut rng);
         tokio::time::advance(MIN * 2).await;
         assert_eq!(send(&mut m, &mut rng), None, "the index went back: read without it");
-        m.answered(None, 7, vec![ep(1)], Instant::now(), &mut rng);
+        m.answered(None, 7, vec![ep(1)], None, Instant::now(), &mut rng);
         tokio::time::advance(MIN * 2).await;
         assert_eq!(send(&mut m, &mut rng), Some((7, WAIT)));
         assert!(m.blocking());
@@ -342,7 +357,7 @@ mod tests {
         assert!((187..=250).contains(&ms[0]) && (375..=500).contains(&ms[1]), "{ms:?}");
         assert!((750..=1000).contains(&ms[2]) && (1500..=2000).contains(&ms[3]), "{ms:?}");
         assert_eq!(send(&mut m, &mut rng), None, "after a failure: a read");
-        let ev = m.answered(None, 3, vec![], Instant::now(), &mut rng);
+        let ev = m.answered(None, 3, vec![], None, Instant::now(), &mut rng);
         assert!(matches!(ev, Some(ConsulEvent::Answer { .. })), "an answer after an error is sent, so it clears");
         // The backoff starts over.
         tokio::time::advance(MIN * 2).await;
@@ -366,7 +381,7 @@ mod tests {
     async fn a_fed_watch_reads_when_woken_or_at_the_sweep_never_blocks() {
         let (mut m, mut rng) = machine();
         send(&mut m, &mut rng);
-        m.answered(None, 5, vec![ep(1)], Instant::now(), &mut rng);
+        m.answered(None, 5, vec![ep(1)], None, Instant::now(), &mut rng);
         m.place(Mode::Fed, Instant::now(), &mut rng);
         let Next::Sleep(sweep) = m.next(Instant::now()) else { panic!("waits for its feed or the sweep") };
         let until_sweep = sweep - Instant::now();
@@ -375,7 +390,7 @@ mod tests {
         tokio::time::advance(Duration::from_secs(1)).await;
         m.woken();
         assert_eq!(send(&mut m, &mut rng), None, "a read, never a blocking query");
-        m.answered(None, 6, vec![ep(2)], Instant::now(), &mut rng);
+        m.answered(None, 6, vec![ep(2)], None, Instant::now(), &mut rng);
         assert!(matches!(m.next(Instant::now()), Next::Sleep(_)), "the sweep, from this read on");
         // Unwoken, the sweep reads anyway.
         tokio::time::advance(SWEEP).await;
@@ -392,7 +407,7 @@ mod tests {
     async fn promoted_it_blocks_on_the_index_of_its_last_read_demoted_it_reads_when_told() {
         let (mut m, mut rng) = machine();
         send(&mut m, &mut rng);
-        m.answered(None, 42, vec![ep(1)], Instant::now(), &mut rng);
+        m.answered(None, 42, vec![ep(1)], None, Instant::now(), &mut rng);
         m.place(Mode::Fed, Instant::now(), &mut rng);
         m.place(Mode::Dedicated, Instant::now(), &mut rng);
         assert!(m.holds_lane());
@@ -410,7 +425,7 @@ mod tests {
     async fn while_its_server_is_down_it_sends_nothing_then_resumes_within_a_second() {
         let (mut m, mut rng) = machine();
         send(&mut m, &mut rng);
-        m.answered(None, 9, vec![ep(1)], Instant::now(), &mut rng);
+        m.answered(None, 9, vec![ep(1)], None, Instant::now(), &mut rng);
         m.place(Mode::Dedicated, Instant::now(), &mut rng);
         let ev = m.server_down("cannot reach Consul at http://127.0.0.1:8500: connection refused".into());
         assert!(matches!(ev, Some(ConsulEvent::Failed(_))), "reported, so its resolver says so at once");
@@ -424,17 +439,34 @@ mod tests {
         assert!(at - Instant::now() < RESUME_SPREAD);
         tokio::time::advance(at - Instant::now()).await;
         assert_eq!(send(&mut m, &mut rng), None, "a read without index: the server may be a new cluster");
-        let ev = m.answered(None, 2, vec![ep(1)], Instant::now(), &mut rng);
+        let ev = m.answered(None, 2, vec![ep(1)], None, Instant::now(), &mut rng);
         assert!(matches!(ev, Some(ConsulEvent::Answer { .. })), "the answer clears the failure");
         // Fed watches re-read after an outage too.
         let (mut f, mut rng) = machine();
         send(&mut f, &mut rng);
-        f.answered(None, 9, vec![], Instant::now(), &mut rng);
+        f.answered(None, 9, vec![], None, Instant::now(), &mut rng);
         f.place(Mode::Fed, Instant::now(), &mut rng);
         f.server_down("down".into());
         f.server_up(Instant::now(), &mut rng);
         tokio::time::advance(RESUME_SPREAD).await;
         assert_eq!(send(&mut f, &mut rng), None);
+    }
+
+    /// A cut-off agent cache is reported once, with when the cut-off began, and again when
+    /// it ends; a later answer of the same cut-off with the same endpoints is no event.
+    #[tokio::test(start_paused = true)]
+    async fn an_agent_cut_off_from_its_servers_is_reported_when_it_begins_and_ends() {
+        let (mut m, mut rng) = machine();
+        let t = |s| SystemTime::UNIX_EPOCH + Duration::from_secs(s);
+        send(&mut m, &mut rng);
+        assert!(m.answered(None, 5, vec![ep(1)], None, Instant::now(), &mut rng).is_some());
+        let ev = m.answered(None, 5, vec![ep(1)], Some(t(1000)), Instant::now(), &mut rng);
+        assert_eq!(ev, Some(ConsulEvent::Cached { index: 5, endpoints: vec![ep(1)], cut_off_since: t(1000) }));
+        assert_eq!(m.answered(None, 5, vec![ep(1)], Some(t(1001)), Instant::now(), &mut rng), None, "the same cut-off");
+        let ev = m.answered(None, 6, vec![ep(2)], Some(t(1001)), Instant::now(), &mut rng);
+        assert_eq!(ev, Some(ConsulEvent::Cached { index: 6, endpoints: vec![ep(2)], cut_off_since: t(1000) }));
+        let ev = m.answered(None, 7, vec![ep(2)], None, Instant::now(), &mut rng);
+        assert_eq!(ev, Some(ConsulEvent::Answer { index: 7, endpoints: vec![ep(2)] }), "back in touch");
     }
 
     #[tokio::test(start_paused = true)]

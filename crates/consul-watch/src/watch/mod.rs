@@ -9,7 +9,7 @@
 mod machine;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::{OwnedSemaphorePermit, watch};
 use tokio::time::Instant;
@@ -175,7 +175,7 @@ impl Held {
         self.membership = match assignment {
             Assignment::Fed(feed) => {
                 let last_read = self.last_read.unwrap_or_else(Instant::now);
-                let m = feed.join(self.heard.clone(), self.key.query.connect, last_read);
+                let m = feed.join(self.heard.clone(), &self.key.query, last_read);
                 if m.changes.has_changed().unwrap_or(false) {
                     machine.woken();
                 }
@@ -245,8 +245,15 @@ impl Held {
                 if let Some(m) = &self.membership {
                     m.saw(&self.heard);
                 }
-                let event =
-                    machine.answered(block.map(|b| b.0), answer.index, instances.endpoints, now, &mut rand::rng());
+                let cut_off = instances.cache_age.map(|age| SystemTime::now() - age);
+                let event = machine.answered(
+                    block.map(|b| b.0),
+                    answer.index,
+                    instances.endpoints,
+                    cut_off,
+                    now,
+                    &mut rand::rng(),
+                );
                 if machine.mode() == Mode::Unplaced {
                     self.placed(machine);
                 }

@@ -72,12 +72,14 @@ pub fn changed_settings(old: &ConsulKey, new: &ConsulKey) -> Vec<&'static str> {
     differs(old.datacenter != new.datacenter, "datacenter");
     differs(old.namespace != new.namespace, "Consul namespace");
     differs(old.partition != new.partition, "partition");
+    differs(old.remote != new.remote, "peer or samenessGroup");
     let (o, n) = (&old.query, &new.query);
     differs(o.statuses != n.statuses, "healthStatuses");
     differs(o.tags != n.tags || o.excluded_tags != n.excluded_tags, "tags");
     differs(o.consistency != n.consistency, "consistency");
     differs(o.cached != n.cached, "cached");
     differs(o.connect != n.connect, "connect");
+    differs(o.filter != n.filter, "filter");
     differs(o.address != n.address, "addressType");
     out
 }
@@ -104,6 +106,7 @@ mod tests {
             datacenter: dc.map(str::to_owned),
             namespace: None,
             partition: None,
+            remote: None,
             query: Default::default(),
             service: "web".into(),
         };

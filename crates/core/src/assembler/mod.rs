@@ -795,10 +795,21 @@ fn current(
     match (store.filter(|s| s.answered()), previous) {
         (Some(s), _) => {
             // Current. A failing query keeps its endpoints; they are stale from the first
-            // failure on.
+            // failure on. An agent answering from a cache cut off from its servers gives
+            // endpoints stale since the cut-off.
             let since = previous.filter(|p| p.key == *key).and_then(|p| p.stale_since).unwrap_or(now);
-            let stale_since = error.is_some().then_some(since);
-            let stale = error.as_ref().map(|e| Stale { since: kept::rfc3339(since), reason: e.clone() });
+            let (stale_since, stale) = match (&error, s.cut_off_since) {
+                (Some(e), _) => (Some(since), Some(Stale { since: kept::rfc3339(since), reason: e.clone() })),
+                (None, Some(cut)) => {
+                    let at = kept::rfc3339(cut);
+                    let reason = format!(
+                        "the Consul agent answers from its cache, cut off from its servers since {at} \
+                         (X-Cache: HIT with an Age): changes since then are not seen"
+                    );
+                    (Some(cut), Some(Stale { since: at, reason }))
+                }
+                (None, None) => (None, None),
+            };
             let entry = ServiceEntry {
                 name: name.to_owned(),
                 synced: true,

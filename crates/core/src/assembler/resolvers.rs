@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use super::snapshot::{Unusable, UnusableReason};
 use crate::keys::{
-    AddressType, ClientIdentity, Consistency, ConsulKey, ConsulServer, HealthStatuses, KubeKey, QueryOptions, Secret,
-    TlsSettings,
+    AddressType, ClientIdentity, Consistency, ConsulKey, ConsulServer, HealthStatuses, KubeKey, QueryOptions, Remote,
+    Secret, TlsSettings,
 };
 use crate::model::Decoded;
 use crate::world::World;
@@ -56,11 +56,12 @@ impl Settings {
     /// building a key per service to compare.
     pub fn queries(&self, key: &ConsulKey) -> bool {
         // Destructured so that a field added to ConsulKey cannot be forgotten here.
-        let ConsulKey { server, datacenter, namespace, partition, query, service: _ } = &self.template;
+        let ConsulKey { server, datacenter, namespace, partition, remote, query, service: _ } = &self.template;
         key.server == *server
             && key.datacenter == *datacenter
             && key.namespace == *namespace
             && key.partition == *partition
+            && key.remote == *remote
             && key.query == *query
     }
 
@@ -148,6 +149,33 @@ fn settings(
     let datacenter = non_empty("datacenter", &spec.datacenter)?;
     let consul_ns = non_empty("namespace", &spec.namespace)?;
     let partition = non_empty("partition", &spec.partition)?;
+    // A peer or sameness group is a name Consul checks as a DNS label; both at once mean
+    // two different sources of instances.
+    let label = |field: &str, v: &Option<String>| -> Result<Option<String>, Unusable> {
+        let v = non_empty(field, v)?;
+        if let Some(name) = &v
+            && (name.len() > 63
+                || !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                || name.starts_with('-')
+                || name.ends_with('-'))
+        {
+            return Err(invalid(format!(
+                "spec.{field} {name:?} is not a Consul {field} name (at most 63 lower case letters, digits and -, \
+                 not starting or ending with -)"
+            )));
+        }
+        Ok(v)
+    };
+    let remote = match (label("peer", &spec.peer)?, label("samenessGroup", &spec.sameness_group)?) {
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                "spec.peer and spec.samenessGroup are both set: a sameness group names its peers".into(),
+            ));
+        }
+        (Some(peer), None) => Some(Remote::Peer(peer)),
+        (None, Some(group)) => Some(Remote::SamenessGroup(group)),
+        (None, None) => None,
+    };
     for (field, r) in refs {
         valid_ref(r).map_err(|e| invalid(format!("{field}: {e}")))?;
     }
@@ -200,6 +228,7 @@ fn settings(
             datacenter,
             namespace: consul_ns,
             partition,
+            remote,
             query,
             service: String::new(),
         },
@@ -209,6 +238,9 @@ fn settings(
 fn half_identity() -> Unusable {
     invalid("spec.tls.clientCertSecretRef and spec.tls.clientKeySecretRef go together: set both or neither".to_owned())
 }
+
+/// The longest `spec.filter` (the CRD schema says so too): it travels in every request's URL.
+const MAX_FILTER_CHARS: usize = 2048;
 
 /// The spec's query options, validated beyond what the CRD schema can say.
 fn query_options(spec: &ConsulResolverSpec) -> Result<QueryOptions, String> {
@@ -267,6 +299,17 @@ fn query_options(spec: &ConsulResolverSpec) -> Result<QueryOptions, String> {
             ));
         }
     };
+    let filter = match spec.filter.as_deref() {
+        None => None,
+        Some("") => return Err("spec.filter must not be empty (omit it instead)".into()),
+        Some(f) if f.chars().count() > MAX_FILTER_CHARS => {
+            return Err(format!("spec.filter is longer than {MAX_FILTER_CHARS} characters"));
+        }
+        Some(f) if f.chars().any(char::is_control) => {
+            return Err("spec.filter holds a control character (a line break?): write it on one line".into());
+        }
+        Some(f) => Some(Arc::from(f)),
+    };
     Ok(QueryOptions {
         statuses,
         tags,
@@ -275,6 +318,7 @@ fn query_options(spec: &ConsulResolverSpec) -> Result<QueryOptions, String> {
         cached,
         connect: spec.connect.unwrap_or(false),
         address,
+        filter,
     })
 }
 
@@ -438,9 +482,42 @@ mod tests {
             (serde_json::json!({"tags": ["a", "!A"]}), "both requires and excludes"),
             (serde_json::json!({"cached": true, "consistency": "consistent"}), "spec.cached cannot"),
             (serde_json::json!({"addressType": "Lan IPv4"}), "spec.addressType \"Lan IPv4\""),
+            (serde_json::json!({"filter": ""}), "spec.filter must not be empty"),
+            (serde_json::json!({"filter": "Service.Port ==\n80"}), "control character"),
+            (serde_json::json!({"filter": "x".repeat(2049)}), "longer than 2048"),
         ] {
             let e = options(spec.clone()).unwrap_err();
             assert!(e.contains(says), "{spec}: {e}");
+        }
+        let f = options(serde_json::json!({"filter": "Service.Meta.version == \"2\""})).unwrap().filter;
+        assert_eq!(f.as_deref(), Some("Service.Meta.version == \"2\""));
+    }
+
+    fn key_of(spec: serde_json::Value) -> Result<ConsulKey, Unusable> {
+        let mut full = serde_json::json!({"address": "127.0.0.1:8500"});
+        full.as_object_mut().unwrap().extend(spec.as_object().unwrap().clone());
+        let spec: ConsulResolverSpec = serde_json::from_value(full).unwrap();
+        let world = World::new(std::time::Duration::from_secs(30));
+        settings(&world, "ns", &spec, &[], &BTreeMap::new()).map(|s| s.key("web"))
+    }
+
+    #[test]
+    fn a_peer_or_a_sameness_group_is_part_of_the_key_never_both() {
+        assert_eq!(key_of(serde_json::json!({})).unwrap().remote, None);
+        let peer = key_of(serde_json::json!({"peer": "dc2-default"})).unwrap();
+        assert_eq!(peer.remote, Some(Remote::Peer("dc2-default".into())));
+        let group = key_of(serde_json::json!({"samenessGroup": "web-group"})).unwrap();
+        assert_eq!(group.remote, Some(Remote::SamenessGroup("web-group".into())));
+        assert_ne!(peer, group);
+        for (spec, says) in [
+            (serde_json::json!({"peer": "a", "samenessGroup": "b"}), "both set"),
+            (serde_json::json!({"peer": "Other_Cluster"}), "spec.peer \"Other_Cluster\" is not a Consul peer name"),
+            (serde_json::json!({"samenessGroup": "-x"}), "spec.samenessGroup \"-x\""),
+            (serde_json::json!({"peer": ""}), "spec.peer must not be empty"),
+        ] {
+            let e = key_of(spec.clone()).unwrap_err();
+            assert_eq!(e.reason, UnusableReason::InvalidSpec, "{spec}");
+            assert!(e.message.contains(says), "{spec}: {}", e.message);
         }
     }
 }

@@ -101,6 +101,11 @@ struct Settings {
     per_service: usize,
     namespaces: usize,
     changes: usize,
+    /// Node check flips (`BENCH_NODE_FLIPS`, 50).
+    node_flips: usize,
+    /// Consul scopes (`BENCH_SCOPES`, 1): with 2, the resolvers of every other namespace
+    /// name a token (a Secret), which is another scope with a change feed of its own.
+    scopes: usize,
     modes: Vec<u32>,
     window: String,
     /// `BENCH_SIZES`: (services, instances per service) of each row of the cost table;
@@ -126,6 +131,8 @@ impl Settings {
             per_service: env_usize("BENCH_MAPPINGS_PER_SERVICE", 10),
             namespaces: env_usize("BENCH_NAMESPACES", 5),
             changes: env_usize("BENCH_CHANGES", 200),
+            node_flips: env_usize("BENCH_NODE_FLIPS", 50),
+            scopes: env_usize("BENCH_SCOPES", 1).max(1),
             modes,
             window: std::env::var("BENCH_COALESCE_WINDOW").unwrap_or_else(|_| "250ms".into()),
             sizes: match std::env::var("BENCH_SIZES") {
@@ -263,6 +270,9 @@ impl Targets {
         duration("spaced change p99", self.spaced_p99, r.spaced.percentile(0.99));
         duration("back-to-back change p99", self.back_to_back_p99, r.back_to_back.percentile(0.99));
         duration("health flip p99", Some(self.flip_p99), r.flips.percentile(0.99));
+        if !r.node_flips.0.is_empty() {
+            duration("node check flip p99", Some(self.flip_p99), r.node_flips.percentile(0.99));
+        }
         if let Some(l) = self.overhead {
             let ratio = median(&r.cold).as_secs_f64() / median(&r.reflector).as_secs_f64();
             out.push(("cold start / bare reflector", l.text(ratio_x), ratio_x(ratio), l.holds(ratio)));
@@ -432,9 +442,22 @@ async fn setup(cluster: &Cluster, sim: &RunningSim, s: &Settings, namespaces: Ve
     let base = sim.base_url();
     let client = kube_client(&cluster.admin_kubeconfig).await?;
     let rr = resolver_resource();
-    for ns in &namespaces {
+    for (j, ns) in namespaces.iter().enumerate() {
         let mut r = DynamicObject::new("consul", &rr).within(ns);
         r.data = json!({"spec": {"address": sim.addr().to_string()}});
+        // Another scope: a token (the simulator runs without ACLs: any token reads all).
+        if j % s.scopes != 0 {
+            // As manifests/rbac.yaml documents: Secrets are readable where a RoleBinding says.
+            cluster.grant_secrets(ns)?;
+            let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(json!({
+                "metadata": {"name": "consul-token", "namespace": ns},
+                "stringData": {"token": format!("team-{}", j % s.scopes)},
+            }))?;
+            Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), ns)
+                .create(&PostParams::default(), &secret)
+                .await?;
+            r.data["spec"]["tokenSecretRef"] = json!({"name": "consul-token", "key": "token"});
+        }
         Api::<DynamicObject>::namespaced_with(client.clone(), ns, &rr).create(&PostParams::default(), &r).await?;
     }
     let mr = mapping_resource();
@@ -891,6 +914,41 @@ async fn health_flips(
     Ok(Latencies(out))
 }
 
+/// Node check flips, spaced: a service gets an instance on a node of its own (untimed),
+/// then that node's `serfHealth` goes critical (the instance leaves the snapshot: the
+/// resolvers publish passing instances only) and passing again (it must come back: a fed
+/// watch hears of the node because it asked about it, not because its last, filtered,
+/// answer showed it), each timed until the ConfigMap shows it.
+async fn node_flips(
+    http: &reqwest::Client,
+    base: &str,
+    rx: &mut mpsc::UnboundedReceiver<(Instant, anyhow::Result<Ports>)>,
+    s: &Settings,
+    offset: usize,
+) -> anyhow::Result<Latencies> {
+    let mut out = Vec::with_capacity(2 * s.node_flips);
+    for i in 0..s.node_flips {
+        let svc = service_name((i * 7919 + offset) % s.services);
+        let node = format!("edge-{svc}");
+        while rx.try_recv().is_ok() {}
+        register(http, base, &svc, &node, 30_000 + (i % 30_000) as u16).await?;
+        until_configmap(rx, Instant::now(), || format!("{svc} on {node}"), |p| p.node_is(&svc, &node, true)).await?;
+        tokio::time::sleep(s.window() + Duration::from_millis(50)).await;
+        for (status, present) in [("critical", false), ("passing", true)] {
+            while rx.try_recv().is_ok() {}
+            let t0 = Instant::now();
+            let body = json!({"Node": node, "Address": "127.0.0.1",
+                "Check": {"CheckID": "serfHealth", "Name": "Serf Health Status", "Status": status}});
+            let r = http.put(format!("{base}/v1/catalog/register")).json(&body).send().await?;
+            ensure!(r.status().is_success(), "node check of {node}: {}", r.status());
+            let what = || format!("node flip {i} ({node} -> {status})");
+            out.push(until_configmap(rx, t0, what, |p| p.node_is(&svc, &node, present)).await?);
+            tokio::time::sleep(s.window() + Duration::from_millis(50)).await;
+        }
+    }
+    Ok(Latencies(out))
+}
+
 /// One operator process, from spawn to its first complete snapshot.
 struct Instance {
     op: Operator,
@@ -992,6 +1050,8 @@ struct Run {
     /// Health flips (critical, then passing again), spaced, and the Consul requests of them.
     flips: Latencies,
     flip_requests: u64,
+    /// Node check flips (critical, then passing again) of a node holding one instance.
+    node_flips: Latencies,
     /// The operator's CPU time over each series of changes, per change.
     cpu_spaced: Duration,
     cpu_back_to_back: Duration,
@@ -1137,6 +1197,13 @@ fn run_operator(
     let flips = rt.block_on(health_flips(&http, &setup.base_url, &mut rx, s, 29))?;
     let flip_requests = sim.stats().requests_total - before_flips;
     println!("  health flips: {}; {} Consul requests for {} flips", flips.summary(), flip_requests, flips.0.len());
+    let node_flips = if s.node_flips > 0 {
+        let n = rt.block_on(node_flips(&http, &setup.base_url, &mut rx, s, 31))?;
+        println!("  node check flips: {}", n.summary());
+        n
+    } else {
+        Latencies(Vec::new())
+    };
     let publish_mean = match (publish_before, rt.block_on(publish_seconds(&op))) {
         (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some(Duration::from_secs_f64((s1 - s0) / (n1 - n0) as f64)),
         _ => None,
@@ -1164,6 +1231,7 @@ fn run_operator(
         back_to_back,
         flips,
         flip_requests,
+        node_flips,
         cpu_spaced,
         cpu_back_to_back,
         audit,
@@ -1371,6 +1439,11 @@ fn main() -> anyhow::Result<()> {
                 r.flip_requests as f64 / r.flips.0.len().max(1) as f64
             )
         },
+    );
+    row(
+        "Consul node check flip -> ConfigMap, spaced (critical and back; fed services included)",
+        &p("p99", targets.flip_p99),
+        &|r| if r.node_flips.0.is_empty() { "not run (BENCH_NODE_FLIPS=0)".into() } else { r.node_flips.summary() },
     );
     row("Kubernetes watches opened (audit log, verb watch)", "one per key", &|r| match &r.audit {
         Some(a) => format!(
