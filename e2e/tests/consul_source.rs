@@ -773,6 +773,7 @@ on_both_agents! {
     #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
     async fn a_minute_without_consul_then_a_fresh_cluster(config: Config) {
         const SERVICES: usize = 60;
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let mut config = Config { initial_index: 5_000, ..config };
         let sim = Simulator::start(config.clone()).await.expect("simulator starts");
         let env = Env { address: sim.base_url(), admin_token: None, sim: Some(sim), http: reqwest::Client::new() };
