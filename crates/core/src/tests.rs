@@ -792,7 +792,10 @@ async fn an_agent_cache_cut_off_from_its_servers_is_published_stale_since_the_cu
     assert_eq!(snap.content.resolvers[0].services[0].stale, None);
     let cut = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_000_000);
     let cached = |index, port, since| {
-        Event::Consul(key.clone(), ConsulEvent::Cached { index, endpoints: vec![ep("10.0.0.1", port)], cut_off_since: since })
+        Event::Consul(
+            key.clone(),
+            ConsulEvent::Cached { index, endpoints: vec![ep("10.0.0.1", port)], cut_off_since: since },
+        )
     };
     tokio::time::advance(Duration::from_secs(1)).await;
     p.apply([cached(6, 81, cut)], Instant::now());
