@@ -31,12 +31,20 @@ fn main() {
     if std::env::var_os("E2E_CONSUL_ADDR").is_some() {
         println!("cargo::rustc-cfg=e2e_real_consul");
     }
-    // A real agent older than Consul 1.2 has no Connect: its tests are ignored, visibly.
+    // A real agent older than Consul 1.2 has no Connect, older than 1.4 no `filter`: their
+    // tests are ignored, visibly.
     println!("cargo::rustc-check-cfg=cfg(e2e_consul_without_connect)");
+    println!("cargo::rustc-check-cfg=cfg(e2e_consul_without_filter)");
     if let Ok(addr) = std::env::var("E2E_CONSUL_ADDR") {
         match agent_version(&addr) {
-            Some(v) if v < (1, 2) => println!("cargo::rustc-cfg=e2e_consul_without_connect"),
-            Some(_) => {}
+            Some(v) => {
+                if v < (1, 2) {
+                    println!("cargo::rustc-cfg=e2e_consul_without_connect");
+                }
+                if v < (1, 4) {
+                    println!("cargo::rustc-cfg=e2e_consul_without_filter");
+                }
+            }
             None => println!("cargo::warning=cannot read the version of the Consul agent at {addr} (/v1/agent/self)"),
         }
     }

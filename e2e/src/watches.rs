@@ -124,8 +124,8 @@ impl Watches {
 
     /// Waits for a failure of `key` and returns its message.
     pub async fn failure(&mut self, key: &ConsulKey, what: &str) -> String {
-        match self.until(key, what, |ev| matches!(ev, ConsulEvent::Failed(_))).await {
-            ConsulEvent::Failed(m) => m,
+        match self.until(key, what, |ev| matches!(ev, ConsulEvent::Failed(_) | ConsulEvent::Refused(_))).await {
+            ConsulEvent::Failed(m) | ConsulEvent::Refused(m) => m,
             _ => unreachable!("until returns what the predicate accepted"),
         }
     }

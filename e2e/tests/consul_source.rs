@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use consul_resolver_core::keys::{
-    AddressType, Consistency, ConsulKey, ConsulServer, HealthStatuses, QueryOptions, Secret,
+    AddressType, Consistency, ConsulKey, ConsulServer, HealthStatuses, QueryOptions, Remote, Secret,
 };
 use consul_resolver_core::model::{ConsulEvent, Event};
 use consul_resolver_core::model::{Endpoint, Health};
@@ -1052,5 +1052,144 @@ on_both_agents! {
                 other => panic!("not a cached read: {other:?}"),
             }
         }
+    }
+}
+
+/// A test of the newer query parameters (`filter`, `cached`, `peer`, `sameness-group`), run
+/// against a current agent and against the older agents' indexes and `null` shapes with the
+/// parameters understood, so that their answers are read in both shapes. (An agent that
+/// predates a parameter ignores it, as Go ignores any unknown parameter: docs/consul.md says
+/// which versions a user needs.) Against a real agent the second half is ignored.
+macro_rules! on_current_and_older_shapes {
+    ($(#[$attr:meta])* async fn $name:ident($config:ident: Config) $body:block) => {
+        mod $name {
+            use super::*;
+
+            async fn run($config: Config) $body
+
+            #[tokio::test]
+            $(#[$attr])*
+            async fn current() {
+                run(Config::default()).await
+            }
+
+            #[tokio::test]
+            #[cfg_attr(e2e_real_consul, ignore = "the older-agent behaviours are the simulator's")]
+            $(#[$attr])*
+            async fn older_shapes() {
+                run(Config { ignores_newer_parameters: false, ..Config::legacy() }).await
+            }
+        }
+    };
+}
+
+fn with_filter(key: ConsulKey, expression: &str) -> ConsulKey {
+    ConsulKey { query: QueryOptions { filter: Some(expression.into()), ..key.query.clone() }, ..key }
+}
+
+on_current_and_older_shapes! {
+    #[cfg_attr(e2e_consul_without_filter, ignore = "the agent at E2E_CONSUL_ADDR predates filters (1.4)")]
+    async fn filter_is_applied_by_consul_and_its_refusal_is_the_watch_error(config: Config) {
+        let env = Env::start(config).await;
+        let svc = unique("filtered");
+        env.register("n1", &format!("{svc}-1"), &svc, 1, "passing", &["blue"]).await;
+        env.register("n2", &format!("{svc}-2"), &svc, 2, "passing", &["green"]).await;
+        let mut w = Watches::new(settings(10));
+        let key = with_filter(env.key(&svc), r#""blue" in Service.Tags"#);
+        w.start(&key);
+        let eps = w.answer(&key, "the blue instance only", |e| !e.is_empty()).await;
+        assert_eq!(ports(&eps), [1]);
+        // Both ways: an instance enters the filter's selection, then leaves it.
+        env.register("n2", &format!("{svc}-2"), &svc, 2, "passing", &["blue"]).await;
+        w.answer(&key, "both, once green turned blue", |e| ports(e) == [1, 2]).await;
+        env.register("n1", &format!("{svc}-1"), &svc, 1, "passing", &["green"]).await;
+        w.answer(&key, "the other one, once blue turned green", |e| ports(e) == [2]).await;
+
+        // An expression Consul refuses is that watch's error, in Consul's words.
+        let bad = with_filter(env.key(&svc), "Service.Tags ==");
+        w.start(&bad);
+        let message = w.failure(&bad, "Consul's refusal").await;
+        assert!(message.contains("Failed to create boolean expression evaluator"), "{message}");
+        env.deregister("n1", &format!("{svc}-1")).await;
+        env.deregister("n2", &format!("{svc}-2")).await;
+    }
+}
+
+on_current_and_older_shapes! {
+    #[cfg_attr(e2e_real_consul, ignore = "a peer's services are written through the simulator (peering replicates them)")]
+    async fn a_peer_is_read_from_its_own_data_set_both_ways(config: Config) {
+        let env = Env::start(config).await;
+        env.register("n1", "web-local", "web", 80, "passing", &[]).await;
+        let imported = |status: &str| {
+            json!({"Node": "east-n1", "Address": "127.0.0.2",
+                   "Service": {"ID": "web-east", "Service": "web", "Port": 81},
+                   "Check": {"CheckID": "service:web-east", "Name": "c", "Status": status, "ServiceID": "web-east"}})
+        };
+        env.put("/_sim/peers/east/register", imported("passing")).await;
+        let mut w = Watches::new(settings(10));
+        let key = ConsulKey { remote: Some(Remote::Peer("east".into())), ..env.key("web") };
+        w.start(&key);
+        let eps = w.answer(&key, "the peer's instance", |e| !e.is_empty()).await;
+        assert_eq!((ports(&eps), eps[0].address.as_str()), (vec![81], "127.0.0.2"), "not the local one");
+        env.put("/_sim/peers/east/register", imported("critical")).await;
+        w.answer(&key, "the peer's instance gone critical", |e| e.is_empty()).await;
+        env.put("/_sim/peers/east/register", imported("passing")).await;
+        w.answer(&key, "the peer's instance back", |e| ports(e) == [81]).await;
+    }
+}
+
+on_current_and_older_shapes! {
+    #[cfg_attr(e2e_real_consul, ignore = "sameness groups are Enterprise, and a peer's services are written through the simulator")]
+    async fn a_sameness_group_fails_over_to_the_next_member_and_back(config: Config) {
+        let env = Env::start(config).await;
+        env.put(
+            "/v1/config",
+            json!({"Kind": "sameness-group", "Name": "web-group", "Members": [{"Partition": "default"}, {"Peer": "east"}]}),
+        )
+        .await;
+        env.register("n1", "web-local", "web", 80, "passing", &[]).await;
+        env.put(
+            "/_sim/peers/east/register",
+            json!({"Node": "east-n1", "Address": "127.0.0.2",
+                   "Service": {"ID": "web-east", "Service": "web", "Port": 81},
+                   "Check": {"CheckID": "service:web-east", "Name": "c", "Status": "passing", "ServiceID": "web-east"}}),
+        )
+        .await;
+        let mut w = Watches::new(settings(10));
+        let key = ConsulKey { remote: Some(Remote::SamenessGroup("web-group".into())), ..env.key("web") };
+        w.start(&key);
+        w.answer(&key, "the first member's instance", |e| ports(e) == [80]).await;
+        env.register("n1", "web-local", "web", 80, "critical", &[]).await;
+        w.answer(&key, "the peer's, the local one failing", |e| ports(e) == [81]).await;
+        env.register("n1", "web-local", "web", 80, "passing", &[]).await;
+        w.answer(&key, "the first member's again", |e| ports(e) == [80]).await;
+    }
+}
+
+on_current_and_older_shapes! {
+    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
+    async fn a_cut_off_agent_cache_is_reported_with_its_cut_off_then_fresh_again(config: Config) {
+        let env = Env::start(config).await;
+        let sim = env.simulator();
+        env.register("n1", "api-1", "api", 80, "passing", &[]).await;
+        let mut w = Watches::new(settings(10));
+        let key = ConsulKey { query: QueryOptions { cached: true, ..QueryOptions::default() }, ..env.key("api") };
+        w.start(&key);
+        w.answer(&key, "the instance, fresh", |e| ports(e) == [80]).await;
+        let before = std::time::SystemTime::now();
+        sim.set_faults(FaultsPatch { agent_cut_off: Some(true), ..FaultsPatch::default() });
+        let cut = w.until(&key, "the cache's answer, cut off", |ev| matches!(ev, ConsulEvent::Cached { .. })).await;
+        let ConsulEvent::Cached { endpoints, cut_off_since, .. } = cut else { unreachable!() };
+        assert_eq!(ports(&endpoints), [80], "the last endpoints are kept");
+        let now = std::time::SystemTime::now();
+        // `Age` is in whole seconds: the cut-off is known to a second.
+        assert!(
+            cut_off_since + Duration::from_secs(2) >= before && cut_off_since <= now,
+            "cut off since {cut_off_since:?}, fault set at {before:?}"
+        );
+        sim.set_faults(FaultsPatch { agent_cut_off: Some(false), ..FaultsPatch::default() });
+        w.answer(&key, "fresh again once the servers are back", |e| ports(e) == [80]).await;
+        env.register("n1", "api-1", "api", 81, "passing", &[]).await;
+        w.answer(&key, "a change, fresh", |e| ports(e) == [81]).await;
     }
 }

@@ -12,16 +12,16 @@ use std::sync::Arc;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::catalog::{Catalog, ServiceKey};
+use super::catalog::{Catalog, Origin, ServiceKey};
 use super::faults::Quirks;
 use super::state::{BlockingGuard, Shared, lock};
 
 /// The index a read reports and blocks on.
 #[derive(Clone, Debug)]
 pub(crate) enum Watched {
-    /// `/v1/health/service/<name>`: the service's own index, or with `single_health_index`
-    /// the catalog's raft index.
-    Service(ServiceKey),
+    /// `/v1/health/service/<name>`: the service's own index from where the read looks
+    /// ([`Catalog::origin_index`]), or with `single_health_index` the catalog's raft index.
+    Service(Origin, ServiceKey),
     /// `/v1/health/connect/<name>`: the destination's Connect index (its key from
     /// `catalog::connect_key`), or with `single_health_index` the catalog's raft index.
     Connect(ServiceKey),
@@ -35,8 +35,8 @@ impl Watched {
     /// The raw index (possibly 0 or below the client's); see [`reported_index`].
     pub(crate) fn index(&self, c: &Catalog, quirks: Quirks) -> u64 {
         match self {
-            Watched::Service(_) | Watched::Connect(_) if quirks.single_health_index => c.raft_index(),
-            Watched::Service(key) => c.service_index(key),
+            Watched::Service(..) | Watched::Connect(_) if quirks.single_health_index => c.raft_index(),
+            Watched::Service(origin, key) => c.origin_index(origin, key),
             Watched::Connect(key) => c.connect_index(key),
             Watched::CatalogServices => c.services_index(),
             Watched::ChecksTable => c.checks_index(),

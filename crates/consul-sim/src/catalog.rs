@@ -326,6 +326,8 @@ pub(crate) struct DeregisterRequest {
 pub(crate) struct HealthEntry {
     pub node: Node,
     pub service: ServiceInstance,
+    /// The cluster peer the instance was imported from (`PeerName`); `None` for local ones.
+    pub peer: Option<String>,
     /// The node's own checks and the service's checks, together sorted by check ID.
     pub checks: Vec<Check>,
 }
@@ -414,9 +416,46 @@ fn non_empty(s: Option<String>) -> Option<String> {
     s.filter(|s| !s.is_empty())
 }
 
-#[derive(Debug)]
+/// Where a health read's instances come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Origin {
+    /// This cluster's own catalog.
+    Local,
+    /// `?peer=<name>`: the services imported from a cluster peer.
+    Peer(String),
+    /// `?sameness-group=<name>`: the group's members in order, the first with instances
+    /// left after the read's filters answering.
+    Sameness(String),
+}
+
+/// One member of a sameness group: a partition of this cluster or a cluster peer.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "PascalCase", default)]
+pub(crate) struct SamenessMember {
+    pub partition: String,
+    pub peer: String,
+}
+
+/// `PUT /v1/config` body for a sameness group (the only config entry kind modelled).
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "PascalCase", default)]
+pub(crate) struct ConfigEntry {
+    pub kind: String,
+    pub name: String,
+    pub members: Vec<SamenessMember>,
+}
+
+#[derive(Clone, Debug)]
 pub(crate) struct Catalog {
     datacenter: String,
+    /// For the catalog of a peer's imported services, the peer's name (`PeerName`).
+    peer_name: Option<String>,
+    /// The services imported from each cluster peer: a catalog of their own, written
+    /// through `/_sim/peers/<peer>/...` (peering replicates them; no client writes them),
+    /// sharing this catalog's raft index as imported data does in Consul.
+    imported: BTreeMap<String, Catalog>,
+    /// Sameness groups by name: their members in order, and the index of the last write.
+    sameness_groups: BTreeMap<String, (Vec<SamenessMember>, u64)>,
     raft_index: u64,
     nodes: BTreeMap<String, Node>,
     /// Keyed by (node, service ID).
@@ -451,6 +490,9 @@ impl Catalog {
     pub(crate) fn new(datacenter: impl Into<String>, initial_index: u64) -> Self {
         Catalog {
             datacenter: datacenter.into(),
+            peer_name: None,
+            imported: BTreeMap::new(),
+            sameness_groups: BTreeMap::new(),
             raft_index: initial_index,
             nodes: BTreeMap::new(),
             services: BTreeMap::new(),
@@ -505,6 +547,119 @@ impl Catalog {
         self.services_table_index
     }
 
+    /// Whether a sameness group of that name exists.
+    pub(crate) fn has_sameness_group(&self, name: &str) -> bool {
+        self.sameness_groups.contains_key(name)
+    }
+
+    /// Where each source of `origin` reads `key`: this catalog or a peer's (`None` for a
+    /// peer never heard of, which has no services), and the key there.
+    fn sources(&self, origin: &Origin, key: &ServiceKey) -> Vec<(Option<&Catalog>, ServiceKey)> {
+        let peer = |name: &str| {
+            // A peer's services are imported into the default partition, under their names.
+            (self.imported.get(name), ServiceKey::scoped(key.name.clone(), Some(&key.namespace), None))
+        };
+        match origin {
+            Origin::Local => vec![(Some(self), key.clone())],
+            Origin::Peer(name) => vec![peer(name)],
+            Origin::Sameness(group) => self
+                .sameness_groups
+                .get(group)
+                .map(|(members, _)| members.as_slice())
+                .unwrap_or_default()
+                .iter()
+                .map(|m| {
+                    if m.peer.is_empty() {
+                        (Some(self), ServiceKey::scoped(key.name.clone(), Some(&key.namespace), Some(&m.partition)))
+                    } else {
+                        peer(&m.peer)
+                    }
+                })
+                .collect(),
+        }
+    }
+
+    /// The index a health read of `key` from `origin` reports: the service's own index
+    /// locally; the imported service's for a peer (the catalog maximum for an unknown peer);
+    /// for a sameness group the highest of its members' and of the group's own last write,
+    /// so that a change in any member wakes the read.
+    pub(crate) fn origin_index(&self, origin: &Origin, key: &ServiceKey) -> u64 {
+        let members =
+            self.sources(origin, key).into_iter().map(|(c, k)| c.map_or(self.raft_index, |c| c.service_index(&k)));
+        let group = match origin {
+            Origin::Sameness(g) => self.sameness_groups.get(g).map_or(0, |(_, index)| *index),
+            _ => 0,
+        };
+        members.fold(group, u64::max)
+    }
+
+    /// The health rows of `key` from `origin` that `keep` keeps (the read's own filters):
+    /// for a sameness group, those of its first member with any left.
+    pub(crate) fn origin_health(
+        &self,
+        origin: &Origin,
+        key: &ServiceKey,
+        tags: &[String],
+        keep: impl Fn(&HealthEntry) -> bool,
+    ) -> Vec<HealthEntry> {
+        for (catalog, key) in self.sources(origin, key) {
+            let mut entries = catalog.map(|c| c.health(&key, tags)).unwrap_or_default();
+            entries.retain(&keep);
+            if !entries.is_empty() {
+                return entries;
+            }
+        }
+        Vec::new()
+    }
+
+    /// Registers into the services imported from `peer` (created at its first write); the
+    /// write takes this catalog's next raft index.
+    pub(crate) fn register_imported(&mut self, peer: &str, req: RegisterRequest) -> Result<bool, CatalogError> {
+        self.write_imported(peer, |c| c.register(req, None, None))
+    }
+
+    /// Deregisters from the services imported from `peer`.
+    pub(crate) fn deregister_imported(&mut self, peer: &str, req: DeregisterRequest) -> Result<bool, CatalogError> {
+        self.write_imported(peer, |c| c.deregister(req))
+    }
+
+    fn write_imported(
+        &mut self,
+        peer: &str,
+        write: impl FnOnce(&mut Catalog) -> Result<bool, CatalogError>,
+    ) -> Result<bool, CatalogError> {
+        let mut imported = self.imported.remove(peer).unwrap_or_else(|| Catalog {
+            peer_name: Some(peer.to_owned()),
+            ..Catalog::new(self.datacenter.clone(), self.raft_index)
+        });
+        imported.raft_index = self.raft_index;
+        let result = write(&mut imported);
+        self.raft_index = imported.raft_index;
+        self.imported.insert(peer.to_owned(), imported);
+        result
+    }
+
+    /// `PUT /v1/config` of a sameness group: creates or replaces it (taking a raft index).
+    pub(crate) fn set_config_entry(&mut self, entry: ConfigEntry) -> Result<(), CatalogError> {
+        if !entry.kind.eq_ignore_ascii_case("sameness-group") {
+            return Err(CatalogError::BadRequest(format!(
+                "config entry kind {:?} is not modelled by consul-sim",
+                entry.kind
+            )));
+        }
+        if entry.name.is_empty() {
+            return Err(CatalogError::BadRequest("Name is required".into()));
+        }
+        if let Some(m) = entry.members.iter().find(|m| m.peer.is_empty() == m.partition.is_empty()) {
+            return Err(CatalogError::BadRequest(format!(
+                "a member must name exactly one of Partition and Peer: {m:?}"
+            )));
+        }
+        self.raft_index += 1;
+        self.sameness_groups.insert(entry.name, (entry.members, self.raft_index));
+        Ok(())
+    }
+
     /// The health rows of `key` whose instances carry every tag in `tags` (compared
     /// case-insensitively, as Consul does).
     pub(crate) fn health(&self, key: &ServiceKey, tags: &[String]) -> Vec<HealthEntry> {
@@ -531,7 +686,12 @@ impl Catalog {
             let mut checks: Vec<Check> =
                 self.owned_checks(&svc.node, "").chain(self.owned_checks(&svc.node, &svc.id)).cloned().collect();
             checks.sort_by(|a, b| a.check_id.cmp(&b.check_id));
-            entries.push(HealthEntry { node: node.clone(), service: svc.clone(), checks });
+            entries.push(HealthEntry {
+                node: node.clone(),
+                service: svc.clone(),
+                peer: self.peer_name.clone(),
+                checks,
+            });
         }
         entries
     }
@@ -821,6 +981,12 @@ impl Catalog {
     /// Sets every index, stored and derived, to `index` while keeping the data, as after a
     /// restore from an older snapshot or a rebuilt cluster. The next write takes `index + 1`.
     pub(crate) fn reset_indexes(&mut self, index: u64) {
+        for imported in self.imported.values_mut() {
+            imported.reset_indexes(index);
+        }
+        for (_, i) in self.sameness_groups.values_mut() {
+            *i = index;
+        }
         self.raft_index = index;
         self.services_table_index = index;
         self.checks_table_index = index;

@@ -12,7 +12,7 @@ use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use serde::{Deserialize, Serialize};
 
-use super::catalog::ServiceKey;
+use super::catalog::{DeregisterRequest, RegisterRequest, ServiceKey};
 use super::faults::FaultsPatch;
 use super::state::Shared;
 use super::urls::percent_decode;
@@ -80,6 +80,32 @@ async fn route(shared: &Arc<Shared>, req: Request<Incoming>) -> Result<Resp, Res
             Ok(json(StatusCode::OK, &serde_json::json!({"service": key.name, "index": body.index})))
         } else {
             Err(text(StatusCode::NOT_FOUND, format!("unknown service {:?}", key.name)))
+        };
+    }
+
+    if let Some(rest) = path.strip_prefix("/_sim/peers/")
+        && let Some((peer, action)) = rest.split_once('/')
+    {
+        if method != Method::PUT {
+            return Err(text(StatusCode::METHOD_NOT_ALLOWED, "use PUT"));
+        }
+        let peer = percent_decode(peer)
+            .filter(|p| !p.is_empty())
+            .ok_or_else(|| text(StatusCode::BAD_REQUEST, "bad peer name"))?;
+        let written = match action {
+            "register" => {
+                let body: RegisterRequest = read_json(req, false).await?.unwrap_or_default();
+                shared.write_catalog(|c| c.register_imported(&peer, body))
+            }
+            "deregister" => {
+                let body: DeregisterRequest = read_json(req, false).await?.unwrap_or_default();
+                shared.write_catalog(|c| c.deregister_imported(&peer, body))
+            }
+            _ => return Err(text(StatusCode::NOT_FOUND, "unknown control endpoint")),
+        };
+        return match written {
+            Ok(_) => Ok(json(StatusCode::OK, &true)),
+            Err(e) => Err(text(StatusCode::BAD_REQUEST, e.to_string())),
         };
     }
 

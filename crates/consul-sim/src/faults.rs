@@ -91,6 +91,10 @@ pub struct Faults {
     pub null_variants: bool,
     /// The `X-Consul-KnownLeader` header value (`false` is normal with the streaming backend).
     pub known_leader: bool,
+    /// The agent has lost its servers: every `/v1/` request answers 500 `No known Consul
+    /// servers`, except `?cached` health reads, which the agent's cache answers with what it
+    /// held when it was cut off, `X-Cache: HIT` and an `Age` counting the seconds since.
+    pub agent_cut_off: bool,
     /// Older agents' behaviours ([`Config::single_health_index`] and the fields after it;
     /// [`Config::legacy`] turns them all on): start-up values from the [`Config`], changeable
     /// at run time like any fault. Each applies to requests that arrive after it is set.
@@ -99,6 +103,7 @@ pub struct Faults {
     pub first_tag_only: bool,
     pub no_server_cancel: bool,
     pub unknown_state_is_empty: bool,
+    pub ignores_newer_parameters: bool,
 }
 
 /// The older-agent switches of [`Faults`], read once per request.
@@ -109,6 +114,7 @@ pub(crate) struct Quirks {
     pub first_tag_only: bool,
     pub no_server_cancel: bool,
     pub unknown_state_is_empty: bool,
+    pub ignores_newer_parameters: bool,
 }
 
 impl Faults {
@@ -123,11 +129,13 @@ impl Faults {
             truncated_body: Budget::Off,
             null_variants: config.null_variants,
             known_leader: true,
+            agent_cut_off: false,
             single_health_index: config.single_health_index,
             zero_index_when_empty: config.zero_index_when_empty,
             first_tag_only: config.first_tag_only,
             no_server_cancel: config.no_server_cancel,
             unknown_state_is_empty: config.unknown_state_is_empty,
+            ignores_newer_parameters: config.ignores_newer_parameters,
         }
     }
 
@@ -138,6 +146,7 @@ impl Faults {
             first_tag_only: self.first_tag_only,
             no_server_cancel: self.no_server_cancel,
             unknown_state_is_empty: self.unknown_state_is_empty,
+            ignores_newer_parameters: self.ignores_newer_parameters,
         }
     }
 
@@ -151,11 +160,13 @@ impl Faults {
             truncated_body,
             null_variants,
             known_leader,
+            agent_cut_off,
             single_health_index,
             zero_index_when_empty,
             first_tag_only,
             no_server_cancel,
             unknown_state_is_empty,
+            ignores_newer_parameters,
         } = patch;
         if let Some(v) = latency_ms {
             self.latency_ms = v;
@@ -187,6 +198,8 @@ impl Faults {
             (first_tag_only, &mut self.first_tag_only),
             (no_server_cancel, &mut self.no_server_cancel),
             (unknown_state_is_empty, &mut self.unknown_state_is_empty),
+            (ignores_newer_parameters, &mut self.ignores_newer_parameters),
+            (agent_cut_off, &mut self.agent_cut_off),
         ];
         for (value, field) in switches {
             if let Some(v) = value {
@@ -218,6 +231,8 @@ pub struct FaultsPatch {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub known_leader: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_cut_off: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub single_health_index: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zero_index_when_empty: Option<bool>,
@@ -227,6 +242,8 @@ pub struct FaultsPatch {
     pub no_server_cancel: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub unknown_state_is_empty: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ignores_newer_parameters: Option<bool>,
 }
 
 /// What became of a logged request.
@@ -352,6 +369,7 @@ mod tests {
                 first_tag_only: true,
                 no_server_cancel: true,
                 unknown_state_is_empty: true,
+                ignores_newer_parameters: true,
             }
         );
     }

@@ -14,9 +14,22 @@
 //! - `GET /v1/health/service/<name>`: `passing`, `tag` (repeatable, all must match,
 //!   case-insensitive), `dc` (another datacenter answers 500 `No path to datacenter`), `ns`
 //!   (or header `X-Consul-Namespace`) and `partition` (part of the service's identity),
-//!   `index`, `wait`, `stale`, `consistent`, `cached` (accepted, no cache is modelled),
-//!   `token`. A non-empty `filter` answers 400: expressions are not implemented, and failing
-//!   loudly beats silently returning unfiltered data.
+//!   `index`, `wait`, `stale`, `consistent`, `token`, and the newer parameters:
+//!   - `filter`: a go-bexpr expression, the subset in the `filter` module (selectors on
+//!     `Node`, `Service` and `Checks`, `==`, `!=`, `in`, `contains`, `is empty`, `and`, `or`,
+//!     `not`); one that does not parse answers 400 `Failed to create boolean expression
+//!     evaluator: <why>` (the `<why>` in the simulator's own words). The index stays the
+//!     unfiltered set's.
+//!   - `peer`: the services imported from that cluster peer, a data set of its own written
+//!     through `/_sim/peers/<peer>/...` (below), rendered with `Service.PeerName`; imported
+//!     writes take the catalog's next raft index, as in Consul; an unknown peer has no
+//!     services.
+//!   - `sameness-group`: the group's members (`PUT /v1/config`, below) in order, answered by
+//!     the first with instances left after `passing`, `tag` and `filter`, blocking on the
+//!     highest index of its members and of the group itself; an unknown group is 400, and
+//!     so is naming both `peer` and `sameness-group` (the simulator's wording).
+//!   - `cached`: the agent's background-refreshed cache: `X-Cache: HIT` and `Age: 0` while
+//!     the servers answer; see the `agent_cut_off` fault for an agent cut off from them.
 //! - `GET /v1/health/connect/<name>`: the health entries (same shape) of the `connect-proxy`
 //!   instances whose `Proxy.DestinationServiceName` is `<name>` (compared case-insensitively)
 //!   in the requested namespace/partition, filtered by the proxies' own checks (`passing`) and
@@ -52,6 +65,11 @@
 //! - `PUT /v1/catalog/register`, `PUT /v1/catalog/deregister` (answer `true`).
 //! - `GET /v1/catalog/services` (blocking on the index of the last change to any service).
 //! - `GET /v1/catalog/datacenters`, `GET /v1/status/leader`.
+//! - `PUT /v1/config` of `{"Kind": "sameness-group", "Name", "Members": [{"Partition"} or
+//!   {"Peer"}, ...]}` (the only config entry kind modelled; Enterprise 1.16+); it needs a
+//!   token allowed to write.
+//! - `GET /v1/agent/self`, reduced to `Config.{Datacenter, NodeName, Version}` and `Member`:
+//!   version `1.21.4`, or `0.9.3` with `ignores_newer_parameters`.
 //!
 //! Successful reads carry `X-Consul-Index` (at least 1, except under `zero_index_when_empty`),
 //! `X-Consul-KnownLeader`, `X-Consul-LastContact: 0`, `X-Consul-Effective-Consistency`,
@@ -81,6 +99,7 @@
 //! | `first_tag_only` | `/v1/health/service` applies only the first `tag` and ignores the rest |
 //! | `no_server_cancel` | a blocking query whose client disconnects is not cancelled: it stays in flight, counted in [`Stats::blocking`] and [`Stats::blocking_detached`], until its wait ends or its index moves (the request log marks it `cancelled` at once, as the client went away) |
 //! | `unknown_state_is_empty` | an unknown `/v1/health/state/<x>` answers 200 `[]` (with the checks index), blocking like any state |
+//! | `ignores_newer_parameters` | `filter` (1.4), `cached` (1.3), `peer` (1.13) and `sameness-group` (1.16) are unknown parameters, ignored as Go's handlers ignore any: the local, unfiltered answer, without `X-Cache` |
 //!
 //! # TLS and HTTP/2
 //!
@@ -111,6 +130,7 @@
 //! | `GET /_sim/faults` | | [`Faults`] |
 //! | `PUT /_sim/faults` | [`FaultsPatch`], e.g. `{"latency_ms": 200, "no_leader": 3, "too_many_requests": "always", "retry_after_s": 2, "bad_body": 1, "truncated_body": 1, "null_variants": true, "known_leader": false, "single_health_index": true}` | [`Faults`] after the change |
 //! | `DELETE /_sim/faults` | | [`Faults`] back to the start-up defaults |
+//! | `PUT /_sim/peers/<peer>/register`, `PUT /_sim/peers/<peer>/deregister` | as `/v1/catalog/register`, `/v1/catalog/deregister` | `true`: writes the services imported from `<peer>` (peering replicates them in Consul; no client API writes them, so tests of `peer` need the simulator) |
 //! | `POST /_sim/drop-blocking` | | `{"dropped": n}`: every blocking query in flight is closed without a response |
 //! | `PUT /_sim/services/<name>/index[?ns=&partition=]` | `{"index": n}` | `{"service", "index"}`, 404 for an unknown service: the service's index becomes `n` (may go backwards), data unchanged |
 //! | `POST /_sim/reset-index` | `{"index": n}` (optional, default 1) | `{"index": n}`: every index becomes `n` while data is kept ("restart with a lower index"); the next write takes `n + 1` |
@@ -118,6 +138,12 @@
 //! | `DELETE /_sim/requests` | | `{"cleared": n}` |
 //! | `GET /_sim/stats` | | [`Stats`]: open and peak connections per client IP and by protocol, the peak streams on one connection, 429 counts, blocking queries per service and those whose client went away (`/v1/catalog/services` under [`CATALOG_SERVICES_LABEL`], `/v1/health/state` under [`HEALTH_STATE_LABEL`], `/v1/health/connect/<name>` under [`HEALTH_CONNECT_LABEL_PREFIX`]`<name>`) |
 //! | `DELETE /_sim/stats` | | [`Stats`] after resetting counters (connection peaks restart from the open counts, the streams peak from 0) |
+//!
+//! `agent_cut_off` (a switch) is an agent that lost its servers: every `/v1/` request but
+//! `/v1/agent/self` answers 500 `No known Consul servers`, except `?cached` health reads,
+//! answered from the catalog as it was when the cut-off began, with `X-Cache: HIT` and `Age`
+//! in whole seconds since (a blocking one waits its whole wait, as nothing moves that cache,
+//! unless the servers come back first).
 //!
 //! Fault budgets ([`Budget`]) are `0` (off), a count `n` (the next `n` health queries), or
 //! `"always"` (until cleared). `no_leader`, `too_many_requests` (with `Retry-After: n` when
@@ -143,7 +169,7 @@
 //! # Deliberate simplifications
 //!
 //! Request bodies use Consul's exact (PascalCase) field names; Go's decoder would also accept
-//! other capitalisations. No node ACL rules, no `node-meta` filter, no agent endpoints, no
+//! other capitalisations. No node ACL rules, no `node-meta` filter, no agent endpoints but `/v1/agent/self`, no
 //! sessions or KV. No HTTP/2 without TLS (no h2c), as Consul.
 
 mod acl;
@@ -153,6 +179,7 @@ mod conn;
 mod control;
 mod duration;
 mod faults;
+mod filter;
 mod render;
 mod server;
 mod state;
@@ -214,6 +241,10 @@ pub struct Config {
     pub no_server_cancel: bool,
     /// An unknown `/v1/health/state/<state>` answers 200 `[]` instead of 400.
     pub unknown_state_is_empty: bool,
+    /// `filter` (1.4), `cached` (1.3), `peer` (1.13) and `sameness-group` (1.16) are
+    /// unknown query parameters, ignored as Go's handlers ignore any: the answer is the
+    /// local, unfiltered one, without `X-Cache`; `/v1/agent/self` reports version 0.9.3.
+    pub ignores_newer_parameters: bool,
 }
 
 impl Config {
@@ -228,6 +259,7 @@ impl Config {
             first_tag_only: true,
             no_server_cancel: true,
             unknown_state_is_empty: true,
+            ignores_newer_parameters: true,
             ..Config::default()
         }
     }
@@ -250,6 +282,7 @@ impl Default for Config {
             first_tag_only: false,
             no_server_cancel: false,
             unknown_state_is_empty: false,
+            ignores_newer_parameters: false,
         }
     }
 }

@@ -26,7 +26,7 @@ fn tags(tags: &[String], legacy: bool) -> Value {
     json!(tags)
 }
 
-fn service_json(s: &ServiceInstance, legacy: bool) -> Value {
+fn service_json(s: &ServiceInstance, peer: Option<&str>, legacy: bool) -> Value {
     let tagged: Map<String, Value> =
         s.tagged_addresses.iter().map(|(k, v)| (k.clone(), json!({"Address": v.address, "Port": v.port}))).collect();
     let mut out = json!({
@@ -49,7 +49,7 @@ fn service_json(s: &ServiceInstance, legacy: bool) -> Value {
             "Kind": s.kind.as_str(),
             "Proxy": proxy,
             "Connect": {},
-            "PeerName": "",
+            "PeerName": peer.unwrap_or_default(),
             "SocketPath": "",
         });
         merge(&mut out, extra);
@@ -137,7 +137,7 @@ pub(crate) fn health(entries: &[HealthEntry], legacy: bool) -> Value {
                         "CreateIndex": n.create_index,
                         "ModifyIndex": n.modify_index,
                     },
-                    "Service": service_json(&e.service, legacy),
+                    "Service": service_json(&e.service, e.peer.as_deref(), legacy),
                     "Checks": e.checks.iter().map(|c| {
                         let owner = (!c.service_id.is_empty()).then_some((&e.service.key, e.service.tags.as_slice()));
                         check_json(c, owner, legacy)

@@ -17,10 +17,14 @@ use serde_json::Value;
 
 use super::acl::{Identity, extract_token};
 use super::blocking::{Wait, Watched, Woken, answers_zero, reported_index};
-use super::catalog::{Catalog, CatalogError, DeregisterRequest, RegisterRequest, ServiceKey, StateFilter, connect_key};
+use super::catalog::{
+    Catalog, CatalogError, ConfigEntry, DeregisterRequest, HealthEntry, Origin, RegisterRequest, ServiceKey,
+    StateFilter, connect_key,
+};
 use super::control;
 use super::duration::{effective_wait, jitter, parse_go_duration};
 use super::faults::{Outcome, Quirks, RequestRecord};
+use super::filter::Filter;
 use super::render;
 use super::state::{LogGuard, Shared, lock};
 use super::urls::percent_decode;
@@ -448,6 +452,10 @@ async fn dispatch(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
         }
         return health_service(ctx, name, req.headers(), true).await;
     }
+    // An agent without servers still answers about itself; everything else needs them.
+    if ctx.shared.cut_off().is_some() && path != "/v1/agent/self" {
+        return Err(no_servers().into());
+    }
     if let Some(state) = path.strip_prefix("/v1/health/state/") {
         if method != Method::GET {
             return Err(method_not_allowed(&method).into());
@@ -462,6 +470,8 @@ async fn dispatch(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
         ("/v1/catalog/register", &Method::PUT) => register(ctx, req).await,
         ("/v1/catalog/deregister", &Method::PUT) => deregister(ctx, req).await,
         ("/v1/catalog/services", &Method::GET) => catalog_services(ctx, req.headers()).await,
+        ("/v1/config", &Method::PUT) => config_entry(ctx, req).await,
+        ("/v1/agent/self", &Method::GET) => Ok(agent_self(ctx)),
         ("/v1/catalog/datacenters", &Method::GET) => {
             Ok(plain_json(&Value::from(vec![ctx.shared.config.datacenter.clone()])))
         }
@@ -475,6 +485,8 @@ async fn dispatch(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
             | "/v1/catalog/deregister"
             | "/v1/catalog/services"
             | "/v1/catalog/datacenters"
+            | "/v1/config"
+            | "/v1/agent/self"
             | "/v1/status/leader",
             _,
         ) => Err(method_not_allowed(&method).into()),
@@ -494,42 +506,109 @@ async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap, conn
     }
     let opts = parse_read_options(p)?;
     let passing = p.bool_flag("passing").map_err(|()| ApiError::bad_request("Invalid value for ?passing"))?;
-    if p.first_non_empty("filter").is_some() {
-        return Err(ApiError::bad_request(
-            "Failed to create evaluator for expression: consul-sim does not implement ?filter",
-        )
-        .into());
-    }
+    let quirks = shared.quirks();
+    // An agent that predates these parameters ignores them, as Go's handlers ignore any
+    // unknown one.
+    let newer = !quirks.ignores_newer_parameters;
+    let filter = match p.first_non_empty("filter") {
+        Some(expression) if newer => Some(Filter::parse(expression).map_err(ApiError::bad_request)?),
+        _ => None,
+    };
+    let origin = if newer { origin(shared, p)? } else { Origin::Local };
+    let cached = newer && p.has("cached");
     check_datacenter(shared, p.first("dc"))?;
     let identity = ctx.identity()?;
+    let cut_off = shared.cut_off();
+    if cut_off.is_some() && !cached {
+        return Err(no_servers().into());
+    }
     inject_read_faults(shared)?;
     let body_fault = take_body_fault(shared);
     let opts = without_blocking_if(body_fault.is_some(), opts);
 
-    let quirks = shared.quirks();
     let key = ServiceKey::scoped(name, namespace(p, headers), p.first_non_empty("partition"));
     let mut tags = p.all("tag");
     if quirks.first_tag_only {
         tags.truncate(1);
     }
-    let (index, mut entries) = if connect {
+    let keep = |e: &HealthEntry| (!passing || e.all_passing()) && filter.as_ref().is_none_or(|f| f.matches(e));
+    let (watched, label) = if connect {
         let dest = connect_key(&key.name, &key.namespace, &key.partition);
-        let label = format!("{HEALTH_CONNECT_LABEL_PREFIX}{}", key.name);
-        ctx.block(&opts, &label, Watched::Connect(dest.clone()), quirks, |c| c.connect_health(&dest, &tags)).await?
+        (Watched::Connect(dest), format!("{HEALTH_CONNECT_LABEL_PREFIX}{}", key.name))
     } else {
-        ctx.block(&opts, &key.name, Watched::Service(key.clone()), quirks, |c| c.health(&key, &tags)).await?
+        (Watched::Service(origin.clone(), key.clone()), key.name.clone())
+    };
+    let read = |c: &Catalog| match &watched {
+        Watched::Connect(dest) => {
+            let mut entries = c.connect_health(dest, &tags);
+            entries.retain(keep);
+            entries
+        }
+        _ => c.origin_health(&origin, &key, &tags, keep),
+    };
+    if cut_off.is_some() {
+        wait_while_cut_off(shared, &opts).await;
+    }
+    let (index, mut entries, age) = match shared.cut_off() {
+        // Cut off from its servers, the agent answers from its cache, as it was then.
+        Some(cut) if cached => {
+            let index = reported_index(&watched, &cut.catalog, quirks);
+            (index, read(&cut.catalog), Some(cut.since.elapsed().as_secs()))
+        }
+        Some(_) => return Err(no_servers().into()),
+        None => {
+            let (index, entries) = ctx.block(&opts, &label, watched.clone(), quirks, read).await?;
+            (index, entries, cached.then_some(0))
+        }
     };
     let mut acl_filtered = false;
     if !identity.can_read_service(&key.name) {
         acl_filtered = !entries.is_empty();
         entries.clear();
     }
-    if passing {
-        entries.retain(|e| e.all_passing());
-    }
     let legacy = shared.with_faults(|f| f.null_variants);
     let body = render::health(&entries, legacy);
-    Ok(with_body_fault(ctx.read_ok(&body, index, opts.consistency, acl_filtered), body_fault))
+    let mut resp = ctx.read_ok(&body, index, opts.consistency, acl_filtered);
+    if let Some(age) = age {
+        // The background-refreshed cache: a hit, 0 s old while the servers answer.
+        resp.headers_mut().insert("x-cache", HeaderValue::from_static("HIT"));
+        resp.headers_mut().insert("age", HeaderValue::from(age));
+    }
+    Ok(with_body_fault(resp, body_fault))
+}
+
+/// `?peer=` or `?sameness-group=` (never both); a sameness group must exist.
+fn origin(shared: &Shared, p: &Params) -> Result<Origin, ApiError> {
+    match (p.first_non_empty("peer"), p.first_non_empty("sameness-group")) {
+        (Some(_), Some(_)) => Err(ApiError::bad_request("Cannot specify both peer and sameness-group")),
+        (Some(peer), None) => Ok(Origin::Peer(peer.to_owned())),
+        (None, Some(group)) if lock(&shared.catalog).has_sameness_group(group) => {
+            Ok(Origin::Sameness(group.to_owned()))
+        }
+        (None, Some(group)) => Err(ApiError::bad_request(format!("sameness group {group:?} does not exist"))),
+        (None, None) => Ok(Origin::Local),
+    }
+}
+
+/// What an agent cut off from its servers answers anything its cache cannot.
+fn no_servers() -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "No known Consul servers")
+}
+
+/// A blocking read answered from a cut-off agent's cache: nothing moves the cache's index,
+/// so the read waits its whole wait, unless the servers come back first.
+async fn wait_while_cut_off(shared: &Shared, opts: &ReadOptions) {
+    if opts.index == 0 {
+        return;
+    }
+    let deadline = tokio::time::Instant::now() + opts.wait;
+    let mut changes = shared.changes.subscribe();
+    while shared.cut_off().is_some() {
+        tokio::select! {
+            () = tokio::time::sleep_until(deadline) => return,
+            changed = changes.changed() => if changed.is_err() { return },
+        }
+    }
 }
 
 /// What the `bad_body` and `truncated_body` faults do to a successful health read.
@@ -680,6 +759,24 @@ async fn register(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
     let partition = ctx.params.first_non_empty("partition");
     ctx.shared.write_catalog(|c| c.register(body, ns.as_deref(), partition)).map_err(ApiError::from)?;
     Ok(plain_json(&Value::Bool(true)))
+}
+
+/// `PUT /v1/config`: a sameness group (the one config entry kind modelled).
+async fn config_entry(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
+    let entry: ConfigEntry = read_body(req).await?;
+    authorize_write(ctx, None)?;
+    ctx.shared.write_catalog(|c| c.set_config_entry(entry)).map_err(ApiError::from)?;
+    Ok(plain_json(&Value::Bool(true)))
+}
+
+/// `GET /v1/agent/self`, reduced to what clients read: the agent's version and datacenter.
+fn agent_self(ctx: &Ctx<'_>) -> Resp {
+    let version = if ctx.shared.quirks().ignores_newer_parameters { "0.9.3" } else { "1.21.4" };
+    let datacenter = &ctx.shared.config.datacenter;
+    plain_json(&serde_json::json!({
+        "Config": {"Datacenter": datacenter, "NodeName": "consul-sim", "Version": version},
+        "Member": {"Name": "consul-sim", "Addr": "127.0.0.1"},
+    }))
 }
 
 async fn deregister(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {

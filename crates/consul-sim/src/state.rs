@@ -57,6 +57,13 @@ impl RequestLog {
     }
 }
 
+/// What an agent cut off from its servers still has: its cache, as of `since`.
+#[derive(Clone)]
+pub(crate) struct CutOff {
+    pub since: Instant,
+    pub catalog: Arc<Catalog>,
+}
+
 pub(crate) struct Shared {
     pub config: Config,
     pub catalog: Mutex<Catalog>,
@@ -68,6 +75,9 @@ pub(crate) struct Shared {
     /// queries left running without a client (`no_server_cancel`) end.
     pub shutdown: watch::Sender<bool>,
     faults: Mutex<Faults>,
+    /// While `agent_cut_off` is on: when it began, and the catalog as the agent's cache
+    /// last saw it then.
+    cut_off: Mutex<Option<CutOff>>,
     conns: Mutex<ConnTable>,
     log: Mutex<RequestLog>,
     blocking: Mutex<BlockingTable>,
@@ -91,6 +101,7 @@ impl Shared {
             drops: watch::Sender::new(()),
             shutdown: watch::Sender::new(false),
             faults: Mutex::new(faults),
+            cut_off: Mutex::new(None),
             conns: Mutex::new(ConnTable::default()),
             log: Mutex::new(RequestLog { capacity, next_seq: 1, records: VecDeque::new() }),
             blocking: Mutex::new(BlockingTable::default()),
@@ -118,13 +129,36 @@ impl Shared {
     pub(crate) fn set_faults(&self, patch: FaultsPatch) -> Faults {
         let mut f = lock(&self.faults);
         f.apply(patch);
+        self.follow_cut_off(f.agent_cut_off);
         f.clone()
     }
 
     pub(crate) fn clear_faults(&self) -> Faults {
         let mut f = lock(&self.faults);
         *f = Faults::defaults(&self.config);
+        self.follow_cut_off(f.agent_cut_off);
         f.clone()
+    }
+
+    /// Freezes what the agent's cache holds when it is cut off from its servers, and forgets
+    /// it when they are back; blocking queries are woken to answer from the new state.
+    fn follow_cut_off(&self, on: bool) {
+        let mut cut_off = lock(&self.cut_off);
+        match (on, cut_off.is_some()) {
+            (true, false) => {
+                let catalog = Arc::new(lock(&self.catalog).clone());
+                *cut_off = Some(CutOff { since: Instant::now(), catalog });
+            }
+            (false, true) => *cut_off = None,
+            _ => return,
+        }
+        drop(cut_off);
+        self.changes.send_replace(());
+    }
+
+    /// The agent's cache while it is cut off from its servers.
+    pub(crate) fn cut_off(&self) -> Option<CutOff> {
+        lock(&self.cut_off).clone()
     }
 
     pub(crate) fn quirks(&self) -> Quirks {

@@ -487,8 +487,9 @@ async fn bad_parameters_are_400_without_index_headers() {
         assert!(r.header("X-Consul-Index").is_none(), "{q}");
         assert!(r.header("X-Consul-KnownLeader").is_none(), "{q}");
     }
-    let r = get(a, "/v1/health/service/web?filter=Service.Port%3D%3D80").await;
-    assert_eq!(r.status, 400, "filter expressions are refused, not ignored");
+    let r = get(a, "/v1/health/service/web?filter=Service.Port%3D%3D").await;
+    assert_eq!(r.status, 400, "an expression that does not parse is refused");
+    assert!(r.text().starts_with("Failed to create boolean expression evaluator: "), "{}", r.text());
     let r = get(a, "/v1/health/service/web?stale").await;
     assert_eq!(r.status, 200);
     assert_eq!(r.header("X-Consul-Effective-Consistency"), Some("stale"));
@@ -693,7 +694,7 @@ async fn connect_lists_the_proxies_of_a_destination() {
     put(a, "/_sim/faults", &json!({"single_health_index": false})).await;
 
     // Same parameter checks, datacenter, faults and request log as /v1/health/service.
-    assert_eq!(get(a, "/v1/health/connect/web?filter=Service.Port%3D%3D1").await.status, 400);
+    assert_eq!(get(a, "/v1/health/connect/web?filter=Service.Nope%3D%3D1").await.status, 400);
     assert_eq!(get(a, "/v1/health/connect/web?index=x").await.status, 400);
     assert_eq!(get(a, "/v1/health/connect/").await.status, 400);
     assert_eq!(get(a, "/v1/health/connect/web?dc=other").await.status, 500);
@@ -1603,4 +1604,141 @@ async fn binary_prints_its_address_and_exits_on_sigterm() {
     assert!(status.success());
     let exit = tokio::time::timeout(LONG, child.wait()).await.expect("exits in time").unwrap();
     assert!(exit.success(), "{exit:?}");
+}
+
+// ---------------------------------------------------------------- newer parameters
+
+fn ids_of(r: &Reply) -> Vec<String> {
+    assert_eq!(r.status, 200, "{}", r.text());
+    let mut ids: Vec<String> =
+        r.json().as_array().expect("array").iter().map(|e| e["Service"]["ID"].as_str().unwrap().to_owned()).collect();
+    ids.sort();
+    ids
+}
+
+#[tokio::test]
+async fn filter_selects_rows_after_passing_and_tags() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &["blue"]).await;
+    register(a, "n2", "web", "web-2", "passing", &["green"]).await;
+    register(a, "n3", "web", "web-3", "critical", &["blue"]).await;
+    let blue = "filter=%22blue%22%20in%20Service.Tags";
+    assert_eq!(ids_of(&get(a, &format!("/v1/health/service/web?{blue}")).await), ["web-1", "web-3"]);
+    assert_eq!(ids_of(&get(a, &format!("/v1/health/service/web?{blue}&passing")).await), ["web-1"]);
+    let all = get(a, "/v1/health/service/web").await.index();
+    assert_eq!(
+        get(a, &format!("/v1/health/service/web?{blue}")).await.index(),
+        all,
+        "the index is the unfiltered set's"
+    );
+    let r = get(a, "/v1/health/service/web?filter=Service.Colour%20%3D%3D%20blue").await;
+    assert_eq!(
+        (r.status, r.text().as_str()),
+        (400, r#"Failed to create boolean expression evaluator: Selector "Service.Colour" is not valid"#)
+    );
+    assert!(r.header("X-Consul-Index").is_none());
+
+    // An agent from before filters (1.4) ignores the parameter: the answer is unfiltered.
+    put(a, "/_sim/faults", &json!({"ignores_newer_parameters": true})).await;
+    assert_eq!(ids_of(&get(a, &format!("/v1/health/service/web?{blue}")).await), ["web-1", "web-2", "web-3"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_are_data_sets_of_their_own_with_their_peer_name() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "local-1", "passing", &[]).await;
+    let imported = json!({"Node": "p-n1", "Address": "10.9.0.1",
+        "Service": {"ID": "remote-1", "Service": "web", "Port": 9090},
+        "Check": {"CheckID": "service:remote-1", "Name": "alive", "Status": "passing", "ServiceID": "remote-1"}});
+    assert_eq!(put(a, "/_sim/peers/east/register", &imported).await.status, 200);
+    assert_eq!(ids_of(&get(a, "/v1/health/service/web").await), ["local-1"]);
+    let r = get(a, "/v1/health/service/web?peer=east").await;
+    assert_eq!(ids_of(&r), ["remote-1"]);
+    assert_eq!(r.json()[0]["Service"]["PeerName"], "east");
+    assert_eq!(
+        ids_of(&get(a, "/v1/health/service/web?peer=west").await),
+        Vec::<String>::new(),
+        "an unknown peer has nothing"
+    );
+
+    // A blocking read of the peer's service wakes on the peer's writes, not on local ones.
+    let index = r.index();
+    let mut h = spawn_get(a, format!("/v1/health/service/web?peer=east&index={index}&wait=5s"));
+    wait_blocking(&sim, "web", 1).await;
+    register(a, "n2", "web", "local-2", "passing", &[]).await;
+    assert!(still_pending(&mut h, Duration::from_millis(300)).await, "a local write woke a peer's read");
+    assert_eq!(
+        put(a, "/_sim/peers/east/deregister", &json!({"Node": "p-n1", "ServiceID": "remote-1"})).await.status,
+        200
+    );
+    let woke = tokio::time::timeout(LONG, h).await.expect("woken").expect("joined");
+    assert!(woke.index() > index);
+    assert_eq!(ids_of(&woke), Vec::<String>::new());
+    assert_eq!(get(a, "/v1/health/service/web?peer=east&sameness-group=g").await.status, 400);
+}
+
+#[tokio::test]
+async fn a_sameness_group_answers_from_its_first_member_with_instances() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    assert_eq!(get(a, "/v1/health/service/web?sameness-group=web-group").await.status, 400, "unknown group");
+    let group = json!({"Kind": "sameness-group", "Name": "web-group",
+                       "Members": [{"Partition": "default"}, {"Peer": "east"}]});
+    assert_eq!(put(a, "/v1/config", &group).await.status, 200);
+    let imported = json!({"Node": "p-n1", "Address": "10.9.0.1",
+        "Service": {"ID": "remote-1", "Service": "web", "Port": 9090},
+        "Check": {"CheckID": "service:remote-1", "Name": "alive", "Status": "passing", "ServiceID": "remote-1"}});
+    assert_eq!(put(a, "/_sim/peers/east/register", &imported).await.status, 200);
+    let q = "/v1/health/service/web?sameness-group=web-group&passing";
+    assert_eq!(ids_of(&get(a, q).await), ["remote-1"], "the local member has none: the peer answers");
+    register(a, "n1", "web", "local-1", "passing", &[]).await;
+    assert_eq!(ids_of(&get(a, q).await), ["local-1"], "the first member answers once it has instances");
+    register(a, "n1", "web", "local-1", "critical", &[]).await;
+    assert_eq!(ids_of(&get(a, q).await), ["remote-1"], "a member without passing instances is passed over");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_agent_answers_cached_reads_from_its_cache_with_their_age() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register(a, "n1", "web", "web-1", "passing", &[]).await;
+    let r = get(a, "/v1/health/service/web?cached").await;
+    assert_eq!((r.header("X-Cache"), r.header("Age")), (Some("HIT"), Some("0")));
+    assert_eq!(get(a, "/v1/health/service/web").await.header("X-Cache"), None, "only cached reads say so");
+
+    put(a, "/_sim/faults", &json!({"agent_cut_off": true})).await;
+    let r = get(a, "/v1/health/service/web").await;
+    assert_eq!((r.status, r.text().as_str()), (500, "No known Consul servers"));
+    let w = json!({"Node": "n2", "Address": "10.0.0.2"});
+    assert_eq!(put(a, "/v1/catalog/register", &w).await.status, 500, "writes need the servers too");
+    let started = Instant::now();
+    let index = get(a, "/v1/health/service/web?cached").await.index();
+    let r = get(a, &format!("/v1/health/service/web?cached&index={index}&wait=1s")).await;
+    assert!(started.elapsed() >= Duration::from_secs(1), "nothing moves a cut-off cache: the read waits");
+    assert_eq!(ids_of(&r), ["web-1"]);
+    assert_eq!(r.header("X-Cache"), Some("HIT"));
+    assert!(r.header("Age").unwrap().parse::<u64>().unwrap() >= 1, "{:?}", r.header("Age"));
+
+    // The servers come back: a waiting cached read answers at once, fresh.
+    let h = spawn_get(a, format!("/v1/health/service/web?cached&index={index}&wait=30s"));
+    let deadline = Instant::now() + LONG;
+    while !sim.requests().iter().any(|r| r.query.contains("wait=30s") && r.outcome == Outcome::InFlight) {
+        assert!(Instant::now() < deadline, "the cached read never arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    put(a, "/_sim/faults", &json!({"agent_cut_off": false})).await;
+    register(a, "n1", "web", "web-1", "critical", &[]).await;
+    let r = tokio::time::timeout(LONG, h).await.expect("answered once the servers are back").expect("joined");
+    assert_eq!(r.header("Age"), Some("0"));
+    assert_eq!(r.json()[0]["Checks"][0]["Status"], "critical");
+}
+
+#[tokio::test]
+async fn agent_self_reports_a_version() {
+    let sim = start_default().await;
+    assert_eq!(get(sim.addr(), "/v1/agent/self").await.json()["Config"]["Version"], "1.21.4");
+    let old = start(Config::legacy()).await;
+    assert_eq!(get(old.addr(), "/v1/agent/self").await.json()["Config"]["Version"], "0.9.3");
 }

@@ -44,6 +44,16 @@ impl QueryError {
         }
     }
 
+    /// Consul refused the query itself (a 4xx other than 429: a rejected token, a `filter` it
+    /// cannot parse): the same query will be refused again, whatever the backoff.
+    pub(crate) fn refused(&self) -> bool {
+        match self {
+            QueryError::Forbidden { .. } => true,
+            QueryError::Status { status, .. } => (400..500).contains(status),
+            _ => false,
+        }
+    }
+
     /// A delay the server asked for (Retry-After), if any.
     pub(crate) fn retry_after(&self) -> Option<Duration> {
         match self {

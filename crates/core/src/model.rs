@@ -184,6 +184,11 @@ pub enum ConsulEvent {
     Cached { index: u64, endpoints: Vec<Endpoint>, cut_off_since: SystemTime },
     /// A query failed; the last known endpoints stay in place.
     Failed(String),
+    /// Consul refused the query itself (a 4xx other than 429: a `filter` it cannot parse, a
+    /// token it rejects): as `Failed`, but asking again cannot help until the resolver
+    /// changes, so for the first snapshot the service is known (known to be unreadable),
+    /// and nobody else's endpoints wait for it.
+    Refused(String),
 }
 
 #[derive(Debug, Clone, PartialEq)]

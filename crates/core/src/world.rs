@@ -84,6 +84,9 @@ pub struct ConsulStore {
     pub last_error: Option<String>,
     /// The last answer came from an agent's cache cut off from its servers since then.
     pub cut_off_since: Option<SystemTime>,
+    /// The last query was refused by Consul (`ConsulEvent::Refused`): the key is known for
+    /// the first snapshot even if it never answered.
+    pub refused: bool,
 }
 
 impl ConsulStore {
@@ -182,6 +185,7 @@ impl World {
                     changed_at: None,
                     last_error: None,
                     cut_off_since: None,
+                    refused: false,
                 });
                 self.changes.consul.insert(k.clone());
             }
@@ -272,7 +276,8 @@ impl World {
             kube_pending += usize::from(pending);
         }
         for store in self.consul.values() {
-            consul_pending += usize::from(!store.answered() && wait_until(store.added_at));
+            // Refused: Consul said all it will say until the resolver changes.
+            consul_pending += usize::from(!store.answered() && !store.refused && wait_until(store.added_at));
         }
         if kube_pending == 0 && consul_pending == 0 {
             Readiness::Ready
@@ -390,12 +395,10 @@ fn apply_consul(store: &mut ConsulStore, ev: ConsulEvent, now: Instant) -> bool 
     let (index, endpoints, cut_off_since) = match ev {
         ConsulEvent::Answer { index, endpoints } => (index, endpoints, None),
         ConsulEvent::Cached { index, endpoints, cut_off_since } => (index, endpoints, Some(cut_off_since)),
-        ConsulEvent::Failed(e) => {
-            let changed = store.last_error.as_deref() != Some(e.as_str());
-            store.last_error = Some(e);
-            return changed;
-        }
+        ConsulEvent::Failed(e) => return record_error(store, e, false),
+        ConsulEvent::Refused(e) => return record_error(store, e, true),
     };
+    store.refused = false;
     let first = !store.answered();
     let errored = store.last_error.take().is_some();
     // Being cut off, or no longer, is a change; a later answer of the same cut-off keeps
@@ -419,6 +422,15 @@ fn apply_consul(store: &mut ConsulStore, ev: ConsulEvent, now: Instant) -> bool 
         }
         errored || cut_off_changed
     }
+}
+
+/// A failed query: the last endpoints stay; whether Consul refused the query is kept for
+/// readiness.
+fn record_error(store: &mut ConsulStore, error: String, refused: bool) -> bool {
+    let changed = store.last_error.as_deref() != Some(error.as_str()) || store.refused != refused;
+    store.last_error = Some(error);
+    store.refused = refused;
+    changed
 }
 
 #[cfg(test)]
@@ -511,6 +523,23 @@ mod tests {
         // A key added later gets its own full timeout.
         w.track(&consul("late").into(), Instant::now());
         assert!(matches!(w.readiness(Instant::now(), |_| true), Readiness::Waiting { consul_pending: 1, .. }));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_query_holds_nobody_back_until_the_timeout() {
+        let start = Instant::now();
+        let mut w = World::new(TIMEOUT);
+        w.track(&consul("bad-filter").into(), start);
+        let refusal = "Consul at http://c:8500 answered 400: Failed to create boolean expression evaluator";
+        assert!(w.apply(Event::Consul(consul("bad-filter"), ConsulEvent::Refused(refusal.into())), start));
+        assert_eq!(w.readiness(start, |_| true), Readiness::Ready, "known: known to be refused");
+        assert_eq!(w.consul()[&consul("bad-filter")].last_error.as_deref(), Some(refusal));
+        // The same message, now a failure that may pass (the server went away): pending
+        // again, and a change.
+        assert!(w.apply(Event::Consul(consul("bad-filter"), ConsulEvent::Failed(refusal.into())), start));
+        assert!(matches!(w.readiness(start, |_| true), Readiness::Waiting { consul_pending: 1, .. }));
+        assert!(w.apply(Event::Consul(consul("bad-filter"), ConsulEvent::Refused(refusal.into())), start));
+        assert!(!w.apply(Event::Consul(consul("bad-filter"), ConsulEvent::Refused(refusal.into())), start));
     }
 
     fn secret() -> KubeKey {

@@ -102,6 +102,11 @@ struct Args {
     /// An unknown `/v1/health/state/<state>` answers 200 `[]` instead of 400.
     #[arg(long, help_heading = "Older agents")]
     unknown_state_is_empty: bool,
+
+    /// `filter`, `cached`, `peer` and `sameness-group` are ignored, as agents before them
+    /// ignore any unknown parameter.
+    #[arg(long, help_heading = "Older agents")]
+    ignores_newer_parameters: bool,
 }
 
 fn read_pem(path: &Path) -> anyhow::Result<String> {
@@ -142,6 +147,7 @@ impl Args {
             first_tag_only: base.first_tag_only || self.first_tag_only,
             no_server_cancel: base.no_server_cancel || self.no_server_cancel,
             unknown_state_is_empty: base.unknown_state_is_empty || self.unknown_state_is_empty,
+            ignores_newer_parameters: base.ignores_newer_parameters || self.ignores_newer_parameters,
             tls,
             ..base
         })

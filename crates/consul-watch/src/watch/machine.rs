@@ -103,12 +103,13 @@ impl Reported {
         })
     }
 
-    fn failure(&mut self, message: String) -> Option<ConsulEvent> {
+    /// A failure, sent when its message is new; `refused` when Consul refused the query.
+    fn failure(&mut self, message: String, refused: bool) -> Option<ConsulEvent> {
         if self.error.as_ref() == Some(&message) {
             return None;
         }
         self.error = Some(message.clone());
-        Some(ConsulEvent::Failed(message))
+        Some(if refused { ConsulEvent::Refused(message) } else { ConsulEvent::Failed(message) })
     }
 }
 
@@ -208,7 +209,7 @@ impl Machine {
         let delay = self.backoff.failure(rng).max(error.retry_after().unwrap_or_default());
         self.not_before = Some(self.not_before.map_or(now + delay, |at| at.max(now + delay)));
         self.read_due = true;
-        self.reported.failure(error.to_string())
+        self.reported.failure(error.to_string(), error.refused())
     }
 
     /// The watch is now `mode`. A fed or swept watch's sweep starts from now.
@@ -234,7 +235,7 @@ impl Machine {
     pub(crate) fn server_down(&mut self, message: String) -> Option<ConsulEvent> {
         self.server_down = true;
         self.index.reset();
-        self.reported.failure(message)
+        self.reported.failure(message, false)
     }
 
     /// The server answers again: read once, after a random moment within the spread, so
@@ -284,6 +285,24 @@ mod tests {
             meta: Default::default(),
             health: Health::Passing,
         }
+    }
+
+    #[test]
+    fn consul_refusing_the_query_is_reported_as_refused() {
+        let (mut m, mut rng) = machine();
+        let now = Instant::now();
+        let bad = QueryError::Status {
+            address: "a".into(),
+            status: 400,
+            body: "Failed to create boolean expression evaluator".into(),
+        };
+        assert!(matches!(m.failed(&bad, now, &mut rng), Some(ConsulEvent::Refused(_))));
+        let no_leader = QueryError::Status { address: "a".into(), status: 500, body: "No cluster leader".into() };
+        assert!(matches!(m.failed(&no_leader, now, &mut rng), Some(ConsulEvent::Failed(_))));
+        let limited = QueryError::RateLimited { address: "a".into(), retry_after: None };
+        assert!(matches!(m.failed(&limited, now, &mut rng), Some(ConsulEvent::Failed(_))), "429 passes");
+        let forbidden = QueryError::Forbidden { address: "a".into(), body: "ACL not found".into() };
+        assert!(matches!(m.failed(&forbidden, now, &mut rng), Some(ConsulEvent::Refused(_))));
     }
 
     fn refused() -> QueryError {
