@@ -67,6 +67,10 @@ pub(crate) struct Metrics {
     pub publish_failures: IntCounterVec,
     pub publish_seconds: Histogram,
     pub publisher_seconds: HistogramVec,
+    /// 1 while a publisher's last attempt failed (it retries on its own), by publisher.
+    pub publisher_failing: IntGaugeVec,
+    /// The id of the last snapshot a publisher delivered, by publisher.
+    pub publisher_snapshot_id: IntGaugeVec,
     pub hook_runs: IntCounter,
     pub hook_failures: IntCounterVec,
     pub hook_seconds: Histogram,
@@ -212,15 +216,25 @@ impl Metrics {
             ),
             publish_seconds: histogram(
                 "publish_duration_seconds",
-                "Time to publish one snapshot to every publisher",
+                "Time to serve a new snapshot over HTTP and hand it to the other publishers",
                 WORK_BUCKETS,
             ),
             publisher_seconds: histogram_vec(
                 "publisher_duration_seconds",
-                "Time one publisher took for its part of a publication, by publisher",
+                "Time one attempt of one publisher to deliver a snapshot took, by publisher",
                 &["publisher"],
                 WORK_BUCKETS,
             ),
+            publisher_failing: IntGaugeVec::new(
+                Opts::new("publisher_failing", "1 while a publisher's last attempt failed (it retries on its own)"),
+                &["publisher"],
+            )
+            .expect("valid metric"),
+            publisher_snapshot_id: IntGaugeVec::new(
+                Opts::new("publisher_snapshot_id", "Id of the last snapshot a publisher delivered"),
+                &["publisher"],
+            )
+            .expect("valid metric"),
             hook_runs: IntCounter::new("hook_runs_total", "--on-snapshot commands run").expect("valid metric"),
             hook_failures: counter_vec(
                 "hook_failures_total",
@@ -303,6 +317,8 @@ impl Metrics {
             Box::new(m.publish_failures.clone()),
             Box::new(m.publish_seconds.clone()),
             Box::new(m.publisher_seconds.clone()),
+            Box::new(m.publisher_failing.clone()),
+            Box::new(m.publisher_snapshot_id.clone()),
             Box::new(m.hook_runs.clone()),
             Box::new(m.hook_failures.clone()),
             Box::new(m.hook_seconds.clone()),

@@ -47,11 +47,15 @@ use crate::cli::NamespacedName;
 use crate::kube_client::{FIELD_MANAGER, status_code};
 use crate::leadership::Leadership;
 use consul_resolver_core::assembler::Snapshot;
+use consul_resolver_core::keys::KubeKey;
 
 pub(crate) const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 /// On parts: the name of the ConfigMap whose index they belong to. Stale parts are only
 /// deleted when they carry it, so a user's unrelated `NAME-1` is never touched.
 pub const LABEL_PART_OF: &str = "consulresolver.io/snapshot-part-of";
+/// On every snapshot ConfigMap, index and parts: a `--watch` of ConfigMaps leaves them out
+/// by this label ([`without_snapshots`]), so the operator never reads its own output back.
+pub const LABEL_SNAPSHOT: &str = "consulresolver.io/snapshot";
 pub const ANNOTATION_ID: &str = "consulresolver.io/snapshot-id";
 pub const ANNOTATION_HASH: &str = "consulresolver.io/snapshot-hash";
 
@@ -149,7 +153,10 @@ fn legacy_part_name(name: &str, i: usize) -> String {
 }
 
 fn meta(target: &NamespacedName, name: String, id: u64, hash: &str, part_of: bool) -> ObjectMeta {
-    let mut labels = BTreeMap::from([(LABEL_MANAGED_BY.to_owned(), FIELD_MANAGER.to_owned())]);
+    let mut labels = BTreeMap::from([
+        (LABEL_MANAGED_BY.to_owned(), FIELD_MANAGER.to_owned()),
+        (LABEL_SNAPSHOT.to_owned(), "true".to_owned()),
+    ]);
     if part_of {
         labels.insert(LABEL_PART_OF.to_owned(), target.name.clone());
     }
@@ -388,6 +395,23 @@ impl ConfigMapPublisher {
     }
 }
 
+/// A `--watch` key with the operator's snapshot ConfigMaps left out, when it watches
+/// ConfigMaps: `!consulresolver.io/snapshot` is added to its label selector, so the API
+/// server never sends them. Otherwise each publication would come back through the watch
+/// into the next snapshot, which would grow without end. Other keys are returned as they are.
+pub(crate) fn without_snapshots(key: KubeKey) -> KubeKey {
+    if !key.is("", "ConfigMap") {
+        return key;
+    }
+    let exclude = format!("!{LABEL_SNAPSHOT}");
+    let selector = match &key.label_selector {
+        Some(s) if s.split(',').any(|term| term.trim() == exclude) => return key,
+        Some(s) if !s.trim().is_empty() => format!("{s},{exclude}"),
+        _ => exclude,
+    };
+    key.with_labels(selector)
+}
+
 /// Whether `live` holds what we wrote as `expected` (data, labels and annotations ours).
 fn same_content(live: &ConfigMap, expected: &ConfigMap) -> bool {
     let ours = |m: &Option<BTreeMap<String, String>>, keys: &Option<BTreeMap<String, String>>| {
@@ -568,6 +592,22 @@ impl Publisher for ConfigMapPublisher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_watch_of_configmaps_leaves_the_snapshot_out() {
+        let cm = KubeKey::new("", "", "ConfigMap").in_namespace("ops");
+        assert_eq!(without_snapshots(cm.clone()).label_selector.as_deref(), Some("!consulresolver.io/snapshot"));
+        let selected = without_snapshots(cm.clone().with_labels("app=web"));
+        assert_eq!(selected.label_selector.as_deref(), Some("app=web,!consulresolver.io/snapshot"));
+        assert_eq!(without_snapshots(selected.clone()), selected, "once");
+        let svc = KubeKey::new("", "", "Service");
+        assert_eq!(without_snapshots(svc.clone()), svc, "other kinds unchanged");
+        let labels =
+            meta(&NamespacedName { namespace: "ops".into(), name: "snap".into() }, "snap".into(), 1, "h", true)
+                .labels
+                .unwrap();
+        assert_eq!(labels[LABEL_SNAPSHOT], "true", "parts carry it");
+    }
     use consul_resolver_core::assembler::snapshot::{Bootstrap, Content, Part, ResolverEntry, ServiceEntry};
     use consul_resolver_core::model::{Endpoint, Health};
 

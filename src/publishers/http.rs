@@ -5,10 +5,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use futures::FutureExt;
-use futures::future::BoxFuture;
 
-use super::{PublishError, Publisher};
 use consul_resolver_core::assembler::Snapshot;
 
 /// How many snapshots `/snapshots/<id>` keeps.
@@ -64,19 +61,6 @@ impl SnapshotStore {
             Some(latest) if latest.id == id => Some(Body::Json(latest.to_json())),
             _ => kept.older.iter().find(|(i, _)| *i == id).map(|(_, b)| b.clone()),
         }
-    }
-}
-
-/// Publishing to HTTP is keeping the snapshot for the server.
-pub(crate) struct HttpPublisher(pub Arc<SnapshotStore>);
-
-impl Publisher for HttpPublisher {
-    fn name(&self) -> &'static str {
-        "http"
-    }
-    fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), PublishError>> {
-        self.0.push(&snapshot);
-        futures::future::ready(Ok(())).boxed()
     }
 }
 

@@ -2,8 +2,9 @@
 //!
 //! It drains events in batches (so a flood of 10,000 list events is one reconciliation,
 //! not 10,000), applies the registry's diffs to the running watches, feeds the resolver
-//! controller's store, and runs at most one task at a time against the publishers: a
-//! publication, or (every resync period) a repair of the snapshot ConfigMap.
+//! controller's store, and publishes: each new snapshot is served over HTTP at once and
+//! handed to the other publishers' outlets, which deliver it on their own
+//! (`publication`), so none of them holds back the loop or each other.
 //!
 //! It beats a heartbeat every time it turns, and turns at least every second (a tick that
 //! also refreshes the gauges read from the world), so `/healthz` tells a wedged loop from
@@ -18,14 +19,15 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
-use super::publication::{self, Done, Publishers, Task};
+use super::publication::Outlets;
 use crate::controller::ResolverController;
 use crate::leadership::Leadership;
 use crate::ops::health::{BEAT_EVERY, Heartbeat};
 use crate::ops::metrics::{Metrics, unix_seconds};
+use crate::publishers::http::SnapshotStore;
 use crate::sources::Watches;
 use consul_resolver_api::resolver;
-use consul_resolver_core::assembler::resolvers;
+use consul_resolver_core::assembler::{Snapshot, resolvers};
 use consul_resolver_core::keys::{KubeKey, WatchKey};
 use consul_resolver_core::model::Event;
 use consul_resolver_core::pipeline::{Pipeline, Step};
@@ -38,13 +40,14 @@ pub(super) struct EventLoop {
     pub(super) watches: Watches,
     pub(super) events: mpsc::Receiver<Event>,
     pub(super) leadership: Leadership,
-    pub(super) publishers: Arc<Publishers>,
+    /// Where `/snapshot` is served from.
+    pub(super) store: Arc<SnapshotStore>,
+    pub(super) outlets: Outlets,
     pub(super) controller: ResolverController,
     pub(super) metrics: Metrics,
-    /// `/readyz`: set once a snapshot was published.
+    /// `/readyz`: set once a snapshot is assembled and served.
     pub(super) ready: Arc<AtomicBool>,
     pub(super) identity: String,
-    pub(super) resync_period: Duration,
     /// `/healthz`: beaten every turn.
     pub(super) heartbeat: Arc<Heartbeat>,
     /// When the process started, for the bootstrap duration.
@@ -78,43 +81,30 @@ impl Unpublished {
 /// What the loop keeps between turns.
 struct Turn {
     leading: bool,
-    task: Option<Task>,
-    repair_due: Instant,
     logged_waiting: bool,
-    /// Events received since the last publication started (cleared when the pipeline has
-    /// nothing to publish: they changed nothing).
+    /// Events received since the last publication (cleared when the pipeline has nothing
+    /// to publish: they changed nothing).
     pending: Option<Unpublished>,
-    /// The events the publication in flight carries.
-    in_flight: Option<Unpublished>,
 }
 
 impl EventLoop {
-    /// Runs until `shutdown`, then lets the task in flight finish: a half-written
-    /// snapshot helps nobody (each write is bounded by the leadership deadline and the
-    /// publish timeout).
-    pub(super) async fn run(mut self, shutdown: CancellationToken) -> (ResolverController, Watches) {
+    /// Runs until `shutdown`; the outlets, returned, finish what they deliver.
+    pub(super) async fn run(mut self, shutdown: CancellationToken) -> (ResolverController, Watches, Outlets) {
         let leading = self.leadership.is_leading();
         self.metrics.leader.set(leading as i64);
-        let mut turn = Turn {
-            leading,
-            task: None,
-            repair_due: Instant::now() + self.resync_period,
-            logged_waiting: false,
-            pending: None,
-            in_flight: None,
-        };
+        let mut turn = Turn { leading, logged_waiting: false, pending: None };
+        // Leading from the start (no election, or a lease won before the loop ran) is a
+        // takeover like any other: the ConfigMap's ids continue after the last one written.
+        if leading {
+            self.take_over().await;
+        }
         let mut tick = tokio::time::interval(BEAT_EVERY);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             self.beat();
-            let step = if turn.task.is_none() { self.poll(&mut turn) } else { Step::Idle };
-            let wake = match step {
+            let wake = match self.poll(&mut turn) {
                 Step::Publish(snapshot) => {
-                    turn.in_flight = turn.pending.take();
-                    if let Some(p) = turn.in_flight {
-                        self.metrics.events_coalesced.inc_by(p.events.saturating_sub(1));
-                    }
-                    turn.task = Some(self.publishers.publish(snapshot));
+                    self.publish(&mut turn, snapshot);
                     continue;
                 }
                 Step::WaitUntil(at) => Some(at),
@@ -128,23 +118,11 @@ impl EventLoop {
                 _ = shutdown.cancelled() => break,
                 now_leading = self.leadership.changed() => self.on_leadership(&mut turn, now_leading).await,
                 Some(first) = self.events.recv() => self.on_events(&mut turn, first),
-                done = publication::finished(&mut turn.task), if turn.task.is_some() => {
-                    turn.task = None;
-                    self.on_task_done(&mut turn, done);
-                }
-                _ = tokio::time::sleep_until(turn.repair_due), if turn.task.is_none() => {
-                    turn.repair_due = Instant::now() + self.resync_period;
-                    turn.task = self.publishers.repair();
-                }
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {}
                 _ = tick.tick() => self.on_tick(),
             }
         }
-        if turn.task.is_some() {
-            let done = publication::finished(&mut turn.task).await;
-            self.on_task_done(&mut turn, done);
-        }
-        (self.controller, self.watches)
+        (self.controller, self.watches, self.outlets)
     }
 
     fn beat(&self) {
@@ -152,8 +130,8 @@ impl EventLoop {
         self.metrics.heartbeat_timestamp.set(unix_seconds(SystemTime::now()));
     }
 
-    /// Asks the pipeline what to do (no task is in flight). Nothing to publish means the
-    /// events received since the last publication changed nothing.
+    /// Asks the pipeline what to do. Nothing to publish means the events received since the
+    /// last publication changed nothing.
     fn poll(&mut self, turn: &mut Turn) -> Step {
         let started = Instant::now();
         let step = self.pipeline.poll(started);
@@ -213,39 +191,61 @@ impl EventLoop {
             self.metrics.leader_transitions.with_label_values(&[transition]).inc();
         }
         if now_leading && !turn.leading {
-            let floor = self.publishers.took_over().await;
-            self.pipeline.republish(floor);
-            self.controller.leading();
+            self.take_over().await;
+        }
+        if !now_leading {
+            self.outlets.lost_leadership();
         }
         turn.leading = now_leading;
     }
 
-    fn on_task_done(&mut self, turn: &mut Turn, done: Done) {
-        match done {
-            Done::Published { snapshot, ok } => {
-                let first = !self.pipeline.has_published();
-                self.pipeline.published(&snapshot, ok, Instant::now());
-                self.controller.published(&snapshot);
-                let carried = turn.in_flight.take();
-                if ok {
-                    self.ready.store(true, Ordering::Relaxed);
-                    self.metrics.bootstrapped.set(1);
-                    self.metrics.last_publication_timestamp.set(unix_seconds(SystemTime::now()));
-                    if first {
-                        self.metrics.bootstrap_seconds.set(secs(self.started.elapsed()));
-                    } else if let Some(c) = carried {
-                        // The first publication waited for the world, not for a change:
-                        // its time is the bootstrap duration's.
-                        self.metrics.publication_latency_seconds.observe(secs(c.since.elapsed()));
-                    }
-                } else {
-                    // Still unpublished: the retry carries them.
-                    turn.pending = Unpublished::merge(carried, turn.pending);
-                }
-                self.show_unpublished(turn);
-            }
-            Done::Repaired => {}
+    /// Writes the current snapshot at once, numbered after the one already in the
+    /// ConfigMap, and every resolver's status.
+    async fn take_over(&mut self) {
+        let floor = self.outlets.took_over().await;
+        self.pipeline.republish(floor);
+        self.controller.leading();
+    }
+
+    /// A new snapshot: served over HTTP at once (the operator is ready from the first),
+    /// handed to the outlets, and the resolvers' statuses follow it.
+    fn publish(&mut self, turn: &mut Turn, snapshot: Arc<Snapshot>) {
+        let started = Instant::now();
+        let first = !self.pipeline.has_published();
+        self.store.push(&snapshot);
+        self.outlets.offer(snapshot.clone());
+        self.pipeline.published(&snapshot, true, started);
+        self.controller.published(&snapshot);
+        self.ready.store(true, Ordering::Relaxed);
+        let metrics = &self.metrics;
+        metrics.publish_seconds.observe(secs(started.elapsed()));
+        metrics.snapshots_published.inc();
+        metrics.snapshot_id.set(snapshot.id as i64);
+        metrics.snapshot_bytes.set(snapshot.to_json().len() as i64);
+        metrics.problems.set(snapshot.content.problems.len() as i64);
+        metrics.bootstrapped.set(1);
+        metrics.last_publication_timestamp.set(unix_seconds(SystemTime::now()));
+        let carried = turn.pending.take();
+        if let Some(c) = carried {
+            metrics.events_coalesced.inc_by(c.events.saturating_sub(1));
         }
+        if first {
+            metrics.bootstrap_seconds.set(secs(self.started.elapsed()));
+        } else if let Some(c) = carried {
+            // The first publication waited for the world, not for a change: its time is
+            // the bootstrap duration's.
+            metrics.publication_latency_seconds.observe(secs(c.since.elapsed()));
+        }
+        tracing::info!(
+            id = snapshot.id,
+            hash = %snapshot.hash,
+            complete = snapshot.content.bootstrap.complete,
+            mappings = snapshot.content.mappings.len(),
+            resolvers = snapshot.content.resolvers.len(),
+            problems = snapshot.content.problems.len(),
+            "snapshot published"
+        );
+        self.show_unpublished(turn);
     }
 
     /// Every second: the gauges read from the world.
@@ -262,10 +262,9 @@ impl EventLoop {
     }
 
     /// `consul_resolver_unpublished_change_timestamp_seconds`: the oldest event not yet
-    /// published, in flight or pending; 0 when there is none.
+    /// published; 0 when there is none.
     fn show_unpublished(&self, turn: &Turn) {
-        let oldest = Unpublished::merge(turn.pending, turn.in_flight);
-        self.metrics.unpublished_change_timestamp.set(oldest.map_or(0.0, |u| unix_seconds(u.since_wall)));
+        self.metrics.unpublished_change_timestamp.set(turn.pending.map_or(0.0, |u| unix_seconds(u.since_wall)));
     }
 
     /// Which Consul scope each resolver queries, for its contact timestamps.

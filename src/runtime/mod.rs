@@ -1,7 +1,7 @@
 //! The runtime: drives the pure pipeline with the real sources and publishers. This
 //! module wires the parts together from the command line; `event_loop` is the one loop
-//! that owns the pipeline; `publication` the one task it runs against the publishers at a
-//! time.
+//! that owns the pipeline; `publication` the outlets that deliver each snapshot to every
+//! publisher on its own.
 //!
 //! With leader election, every replica watches, assembles and serves HTTP (and runs its
 //! hook), but only the lease holder writes to the cluster (ConfigMap, statuses, Events),
@@ -31,7 +31,7 @@ use crate::ops::metrics::Metrics;
 use crate::publishers::Publisher;
 use crate::publishers::configmap::ConfigMapPublisher;
 use crate::publishers::hook::HookPublisher;
-use crate::publishers::http::{HttpPublisher, SnapshotStore};
+use crate::publishers::http::SnapshotStore;
 use crate::sources::Watches;
 use crate::sources::kube::KubeSource;
 use consul_resolver_api::mapping::{self, MappingKind};
@@ -42,7 +42,7 @@ use consul_resolver_core::model::Event;
 use consul_resolver_core::pipeline::{Pipeline, WallClock};
 use consul_watch::{ConsulSource, Settings as ConsulSettings};
 use event_loop::EventLoop;
-use publication::Publishers;
+use publication::{OutletConfig, Outlets};
 
 /// The operator's fixed watches: its own CRD and Ambassador's route kinds (those the API
 /// server serves), per watched namespace, plus the static `--watch` keys.
@@ -71,6 +71,17 @@ async fn fixed_keys(client: &Client, args: &RunArgs) -> anyhow::Result<BTreeSet<
     }
     keys.extend(args.watches.iter().cloned().map(WatchKey::Kube));
     Ok(keys)
+}
+
+/// A `--watch` with the operator's own snapshot ConfigMaps left out (logged when it
+/// changes the key): a publication must never come back as input.
+fn without_own_output(key: KubeKey) -> KubeKey {
+    let narrowed = crate::publishers::configmap::without_snapshots(key.clone());
+    if narrowed != key {
+        tracing::info!(watch = %key, now = %narrowed, label = crate::publishers::configmap::LABEL_SNAPSHOT,
+            "--watch of ConfigMaps: the operator's snapshot ConfigMaps are left out (they carry the label)");
+    }
+    narrowed
 }
 
 /// EndpointSlices where `discovery.k8s.io/v1` is served (1.21+), else core Endpoints.
@@ -114,6 +125,8 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         .with_context(|| format!("--listen {}: cannot bind", args.listen))?;
     tracing::info!(address = %bound, "serving /metrics /healthz /readyz /snapshot");
 
+    let mut args = args;
+    args.watches = args.watches.into_iter().map(without_own_output).collect();
     let fixed = fixed_keys(&client, &args).await?;
     let config = assembler::Config {
         ambassador_id: args.ambassador_id.clone(),
@@ -153,7 +166,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         None => (Leadership::always(), None),
     };
 
-    let mut local: Vec<Arc<dyn Publisher>> = vec![Arc::new(HttpPublisher(store))];
+    let mut local: Vec<Arc<dyn Publisher>> = Vec::new();
     if let Some(command) = args.on_snapshot.clone() {
         let dir = std::env::temp_dir().join("consul-resolver-operator");
         local.push(Arc::new(HookPublisher::new(command, args.on_snapshot_timeout, dir, metrics.clone())));
@@ -164,13 +177,12 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         .map(|t| Arc::new(ConfigMapPublisher::new(client.clone(), t, leadership.clone())));
     // The hook has its own limit, which kills it: give it that, plus a moment to reap.
     let publish_timeout = args.publish_timeout.max(args.on_snapshot_timeout + Duration::from_secs(5));
-    let publishers = Arc::new(Publishers {
+    let outlets = Outlets::start(
         local,
-        configmap: configmap.clone(),
-        leadership: leadership.clone(),
-        timeout: publish_timeout,
-        metrics: metrics.clone(),
-    });
+        configmap,
+        &leadership,
+        OutletConfig { timeout: publish_timeout, resync_period: args.resync_period, metrics: metrics.clone() },
+    );
     let controller = ResolverController::spawn(
         client.clone(),
         leadership.clone(),
@@ -184,18 +196,19 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         watches,
         events: rx,
         leadership,
-        publishers,
+        store,
+        outlets,
         controller,
         metrics,
         ready,
         identity,
-        resync_period: args.resync_period,
         heartbeat,
         started,
         ambassador_id,
         env,
     };
-    let (controller, watches) = event_loop.run(shutdown).await;
+    let (controller, watches, outlets) = event_loop.run(shutdown).await;
+    outlets.shutdown().await;
     controller.shutdown(args.kube_timeout).await;
     if let Some(campaign) = campaign {
         campaign.release().await;

@@ -1,11 +1,26 @@
-//! The one task the loop runs against the publishers at a time: a publication, or a
-//! repair of the snapshot ConfigMap. Each publisher's part has a deadline, so a hung one
-//! fails the publication (retried with backoff) instead of holding back every later one.
+//! Delivery of snapshots to the publishers that can fail (the hook, the ConfigMap), each
+//! on its own.
+//!
+//! The event loop serves a new snapshot over HTTP itself (keeping it is all HTTP takes) and
+//! hands it to every outlet at once ([`Outlets::offer`]), then goes on. An outlet is one
+//! task per publisher with its own state: the last snapshot it delivered, its own deadline
+//! per attempt, its own backoff after a failure, and its own metrics. It always delivers
+//! the latest snapshot it was offered, never one it already delivered, one at a time: so a
+//! failing or slow publisher delays no other, a retry never re-runs a publisher that
+//! already has that snapshot, and what each one delivered last is the final state.
+//!
+//! The ConfigMap outlet writes only while this replica leads, and only snapshots numbered
+//! above what the previous leader wrote (the event loop arms it on takeover, once it knows
+//! that number): a publication in flight at the takeover cannot write an older id after
+//! the new leader's. It also repairs the ConfigMap every resync period.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant as StdInstant};
 
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::leadership::Leadership;
 use crate::ops::metrics::Metrics;
@@ -13,127 +28,248 @@ use crate::publishers::configmap::ConfigMapPublisher;
 use crate::publishers::{PublishError, Publisher};
 use consul_resolver_core::assembler::Snapshot;
 
-/// Where snapshots go: `local` ones on every replica, the ConfigMap only on the leader.
-pub(super) struct Publishers {
-    pub(super) local: Vec<Arc<dyn Publisher>>,
-    pub(super) configmap: Option<Arc<ConfigMapPublisher>>,
-    pub(super) leadership: Leadership,
+/// The first retry after a failure; it doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// What an outlet delivers: the latest snapshot offered.
+type Latest = watch::Receiver<Option<Arc<Snapshot>>>;
+
+/// The publishers fed on their own, and what the event loop tells them.
+pub(super) struct Outlets {
+    latest: watch::Sender<Option<Arc<Snapshot>>>,
+    configmap: Option<Arc<ConfigMapPublisher>>,
+    /// The ConfigMap outlet's permission to write: `Some(floor)` while this replica leads
+    /// and has read the id the previous leader wrote (`floor`); `None` otherwise.
+    armed: Arc<Mutex<Option<u64>>>,
+    /// Wakes the ConfigMap outlet when it is armed.
+    armed_changed: Arc<Notify>,
+    stop: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+/// How one outlet works.
+pub(super) struct OutletConfig {
+    /// Each attempt's deadline.
     pub(super) timeout: Duration,
+    /// How often the ConfigMap is compared with what was written, and repaired.
+    pub(super) resync_period: Duration,
     pub(super) metrics: Metrics,
 }
 
-impl Publishers {
+impl Outlets {
+    /// Starts an outlet per publisher: `local` ones deliver on every replica, the ConfigMap
+    /// only once armed by a takeover ([`Outlets::took_over`], also at start when leading).
+    pub(super) fn start(
+        local: Vec<Arc<dyn Publisher>>,
+        configmap: Option<Arc<ConfigMapPublisher>>,
+        leadership: &Leadership,
+        config: OutletConfig,
+    ) -> Outlets {
+        let (latest, _) = watch::channel(None);
+        let armed = Arc::new(Mutex::new(None));
+        let armed_changed = Arc::new(Notify::new());
+        let stop = CancellationToken::new();
+        let config = Arc::new(config);
+        let mut tasks: Vec<JoinHandle<()>> = local
+            .into_iter()
+            .map(|p| {
+                let outlet =
+                    Outlet { publisher: p, latest: latest.subscribe(), gate: Gate::Always, config: config.clone() };
+                tokio::spawn(outlet.run(stop.clone()))
+            })
+            .collect();
+        if let Some(c) = &configmap {
+            let gate = Gate::Leading {
+                leadership: leadership.clone(),
+                armed: armed.clone(),
+                armed_changed: armed_changed.clone(),
+                repair: c.clone(),
+            };
+            let outlet = Outlet { publisher: c.clone(), latest: latest.subscribe(), gate, config };
+            tasks.push(tokio::spawn(outlet.run(stop.clone())));
+        }
+        Outlets { latest, configmap, armed, armed_changed, stop, tasks }
+    }
+
+    /// A new snapshot for every outlet; returns at once.
+    pub(super) fn offer(&self, snapshot: Arc<Snapshot>) {
+        self.latest.send_replace(Some(snapshot));
+    }
+
     /// This replica just became leader. Another one may have written since we last did
     /// (or we never did): forget what we wrote, so everything is written again, and
-    /// return the id of the snapshot in the ConfigMap now, so ours continue after it.
+    /// return the id of the snapshot in the ConfigMap now, so ours continue after it. The
+    /// ConfigMap outlet writes nothing numbered at or below it.
     pub(super) async fn took_over(&self) -> u64 {
         let Some(c) = &self.configmap else { return 0 };
         c.forget();
-        match c.published_id().await {
+        let floor = match c.published_id().await {
             Ok(id) => id.unwrap_or(0),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read the last snapshot id; continuing from ours");
                 0
             }
+        };
+        *self.armed.lock().expect("armed lock") = Some(floor);
+        self.armed_changed.notify_one();
+        floor
+    }
+
+    /// This replica no longer leads: the ConfigMap outlet stops writing until the next
+    /// takeover has read the floor again.
+    pub(super) fn lost_leadership(&self) {
+        *self.armed.lock().expect("armed lock") = None;
+    }
+
+    /// Lets each outlet finish the delivery it has in flight (each within its deadline),
+    /// then stops them.
+    pub(super) async fn shutdown(self) {
+        self.stop.cancel();
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// When an outlet may deliver.
+enum Gate {
+    /// Always (HTTP-side publishers every replica runs: the hook).
+    Always,
+    /// While leading and armed, only snapshots above the floor; repairs what it wrote.
+    Leading {
+        leadership: Leadership,
+        armed: Arc<Mutex<Option<u64>>>,
+        armed_changed: Arc<Notify>,
+        repair: Arc<ConfigMapPublisher>,
+    },
+}
+
+impl Gate {
+    /// Whether `snapshot` may be delivered now.
+    fn admits(&self, snapshot: &Snapshot) -> bool {
+        match self {
+            Gate::Always => true,
+            Gate::Leading { leadership, armed, .. } => {
+                leadership.is_leading() && armed.lock().expect("armed lock").is_some_and(|floor| snapshot.id > floor)
+            }
         }
     }
 
-    /// Starts a publication of `snapshot`.
-    pub(super) fn publish(self: &Arc<Self>, snapshot: Arc<Snapshot>) -> Task {
-        let handle = tokio::spawn(publish(self.clone(), snapshot.clone()));
-        Task::Publication(snapshot, handle)
+    /// Resolves when the gate may have opened.
+    async fn opened(&self) {
+        match self {
+            Gate::Always => std::future::pending().await,
+            Gate::Leading { armed_changed, .. } => armed_changed.notified().await,
+        }
     }
+}
 
-    /// Starts a repair of the snapshot ConfigMap, if there is one and we lead.
-    pub(super) fn repair(&self) -> Option<Task> {
-        let c = self.configmap.clone().filter(|_| self.leadership.is_leading())?;
-        let metrics = self.metrics.clone();
-        Some(Task::Repair(tokio::spawn(async move {
-            match c.repair().await {
-                Ok(names) if names.is_empty() => {}
-                Ok(names) => {
-                    tracing::warn!(configmaps = ?names, "the snapshot ConfigMap was deleted or edited; written again");
-                    metrics.repairs.with_label_values(&["configmap"]).inc();
+struct Outlet {
+    publisher: Arc<dyn Publisher>,
+    latest: Latest,
+    gate: Gate,
+    config: Arc<OutletConfig>,
+}
+
+impl Outlet {
+    async fn run(mut self, stop: CancellationToken) {
+        let name = self.publisher.name();
+        let mut delivered: Option<u64> = None;
+        let mut failures: u32 = 0;
+        let mut retry_at: Option<Instant> = None;
+        let mut repair_at = Instant::now() + self.config.resync_period;
+        self.config.metrics.publisher_failing.with_label_values(&[name]).set(0);
+        // Stopping lets a delivery in flight finish (the loop is not cancelled inside one),
+        // and starts no other.
+        while !stop.is_cancelled() {
+            let latest = self.latest.borrow_and_update().clone();
+            let due = latest.filter(|s| Some(s.id) != delivered && self.gate.admits(s));
+            let waiting = retry_at.is_some_and(|at| Instant::now() < at);
+            if let Some(snapshot) = due.filter(|_| !waiting) {
+                match self.deliver(&snapshot).await {
+                    Ok(()) => {
+                        delivered = Some(snapshot.id);
+                        failures = 0;
+                        retry_at = None;
+                    }
+                    Err(e) => {
+                        failures = failures.saturating_add(1);
+                        let delay =
+                            FIRST_BACKOFF.saturating_mul(1 << failures.min(16).saturating_sub(1)).min(MAX_BACKOFF);
+                        tracing::warn!(
+                            publisher = name,
+                            id = snapshot.id,
+                            error = %e,
+                            retry_in = %humantime::format_duration(delay),
+                            "publication failed; this publisher alone retries, with the latest snapshot by then"
+                        );
+                        retry_at = Some(Instant::now() + delay);
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot check the snapshot ConfigMap; trying again at the next resync");
-                    metrics.publish_failures.with_label_values(&["configmap", e.reason()]).inc();
+                continue;
+            }
+            let repairs = matches!(self.gate, Gate::Leading { .. });
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                changed = self.latest.changed() => if changed.is_err() { break },
+                () = self.gate.opened() => {}
+                () = tokio::time::sleep_until(retry_at.unwrap_or_else(Instant::now)), if waiting => {}
+                () = tokio::time::sleep_until(repair_at), if repairs => {
+                    repair_at = Instant::now() + self.config.resync_period;
+                    self.repair().await;
                 }
             }
-        })))
-    }
-}
-
-/// What the one task against the publishers is doing.
-pub(super) enum Task {
-    Publication(Arc<Snapshot>, JoinHandle<bool>),
-    Repair(JoinHandle<()>),
-}
-
-/// How a task ended.
-pub(super) enum Done {
-    Published { snapshot: Arc<Snapshot>, ok: bool },
-    Repaired,
-}
-
-/// Waits for the task in flight, if any; pending forever without one.
-pub(super) async fn finished(task: &mut Option<Task>) -> Done {
-    match task {
-        Some(Task::Publication(snapshot, handle)) => {
-            // A panicked publication is a failed one: retried like any other.
-            let ok = handle.await.unwrap_or(false);
-            Done::Published { snapshot: snapshot.clone(), ok }
         }
-        Some(Task::Repair(handle)) => {
-            let _ = handle.await;
-            Done::Repaired
-        }
-        None => std::future::pending().await,
     }
-}
 
-/// One publication: every local publisher, then the ConfigMap while leading, each within
-/// the publish timeout. `true` when all of them succeeded.
-async fn publish(publishers: Arc<Publishers>, snapshot: Arc<Snapshot>) -> bool {
-    let started = StdInstant::now();
-    let metrics = &publishers.metrics;
-    let mut ok = true;
-    let cluster = publishers
-        .configmap
-        .iter()
-        .filter(|_| publishers.leadership.is_leading())
-        .map(|c| c.clone() as Arc<dyn Publisher>);
-    for p in publishers.local.iter().cloned().chain(cluster) {
-        let one = StdInstant::now();
-        let result = match tokio::time::timeout(publishers.timeout, p.publish(snapshot.clone())).await {
+    /// One attempt, within the deadline, measured and counted.
+    async fn deliver(&self, snapshot: &Arc<Snapshot>) -> Result<(), PublishError> {
+        let name = self.publisher.name();
+        let metrics = &self.config.metrics;
+        let started = StdInstant::now();
+        let timeout = self.config.timeout;
+        let result = match tokio::time::timeout(timeout, self.publisher.publish(snapshot.clone())).await {
             Ok(r) => r,
-            Err(_) => Err(PublishError::Timeout(publishers.timeout)),
+            Err(_) => Err(PublishError::Timeout(timeout)),
         };
-        metrics.publisher_seconds.with_label_values(&[p.name()]).observe(one.elapsed().as_secs_f64());
-        if let Err(e) = result {
-            tracing::warn!(publisher = p.name(), id = snapshot.id, error = %e, "publication failed; will retry");
-            metrics.publish_failures.with_label_values(&[p.name(), e.reason()]).inc();
-            ok = false;
+        metrics.publisher_seconds.with_label_values(&[name]).observe(started.elapsed().as_secs_f64());
+        match &result {
+            Ok(()) => {
+                metrics.publisher_failing.with_label_values(&[name]).set(0);
+                metrics.publisher_snapshot_id.with_label_values(&[name]).set(snapshot.id as i64);
+                if let Gate::Leading { repair: c, .. } = &self.gate
+                    && let Some(parts) = c.parts_written()
+                {
+                    metrics.configmap_parts.set(parts as i64);
+                }
+            }
+            Err(e) => {
+                metrics.publisher_failing.with_label_values(&[name]).set(1);
+                metrics.publish_failures.with_label_values(&[name, e.reason()]).inc();
+            }
+        }
+        result
+    }
+
+    /// Compares the ConfigMap with what was last written, and writes again what was
+    /// deleted or edited.
+    async fn repair(&self) {
+        let Gate::Leading { repair: c, leadership, .. } = &self.gate else { return };
+        if !leadership.is_leading() {
+            return;
+        }
+        let metrics = &self.config.metrics;
+        match c.repair().await {
+            Ok(names) if names.is_empty() => {}
+            Ok(names) => {
+                tracing::warn!(configmaps = ?names, "the snapshot ConfigMap was deleted or edited; written again");
+                metrics.repairs.with_label_values(&["configmap"]).inc();
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot check the snapshot ConfigMap; trying again at the next resync");
+                metrics.publish_failures.with_label_values(&["configmap", e.reason()]).inc();
+            }
         }
     }
-    metrics.publish_seconds.observe(started.elapsed().as_secs_f64());
-    if ok {
-        metrics.snapshots_published.inc();
-        metrics.snapshot_id.set(snapshot.id as i64);
-        metrics.snapshot_bytes.set(snapshot.to_json().len() as i64);
-        if let Some(parts) = publishers.configmap.as_ref().and_then(|c| c.parts_written()) {
-            metrics.configmap_parts.set(parts as i64);
-        }
-        metrics.problems.set(snapshot.content.problems.len() as i64);
-        tracing::info!(
-            id = snapshot.id,
-            hash = %snapshot.hash,
-            complete = snapshot.content.bootstrap.complete,
-            mappings = snapshot.content.mappings.len(),
-            resolvers = snapshot.content.resolvers.len(),
-            problems = snapshot.content.problems.len(),
-            "snapshot published"
-        );
-    }
-    ok
 }
