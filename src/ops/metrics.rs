@@ -538,6 +538,7 @@ mod tests {
             .into_iter()
             .chain([&m.publish_failures as &dyn Collector, &m.publisher_seconds, &m.hook_failures])
             .chain([&m.repairs as &dyn Collector, &m.reconcile_errors, &m.leader_transitions])
+            .chain([&m.publisher_failing as &dyn Collector, &m.publisher_snapshot_id])
         {
             for d in c.desc() {
                 exposed.insert(format!("consul_resolver_{}", d.fq_name));
