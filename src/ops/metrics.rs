@@ -32,6 +32,8 @@ pub(crate) struct Metrics {
     process: Registry,
     /// The Consul source's own metrics (`consul_requests_total`, ...), registered by it.
     pub consul: consul_watch::Metrics,
+    /// The ops server's connections, registered by it.
+    pub ops_server: super::server::ServerMetrics,
     /// Per resolver: when its Consul was last reached, exported at each scrape.
     pub consul_contact: Arc<ConsulContact>,
     consul_last_success: GaugeVec,
@@ -127,6 +129,7 @@ impl Metrics {
         let resolver = &["resolver_namespace", "resolver_name"];
         let mut m = Metrics {
             consul: consul_watch::Metrics::unregistered(),
+            ops_server: super::server::ServerMetrics::unregistered(),
             consul_contact: Arc::default(),
             consul_last_success: GaugeVec::new(
                 Opts::new(
@@ -337,6 +340,7 @@ impl Metrics {
         }
         m.consul = consul_watch::Metrics::register(&m.registry, m.watch_errors.clone(), m.watch_restarts.clone())
             .expect("metric names are unique");
+        m.ops_server = super::server::ServerMetrics::register(&m.registry).expect("metric names are unique");
         // Label values that exist from the start, so a dashboard or alert sees 0 rather
         // than no series (a `rate()` over a counter that appears at 1 misses that 1).
         for source in ["kubernetes", "consul"] {

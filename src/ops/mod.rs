@@ -1,10 +1,11 @@
 //! The ops HTTP server, on `--listen`: `/metrics`, `/healthz`, `/readyz`, and the snapshots
-//! the HTTP publisher keeps (`/snapshot`, `/snapshots/<id>`).
+//! the HTTP publisher keeps (`/snapshot`, `/snapshots/<id>`). The routes are here; what a
+//! connection may hold is in [`server`].
 
 pub(crate) mod health;
 pub(crate) mod metrics;
+pub(crate) mod server;
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +14,6 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -53,7 +53,7 @@ fn accepts_gzip(req: &Request<Incoming>) -> bool {
         .any(|e| e.trim().split(';').next().is_some_and(|name| name.trim() == "gzip"))
 }
 
-fn route(state: &ServerState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+async fn route(state: ServerState, req: Request<Incoming>) -> Response<Full<Bytes>> {
     if req.method() != hyper::Method::GET {
         return respond(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "only GET\n");
     }
@@ -75,13 +75,16 @@ fn route(state: &ServerState, req: &Request<Incoming>) -> Response<Full<Bytes>> 
         _ => match path.strip_prefix("/snapshots/").map(str::parse::<u64>) {
             Some(Ok(id)) => match state.store.get(id) {
                 Some(Body::Json(b)) => respond(StatusCode::OK, "application/json", b),
-                Some(Body::Gzip(gz)) if accepts_gzip(req) => {
+                Some(Body::Gzip(gz)) if accepts_gzip(&req) => {
                     let mut resp = respond(StatusCode::OK, "application/json", gz);
                     resp.headers_mut().insert("content-encoding", hyper::header::HeaderValue::from_static("gzip"));
                     resp
                 }
-                Some(Body::Gzip(gz)) => match gunzip(&gz) {
-                    Ok(json) => respond(StatusCode::OK, "application/json", json),
+                // Tens of megabytes at scale: inflated on a blocking thread, never on one
+                // that runs the event loop's tasks.
+                Some(Body::Gzip(gz)) => match tokio::task::spawn_blocking(move || gunzip(&gz)).await {
+                    Ok(Ok(json)) => respond(StatusCode::OK, "application/json", json),
+                    Ok(Err(e)) => respond(StatusCode::INTERNAL_SERVER_ERROR, "text/plain", format!("{e}\n")),
                     Err(e) => respond(StatusCode::INTERNAL_SERVER_ERROR, "text/plain", format!("{e}\n")),
                 },
                 None => respond(
@@ -96,39 +99,19 @@ fn route(state: &ServerState, req: &Request<Incoming>) -> Response<Full<Bytes>> 
     }
 }
 
-/// Binds `addr` and serves until `shutdown`. Returns the bound address (for `:0`).
+/// Binds `addr` and serves until `shutdown`, within `limits`. Returns the bound address
+/// (for `:0`).
 pub(crate) async fn serve(
     addr: SocketAddr,
     state: ServerState,
+    limits: server::Limits,
     shutdown: CancellationToken,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
-    let task = tokio::spawn(async move {
-        loop {
-            let (stream, _) = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                accepted = listener.accept() => match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
-                        continue;
-                    }
-                },
-            };
-            let state = state.clone();
-            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let resp = route(&state, &req);
-                async move { Ok::<_, Infallible>(resp) }
-            });
-            tokio::spawn(async move {
-                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-                if let Err(e) = builder.serve_connection(TokioIo::new(stream), service).await {
-                    tracing::debug!(error = %e, "http connection ended with an error");
-                }
-            });
-        }
-    });
+    let metrics = state.metrics.ops_server.clone();
+    let handle = move |req: Request<Incoming>| route(state.clone(), req);
+    let task = tokio::spawn(server::run(listener, limits, metrics, shutdown, handle));
     Ok((bound, task))
 }
 
@@ -155,7 +138,8 @@ mod tests {
             heartbeat_timeout: timeout,
         };
         let shutdown = CancellationToken::new();
-        let (addr, task) = serve("127.0.0.1:0".parse().unwrap(), state, shutdown.clone()).await.unwrap();
+        let (addr, task) =
+            serve("127.0.0.1:0".parse().unwrap(), state, server::Limits::DEFAULT, shutdown.clone()).await.unwrap();
         assert_eq!(get(addr, "/healthz").await, (200, "ok\n".to_owned()));
         // The loop's last beat two minutes ago: wedged.
         heartbeat.beat(tokio::time::Instant::now() - Duration::from_secs(120));
@@ -164,6 +148,100 @@ mod tests {
         assert!(body.contains("the event loop has not turned for 2m"), "{body}");
         assert_eq!(get(addr, "/readyz").await.0, 503, "readiness is its own question");
         heartbeat.beat(tokio::time::Instant::now());
+        assert_eq!(get(addr, "/healthz").await.0, 200);
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+
+    fn state() -> ServerState {
+        ServerState {
+            store: Arc::default(),
+            metrics: Metrics::new(),
+            ready: Arc::default(),
+            heartbeat: Arc::new(Heartbeat::new(tokio::time::Instant::now())),
+            heartbeat_timeout: Duration::from_secs(60),
+        }
+    }
+
+    fn sample(text: &str, series: &str) -> f64 {
+        let line = text.lines().find(|l| l.starts_with(series)).unwrap_or_else(|| panic!("no {series} in {text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    }
+
+    /// Reads until the server closes the connection (EOF or reset); `false` past `within`.
+    async fn closed_within(stream: &mut tokio::net::TcpStream, within: Duration) -> bool {
+        use tokio::io::AsyncReadExt;
+        let mut buf = [0u8; 1024];
+        tokio::time::timeout(within, async {
+            loop {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await
+        .is_ok()
+    }
+
+    /// More idle connections than the cap: the longest idle are closed to make room, and a
+    /// probe that comes after all of them is answered at once.
+    #[tokio::test]
+    async fn a_flood_of_idle_connections_makes_room_for_probes_by_closing_the_longest_idle() {
+        let state = state();
+        let limits = server::Limits { max_connections: 16, header_timeout: Duration::from_secs(600) };
+        let shutdown = CancellationToken::new();
+        let (addr, task) =
+            serve("127.0.0.1:0".parse().unwrap(), state.clone(), limits, shutdown.clone()).await.unwrap();
+        let mut idle = Vec::new();
+        for _ in 0..100 {
+            idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        for path in ["/healthz", "/metrics"] {
+            let answered = tokio::time::timeout(Duration::from_secs(5), get(addr, path)).await;
+            assert_eq!(answered.expect("answered within 5 s behind 100 idle connections").0, 200, "{path}");
+        }
+        assert!(closed_within(&mut idle[0], Duration::from_secs(5)).await, "the first idle connection was closed");
+        let text = state.metrics.render();
+        assert!(sample(&text, "consul_resolver_ops_connections ") <= 16.0, "{text}");
+        assert!(sample(&text, "consul_resolver_ops_connections_closed_total{reason=\"evicted\"}") >= 84.0, "{text}");
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+
+    /// A client that sends its request head a byte at a time is cut off at the header
+    /// timeout, and so is a kept-alive connection left idle after its request.
+    #[tokio::test]
+    async fn a_slow_header_client_and_an_idle_kept_alive_connection_are_cut_off() {
+        use tokio::io::AsyncWriteExt;
+        let state = state();
+        let limits = server::Limits { max_connections: 16, header_timeout: Duration::from_millis(500) };
+        let shutdown = CancellationToken::new();
+        let (addr, task) =
+            serve("127.0.0.1:0".parse().unwrap(), state.clone(), limits, shutdown.clone()).await.unwrap();
+
+        let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+        slow.write_all(b"GET /metrics HTTP/1.1\r\n").await.unwrap();
+        let dribble = async {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if slow.write_all(b"X").await.is_err() {
+                    return;
+                }
+            }
+        };
+        let cut = tokio::time::timeout(Duration::from_secs(5), dribble).await;
+        assert!(cut.is_ok(), "a byte every 100 ms keeps no connection past the 500 ms header timeout");
+
+        let mut kept = tokio::net::TcpStream::connect(addr).await.unwrap();
+        kept.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        assert!(closed_within(&mut kept, Duration::from_secs(5)).await, "idle after its answer: closed");
+
+        let text = state.metrics.render();
+        assert!(
+            sample(&text, "consul_resolver_ops_connections_closed_total{reason=\"header_timeout\"}") >= 2.0,
+            "{text}"
+        );
         assert_eq!(get(addr, "/healthz").await.0, 200);
         shutdown.cancel();
         task.await.unwrap();

@@ -120,7 +120,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         heartbeat: heartbeat.clone(),
         heartbeat_timeout: args.heartbeat_timeout,
     };
-    let (bound, server) = crate::ops::serve(args.listen, state, shutdown.clone())
+    let (bound, server) = crate::ops::serve(args.listen, state, crate::ops::server::Limits::DEFAULT, shutdown.clone())
         .await
         .with_context(|| format!("--listen {}: cannot bind", args.listen))?;
     tracing::info!(address = %bound, "serving /metrics /healthz /readyz /snapshot");
