@@ -478,10 +478,14 @@ fn resolver_lookup_across_namespaces_and_ambiguous_names_are_reported() {
     let unwatched = cluster.namespace("lookup-z").unwrap();
     let svc = format!("lk{}", unique());
 
-    // `shared` in x and y, none in home; `solo` in y only among the watched namespaces.
+    // `shared` in x and y, none in home; `solo` in y only among the watched namespaces; all
+    // shared with every namespace. `private` in y is not shared (the default).
+    let all = "  allowedNamespaces: {from: All}\n";
     for (ns, name) in [(&x, "shared"), (&y, "shared"), (&y, "solo"), (&unwatched, "solo"), (&unwatched, "only-z")] {
-        cluster.apply(&resolver_yaml(ns, name, &addr, "")).unwrap();
+        cluster.apply(&resolver_yaml(ns, name, &addr, all)).unwrap();
     }
+    cluster.apply(&resolver_yaml(&y, "private", &addr, "")).unwrap();
+    cluster.apply(&mapping_yaml(&home, "private", &svc, Some("private"))).unwrap();
     cluster.apply(&mapping_yaml(&home, "amb", &svc, Some("shared"))).unwrap();
     cluster.apply(&mapping_yaml(&home, "solo", &svc, Some("solo"))).unwrap();
     cluster.apply(&mapping_yaml(&home, "unwatched", &svc, Some("only-z"))).unwrap();
@@ -504,7 +508,7 @@ fn resolver_lookup_across_namespaces_and_ambiguous_names_are_reported() {
     let consul_target = |resolver_ns: &str, resolver: &str| serde_json::json!({"type": "consul", "resolverNamespace": resolver_ns, "resolverName": resolver, "service": svc});
     let snap = op
         .wait_snapshot("all five Mappings", T, |s| {
-            ["amb", "solo", "unwatched", "default", "qualified"].iter().all(|m| mapping(s, &home, m).is_some())
+            ["amb", "solo", "unwatched", "default", "qualified", "private"].iter().all(|m| mapping(s, &home, m).is_some())
                 && mapping(s, &y, "local").is_some()
         })
         .unwrap();
@@ -541,6 +545,30 @@ fn resolver_lookup_across_namespaces_and_ambiguous_names_are_reported() {
     // Only resolvers that some Mapping uses have services watched.
     assert_eq!(ports(&snap, &x, "shared", &svc), Some(vec![]));
     assert_eq!(ports(&snap, &y, "solo", &svc), Some(vec![]));
+    // A resolver that does not share itself: a problem naming why, and no watch for it.
+    assert_eq!(target(&snap, &home, "private"), Some(serde_json::json!({"type": "unresolved"})));
+    let refused = problems_of(&snap, "Mapping", &home, "private");
+    assert!(
+        refused.iter().any(|p| p.contains(&format!("{y}/private does not serve Mappings from namespace {home}"))
+            && p.contains("allowedNamespaces")),
+        "{refused:?}"
+    );
+    assert_eq!(ports(&snap, &y, "private", &svc), None, "nothing watched through it: {snap}");
+    // Shared, then private again: the Mapping follows both ways.
+    let share = |from: &str| {
+        let patch = format!("{{\"spec\":{{\"allowedNamespaces\":{{\"from\":\"{from}\"}}}}}}");
+        cluster.kubectl(&["-n", &y, "patch", "cres", "private", "--type", "merge", "-p", &patch]).unwrap();
+    };
+    share("All");
+    op.wait_snapshot("the shared resolver used", T, |s| target(s, &home, "private") == Some(consul_target(&y, "private")))
+        .unwrap();
+    share("Same");
+    let snap = op
+        .wait_snapshot("the resolver private again", T, |s| {
+            target(s, &home, "private") == Some(serde_json::json!({"type": "unresolved"}))
+        })
+        .unwrap();
+    assert_eq!(ports(&snap, &y, "private", &svc), None, "its watch stopped: {snap}");
 
     // Once only one `shared` is left, the ambiguous Mapping resolves to it.
     cluster.kubectl(&["-n", &x, "delete", "consulresolvers.consulresolver.io", "shared"]).unwrap();
@@ -570,6 +598,7 @@ fn the_schema_refuses_bad_query_options_at_apply() {
         ("  healthStatuses: []\n", "spec.healthStatuses"),
         ("  addressType: \"Lan IPv4\"\n", "spec.addressType"),
         ("  tags: [\"\"]\n", "spec.tags"),
+        ("  allowedNamespaces: {from: Selector}\n", "spec.allowedNamespaces.from"),
     ] {
         let err = cluster.apply(&resolver_yaml(&ns, "bad", "127.0.0.1:8500", extra)).unwrap_err().to_string();
         assert!(err.contains(field), "{extra:?} refused naming {field}: {err}");

@@ -159,6 +159,40 @@ pub struct ConsulResolverSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "crd", schemars(length(max = 64)))]
     pub ambassador_id: Option<Vec<NonEmpty>>,
+
+    /// Which namespaces' Mappings may use this resolver, and with it its token (as Gateway
+    /// API's `allowedRoutes.namespaces`). Absent: `from: Same`, only Mappings in this
+    /// resolver's namespace. A Mapping elsewhere that names it gets a problem, and no watch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allowed_namespaces: Option<AllowedNamespaces>,
+}
+
+/// Which namespaces' Mappings may use a resolver.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "crd", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AllowedNamespaces {
+    /// `Same` (the default): only the resolver's own namespace. `All`: every namespace the
+    /// operator watches.
+    #[serde(default)]
+    pub from: FromNamespaces,
+}
+
+/// Where the Mappings that may use a resolver come from (Gateway API's `FromNamespaces`,
+/// without `Selector`).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "crd", derive(JsonSchema))]
+pub enum FromNamespaces {
+    #[default]
+    Same,
+    All,
+}
+
+impl ConsulResolverSpec {
+    /// Whether Mappings in `namespace` may use this resolver, itself in `own_namespace`.
+    pub fn serves_namespace(&self, own_namespace: &str, namespace: &str) -> bool {
+        namespace == own_namespace || self.allowed_namespaces.as_ref().is_some_and(|a| a.from == FromNamespaces::All)
+    }
 }
 
 /// A non-empty string of at most 512 characters (the schema rejects `""` and longer strings

@@ -419,12 +419,17 @@ fn assemble(resolvers: Vec<KubeObject>, mappings: Vec<KubeObject>, cfg: &Config)
 #[tokio::test(start_paused = true)]
 async fn resolver_lookup_rules() {
     let spec = json!({"address": "127.0.0.1:8500"});
+    let shared = json!({"address": "127.0.0.1:8500", "allowedNamespaces": {"from": "All"}});
+    let own = json!({"address": "127.0.0.1:8500", "allowedNamespaces": {"from": "Same"}});
     let a = assemble(
         vec![
             resolver("shop", "consul", spec.clone()),
-            resolver("a", "shared", spec.clone()),
-            resolver("b", "shared", spec.clone()),
-            resolver("c", "only", spec.clone()),
+            resolver("a", "shared", shared.clone()),
+            resolver("b", "shared", shared.clone()),
+            resolver("c", "only", shared.clone()),
+            resolver("d", "private", spec.clone()),
+            resolver("e", "dup", shared.clone()),
+            resolver("f", "dup", own.clone()),
         ],
         vec![
             mapping("shop", "same-ns", json!({"service": "s1", "resolver": "consul"})),
@@ -433,14 +438,25 @@ async fn resolver_lookup_rules() {
             mapping("a", "local-wins", json!({"service": "s4", "resolver": "shared"})),
             mapping("shop", "missing", json!({"service": "s5", "resolver": "nope"})),
             mapping("shop", "bad-service", json!({"service": "s6:99999", "resolver": "consul"})),
+            // Not shared (the default).
+            mapping("other", "not-shared", json!({"service": "s7", "resolver": "private"})),
+            mapping("d", "private-at-home", json!({"service": "s9", "resolver": "private"})),
+            // Two of that name, one shared: the one that serves, not an ambiguity.
+            mapping("other", "one-serves", json!({"service": "s10", "resolver": "dup"})),
         ],
         &Config::default(),
     );
     let target = |name: &str| a.content.mappings.iter().find(|m| m.name == name).unwrap().target.clone();
-    assert!(matches!(target("same-ns"), Target::Consul { resolver_namespace, .. } if resolver_namespace == "shop"));
-    assert!(matches!(target("elsewhere"), Target::Consul { resolver_namespace, .. } if resolver_namespace == "c"));
-    assert!(matches!(target("local-wins"), Target::Consul { resolver_namespace, .. } if resolver_namespace == "a"));
-    for unresolved in ["ambiguous", "missing", "bad-service"] {
+    let from = |name: &str| match target(name) {
+        Target::Consul { resolver_namespace, .. } => resolver_namespace,
+        other => panic!("{name}: {other:?}"),
+    };
+    assert_eq!(from("same-ns"), "shop");
+    assert_eq!(from("elsewhere"), "c");
+    assert_eq!(from("local-wins"), "a");
+    assert_eq!(from("private-at-home"), "d");
+    assert_eq!(from("one-serves"), "e");
+    for unresolved in ["ambiguous", "missing", "bad-service", "not-shared"] {
         assert_eq!(target(unresolved), Target::Unresolved, "{unresolved}");
     }
     let msgs: Vec<_> =
@@ -456,6 +472,39 @@ async fn resolver_lookup_rules() {
         msgs.iter()
             .any(|m| m.starts_with("shop/bad-service: spec.service: service \"s6:99999\" has port 99999 out of range")),
         "{msgs:?}"
+    );
+    let want = "other/not-shared: resolver d/private does not serve Mappings from namespace other";
+    assert!(msgs.iter().any(|m| m.starts_with(want) && m.contains("allowedNamespaces")), "{msgs:?}");
+    // No watch for what a Mapping may not use: s7 is nobody's.
+    let watched: Vec<String> = a
+        .desired
+        .iter()
+        .filter_map(|k| match k {
+            WatchKey::Consul(c) => Some(c.service.clone()),
+            _ => None,
+        })
+        .collect();
+    assert!(!watched.iter().any(|s| s == "s7"), "{watched:?}");
+    assert!(watched.iter().any(|s| s == "s9") && watched.iter().any(|s| s == "s10"), "{watched:?}");
+
+    // The operator's --default-resolver is held to the same rule: named namespace/name, it
+    // still serves only the namespaces it allows.
+    let cfg = Config { default_resolver: Some("d/private".parse().unwrap()), ..Config::default() };
+    let a = assemble(
+        vec![resolver("d", "private", spec.clone())],
+        vec![
+            mapping("other", "by-default", json!({"service": "s11"})),
+            mapping("d", "home", json!({"service": "s12"})),
+        ],
+        &cfg,
+    );
+    let target = |name: &str| a.content.mappings.iter().find(|m| m.name == name).unwrap().target.clone();
+    assert_eq!(target("by-default"), Target::Unresolved);
+    assert!(matches!(target("home"), Target::Consul { .. }));
+    assert!(
+        a.content.problems.iter().any(|p| p.name == "by-default" && p.message.contains("does not serve Mappings")),
+        "{:?}",
+        a.content.problems
     );
 }
 

@@ -513,6 +513,11 @@ impl Assembler {
                     m.namespace
                 ))
             }
+            Found::NotServed(all) => unresolved(format!(
+                "resolver {} does not serve Mappings from namespace {}: its spec.allowedNamespaces is `from: Same` (the default: only its own namespace); `allowedNamespaces: {{from: All}}` on the resolver shares it",
+                all.join(", "),
+                m.namespace
+            )),
             Found::Ambiguous(all) => unresolved(format!(
                 "resolver {:?} is ambiguous: no ConsulResolver of that name in {}, and several elsewhere ({}); name one in the Mapping's namespace",
                 wanted.name,
@@ -867,7 +872,8 @@ fn unsynced(name: &str, error: Option<String>) -> ServiceEntry {
     ServiceEntry { name: name.to_owned(), synced: false, index: None, error, stale: None, endpoints: Vec::new() }
 }
 
-/// Resolver lookup by name: same namespace first, else the single one of that name.
+/// Resolver lookup by name: same namespace first, else the single one of that name that
+/// serves the Mapping's namespace (`spec.allowedNamespaces`).
 #[derive(Debug, Clone, Default)]
 struct Lookup {
     /// Positions in the resolver list, by name.
@@ -878,6 +884,8 @@ enum Found {
     One(usize),
     None,
     Ambiguous(Vec<String>),
+    /// Resolvers of that name exist, but none serves the Mapping's namespace.
+    NotServed(Vec<String>),
 }
 
 impl Lookup {
@@ -892,18 +900,26 @@ impl Lookup {
     fn find(&self, resolvers: &[Resolver], from_namespace: &str, name: &ResolverName) -> Found {
         let candidates = self.by_name.get(&name.name).map(Vec::as_slice).unwrap_or_default();
         let in_ns = |ns: &str| candidates.iter().copied().find(|&i| resolvers[i].namespace == ns);
+        let serves = |i: usize| resolvers[i].serves(from_namespace);
+        let shown = |i: &usize| format!("{}/{}", resolvers[*i].namespace, resolvers[*i].name);
         if let Some(ns) = &name.namespace {
-            return in_ns(ns).map_or(Found::None, Found::One);
+            return match in_ns(ns) {
+                None => Found::None,
+                Some(i) if serves(i) => Found::One(i),
+                Some(i) => Found::NotServed(vec![shown(&i)]),
+            };
         }
         if let Some(i) = in_ns(from_namespace) {
             return Found::One(i);
         }
-        match candidates {
-            [] => Found::None,
-            [i] => Found::One(*i),
-            many => Found::Ambiguous(
-                many.iter().map(|&i| format!("{}/{}", resolvers[i].namespace, resolvers[i].name)).collect(),
-            ),
+        // Only those that serve the Mapping's namespace count: a resolver that does not
+        // share itself neither answers nor makes the name ambiguous.
+        let serving: Vec<usize> = candidates.iter().copied().filter(|&i| serves(i)).collect();
+        match (serving.as_slice(), candidates) {
+            ([], []) => Found::None,
+            ([], others) => Found::NotServed(others.iter().map(shown).collect()),
+            ([i], _) => Found::One(*i),
+            (many, _) => Found::Ambiguous(many.iter().map(shown).collect()),
         }
     }
 }

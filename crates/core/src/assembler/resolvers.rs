@@ -38,6 +38,13 @@ impl Resolver {
     pub fn listed_services(&self) -> impl Iterator<Item = &str> {
         self.spec.iter().flat_map(|s| s.services.iter().flatten()).map(|s| &**s)
     }
+
+    /// Whether Mappings in `namespace` may use it: its own namespace always, others as
+    /// `spec.allowedNamespaces` says (a spec that cannot be read shares nothing).
+    pub fn serves(&self, namespace: &str) -> bool {
+        self.namespace == namespace
+            || self.spec.as_ref().is_some_and(|s| s.serves_namespace(&self.namespace, namespace))
+    }
 }
 
 /// Everything about a resolver that goes into its Consul keys: a key with the service
