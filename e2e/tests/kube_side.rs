@@ -507,8 +507,10 @@ fn resolver_lookup_across_namespaces_and_ambiguous_names_are_reported() {
     let target = |s: &Value, ns: &str, name: &str| mapping(s, ns, name).map(|m| m["target"].clone());
     let consul_target = |resolver_ns: &str, resolver: &str| serde_json::json!({"type": "consul", "resolverNamespace": resolver_ns, "resolverName": resolver, "service": svc});
     let snap = op
-        .wait_snapshot("all five Mappings", T, |s| {
-            ["amb", "solo", "unwatched", "default", "qualified", "private"].iter().all(|m| mapping(s, &home, m).is_some())
+        .wait_snapshot("all six Mappings", T, |s| {
+            ["amb", "solo", "unwatched", "default", "qualified", "private"]
+                .iter()
+                .all(|m| mapping(s, &home, m).is_some())
                 && mapping(s, &y, "local").is_some()
         })
         .unwrap();
@@ -560,8 +562,10 @@ fn resolver_lookup_across_namespaces_and_ambiguous_names_are_reported() {
         cluster.kubectl(&["-n", &y, "patch", "cres", "private", "--type", "merge", "-p", &patch]).unwrap();
     };
     share("All");
-    op.wait_snapshot("the shared resolver used", T, |s| target(s, &home, "private") == Some(consul_target(&y, "private")))
-        .unwrap();
+    op.wait_snapshot("the shared resolver used", T, |s| {
+        target(s, &home, "private") == Some(consul_target(&y, "private"))
+    })
+    .unwrap();
     share("Same");
     let snap = op
         .wait_snapshot("the resolver private again", T, |s| {
