@@ -19,12 +19,15 @@
 //! are deleted; the other slot's are kept for readers still reading them, and deleted when a
 //! snapshot fits in `NAME` alone.
 //!
-//! Writes happen only while this replica leads, each bounded by the leadership deadline,
-//! and each is conditional on the resourceVersion this replica last wrote or read: a write
-//! delayed past a change of leader (sent just before the deadline, applied by an API server
-//! that was frozen) then fails with a conflict instead of overwriting the new leader's
-//! snapshot. What was written is compared with the cluster every resync period, so a
-//! deleted or edited snapshot ConfigMap is written again ([`ConfigMapPublisher::repair`]).
+//! Writes happen only while this replica leads, each bounded by the leadership deadline
+//! and none sent after it, and each is conditional on what this replica last saw of that
+//! ConfigMap ([`Writer`]): a name it has not seen is created (which fails if it exists), a
+//! known one is applied with the resourceVersion it last wrote or read, and a stale part is
+//! deleted with the resourceVersion and uid it was just read with. A write delayed past a
+//! change of leader (sent just before the deadline, applied by an API server that was
+//! frozen) then fails with a conflict instead of overwriting the new leader's snapshot. What
+//! was written is compared with the cluster every resync period, so a deleted or edited
+//! snapshot ConfigMap is written again ([`ConfigMapPublisher::repair`]).
 //!
 //! Encoding and decoding are pure ([`encode`], [`decode`]); [`ConfigMapPublisher`] only
 //! applies what [`encode`] returns.
@@ -38,9 +41,10 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
-use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use tokio::time::Instant;
 
 use super::{PublishError, Publisher, gunzip_limited, gzip};
 use crate::cli::NamespacedName;
@@ -319,8 +323,23 @@ struct State {
     /// write (which may or may not have switched the index): the next write then reads the
     /// index first, and is never skipped as equal to what the cluster holds.
     written: Option<(String, Arc<Encoded>)>,
-    /// The resourceVersion of each of our ConfigMaps as we last wrote or read it.
-    versions: BTreeMap<String, String>,
+    /// Each of our ConfigMaps as we last wrote or read it; a name absent is one not seen
+    /// (or seen absent), written by creating it.
+    versions: BTreeMap<String, Seen>,
+}
+
+/// What this replica last saw of one ConfigMap: every write of it is conditional on this.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Seen {
+    resource_version: String,
+    uid: Option<String>,
+}
+
+impl Seen {
+    /// `None` for an object without a resourceVersion (nothing to be conditional on).
+    fn of(cm: &ConfigMap) -> Option<Seen> {
+        Some(Seen { resource_version: cm.metadata.resource_version.clone()?, uid: cm.metadata.uid.clone() })
+    }
 }
 
 impl ConfigMapPublisher {
@@ -338,12 +357,23 @@ impl ConfigMapPublisher {
         ConfigMapPublisher { api, target, budget, leadership, state: Arc::default() }
     }
 
-    /// The id of the snapshot in the ConfigMap now (whoever wrote it), `None` if there is
-    /// none yet.
+    /// The highest snapshot id in the ConfigMaps now, whoever wrote them (`None` if there
+    /// is none yet): `NAME`'s, and every part's of either slot. A leader stopped between its
+    /// parts and its index has written parts of a snapshot no index names yet: a successor
+    /// numbering after the index alone would give its own, other snapshot that same id.
     pub(crate) async fn published_id(&self) -> Result<Option<u64>, PublishError> {
-        let name = &self.target.name;
-        let cm = self.api.get_opt(name).await.map_err(PublishError::kube(format!("get ConfigMap {}", self.target)))?;
-        Ok(cm.and_then(|cm| cm.metadata.annotations?.get(ANNOTATION_ID)?.parse().ok()))
+        let get = |name: String| async move {
+            self.api.get_opt(&name).await.map_err(PublishError::kube(format!("get ConfigMap {name}")))
+        };
+        let mut highest = get(self.target.name.clone()).await?.as_ref().and_then(snapshot_id);
+        for slot in [Slot::A, Slot::B] {
+            for i in 1.. {
+                let part = get(part_name(&self.target.name, slot, i)).await?;
+                let Some(part) = part.filter(|p| is_part_of(p, &self.target)) else { break };
+                highest = highest.max(snapshot_id(&part));
+            }
+        }
+        Ok(highest)
     }
 
     /// How many part ConfigMaps the last snapshot written took (0: it fit in one), if
@@ -361,37 +391,31 @@ impl ConfigMapPublisher {
             (st.epoch, st.written.clone(), st.versions.clone())
         };
         let Some((_, encoded)) = written else { return Ok(Vec::new()) };
-        let api = &self.api;
         let repaired = tokio::time::timeout_at(until, async {
+            let mut writer = Writer { api: &self.api, leadership: &self.leadership, until, seen: &mut versions };
             let mut damaged = Vec::new();
             for expected in encoded.parts.iter().chain([&encoded.main]) {
                 let name = expected.metadata.name.clone().unwrap_or_default();
-                match api.get_opt(&name).await.map_err(PublishError::kube(format!("get ConfigMap {name}")))? {
-                    Some(live) if same_content(&live, expected) => {
-                        versions.insert(name, live.metadata.resource_version.unwrap_or_default());
-                    }
-                    Some(live) => {
-                        versions.insert(name.clone(), live.metadata.resource_version.unwrap_or_default());
-                        damaged.push(expected);
-                    }
-                    None => {
-                        versions.remove(&name);
-                        damaged.push(expected);
-                    }
+                let live = writer.read(&name).await?;
+                if !live.is_some_and(|live| same_content(&live, expected)) {
+                    damaged.push(expected);
                 }
             }
             for cm in &damaged {
-                apply(api, cm, &mut versions).await?;
+                writer.write(cm).await?;
             }
             Ok::<_, PublishError>(damaged.iter().filter_map(|cm| cm.metadata.name.clone()).collect::<Vec<_>>())
         })
         .await
-        .map_err(|_| PublishError::LeadershipLapsed("the snapshot ConfigMap"))??;
+        .map_err(|_| PublishError::LeadershipLapsed("the snapshot ConfigMap"))
+        .and_then(|r| r);
+        // Kept whatever happened: what a failed write left is what the next one is
+        // conditional on.
         let mut st = self.state.lock().expect("configmap state lock");
         if st.epoch == epoch {
             st.versions = versions;
         }
-        Ok(repaired)
+        repaired
     }
 }
 
@@ -423,57 +447,169 @@ fn same_content(live: &ConfigMap, expected: &ConfigMap) -> bool {
         && ours(&live.metadata.annotations, &expected.metadata.annotations)
 }
 
-/// Server-side apply of `cm`, conditional on the resourceVersion in `versions`. A
-/// conflict (someone wrote it since) is read and written over once: we lead, and the
-/// leadership deadline bounds the whole.
-async fn apply(
-    api: &Api<ConfigMap>,
-    cm: &ConfigMap,
-    versions: &mut BTreeMap<String, String>,
-) -> Result<(), PublishError> {
-    let name = cm.metadata.name.clone().unwrap_or_default();
-    let params = PatchParams::apply(FIELD_MANAGER).force();
-    let mut cm = cm.clone();
-    for attempt in 0..2 {
-        cm.metadata.resource_version = versions.get(&name).cloned();
-        match api.patch(&name, &params, &Patch::Apply(&cm)).await {
-            Ok(written) => {
-                match written.metadata.resource_version {
-                    Some(v) => versions.insert(name, v),
-                    None => versions.remove(&name),
-                };
-                return Ok(());
-            }
-            Err(e) if status_code(&e) == Some(409) && attempt == 0 => {
-                tracing::info!(configmap = %name, "the snapshot ConfigMap was written by someone else; reading it and writing ours");
-                let current = api.get_opt(&name).await.map_err(PublishError::kube(format!("get ConfigMap {name}")))?;
-                match current.and_then(|c| c.metadata.resource_version) {
-                    Some(v) => versions.insert(name.clone(), v),
-                    None => versions.remove(&name),
-                };
-            }
-            Err(e) => {
-                versions.remove(&name);
-                return Err(PublishError::Kube { what: format!("apply ConfigMap {name}"), source: e });
+/// The snapshot id a ConfigMap of ours carries.
+fn snapshot_id(cm: &ConfigMap) -> Option<u64> {
+    cm.metadata.annotations.as_ref()?.get(ANNOTATION_ID)?.parse().ok()
+}
+
+/// Whether `cm` is labelled as a part of `target`'s snapshots: only those are counted or
+/// deleted, so a user's unrelated `NAME-a-1` is never touched.
+fn is_part_of(cm: &ConfigMap, target: &NamespacedName) -> bool {
+    cm.metadata.labels.as_ref().and_then(|l| l.get(LABEL_PART_OF)) == Some(&target.name)
+}
+
+/// Whether the API server refused a request with 409: the object exists (a create), or is
+/// no longer the version the request was conditional on.
+fn is_conflict(e: &PublishError) -> bool {
+    matches!(e, PublishError::Kube { source, .. } if status_code(source) == Some(409))
+}
+
+/// The requests of one publication or repair. Every write is conditional on what this
+/// replica last saw of that ConfigMap (`seen`, updated by every answer), and none is sent
+/// once the deadline has passed or leadership is gone.
+struct Writer<'a> {
+    api: &'a Api<ConfigMap>,
+    leadership: &'a Leadership,
+    /// The leadership deadline the publication started with; the whole is bounded by it.
+    until: Instant,
+    seen: &'a mut BTreeMap<String, Seen>,
+}
+
+impl Writer<'_> {
+    /// Whether a write may still be sent. The whole publication is bounded by
+    /// `timeout_at(until)`, but a task resumed after a pause (a stopped process, a starved
+    /// CPU) is polled with the answer to its last request before that timer fires: without
+    /// this check it would send its next write after its deadline, when another replica may
+    /// lead.
+    fn may_write(&self) -> Result<(), PublishError> {
+        if Instant::now() < self.until && self.leadership.is_leading() {
+            Ok(())
+        } else {
+            Err(PublishError::LeadershipLapsed("the snapshot ConfigMap"))
+        }
+    }
+
+    /// Remembers the API server's answer about `name` (`None`: it does not exist).
+    fn saw(&mut self, name: &str, cm: Option<&ConfigMap>) {
+        match cm.and_then(Seen::of) {
+            Some(seen) => self.seen.insert(name.to_owned(), seen),
+            None => self.seen.remove(name),
+        };
+    }
+
+    /// Reads `name`, and remembers it.
+    async fn read(&mut self, name: &str) -> Result<Option<ConfigMap>, PublishError> {
+        let cm = self.api.get_opt(name).await.map_err(PublishError::kube(format!("get ConfigMap {name}")))?;
+        self.saw(name, cm.as_ref());
+        Ok(cm)
+    }
+
+    /// Writes `cm`: created when its name was not seen, applied conditional on the version
+    /// seen otherwise. A 409 (someone else created it, or wrote it since) is read and
+    /// written over once: we lead, and the leadership deadline bounds the whole. Any other
+    /// error leaves what was seen as it was: a write that timed out may have landed, and the
+    /// next one, conditional on the version before it, then conflicts and reads first
+    /// instead of writing blind.
+    async fn write(&mut self, cm: &ConfigMap) -> Result<(), PublishError> {
+        let name = cm.metadata.name.clone().unwrap_or_default();
+        let mut conflicts = 0;
+        loop {
+            let step = match self.seen.get(&name).cloned() {
+                None => self.create_empty(cm).await.map(|()| false),
+                Some(seen) => self.apply(cm, &seen).await.map(|()| true),
+            };
+            match step {
+                Ok(true) => return Ok(()),
+                // Created: applied next, conditional on the creation.
+                Ok(false) => {}
+                Err(e) if is_conflict(&e) && conflicts == 0 => {
+                    conflicts += 1;
+                    tracing::info!(configmap = %name, "the snapshot ConfigMap was written by someone else; reading it and writing ours");
+                    self.read(&name).await?;
+                }
+                Err(e) if is_conflict(&e) => return Err(PublishError::Conflict(name)),
+                Err(e) => return Err(e),
             }
         }
     }
-    Err(PublishError::Conflict(name))
+
+    /// Creates `cm`'s name with our labels and nothing else; a 409 if it exists. Empty, not
+    /// whole: what a create sets belongs to an `Update` entry of our field manager, and our
+    /// later applies would not remove it when they leave it out (a `snapshot.json` would
+    /// stay beside a later `snapshot.json.gz`, and be read instead of it).
+    async fn create_empty(&mut self, cm: &ConfigMap) -> Result<(), PublishError> {
+        self.may_write()?;
+        let name = cm.metadata.name.clone().unwrap_or_default();
+        let empty = ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                namespace: cm.metadata.namespace.clone(),
+                labels: cm.metadata.labels.clone(),
+                ..ObjectMeta::default()
+            },
+            ..ConfigMap::default()
+        };
+        let params = PostParams { field_manager: Some(FIELD_MANAGER.to_owned()), ..PostParams::default() };
+        let created =
+            self.api.create(&params, &empty).await.map_err(PublishError::kube(format!("create ConfigMap {name}")))?;
+        self.saw(&name, Some(&created));
+        Ok(())
+    }
+
+    /// Server-side apply of `cm`, conditional on `seen`: a 409 if the object is no longer
+    /// that version. (One deleted since is created again: the API server's apply creates a
+    /// missing object whatever resourceVersion it names. Nothing reads a part the index does
+    /// not name, and a stale one is deleted by the next split snapshot in its slot.)
+    async fn apply(&mut self, cm: &ConfigMap, seen: &Seen) -> Result<(), PublishError> {
+        self.may_write()?;
+        let name = cm.metadata.name.clone().unwrap_or_default();
+        let mut cm = cm.clone();
+        cm.metadata.resource_version = Some(seen.resource_version.clone());
+        let params = PatchParams::apply(FIELD_MANAGER).force();
+        let written = self
+            .api
+            .patch(&name, &params, &Patch::Apply(&cm))
+            .await
+            .map_err(PublishError::kube(format!("apply ConfigMap {name}")))?;
+        self.saw(&name, Some(&written));
+        Ok(())
+    }
+
+    /// Deletes `name` only while it is still the object last seen, at that version: a 409
+    /// otherwise (someone wrote it since; it is theirs now). Returns whether it was deleted
+    /// by us; a name not seen is not deleted.
+    async fn delete(&mut self, name: &str) -> Result<bool, PublishError> {
+        let Some(seen) = self.seen.get(name).cloned() else { return Ok(false) };
+        self.may_write()?;
+        let preconditions = Preconditions { resource_version: Some(seen.resource_version), uid: seen.uid };
+        let params = DeleteParams { preconditions: Some(preconditions), ..DeleteParams::default() };
+        match self.api.delete(name, &params).await {
+            Ok(_) => {
+                self.seen.remove(name);
+                Ok(true)
+            }
+            Err(e) if status_code(&e) == Some(404) => {
+                self.seen.remove(name);
+                Ok(false)
+            }
+            Err(e) => Err(PublishError::Kube { what: format!("delete stale part ConfigMap {name}"), source: e }),
+        }
+    }
 }
 
 /// The slot the index in the cluster names now: `None` when `NAME` is absent, not split, or
 /// split by an earlier version (unslotted part names).
-async fn live_slot(api: &Api<ConfigMap>, target: &NamespacedName) -> Result<Option<Slot>, PublishError> {
-    let main = api.get_opt(&target.name).await.map_err(PublishError::kube(format!("get ConfigMap {target}")))?;
+async fn live_slot(writer: &mut Writer<'_>, target: &NamespacedName) -> Result<Option<Slot>, PublishError> {
+    let main = writer.read(&target.name).await?;
     let index = main.as_ref().and_then(|m| index_of(m).ok().flatten());
     Ok(index.and_then(|i| i.parts.first().and_then(|p| Slot::of_part(&target.name, &p.name))))
 }
 
 /// Deletes parts `from`, `from+1`, ... of `slot` (`None`: the unslotted names of earlier
-/// versions) while they exist and are ours. Parts are always written as `1..n`, so the
-/// first gap ends the stale ones.
+/// versions) while they exist and are ours, each as just read. Parts are always written as
+/// `1..n`, so the first gap ends the stale ones.
 async fn delete_stale_parts(
-    api: &Api<ConfigMap>,
+    writer: &mut Writer<'_>,
     target: &NamespacedName,
     slot: Option<Slot>,
     from: usize,
@@ -484,21 +620,11 @@ async fn delete_stale_parts(
             Some(slot) => part_name(&target.name, slot, i),
             None => legacy_part_name(&target.name, i),
         };
-        let existing = match api.get_opt(&name).await {
-            Ok(Some(cm)) => cm,
-            Ok(None) => break,
-            Err(e) => return Err(PublishError::Kube { what: format!("get ConfigMap {name}"), source: e }),
-        };
-        let ours = existing.metadata.labels.as_ref().and_then(|l| l.get(LABEL_PART_OF)) == Some(&target.name);
-        if !ours {
+        if !writer.read(&name).await?.is_some_and(|cm| is_part_of(&cm, target)) {
             break;
         }
-        match api.delete(&name, &DeleteParams::default()).await {
-            Ok(_) => deleted += 1,
-            Err(e) if status_code(&e) == Some(404) => {}
-            Err(e) => {
-                return Err(PublishError::Kube { what: format!("delete stale part ConfigMap {name}"), source: e });
-            }
+        if writer.delete(&name).await? {
+            deleted += 1;
         }
     }
     Ok(deleted)
@@ -532,31 +658,32 @@ impl Publisher for ConfigMapPublisher {
             let until = leadership.until().ok_or(PublishError::NotLeading("the snapshot ConfigMap"))?;
             let json = snapshot.to_json();
             let written = tokio::time::timeout_at(until, async {
+                let mut writer = Writer { api: &api, leadership: &leadership, until, seen: &mut versions };
                 // Never the slot the index names: its parts are what readers are reading.
                 let known = match live {
                     Some(live) => live,
-                    None => live_slot(&api, &target).await?,
+                    None => live_slot(&mut writer, &target).await?,
                 };
                 let slot = known.map_or(Slot::A, Slot::other);
                 let encoded = Arc::new(encode(&target, &snapshot, budget, slot).map_err(PublishError::Encode)?);
                 for part in &encoded.parts {
-                    apply(&api, part, &mut versions).await?;
+                    writer.write(part).await?;
                 }
-                apply(&api, &encoded.main, &mut versions).await?;
+                writer.write(&encoded.main).await?;
                 // Switched. Parts beyond the new snapshot's in its slot name nothing; nor do
                 // the parts of either slot once a snapshot fits in NAME alone (looked for when
                 // the last one was split, or is unknown); nor, once, an earlier version's.
                 let n = encoded.parts.len();
                 let mut deleted = 0;
                 if n > 0 {
-                    deleted += delete_stale_parts(&api, &target, Some(slot), n + 1).await?;
+                    deleted += delete_stale_parts(&mut writer, &target, Some(slot), n + 1).await?;
                 } else if known.is_some() || live.is_none() {
                     for slot in [Slot::A, Slot::B] {
-                        deleted += delete_stale_parts(&api, &target, Some(slot), 1).await?;
+                        deleted += delete_stale_parts(&mut writer, &target, Some(slot), 1).await?;
                     }
                 }
                 if live.is_none() {
-                    deleted += delete_stale_parts(&api, &target, None, 1).await?;
+                    deleted += delete_stale_parts(&mut writer, &target, None, 1).await?;
                 }
                 Ok::<_, PublishError>((encoded, deleted))
             })
@@ -756,29 +883,160 @@ mod tests {
         assert!(decode(&bad, &[]).unwrap_err().contains("not a valid index"));
     }
 
-    /// The API server's ConfigMap endpoints: applies are echoed, and `existing` parts
-    /// answer GET and DELETE (labelled as ours when `true`).
-    async fn fake_api(existing: BTreeMap<String, bool>) -> crate::test_fixtures::FakeApi {
-        use crate::test_fixtures::{not_found, serve};
-        let existing = Mutex::new(existing);
-        serve(Arc::new(move |method: &str, path: &str, body: &[u8]| {
-            let name = path.rsplit('/').next().unwrap_or_default().to_owned();
-            if method == "PATCH" {
-                return (200, serde_json::from_slice(body).unwrap());
-            }
-            let mut existing = existing.lock().unwrap();
-            let Some(ours) = existing.get(&name).copied() else { return not_found(&name) };
-            if method == "DELETE" {
-                existing.remove(&name);
-            }
+    /// A 409 `Status`, with the API server's reason.
+    fn conflict(reason: &str) -> (u16, serde_json::Value) {
+        let status = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "reason": reason, "code": 409, "message": "the object has been modified"});
+        (409, status)
+    }
+
+    /// ConfigMaps held by a loopback API server that answers as a real one does: each write
+    /// gets a new resourceVersion (and a created object a uid); a create of an existing name,
+    /// an apply naming another resourceVersion than the stored one, and a delete whose
+    /// preconditions do not match are 409s; an apply of a missing object creates it, whatever
+    /// resourceVersion it names.
+    #[derive(Default)]
+    struct Stored {
+        objects: BTreeMap<String, serde_json::Value>,
+        version: u64,
+        /// GETs of parts (any name but `snap`) answer 500.
+        fail_part_reads: bool,
+        /// Writes sent with no condition: applies without a resourceVersion, deletes
+        /// without preconditions. A writer that sends one may overwrite what it never saw.
+        blind: Vec<String>,
+        /// An apply of this name is carried out, and answered 500: as a timeout leaves it,
+        /// written without the writer knowing.
+        lost_answer: Option<String>,
+        /// Right after a GET of this name, another writer changes it (once).
+        written_after_read: Option<String>,
+        /// When this name is applied, leadership is taken away (the sender is told `None`).
+        lose_leadership_at: Option<(String, tokio::sync::watch::Sender<Option<Instant>>)>,
+    }
+
+    impl Stored {
+        /// Stores `cm` as written now, with a new resourceVersion (and a uid when new).
+        fn put(&mut self, name: &str, mut cm: serde_json::Value) -> serde_json::Value {
+            self.version += 1;
+            let uid = self.objects.get(name).map(|o| o["metadata"]["uid"].clone());
+            cm["metadata"]["name"] = serde_json::json!(name);
+            cm["metadata"]["resourceVersion"] = serde_json::json!(self.version.to_string());
+            cm["metadata"]["uid"] = uid.unwrap_or_else(|| serde_json::json!(format!("uid-{}", self.version)));
+            self.objects.insert(name.to_owned(), cm.clone());
+            cm
+        }
+
+        /// Another writer's ConfigMap `name`, labelled as a part of ours when `ours`.
+        fn someone_elses(&mut self, name: &str, ours: bool, id: u64) {
             let labels = if ours { serde_json::json!({LABEL_PART_OF: "snap"}) } else { serde_json::json!({}) };
-            (
-                200,
-                serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap",
-                                     "metadata": {"name": name, "namespace": "ops", "labels": labels}}),
-            )
+            let cm = serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"namespace": "ops", "labels": labels, "annotations": {ANNOTATION_ID: id.to_string()}},
+                "binaryData": {KEY_PART: "b3RoZXI="}});
+            self.put(name, cm);
+        }
+
+        fn version_of(&self, name: &str) -> Option<serde_json::Value> {
+            self.objects.get(name).map(|o| o["metadata"]["resourceVersion"].clone())
+        }
+
+        fn create(&mut self, body: &[u8]) -> (u16, serde_json::Value) {
+            let cm: serde_json::Value = serde_json::from_slice(body).unwrap();
+            let name = cm["metadata"]["name"].as_str().unwrap().to_owned();
+            if self.objects.contains_key(&name) {
+                return conflict("AlreadyExists");
+            }
+            (201, self.put(&name, cm))
+        }
+
+        fn apply(&mut self, name: &str, body: &[u8]) -> (u16, serde_json::Value) {
+            let cm: serde_json::Value = serde_json::from_slice(body).unwrap();
+            match cm["metadata"].get("resourceVersion") {
+                None => self.blind.push(format!("PATCH {name}")),
+                Some(sent) if self.objects.contains_key(name) && self.version_of(name).as_ref() != Some(sent) => {
+                    return conflict("Conflict");
+                }
+                Some(_) => {}
+            }
+            self.wrote(name);
+            let written = self.put(name, cm);
+            if self.lost_answer.as_deref() == Some(name) {
+                return (
+                    500,
+                    serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "reason": "InternalError", "code": 500, "message": "the answer was lost"}),
+                );
+            }
+            (200, written)
+        }
+
+        fn delete(&mut self, name: &str, body: &[u8]) -> (u16, serde_json::Value) {
+            let options: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+            let pre = &options["preconditions"];
+            if pre.get("resourceVersion").is_none() && pre.get("uid").is_none() {
+                self.blind.push(format!("DELETE {name}"));
+            }
+            let Some(current) = self.objects.get(name) else { return crate::test_fixtures::not_found(name) };
+            for key in ["resourceVersion", "uid"] {
+                if pre.get(key).is_some_and(|v| *v != current["metadata"][key]) {
+                    return conflict("Conflict");
+                }
+            }
+            (200, self.objects.remove(name).unwrap())
+        }
+
+        fn get(&mut self, name: &str) -> (u16, serde_json::Value) {
+            if self.fail_part_reads && name != "snap" {
+                return (
+                    500,
+                    serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "reason": "InternalError", "code": 500, "message": "etcd is away"}),
+                );
+            }
+            let Some(cm) = self.objects.get(name).cloned() else { return crate::test_fixtures::not_found(name) };
+            if self.written_after_read.as_deref() == Some(name) {
+                self.written_after_read = None;
+                let mut edited = cm.clone();
+                edited["metadata"]["annotations"]["edited-by"] = serde_json::json!("someone else");
+                self.put(name, edited);
+            }
+            (200, cm)
+        }
+
+        /// An apply of `name` is being carried out.
+        fn wrote(&mut self, name: &str) {
+            if self.lose_leadership_at.as_ref().is_some_and(|(at, _)| at == name) {
+                self.lose_leadership_at.take().unwrap().1.send_replace(None);
+            }
+        }
+    }
+
+    async fn stored_api(stored: Arc<Mutex<Stored>>) -> crate::test_fixtures::FakeApi {
+        crate::test_fixtures::serve(Arc::new(move |method: &str, path: &str, body: &[u8]| {
+            let name = path.rsplit('/').next().unwrap_or_default().to_owned();
+            let mut st = stored.lock().unwrap();
+            match method {
+                "POST" => st.create(body),
+                "PATCH" => st.apply(&name, body),
+                "DELETE" => st.delete(&name, body),
+                "GET" => st.get(&name),
+                _ => (405, serde_json::json!({})),
+            }
         }))
         .await
+    }
+
+    /// A loopback API server holding `stored`, and a publisher (always leading) writing to it
+    /// with a budget of 1000 bytes.
+    async fn publisher_of(stored: &Arc<Mutex<Stored>>) -> (crate::test_fixtures::FakeApi, ConfigMapPublisher) {
+        let api = stored_api(stored.clone()).await;
+        let publisher = ConfigMapPublisher::with_budget(api.client.clone(), target(), Leadership::always(), 1000);
+        (api, publisher)
+    }
+
+    /// `n` writes of parts `first..` of `slot`, each created (unseen) then applied.
+    fn created(slot: Slot, first: usize, n: usize) -> Vec<String> {
+        (first..first + n)
+            .flat_map(|i| ["POST configmaps".to_owned(), format!("PATCH {}", part_name("snap", slot, i))])
+            .collect()
     }
 
     #[tokio::test]
@@ -788,26 +1046,31 @@ mod tests {
         assert!(n >= 2, "the budget below splits this snapshot ({n} parts)");
         // Two stale parts of ours from a larger snapshot, then a gap, then someone else's;
         // and an earlier version's unslotted part.
-        let existing = BTreeMap::from([
-            (part_name("snap", Slot::A, n + 1), true),
-            (part_name("snap", Slot::A, n + 2), true),
-            (part_name("snap", Slot::A, n + 4), false),
-            (legacy_part_name("snap", 1), true),
-        ]);
-        let api = fake_api(existing).await;
-        let publisher = ConfigMapPublisher::with_budget(api.client.clone(), target(), Leadership::always(), 1000);
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        {
+            let mut st = stored.lock().unwrap();
+            st.someone_elses(&part_name("snap", Slot::A, n + 1), true, 1);
+            st.someone_elses(&part_name("snap", Slot::A, n + 2), true, 1);
+            st.someone_elses(&part_name("snap", Slot::A, n + 4), false, 1);
+            st.someone_elses(&legacy_part_name("snap", 1), true, 1);
+        }
+        let (api, publisher) = publisher_of(&stored).await;
 
         publisher.publish(s.clone()).await.unwrap();
-        // The index is read first (none: slot a), the parts written, then the index.
+        // The index is read first (none: slot a), the parts written (each a name not seen:
+        // created, then applied), then the index.
         let mut expected = vec!["GET snap".to_owned()];
-        expected.extend((1..=n).map(|i| format!("PATCH snap-a-{i}")));
-        expected.push("PATCH snap".into());
+        expected.extend(created(Slot::A, 1, n));
+        expected.extend(["POST configmaps".into(), "PATCH snap".into()]);
         for i in [n + 1, n + 2] {
             expected.extend([format!("GET snap-a-{i}"), format!("DELETE snap-a-{i}")]);
         }
         expected.push(format!("GET snap-a-{}", n + 3));
         expected.extend(["GET snap-1".into(), "DELETE snap-1".into(), "GET snap-2".into()]);
         assert_eq!(api.take(), expected);
+        let left: Vec<String> = stored.lock().unwrap().objects.keys().filter(|k| k.contains("-a-")).cloned().collect();
+        assert_eq!(left.len(), n + 1, "ours written, someone else's part name kept: {left:?}");
+        assert!(stored.lock().unwrap().blind.is_empty(), "{:?}", stored.lock().unwrap().blind);
 
         let same_content = Arc::new(s.content.clone().into_snapshot(s.id + 1));
         publisher.publish(same_content).await.unwrap();
@@ -816,10 +1079,13 @@ mod tests {
 
     #[tokio::test]
     async fn a_part_name_that_is_not_ours_is_never_deleted() {
-        let api = fake_api(BTreeMap::from([("snap-1".into(), false)])).await;
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        stored.lock().unwrap().someone_elses("snap-1", false, 1);
+        let (api, publisher) = publisher_of(&stored).await;
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
-        assert_eq!(api.take(), ["GET snap", "PATCH snap", "GET snap-a-1", "GET snap-b-1", "GET snap-1"]);
+        let calls = ["GET snap", "POST configmaps", "PATCH snap", "GET snap-a-1", "GET snap-b-1", "GET snap-1"];
+        assert_eq!(api.take(), calls);
+        assert!(stored.lock().unwrap().objects.contains_key("snap-1"));
     }
 
     #[test]
@@ -834,55 +1100,112 @@ mod tests {
         assert_eq!(decode(&e.main, &reversed).unwrap(), json, "parts are found by name, not position");
     }
 
-    /// ConfigMaps held by a loopback API server with resourceVersions: a write naming a
-    /// version other than the stored one is a 409, as on a real API server.
-    #[derive(Default)]
-    struct Stored {
-        objects: BTreeMap<String, serde_json::Value>,
-        version: u64,
-        /// GETs of parts (any name but `snap`) answer 500.
-        fail_part_reads: bool,
+    /// Every write is conditional on what this publisher saw, also the first write of a
+    /// name: a part another writer created meanwhile (a new leader, say) is refused to the
+    /// create, read, and only then written over, never overwritten blind.
+    #[tokio::test]
+    async fn a_name_not_seen_is_created_so_another_writers_object_is_read_before_it_is_written() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let (api, publisher) = publisher_of(&stored).await;
+        publisher.publish(Arc::new(snapshot(40, 64))).await.unwrap();
+        // Another writer makes the first part of the other slot, the next snapshot's.
+        stored.lock().unwrap().someone_elses("snap-b-1", true, 99);
+        api.take();
+        let s2 = snapshot(41, 64);
+        publisher.publish(Arc::new(s2.clone())).await.unwrap();
+        let calls = api.take();
+        assert_eq!(calls[..4], ["POST configmaps", "GET snap-b-1", "PATCH snap-b-1", "POST configmaps"], "{calls:?}");
+        let st = stored.lock().unwrap();
+        assert!(st.blind.is_empty(), "written without a condition: {:?}", st.blind);
+        assert_eq!(read_with(&st, &st.objects["snap"]).unwrap(), s2.to_json());
     }
 
-    async fn stored_api(stored: Arc<Mutex<Stored>>) -> crate::test_fixtures::FakeApi {
-        use crate::test_fixtures::{not_found, serve};
-        serve(Arc::new(move |method: &str, path: &str, body: &[u8]| {
-            let name = path.rsplit('/').next().unwrap_or_default().to_owned();
+    /// A write whose answer is lost (a timeout) may have landed: the next write of that
+    /// ConfigMap stays conditional on what was seen before it, so it conflicts and reads,
+    /// instead of overwriting blind what someone else wrote since.
+    #[tokio::test]
+    async fn after_a_lost_answer_the_next_write_is_still_conditional() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let (api, publisher) = publisher_of(&stored).await;
+        publisher.publish(Arc::new(snapshot(40, 64))).await.unwrap();
+        publisher.publish(Arc::new(snapshot(41, 64))).await.unwrap();
+        // The third goes to slot a again: its first part is written, the answer lost.
+        stored.lock().unwrap().lost_answer = Some("snap-a-1".into());
+        let err = publisher.publish(Arc::new(snapshot(42, 64))).await.unwrap_err();
+        assert_eq!(err.reason(), "server_error", "{err}");
+        // Someone else writes it meanwhile.
+        {
             let mut st = stored.lock().unwrap();
-            match method {
-                "PATCH" => {
-                    let mut cm: serde_json::Value = serde_json::from_slice(body).unwrap();
-                    let current = st.objects.get(&name).map(|o| o["metadata"]["resourceVersion"].clone());
-                    let sent = cm["metadata"].get("resourceVersion").cloned();
-                    if sent.is_some() && sent != current {
-                        return (
-                            409,
-                            serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                            "reason": "Conflict", "code": 409, "message": "the object has been modified"}),
-                        );
-                    }
-                    st.version += 1;
-                    cm["metadata"]["resourceVersion"] = serde_json::json!(st.version.to_string());
-                    st.objects.insert(name, cm.clone());
-                    (200, cm)
-                }
-                "GET" if st.fail_part_reads && name != "snap" => (
-                    500,
-                    serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                    "reason": "InternalError", "code": 500, "message": "etcd is away"}),
-                ),
-                "GET" => match st.objects.get(&name) {
-                    Some(cm) => (200, cm.clone()),
-                    None => not_found(&name),
-                },
-                "DELETE" => match st.objects.remove(&name) {
-                    Some(cm) => (200, cm),
-                    None => not_found(&name),
-                },
-                _ => (405, serde_json::json!({})),
-            }
-        }))
-        .await
+            st.lost_answer = None;
+            st.someone_elses("snap-a-1", true, 99);
+        }
+        api.take();
+        let s4 = snapshot(43, 64);
+        publisher.publish(Arc::new(s4.clone())).await.unwrap();
+        let calls = api.take();
+        let at = calls.iter().position(|c| c == "PATCH snap-a-1").expect("snap-a-1 written");
+        assert_eq!(calls[at..at + 3], ["PATCH snap-a-1", "GET snap-a-1", "PATCH snap-a-1"], "{calls:?}");
+        let st = stored.lock().unwrap();
+        assert!(st.blind.is_empty(), "written without a condition: {:?}", st.blind);
+        assert_eq!(read_with(&st, &st.objects["snap"]).unwrap(), s4.to_json());
+    }
+
+    /// A stale part is deleted only as it was read: one written by someone else right after
+    /// (a new leader reusing the slot) is left to them, and the publication fails.
+    #[tokio::test]
+    async fn a_stale_part_written_after_it_was_read_is_not_deleted() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let (api, publisher) = publisher_of(&stored).await;
+        let (big, small) = (snapshot(80, 64), snapshot(40, 64));
+        let n = encode(&target(), &small, 1000, Slot::A).unwrap().parts.len();
+        assert!(encode(&target(), &big, 1000, Slot::A).unwrap().parts.len() > n + 1);
+        publisher.publish(Arc::new(big)).await.unwrap();
+        publisher.publish(Arc::new(snapshot(81, 64))).await.unwrap();
+        // Back to slot a, with fewer parts: a-(n+1) is stale, and written by someone else
+        // right after it is read.
+        let stale = part_name("snap", Slot::A, n + 1);
+        stored.lock().unwrap().written_after_read = Some(stale.clone());
+        api.take();
+        let err = publisher.publish(Arc::new(small)).await.unwrap_err();
+        assert_eq!(err.reason(), "conflict", "{err}");
+        let st = stored.lock().unwrap();
+        assert!(st.objects.contains_key(&stale), "deleted after someone else wrote it");
+        assert!(st.blind.is_empty(), "written without a condition: {:?}", st.blind);
+    }
+
+    /// Once leadership is gone no write is sent, even between two writes of one
+    /// publication whose deadline has not passed.
+    #[tokio::test]
+    async fn no_write_is_sent_once_leadership_is_gone() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let api = stored_api(stored.clone()).await;
+        let (lead, leadership) = Leadership::manual();
+        lead.send_replace(Some(Instant::now() + std::time::Duration::from_secs(3600)));
+        stored.lock().unwrap().lose_leadership_at = Some(("snap-a-1".into(), lead));
+        let publisher = ConfigMapPublisher::with_budget(api.client.clone(), target(), leadership, 1000);
+        let err = publisher.publish(Arc::new(snapshot(40, 64))).await.unwrap_err();
+        assert_eq!(err.reason(), "leadership_lapsed", "{err}");
+        assert_eq!(api.take(), ["GET snap", "POST configmaps", "PATCH snap-a-1"], "nothing written after");
+    }
+
+    /// A new leader numbers its snapshots above every id in the ConfigMaps: the index's,
+    /// and those of parts a previous leader wrote before it stopped, that no index names.
+    #[tokio::test]
+    async fn the_published_id_counts_parts_no_index_names_yet() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let (_api, publisher) = publisher_of(&stored).await;
+        assert_eq!(publisher.published_id().await.unwrap(), None);
+        publisher.publish(Arc::new(snapshot(40, 64))).await.unwrap();
+        assert_eq!(publisher.published_id().await.unwrap(), Some(42));
+        {
+            let mut st = stored.lock().unwrap();
+            st.someone_elses("snap-b-1", true, 57);
+            st.someone_elses("snap-b-2", true, 57);
+            // Not ours, and after a gap: not counted.
+            st.someone_elses("snap-b-4", true, 90);
+            st.someone_elses("snap-a-9", false, 90);
+        }
+        assert_eq!(publisher.published_id().await.unwrap(), Some(57));
     }
 
     #[tokio::test]
@@ -897,7 +1220,7 @@ mod tests {
 
         stored.lock().unwrap().objects.remove("snap");
         assert_eq!(publisher.repair().await.unwrap(), ["snap"]);
-        assert_eq!(api.take(), ["GET snap", "PATCH snap"]);
+        assert_eq!(api.take(), ["GET snap", "POST configmaps", "PATCH snap"], "gone: created again");
 
         let edited = {
             let mut st = stored.lock().unwrap();
@@ -950,7 +1273,7 @@ mod tests {
         api.take();
         publisher.publish(Arc::new(s2.clone())).await.unwrap();
         let calls = api.take();
-        let mut expected: Vec<String> = (1..=n2).map(|i| format!("PATCH snap-b-{i}")).collect();
+        let mut expected = created(Slot::B, 1, n2);
         expected.extend(["PATCH snap".into(), format!("GET snap-b-{}", n2 + 1)]);
         assert_eq!(calls, expected, "slot b, the index known: not read again");
         // A reader holding the first index still reads the first snapshot, whole.
@@ -977,6 +1300,7 @@ mod tests {
         next.publish(Arc::new(snapshot(2, 8))).await.unwrap();
         let left: Vec<String> = stored.lock().unwrap().objects.keys().cloned().collect();
         assert_eq!(left, ["snap"], "no part left once none is needed");
+        assert!(stored.lock().unwrap().blind.is_empty(), "{:?}", stored.lock().unwrap().blind);
     }
 
     /// A write that fails after switching the index (here: looking for stale parts) leaves

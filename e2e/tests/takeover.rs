@@ -1,0 +1,583 @@
+//! Leadership at takeover, and conditional ConfigMap writes, on the API server's own record.
+//!
+//! - A leader frozen (SIGSTOP) in the middle of a split publication (parts written, index
+//!   not) past its lease: the other replica takes over and writes the current snapshot,
+//!   numbered above every id the frozen one wrote, parts included; the frozen one, woken,
+//!   never writes again. What each wrote is read from a watch of the ConfigMaps and the
+//!   Lease: the resourceVersion is etcd's revision, one order for every write (one etcd),
+//!   so a version below the new leader's Lease write is the old leader's, and one above is
+//!   the new leader's (the audit log checks that the old one wrote nothing after it).
+//! - Another writer creates a part ConfigMap the operator has not written yet: the
+//!   operator's first write of it is a create, refused (409), and only after reading it does
+//!   it write over it; never an unconditional overwrite (audit log).
+//!
+//! In a binary of its own: it freezes operator processes and fills the ConfigMaps with
+//! megabytes, so its tests run one at a time.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use e2e::consul::{Consul, Instance};
+use e2e::fixtures::{mapping_yaml, resolver_yaml};
+use e2e::harness::{Cluster, Operator, unique, wait_for};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::{Api, WatchEvent, WatchParams};
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(60);
+const SYSTEM: &str = "consul-resolver-system";
+/// `--leader-election-duration`: a frozen leader stops writing two thirds of it after its
+/// last renewal, and is replaced after all of it.
+const LEASE: Duration = Duration::from_secs(3);
+const ID: &str = "consulresolver.io/snapshot-id";
+
+/// The tests of this binary, one at a time: each loads the API server with megabytes of
+/// ConfigMaps, and the takeover test times a freeze against the leader's writes.
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `n` characters that gzip cannot shrink much (about six bits of entropy each).
+fn noise(seed: &mut u64, n: usize) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    (0..n)
+        .map(|_| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            ALPHABET[(*seed % 64) as usize] as char
+        })
+        .collect()
+}
+
+/// Instances `range` of `svc`, each with 4 KiB of random meta: about 3 KiB of gzip each, so
+/// 300 instances fill one ConfigMap part (900 KiB).
+fn instances(svc: &str, range: std::ops::Range<usize>) -> Vec<Instance> {
+    range
+        .map(|i| {
+            let mut seed = 0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1);
+            Instance {
+                node: format!("{svc}-node-{}", i % 20),
+                address: "127.0.0.1".into(),
+                service: svc.to_owned(),
+                id: format!("{svc}-{i}"),
+                port: 20_000 + i as u16,
+                status: "passing".into(),
+                tags: vec![],
+                meta: (0..8).map(|k| (format!("m{k}"), noise(&mut seed, 512))).collect(),
+            }
+        })
+        .collect()
+}
+
+/// The snapshot ConfigMap `name`, as admin.
+fn get_configmap(cluster: &Cluster, name: &str) -> Option<Value> {
+    serde_json::from_str(&cluster.kubectl(&["-n", SYSTEM, "get", "configmap", name, "-o", "json"]).ok()?).ok()
+}
+
+/// The parts the index in `cm` names.
+fn index_parts(cm: &Value) -> Vec<String> {
+    let index: Value = cm["data"]["index.json"].as_str().and_then(|t| serde_json::from_str(t).ok()).unwrap_or_default();
+    index["parts"].as_array().into_iter().flatten().filter_map(|p| p["name"].as_str().map(str::to_owned)).collect()
+}
+
+fn holder(cluster: &Cluster, lease: &str) -> Option<String> {
+    cluster.kubectl(&["-n", SYSTEM, "get", "lease", lease, "-o", "jsonpath={.spec.holderIdentity}"]).ok()
+}
+
+fn succeeded(event: &Value) -> bool {
+    event["responseStatus"]["code"].as_u64().is_some_and(|c| (200..300).contains(&c))
+}
+
+fn is_write(event: &Value) -> bool {
+    matches!(event["verb"].as_str(), Some("create" | "update" | "patch" | "delete"))
+}
+
+/// Which replica sent a request, from the User-Agent the operator sets.
+fn replica(event: &Value) -> Option<&'static str> {
+    let agent = event["userAgent"].as_str()?;
+    ["replica-a", "replica-b"].into_iter().find(|r| agent.contains(&format!("({r})")))
+}
+
+/// The operator's arguments: the snapshot ConfigMap `cm`, and leader election on `lease`
+/// as `identity` when given.
+fn operator_args(ns: &str, cm: &str, lease: Option<(&str, &str)>) -> Vec<String> {
+    let mut args =
+        vec!["--namespace".to_owned(), ns.to_owned(), "--snapshot-configmap".to_owned(), format!("{SYSTEM}/{cm}")];
+    if let Some((lease, identity)) = lease {
+        args.extend([
+            "--leader-election-lease".to_owned(),
+            format!("{SYSTEM}/{lease}"),
+            "--leader-election-identity".to_owned(),
+            identity.to_owned(),
+            "--leader-election-duration".to_owned(),
+            format!("{}s", LEASE.as_secs()),
+        ]);
+    }
+    args
+}
+
+fn start(cluster: &Cluster, args: &[String]) -> Operator {
+    let mut op = Operator::start(cluster, &args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    op.wait_ready(T).unwrap();
+    op
+}
+
+/// The audit log from where it ended when this was made: each call returns the events
+/// written since.
+struct AuditTail {
+    file: std::fs::File,
+    pending: String,
+}
+
+impl AuditTail {
+    fn from_end(cluster: &Cluster) -> AuditTail {
+        use std::io::Seek;
+        let mut file = std::fs::File::open(cluster.audit_log().expect("our own cluster has an audit log")).unwrap();
+        file.seek(std::io::SeekFrom::End(0)).unwrap();
+        AuditTail { file, pending: String::new() }
+    }
+
+    fn next_events(&mut self) -> Vec<Value> {
+        use std::io::Read;
+        self.file.read_to_string(&mut self.pending).unwrap();
+        let complete = self.pending.rfind('\n').map_or(0, |i| i + 1);
+        let lines: String = self.pending.drain(..complete).collect();
+        lines.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The record of every version of the snapshot ConfigMaps and of the Lease
+
+/// One version of a snapshot ConfigMap or of the Lease, as the API server's watch sent it.
+#[derive(Debug, Clone)]
+struct Version {
+    /// The ConfigMap's name; `None` for the Lease.
+    configmap: Option<String>,
+    resource_version: u64,
+    /// The snapshot id a ConfigMap carries (none on one created empty, before its write).
+    id: Option<u64>,
+    deleted: bool,
+    /// The Lease's holder.
+    holder: Option<String>,
+}
+
+/// Watches the snapshot ConfigMaps of `cm` (the index and its parts) and the Lease from
+/// a thread of its own, sending each version as it arrives and keeping the latest of each
+/// ConfigMap.
+struct Recorder {
+    versions: mpsc::Receiver<Version>,
+    latest: Arc<Mutex<BTreeMap<String, ConfigMap>>>,
+    stop: tokio_util::sync::CancellationToken,
+    thread: Option<std::thread::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Recorder {
+    fn start(cluster: &Cluster, cm: &str, lease: &str) -> Recorder {
+        let (tx, versions) = mpsc::channel();
+        let (ready_tx, ready) = mpsc::channel();
+        let latest = Arc::new(Mutex::new(BTreeMap::new()));
+        let stop = tokio_util::sync::CancellationToken::new();
+        let kubeconfig = cluster.admin_kubeconfig.clone();
+        let (cm, lease, keep, stopped) = (cm.to_owned(), lease.to_owned(), latest.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(record(kubeconfig, cm, lease, tx, ready_tx, keep, stopped))
+        });
+        ready.recv_timeout(T).expect("the watches to start");
+        Recorder { versions, latest, stop, thread: Some(thread) }
+    }
+
+    /// The snapshot JSON the ConfigMaps hold now, as the watch last saw them.
+    fn snapshot(&self, cm: &str) -> Option<Value> {
+        let latest = self.latest.lock().unwrap();
+        let parts: Vec<ConfigMap> = latest.values().cloned().collect();
+        let json = consul_resolver_operator::snapshot_configmap::decode(latest.get(cm)?, &parts).ok()?;
+        serde_json::from_slice(&json).ok()
+    }
+
+    /// Stops the watches; returns every version received.
+    fn finish(mut self) -> Vec<Version> {
+        self.stop.cancel();
+        let ended = self.thread.take().unwrap().join().expect("the watch thread");
+        ended.expect("the watches ran until stopped");
+        self.versions.try_iter().collect()
+    }
+}
+
+/// What a watch sent.
+enum Observed {
+    /// A ConfigMap, and whether it was deleted.
+    ConfigMap(bool, ConfigMap),
+    Lease(Lease),
+    Bookmark,
+    Error(String),
+}
+
+async fn record(
+    kubeconfig: std::path::PathBuf,
+    cm: String,
+    lease: String,
+    tx: mpsc::Sender<Version>,
+    ready: mpsc::Sender<()>,
+    latest: Arc<Mutex<BTreeMap<String, ConfigMap>>>,
+    stop: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    use futures::{StreamExt, TryStreamExt};
+    let _ = e2e::harness::http_client(); // installs the TLS provider
+    let kc = kube::config::Kubeconfig::read_from(&kubeconfig)?;
+    let config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default()).await?;
+    let client = kube::Client::try_from(config)?;
+    let ours = |name: &str| {
+        name == cm || name.strip_prefix(&cm).is_some_and(|rest| rest.starts_with("-a-") || rest.starts_with("-b-"))
+    };
+    let configmaps = Api::<ConfigMap>::namespaced(client.clone(), SYSTEM)
+        .watch(&WatchParams::default().labels("consulresolver.io/snapshot=true").timeout(290), "0")
+        .await?
+        .map_ok(|e| match e {
+            WatchEvent::Added(c) | WatchEvent::Modified(c) => Observed::ConfigMap(false, c),
+            WatchEvent::Deleted(c) => Observed::ConfigMap(true, c),
+            WatchEvent::Bookmark(_) => Observed::Bookmark,
+            WatchEvent::Error(e) => Observed::Error(format!("{e:?}")),
+        })
+        .boxed();
+    let leases = Api::<Lease>::namespaced(client, SYSTEM)
+        .watch(&WatchParams::default().fields(&format!("metadata.name={lease}")).timeout(290), "0")
+        .await?
+        .map_ok(|e| match e {
+            WatchEvent::Added(l) | WatchEvent::Modified(l) => Observed::Lease(l),
+            WatchEvent::Deleted(_) | WatchEvent::Bookmark(_) => Observed::Bookmark,
+            WatchEvent::Error(e) => Observed::Error(format!("{e:?}")),
+        })
+        .boxed();
+    let _ = ready.send(());
+    let mut events = futures::stream::select(configmaps, leases);
+    loop {
+        let event = tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            e = events.next() => e,
+        };
+        let version = match event {
+            None => anyhow::bail!("a watch ended before the test stopped it"),
+            Some(Err(e)) => return Err(e.into()),
+            Some(Ok(Observed::ConfigMap(deleted, cm))) => {
+                let name = cm.metadata.name.clone().unwrap_or_default();
+                if !ours(&name) {
+                    continue;
+                }
+                let v = Version {
+                    configmap: Some(name.clone()),
+                    resource_version: cm.metadata.resource_version.as_deref().unwrap_or("0").parse()?,
+                    id: cm.metadata.annotations.as_ref().and_then(|a| a.get(ID)?.parse().ok()),
+                    deleted,
+                    holder: None,
+                };
+                let mut latest = latest.lock().unwrap();
+                if deleted {
+                    latest.remove(&name);
+                } else {
+                    latest.insert(name, cm);
+                }
+                v
+            }
+            Some(Ok(Observed::Lease(l))) => Version {
+                configmap: None,
+                resource_version: l.metadata.resource_version.as_deref().unwrap_or("0").parse()?,
+                id: None,
+                deleted: false,
+                holder: l.spec.and_then(|s| s.holder_identity),
+            },
+            Some(Ok(Observed::Bookmark)) => continue,
+            Some(Ok(Observed::Error(e))) => anyhow::bail!("a watch failed: {e}"),
+        };
+        let _ = tx.send(version);
+    }
+}
+
+/// The snapshot the ConfigMaps hold now, read as admin (index, then the parts it names).
+fn read_snapshot(cluster: &Cluster, cm: &str) -> Option<Value> {
+    let main = get_configmap(cluster, cm)?;
+    let parts: Vec<ConfigMap> =
+        index_parts(&main).iter().filter_map(|p| serde_json::from_value(get_configmap(cluster, p)?).ok()).collect();
+    let main: ConfigMap = serde_json::from_value(main).ok()?;
+    let json = consul_resolver_operator::snapshot_configmap::decode(&main, &parts).ok()?;
+    serde_json::from_slice(&json).ok()
+}
+
+/// The number of endpoints of the service in `snapshot`, and the port of its instance 0.
+fn endpoints(snapshot: &Value, svc: &str) -> Option<(usize, u64)> {
+    let services = snapshot["resolvers"].as_array()?.iter().flat_map(|r| r["services"].as_array()).flatten();
+    let service = services.into_iter().find(|s| s["name"] == svc)?;
+    let endpoints = service["endpoints"].as_array()?;
+    let first = endpoints.iter().find(|e| e["serviceId"] == format!("{svc}-0").as_str())?;
+    Some((endpoints.len(), first["port"].as_u64()?))
+}
+
+// ---------------------------------------------------------------------------------------
+// The tests
+
+/// A part name the operator has not written is created, and a create fails when another
+/// writer made that name first: the operator's first write of it is refused (409), and it
+/// writes over it only once it has read it. An unconditional apply would overwrite what it
+/// never saw (a new leader's part, when the writer is a stale leader).
+#[test]
+#[cfg_attr(e2e_external_cluster, ignore = "reads the API server's audit log")]
+fn a_part_another_writer_created_first_is_read_before_the_operator_writes_it() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let consul = Consul::shared();
+    let ns = cluster.namespace("cond").unwrap();
+    let svc = format!("cw{}", unique());
+    consul.register_many(&instances(&svc, 0..600), 16).unwrap();
+    cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), "")).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "big", &svc, Some("consul"))).unwrap();
+    let cm = format!("cond-{}", unique());
+    let mut op = start(cluster, &operator_args(&ns, &cm, None));
+    let n = wait_for("a split snapshot of 600 endpoints in the ConfigMaps", T, || {
+        let parts = index_parts(&get_configmap(cluster, &cm)?);
+        (endpoints(&read_snapshot(cluster, &cm)?, &svc)?.0 == 600).then_some(parts.len())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert!(n >= 2, "split over parts: {n}");
+
+    // The snapshot is about to grow past n parts: part n+1 of either slot is a name the
+    // operator has never written. Another writer makes both first (not labelled as parts of
+    // ours, so that no stale-part cleanup deletes them meanwhile).
+    let taken: Vec<String> = ["a", "b"].iter().map(|slot| format!("{cm}-{slot}-{}", n + 1)).collect();
+    let before = cluster.audit_events().unwrap().expect("our own cluster has an audit log").len();
+    for name in &taken {
+        cluster
+            .apply(&format!(
+                "apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: {name}, namespace: {SYSTEM}, labels: {{consulresolver.io/snapshot: \"true\"}}}}\ndata: {{written-by: someone-else}}\n"
+            ))
+            .unwrap();
+    }
+    consul.register_many(&instances(&svc, 600..1200), 16).unwrap();
+    let grown = wait_for("the grown snapshot in the ConfigMaps", T, || {
+        let parts = index_parts(&get_configmap(cluster, &cm)?);
+        (endpoints(&read_snapshot(cluster, &cm)?, &svc)?.0 == 1200).then_some(parts)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert!(grown.iter().any(|p| taken.contains(p)), "the grown snapshot uses a taken name: {grown:?}");
+
+    // Each taken name the operator wrote: its first write refused, then read, then written.
+    let user = cluster.operator_username().unwrap();
+    let events = cluster.audit_events().unwrap().unwrap();
+    let mut checked = 0;
+    for name in &taken {
+        let requests: Vec<String> = events[before..]
+            .iter()
+            .filter(|e| e["user"]["username"] == user.as_str() && e["objectRef"]["name"] == name.as_str())
+            .map(|e| format!("{} {}", e["verb"].as_str().unwrap_or("?"), e["responseStatus"]["code"]))
+            .collect();
+        eprintln!("the operator's requests on {name}, another writer's: {requests:?}");
+        let Some(first_write) = requests.iter().position(|r| !r.starts_with("get ")) else { continue };
+        assert!(
+            requests[first_write].ends_with(" 409"),
+            "the operator's first write of {name}, which another writer had created, was not refused: \
+             {requests:?}\n{}",
+            op.logs()
+        );
+        let read = requests[first_write..].iter().position(|r| r == "get 200").expect("read after the refusal");
+        assert!(requests[first_write + read..].iter().any(|r| r == "patch 200"), "written once read: {requests:?}");
+        checked += 1;
+    }
+    assert!(checked >= 1, "the operator wrote none of {taken:?}");
+    assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
+}
+
+/// A leader frozen between the parts and the index of a publication, past its lease: the
+/// other replica takes over and writes the current snapshot, with the latest change, under
+/// an id above every id the frozen one wrote (its unfinished parts included); the frozen
+/// one, woken, never writes again.
+#[test]
+#[cfg_attr(e2e_external_cluster, ignore = "reads the API server's audit log")]
+fn a_leader_frozen_mid_publication_is_outnumbered_and_never_writes_again() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let consul = Consul::shared();
+    let ns = cluster.namespace("takeover").unwrap();
+    let svc = format!("to{}", unique());
+    // About four parts per snapshot: a publication is five writes of up to 900 KiB.
+    let all = instances(&svc, 0..1000);
+    consul.register_many(&all, 16).unwrap();
+    let move_first = |port: u16| consul.register_many(&[Instance { port, ..all[0].clone() }], 1).unwrap();
+    cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), "")).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "big", &svc, Some("consul"))).unwrap();
+    let (lease, cm) = (format!("lease-{}", unique()), format!("to-{}", unique()));
+
+    let mut a = start(cluster, &operator_args(&ns, &cm, Some((&lease, "replica-a"))));
+    wait_for("replica-a to hold the lease", T, || (holder(cluster, &lease)? == "replica-a").then_some(())).unwrap();
+    let parts = wait_for("a split snapshot in the ConfigMaps", T, || {
+        Some(index_parts(&get_configmap(cluster, &cm)?).len()).filter(|n| *n > 0)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.logs()));
+    assert!(parts >= 3, "split over {parts} parts");
+    // A's ids run ahead of B's (B starts later): numbering after its own last id would not
+    // be enough for B.
+    for port in 30_001..30_006 {
+        let id = a.metric("consul_resolver_snapshot_id").unwrap_or(0.0);
+        move_first(port);
+        wait_for("replica-a to publish the change", T, || {
+            (a.metric("consul_resolver_snapshot_id")? > id).then_some(())
+        })
+        .unwrap();
+    }
+    let mut b = start(cluster, &operator_args(&ns, &cm, Some((&lease, "replica-b"))));
+    assert_eq!(b.metric("consul_resolver_leader"), Some(0.0), "{}", b.logs());
+
+    // Changes keep A publishing; A is frozen as the API server applies the first part of a
+    // new snapshot, with the rest of its parts and its index to come.
+    let recorder = Recorder::start(cluster, &cm, &lease);
+    let mut audit = AuditTail::from_end(cluster);
+    let churning = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let churn = {
+        let (churning, first) = (churning.clone(), all[0].clone());
+        std::thread::spawn(move || {
+            let mut port = 31_000;
+            while churning.load(std::sync::atomic::Ordering::Relaxed) {
+                port += 1;
+                Consul::shared().register_many(&[Instance { port, ..first.clone() }], 1).unwrap();
+                std::thread::sleep(Duration::from_millis(100)); // the churn's own pace
+            }
+        })
+    };
+    // Frozen on the audit log's record of A's first part of a new snapshot: written before
+    // the API server answers (blocking mode), so A is stopped before (or just as) it sends
+    // its next part, well before its index.
+    let first_parts = [format!("{cm}-a-1"), format!("{cm}-b-1")];
+    let a_wrote = |e: &Value, names: &[String]| {
+        replica(e) == Some("replica-a")
+            && is_write(e)
+            && succeeded(e)
+            && names.iter().any(|n| e["objectRef"]["name"] == n.as_str())
+    };
+    let deadline = Instant::now() + T;
+    let mut attempts = 0;
+    let frozen_at = loop {
+        assert!(Instant::now() < deadline, "replica-a was never frozen mid-publication\n{}", a.logs());
+        let Some(started) = audit.next_events().into_iter().find(|e| a_wrote(e, &first_parts)) else {
+            std::thread::sleep(Duration::from_millis(2)); // the audit log's polling pace
+            continue;
+        };
+        a.signal(libc::SIGSTOP).unwrap();
+        attempts += 1;
+        // A writes one request at a time: at most one was in flight, and it lands within
+        // this window. Were it the index, this publication was not caught in flight: A
+        // resumes (well within its lease) and the next one is caught instead.
+        let window = Instant::now() + Duration::from_millis(500);
+        let mut finished = false;
+        while Instant::now() < window && !finished {
+            finished = audit.next_events().iter().any(|e| a_wrote(e, std::slice::from_ref(&cm)));
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if !finished {
+            break started["objectRef"]["name"].as_str().unwrap_or_default().to_owned();
+        }
+        a.signal(libc::SIGCONT).unwrap();
+    };
+    let frozen = Instant::now();
+    churning.store(false, std::sync::atomic::Ordering::Relaxed);
+    churn.join().unwrap();
+    // The latest change: what the new leader must write.
+    move_first(39_999);
+    eprintln!("replica-a frozen as {frozen_at} of a new snapshot was written (attempt {attempts})");
+
+    let taken = wait_for("replica-b to take over", T, || (holder(cluster, &lease)? == "replica-b").then_some(()));
+    let written = taken.and_then(|()| {
+        wait_for("the latest change in the ConfigMaps, from replica-b", T, || {
+            (endpoints(&recorder.snapshot(&cm)?, &svc)?.1 == 39_999).then_some(())
+        })
+    });
+    a.signal(libc::SIGCONT).unwrap();
+    written.unwrap_or_else(|e| panic!("{e}\n--- b ---\n{}", b.logs()));
+    eprintln!("replica-b took over and wrote the latest change {:?} after the freeze", frozen.elapsed());
+    // A wakes: whatever it would still send, it sends now. It follows, and serves the next
+    // change; the next change reaches the ConfigMaps from B.
+    wait_for("the woken replica to follow", T, || (a.metric("consul_resolver_leader")? == 0.0).then_some(()))
+        .unwrap_or_else(|e| panic!("{e}\n{}", a.logs()));
+    move_first(39_998);
+    a.wait_snapshot("the woken replica to see the next change", T, |s| {
+        endpoints(s, &svc).is_some_and(|e| e.1 == 39_998)
+    })
+    .unwrap();
+    wait_for("the next change in the ConfigMaps", T, || {
+        (endpoints(&recorder.snapshot(&cm)?, &svc)?.1 == 39_998).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n--- b ---\n{}", b.logs()));
+    let final_snapshot = recorder.snapshot(&cm).unwrap();
+    let seen = recorder.finish();
+
+    // Who wrote what, by etcd's order: B's first Lease write splits A's versions from B's.
+    let took_over = seen
+        .iter()
+        .filter(|v| v.configmap.is_none() && v.holder.as_deref() == Some("replica-b"))
+        .map(|v| v.resource_version)
+        .min()
+        .expect("the Lease taken by replica-b, in the watch");
+    let configmaps = || seen.iter().filter(|v| v.configmap.is_some());
+    let by_a: Vec<&Version> = configmaps().filter(|v| v.resource_version < took_over && !v.deleted).collect();
+    let by_b: Vec<&Version> = configmaps().filter(|v| v.resource_version > took_over && !v.deleted).collect();
+    let a_highest = by_a.iter().filter_map(|v| v.id).max().expect("A's writes");
+    let a_index = by_a.iter().filter(|v| v.configmap.as_deref() == Some(&cm)).filter_map(|v| v.id).max();
+    let summary = |vs: &[&Version]| {
+        vs.iter()
+            .map(|v| format!("{}@{}={:?}", v.configmap.as_deref().unwrap(), v.resource_version, v.id))
+            .collect::<Vec<_>>()
+    };
+    let unfinished: Vec<&Version> = by_a.iter().copied().filter(|v| v.id == Some(a_highest)).collect();
+    eprintln!(
+        "replica-a wrote ids up to {a_highest}, {:?}, and its last index was {a_index:?}; replica-b wrote {:?}",
+        summary(&unfinished),
+        summary(&by_b)
+    );
+    // The scenario: A had written parts of a snapshot whose index it never wrote.
+    assert!(
+        Some(a_highest) > a_index,
+        "replica-a was not frozen mid-publication (its last parts' id {a_highest}, its last index {a_index:?}): \
+         the freeze came too late to test a publication in flight"
+    );
+    assert!(!by_b.is_empty(), "replica-b wrote nothing");
+    for v in &by_b {
+        assert!(
+            v.id.is_none_or(|id| id > a_highest),
+            "replica-b wrote id {:?} ({}) after replica-a had written {a_highest}: {:?}",
+            v.id,
+            v.configmap.as_deref().unwrap(),
+            summary(&by_b)
+        );
+    }
+    let final_id = final_snapshot["id"].as_u64().unwrap();
+    assert!(final_id > a_highest, "the current snapshot is numbered {final_id}, after replica-a's {a_highest}");
+
+    // The old leader never wrote after losing the lease, by the API server's own record.
+    let events = cluster.audit_events().unwrap().expect("our own cluster has an audit log");
+    let lease_taken = events
+        .iter()
+        .position(|e| {
+            replica(e) == Some("replica-b")
+                && is_write(e)
+                && succeeded(e)
+                && e["objectRef"]["resource"] == "leases"
+                && e["objectRef"]["name"] == lease.as_str()
+        })
+        .expect("replica-b's Lease write in the audit log");
+    let late: Vec<String> = events[lease_taken..]
+        .iter()
+        .filter(|e| replica(e) == Some("replica-a") && is_write(e) && e["objectRef"]["resource"] == "configmaps")
+        .map(|e| format!("{} {} {}", e["verb"], e["objectRef"]["name"], e["responseStatus"]["code"]))
+        .collect();
+    eprintln!("replica-a's ConfigMap requests after replica-b took the lease: {late:?}");
+    assert!(
+        late.iter().all(|r| !r.ends_with(" 200") && !r.ends_with(" 201")),
+        "replica-a wrote after losing the lease: {late:?}"
+    );
+    for op in [&mut a, &mut b] {
+        assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
+    }
+}
