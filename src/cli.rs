@@ -113,6 +113,13 @@ pub(crate) struct RunArgs {
     #[arg(long, env = "PUBLISH_TIMEOUT", default_value = "60s", value_parser = parse_positive_duration)]
     pub publish_timeout: Duration,
 
+    /// Longest time from SIGTERM to exit; keep it below the pod's
+    /// terminationGracePeriodSeconds. Publications and status writes in flight get what the
+    /// Lease release leaves of it and are cut off past that; the release always has its own
+    /// time at the end, so a slow API server never gets the pod killed before it.
+    #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = parse_positive_duration)]
+    pub shutdown_timeout: Duration,
+
     /// How often the snapshot ConfigMap and each resolver's status are compared with the
     /// cluster and repaired when deleted or edited.
     #[arg(long, env = "RESYNC_PERIOD", default_value = "5m", value_parser = parse_positive_duration)]
@@ -301,6 +308,7 @@ mod tests {
         assert!(r.namespaces.is_empty() && r.watches.is_empty());
         assert_eq!((r.kube_timeout, r.publish_timeout), (Duration::from_secs(10), Duration::from_secs(60)));
         assert_eq!(r.resync_period, Duration::from_secs(300));
+        assert_eq!(r.shutdown_timeout, Duration::from_secs(20));
         assert_eq!(r.address_env, ["HOST_IP"]);
     }
 
@@ -345,6 +353,7 @@ mod tests {
             (&["--leader-election-lease", "lease"][..], "--leader-election-lease"),
             (&["--leader-election-duration", "1500ms"][..], "--leader-election-duration"),
             (&["--kube-timeout", "0s"][..], "--kube-timeout"),
+            (&["--shutdown-timeout", "0s"][..], "--shutdown-timeout"),
             (&["--resync-period", "never"][..], "--resync-period"),
             (&["--address-env", "HOST-IP"][..], "--address-env"),
         ] {

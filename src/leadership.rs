@@ -129,7 +129,11 @@ impl LeaseConfig {
 /// expire on its own.
 pub(crate) struct Campaign {
     stop: CancellationToken,
-    task: JoinHandle<()>,
+    /// Ends with the lease as last seen, when it names us: what [`Campaign::release`] hands
+    /// back.
+    task: JoinHandle<Option<Lease>>,
+    api: Api<Lease>,
+    config: LeaseConfig,
 }
 
 impl Campaign {
@@ -138,16 +142,85 @@ impl Campaign {
         let (tx, until) = watch::channel(None);
         let stop = CancellationToken::new();
         let api: Api<Lease> = Api::namespaced(client, &config.lease.namespace);
-        let task = tokio::spawn(campaign(api, config, tx, stop.clone()));
-        (Leadership::new(until), Campaign { stop, task })
+        let task = tokio::spawn(campaign(api.clone(), config.clone(), tx, stop.clone()));
+        (Leadership::new(until), Campaign { stop, task, api, config })
     }
 
-    /// Stops campaigning and, if we hold the lease, hands it back so another replica
-    /// takes over at once instead of after the lease duration.
-    pub(crate) async fn release(self) {
-        self.stop.cancel();
-        let _ = self.task.await;
+    /// How long one release request may take: a Lease request's own limit. The shutdown
+    /// keeps at least this much of its budget for [`Campaign::release`].
+    pub(crate) fn release_time(&self) -> Duration {
+        self.config.request_timeout()
     }
+
+    /// Stops campaigning at once (a Lease request in flight is abandoned: it would only
+    /// renew what is about to be released) and, if the lease as last seen names us, hands
+    /// it back so another replica takes over at once instead of after the lease duration.
+    /// That is tried even when our leadership has lapsed (a slow API server): the write is
+    /// conditional on the version we saw, so it can never take the lease from a replica
+    /// that has acquired it since. Tried again after a quick failure, until `deadline`;
+    /// whatever happens, this returns by then.
+    pub(crate) async fn release(self, deadline: Instant) {
+        self.stop.cancel();
+        let Ok(Some(lease)) = self.task.await else { return };
+        hand_back(&self.api, &self.config, lease, deadline).await;
+    }
+}
+
+/// Writes `lease` with no holder (conditional on its resourceVersion) until it lands, the
+/// lease turns out not to be ours, or `deadline` passes.
+async fn hand_back(api: &Api<Lease>, config: &LeaseConfig, mut lease: Lease, deadline: Instant) {
+    let name = config.lease.name.as_str();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            tracing::warn!(lease = %config.lease, "out of time to release the leader lease; another replica takes over when it expires");
+            return;
+        }
+        let spec = lease.spec.get_or_insert_with(Default::default);
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+        match tokio::time::timeout(left, api.replace(name, &PostParams::default(), &lease)).await {
+            Ok(Ok(_)) => {
+                tracing::info!(lease = %config.lease, "released the leader lease");
+                return;
+            }
+            // Written since we saw it: our own renewal abandoned in flight may have landed
+            // late. Read it again, and release it if it still names us.
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
+                match tokio::time::timeout(left, api.get_opt(name)).await {
+                    Ok(Ok(Some(current))) if holds(&current, &config.identity) => lease = current,
+                    Ok(Ok(_)) => {
+                        tracing::info!(lease = %config.lease, "the leader lease is no longer ours; nothing to release");
+                        return;
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(lease = %config.lease, error = %e, "cannot read the leader lease to release it");
+                        tokio::time::sleep(RELEASE_RETRY.min(left)).await;
+                    }
+                    Err(_) => {}
+                }
+            }
+            Ok(Err(kube::Error::Api(s))) if s.code == 404 => {
+                tracing::info!(lease = %config.lease, "the leader lease is gone; nothing to release");
+                return;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(lease = %config.lease, error = %e, "cannot release the leader lease; trying again");
+                // A quick failure (connection refused, 5xx): the API server may be back in
+                // a moment, and the remaining time is the release's anyway.
+                tokio::time::sleep(RELEASE_RETRY.min(left)).await;
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// The pause between two release attempts after a quick failure.
+const RELEASE_RETRY: Duration = Duration::from_millis(250);
+
+/// Whether `lease` names `identity` as its holder.
+fn holds(lease: &Lease, identity: &str) -> bool {
+    lease.spec.as_ref().and_then(|s| s.holder_identity.as_deref()) == Some(identity)
 }
 
 fn record(lease: &Lease) -> LeaseRecord {
@@ -176,64 +249,80 @@ fn held(config: &LeaseConfig, now: Option<MicroTime>, transitions: i32) -> Lease
     }
 }
 
-async fn campaign(api: Api<Lease>, config: LeaseConfig, tx: watch::Sender<Option<Instant>>, stop: CancellationToken) {
+/// Campaigns until `stop`; returns the lease as last seen when it names us (for
+/// [`Campaign::release`]).
+async fn campaign(
+    api: Api<Lease>,
+    config: LeaseConfig,
+    tx: watch::Sender<Option<Instant>>,
+    stop: CancellationToken,
+) -> Option<Lease> {
     let name = config.lease.name.clone();
     let limit = config.request_timeout();
     let mut election = Election::new(config.identity.clone(), config.duration, config.renew_deadline());
     let mut last: Option<Lease> = None;
     loop {
-        match tokio::time::timeout(limit, api.get_opt(&name)).await {
-            Err(_) => tracing::warn!(lease = %config.lease, timeout = ?limit, "reading the leader lease timed out"),
-            Ok(Err(e)) => tracing::warn!(lease = %config.lease, error = %e, "cannot read the leader lease"),
-            Ok(Ok(current)) => {
-                // Observed when the answer arrived: a slow read must not make another
-                // replica's lease look older than it is.
-                let action = election.observe(current.as_ref().map(record).as_ref(), Instant::now());
-                let stamp = Some(MicroTime(Timestamp::now()));
-                // Leadership counts from before the write is sent: the others can only
-                // see it later.
-                let sent = Instant::now();
-                let write = match (action, current) {
-                    (Action::Wait, current) => {
-                        last = current;
-                        None
+        // One round: read the lease, and write it when it is ours to keep or take.
+        // Stopping abandons a request in flight: the release comes next, and a renewal
+        // would only be undone by it (and would delay it, on a slow API server).
+        let round = async {
+            match tokio::time::timeout(limit, api.get_opt(&name)).await {
+                Err(_) => tracing::warn!(lease = %config.lease, timeout = ?limit, "reading the leader lease timed out"),
+                Ok(Err(e)) => tracing::warn!(lease = %config.lease, error = %e, "cannot read the leader lease"),
+                Ok(Ok(current)) => {
+                    // Observed when the answer arrived: a slow read must not make another
+                    // replica's lease look older than it is.
+                    let action = election.observe(current.as_ref().map(record).as_ref(), Instant::now());
+                    let stamp = Some(MicroTime(Timestamp::now()));
+                    // Leadership counts from before the write is sent: the others can only
+                    // see it later.
+                    let sent = Instant::now();
+                    let write = match (action, current) {
+                        (Action::Wait, current) => {
+                            last = current;
+                            None
+                        }
+                        (Action::Create, _) => {
+                            let lease = Lease {
+                                metadata: ObjectMeta { name: Some(name.clone()), ..Default::default() },
+                                spec: Some(held(&config, stamp, 0)),
+                            };
+                            Some(tokio::time::timeout(limit, api.create(&PostParams::default(), &lease)).await)
+                        }
+                        (Action::Renew { .. }, Some(mut lease)) => {
+                            let spec = lease.spec.get_or_insert_with(Default::default);
+                            spec.renew_time = stamp;
+                            spec.lease_duration_seconds = Some(seconds(config.duration));
+                            Some(tokio::time::timeout(limit, api.replace(&name, &PostParams::default(), &lease)).await)
+                        }
+                        (Action::Acquire { transitions, .. }, Some(mut lease)) => {
+                            lease.spec = Some(held(&config, stamp, transitions));
+                            Some(tokio::time::timeout(limit, api.replace(&name, &PostParams::default(), &lease)).await)
+                        }
+                        (Action::Renew { .. } | Action::Acquire { .. }, None) => None,
+                    };
+                    match write {
+                        Some(Ok(Ok(lease))) => {
+                            election.written(sent);
+                            last = Some(lease);
+                        }
+                        Some(Ok(Err(kube::Error::Api(s)))) if s.code == 409 || s.code == 404 => {
+                            tracing::debug!(lease = %config.lease, "lost a race for the leader lease")
+                        }
+                        Some(Ok(Err(e))) => {
+                            tracing::warn!(lease = %config.lease, error = %e, "cannot write the leader lease")
+                        }
+                        Some(Err(_)) => {
+                            tracing::warn!(lease = %config.lease, timeout = ?limit, "writing the leader lease timed out")
+                        }
+                        None => {}
                     }
-                    (Action::Create, _) => {
-                        let lease = Lease {
-                            metadata: ObjectMeta { name: Some(name.clone()), ..Default::default() },
-                            spec: Some(held(&config, stamp, 0)),
-                        };
-                        Some(tokio::time::timeout(limit, api.create(&PostParams::default(), &lease)).await)
-                    }
-                    (Action::Renew { .. }, Some(mut lease)) => {
-                        let spec = lease.spec.get_or_insert_with(Default::default);
-                        spec.renew_time = stamp;
-                        spec.lease_duration_seconds = Some(seconds(config.duration));
-                        Some(tokio::time::timeout(limit, api.replace(&name, &PostParams::default(), &lease)).await)
-                    }
-                    (Action::Acquire { transitions, .. }, Some(mut lease)) => {
-                        lease.spec = Some(held(&config, stamp, transitions));
-                        Some(tokio::time::timeout(limit, api.replace(&name, &PostParams::default(), &lease)).await)
-                    }
-                    (Action::Renew { .. } | Action::Acquire { .. }, None) => None,
-                };
-                match write {
-                    Some(Ok(Ok(lease))) => {
-                        election.written(sent);
-                        last = Some(lease);
-                    }
-                    Some(Ok(Err(kube::Error::Api(s)))) if s.code == 409 || s.code == 404 => {
-                        tracing::debug!(lease = %config.lease, "lost a race for the leader lease")
-                    }
-                    Some(Ok(Err(e))) => {
-                        tracing::warn!(lease = %config.lease, error = %e, "cannot write the leader lease")
-                    }
-                    Some(Err(_)) => {
-                        tracing::warn!(lease = %config.lease, timeout = ?limit, "writing the leader lease timed out")
-                    }
-                    None => {}
                 }
             }
+        };
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            () = round => {}
         }
         let until = election.leader_until();
         if tx.send_if_modified(|u| std::mem::replace(u, until) != until) {
@@ -246,27 +335,21 @@ async fn campaign(api: Api<Lease>, config: LeaseConfig, tx: watch::Sender<Option
             _ = tokio::time::sleep_until(next) => {}
         }
     }
-    if election.is_leader(Instant::now()) {
-        election.released();
-        tx.send_replace(None);
-        if let Some(mut lease) = last {
-            let spec = lease.spec.get_or_insert_with(Default::default);
-            spec.holder_identity = None;
-            spec.lease_duration_seconds = Some(1);
-            match tokio::time::timeout(limit, api.replace(&name, &PostParams::default(), &lease)).await {
-                Ok(Ok(_)) => tracing::info!(lease = %config.lease, "released the leader lease"),
-                Ok(Err(e)) => {
-                    tracing::warn!(lease = %config.lease, error = %e, "cannot release the leader lease; it expires")
-                }
-                Err(_) => tracing::warn!(lease = %config.lease, "releasing the leader lease timed out; it expires"),
-            }
-        }
-    }
+    // Our writers have stopped (the runtime stops them first); from here we never lead.
+    election.released();
+    tx.send_replace(None);
+    last.filter(|l| holds(l, &config.identity))
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use serde_json::{Value, json};
+
     use super::*;
+    use crate::test_fixtures::{FakeApi, not_found, serve};
 
     #[tokio::test(start_paused = true)]
     async fn leadership_lapses_by_the_clock_without_any_news() {
@@ -305,6 +388,93 @@ mod tests {
         tokio::time::advance(Duration::from_secs(3)).await;
         let reported = tokio::time::timeout(Duration::from_millis(1), l.changed()).await;
         assert_eq!(reported, Ok(false), "the lapse that passed unobserved is reported at once");
+    }
+
+    /// A Lease held by a loopback API server: a write naming another resourceVersion is
+    /// refused with 409; GETs fail with 500 while `reads_fail`.
+    struct StoredLease {
+        lease: Mutex<Option<Value>>,
+        reads_fail: AtomicBool,
+    }
+
+    async fn lease_api(stored: Arc<StoredLease>) -> FakeApi {
+        serve(Arc::new(move |method: &str, _path: &str, body: &[u8]| {
+            let mut lease = stored.lease.lock().unwrap();
+            let version = |l: &Value| l["metadata"]["resourceVersion"].as_str().unwrap_or("0").parse::<u64>().unwrap();
+            match method {
+                "GET" if stored.reads_fail.load(Ordering::SeqCst) => (500, json!({"kind": "Status", "code": 500})),
+                "GET" => lease.clone().map_or_else(|| not_found("lead"), |l| (200, l)),
+                "POST" | "PUT" => {
+                    let mut sent: Value = serde_json::from_slice(body).unwrap();
+                    let current = lease.as_ref().map_or(0, version);
+                    if method == "PUT" && version(&sent) != current {
+                        return (409, json!({"kind": "Status", "code": 409, "reason": "Conflict"}));
+                    }
+                    sent["metadata"]["resourceVersion"] = json!((current + 1).to_string());
+                    sent["apiVersion"] = json!("coordination.k8s.io/v1");
+                    sent["kind"] = json!("Lease");
+                    *lease = Some(sent.clone());
+                    (if method == "POST" { 201 } else { 200 }, sent)
+                }
+                _ => (405, json!({})),
+            }
+        }))
+        .await
+    }
+
+    fn config(identity: &str) -> LeaseConfig {
+        let lease = LeaseRef { namespace: "ops".into(), name: "lead".into() };
+        LeaseConfig { lease, identity: identity.into(), duration: Duration::from_secs(2) }
+    }
+
+    fn lease_held_by(holder: &str, version: u64) -> Value {
+        json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": "lead", "namespace": "ops", "resourceVersion": version.to_string()},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 2}})
+    }
+
+    #[tokio::test]
+    async fn a_leader_whose_leadership_lapsed_still_hands_the_lease_back() {
+        // The API server stops answering reads (slow, overloaded): renewals stop, and
+        // leadership lapses by the clock. The lease still names us, and nobody can have
+        // taken it yet: releasing it is what lets the standby take over at once.
+        let stored = Arc::new(StoredLease { lease: Mutex::new(None), reads_fail: AtomicBool::new(false) });
+        let api = lease_api(stored.clone()).await;
+        let (mut leadership, campaign) = Campaign::spawn(api.client.clone(), config("a"));
+        assert!(tokio::time::timeout(Duration::from_secs(5), leadership.changed()).await.unwrap(), "leads");
+        stored.reads_fail.store(true, Ordering::SeqCst);
+        assert!(!tokio::time::timeout(Duration::from_secs(5), leadership.changed()).await.unwrap(), "lapsed");
+        api.take();
+        // Reads still fail: the release needs none (no renewal can sneak in before it).
+        campaign.release(Instant::now() + Duration::from_secs(2)).await;
+        assert_eq!(api.take(), ["PUT lead"], "one conditional write, on the version last seen");
+        let lease = stored.lease.lock().unwrap().clone().unwrap();
+        assert_eq!(lease["spec"]["holderIdentity"], Value::Null, "released: {lease}");
+        assert_eq!(lease["spec"]["leaseDurationSeconds"], 1);
+    }
+
+    #[tokio::test]
+    async fn a_release_never_takes_the_lease_from_whoever_holds_it_now() {
+        let stored = Arc::new(StoredLease { lease: Mutex::new(None), reads_fail: AtomicBool::new(false) });
+        let api = lease_api(stored.clone()).await;
+        let config = config("a");
+        let api_lease: Api<Lease> = Api::namespaced(api.client.clone(), "ops");
+        let ours: Lease = serde_json::from_value(lease_held_by("a", 3)).unwrap();
+        let deadline = || Instant::now() + Duration::from_secs(2);
+        // Renewed since we saw it (our own renewal, abandoned in flight, landed late): read
+        // again, still ours, released.
+        *stored.lease.lock().unwrap() = Some(lease_held_by("a", 4));
+        hand_back(&api_lease, &config, ours.clone(), deadline()).await;
+        assert_eq!(api.take(), ["PUT lead", "GET lead", "PUT lead"]);
+        assert_eq!(stored.lease.lock().unwrap().as_ref().unwrap()["spec"]["holderIdentity"], Value::Null);
+        // Taken by another replica since: left alone.
+        *stored.lease.lock().unwrap() = Some(lease_held_by("b", 7));
+        hand_back(&api_lease, &config, ours.clone(), deadline()).await;
+        assert_eq!(api.take(), ["PUT lead", "GET lead"]);
+        assert_eq!(stored.lease.lock().unwrap().as_ref().unwrap()["spec"]["holderIdentity"], "b");
+        // Out of time: nothing is sent.
+        hand_back(&api_lease, &config, ours, Instant::now()).await;
+        assert!(api.take().is_empty());
     }
 
     #[tokio::test(start_paused = true)]

@@ -353,14 +353,24 @@ impl ResolverController {
         }
     }
 
-    /// Lets the reconciles in flight finish (each is bounded by the leadership deadline),
-    /// then stops.
+    /// Lets the reconciles in flight finish (each is bounded by the leadership deadline)
+    /// for at most `within` (the shutdown's budget for them), starts no other, then stops.
+    /// Status writes still in flight then are cut off, with a log line: the next leader
+    /// reconciles every resolver at its takeover, so nothing is lost but time, and the
+    /// Lease release that follows is what lets it take over at once.
     pub(crate) async fn shutdown(mut self, within: Duration) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
         if tokio::time::timeout(within, &mut self.task).await.is_err() {
+            tracing::warn!(
+                "shutdown: status writes in flight cut off at the end of their share of --shutdown-timeout (the next \
+                 leader writes every resolver's status again)"
+            );
             self.task.abort();
+            // Waits until the reconciles are dropped, so none is still writing once the
+            // Lease is released.
+            let _ = (&mut self.task).await;
         }
     }
 }

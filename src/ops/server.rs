@@ -84,11 +84,6 @@ impl ServerMetrics {
         }
         Ok(m)
     }
-
-    #[cfg(test)]
-    pub(crate) fn collectors(&self) -> [&dyn prometheus::core::Collector; 2] {
-        [&self.connections, &self.closed]
-    }
 }
 
 /// One open connection, as far as the cap is concerned.

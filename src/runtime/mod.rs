@@ -103,8 +103,52 @@ fn identity(args: &RunArgs) -> String {
     })
 }
 
+/// How the time from SIGTERM to exit (`--shutdown-timeout`) is shared (docs/operations.md,
+/// "Shutdown and the grace period"). The pod's terminationGracePeriodSeconds covers all of
+/// it plus a margin: past the grace period the kubelet kills the process, and a leader
+/// killed before it released the Lease leaves the standby waiting out the lease duration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ShutdownBudget {
+    /// When the writers still in flight (publications, status writes) are cut off.
+    writers_until: Instant,
+    /// When the shutdown ends, the Lease release included.
+    until: Instant,
+    /// What the Lease release is always left, at the end.
+    release: Duration,
+}
+
+impl ShutdownBudget {
+    /// `total` from `signalled`, its last `release` (at most half of it) kept for the Lease
+    /// release. The writers stop first, so no write of ours lands after the Lease is handed
+    /// over; they get the rest, publishers and status controller side by side, as they
+    /// write different objects.
+    fn new(signalled: Instant, total: Duration, release: Duration) -> ShutdownBudget {
+        let release = release.min(total / 2);
+        let until = signalled + total;
+        ShutdownBudget { writers_until: until - release, until, release }
+    }
+
+    /// When the Lease release must be done, starting `now`: by the end of the budget, and
+    /// never with less than its own time (the event loop may have been slow to return, in
+    /// a takeover's read bounded by --kube-timeout; the grace period's margin covers it).
+    fn release_until(&self, now: Instant) -> Instant {
+        self.until.max(now + self.release)
+    }
+}
+
+/// When `shutdown` was signalled (the budget counts from there, not from when the event
+/// loop got round to returning).
+fn signalled(shutdown: &CancellationToken) -> tokio::task::JoinHandle<Instant> {
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        shutdown.cancelled().await;
+        Instant::now()
+    })
+}
+
 pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
     let started = Instant::now();
+    let signalled = signalled(&shutdown);
     let identity = identity(&args);
     let client = crate::kube_client::client(&identity, args.kube_timeout)
         .await
@@ -208,13 +252,45 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         env,
     };
     let (controller, watches, outlets) = event_loop.run(shutdown).await;
-    outlets.shutdown().await;
-    controller.shutdown(args.kube_timeout).await;
+    let signalled = signalled.await.unwrap_or_else(|_| Instant::now());
+    // A Lease request's own limit, within the client's --kube-timeout.
+    let release = campaign.as_ref().map_or(Duration::ZERO, |c| c.release_time().min(args.kube_timeout));
+    let budget = ShutdownBudget::new(signalled, args.shutdown_timeout, release);
+    let within = budget.writers_until.saturating_duration_since(Instant::now());
+    tracing::info!(
+        writers_within = ?within,
+        all_within = ?budget.until.saturating_duration_since(Instant::now()),
+        "shutdown: publications and status writes in flight may finish, then what is left is cut off and the Lease \
+         (with leader election) released"
+    );
+    tokio::join!(outlets.shutdown(budget.writers_until), controller.shutdown(within));
     if let Some(campaign) = campaign {
-        campaign.release().await;
+        campaign.release(budget.release_until(Instant::now())).await;
     }
     drop(watches);
     let _ = server.await;
     tracing::info!("stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shutdown_budget_keeps_the_lease_release_its_time_at_the_end() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        // The defaults: 20 s, of which the release (a third of the 15 s lease) keeps 5 s.
+        let b = ShutdownBudget::new(t0, s(20), s(5));
+        assert_eq!((b.writers_until, b.until), (t0 + s(15), t0 + s(20)));
+        assert_eq!(b.release_until(t0 + s(3)), t0 + s(20), "writers done early: the release has the rest");
+        // The event loop returned late: the release still gets its own time.
+        assert_eq!(b.release_until(t0 + s(18)), t0 + s(23));
+        // A release longer than half the budget leaves the writers the other half.
+        let b = ShutdownBudget::new(t0, s(6), s(10));
+        assert_eq!((b.writers_until, b.until), (t0 + s(3), t0 + s(6)));
+        // Without leader election, the writers have it all.
+        assert_eq!(ShutdownBudget::new(t0, s(20), Duration::ZERO).writers_until, t0 + s(20));
+    }
 }

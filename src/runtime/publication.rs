@@ -45,8 +45,20 @@ pub(super) struct Outlets {
     /// Wakes the ConfigMap outlet when it is armed.
     armed_changed: Arc<Notify>,
     stop: CancellationToken,
-    tasks: Vec<JoinHandle<()>>,
+    tasks: Vec<Running>,
 }
+
+/// One outlet's task, and what it is delivering (for the log line when shutdown cuts it
+/// off).
+struct Running {
+    name: &'static str,
+    delivering: Delivering,
+    task: JoinHandle<()>,
+}
+
+/// The id of the snapshot an outlet is delivering, if any (none while the ConfigMap outlet
+/// repairs).
+type Delivering = Arc<Mutex<Option<u64>>>;
 
 /// How one outlet works.
 pub(super) struct OutletConfig {
@@ -71,14 +83,12 @@ impl Outlets {
         let armed_changed = Arc::new(Notify::new());
         let stop = CancellationToken::new();
         let config = Arc::new(config);
-        let mut tasks: Vec<JoinHandle<()>> = local
-            .into_iter()
-            .map(|p| {
-                let outlet =
-                    Outlet { publisher: p, latest: latest.subscribe(), gate: Gate::Always, config: config.clone() };
-                tokio::spawn(outlet.run(stop.clone()))
-            })
-            .collect();
+        let spawn = |publisher: Arc<dyn Publisher>, gate: Gate, config: Arc<OutletConfig>| {
+            let (name, delivering) = (publisher.name(), Delivering::default());
+            let outlet = Outlet { publisher, latest: latest.subscribe(), gate, config, delivering: delivering.clone() };
+            Running { name, delivering, task: tokio::spawn(outlet.run(stop.clone())) }
+        };
+        let mut tasks: Vec<Running> = local.into_iter().map(|p| spawn(p, Gate::Always, config.clone())).collect();
         if let Some(c) = &configmap {
             let gate = Gate::Leading {
                 leadership: leadership.clone(),
@@ -86,8 +96,7 @@ impl Outlets {
                 armed_changed: armed_changed.clone(),
                 repair: c.clone(),
             };
-            let outlet = Outlet { publisher: c.clone(), latest: latest.subscribe(), gate, config };
-            tasks.push(tokio::spawn(outlet.run(stop.clone())));
+            tasks.push(spawn(c.clone(), gate, config));
         }
         Outlets { latest, configmap, armed, armed_changed, stop, tasks }
     }
@@ -122,12 +131,28 @@ impl Outlets {
         *self.armed.lock().expect("armed lock") = None;
     }
 
-    /// Lets each outlet finish the delivery it has in flight (each within its deadline),
-    /// then stops them.
-    pub(super) async fn shutdown(self) {
+    /// Lets each outlet finish the delivery it has in flight until `deadline` (the
+    /// shutdown's budget for it), starts no other, and cuts off, with a log line, what is
+    /// still running then. A cut-off delivery is no loss worth the pod being killed before
+    /// the Lease is released: the next leader writes the current snapshot again at its
+    /// takeover, and the next process runs the hook on its first snapshot.
+    pub(super) async fn shutdown(self, deadline: Instant) {
         self.stop.cancel();
-        for task in self.tasks {
-            let _ = task.await;
+        for mut running in self.tasks {
+            if tokio::time::timeout_at(deadline, &mut running.task).await.is_ok() {
+                continue;
+            }
+            let id = *running.delivering.lock().expect("delivering lock");
+            tracing::warn!(
+                publisher = running.name,
+                id,
+                "shutdown: delivery cut off at the end of its share of --shutdown-timeout (the next leader writes \
+                 the current snapshot again; the next process runs the hook on its first snapshot)"
+            );
+            running.task.abort();
+            // Waits until the task is dropped: its request is abandoned (the hook killed)
+            // before the Lease is released.
+            let _ = running.task.await;
         }
     }
 }
@@ -170,6 +195,7 @@ struct Outlet {
     latest: Latest,
     gate: Gate,
     config: Arc<OutletConfig>,
+    delivering: Delivering,
 }
 
 impl Outlet {
@@ -187,7 +213,10 @@ impl Outlet {
             let due = latest.filter(|s| Some(s.id) != delivered && self.gate.admits(s));
             let waiting = retry_at.is_some_and(|at| Instant::now() < at);
             if let Some(snapshot) = due.filter(|_| !waiting) {
-                match self.deliver(&snapshot).await {
+                *self.delivering.lock().expect("delivering lock") = Some(snapshot.id);
+                let delivered_now = self.deliver(&snapshot).await;
+                *self.delivering.lock().expect("delivering lock") = None;
+                match delivered_now {
                     Ok(()) => {
                         delivered = Some(snapshot.id);
                         failures = 0;
@@ -271,5 +300,64 @@ impl Outlet {
                 metrics.publish_failures.with_label_values(&["configmap", e.reason()]).inc();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use futures::FutureExt;
+    use futures::future::BoxFuture;
+
+    use super::*;
+    use crate::test_fixtures::content;
+
+    /// A publisher whose every delivery takes `takes`, counting those it finished.
+    struct Slow {
+        name: &'static str,
+        takes: Duration,
+        finished: Arc<AtomicU32>,
+    }
+
+    impl Publisher for Slow {
+        fn name(&self) -> &'static str {
+            self.name
+        }
+
+        fn publish(&self, _: Arc<Snapshot>) -> BoxFuture<'static, Result<(), PublishError>> {
+            let (takes, finished) = (self.takes, self.finished.clone());
+            async move {
+                tokio::time::sleep(takes).await;
+                finished.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }
+            .boxed()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_lets_deliveries_finish_until_its_deadline_and_cuts_off_the_rest() {
+        let quick = Arc::new(AtomicU32::new(0));
+        let hung = Arc::new(AtomicU32::new(0));
+        let publishers: Vec<Arc<dyn Publisher>> = vec![
+            Arc::new(Slow { name: "quick", takes: Duration::from_secs(2), finished: quick.clone() }),
+            Arc::new(Slow { name: "hook", takes: Duration::from_secs(3600), finished: hung.clone() }),
+        ];
+        let config = OutletConfig {
+            timeout: Duration::from_secs(7200),
+            resync_period: Duration::from_secs(300),
+            metrics: Metrics::new(),
+        };
+        let outlets = Outlets::start(publishers, None, &Leadership::always(), config);
+        outlets.offer(Arc::new(Snapshot::new(1, "sha256:1".into(), content(vec![]), b"{}")));
+        while outlets.tasks.iter().any(|r| r.delivering.lock().unwrap().is_none()) {
+            tokio::task::yield_now().await;
+        }
+        let started = Instant::now();
+        outlets.shutdown(started + Duration::from_secs(5)).await;
+        assert_eq!(started.elapsed(), Duration::from_secs(5), "cut off at the deadline, not after the hour");
+        assert_eq!(quick.load(Ordering::SeqCst), 1, "the delivery that fits finished");
+        assert_eq!(hung.load(Ordering::SeqCst), 0);
     }
 }
