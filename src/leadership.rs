@@ -12,6 +12,7 @@
 //! Lease writes are conditional on the resourceVersion just read, so two replicas racing
 //! for a free lease cannot both win: the loser gets a 409 and sees the winner next time.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -25,6 +26,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::LeaseRef;
+use crate::ops::health::Vitals;
 use consul_resolver_core::election::{Action, Election, LeaseRecord};
 
 /// Whether, and until when, this replica may write to the cluster. Cheap to clone.
@@ -138,11 +140,12 @@ pub(crate) struct Campaign {
 
 impl Campaign {
     /// Starts campaigning.
-    pub(crate) fn spawn(client: kube::Client, config: LeaseConfig) -> (Leadership, Campaign) {
+    pub(crate) fn spawn(client: kube::Client, config: LeaseConfig, vitals: &Arc<Vitals>) -> (Leadership, Campaign) {
         let (tx, until) = watch::channel(None);
         let stop = CancellationToken::new();
         let api: Api<Lease> = Api::namespaced(client, &config.lease.namespace);
-        let task = tokio::spawn(campaign(api.clone(), config.clone(), tx, stop.clone()));
+        let task =
+            tokio::spawn(vitals.watch("leader election", campaign(api.clone(), config.clone(), tx, stop.clone())));
         (Leadership::new(until), Campaign { stop, task, api, config })
     }
 
@@ -440,7 +443,8 @@ mod tests {
         // taken it yet: releasing it is what lets the standby take over at once.
         let stored = Arc::new(StoredLease { lease: Mutex::new(None), reads_fail: AtomicBool::new(false) });
         let api = lease_api(stored.clone()).await;
-        let (mut leadership, campaign) = Campaign::spawn(api.client.clone(), config("a"));
+        let (mut leadership, campaign) =
+            Campaign::spawn(api.client.clone(), config("a"), &Vitals::new(CancellationToken::new()));
         assert!(tokio::time::timeout(Duration::from_secs(5), leadership.changed()).await.unwrap(), "leads");
         stored.reads_fail.store(true, Ordering::SeqCst);
         assert!(!tokio::time::timeout(Duration::from_secs(5), leadership.changed()).await.unwrap(), "lapsed");

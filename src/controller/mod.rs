@@ -35,6 +35,7 @@ use tokio::task::JoinHandle;
 
 use crate::kube_client::{FIELD_MANAGER, error_reason, status_code};
 use crate::leadership::Leadership;
+use crate::ops::health::Vitals;
 use crate::ops::metrics::Metrics;
 use consul_resolver_api::resolver::ConsulResolver;
 use consul_resolver_api::resolver::{GROUP, KIND};
@@ -235,6 +236,7 @@ impl ResolverController {
         identity: String,
         metrics: Metrics,
         resync: Duration,
+        vitals: &Arc<Vitals>,
     ) -> ResolverController {
         let resource = ApiResource::erase::<ConsulResolver>(&());
         let writer = Writer::new(resource.clone());
@@ -278,7 +280,7 @@ impl ResolverController {
             latest,
             ctx,
             stop: Some(stop),
-            task: tokio::spawn(controller),
+            task: tokio::spawn(vitals.watch("status controller", controller)),
         }
     }
 
@@ -453,6 +455,7 @@ mod tests {
             "test".into(),
             metrics.clone(),
             Duration::from_secs(3600),
+            &Vitals::new(tokio_util::sync::CancellationToken::new()),
         );
         let snapshot = |id| Arc::new(content(vec![resolver_entry("shop", "consul")]).into_snapshot(id));
 

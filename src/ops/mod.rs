@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::publishers::gunzip;
 use crate::publishers::http::{Body, KEPT, SnapshotStore};
-use health::Heartbeat;
+use health::{Heartbeat, Vitals};
 use metrics::Metrics;
 
 /// Shared state the server reads.
@@ -33,6 +33,8 @@ pub(crate) struct ServerState {
     /// Beaten by the event loop; `/healthz` fails when it is older than `heartbeat_timeout`.
     pub heartbeat: Arc<Heartbeat>,
     pub heartbeat_timeout: Duration,
+    /// The background tasks; `/healthz` fails when one ended before shutdown.
+    pub vitals: Arc<Vitals>,
 }
 
 fn respond(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
@@ -59,7 +61,11 @@ async fn route(state: ServerState, req: Request<Incoming>) -> Response<Full<Byte
     }
     let path = req.uri().path();
     match path {
-        "/healthz" => match state.heartbeat.check(tokio::time::Instant::now(), state.heartbeat_timeout) {
+        "/healthz" => match state
+            .heartbeat
+            .check(tokio::time::Instant::now(), state.heartbeat_timeout)
+            .and_then(|()| state.vitals.check())
+        {
             Ok(()) => respond(StatusCode::OK, "text/plain", "ok\n"),
             Err(why) => respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("{why}\n")),
         },
@@ -110,8 +116,9 @@ pub(crate) async fn serve(
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let metrics = state.metrics.ops_server.clone();
+    let vitals = state.vitals.clone();
     let handle = move |req: Request<Incoming>| route(state.clone(), req);
-    let task = tokio::spawn(server::run(listener, limits, metrics, shutdown, handle));
+    let task = tokio::spawn(vitals.watch("ops server", server::run(listener, limits, metrics, shutdown, handle)));
     Ok((bound, task))
 }
 
@@ -130,12 +137,14 @@ mod tests {
     async fn healthz_fails_with_the_reason_when_the_heartbeat_is_stale() {
         let timeout = Duration::from_secs(60);
         let heartbeat = Arc::new(Heartbeat::new(tokio::time::Instant::now()));
+        let vitals = Vitals::new(CancellationToken::new());
         let state = ServerState {
             store: Arc::default(),
             metrics: Metrics::new(),
             ready: Arc::default(),
             heartbeat: heartbeat.clone(),
             heartbeat_timeout: timeout,
+            vitals: vitals.clone(),
         };
         let shutdown = CancellationToken::new();
         let (addr, task) =
@@ -149,6 +158,11 @@ mod tests {
         assert_eq!(get(addr, "/readyz").await.0, 503, "readiness is its own question");
         heartbeat.beat(tokio::time::Instant::now());
         assert_eq!(get(addr, "/healthz").await.0, 200);
+        // A background task gone: unhealthy, and says which.
+        tokio::spawn(vitals.watch("status controller", async {})).await.unwrap();
+        let (status, body) = get(addr, "/healthz").await;
+        assert_eq!(status, 503);
+        assert!(body.contains("the status controller task returned"), "{body}");
         shutdown.cancel();
         task.await.unwrap();
     }
@@ -160,6 +174,7 @@ mod tests {
             ready: Arc::default(),
             heartbeat: Arc::new(Heartbeat::new(tokio::time::Instant::now())),
             heartbeat_timeout: Duration::from_secs(60),
+            vitals: Vitals::new(CancellationToken::new()),
         }
     }
 

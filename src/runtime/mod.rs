@@ -26,7 +26,7 @@ use crate::cli::RunArgs;
 use crate::controller::ResolverController;
 use crate::leadership::{Campaign, Leadership, LeaseConfig};
 use crate::ops::ServerState;
-use crate::ops::health::Heartbeat;
+use crate::ops::health::{Heartbeat, Vitals};
 use crate::ops::metrics::Metrics;
 use crate::publishers::Publisher;
 use crate::publishers::configmap::ConfigMapPublisher;
@@ -157,12 +157,14 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
     let store = Arc::new(SnapshotStore::default());
     let ready = Arc::new(AtomicBool::new(false));
     let heartbeat = Arc::new(Heartbeat::new(started));
+    let vitals = Vitals::new(shutdown.clone());
     let state = ServerState {
         store: store.clone(),
         metrics: metrics.clone(),
         ready: ready.clone(),
         heartbeat: heartbeat.clone(),
         heartbeat_timeout: args.heartbeat_timeout,
+        vitals: vitals.clone(),
     };
     let (bound, server) = crate::ops::serve(args.listen, state, crate::ops::server::Limits::DEFAULT, shutdown.clone())
         .await
@@ -204,7 +206,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         Some(lease) => {
             tracing::info!(%lease, %identity, "campaigning for the leader lease");
             let config = LeaseConfig { lease, identity: identity.clone(), duration: args.leader_election_duration };
-            let (leadership, campaign) = Campaign::spawn(client.clone(), config);
+            let (leadership, campaign) = Campaign::spawn(client.clone(), config, &vitals);
             (leadership, Some(campaign))
         }
         None => (Leadership::always(), None),
@@ -225,7 +227,12 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         local,
         configmap,
         &leadership,
-        OutletConfig { timeout: publish_timeout, resync_period: args.resync_period, metrics: metrics.clone() },
+        OutletConfig {
+            timeout: publish_timeout,
+            resync_period: args.resync_period,
+            metrics: metrics.clone(),
+            vitals: vitals.clone(),
+        },
     );
     let controller = ResolverController::spawn(
         client.clone(),
@@ -233,6 +240,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         identity.clone(),
         metrics.clone(),
         args.resync_period,
+        &vitals,
     );
 
     let event_loop = EventLoop {

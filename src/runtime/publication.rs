@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::leadership::Leadership;
+use crate::ops::health::Vitals;
 use crate::ops::metrics::Metrics;
 use crate::publishers::configmap::ConfigMapPublisher;
 use crate::publishers::{PublishError, Publisher};
@@ -67,6 +68,8 @@ pub(super) struct OutletConfig {
     /// How often the ConfigMap is compared with what was written, and repaired.
     pub(super) resync_period: Duration,
     pub(super) metrics: Metrics,
+    /// A task that ends before shutdown fails `/healthz`.
+    pub(super) vitals: Arc<Vitals>,
 }
 
 impl Outlets {
@@ -85,8 +88,9 @@ impl Outlets {
         let config = Arc::new(config);
         let spawn = |publisher: Arc<dyn Publisher>, gate: Gate, config: Arc<OutletConfig>| {
             let (name, delivering) = (publisher.name(), Delivering::default());
+            let vitals = config.vitals.clone();
             let outlet = Outlet { publisher, latest: latest.subscribe(), gate, config, delivering: delivering.clone() };
-            Running { name, delivering, task: tokio::spawn(outlet.run(stop.clone())) }
+            Running { name, delivering, task: tokio::spawn(vitals.watch(name, outlet.run(stop.clone()))) }
         };
         let mut tasks: Vec<Running> = local.into_iter().map(|p| spawn(p, Gate::Always, config.clone())).collect();
         if let Some(c) = &configmap {
@@ -348,6 +352,7 @@ mod tests {
             timeout: Duration::from_secs(7200),
             resync_period: Duration::from_secs(300),
             metrics: Metrics::new(),
+            vitals: Vitals::new(CancellationToken::new()),
         };
         let outlets = Outlets::start(publishers, None, &Leadership::always(), config);
         outlets.offer(Arc::new(Snapshot::new(1, "sha256:1".into(), content(vec![]), b"{}")));
