@@ -258,6 +258,8 @@ const CLUSTER_WIDE: &[(&str, &str, &str)] = &[
     ("discovery.k8s.io", "endpointslices", "watch"),
     ("", "endpoints", "list"),
     ("", "endpoints", "watch"),
+    ("", "namespaces", "list"),
+    ("", "namespaces", "watch"),
     ("events.k8s.io", "events", "create"),
     ("events.k8s.io", "events", "patch"),
 ];

@@ -573,6 +573,19 @@ fn resolver_lookup_across_namespaces_and_ambiguous_names_are_reported() {
         })
         .unwrap();
     assert_eq!(ports(&snap, &y, "private", &svc), None, "its watch stopped: {snap}");
+    // Shared by a namespace selector: the Mapping follows its namespace's labels.
+    let selector = "{\"spec\":{\"allowedNamespaces\":{\"from\":\"Selector\",\"selector\":{\"matchLabels\":{\"consul-access\":\"lookup\"}}}}}";
+    cluster.kubectl(&["-n", &y, "patch", "cres", "private", "--type", "merge", "-p", selector]).unwrap();
+    cluster.kubectl(&["label", "namespace", &home, "consul-access=lookup"]).unwrap();
+    op.wait_snapshot("served once the namespace is labelled", T, |s| {
+        target(s, &home, "private") == Some(consul_target(&y, "private"))
+    })
+    .unwrap();
+    cluster.kubectl(&["label", "namespace", &home, "consul-access-"]).unwrap();
+    op.wait_snapshot("refused once the label is gone", T, |s| {
+        target(s, &home, "private") == Some(serde_json::json!({"type": "unresolved"}))
+    })
+    .unwrap();
 
     // Once only one `shared` is left, the ambiguous Mapping resolves to it.
     cluster.kubectl(&["-n", &x, "delete", "consulresolvers.consulresolver.io", "shared"]).unwrap();
@@ -602,7 +615,11 @@ fn the_schema_refuses_bad_query_options_at_apply() {
         ("  healthStatuses: []\n", "spec.healthStatuses"),
         ("  addressType: \"Lan IPv4\"\n", "spec.addressType"),
         ("  tags: [\"\"]\n", "spec.tags"),
-        ("  allowedNamespaces: {from: Selector}\n", "spec.allowedNamespaces.from"),
+        ("  allowedNamespaces: {from: Some}\n", "spec.allowedNamespaces.from"),
+        (
+            "  allowedNamespaces: {from: Selector, selector: {matchExpressions: [{key: a, operator: Equals}]}}\n",
+            "spec.allowedNamespaces.selector.matchExpressions",
+        ),
     ] {
         let err = cluster.apply(&resolver_yaml(&ns, "bad", "127.0.0.1:8500", extra)).unwrap_err().to_string();
         assert!(err.contains(field), "{extra:?} refused naming {field}: {err}");

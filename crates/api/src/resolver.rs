@@ -9,6 +9,7 @@ use kube::CustomResource;
 #[cfg(feature = "crd")]
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 #[cfg(feature = "crd")]
 use crate::status::ConsulResolverStatus;
@@ -173,25 +174,106 @@ pub struct ConsulResolverSpec {
 #[serde(rename_all = "camelCase")]
 pub struct AllowedNamespaces {
     /// `Same` (the default): only the resolver's own namespace. `All`: every namespace the
-    /// operator watches.
+    /// operator watches. `Selector`: its own and those whose labels match `selector`.
     #[serde(default)]
     pub from: FromNamespaces,
+
+    /// With `from: Selector`, the namespaces' labels to match (as a Kubernetes label
+    /// selector: `matchLabels` and `matchExpressions`, all of them must hold). Absent, it
+    /// matches no other namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<NamespaceSelector>,
 }
 
-/// Where the Mappings that may use a resolver come from (Gateway API's `FromNamespaces`,
-/// without `Selector`).
+/// Where the Mappings that may use a resolver come from (Gateway API's `FromNamespaces`).
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "crd", derive(JsonSchema))]
 pub enum FromNamespaces {
     #[default]
     Same,
     All,
+    Selector,
+}
+
+/// A label selector over namespaces (Kubernetes' `LabelSelector`).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "crd", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct NamespaceSelector {
+    /// Labels a namespace must carry, with these values.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub match_labels: Option<BTreeMap<String, String>>,
+    /// Requirements a namespace's labels must meet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(max = 32)))]
+    pub match_expressions: Option<Vec<LabelRequirement>>,
+}
+
+/// One requirement of a namespace selector.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "crd", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct LabelRequirement {
+    pub key: String,
+    pub operator: LabelOperator,
+    /// The values for `In` and `NotIn` (at least one); none for `Exists` and `DoesNotExist`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub values: Option<Vec<String>>,
+}
+
+/// How a requirement compares a label.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "crd", derive(JsonSchema))]
+pub enum LabelOperator {
+    In,
+    NotIn,
+    Exists,
+    DoesNotExist,
+}
+
+impl NamespaceSelector {
+    /// Whether `labels` meet the selector, as the API server decides it. A requirement
+    /// that cannot hold as written (`In` without values, `Exists` with some) matches
+    /// nothing, rather than everything.
+    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+        let by_label = self.match_labels.iter().flatten().all(|(k, v)| labels.get(k) == Some(v));
+        by_label
+            && self.match_expressions.iter().flatten().all(|r| {
+                let values = r.values.as_deref().unwrap_or_default();
+                let value = labels.get(&r.key);
+                match r.operator {
+                    LabelOperator::In => !values.is_empty() && value.is_some_and(|v| values.contains(v)),
+                    LabelOperator::NotIn => !values.is_empty() && value.is_none_or(|v| !values.contains(v)),
+                    LabelOperator::Exists => values.is_empty() && value.is_some(),
+                    LabelOperator::DoesNotExist => values.is_empty() && value.is_none(),
+                }
+            })
+    }
 }
 
 impl ConsulResolverSpec {
-    /// Whether Mappings in `namespace` may use this resolver, itself in `own_namespace`.
-    pub fn serves_namespace(&self, own_namespace: &str, namespace: &str) -> bool {
-        namespace == own_namespace || self.allowed_namespaces.as_ref().is_some_and(|a| a.from == FromNamespaces::All)
+    /// Whether Mappings in `namespace`, whose labels are `labels` (`None`: not known), may
+    /// use this resolver, itself in `own_namespace`.
+    pub fn serves_namespace(
+        &self,
+        own_namespace: &str,
+        namespace: &str,
+        labels: Option<&BTreeMap<String, String>>,
+    ) -> bool {
+        if namespace == own_namespace {
+            return true;
+        }
+        let Some(allowed) = &self.allowed_namespaces else { return false };
+        match allowed.from {
+            FromNamespaces::Same => false,
+            FromNamespaces::All => true,
+            FromNamespaces::Selector => allowed.selector.as_ref().zip(labels).is_some_and(|(s, l)| s.matches(l)),
+        }
+    }
+
+    /// Whether whom it serves depends on namespaces' labels.
+    pub fn selects_namespaces(&self) -> bool {
+        self.allowed_namespaces.as_ref().is_some_and(|a| a.from == FromNamespaces::Selector)
     }
 }
 
@@ -322,5 +404,61 @@ mod tests {
         assert_eq!(ConsulResolver::group(&()), GROUP);
         assert_eq!(ConsulResolver::version(&()), VERSION);
         assert_eq!(ConsulResolver::kind(&()), KIND);
+    }
+}
+
+#[cfg(test)]
+mod sharing_tests {
+    use super::*;
+
+    fn spec(allowed: serde_json::Value) -> ConsulResolverSpec {
+        serde_json::from_value(serde_json::json!({"address": "127.0.0.1:8500", "allowedNamespaces": allowed})).unwrap()
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn whom_a_resolver_serves() {
+        let team = labels(&[("team", "shop"), ("env", "prod")]);
+        let other = labels(&[("team", "blog")]);
+        let unshared: ConsulResolverSpec = serde_json::from_value(serde_json::json!({"address": "a:1"})).unwrap();
+        assert!(unshared.serves_namespace("a", "a", None), "its own namespace, always");
+        assert!(!unshared.serves_namespace("a", "b", Some(&team)), "absent is Same");
+        assert!(!spec(serde_json::json!({"from": "Same"})).serves_namespace("a", "b", Some(&team)));
+        assert!(spec(serde_json::json!({"from": "All"})).serves_namespace("a", "b", None));
+
+        let by_label = spec(serde_json::json!({"from": "Selector", "selector": {"matchLabels": {"team": "shop"}}}));
+        assert!(by_label.selects_namespaces());
+        assert!(by_label.serves_namespace("a", "b", Some(&team)));
+        assert!(!by_label.serves_namespace("a", "b", Some(&other)));
+        assert!(!by_label.serves_namespace("a", "b", None), "labels not known: not served");
+        assert!(!spec(serde_json::json!({"from": "Selector"})).serves_namespace("a", "b", Some(&team)), "no selector");
+        let empty = spec(serde_json::json!({"from": "Selector", "selector": {}}));
+        assert!(empty.serves_namespace("a", "b", Some(&other)), "an empty selector selects every namespace");
+
+        let expr = |op: &str, values: serde_json::Value| {
+            spec(serde_json::json!({"from": "Selector", "selector": {"matchExpressions": [
+                {"key": "team", "operator": op, "values": values}]}}))
+        };
+        assert!(expr("In", serde_json::json!(["shop", "pay"])).serves_namespace("a", "b", Some(&team)));
+        assert!(!expr("In", serde_json::json!(["pay"])).serves_namespace("a", "b", Some(&team)));
+        assert!(!expr("In", serde_json::json!([])).serves_namespace("a", "b", Some(&team)), "In without values");
+        assert!(expr("NotIn", serde_json::json!(["blog"])).serves_namespace("a", "b", Some(&team)));
+        assert!(expr("NotIn", serde_json::json!(["blog"])).serves_namespace("a", "b", Some(&labels(&[]))));
+        assert!(!expr("NotIn", serde_json::json!(["blog"])).serves_namespace("a", "b", Some(&other)));
+        assert!(expr("Exists", serde_json::json!(null)).serves_namespace("a", "b", Some(&other)));
+        assert!(
+            !expr("Exists", serde_json::json!(["x"])).serves_namespace("a", "b", Some(&other)),
+            "Exists with values"
+        );
+        assert!(expr("DoesNotExist", serde_json::json!(null)).serves_namespace("a", "b", Some(&labels(&[]))));
+        assert!(!expr("DoesNotExist", serde_json::json!(null)).serves_namespace("a", "b", Some(&other)));
+        // matchLabels and matchExpressions: both must hold.
+        let both = spec(serde_json::json!({"from": "Selector", "selector": {"matchLabels": {"env": "prod"},
+            "matchExpressions": [{"key": "team", "operator": "In", "values": ["shop"]}]}}));
+        assert!(both.serves_namespace("a", "b", Some(&team)));
+        assert!(!both.serves_namespace("a", "b", Some(&labels(&[("team", "shop")]))));
     }
 }

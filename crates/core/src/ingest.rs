@@ -23,6 +23,7 @@ pub(crate) enum Reading {
     Secret,
     EndpointSlices,
     Endpoints,
+    Namespace,
     Json,
 }
 
@@ -40,6 +41,7 @@ impl Reading {
             ("", "Secret") => Reading::Secret,
             ("discovery.k8s.io", "EndpointSlice") => Reading::EndpointSlices,
             ("", "Endpoints") => Reading::Endpoints,
+            ("", "Namespace") => Reading::Namespace,
             _ => Reading::Json,
         }
     }
@@ -52,6 +54,7 @@ impl Reading {
             Reading::Secret => Decoded::Secret(secret_data(value)),
             Reading::EndpointSlices => Decoded::Endpoints(kube_endpoints::from_slice(value)),
             Reading::Endpoints => Decoded::Endpoints(kube_endpoints::from_endpoints(value)),
+            Reading::Namespace => Decoded::Labels(labels_of(value)),
             Reading::Json => Decoded::Json,
         };
         // Resolvers keep their JSON for the status controller; `--watch` objects are JSON.
@@ -64,6 +67,12 @@ impl Reading {
     pub(crate) fn same(self, a: &Stored, b: &Stored) -> bool {
         a.decoded == b.decoded && (self != Reading::Json || a.raw == b.raw)
     }
+}
+
+/// `metadata.labels`; values that are not strings are left out (the API server has none).
+fn labels_of(value: &Value) -> BTreeMap<String, String> {
+    let labels = value.pointer("/metadata/labels").and_then(Value::as_object);
+    labels.into_iter().flatten().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned()))).collect()
 }
 
 fn resolver_object(value: &Value) -> ResolverObject {

@@ -58,6 +58,8 @@ pub enum Decoded {
     Secret(BTreeMap<String, Option<Vec<u8>>>),
     /// The addresses of a Service, from its EndpointSlices or Endpoints.
     Endpoints(Vec<KubeEndpoint>),
+    /// A Namespace's labels: whom a resolver with `allowedNamespaces.selector` serves.
+    Labels(BTreeMap<String, String>),
     /// Read as JSON (`raw`): the objects of `--watch` keys.
     Json,
 }

@@ -508,6 +508,44 @@ async fn resolver_lookup_rules() {
     );
 }
 
+/// `allowedNamespaces.from: Selector`: Namespaces are watched (only then), and a Mapping
+/// follows its namespace's labels both ways: served once labelled, refused once not.
+#[tokio::test(start_paused = true)]
+async fn a_resolver_serves_the_namespaces_its_selector_matches_as_their_labels_change() {
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    let selecting = json!({"address": "127.0.0.1:8500", "allowedNamespaces": {"from": "Selector",
+        "selector": {"matchLabels": {"consul-access": "shop"}}}});
+    let diff = p.apply(listed(&resolvers_key(), vec![resolver("shop", "consul", selecting)]), now);
+    let namespaces = super::assembler::resolvers::namespaces_key();
+    assert!(diff.start.contains(&WatchKey::Kube(namespaces.clone())), "Namespaces watched: {diff:?}");
+    p.apply(
+        listed(&mappings_key(), vec![mapping("blog", "m", json!({"service": "posts", "resolver": "consul"}))]),
+        now,
+    );
+    let ns = |labels: Value| object(json!({"metadata": {"name": "blog", "labels": labels}}));
+    let target = |p: &Pipeline| p.assembler().content(p.world()).mappings[0].target.clone();
+
+    let diff = p.apply(listed(&namespaces, vec![ns(json!({"team": "blog"}))]), now);
+    assert_eq!(target(&p), Target::Unresolved, "not labelled: not served");
+    assert!(diff.start.iter().all(|k| !matches!(k, WatchKey::Consul(_))), "{diff:?}");
+
+    let labelled = ns(json!({"team": "blog", "consul-access": "shop"}));
+    let diff = p.apply([Event::Kube(namespaces.clone(), KubeEvent::Applied(labelled))], now);
+    assert!(matches!(target(&p), Target::Consul { resolver_namespace, .. } if resolver_namespace == "shop"));
+    assert!(diff.start.iter().any(|k| matches!(k, WatchKey::Consul(c) if c.service == "posts")), "{diff:?}");
+
+    let diff = p.apply([Event::Kube(namespaces.clone(), KubeEvent::Applied(ns(json!({"team": "blog"}))))], now);
+    assert_eq!(target(&p), Target::Unresolved, "the label gone: refused again");
+    assert!(diff.stop.iter().any(|k| matches!(k, WatchKey::Consul(c) if c.service == "posts")), "{diff:?}");
+
+    // No resolver selects any more: Namespaces are no longer watched.
+    let shared = json!({"address": "127.0.0.1:8500", "allowedNamespaces": {"from": "All"}});
+    let diff = p.apply(listed(&resolvers_key(), vec![resolver("shop", "consul", shared)]), now);
+    assert!(diff.stop.contains(&WatchKey::Kube(namespaces)), "{diff:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn invalid_resolvers_and_ambassador_ids() {
     let cfg = Config {

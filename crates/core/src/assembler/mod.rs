@@ -193,14 +193,16 @@ impl Assembler {
     /// Folds `changes` of `world` in: redoes what they touch, and says how the desired
     /// watches changed. `now` stamps the moment a service's endpoints become stale.
     pub fn update(&mut self, world: &World, changes: &Changes, now: SystemTime) -> Updated {
-        let everything = self.fresh || changes.kube.keys().any(|k| k.is(GROUP, KIND) || k.is("", "Secret"));
+        // Namespaces are watched only for resolvers that select them by label.
+        let everything =
+            self.fresh || changes.kube.keys().any(|k| k.is(GROUP, KIND) || k.is("", "Secret") || k.is("", "Namespace"));
         self.fresh = false;
         let mut delta = Delta::default();
         if everything {
             // Resolvers (or the Secrets they read) changed: read them, route every Mapping
             // and read every service again, and derive the desired watches anew.
             self.resolvers = resolvers::read(world, &self.cfg.ambassador_id, &self.cfg.env);
-            self.lookup = Lookup::new(&self.resolvers);
+            self.lookup = Lookup::new(&self.resolvers, world);
             self.reroute_all(world);
             self.read_services(world, None, now, &mut delta);
             self.read_kube_targets(world, changes, true, &mut delta);
@@ -514,7 +516,7 @@ impl Assembler {
                 ))
             }
             Found::NotServed(all) => unresolved(format!(
-                "resolver {} does not serve Mappings from namespace {}: its spec.allowedNamespaces is `from: Same` (the default: only its own namespace); `allowedNamespaces: {{from: All}}` on the resolver shares it",
+                "resolver {} does not serve Mappings from namespace {}: its spec.allowedNamespaces does not admit it (absent, only its own namespace; `from: All`, or `from: Selector` with the namespace's labels, shares it)",
                 all.join(", "),
                 m.namespace
             )),
@@ -706,6 +708,9 @@ impl Assembler {
         for (ns, name) in self.kube_uses.keys() {
             count(WatchKey::Kube(self.cfg.endpoints_api.key(ns, name)));
         }
+        if self.resolvers.iter().any(Resolver::selects_namespaces) {
+            count(WatchKey::Kube(resolvers::namespaces_key()));
+        }
         desired
     }
 }
@@ -878,6 +883,8 @@ fn unsynced(name: &str, error: Option<String>) -> ServiceEntry {
 struct Lookup {
     /// Positions in the resolver list, by name.
     by_name: BTreeMap<String, Vec<usize>>,
+    /// Namespaces' labels, read only when some resolver selects namespaces by them.
+    labels: BTreeMap<String, BTreeMap<String, String>>,
 }
 
 enum Found {
@@ -889,18 +896,20 @@ enum Found {
 }
 
 impl Lookup {
-    fn new(resolvers: &[Resolver]) -> Self {
+    fn new(resolvers: &[Resolver], world: &World) -> Self {
         let mut by_name: BTreeMap<String, Vec<usize>> = BTreeMap::new();
         for (i, r) in resolvers.iter().enumerate() {
             by_name.entry(r.name.clone()).or_default().push(i);
         }
-        Lookup { by_name }
+        let selecting = resolvers.iter().any(Resolver::selects_namespaces);
+        let labels = if selecting { resolvers::namespace_labels(world) } else { BTreeMap::new() };
+        Lookup { by_name, labels }
     }
 
     fn find(&self, resolvers: &[Resolver], from_namespace: &str, name: &ResolverName) -> Found {
         let candidates = self.by_name.get(&name.name).map(Vec::as_slice).unwrap_or_default();
         let in_ns = |ns: &str| candidates.iter().copied().find(|&i| resolvers[i].namespace == ns);
-        let serves = |i: usize| resolvers[i].serves(from_namespace);
+        let serves = |i: usize| resolvers[i].serves(from_namespace, self.labels.get(from_namespace));
         let shown = |i: &usize| format!("{}/{}", resolvers[*i].namespace, resolvers[*i].name);
         if let Some(ns) = &name.namespace {
             return match in_ns(ns) {

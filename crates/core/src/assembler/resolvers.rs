@@ -39,11 +39,17 @@ impl Resolver {
         self.spec.iter().flat_map(|s| s.services.iter().flatten()).map(|s| &**s)
     }
 
-    /// Whether Mappings in `namespace` may use it: its own namespace always, others as
-    /// `spec.allowedNamespaces` says (a spec that cannot be read shares nothing).
-    pub fn serves(&self, namespace: &str) -> bool {
+    /// Whether Mappings in `namespace` (whose labels are `labels`, when known) may use it:
+    /// its own namespace always, others as `spec.allowedNamespaces` says (a spec that
+    /// cannot be read shares nothing).
+    pub fn serves(&self, namespace: &str, labels: Option<&BTreeMap<String, String>>) -> bool {
         self.namespace == namespace
-            || self.spec.as_ref().is_some_and(|s| s.serves_namespace(&self.namespace, namespace))
+            || self.spec.as_ref().is_some_and(|s| s.serves_namespace(&self.namespace, namespace, labels))
+    }
+
+    /// Whether whom it serves depends on namespaces' labels (then Namespaces are watched).
+    pub fn selects_namespaces(&self) -> bool {
+        self.spec.as_ref().is_some_and(ConsulResolverSpec::selects_namespaces)
     }
 }
 
@@ -75,6 +81,22 @@ impl Settings {
     pub fn server(&self) -> &ConsulServer {
         &self.template.server
     }
+}
+
+/// The watch of Namespaces (their labels), while some resolver selects namespaces by label.
+pub fn namespaces_key() -> KubeKey {
+    KubeKey::new("", "v1", "Namespace")
+}
+
+/// The labels of every Namespace the world holds, by name.
+pub(crate) fn namespace_labels(world: &World) -> BTreeMap<String, BTreeMap<String, String>> {
+    world
+        .objects_of("", "Namespace")
+        .filter_map(|(id, stored)| match &stored.decoded {
+            Decoded::Labels(labels) => Some((id.name.clone(), labels.clone())),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The watch that brings a Secret named by a resolver: that one Secret, by name.
