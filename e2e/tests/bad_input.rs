@@ -9,6 +9,7 @@
 
 use std::time::Duration;
 
+use consul_resolver_api::status::{condition, reason};
 use e2e::consul::Consul;
 use e2e::fixtures::{mapping_yaml, ports, resolver_yaml};
 use e2e::harness::{Cluster, Operator, unique, wait_for};
@@ -159,27 +160,27 @@ fn what_the_schema_cannot_judge_is_reported_on_the_object_naming_the_field() {
     let token = |name: &str, key: &str| format!("  tokenSecretRef: {{name: {name}, key: {key}}}\n");
     // (resolver, address, more spec, condition reason, what the message must contain)
     let resolvers = [
-        ("unset-var", "${NOT_SET_ANYWHERE}:8500".to_owned(), String::new(), "InvalidSpec", "spec.address"),
-        ("port-too-big", "127.0.0.1:99999".into(), String::new(), "InvalidSpec", "spec.address"),
-        ("unclosed-v6", "http://[::1".into(), String::new(), "InvalidSpec", "spec.address"),
-        ("tls-on-http", addr.clone(), "  tls: {insecureSkipVerify: true}\n".into(), "InvalidSpec", "spec.tls"),
+        ("unset-var", "${NOT_SET_ANYWHERE}:8500".to_owned(), String::new(), reason::INVALID_SPEC, "spec.address"),
+        ("port-too-big", "127.0.0.1:99999".into(), String::new(), reason::INVALID_SPEC, "spec.address"),
+        ("unclosed-v6", "http://[::1".into(), String::new(), reason::INVALID_SPEC, "spec.address"),
+        ("tls-on-http", addr.clone(), "  tls: {insecureSkipVerify: true}\n".into(), reason::INVALID_SPEC, "spec.tls"),
         (
             "both-statuses",
             addr.clone(),
             "  healthStatuses: [passing]\n  onlyPassing: true\n".into(),
-            "InvalidSpec",
+            reason::INVALID_SPEC,
             "spec.healthStatuses and spec.onlyPassing",
         ),
         (
             "cached-consistent",
             addr.clone(),
             "  cached: true\n  consistency: consistent\n".into(),
-            "InvalidSpec",
+            reason::INVALID_SPEC,
             "spec.cached",
         ),
-        ("no-secret", addr.clone(), token("nope", "token"), "SecretUnavailable", "spec.tokenSecretRef: Secret"),
-        ("wrong-key", addr.clone(), token("acl", "nokey"), "SecretUnavailable", "has no key \"nokey\""),
-        ("not-utf8", addr.clone(), token("binary", "token"), "SecretUnavailable", "is not UTF-8"),
+        ("no-secret", addr.clone(), token("nope", "token"), reason::SECRET_UNAVAILABLE, "spec.tokenSecretRef: Secret"),
+        ("wrong-key", addr.clone(), token("acl", "nokey"), reason::SECRET_UNAVAILABLE, "has no key \"nokey\""),
+        ("not-utf8", addr.clone(), token("binary", "token"), reason::SECRET_UNAVAILABLE, "is not UTF-8"),
     ];
     for (name, address, extra, _, _) in &resolvers {
         cluster.apply(&resolver_yaml(&ns, name, address, extra)).unwrap();
@@ -240,9 +241,13 @@ fn what_the_schema_cannot_judge_is_reported_on_the_object_naming_the_field() {
     }
     for (name, _, _, reason, says) in &resolvers {
         let ready = wait_for(&format!("{name}: Ready=False/{reason}"), T, || {
-            cluster.resolver_condition(&ns, name, "Ready").filter(|c| c["status"] == "False" && c["reason"] == *reason)
+            cluster
+                .resolver_condition(&ns, name, condition::READY)
+                .filter(|c| c["status"] == "False" && c["reason"] == *reason)
         })
-        .unwrap_or_else(|e| panic!("{e}: {:?}\n{}", cluster.resolver_condition(&ns, name, "Ready"), op.logs()));
+        .unwrap_or_else(|e| {
+            panic!("{e}: {:?}\n{}", cluster.resolver_condition(&ns, name, condition::READY), op.logs())
+        });
         let message = ready["message"].as_str().unwrap_or_default();
         assert!(message.contains(says), "{name}: {message:?} should say {says:?}");
         let event = wait_for(&format!("a {reason} Event on {name}"), T, || {
@@ -259,7 +264,7 @@ fn what_the_schema_cannot_judge_is_reported_on_the_object_naming_the_field() {
     })
     .unwrap();
     for n in [&ns, &twin] {
-        let ready = cluster.resolver_condition(n, "consul", "Ready").unwrap_or_default();
+        let ready = cluster.resolver_condition(n, "consul", condition::READY).unwrap_or_default();
         assert_eq!(ready["status"], "True", "{n}/consul: {ready}");
     }
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());

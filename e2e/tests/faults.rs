@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use consul_resolver_api::status::condition;
 use e2e::consul::{Consul, Instance};
 use e2e::fixtures::{mapping_yaml, ports, resolver_yaml};
 use e2e::harness::{Cluster, Operator, free_port, http_client, unique, wait_for};
@@ -647,10 +648,10 @@ fn consul_faults_keep_the_last_endpoints_are_paced_and_end_on_the_final_state() 
     let reachable = |status: &str, says: &str| {
         wait_for(&format!("ConsulReachable={status} saying {says:?}"), T, || {
             cluster
-                .resolver_condition(&ns, "consul", "ConsulReachable")
+                .resolver_condition(&ns, "consul", condition::CONSUL_REACHABLE)
                 .filter(|c| c["status"] == status && c["message"].as_str().is_some_and(|m| m.contains(says)))
         })
-        .unwrap_or_else(|e| panic!("{e}: {:?}", cluster.resolver_condition(&ns, "consul", "ConsulReachable")))
+        .unwrap_or_else(|e| panic!("{e}: {:?}", cluster.resolver_condition(&ns, "consul", condition::CONSUL_REACHABLE)))
     };
     let faults = [
         (
@@ -790,10 +791,10 @@ fn a_minute_without_consul_then_a_fresh_cluster_keeps_the_last_endpoints_probes_
     let entry = |s: &Value| e2e::fixtures::service(s, &ns, "consul", &svc).cloned().unwrap_or_default();
     let reachable = |status: &str, within: Duration| {
         wait_for(&format!("ConsulReachable={status}"), within, || {
-            cluster.resolver_condition(&ns, "consul", "ConsulReachable").filter(|c| c["status"] == status)
+            cluster.resolver_condition(&ns, "consul", condition::CONSUL_REACHABLE).filter(|c| c["status"] == status)
         })
         .unwrap_or_else(|e| {
-            panic!("{e}: {:?}\n{}", cluster.resolver_condition(&ns, "consul", "ConsulReachable"), op.logs())
+            panic!("{e}: {:?}\n{}", cluster.resolver_condition(&ns, "consul", condition::CONSUL_REACHABLE), op.logs())
         })
     };
 

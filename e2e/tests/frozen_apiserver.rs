@@ -15,6 +15,7 @@
 
 use std::time::{Duration, Instant};
 
+use consul_resolver_api::status::condition;
 use e2e::consul::Consul;
 use e2e::fixtures::{mapping_yaml, resolver_yaml};
 use e2e::harness::{Cluster, Operator, unique, wait_for};
@@ -93,7 +94,7 @@ fn a_frozen_api_server_never_gets_two_writers_and_everything_converges() {
     let mut b = start("replica-b");
     wait_for("the ConfigMap", T, || (configmap_ports(cluster, &cm, &ns, &svc)? == [21001]).then_some(())).unwrap();
     wait_for("resolver status written", T, || {
-        (cluster.resolver_condition(&ns, "consul", "Ready")?["status"] == "True").then_some(())
+        (cluster.resolver_condition(&ns, "consul", condition::READY)?["status"] == "True").then_some(())
     })
     .unwrap();
     assert_eq!((a.metric("consul_resolver_leader"), b.metric("consul_resolver_leader")), (Some(1.0), Some(0.0)));
@@ -137,7 +138,10 @@ fn a_frozen_api_server_never_gets_two_writers_and_everything_converges() {
         let out = cluster.kubectl(&["-n", &ns, "get", "cres", "consul", "-o", "json"]).ok()?;
         let obj: Value = serde_json::from_str(&out).ok()?;
         (obj["status"]["serviceDetails"][0]["index"].as_u64()? > 0
-            && obj["status"]["conditions"].as_array()?.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"))
+            && obj["status"]["conditions"]
+                .as_array()?
+                .iter()
+                .any(|c| c["type"] == condition::READY && c["status"] == "True"))
         .then_some(())
     })
     .unwrap();

@@ -8,6 +8,7 @@
 
 use std::time::{Duration, Instant};
 
+use consul_resolver_api::status::{condition, reason};
 use e2e::consul::Consul;
 use e2e::fixtures::{mapping_yaml, ports, resolver_yaml, secret_yaml, service};
 use e2e::harness::{Cluster, Operator, free_port, unique, wait_for};
@@ -97,10 +98,10 @@ fn a_resolver_naming_a_secret_no_selector_can_hold_is_refused_and_an_unusable_on
     // What the schema cannot judge: an address naming a variable the operator lacks.
     cluster.apply(&resolver_yaml(&other, "bad", "${NOT_SET_ANYWHERE}:8500", "")).unwrap();
     cluster.apply(&mapping_yaml(&other, "m", "anything", Some("bad"))).unwrap();
-    let ready = condition(cluster, &op, &other, "bad", "Ready", "False", "InvalidSpec");
+    let ready = condition(cluster, &op, &other, "bad", condition::READY, "False", reason::INVALID_SPEC);
     let message = ready["message"].as_str().unwrap();
     assert!(message.contains("spec.address: environment variable NOT_SET_ANYWHERE is not set"), "{message}");
-    let e = event(cluster, &op, &other, "bad", "InvalidSpec");
+    let e = event(cluster, &op, &other, "bad", reason::INVALID_SPEC);
     assert!(e["message"].as_str().unwrap().contains("NOT_SET_ANYWHERE"), "{e}");
 
     healthy.changes_promptly(&op, consul, 20011);
@@ -134,10 +135,11 @@ fn a_namespace_whose_secrets_the_operator_may_not_read_harms_nobody() {
     let mut op = start(cluster, &[&healthy.ns, &locked], &[]);
     assert!(started.elapsed() < Duration::from_secs(20), "ready after {:?}", started.elapsed());
 
-    let ready = condition(cluster, &op, &locked, "consul", "ConsulReachable", "False", "SecretUnavailable");
+    let ready =
+        condition(cluster, &op, &locked, "consul", condition::CONSUL_REACHABLE, "False", reason::SECRET_UNAVAILABLE);
     let message = ready["message"].as_str().unwrap();
     assert!(message.contains(&format!("Secret {locked}/acl cannot be read")) && message.contains("403"), "{message}");
-    let e = event(cluster, &op, &locked, "consul", "SecretUnavailable");
+    let e = event(cluster, &op, &locked, "consul", reason::SECRET_UNAVAILABLE);
     assert!(e["message"].as_str().unwrap().contains("forbidden"), "{e}");
     let forbidden = r#"consul_resolver_watch_errors_total{reason="forbidden",source="kubernetes"}"#;
     assert!(op.metric(forbidden).unwrap_or(0.0) >= 1.0, "{:?}", op.get("/metrics"));
@@ -164,7 +166,7 @@ fn a_namespace_whose_secrets_the_operator_may_not_read_harms_nobody() {
 
     // Granting access ends it: the retry reads the Secret and the resolver recovers.
     cluster.grant_secrets(&locked).unwrap();
-    condition(cluster, &op, &locked, "consul", "Ready", "True", "Published");
+    condition(cluster, &op, &locked, "consul", condition::READY, "True", reason::PUBLISHED);
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
 }
 
@@ -195,7 +197,7 @@ fn a_resolver_whose_consul_is_down_added_after_the_first_publication_holds_nothi
         .unwrap();
     let ghost = service(&snap, &late, "dead", "ghost").unwrap();
     assert_eq!(ghost["synced"], false, "{ghost}");
-    condition(cluster, &op, &late, "dead", "ConsulReachable", "False", "QueryFailed");
+    condition(cluster, &op, &late, "dead", condition::CONSUL_REACHABLE, "False", reason::QUERY_FAILED);
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
 }
 
@@ -215,7 +217,7 @@ fn a_filter_consul_refuses_is_shown_on_its_resolver_and_harms_nobody() {
     cluster.apply(&mapping_yaml(&ns, "m", &svc, Some("consul"))).unwrap();
     let mut op = start(cluster, &[&healthy.ns, &ns], &[]);
 
-    let reachable = condition(cluster, &op, &ns, "consul", "ConsulReachable", "False", "QueryFailed");
+    let reachable = condition(cluster, &op, &ns, "consul", condition::CONSUL_REACHABLE, "False", reason::QUERY_FAILED);
     let message = reachable["message"].as_str().unwrap();
     assert!(message.contains("Failed to create boolean expression evaluator"), "{message}");
     assert!(message.contains(&svc), "names the service: {message}");
@@ -227,7 +229,7 @@ fn a_filter_consul_refuses_is_shown_on_its_resolver_and_harms_nobody() {
         ports(s, &ns, "consul", &svc) == Some(vec![20031])
     })
     .unwrap();
-    condition(cluster, &op, &ns, "consul", "Ready", "True", "Published");
+    condition(cluster, &op, &ns, "consul", condition::READY, "True", reason::PUBLISHED);
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
 }
 
@@ -261,7 +263,7 @@ fn a_token_consul_rejects_or_a_deleted_secret_keeps_the_endpoints_published_and_
     assert_eq!(ports(&snap, &ns, "consul", &svc), Some(vec![20021]), "still routed: {snap}");
     let entry = service(&snap, &ns, "consul", &svc).unwrap();
     assert!(entry["stale"]["since"].as_str().is_some_and(|t| t.ends_with('Z')), "{entry}");
-    let reachable = condition(cluster, &op, &ns, "consul", "ConsulReachable", "False", "QueryFailed");
+    let reachable = condition(cluster, &op, &ns, "consul", condition::CONSUL_REACHABLE, "False", reason::QUERY_FAILED);
     assert!(reachable["message"].as_str().unwrap().contains("ACL token rejected"), "{reachable}");
 
     // The Secret is deleted: still the same endpoints, stale for that reason.
@@ -272,9 +274,10 @@ fn a_token_consul_rejects_or_a_deleted_secret_keeps_the_endpoints_published_and_
         })
         .unwrap();
     assert_eq!(ports(&snap, &ns, "consul", &svc), Some(vec![20021]), "{snap}");
-    let reachable = condition(cluster, &op, &ns, "consul", "ConsulReachable", "False", "SecretUnavailable");
+    let reachable =
+        condition(cluster, &op, &ns, "consul", condition::CONSUL_REACHABLE, "False", reason::SECRET_UNAVAILABLE);
     assert!(reachable["message"].as_str().unwrap().contains("not found"), "{reachable}");
-    event(cluster, &op, &ns, "consul", "SecretUnavailable");
+    event(cluster, &op, &ns, "consul", reason::SECRET_UNAVAILABLE);
 
     // Restored: current again.
     cluster.apply(&secret_yaml(&ns, "acl", &reader)).unwrap();
@@ -282,7 +285,7 @@ fn a_token_consul_rejects_or_a_deleted_secret_keeps_the_endpoints_published_and_
         service(s, &ns, "consul", &svc).is_some_and(|e| e["synced"] == true && e.get("stale").is_none())
     })
     .unwrap();
-    condition(cluster, &op, &ns, "consul", "Ready", "True", "Published");
+    condition(cluster, &op, &ns, "consul", condition::READY, "True", reason::PUBLISHED);
     // Neither token ever appears in what the operator writes.
     let status = cluster.kubectl(&["-n", &ns, "get", "cres", "consul", "-o", "json"]).unwrap();
     let published = op.get("/snapshot").unwrap().1;
@@ -308,7 +311,7 @@ fn a_deleted_or_edited_snapshot_configmap_and_a_wiped_status_are_repaired() {
             .filter(|h| !h.is_empty())
     };
     let written = wait_for("the snapshot ConfigMap", T, || hash(cluster)).unwrap();
-    condition(cluster, &op, &team.ns, "consul", "Ready", "True", "Published");
+    condition(cluster, &op, &team.ns, "consul", condition::READY, "True", reason::PUBLISHED);
 
     // Deleted: written again within a resync period, with the same content.
     cluster.kubectl(&["-n", "consul-resolver-system", "delete", "configmap", &cm]).unwrap();
@@ -339,6 +342,6 @@ fn a_deleted_or_edited_snapshot_configmap_and_a_wiped_status_are_repaired() {
             r#"{"status":null}"#,
         ])
         .unwrap();
-    condition(cluster, &op, &team.ns, "consul", "Ready", "True", "Published");
+    condition(cluster, &op, &team.ns, "consul", condition::READY, "True", reason::PUBLISHED);
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
 }

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use consul_resolver_api::status::{condition, reason};
 use e2e::consul::Consul;
 use e2e::fixtures::{mapping_yaml, ports, resolver_yaml};
 use e2e::harness::{Cluster, Operator, free_port, unique, wait_for};
@@ -134,11 +135,11 @@ fn problems_are_reported_not_guessed() {
     op.wait_ready(T).unwrap();
     let snap = op.snapshot().unwrap();
     let broken = snap["resolvers"].as_array().unwrap().iter().find(|r| r["name"] == "broken").unwrap();
-    let reason = wait_for("InvalidSpec on the broken resolver's status", T, || {
-        let jp = "jsonpath={.status.conditions[?(@.type==\"Ready\")].reason}";
-        cluster.kubectl(&["-n", &ns, "get", "cres", "broken", "-o", jp]).ok().filter(|r| r == "InvalidSpec")
+    let ready_reason = wait_for("InvalidSpec on the broken resolver's status", T, || {
+        let jp = format!("jsonpath={{.status.conditions[?(@.type==\"{}\")].reason}}", condition::READY);
+        cluster.kubectl(&["-n", &ns, "get", "cres", "broken", "-o", &jp]).ok().filter(|r| r == reason::INVALID_SPEC)
     });
-    assert!(reason.is_ok(), "{reason:?}\n{}", op.logs());
+    assert!(ready_reason.is_ok(), "{ready_reason:?}\n{}", op.logs());
     // ... and a Warning Event on it that `kubectl describe cres broken` shows.
     let event = wait_for("an InvalidSpec Event on the broken resolver", T, || {
         let out = cluster.kubectl(&["-n", &ns, "get", "events", "-o", "json"]).ok()?;
@@ -146,15 +147,15 @@ fn problems_are_reported_not_guessed() {
         list["items"]
             .as_array()?
             .iter()
-            .find(|e| e["reason"] == "InvalidSpec" && e["involvedObject"]["name"] == "broken")
+            .find(|e| e["reason"] == reason::INVALID_SPEC && e["involvedObject"]["name"] == "broken")
             .cloned()
     });
     let event = event.unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
     assert_eq!(event["type"], "Warning");
     assert!(event["message"].as_str().unwrap_or_default().contains("NOT_SET_ANYWHERE"), "{event}");
     let described = cluster.kubectl(&["-n", &ns, "describe", "cres", "broken"]).unwrap();
-    assert!(described.contains("InvalidSpec"), "{described}");
-    assert_eq!(broken["unusable"]["reason"], "InvalidSpec", "{broken}");
+    assert!(described.contains(reason::INVALID_SPEC), "{described}");
+    assert_eq!(broken["unusable"]["reason"], reason::INVALID_SPEC, "{broken}");
     assert!(broken["unusable"]["message"].as_str().unwrap().contains("NOT_SET_ANYWHERE is not set"), "{broken}");
     let problems: Vec<String> = snap["problems"]
         .as_array()

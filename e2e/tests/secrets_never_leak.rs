@@ -19,6 +19,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
+use consul_resolver_api::status::{condition, reason};
 use consul_sim::tls::TestPki;
 use consul_sim::{AclConfig, AclToken, Config, RunningSim, Simulator};
 use e2e::fixtures::{mapping_yaml, ports, resolver_yaml};
@@ -213,17 +214,17 @@ fn tokens_never_appear_in_any_output_and_secrets_are_read_only_where_named() {
         })
         .unwrap_or_else(|e| panic!("{e}: {:?}\n{}", cluster.resolver_condition(&ns, name, type_), op.logs()))
     };
-    let rejected_msg = condition("rejected", "ConsulReachable", "False", "QueryFailed");
+    let rejected_msg = condition("rejected", condition::CONSUL_REACHABLE, "False", reason::QUERY_FAILED);
     assert!(rejected_msg["message"].as_str().unwrap().contains("ACL token rejected"), "{rejected_msg}");
-    let missing = condition("wrongkey", "ConsulReachable", "False", "SecretUnavailable");
+    let missing = condition("wrongkey", condition::CONSUL_REACHABLE, "False", reason::SECRET_UNAVAILABLE);
     assert!(missing["message"].as_str().unwrap().contains("missing"), "the key is named: {missing}");
-    let unverified = condition("tls-unverified", "ConsulReachable", "False", "QueryFailed");
+    let unverified = condition("tls-unverified", condition::CONSUL_REACHABLE, "False", reason::QUERY_FAILED);
     let why = unverified["message"].as_str().unwrap().to_ascii_lowercase();
     assert!(why.contains("certificate") || why.contains("unknownissuer"), "refused for its certificate: {why}");
-    condition("tls-verified", "Ready", "True", "Published");
-    let env_refused = condition("envleak", "Ready", "False", "InvalidSpec");
+    condition("tls-verified", condition::READY, "True", reason::PUBLISHED);
+    let env_refused = condition("envleak", condition::READY, "False", reason::INVALID_SPEC);
     assert!(env_refused["message"].as_str().unwrap().contains("--address-env"), "{env_refused}");
-    condition("good", "Ready", "True", "Published");
+    condition("good", condition::READY, "True", reason::PUBLISHED);
 
     eprintln!("{:?}: every resolver as expected", began.elapsed());
     // Rotation: the new token is used, and the old one with it is no longer needed.

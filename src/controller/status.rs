@@ -8,8 +8,8 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
-use consul_resolver_api::status::{ConsulResolverStatus, ServiceStatus, SnapshotRef, StaleStatus, condition};
-use consul_resolver_core::assembler::snapshot::{ResolverEntry, UnusableReason};
+use consul_resolver_api::status::{ConsulResolverStatus, ServiceStatus, SnapshotRef, StaleStatus, condition, reason};
+use consul_resolver_core::assembler::snapshot::{Part, ResolverEntry, ServiceEntry, Stale, UnusableReason};
 
 /// Most entries in `serviceDetails`; the counts stay exact beyond it.
 pub(crate) const MAX_SERVICE_DETAILS: usize = 50;
@@ -30,6 +30,18 @@ fn name_some<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
     }
 }
 
+/// The condition reason for an unusable resolver. The same names as the snapshot's
+/// `unusable.reason` (`UnusableReason::as_str`; a test checks they agree), spelled here
+/// from the constants so every reason the status carries comes from `api::status::reason`.
+pub(crate) fn unusable_reason(r: UnusableReason) -> &'static str {
+    match r {
+        UnusableReason::InvalidSpec => reason::INVALID_SPEC,
+        UnusableReason::SecretUnavailable => reason::SECRET_UNAVAILABLE,
+        UnusableReason::WaitingForSecret => reason::WAITING_FOR_SECRET,
+    }
+}
+
+/// A condition before it gets its generation and transition time.
 struct Cond {
     type_: &'static str,
     status: &'static str,
@@ -49,155 +61,174 @@ pub(crate) fn status_for(
     let now = truncate_to_seconds(now);
     let services = &entry.services;
     let endpoints: usize = services.iter().map(|s| s.endpoints.len()).sum();
-    let failing: Vec<_> = services.iter().filter(|s| s.error.is_some()).collect();
     let unsynced: Vec<&str> = services.iter().filter(|s| !s.synced).map(|s| s.name.as_str()).collect();
 
-    let stale: Vec<_> = services.iter().filter_map(|s| Some((s.name.as_str(), s.stale.as_ref()?))).collect();
+    let reachable = consul_reachable_condition(entry, &unsynced);
+    let bootstrapped = bootstrapped_condition(entry, &unsynced);
+    // Ready summarises the other two, so it is built from them.
+    let ready = ready_condition(entry, &reachable, &bootstrapped, endpoints);
+    let conditions = [ready, reachable, bootstrapped]
+        .into_iter()
+        .map(|c| with_transition_time(c, entry.generation, previous, now))
+        .collect();
+    let (service_details, services_truncated) = service_details(services, previous, now);
 
-    let reachable = match &entry.unusable {
-        Some(u) if u.reason == UnusableReason::SecretUnavailable => Cond {
-            type_: condition::CONSUL_REACHABLE,
-            status: "False",
-            reason: u.reason.as_str(),
-            message: format!("cannot query Consul at {}: {}", entry.address, u.message),
-        },
-        Some(u) => Cond {
-            type_: condition::CONSUL_REACHABLE,
-            status: "Unknown",
-            reason: u.reason.as_str(),
-            message: format!("not queried: {}", u.message),
-        },
-        None if !failing.is_empty() => {
-            let first = failing[0];
-            // The errors come from the Consul source, which never puts the token in them.
-            let error = first.error.as_deref().unwrap_or_default();
-            let others = match failing.len() - 1 {
-                0 => String::new(),
-                n => format!(" (and {n} other services: {})", name_some(failing[1..].iter().map(|s| s.name.as_str()))),
-            };
-            Cond {
-                type_: condition::CONSUL_REACHABLE,
-                status: "False",
-                reason: "QueryFailed",
-                message: format!(
-                    "querying Consul at {} for service {:?} failed: {error}{others}; check the address, the network \
-                     policy and the ACL token",
-                    entry.address, first.name
-                ),
-            }
+    ConsulResolverStatus {
+        observed_generation: entry.generation,
+        conditions,
+        services: Some(u32::try_from(services.len()).unwrap_or(u32::MAX)),
+        endpoints: Some(u32::try_from(endpoints).unwrap_or(u32::MAX)),
+        last_snapshot: Some(SnapshotRef { id: snapshot_id, time: now.to_string() }),
+        service_details,
+        services_truncated,
+    }
+}
+
+/// `ConsulReachable`: the first of an unusable resolver (nothing was queried), a failed
+/// query, no services, services not answered yet, or all answered.
+fn consul_reachable_condition(entry: &ResolverEntry, unsynced: &[&str]) -> Cond {
+    let services = &entry.services;
+    let failing: Vec<&ServiceEntry> = services.iter().map(|s| &**s).filter(|s| s.error.is_some()).collect();
+    let (status, reason, message) = match &entry.unusable {
+        // A Secret that cannot be read stops every query: Consul is as good as unreachable.
+        Some(u) if u.reason == UnusableReason::SecretUnavailable => {
+            ("False", unusable_reason(u.reason), format!("cannot query Consul at {}: {}", entry.address, u.message))
         }
-        None if services.is_empty() => Cond {
-            type_: condition::CONSUL_REACHABLE,
-            status: "Unknown",
-            reason: "NoServices",
-            message: "no Mapping uses this resolver and spec.services is empty: nothing to query".into(),
-        },
-        None if !unsynced.is_empty() => Cond {
-            type_: condition::CONSUL_REACHABLE,
-            status: "Unknown",
-            reason: "Waiting",
-            message: format!("waiting for Consul at {} to answer for {}", entry.address, name_some(unsynced.clone())),
-        },
-        None => Cond {
-            type_: condition::CONSUL_REACHABLE,
-            status: "True",
-            reason: "QueriesSucceeded",
-            message: format!("Consul at {} answered for all {} services", entry.address, services.len()),
-        },
+        // A spec in error (or a Secret not read yet) says nothing about Consul.
+        Some(u) => ("Unknown", unusable_reason(u.reason), format!("not queried: {}", u.message)),
+        None if !failing.is_empty() => ("False", reason::QUERY_FAILED, query_failed_message(entry, &failing)),
+        None if services.is_empty() => (
+            "Unknown",
+            reason::NO_SERVICES,
+            "no Mapping uses this resolver and spec.services is empty: nothing to query".into(),
+        ),
+        None if !unsynced.is_empty() => (
+            "Unknown",
+            reason::WAITING,
+            format!("waiting for Consul at {} to answer for {}", entry.address, name_some(unsynced.iter().copied())),
+        ),
+        None => (
+            "True",
+            reason::QUERIES_SUCCEEDED,
+            format!("Consul at {} answered for all {} services", entry.address, services.len()),
+        ),
     };
+    Cond { type_: condition::CONSUL_REACHABLE, status, reason, message }
+}
 
-    let bootstrapped = if let Some(u) = &entry.unusable {
-        Cond {
-            type_: condition::BOOTSTRAPPED,
-            status: "False",
-            reason: u.reason.as_str(),
-            message: "nothing is queried until the resolver is usable (see the Ready condition)".into(),
-        }
+/// Names the address, the first failing service and its error, and how many others fail.
+fn query_failed_message(entry: &ResolverEntry, failing: &[&ServiceEntry]) -> String {
+    let first = failing[0];
+    // The errors come from the Consul source, which never puts the token in them.
+    let error = first.error.as_deref().unwrap_or_default();
+    let others = match failing.len() - 1 {
+        0 => String::new(),
+        n => format!(" (and {n} other services: {})", name_some(failing[1..].iter().map(|s| s.name.as_str()))),
+    };
+    format!(
+        "querying Consul at {} for service {:?} failed: {error}{others}; check the address, the network policy and \
+         the ACL token",
+        entry.address, first.name
+    )
+}
+
+/// `Bootstrapped`: whether every service has answered at least once.
+fn bootstrapped_condition(entry: &ResolverEntry, unsynced: &[&str]) -> Cond {
+    let services = &entry.services;
+    let (status, reason, message) = if let Some(u) = &entry.unusable {
+        (
+            "False",
+            unusable_reason(u.reason),
+            "nothing is queried until the resolver is usable (see the Ready condition)".into(),
+        )
     } else if unsynced.is_empty() {
-        Cond {
-            type_: condition::BOOTSTRAPPED,
-            status: "True",
-            reason: "AllServicesAnswered",
-            message: "every service of this resolver has answered at least once".into(),
-        }
+        ("True", reason::ALL_SERVICES_ANSWERED, "every service of this resolver has answered at least once".into())
     } else {
-        Cond {
-            type_: condition::BOOTSTRAPPED,
-            status: "False",
-            reason: "ServicesUnsynced",
-            message: format!(
+        (
+            "False",
+            reason::SERVICES_UNSYNCED,
+            format!(
                 "{} of {} services have not answered yet ({}); the snapshot was published without their current endpoints",
                 unsynced.len(),
                 services.len(),
-                name_some(unsynced.clone())
+                name_some(unsynced.iter().copied())
             ),
-        }
+        )
     };
+    Cond { type_: condition::BOOTSTRAPPED, status, reason, message }
+}
 
-    // What Ready says about endpoints kept from before.
-    let kept = match stale.as_slice() {
+/// `Ready`: false for the first problem among an unusable spec, `reachable` false and
+/// `bootstrapped` false, with that problem's message and the endpoints still published
+/// from before; true otherwise, with the counts.
+fn ready_condition(entry: &ResolverEntry, reachable: &Cond, bootstrapped: &Cond, endpoints: usize) -> Cond {
+    let services = &entry.services;
+    let kept = kept_endpoints(services);
+    let (status, reason, message) = if let Some(u) = &entry.unusable {
+        ("False", unusable_reason(u.reason), format!("{}{kept}", u.message))
+    } else if reachable.status == "False" {
+        ("False", reason::CONSUL_UNREACHABLE, format!("{}{kept}", reachable.message))
+    } else if bootstrapped.status == "False" {
+        ("False", reason::BOOTSTRAP_INCOMPLETE, format!("{}{kept}", bootstrapped.message))
+    } else {
+        (
+            "True",
+            reason::PUBLISHED,
+            format!("{} services with {endpoints} endpoints are in the snapshot", services.len()),
+        )
+    };
+    Cond { type_: condition::READY, status, reason, message }
+}
+
+/// What Ready says about endpoints kept from before: empty when none are.
+fn kept_endpoints(services: &[Part<ServiceEntry>]) -> String {
+    let stale: Vec<(&str, &Stale)> =
+        services.iter().filter_map(|s| Some((s.name.as_str(), s.stale.as_ref()?))).collect();
+    match stale.as_slice() {
         [] => String::new(),
         [(_, first), ..] => format!(
             "; the endpoints last obtained are still published for {} (stale since {})",
             name_some(stale.iter().map(|(name, _)| *name)),
             first.since
         ),
-    };
-    let ready = if let Some(u) = &entry.unusable {
-        Cond {
-            type_: condition::READY,
-            status: "False",
-            reason: u.reason.as_str(),
-            message: format!("{}{kept}", u.message),
-        }
-    } else if reachable.status == "False" {
-        Cond {
-            type_: condition::READY,
-            status: "False",
-            reason: "ConsulUnreachable",
-            message: format!("{}{kept}", reachable.message),
-        }
-    } else if bootstrapped.status == "False" {
-        Cond {
-            type_: condition::READY,
-            status: "False",
-            reason: "BootstrapIncomplete",
-            message: format!("{}{kept}", bootstrapped.message),
-        }
-    } else {
-        Cond {
-            type_: condition::READY,
-            status: "True",
-            reason: "Published",
-            message: format!("{} services with {endpoints} endpoints are in the snapshot", services.len()),
-        }
-    };
+    }
+}
 
-    let conditions = [ready, reachable, bootstrapped]
-        .into_iter()
-        .map(|c| {
-            let kept = previous
-                .and_then(|p| p.conditions.iter().find(|old| old.type_ == c.type_))
-                .filter(|old| old.status == c.status)
-                .map(|old| old.last_transition_time.clone());
-            Condition {
-                type_: c.type_.into(),
-                status: c.status.into(),
-                reason: c.reason.into(),
-                message: c.message,
-                observed_generation: entry.generation,
-                last_transition_time: kept.unwrap_or(Time(now)),
-            }
-        })
-        .collect();
+/// The metav1.Condition for `c`. Its `lastTransitionTime` is `previous`'s for the same
+/// type unless the status flipped (or there was none): `now`.
+fn with_transition_time(
+    c: Cond,
+    generation: Option<i64>,
+    previous: Option<&ConsulResolverStatus>,
+    now: Timestamp,
+) -> Condition {
+    let kept = previous
+        .and_then(|p| p.conditions.iter().find(|old| old.type_ == c.type_))
+        .filter(|old| old.status == c.status)
+        .map(|old| old.last_transition_time.clone());
+    Condition {
+        type_: c.type_.into(),
+        status: c.status.into(),
+        reason: c.reason.into(),
+        message: c.message,
+        observed_generation: generation,
+        last_transition_time: kept.unwrap_or(Time(now)),
+    }
+}
 
-    // Only the first services by name are detailed: build just those.
-    let mut shown: Vec<_> = services.iter().collect();
+/// `serviceDetails` and whether it was truncated. Only the first services by name are
+/// detailed: just those are built.
+fn service_details(
+    services: &[Part<ServiceEntry>],
+    previous: Option<&ConsulResolverStatus>,
+    now: Timestamp,
+) -> (Vec<ServiceStatus>, bool) {
+    let mut shown: Vec<&ServiceEntry> = services.iter().map(|s| &**s).collect();
     shown.sort_by(|a, b| a.name.cmp(&b.name));
-    let services_truncated = shown.len() > MAX_SERVICE_DETAILS;
+    let truncated = shown.len() > MAX_SERVICE_DETAILS;
     shown.truncate(MAX_SERVICE_DETAILS);
     let now_text = now.to_string();
-    let details: Vec<ServiceStatus> = shown
+    let details = shown
         .into_iter()
         .map(|s| {
             let endpoints = u32::try_from(s.endpoints.len()).unwrap_or(u32::MAX);
@@ -219,16 +250,7 @@ pub(crate) fn status_for(
             }
         })
         .collect();
-
-    ConsulResolverStatus {
-        observed_generation: entry.generation,
-        conditions,
-        services: Some(u32::try_from(services.len()).unwrap_or(u32::MAX)),
-        endpoints: Some(u32::try_from(endpoints).unwrap_or(u32::MAX)),
-        last_snapshot: Some(SnapshotRef { id: snapshot_id, time: now.to_string() }),
-        service_details: details,
-        services_truncated,
-    }
+    (details, truncated)
 }
 
 /// Whether two statuses say the same, apart from which snapshot said it.
@@ -244,6 +266,7 @@ mod tests {
     use consul_resolver_core::assembler::snapshot::Part;
     use consul_resolver_core::assembler::snapshot::{ServiceEntry, Unusable};
     use consul_resolver_core::model::{Endpoint, Health};
+    use std::collections::BTreeSet;
 
     fn ep(i: usize) -> Endpoint {
         Endpoint {
@@ -300,7 +323,7 @@ mod tests {
         });
         let s = status_for(&e, 1, t(0), None);
         let ready = cond(&s, condition::READY);
-        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", condition::REASON_INVALID_SPEC));
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", reason::INVALID_SPEC));
         assert_eq!(ready.message, "spec.address: \"::\" is not host:port");
         assert_eq!(cond(&s, condition::CONSUL_REACHABLE).status, "Unknown");
     }
@@ -312,13 +335,13 @@ mod tests {
         down.error = Some("connect 127.0.0.1:8500: connection refused".into());
         let s = status_for(&entry(vec![down, service("api", 1)]), 1, t(0), None);
         let c = cond(&s, condition::CONSUL_REACHABLE);
-        assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", "QueryFailed"));
+        assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", reason::QUERY_FAILED));
         assert!(
             c.message.contains("http://127.0.0.1:8500") && c.message.contains("connection refused"),
             "{}",
             c.message
         );
-        assert_eq!(cond(&s, condition::READY).reason, "ConsulUnreachable");
+        assert_eq!(cond(&s, condition::READY).reason, reason::CONSUL_UNREACHABLE);
         let web = s.service_details.iter().find(|d| d.name == "web").unwrap();
         assert_eq!(web.last_error.as_deref(), Some("connect 127.0.0.1:8500: connection refused"));
     }
@@ -330,9 +353,9 @@ mod tests {
         silent.index = None;
         let s = status_for(&entry(vec![silent, service("api", 1)]), 1, t(0), None);
         let b = cond(&s, condition::BOOTSTRAPPED);
-        assert_eq!((b.status.as_str(), b.reason.as_str()), ("False", "ServicesUnsynced"));
+        assert_eq!((b.status.as_str(), b.reason.as_str()), ("False", reason::SERVICES_UNSYNCED));
         assert!(b.message.contains("1 of 2") && b.message.contains("web"), "{}", b.message);
-        assert_eq!(cond(&s, condition::READY).reason, "BootstrapIncomplete");
+        assert_eq!(cond(&s, condition::READY).reason, reason::BOOTSTRAP_INCOMPLETE);
         assert_eq!(cond(&s, condition::CONSUL_REACHABLE).status, "Unknown");
     }
 
@@ -386,7 +409,80 @@ mod tests {
     fn no_services_is_ready_with_nothing_to_query() {
         let s = status_for(&entry(vec![]), 1, t(0), None);
         assert_eq!(cond(&s, condition::READY).status, "True");
-        assert_eq!(cond(&s, condition::CONSUL_REACHABLE).reason, "NoServices");
+        assert_eq!(cond(&s, condition::CONSUL_REACHABLE).reason, reason::NO_SERVICES);
+    }
+
+    #[test]
+    fn unusable_reasons_are_the_snapshots() {
+        for r in [UnusableReason::InvalidSpec, UnusableReason::SecretUnavailable, UnusableReason::WaitingForSecret] {
+            assert_eq!(unusable_reason(r), r.as_str(), "the snapshot's unusable.reason is the condition reason");
+        }
+    }
+
+    /// Every (condition, status, reason) `status_for` gives, one case of each.
+    fn every_condition_said() -> BTreeSet<(String, String, String)> {
+        let mut silent = service("web", 0);
+        silent.synced = false;
+        let mut failing = service("web", 1);
+        failing.error = Some("timeout".into());
+        let mut cases = vec![entry(vec![service("web", 1)]), entry(vec![]), entry(vec![silent]), entry(vec![failing])];
+        for r in [UnusableReason::InvalidSpec, UnusableReason::SecretUnavailable, UnusableReason::WaitingForSecret] {
+            let mut e = entry(vec![]);
+            e.unusable = Some(Unusable { reason: r, message: "why".into() });
+            cases.push(e);
+        }
+        cases
+            .iter()
+            .flat_map(|e| status_for(e, 1, t(0), None).conditions)
+            .map(|c| (c.type_, c.status, c.reason))
+            .collect()
+    }
+
+    #[test]
+    fn the_constants_are_every_type_and_reason_said() {
+        let said = every_condition_said();
+        let types: BTreeSet<&str> = said.iter().map(|(t, _, _)| t.as_str()).collect();
+        assert_eq!(types, condition::ALL.into_iter().collect());
+        let reasons: BTreeSet<&str> = said.iter().map(|(_, _, r)| r.as_str()).collect();
+        assert_eq!(reasons, reason::ALL.into_iter().collect(), "reason::ALL is what the status says");
+        assert_eq!(reason::ALL.len(), reasons.len(), "no reason listed twice");
+    }
+
+    #[test]
+    fn docs_list_every_condition_and_reason() {
+        let read = |file: &str| std::fs::read_to_string(format!("{}/docs/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+        // snapshot.md's table: `| condition | status / reason, reason | when |`, where
+        // "the unusable reason" stands for each of the three.
+        let mut documented = BTreeSet::new();
+        for line in read("snapshot.md").lines() {
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            let [_, type_, said, _, _] = cells.as_slice() else { continue };
+            let Some((status, reasons)) = said.split_once(" / ").filter(|_| condition::ALL.contains(type_)) else {
+                continue;
+            };
+            for r in reasons.split(", ") {
+                let named = match r {
+                    "or the unusable reason" => {
+                        vec![reason::INVALID_SPEC, reason::SECRET_UNAVAILABLE, reason::WAITING_FOR_SECRET]
+                    }
+                    r => vec![r],
+                };
+                for r in named {
+                    documented.insert((type_.to_string(), status.to_string(), r.to_string()));
+                }
+            }
+        }
+        assert_eq!(documented, every_condition_said(), "docs/snapshot.md's conditions table is what the status says");
+
+        // operations.md's troubleshooting table: every reason Ready=False can give.
+        let troubleshooting = read("operations.md");
+        let rows: BTreeSet<&str> =
+            troubleshooting.lines().filter_map(|l| l.strip_prefix("| `")?.split('`').next()).collect();
+        for (type_, status, r) in every_condition_said() {
+            if type_ == condition::READY && status == "False" {
+                assert!(rows.contains(r.as_str()), "docs/operations.md explains Ready=False/{r}");
+            }
+        }
     }
 }
 
@@ -430,10 +526,10 @@ mod stale_tests {
         e.services = vec![Part::new(kept("web", message))];
         let s = status_for(&e, 1, Timestamp::from_second(1_800_000_000).unwrap(), None);
         let reachable = cond(&s, condition::CONSUL_REACHABLE);
-        assert_eq!((reachable.status.as_str(), reachable.reason.as_str()), ("False", "SecretUnavailable"));
+        assert_eq!((reachable.status.as_str(), reachable.reason.as_str()), ("False", reason::SECRET_UNAVAILABLE));
         assert!(reachable.message.contains("Secret shop/acl not found"), "{}", reachable.message);
         let ready = cond(&s, condition::READY);
-        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "SecretUnavailable"));
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", reason::SECRET_UNAVAILABLE));
         assert!(
             ready.message.contains("still published for web (stale since 2026-11-23T06:00:00Z)"),
             "{}",
@@ -454,8 +550,8 @@ mod stale_tests {
         e.services = vec![Part::new(web)];
         let s = status_for(&e, 1, Timestamp::from_second(1_800_000_000).unwrap(), None);
         let reachable = cond(&s, condition::CONSUL_REACHABLE);
-        assert_eq!((reachable.status.as_str(), reachable.reason.as_str()), ("False", "QueryFailed"));
+        assert_eq!((reachable.status.as_str(), reachable.reason.as_str()), ("False", reason::QUERY_FAILED));
         assert!(reachable.message.contains("ACL token rejected"), "{}", reachable.message);
-        assert_eq!(cond(&s, condition::READY).reason, "ConsulUnreachable");
+        assert_eq!(cond(&s, condition::READY).reason, reason::CONSUL_UNREACHABLE);
     }
 }

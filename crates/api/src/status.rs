@@ -5,18 +5,81 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// Condition types the operator sets on a ConsulResolver's status.
+/// Condition types the operator sets on a ConsulResolver's status, in the order it lists
+/// them.
 pub mod condition {
-    /// The resolver's services are watched and its part of the snapshot was published.
+    /// Whether the resolver's part of the snapshot is current: its spec is usable and every
+    /// service it names answered its last query.
     pub const READY: &str = "Ready";
-    /// The last query to Consul for this resolver succeeded.
+    /// Whether the last query to Consul for each of this resolver's services succeeded.
     pub const CONSUL_REACHABLE: &str = "ConsulReachable";
-    /// Every service of this resolver answered once (or the bootstrap timeout passed).
+    /// Whether every service of this resolver answered at least once.
     pub const BOOTSTRAPPED: &str = "Bootstrapped";
-    /// Reason used on `Ready=False` when the spec cannot be used as written.
-    pub const REASON_INVALID_SPEC: &str = "InvalidSpec";
-    /// Reason used when a Secret the spec names is missing or unreadable.
-    pub const REASON_SECRET_UNAVAILABLE: &str = "SecretUnavailable";
+
+    /// Every condition type, in the order they appear on the status.
+    pub const ALL: [&str; 3] = [READY, CONSUL_REACHABLE, BOOTSTRAPPED];
+}
+
+/// Reasons of the resolver's conditions (and of its Warning Events), each with the
+/// conditions that carry it. `docs/snapshot.md` lists them (a test checks it).
+pub mod reason {
+    // Why the resolver cannot be queried as it stands: the snapshot's `unusable.reason`
+    // (the core's `UnusableReason`), set on all three conditions.
+
+    /// The spec cannot be used as written (fixed by editing the resolver): `Ready=False`,
+    /// `ConsulReachable=Unknown`, `Bootstrapped=False`, and a Warning Event.
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// A Secret the spec names is missing, unreadable or does not hold what the spec says:
+    /// `Ready=False`, `ConsulReachable=False`, `Bootstrapped=False`, and a Warning Event.
+    pub const SECRET_UNAVAILABLE: &str = "SecretUnavailable";
+    /// A Secret the spec names has not been read yet, a moment after it is first named:
+    /// `Ready=False`, `ConsulReachable=Unknown`, `Bootstrapped=False`.
+    pub const WAITING_FOR_SECRET: &str = "WaitingForSecret";
+
+    // Ready.
+
+    /// `Ready=True`: usable, and every service answered its last query.
+    pub const PUBLISHED: &str = "Published";
+    /// `Ready=False`: a query to Consul failed (`ConsulReachable=False/QueryFailed`).
+    pub const CONSUL_UNREACHABLE: &str = "ConsulUnreachable";
+    /// `Ready=False`: some services have not answered yet (`Bootstrapped=False`).
+    pub const BOOTSTRAP_INCOMPLETE: &str = "BootstrapIncomplete";
+
+    // ConsulReachable.
+
+    /// `ConsulReachable=True`: the last query of every service succeeded.
+    pub const QUERIES_SUCCEEDED: &str = "QueriesSucceeded";
+    /// `ConsulReachable=False`: the last query of at least one service failed.
+    pub const QUERY_FAILED: &str = "QueryFailed";
+    /// `ConsulReachable=Unknown`: no Mapping uses the resolver and it names no service.
+    pub const NO_SERVICES: &str = "NoServices";
+    /// `ConsulReachable=Unknown`: no query has failed, but some services have not answered
+    /// yet.
+    pub const WAITING: &str = "Waiting";
+
+    // Bootstrapped.
+
+    /// `Bootstrapped=True`: every service answered at least once.
+    pub const ALL_SERVICES_ANSWERED: &str = "AllServicesAnswered";
+    /// `Bootstrapped=False`: some services have not answered since the operator started or
+    /// the resolver's settings changed.
+    pub const SERVICES_UNSYNCED: &str = "ServicesUnsynced";
+
+    /// Every reason the operator sets.
+    pub const ALL: [&str; 12] = [
+        INVALID_SPEC,
+        SECRET_UNAVAILABLE,
+        WAITING_FOR_SECRET,
+        PUBLISHED,
+        CONSUL_UNREACHABLE,
+        BOOTSTRAP_INCOMPLETE,
+        QUERIES_SUCCEEDED,
+        QUERY_FAILED,
+        NO_SERVICES,
+        WAITING,
+        ALL_SERVICES_ANSWERED,
+        SERVICES_UNSYNCED,
+    ];
 }
 
 /// What the operator last observed and published for this resolver.
