@@ -124,6 +124,46 @@ fn a_refused_configmap_holds_back_neither_http_nor_the_hook() {
     }
     assert_eq!(op.metric("consul_resolver_publisher_failing{publisher=\"configmap\"}"), Some(1.0));
     assert!(op.logs().contains("forbidden") || op.logs().contains("Forbidden"), "the refusal is logged with its cause");
+    // A Warning Event where the ConfigMap lives, once for the streak, not per retry.
+    let reasons = |type_: &str, reason: &str| {
+        cluster
+            .events_about(&team.ns, "snap")
+            .iter()
+            .filter(|e| e["type"] == type_ && e["reason"] == reason)
+            .map(|e| e["message"].as_str().unwrap_or_default().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let failed = wait_for("a PublishFailed Event on the ConfigMap", T, || {
+        Some(reasons("Warning", "PublishFailed")).filter(|v| !v.is_empty())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(failed[0].starts_with("configmap: ") && failed[0].contains("forbidden"), "{failed:?}");
+
+    // Granted: the ConfigMap publisher recovers on its own, with the latest snapshot.
+    cluster
+        .apply(&format!(
+            "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {{name: snapshot, namespace: {ns}}}\n\
+             rules: [{{apiGroups: [\"\"], resources: [configmaps], verbs: [get, create, patch, delete]}}]\n---\n\
+             apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {{name: snapshot, namespace: {ns}}}\n\
+             roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: snapshot}}\n\
+             subjects: [{{kind: ServiceAccount, name: consul-resolver-operator, namespace: consul-resolver-system}}]\n",
+            ns = team.ns
+        ))
+        .unwrap();
+    wait_for("the ConfigMap publisher delivering again", Duration::from_secs(60), || {
+        (op.metric("consul_resolver_publisher_failing{publisher=\"configmap\"}") == Some(0.0)).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    let data = cluster
+        .kubectl(&["-n", &team.ns, "get", "configmap", "snap", "-o", "jsonpath={.data.snapshot\\.json}"])
+        .unwrap();
+    let written: Value = serde_json::from_str(&data).unwrap();
+    assert_eq!(team.port(&written), Some(vec![22013]), "the latest snapshot, not the first refused one");
+    wait_for("a PublishRecovered Event on the ConfigMap", T, || {
+        Some(reasons("Normal", "PublishRecovered")).filter(|v| !v.is_empty())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
 }
 

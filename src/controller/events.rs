@@ -29,7 +29,8 @@ pub(crate) struct Events {
     metrics: Metrics,
 }
 
-fn truncate(mut s: String, max: usize) -> String {
+/// `s` cut to at most `max` bytes, on a character boundary, marked with `...`.
+pub(crate) fn truncate(mut s: String, max: usize) -> String {
     if s.len() > max {
         let mut end = max.saturating_sub(3);
         while !s.is_char_boundary(end) {

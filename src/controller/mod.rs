@@ -15,7 +15,7 @@
 //! publication for the resolvers whose part of the snapshot changed (`reconcile_on`), on
 //! gaining leadership, and every `--resync-period`.
 
-mod events;
+pub(crate) mod events;
 pub(crate) mod status;
 
 use std::collections::{BTreeMap, HashMap};

@@ -10,6 +10,7 @@
 
 mod event_loop;
 mod publication;
+mod publisher_events;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -43,6 +44,7 @@ use consul_resolver_core::pipeline::{Pipeline, WallClock};
 use consul_watch::{ConsulSource, Settings as ConsulSettings};
 use event_loop::EventLoop;
 use publication::{OutletConfig, Outlets};
+use publisher_events::PublisherEvents;
 
 /// The operator's fixed watches: its own CRD and Ambassador's route kinds (those the API
 /// server serves), per watched namespace, plus the static `--watch` keys.
@@ -221,6 +223,15 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         .snapshot_configmap
         .clone()
         .map(|t| Arc::new(ConfigMapPublisher::new(client.clone(), t, leadership.clone())));
+    let events = PublisherEvents::new(
+        client.clone(),
+        crate::kube_client::FIELD_MANAGER,
+        identity.clone(),
+        leadership.clone(),
+        args.snapshot_configmap.as_ref(),
+        args.kube_timeout,
+        metrics.clone(),
+    );
     // The hook has its own limit, which kills it: give it that, plus a moment to reap.
     let publish_timeout = args.publish_timeout.max(args.on_snapshot_timeout + Duration::from_secs(5));
     let outlets = Outlets::start(
@@ -232,6 +243,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
             resync_period: args.resync_period,
             metrics: metrics.clone(),
             vitals: vitals.clone(),
+            events: Some(Arc::new(events)),
         },
     );
     let controller = ResolverController::spawn(

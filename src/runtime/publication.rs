@@ -22,6 +22,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::publisher_events::PublisherEvents;
 use crate::leadership::Leadership;
 use crate::ops::health::Vitals;
 use crate::ops::metrics::Metrics;
@@ -70,6 +71,8 @@ pub(super) struct OutletConfig {
     pub(super) metrics: Metrics,
     /// A task that ends before shutdown fails `/healthz`.
     pub(super) vitals: Arc<Vitals>,
+    /// Events when a publisher starts failing and when it recovers.
+    pub(super) events: Option<Arc<PublisherEvents>>,
 }
 
 impl Outlets {
@@ -222,11 +225,23 @@ impl Outlet {
                 *self.delivering.lock().expect("delivering lock") = None;
                 match delivered_now {
                     Ok(()) => {
+                        if failures > 0
+                            && let Some(events) = &self.config.events
+                        {
+                            events.recovered(name, snapshot.id);
+                        }
                         delivered = Some(snapshot.id);
                         failures = 0;
                         retry_at = None;
                     }
                     Err(e) => {
+                        // Once per streak: retries of a publisher that keeps failing are
+                        // in its metric and log, not a stream of Events.
+                        if failures == 0
+                            && let Some(events) = &self.config.events
+                        {
+                            events.failing(name, e.to_string());
+                        }
                         failures = failures.saturating_add(1);
                         let delay =
                             FIRST_BACKOFF.saturating_mul(1 << failures.min(16).saturating_sub(1)).min(MAX_BACKOFF);
@@ -353,6 +368,7 @@ mod tests {
             resync_period: Duration::from_secs(300),
             metrics: Metrics::new(),
             vitals: Vitals::new(CancellationToken::new()),
+            events: None,
         };
         let outlets = Outlets::start(publishers, None, &Leadership::always(), config);
         outlets.offer(Arc::new(Snapshot::new(1, "sha256:1".into(), content(vec![]), b"{}")));
