@@ -1,6 +1,6 @@
 //! Who may write to the cluster, and until when: the Lease edge of leader election
 //! ([`consul_resolver_core::election`] decides) and the [`Leadership`] handle every cluster writer
-//! holds.
+//! holds; [`LeadershipMetrics`], what the event loop reports of it.
 //!
 //! Leadership is a deadline, not a flag: a replica leads *until* its renew deadline after
 //! its last successful renewal. Writers ask for the deadline before each write and bound
@@ -20,12 +20,15 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
 use kube::Api;
 use kube::api::{PostParams, ResourceExt};
+use prometheus::core::Collector;
+use prometheus::{IntCounterVec, IntGauge, Registry};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::LeaseRef;
+use crate::measure::{counter_vec, int_gauge, register_all};
 use crate::ops::health::Vitals;
 use consul_resolver_core::election::{Action, Election, LeaseRecord};
 
@@ -97,6 +100,54 @@ impl Leadership {
                 () = &mut lapse => {}
             }
         }
+    }
+}
+
+/// What leadership looks like from this replica, as the event loop sees it through its
+/// [`Leadership`] handle: whether it leads now, and how often that changed.
+#[derive(Clone)]
+pub(crate) struct LeadershipMetrics {
+    leader: IntGauge,
+    transitions: IntCounterVec,
+}
+
+impl LeadershipMetrics {
+    /// Metrics counted but exported nowhere (tests).
+    pub(crate) fn unregistered() -> LeadershipMetrics {
+        LeadershipMetrics {
+            leader: int_gauge(
+                "leader",
+                "1 while this replica writes to the cluster (holds the lease, or runs without one)",
+            ),
+            transitions: counter_vec(
+                "leader_transitions_total",
+                "This replica's leadership changes (transition=acquired, lost)",
+                &["transition"],
+            ),
+        }
+    }
+
+    pub(crate) fn register(registry: &Registry) -> prometheus::Result<LeadershipMetrics> {
+        let m = LeadershipMetrics::unregistered();
+        register_all(registry, m.collectors())?;
+        Ok(m)
+    }
+
+    /// What [`LeadershipMetrics::register`] registers.
+    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
+        vec![Box::new(self.leader.clone()), Box::new(self.transitions.clone())]
+    }
+
+    /// Whether this replica leads when the event loop starts (no transition).
+    pub(crate) fn started(&self, leading: bool) {
+        self.leader.set(i64::from(leading));
+    }
+
+    /// This replica just started (`leading`) or stopped leading.
+    pub(crate) fn changed(&self, leading: bool) {
+        self.leader.set(i64::from(leading));
+        let transition = if leading { "acquired" } else { "lost" };
+        self.transitions.with_label_values(&[transition]).inc();
     }
 }
 

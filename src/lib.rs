@@ -16,6 +16,8 @@ mod controller;
 mod crdgen;
 mod kube_client;
 mod leadership;
+mod measure;
+mod metrics;
 mod ops;
 mod process;
 mod publishers;

@@ -14,7 +14,7 @@ use kube::api::DynamicObject;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tokio::time::Instant;
 
-use crate::ops::metrics::Metrics;
+use super::metrics::ControllerMetrics;
 use consul_resolver_core::assembler::snapshot::{ResolverEntry, UnusableReason};
 
 /// Events hold at most 1 kB of note.
@@ -26,7 +26,7 @@ type Reported = (String, String, Option<i64>, UnusableReason, String);
 pub(crate) struct Events {
     recorder: Recorder,
     reported: Mutex<BTreeSet<Reported>>,
-    metrics: Metrics,
+    metrics: ControllerMetrics,
 }
 
 /// `s` cut to at most `max` bytes, on a character boundary, marked with `...`.
@@ -44,7 +44,7 @@ pub(crate) fn truncate(mut s: String, max: usize) -> String {
 
 impl Events {
     /// `instance` names this replica in the Events' `reportingInstance`.
-    pub(crate) fn new(client: kube::Client, controller: &str, instance: String, metrics: Metrics) -> Self {
+    pub(crate) fn new(client: kube::Client, controller: &str, instance: String, metrics: ControllerMetrics) -> Self {
         let reporter = Reporter { controller: controller.into(), instance: Some(instance) };
         Events { recorder: Recorder::new(client, reporter), reported: Mutex::default(), metrics }
     }
@@ -156,7 +156,7 @@ mod tests {
             _ => (405, serde_json::json!({})),
         }))
         .await;
-        let events = Events::new(api.client.clone(), "test", "test".into(), Metrics::new());
+        let events = Events::new(api.client.clone(), "test", "test".into(), ControllerMetrics::unregistered());
         let broken = Some((UnusableReason::InvalidSpec, "spec.address: environment variable X is not set"));
         events.report(&object(), &entry(1, broken), until()).await;
         assert_eq!(api.take(), ["POST events"]);
@@ -184,7 +184,7 @@ mod tests {
             )
         }))
         .await;
-        let metrics = Metrics::new();
+        let metrics = ControllerMetrics::unregistered();
         let events = Events::new(api.client.clone(), "test", "test".into(), metrics.clone());
         let broken = Some((UnusableReason::SecretUnavailable, "Secret shop/acl not found"));
         events.report(&object(), &entry(1, broken), until()).await;

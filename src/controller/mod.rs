@@ -16,6 +16,7 @@
 //! gaining leadership, and every `--resync-period`.
 
 pub(crate) mod events;
+pub(crate) mod metrics;
 pub(crate) mod status;
 
 use std::collections::{BTreeMap, HashMap};
@@ -36,7 +37,6 @@ use tokio::task::JoinHandle;
 use crate::kube_client::{FIELD_MANAGER, error_reason, status_code};
 use crate::leadership::Leadership;
 use crate::ops::health::Vitals;
-use crate::ops::metrics::Metrics;
 use consul_resolver_api::resolver::ConsulResolver;
 use consul_resolver_api::resolver::{GROUP, KIND};
 use consul_resolver_api::status::ConsulResolverStatus;
@@ -44,6 +44,7 @@ use consul_resolver_core::assembler::Snapshot;
 use consul_resolver_core::assembler::snapshot::{Part, ResolverEntry};
 use consul_resolver_core::world::World;
 use events::Events;
+use metrics::ControllerMetrics;
 
 type Ref = ObjectRef<DynamicObject>;
 
@@ -106,7 +107,7 @@ struct Context {
     leadership: Leadership,
     latest: watch::Receiver<Option<Arc<Published>>>,
     events: Events,
-    metrics: Metrics,
+    metrics: ControllerMetrics,
     resync: Duration,
     failures: Mutex<HashMap<Ref, u32>>,
     written: Mutex<HashMap<Ref, Written>>,
@@ -234,7 +235,7 @@ impl ResolverController {
         client: kube::Client,
         leadership: Leadership,
         identity: String,
-        metrics: Metrics,
+        metrics: ControllerMetrics,
         resync: Duration,
         vitals: &Arc<Vitals>,
     ) -> ResolverController {
@@ -448,7 +449,7 @@ mod tests {
         }))
         .await;
         let (lead, leadership) = Leadership::manual();
-        let metrics = Metrics::new();
+        let metrics = ControllerMetrics::unregistered();
         let mut c = ResolverController::spawn(
             api.client.clone(),
             leadership,

@@ -8,13 +8,20 @@
 //! campaign, each publisher's outlet, the ops server) are [`Vitals`]: one that ends before
 //! shutdown, by a panic or a return, is logged with its cause and fails `/healthz` too, so the
 //! pod is restarted rather than running on without statuses, leadership or an output.
+//!
+//! [`LivenessMetrics`] show the same from outside: the heartbeat as a timestamp, and the
+//! tasks alive in the async runtime (a leak shows as steady growth).
 
 use std::future::Future;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use prometheus::core::Collector;
+use prometheus::{Gauge, IntGauge, Registry};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+use crate::measure::{gauge, int_gauge, register_all};
 
 /// How often an idle loop beats: far below any sensible timeout.
 pub(crate) const BEAT_EVERY: Duration = Duration::from_secs(1);
@@ -46,6 +53,52 @@ impl Heartbeat {
                 humantime::format_duration(Duration::from_millis(silent.as_millis() as u64)),
                 humantime::format_duration(timeout)
             ))
+        }
+    }
+}
+
+/// The liveness metrics. Cloning shares them.
+#[derive(Clone)]
+pub(crate) struct LivenessMetrics {
+    /// Set by the event loop each time it beats the [`Heartbeat`].
+    pub heartbeat_timestamp: Gauge,
+    /// Tasks alive in the async runtime, read at each scrape: a task that outlives its
+    /// watch (a leak) shows as steady growth (the soak benchmark follows it).
+    runtime_tasks: IntGauge,
+}
+
+impl LivenessMetrics {
+    /// Metrics counted but exported nowhere (tests).
+    pub(crate) fn unregistered() -> LivenessMetrics {
+        LivenessMetrics {
+            heartbeat_timestamp: gauge(
+                "heartbeat_timestamp_seconds",
+                "Unix time the event loop last turned (it turns at least every second; /healthz fails when it stops)",
+            ),
+            runtime_tasks: int_gauge(
+                "runtime_tasks",
+                "Tasks alive in the operator's async runtime, read at each scrape (steady growth is a leak)",
+            ),
+        }
+    }
+
+    pub(crate) fn register(registry: &Registry) -> prometheus::Result<LivenessMetrics> {
+        let m = LivenessMetrics::unregistered();
+        register_all(registry, m.collectors())?;
+        Ok(m)
+    }
+
+    /// What [`LivenessMetrics::register`] registers.
+    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
+        vec![Box::new(self.heartbeat_timestamp.clone()), Box::new(self.runtime_tasks.clone())]
+    }
+
+    /// Reads the tasks alive, before a scrape.
+    pub(crate) fn refresh(&self) {
+        // Scrapes are served on the runtime; outside one (a unit test) the gauge stays as is.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let alive = runtime.metrics().num_alive_tasks();
+            self.runtime_tasks.set(i64::try_from(alive).unwrap_or(i64::MAX));
         }
     }
 }

@@ -3,7 +3,6 @@
 //! connection may hold is in [`server`].
 
 pub(crate) mod health;
-pub(crate) mod metrics;
 pub(crate) mod server;
 
 use std::net::SocketAddr;
@@ -20,13 +19,19 @@ use tokio_util::sync::CancellationToken;
 use crate::publishers::gunzip;
 use crate::publishers::http::{Body, KEPT, SnapshotStore};
 use health::{Heartbeat, Vitals};
-use metrics::Metrics;
+use server::ServerMetrics;
+
+/// The Prometheus text of every metric, at the moment of the scrape.
+pub(crate) type Render = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// Shared state the server reads.
 #[derive(Clone)]
 pub(crate) struct ServerState {
     pub store: Arc<SnapshotStore>,
-    pub metrics: Metrics,
+    /// Renders every metric for `/metrics` (the process's registry, held by the runtime).
+    pub render: Render,
+    /// The server's own connection metrics.
+    pub server_metrics: ServerMetrics,
     /// Ready once a snapshot was published (and, with leader election, also on
     /// standbys: readiness means "can serve", not "is leader").
     pub ready: Arc<std::sync::atomic::AtomicBool>,
@@ -73,7 +78,7 @@ async fn route(state: ServerState, req: Request<Incoming>) -> Response<Full<Byte
             respond(StatusCode::OK, "text/plain", "ok\n")
         }
         "/readyz" => respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "no snapshot published yet\n"),
-        "/metrics" => respond(StatusCode::OK, "text/plain; version=0.0.4", state.metrics.render()),
+        "/metrics" => respond(StatusCode::OK, "text/plain; version=0.0.4", (state.render)()),
         "/snapshot" => match state.store.latest() {
             Some(b) => respond(StatusCode::OK, "application/json", b),
             None => respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "no snapshot published yet\n"),
@@ -115,7 +120,7 @@ pub(crate) async fn serve(
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
-    let metrics = state.metrics.ops_server.clone();
+    let metrics = state.server_metrics.clone();
     let vitals = state.vitals.clone();
     let handle = move |req: Request<Incoming>| route(state.clone(), req);
     let task = tokio::spawn(vitals.watch("ops server", server::run(listener, limits, metrics, shutdown, handle)));
@@ -138,9 +143,11 @@ mod tests {
         let timeout = Duration::from_secs(60);
         let heartbeat = Arc::new(Heartbeat::new(tokio::time::Instant::now()));
         let vitals = Vitals::new(CancellationToken::new());
+        let registry = prometheus::Registry::new();
         let state = ServerState {
             store: Arc::default(),
-            metrics: Metrics::new(),
+            render: test_render(&registry),
+            server_metrics: ServerMetrics::register(&registry).unwrap(),
             ready: Arc::default(),
             heartbeat: heartbeat.clone(),
             heartbeat_timeout: timeout,
@@ -167,10 +174,22 @@ mod tests {
         task.await.unwrap();
     }
 
+    /// The server's metrics in a registry of their own, rendered as `/metrics` renders.
+    fn test_render(registry: &prometheus::Registry) -> Render {
+        let registry = registry.clone();
+        Arc::new(move || {
+            let mut buf = Vec::new();
+            prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &registry.gather(), &mut buf).unwrap();
+            String::from_utf8(buf).unwrap()
+        })
+    }
+
     fn state() -> ServerState {
+        let registry = prometheus::Registry::new_custom(Some("consul_resolver".into()), None).unwrap();
         ServerState {
             store: Arc::default(),
-            metrics: Metrics::new(),
+            render: test_render(&registry),
+            server_metrics: ServerMetrics::register(&registry).unwrap(),
             ready: Arc::default(),
             heartbeat: Arc::new(Heartbeat::new(tokio::time::Instant::now())),
             heartbeat_timeout: Duration::from_secs(60),
@@ -217,7 +236,7 @@ mod tests {
             assert_eq!(answered.expect("answered within 5 s behind 100 idle connections").0, 200, "{path}");
         }
         assert!(closed_within(&mut idle[0], Duration::from_secs(5)).await, "the first idle connection was closed");
-        let text = state.metrics.render();
+        let text = (state.render)();
         assert!(sample(&text, "consul_resolver_ops_connections ") <= 16.0, "{text}");
         assert!(sample(&text, "consul_resolver_ops_connections_closed_total{reason=\"evicted\"}") >= 84.0, "{text}");
         shutdown.cancel();
@@ -252,7 +271,7 @@ mod tests {
         kept.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
         assert!(closed_within(&mut kept, Duration::from_secs(5)).await, "idle after its answer: closed");
 
-        let text = state.metrics.render();
+        let text = (state.render)();
         assert!(
             sample(&text, "consul_resolver_ops_connections_closed_total{reason=\"header_timeout\"}") >= 2.0,
             "{text}"

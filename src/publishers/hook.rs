@@ -16,8 +16,8 @@ use futures::future::BoxFuture;
 use tokio::io::AsyncReadExt;
 use tokio::process::Command;
 
+use super::metrics::PublisherMetrics;
 use super::{PublishError, Publisher};
-use crate::ops::metrics::Metrics;
 use consul_resolver_core::assembler::Snapshot;
 
 /// The file the command reads, in the hook's directory.
@@ -36,12 +36,12 @@ pub(crate) struct HookPublisher {
     /// publisher does not run it again for the same content.
     last_hash: Arc<Mutex<Option<String>>>,
     /// Runs, failures and durations of the command itself (a publication it skips is none).
-    metrics: Metrics,
+    metrics: PublisherMetrics,
 }
 
 impl HookPublisher {
     /// `dir` holds the snapshot file; it is created when missing.
-    pub(crate) fn new(command: PathBuf, timeout: Duration, dir: PathBuf, metrics: Metrics) -> Self {
+    pub(crate) fn new(command: PathBuf, timeout: Duration, dir: PathBuf, metrics: PublisherMetrics) -> Self {
         HookPublisher { command, timeout, dir, running: Arc::default(), last_hash: Arc::default(), metrics }
     }
 }
@@ -186,7 +186,7 @@ mod tests {
                 record.display()
             ),
         );
-        let metrics = Metrics::new();
+        let metrics = PublisherMetrics::unregistered();
         let hook = HookPublisher::new(script, Duration::from_secs(10), tmp.0.join("out"), metrics.clone());
         let snap = snapshot(17, &[]);
         hook.publish(snap.clone()).await.unwrap();
@@ -217,7 +217,7 @@ mod tests {
         let _exclusive = EXCLUSIVE.lock().await;
         let tmp = TempDir::new("fail");
         let script = tmp.script("fail.sh", "echo 'cannot reach the proxy' >&2; exit 3");
-        let metrics = Metrics::new();
+        let metrics = PublisherMetrics::unregistered();
         let hook = HookPublisher::new(script, Duration::from_secs(10), tmp.0.join("out"), metrics.clone());
         let err = hook.publish(snapshot(1, &[])).await.unwrap_err().to_string();
         assert!(err.contains("exit status: 3") && err.contains("cannot reach the proxy"), "{err}");
@@ -230,7 +230,12 @@ mod tests {
     async fn a_missing_command_is_an_error() {
         let _exclusive = EXCLUSIVE.lock().await;
         let tmp = TempDir::new("missing");
-        let hook = HookPublisher::new(tmp.0.join("nope"), Duration::from_secs(10), tmp.0.join("out"), Metrics::new());
+        let hook = HookPublisher::new(
+            tmp.0.join("nope"),
+            Duration::from_secs(10),
+            tmp.0.join("out"),
+            PublisherMetrics::unregistered(),
+        );
         let err = hook.publish(snapshot(1, &[])).await.unwrap_err().to_string();
         assert!(err.contains("cannot start"), "{err}");
     }
@@ -242,7 +247,7 @@ mod tests {
         let pid_file = tmp.0.join("pid");
         // `exec` so the pid recorded is the sleeping process itself.
         let script = tmp.script("slow.sh", &format!("echo $$ > {}\nexec sleep 5", pid_file.display()));
-        let metrics = Metrics::new();
+        let metrics = PublisherMetrics::unregistered();
         let hook = HookPublisher::new(script, Duration::from_millis(200), tmp.0.join("out"), metrics.clone());
         let started = std::time::Instant::now();
         let err = hook.publish(snapshot(1, &[])).await.unwrap_err().to_string();
@@ -261,7 +266,8 @@ mod tests {
         // Each run appends start/end; overlapping runs would interleave them.
         let script =
             tmp.script("serial.sh", &format!("echo start >> {l}; sleep 0.1; echo end >> {l}", l = log.display()));
-        let hook = HookPublisher::new(script, Duration::from_secs(10), tmp.0.join("out"), Metrics::new());
+        let hook =
+            HookPublisher::new(script, Duration::from_secs(10), tmp.0.join("out"), PublisherMetrics::unregistered());
         let (a, b) = tokio::join!(hook.publish(snapshot(1, &[])), hook.publish(snapshot(2, &["x"])));
         a.unwrap();
         b.unwrap();

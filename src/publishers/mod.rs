@@ -1,12 +1,14 @@
 //! Publishers: the edge that writes whole snapshots out (HTTP, the hook, the ConfigMap).
-//! The runtime publishes to all of them in turn, one snapshot at a time, each within a
-//! deadline; a publication that fails anywhere is retried later with whatever is current
-//! then. Resolver statuses and Events are per resolver, written by the resolver controller
+//! The HTTP store is filled at hand-off; the hook and the ConfigMap each have an outlet of
+//! their own in the runtime (`runtime::publication`): one delivery at a time, within a
+//! deadline, retried alone with backoff and whatever snapshot is current then, so one
+//! failing publisher never holds back another. Resolver statuses and Events are per resolver, written by the resolver controller
 //! (`crate::controller`), so one resolver's failing status never holds back a publication.
 
 pub(crate) mod configmap;
 pub(crate) mod hook;
 pub(crate) mod http;
+pub(crate) mod metrics;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -22,8 +22,9 @@ use tokio_util::sync::CancellationToken;
 use super::publication::Outlets;
 use crate::controller::ResolverController;
 use crate::leadership::Leadership;
+use crate::measure::unix_seconds;
+use crate::metrics::Metrics;
 use crate::ops::health::{BEAT_EVERY, Heartbeat};
-use crate::ops::metrics::{Metrics, unix_seconds};
 use crate::publishers::http::SnapshotStore;
 use crate::sources::Watches;
 use consul_resolver_api::resolver;
@@ -91,7 +92,7 @@ impl EventLoop {
     /// Runs until `shutdown`; the outlets, returned, finish what they deliver.
     pub(super) async fn run(mut self, shutdown: CancellationToken) -> (ResolverController, Watches, Outlets) {
         let leading = self.leadership.is_leading();
-        self.metrics.leader.set(leading as i64);
+        self.metrics.leadership.started(leading);
         let mut turn = Turn { leading, logged_waiting: false, pending: None };
         // Leading from the start (no election, or a lease won before the loop ran) is a
         // takeover like any other: the ConfigMap's ids continue after the last one written.
@@ -127,7 +128,7 @@ impl EventLoop {
 
     fn beat(&self) {
         self.heartbeat.beat(Instant::now());
-        self.metrics.heartbeat_timestamp.set(unix_seconds(SystemTime::now()));
+        self.metrics.liveness.heartbeat_timestamp.set(unix_seconds(SystemTime::now()));
     }
 
     /// Asks the pipeline what to do. Nothing to publish means the events received since the
@@ -137,7 +138,7 @@ impl EventLoop {
         let step = self.pipeline.poll(started);
         match step {
             Step::Publish(_) => {
-                self.metrics.assemble_seconds.with_label_values(&["snapshot"]).observe(secs(started.elapsed()))
+                self.metrics.pipeline.assemble_seconds.with_label_values(&["snapshot"]).observe(secs(started.elapsed()))
             }
             Step::Idle => turn.pending = None,
             Step::WaitUntil(_) => {}
@@ -166,12 +167,12 @@ impl EventLoop {
                 }
                 Event::Consul(..) => "consul",
             };
-            self.metrics.events.with_label_values(&[source]).inc();
+            self.metrics.sources.events.with_label_values(&[source]).inc();
         }
         let received_now = Unpublished { since: received, since_wall: SystemTime::now(), events: batch.len() as u64 };
         turn.pending = Unpublished::merge(turn.pending, Some(received_now));
         let diff = self.pipeline.apply(batch, Instant::now());
-        self.metrics.assemble_seconds.with_label_values(&["apply"]).observe(secs(received.elapsed()));
+        self.metrics.pipeline.assemble_seconds.with_label_values(&["apply"]).observe(secs(received.elapsed()));
         self.watches.apply(&diff);
         self.controller.sync(self.pipeline.world());
         let watched = diff.start.iter().chain(&diff.stop);
@@ -186,9 +187,7 @@ impl EventLoop {
     async fn on_leadership(&mut self, turn: &mut Turn, now_leading: bool) {
         if now_leading != turn.leading {
             tracing::info!(identity = %self.identity, leading = now_leading, "leadership changed");
-            self.metrics.leader.set(now_leading as i64);
-            let transition = if now_leading { "acquired" } else { "lost" };
-            self.metrics.leader_transitions.with_label_values(&[transition]).inc();
+            self.metrics.leadership.changed(now_leading);
         }
         if now_leading && !turn.leading {
             self.take_over().await;
@@ -217,7 +216,7 @@ impl EventLoop {
         self.pipeline.published(&snapshot, true, started);
         self.controller.published(&snapshot);
         self.ready.store(true, Ordering::Relaxed);
-        let metrics = &self.metrics;
+        let metrics = &self.metrics.pipeline;
         metrics.publish_seconds.observe(secs(started.elapsed()));
         metrics.snapshots_published.inc();
         metrics.snapshot_id.set(snapshot.id as i64);
@@ -256,15 +255,18 @@ impl EventLoop {
         let consul = world.consul().values().filter(|s| !s.answered()).map(|s| s.added_at);
         for (source, added) in [("kubernetes", kube.collect::<Vec<_>>()), ("consul", consul.collect())] {
             let oldest = added.iter().min().map_or(0.0, |&at| secs(now.saturating_duration_since(at)));
-            self.metrics.unsynced_watches.with_label_values(&[source]).set(added.len() as i64);
-            self.metrics.unsynced_oldest_seconds.with_label_values(&[source]).set(oldest);
+            self.metrics.sources.unsynced_watches.with_label_values(&[source]).set(added.len() as i64);
+            self.metrics.sources.unsynced_oldest_seconds.with_label_values(&[source]).set(oldest);
         }
     }
 
     /// `consul_resolver_unpublished_change_timestamp_seconds`: the oldest event not yet
     /// published; 0 when there is none.
     fn show_unpublished(&self, turn: &Turn) {
-        self.metrics.unpublished_change_timestamp.set(turn.pending.map_or(0.0, |u| unix_seconds(u.since_wall)));
+        self.metrics
+            .pipeline
+            .unpublished_change_timestamp
+            .set(turn.pending.map_or(0.0, |u| unix_seconds(u.since_wall)));
     }
 
     /// Which Consul scope each resolver queries, for its contact timestamps.
@@ -276,7 +278,8 @@ impl EventLoop {
                 Some(((r.namespace, r.name), scope))
             })
             .collect();
-        self.metrics.consul_contact.set_resolvers(self.metrics.consul.contact(), scopes);
+        let sources = &self.metrics.sources;
+        sources.consul_contact.set_resolvers(sources.consul.contact(), scopes);
     }
 }
 

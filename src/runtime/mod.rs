@@ -9,6 +9,7 @@
 //! current snapshot at once, numbered after the one already in the ConfigMap.
 
 mod event_loop;
+pub(crate) mod metrics;
 mod publication;
 mod publisher_events;
 
@@ -26,9 +27,9 @@ use tokio_util::sync::CancellationToken;
 use crate::cli::RunArgs;
 use crate::controller::ResolverController;
 use crate::leadership::{Campaign, Leadership, LeaseConfig};
+use crate::metrics::Metrics;
 use crate::ops::ServerState;
 use crate::ops::health::{Heartbeat, Vitals};
-use crate::ops::metrics::Metrics;
 use crate::publishers::Publisher;
 use crate::publishers::configmap::ConfigMapPublisher;
 use crate::publishers::hook::HookPublisher;
@@ -162,7 +163,11 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
     let vitals = Vitals::new(shutdown.clone());
     let state = ServerState {
         store: store.clone(),
-        metrics: metrics.clone(),
+        render: {
+            let metrics = metrics.clone();
+            Arc::new(move || metrics.render())
+        },
+        server_metrics: metrics.ops_server.clone(),
         ready: ready.clone(),
         heartbeat: heartbeat.clone(),
         heartbeat_timeout: args.heartbeat_timeout,
@@ -196,9 +201,10 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
             max_response_bytes: usize::try_from(args.consul_max_response_bytes).unwrap_or(usize::MAX),
             ..ConsulSettings::default()
         },
-        metrics.consul.clone(),
+        metrics.sources.consul.clone(),
     );
-    let mut watches = Watches::new(KubeSource::new(client.clone(), metrics.clone()), consul, tx, metrics.clone());
+    let mut watches =
+        Watches::new(KubeSource::new(client.clone(), metrics.sources.clone()), consul, tx, metrics.sources.clone());
     let clock = WallClock { instant: Instant::now(), wall: SystemTime::now() };
     let (ambassador_id, env) = (config.ambassador_id.clone(), config.env.clone());
     let mut pipeline = Pipeline::new(config, args.bootstrap_timeout, args.coalesce_window, clock);
@@ -217,7 +223,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
     let mut local: Vec<Arc<dyn Publisher>> = Vec::new();
     if let Some(command) = args.on_snapshot.clone() {
         let dir = std::env::temp_dir().join("consul-resolver-operator");
-        local.push(Arc::new(HookPublisher::new(command, args.on_snapshot_timeout, dir, metrics.clone())));
+        local.push(Arc::new(HookPublisher::new(command, args.on_snapshot_timeout, dir, metrics.publishers.clone())));
     }
     let configmap = args
         .snapshot_configmap
@@ -230,7 +236,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         leadership.clone(),
         args.snapshot_configmap.as_ref(),
         args.kube_timeout,
-        metrics.clone(),
+        metrics.controller.event_failures.clone(),
     );
     // The hook has its own limit, which kills it: give it that, plus a moment to reap.
     let publish_timeout = args.publish_timeout.max(args.on_snapshot_timeout + Duration::from_secs(5));
@@ -241,7 +247,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         OutletConfig {
             timeout: publish_timeout,
             resync_period: args.resync_period,
-            metrics: metrics.clone(),
+            metrics: metrics.publishers.clone(),
             vitals: vitals.clone(),
             events: Some(Arc::new(events)),
         },
@@ -250,7 +256,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         client.clone(),
         leadership.clone(),
         identity.clone(),
-        metrics.clone(),
+        metrics.controller.clone(),
         args.resync_period,
         &vitals,
     );

@@ -25,8 +25,8 @@ use tokio_util::sync::CancellationToken;
 use super::publisher_events::PublisherEvents;
 use crate::leadership::Leadership;
 use crate::ops::health::Vitals;
-use crate::ops::metrics::Metrics;
 use crate::publishers::configmap::ConfigMapPublisher;
+use crate::publishers::metrics::PublisherMetrics;
 use crate::publishers::{PublishError, Publisher};
 use consul_resolver_core::assembler::Snapshot;
 
@@ -68,7 +68,7 @@ pub(super) struct OutletConfig {
     pub(super) timeout: Duration,
     /// How often the ConfigMap is compared with what was written, and repaired.
     pub(super) resync_period: Duration,
-    pub(super) metrics: Metrics,
+    pub(super) metrics: PublisherMetrics,
     /// A task that ends before shutdown fails `/healthz`.
     pub(super) vitals: Arc<Vitals>,
     /// Events when a publisher starts failing and when it recovers.
@@ -366,7 +366,7 @@ mod tests {
         let config = OutletConfig {
             timeout: Duration::from_secs(7200),
             resync_period: Duration::from_secs(300),
-            metrics: Metrics::new(),
+            metrics: PublisherMetrics::unregistered(),
             vitals: Vitals::new(CancellationToken::new()),
             events: None,
         };

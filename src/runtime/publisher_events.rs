@@ -13,12 +13,12 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use prometheus::IntCounter;
 use tokio::time::Instant;
 
 use crate::cli::NamespacedName;
 use crate::controller::events::truncate;
 use crate::leadership::Leadership;
-use crate::ops::metrics::Metrics;
 
 pub(crate) const PUBLISH_FAILED: &str = "PublishFailed";
 pub(crate) const PUBLISH_RECOVERED: &str = "PublishRecovered";
@@ -32,7 +32,8 @@ pub(crate) struct PublisherEvents {
     configmap: Option<ObjectReference>,
     pod: Option<ObjectReference>,
     timeout: Duration,
-    metrics: Metrics,
+    /// The status controller's `event_failures_total`: one count for every Event not written.
+    event_failures: IntCounter,
 }
 
 impl PublisherEvents {
@@ -43,7 +44,7 @@ impl PublisherEvents {
         leadership: Leadership,
         configmap: Option<&NamespacedName>,
         timeout: Duration,
-        metrics: Metrics,
+        event_failures: IntCounter,
     ) -> PublisherEvents {
         let reporter = Reporter { controller: controller.into(), instance: Some(instance) };
         let reference = |kind: &str, namespace: &str, name: &str| ObjectReference {
@@ -63,7 +64,7 @@ impl PublisherEvents {
             configmap: configmap.map(|t| reference("ConfigMap", &t.namespace, &t.name)),
             pod,
             timeout,
-            metrics,
+            event_failures,
         }
     }
 
@@ -88,17 +89,17 @@ impl PublisherEvents {
             action: "Publish".into(),
             secondary: None,
         };
-        let (recorder, metrics) = (self.recorder.clone(), self.metrics.clone());
+        let (recorder, failures) = (self.recorder.clone(), self.event_failures.clone());
         tokio::spawn(async move {
             match tokio::time::timeout_at(until, recorder.publish(&event, &regarding)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     tracing::warn!(publisher, error = %e, "cannot write an Event about a publisher");
-                    metrics.event_failures.inc();
+                    failures.inc();
                 }
                 Err(_) => {
                     tracing::warn!(publisher, "no Event about a publisher within the deadline");
-                    metrics.event_failures.inc();
+                    failures.inc();
                 }
             }
         });

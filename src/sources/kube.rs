@@ -15,18 +15,18 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 
 use super::EventSink;
-use crate::ops::metrics::Metrics;
+use super::metrics::SourceMetrics;
 use consul_resolver_core::keys::KubeKey;
 use consul_resolver_core::model::{Event, KubeEvent, WatchFailure};
 use consul_resolver_core::model::{KubeObject, ObjectId};
 
 pub(crate) struct KubeSource {
     client: Client,
-    metrics: Metrics,
+    metrics: SourceMetrics,
 }
 
 impl KubeSource {
-    pub(crate) fn new(client: Client, metrics: Metrics) -> Self {
+    pub(crate) fn new(client: Client, metrics: SourceMetrics) -> Self {
         KubeSource { client, metrics }
     }
 }
@@ -78,7 +78,7 @@ fn failure(e: &watcher::Error) -> (WatchFailure, &'static str) {
     (WatchFailure { message, rejected }, reason)
 }
 
-async fn run(client: Client, key: KubeKey, events: EventSink, metrics: Metrics) {
+async fn run(client: Client, key: KubeKey, events: EventSink, metrics: SourceMetrics) {
     let send = |ev: KubeEvent| {
         let events = events.clone();
         let key = key.clone();

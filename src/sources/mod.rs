@@ -8,6 +8,7 @@
 //! store in the world, and a new arm here.
 
 pub(crate) mod kube;
+pub(crate) mod metrics;
 
 use std::collections::BTreeMap;
 
@@ -15,9 +16,9 @@ use consul_resolver_core::keys::WatchKey;
 use consul_resolver_core::registry::Diff;
 use tokio_util::task::AbortOnDropHandle;
 
-use crate::ops::metrics::Metrics;
 use consul_watch::ConsulSource;
 use kube::KubeSource;
+use metrics::SourceMetrics;
 
 /// Where sources send events (the Consul source's type: the core's bounded event channel).
 pub(crate) use consul_watch::EventSink;
@@ -28,7 +29,7 @@ pub(crate) struct Watches {
     consul: ConsulSource,
     running: BTreeMap<WatchKey, AbortOnDropHandle<()>>,
     events: EventSink,
-    metrics: Metrics,
+    metrics: SourceMetrics,
 }
 
 /// A source's name, for logs and metrics.
@@ -40,7 +41,7 @@ fn source(key: &WatchKey) -> &'static str {
 }
 
 impl Watches {
-    pub(crate) fn new(kube: KubeSource, consul: ConsulSource, events: EventSink, metrics: Metrics) -> Self {
+    pub(crate) fn new(kube: KubeSource, consul: ConsulSource, events: EventSink, metrics: SourceMetrics) -> Self {
         Watches { kube, consul, running: BTreeMap::new(), events, metrics }
     }
 
@@ -94,7 +95,7 @@ mod tests {
     async fn the_watches_gauge_follows_starts_and_stops_to_zero() {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let api = serve(Arc::new(|_: &str, path: &str, _: &[u8]| not_found(path))).await;
-        let metrics = Metrics::new();
+        let metrics = SourceMetrics::unregistered();
         let (tx, _rx) = mpsc::channel(16);
         let consul = ConsulSource::new(Default::default(), metrics.consul.clone());
         let mut w = Watches::new(KubeSource::new(api.client.clone(), metrics.clone()), consul, tx, metrics.clone());
