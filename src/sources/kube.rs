@@ -6,6 +6,8 @@
 //! given with `--watch`. The version is the one the API server prefers unless the key
 //! pins one; it is found by discovery, so older API servers work too.
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -13,6 +15,7 @@ use kube::api::DynamicObject;
 use kube::discovery::{self, ApiCapabilities, ApiResource, Scope};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
+use tokio::time::Instant;
 
 use super::EventSink;
 use super::metrics::SourceMetrics;
@@ -23,18 +26,66 @@ use consul_resolver_core::model::{KubeObject, ObjectId};
 pub(crate) struct KubeSource {
     client: Client,
     metrics: SourceMetrics,
+    discovered: Discovered,
 }
 
 impl KubeSource {
     pub(crate) fn new(client: Client, metrics: SourceMetrics) -> Self {
-        KubeSource { client, metrics }
+        KubeSource { client, metrics, discovered: Discovered::default() }
+    }
+}
+
+/// How long a kind's discovery is reused. Thousands of watches of one kind (a Service's
+/// endpoints each) then cost one discovery request, not one each; a CRD whose served
+/// versions change is seen within this, or at once by a watch the API server refuses (the
+/// entry is dropped when a watch of its kind fails).
+const DISCOVERY_TTL: Duration = Duration::from_secs(300);
+
+/// A kind as a key names it: group, version (empty: the preferred one), kind.
+type KindId = (String, String, String);
+
+/// What discovery found for a kind, and when.
+type Found = (Instant, ApiResource, ApiCapabilities);
+
+/// What discovery found, per kind as keys name it, shared by every watch of the source.
+/// Held across a discovery, so that watches starting together (a cold start's hundreds)
+/// wait for the first one's answer instead of each asking.
+#[derive(Clone, Default)]
+pub(crate) struct Discovered(Arc<tokio::sync::Mutex<HashMap<KindId, Found>>>);
+
+impl Discovered {
+    fn id(key: &KubeKey) -> KindId {
+        (key.group.clone(), key.version.clone(), key.kind.clone())
+    }
+
+    /// The resource of `key`'s kind: reused while fresh, else found by discovery.
+    pub(crate) async fn resolve(
+        &self,
+        client: &Client,
+        key: &KubeKey,
+    ) -> Result<(ApiResource, ApiCapabilities), String> {
+        let id = Self::id(key);
+        let mut found = self.0.lock().await;
+        if let Some((at, resource, caps)) = found.get(&id).cloned()
+            && at.elapsed() < DISCOVERY_TTL
+        {
+            return Ok((resource, caps));
+        }
+        let (resource, caps) = resolve(client, key).await?;
+        found.insert(id, (Instant::now(), resource.clone(), caps.clone()));
+        Ok((resource, caps))
+    }
+
+    /// Forgets `key`'s kind: a watch of it was refused, maybe for a version no longer served.
+    async fn forget(&self, key: &KubeKey) {
+        self.0.lock().await.remove(&Self::id(key));
     }
 }
 
 impl KubeSource {
     /// The watch of `key`: runs until dropped, reporting into `events`.
     pub(crate) fn watch(&self, key: KubeKey, events: EventSink) -> impl Future<Output = ()> + Send + 'static {
-        run(self.client.clone(), key, events, self.metrics.clone())
+        run(self.client.clone(), key, events, self.metrics.clone(), self.discovered.clone())
     }
 }
 
@@ -78,7 +129,7 @@ fn failure(e: &watcher::Error) -> (WatchFailure, &'static str) {
     (WatchFailure { message, rejected }, reason)
 }
 
-async fn run(client: Client, key: KubeKey, events: EventSink, metrics: SourceMetrics) {
+async fn run(client: Client, key: KubeKey, events: EventSink, metrics: SourceMetrics, discovered: Discovered) {
     let send = |ev: KubeEvent| {
         let events = events.clone();
         let key = key.clone();
@@ -87,7 +138,7 @@ async fn run(client: Client, key: KubeKey, events: EventSink, metrics: SourceMet
     // Discovery can fail while a CRD is being installed: retry, reporting the error.
     let mut delay = Duration::from_millis(250);
     let (resource, caps) = loop {
-        match resolve(&client, &key).await {
+        match discovered.resolve(&client, &key).await {
             Ok(found) => break found,
             Err(e) => {
                 tracing::warn!(watch = %key, error = %e, "cannot watch yet; retrying");
@@ -143,6 +194,9 @@ async fn run(client: Client, key: KubeKey, events: EventSink, metrics: SourceMet
                 let (failure, reason) = failure(&e);
                 tracing::warn!(watch = %key, error = %failure.message, rejected = failure.rejected, "watch error; retrying with backoff");
                 metrics.watch_errors.with_label_values(&["kubernetes", reason]).inc();
+                if reason == "not_found" {
+                    discovered.forget(&key).await;
+                }
                 last_error = Some(reason);
                 KubeEvent::Failed(failure)
             }
@@ -174,7 +228,36 @@ fn to_object(o: DynamicObject) -> Option<KubeObject> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_fixtures::serve;
     use kube::core::Status;
+
+    /// Watches of one kind share its discovery: one request for any number of them, again
+    /// only once a watch of it was refused (or the entry aged).
+    #[tokio::test]
+    async fn one_discovery_per_kind_whatever_the_number_of_watches() {
+        let api = serve(Arc::new(|_: &str, path: &str, _: &[u8]| match path {
+            "/api/v1" => (
+                200,
+                serde_json::json!({"kind": "APIResourceList", "groupVersion": "v1", "resources": [
+                    {"name": "endpoints", "singularName": "", "namespaced": true, "kind": "Endpoints",
+                     "verbs": ["list", "watch"]}]}),
+            ),
+            _ => crate::test_fixtures::not_found(path),
+        }))
+        .await;
+        let discovered = Discovered::default();
+        for name in ["a", "b", "c"] {
+            let key =
+                KubeKey::new("", "v1", "Endpoints").in_namespace("shop").with_fields(format!("metadata.name={name}"));
+            let (resource, caps) = discovered.resolve(&api.client, &key).await.unwrap();
+            assert_eq!((resource.plural.as_str(), caps.scope.clone()), ("endpoints", Scope::Namespaced));
+        }
+        assert_eq!(api.take(), ["GET v1"], "three watches, one discovery");
+        let key = KubeKey::new("", "v1", "Endpoints").in_namespace("shop");
+        discovered.forget(&key).await;
+        discovered.resolve(&api.client, &key).await.unwrap();
+        assert_eq!(api.take(), ["GET v1"], "forgotten after a refused watch: discovered again");
+    }
 
     fn status(code: u16, reason: &str) -> Box<Status> {
         Box::new(Status::failure("secrets is forbidden", reason).with_code(code))
