@@ -48,14 +48,22 @@ type KindId = (String, String, String);
 type Found = (Instant, ApiResource, ApiCapabilities);
 
 /// What discovery found, per kind as keys name it, shared by every watch of the source.
-/// Held across a discovery, so that watches starting together (a cold start's hundreds)
-/// wait for the first one's answer instead of each asking.
+/// Each kind's entry is held across its discovery, so that watches of one kind starting
+/// together (a cold start's hundreds) wait for the first one's answer instead of each
+/// asking; other kinds are not held up (each request has the client's deadline).
 #[derive(Clone, Default)]
-pub(crate) struct Discovered(Arc<tokio::sync::Mutex<HashMap<KindId, Found>>>);
+pub(crate) struct Discovered(Arc<std::sync::Mutex<HashMap<KindId, Slot>>>);
+
+/// One kind's discovery: empty until found, locked while asked.
+type Slot = Arc<tokio::sync::Mutex<Option<Found>>>;
 
 impl Discovered {
     fn id(key: &KubeKey) -> KindId {
         (key.group.clone(), key.version.clone(), key.kind.clone())
+    }
+
+    fn entry(&self, key: &KubeKey) -> Slot {
+        self.0.lock().expect("discovery cache").entry(Self::id(key)).or_default().clone()
     }
 
     /// The resource of `key`'s kind: reused while fresh, else found by discovery.
@@ -64,21 +72,21 @@ impl Discovered {
         client: &Client,
         key: &KubeKey,
     ) -> Result<(ApiResource, ApiCapabilities), String> {
-        let id = Self::id(key);
-        let mut found = self.0.lock().await;
-        if let Some((at, resource, caps)) = found.get(&id).cloned()
+        let entry = self.entry(key);
+        let mut found = entry.lock().await;
+        if let Some((at, resource, caps)) = found.clone()
             && at.elapsed() < DISCOVERY_TTL
         {
             return Ok((resource, caps));
         }
         let (resource, caps) = resolve(client, key).await?;
-        found.insert(id, (Instant::now(), resource.clone(), caps.clone()));
+        *found = Some((Instant::now(), resource.clone(), caps.clone()));
         Ok((resource, caps))
     }
 
     /// Forgets `key`'s kind: a watch of it was refused, maybe for a version no longer served.
-    async fn forget(&self, key: &KubeKey) {
-        self.0.lock().await.remove(&Self::id(key));
+    fn forget(&self, key: &KubeKey) {
+        self.0.lock().expect("discovery cache").remove(&Self::id(key));
     }
 }
 
@@ -195,7 +203,7 @@ async fn run(client: Client, key: KubeKey, events: EventSink, metrics: SourceMet
                 tracing::warn!(watch = %key, error = %failure.message, rejected = failure.rejected, "watch error; retrying with backoff");
                 metrics.watch_errors.with_label_values(&["kubernetes", reason]).inc();
                 if reason == "not_found" {
-                    discovered.forget(&key).await;
+                    discovered.forget(&key);
                 }
                 last_error = Some(reason);
                 KubeEvent::Failed(failure)
@@ -254,7 +262,7 @@ mod tests {
         }
         assert_eq!(api.take(), ["GET v1"], "three watches, one discovery");
         let key = KubeKey::new("", "v1", "Endpoints").in_namespace("shop");
-        discovered.forget(&key).await;
+        discovered.forget(&key);
         discovered.resolve(&api.client, &key).await.unwrap();
         assert_eq!(api.take(), ["GET v1"], "forgotten after a refused watch: discovered again");
     }
