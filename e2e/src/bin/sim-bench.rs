@@ -14,6 +14,7 @@
 //!   each in turn: latency min / median / max and the answer's size;
 //! - writes (`/v1/catalog/register` of one instance with a new port), 200 in turn: latency
 //!   p50 / p99.
+//!
 //! The first size is the baseline: the table gives the ratio of each later size's health
 //! read p50 to it. Client and simulator share the machine's cores, so the figures include
 //! the client's own work.
