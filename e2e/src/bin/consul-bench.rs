@@ -30,17 +30,10 @@ use consul_resolver_core::model::{ConsulEvent, Event, Health};
 use consul_sim::tls::TestPki;
 use consul_sim::{Config, Simulator};
 use consul_watch::{ConsulSource, Metrics, Settings};
+use e2e::bench::{env_usize, percentile};
 use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_util::task::AbortOnDropHandle;
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

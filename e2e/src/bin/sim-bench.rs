@@ -23,12 +23,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use consul_sim::{Config, Simulator};
+use e2e::bench::{env_usize, percentile};
 use futures::{StreamExt, TryStreamExt};
 use serde_json::{Value, json};
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 /// Latencies, sorted on demand.
 #[derive(Default)]
@@ -37,8 +34,7 @@ struct Latencies(Vec<Duration>);
 impl Latencies {
     fn percentile(&mut self, p: f64) -> Duration {
         self.0.sort();
-        let i = ((self.0.len() as f64 - 1.0) * p).round() as usize;
-        self.0.get(i).copied().unwrap_or_default()
+        if self.0.is_empty() { Duration::ZERO } else { percentile(&self.0, p) }
     }
 
     fn summary(&mut self) -> String {

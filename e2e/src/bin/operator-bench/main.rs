@@ -69,6 +69,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::{Context, bail, ensure};
 use consul_resolver_operator::snapshot_configmap as configmap;
 use consul_sim::{Config as SimConfig, RunningSim, Simulator};
+use e2e::bench::{env_usize, percentile};
 use e2e::harness::{Cluster, Operator, metric_sample, operator_binary, unique};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -86,10 +87,6 @@ const OPERATOR_USER: &str = "system:serviceaccount:consul-resolver-system:consul
 const OPERATOR_NS: &str = "consul-resolver-system";
 const COLD_START_LIMIT: Duration = Duration::from_secs(120);
 const CHANGE_LIMIT: Duration = Duration::from_secs(60);
-
-fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 #[derive(Clone)]
 struct Settings {
@@ -299,10 +296,6 @@ fn node_name(k: usize) -> String {
 /// and up, so every change is a real catalog change.
 fn registered_port(s: &Settings, i: usize, k: usize) -> u16 {
     (10_000 + (i * s.instances + k) % 10_000) as u16
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
 fn ms(d: Duration) -> String {
