@@ -126,8 +126,8 @@ mod tests {
         assert_eq!(tasks(&m.render()), before);
     }
 
-    /// The collectors each group registers of its own (the Consul source's and the ops
-    /// server's are gathered: every one of their vectors has label values from the start).
+    /// The collectors each group registers of its own (the Consul source's are gathered:
+    /// every one of its vectors has label values from the start).
     fn collectors(m: &Metrics) -> Vec<Box<dyn Collector>> {
         [
             m.sources.collectors(),
@@ -136,6 +136,7 @@ mod tests {
             m.controller.collectors(),
             m.leadership.collectors(),
             m.liveness.collectors(),
+            m.ops_server.collectors(),
         ]
         .into_iter()
         .flatten()

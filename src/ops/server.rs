@@ -25,10 +25,13 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::core::Collector;
+use prometheus::{IntCounterVec, IntGauge, Registry};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+use crate::measure::{counter_vec, int_gauge, register_all};
 
 /// What one client may hold of the ops server.
 #[derive(Clone, Copy, Debug)]
@@ -62,27 +65,27 @@ const HEADER_TIMEOUT: &str = "header_timeout";
 impl ServerMetrics {
     pub(crate) fn unregistered() -> ServerMetrics {
         ServerMetrics {
-            connections: IntGauge::new("ops_connections", "Connections open to the ops server (--listen)")
-                .expect("valid metric"),
-            closed: IntCounterVec::new(
-                Opts::new(
-                    "ops_connections_closed_total",
-                    "Connections the ops server closed itself: evicted (idle longest when the cap was reached), full (every connection busy), header_timeout",
-                ),
+            connections: int_gauge("ops_connections", "Connections open to the ops server (--listen)"),
+            closed: counter_vec(
+                "ops_connections_closed_total",
+                "Connections the ops server closed itself: evicted (idle longest when the cap was reached), full (every connection busy), header_timeout",
                 &["reason"],
-            )
-            .expect("valid metric"),
+            ),
         }
     }
 
     pub(crate) fn register(registry: &Registry) -> prometheus::Result<ServerMetrics> {
         let m = ServerMetrics::unregistered();
-        registry.register(Box::new(m.connections.clone()))?;
-        registry.register(Box::new(m.closed.clone()))?;
+        register_all(registry, m.collectors())?;
         for reason in [EVICTED, FULL, HEADER_TIMEOUT] {
             m.closed.with_label_values(&[reason]);
         }
         Ok(m)
+    }
+
+    /// What [`ServerMetrics::register`] registers.
+    pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
+        vec![Box::new(self.connections.clone()), Box::new(self.closed.clone())]
     }
 }
 
