@@ -35,7 +35,7 @@ use crate::publishers::configmap::ConfigMapPublisher;
 use crate::publishers::hook::HookPublisher;
 use crate::publishers::http::SnapshotStore;
 use crate::sources::Watches;
-use crate::sources::kube::KubeSource;
+use crate::sources::kube::{Discovered, KubeSource};
 use consul_resolver_api::mapping::{self, MappingKind};
 use consul_resolver_api::resolver;
 use consul_resolver_core::assembler::{self, EndpointsApi};
@@ -49,15 +49,16 @@ use publisher_events::PublisherEvents;
 
 /// The operator's fixed watches: its own CRD and Ambassador's route kinds (those the API
 /// server serves), per watched namespace, plus the static `--watch` keys.
-async fn fixed_keys(client: &Client, args: &RunArgs) -> anyhow::Result<BTreeSet<WatchKey>> {
+async fn fixed_keys(client: &Client, discovered: &Discovered, args: &RunArgs) -> anyhow::Result<BTreeSet<WatchKey>> {
     let mut kinds = vec![KubeKey::new(resolver::GROUP, resolver::VERSION, resolver::KIND)];
-    crate::sources::kube::resolve(client, &kinds[0])
+    discovered
+        .resolve(client, &kinds[0])
         .await
         .map_err(anyhow::Error::msg)
         .context("the ConsulResolver CRD is not installed (kubectl apply -f crds/)")?;
     for kind in MappingKind::ALL {
         let key = KubeKey::new(mapping::GROUP, "", kind.kind());
-        match crate::sources::kube::resolve(client, &key).await {
+        match discovered.resolve(client, &key).await {
             Ok(_) => kinds.push(key),
             Err(e) => tracing::warn!(kind = kind.kind(), error = %e, "Ambassador kind not served; not watched"),
         }
@@ -88,9 +89,9 @@ fn without_own_output(key: KubeKey) -> KubeKey {
 }
 
 /// EndpointSlices where `discovery.k8s.io/v1` is served (1.21+), else core Endpoints.
-async fn endpoints_api(client: &Client) -> EndpointsApi {
+async fn endpoints_api(client: &Client, discovered: &Discovered) -> EndpointsApi {
     let key = KubeKey::new("discovery.k8s.io", "v1", "EndpointSlice");
-    match crate::sources::kube::resolve(client, &key).await {
+    match discovered.resolve(client, &key).await {
         Ok(_) => EndpointsApi::EndpointSlices,
         Err(_) => EndpointsApi::Endpoints,
     }
@@ -180,11 +181,13 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
 
     let mut args = args;
     args.watches = args.watches.into_iter().map(without_own_output).collect();
-    let fixed = fixed_keys(&client, &args).await?;
+    // Discovery found here for the start-up's checks is reused by the watches of those kinds.
+    let discovered = Discovered::default();
+    let fixed = fixed_keys(&client, &discovered, &args).await?;
     let config = assembler::Config {
         ambassador_id: args.ambassador_id.clone(),
         default_resolver: args.default_resolver.clone(),
-        endpoints_api: endpoints_api(&client).await,
+        endpoints_api: endpoints_api(&client, &discovered).await,
         // Only the variables an address may name: the rest of the environment may hold
         // secrets, and an expanded address is published.
         env: std::env::vars().filter(|(name, _)| args.address_env.contains(name)).collect(),
@@ -203,8 +206,12 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         },
         metrics.sources.consul.clone(),
     );
-    let mut watches =
-        Watches::new(KubeSource::new(client.clone(), metrics.sources.clone()), consul, tx, metrics.sources.clone());
+    let mut watches = Watches::new(
+        KubeSource::new(client.clone(), metrics.sources.clone(), discovered),
+        consul,
+        tx,
+        metrics.sources.clone(),
+    );
     let clock = WallClock { instant: Instant::now(), wall: SystemTime::now() };
     let (ambassador_id, env) = (config.ambassador_id.clone(), config.env.clone());
     let mut pipeline = Pipeline::new(config, args.bootstrap_timeout, args.coalesce_window, clock);

@@ -30,8 +30,10 @@ pub(crate) struct KubeSource {
 }
 
 impl KubeSource {
-    pub(crate) fn new(client: Client, metrics: SourceMetrics) -> Self {
-        KubeSource { client, metrics, discovered: Discovered::default() }
+    /// `discovered`: what discovery found so far (the start-up's checks of the kinds it
+    /// watches included), shared by every watch.
+    pub(crate) fn new(client: Client, metrics: SourceMetrics, discovered: Discovered) -> Self {
+        KubeSource { client, metrics, discovered }
     }
 }
 
@@ -98,7 +100,7 @@ impl KubeSource {
 }
 
 /// Finds the API resource for a key: the pinned version, or the preferred one.
-pub(crate) async fn resolve(client: &Client, key: &KubeKey) -> Result<(ApiResource, ApiCapabilities), String> {
+async fn resolve(client: &Client, key: &KubeKey) -> Result<(ApiResource, ApiCapabilities), String> {
     let group = if key.version.is_empty() {
         discovery::group(client, &key.group).await
     } else {

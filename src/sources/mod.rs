@@ -98,7 +98,12 @@ mod tests {
         let metrics = SourceMetrics::unregistered();
         let (tx, _rx) = mpsc::channel(16);
         let consul = ConsulSource::new(Default::default(), metrics.consul.clone());
-        let mut w = Watches::new(KubeSource::new(api.client.clone(), metrics.clone()), consul, tx, metrics.clone());
+        let mut w = Watches::new(
+            KubeSource::new(api.client.clone(), metrics.clone(), Default::default()),
+            consul,
+            tx,
+            metrics.clone(),
+        );
         let kube = WatchKey::Kube(KubeKey::new("", "v1", "Secret").in_namespace("a"));
         let consul = WatchKey::Consul(ConsulKey {
             // Nothing listens there: the watch only fails, which does not matter here.
