@@ -630,9 +630,12 @@ async fn delete_stale_parts(
     Ok(deleted)
 }
 
+/// The ConfigMap publisher's name in metrics, logs and Events.
+pub(crate) const NAME: &str = "configmap";
+
 impl Publisher for ConfigMapPublisher {
     fn name(&self) -> &'static str {
-        "configmap"
+        NAME
     }
 
     fn forget(&self) {

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use super::publisher_events::PublisherEvents;
 use crate::leadership::Leadership;
 use crate::ops::health::Vitals;
-use crate::publishers::configmap::ConfigMapPublisher;
+use crate::publishers::configmap::{self, ConfigMapPublisher};
 use crate::publishers::metrics::PublisherMetrics;
 use crate::publishers::{PublishError, Publisher};
 use consul_resolver_core::assembler::Snapshot;
@@ -316,7 +316,7 @@ impl Outlet {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot check the snapshot ConfigMap; trying again at the next resync");
-                metrics.publish_failures.with_label_values(&["configmap", e.reason()]).inc();
+                metrics.publish_failures.with_label_values(&[configmap::NAME, e.reason()]).inc();
             }
         }
     }

@@ -79,7 +79,7 @@ impl PublisherEvents {
     }
 
     fn send(&self, publisher: &'static str, type_: EventType, reason: &str, note: String) {
-        let regarding = if publisher == "configmap" { &self.configmap } else { &self.pod };
+        let regarding = if publisher == crate::publishers::configmap::NAME { &self.configmap } else { &self.pod };
         let (Some(regarding), Some(until)) = (regarding.clone(), self.leadership.until()) else { return };
         let until = until.min(Instant::now() + self.timeout);
         let event = Event {
