@@ -18,7 +18,7 @@ use super::metrics::ControllerMetrics;
 use consul_resolver_core::assembler::snapshot::{ResolverEntry, UnusableReason};
 
 /// Events hold at most 1 kB of note.
-const MAX_NOTE: usize = 1000;
+pub(crate) const MAX_NOTE: usize = 1000;
 
 /// A resolver, its generation, and the problem reported for it.
 type Reported = (String, String, Option<i64>, UnusableReason, String);

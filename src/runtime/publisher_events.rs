@@ -17,14 +17,11 @@ use prometheus::IntCounter;
 use tokio::time::Instant;
 
 use crate::cli::NamespacedName;
-use crate::controller::events::truncate;
+use crate::controller::events::{MAX_NOTE, truncate};
 use crate::leadership::Leadership;
 
 pub(crate) const PUBLISH_FAILED: &str = "PublishFailed";
 pub(crate) const PUBLISH_RECOVERED: &str = "PublishRecovered";
-
-/// Events hold at most 1 kB of note.
-const MAX_NOTE: usize = 1000;
 
 pub(crate) struct PublisherEvents {
     recorder: Recorder,
