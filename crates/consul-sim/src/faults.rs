@@ -73,6 +73,10 @@ impl<'de> Deserialize<'de> for Budget {
 pub struct Faults {
     /// Added before every `/v1/` request is handled.
     pub latency_ms: u64,
+    /// Added to every `/v1/health/state` answer once it is ready (a blocking one after it
+    /// wakes): the time a real agent takes to build and send every check of a large
+    /// catalog (hundreds of milliseconds at 75,000 checks), while other reads stay fast.
+    pub checks_answer_ms: u64,
     /// Health queries answer 500 `No cluster leader`; while active, `/v1/status/leader`
     /// answers `""` (without consuming the budget).
     pub no_leader: Budget,
@@ -122,6 +126,7 @@ impl Faults {
     pub(crate) fn defaults(config: &Config) -> Self {
         Faults {
             latency_ms: 0,
+            checks_answer_ms: 0,
             no_leader: Budget::Off,
             too_many_requests: Budget::Off,
             retry_after_s: 0,
@@ -153,6 +158,7 @@ impl Faults {
     pub(crate) fn apply(&mut self, patch: FaultsPatch) {
         let FaultsPatch {
             latency_ms,
+            checks_answer_ms,
             no_leader,
             too_many_requests,
             retry_after_s,
@@ -170,6 +176,9 @@ impl Faults {
         } = patch;
         if let Some(v) = latency_ms {
             self.latency_ms = v;
+        }
+        if let Some(v) = checks_answer_ms {
+            self.checks_answer_ms = v;
         }
         if let Some(v) = no_leader {
             self.no_leader = v;
@@ -216,6 +225,8 @@ impl Faults {
 pub struct FaultsPatch {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub latency_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checks_answer_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub no_leader: Option<Budget>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -152,7 +152,9 @@
 //! connection closed; both answer at once, without blocking) apply to the health reads
 //! (`/v1/health/service`, `/v1/health/connect` and `/v1/health/state`) only, checked after parameter validation,
 //! the datacenter and the token, and before blocking (so writes and the catalog keep working
-//! while a test breaks the read path); `latency_ms` applies to every `/v1/` request. The in-process handle [`RunningSim`] offers the same
+//! while a test breaks the read path); `latency_ms` applies to every `/v1/` request,
+//! `checks_answer_ms` to every `/v1/health/state` answer once it is ready (after a blocking
+//! one wakes), as a large catalog's checks answer is slow while other reads stay fast. The in-process handle [`RunningSim`] offers the same
 //! operations as methods.
 //!
 //! # Running it

@@ -710,6 +710,10 @@ async fn health_state(ctx: &Ctx<'_>, raw_state: &str, headers: &HeaderMap) -> Ha
     let (index, mut entries) = ctx
         .block(&opts, HEALTH_STATE_LABEL, Watched::ChecksTable, quirks, |c| c.checks_in_state(filter, ns, partition))
         .await?;
+    let slow = shared.with_faults(|f| f.checks_answer_ms);
+    if slow > 0 {
+        tokio::time::sleep(Duration::from_millis(slow)).await;
+    }
     // Node checks are shown to everyone who may read at all (node rules are not modelled).
     let before = entries.len();
     entries.retain(|e| e.owner.as_ref().is_none_or(|o| identity.can_read_service(&o.key.name)));

@@ -859,6 +859,23 @@ async fn fault_latency() {
     assert_eq!(sim.faults().latency_ms, 0);
 }
 
+/// A slow checks answer (a large catalog's) slows `/v1/health/state` only.
+#[tokio::test]
+async fn fault_slow_checks_answer() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    let r = put(a, "/_sim/faults", &json!({"checks_answer_ms": 300})).await;
+    assert_eq!(r.json()["checks_answer_ms"], 300);
+    let started = Instant::now();
+    assert_eq!(get(a, "/v1/health/state/any").await.status, 200);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    let started = Instant::now();
+    assert_eq!(get(a, "/v1/health/service/web").await.status, 200);
+    assert!(started.elapsed() < Duration::from_millis(300), "other reads are not slowed");
+    call(a, "DELETE", "/_sim/faults", &[], None).await;
+    assert_eq!(sim.faults().checks_answer_ms, 0);
+}
+
 #[tokio::test]
 async fn fault_no_leader_for_n_requests_and_until_cleared() {
     let sim = start_default().await;
