@@ -592,6 +592,53 @@ on_both_agents! {
 }
 
 on_both_agents! {
+    /// A large catalog's checks answer (every check: tens of megabytes at 75,000 instances)
+    /// arrives long after the catalog's small one. A port change rewrites its check, so the
+    /// checks view accounts for the catalog's move once its answer is in: only that service
+    /// is re-read, not every fed service (at 5,000 services a fixed wait shorter than the
+    /// checks answer cost thousands of requests per change). A move no check write explains
+    /// (a check-less instance) still re-reads everything, once the wait is over, both ways.
+    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
+    async fn a_slow_checks_answer_still_accounts_for_a_port_change(config: Config) {
+        let env = Env::start(config).await;
+        let sim = env.simulator();
+        sim.set_faults(FaultsPatch { checks_answer_ms: Some(600), ..Default::default() });
+        let svcs: Vec<String> = (0..5).map(|i| unique(&format!("slow{i}"))).collect();
+        one_instance_each(&env, &svcs).await;
+        let mut w = Watches::new(Settings { wait: Duration::from_secs(60), sweep: NO_SWEEP, ..settings(4) });
+        let keys: Vec<ConsulKey> = svcs.iter().map(|s| env.key(s)).collect();
+        for k in &keys {
+            w.start(k);
+        }
+        for k in &keys {
+            w.answer(k, "the first answer", |e| e.len() == 1).await;
+        }
+        feed_settled(&env).await;
+        for (round, i) in [1usize, 3, 4].into_iter().enumerate() {
+            let port = 9100 + round as u16;
+            env.register(&format!("{}-node", svcs[i]), &format!("{}-1", svcs[i]), &svcs[i], port, "passing", &[]).await;
+            w.answer_within(&keys[i], "the new port", PROMPT, |e| ports(e) == [port]).await;
+            // Whatever is still coming for this change has come once the checks answer has.
+            wait_until_no_reads_for(sim, Duration::from_millis(1500)).await;
+            let others = fed_rereads_except(sim, &svcs, &svcs[i]);
+            assert!(others.is_empty(), "change {round}: only {} is re-read, not {others:?}", svcs[i]);
+            sim.clear_requests();
+        }
+        let node = format!("{}-node", svcs[0]);
+        let bare = format!("{}-bare", svcs[0]);
+        env.put(
+            "/v1/catalog/register",
+            json!({"Node": node, "Address": "127.0.0.1",
+                   "Service": {"ID": bare, "Service": svcs[0], "Port": 7000}}),
+        )
+        .await;
+        w.answer_within(&keys[0], "a check-less instance", PROMPT, |e| ports(e) == [7000, 8000]).await;
+        env.deregister(&node, &bare).await;
+        w.answer_within(&keys[0], "the check-less instance gone", PROMPT, |e| ports(e) == [8000]).await;
+    }
+}
+
+on_both_agents! {
     /// Several scopes on one server at a small budget: the same agent spelled two ways, and
     /// a second team's token. Every scope's fed services see their health change both ways
     /// as promptly as a dedicated query would: each scope gets a change feed (the first

@@ -24,6 +24,7 @@ use std::time::Duration;
 use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
 
+use crate::catch_up::CatchUp;
 use crate::changes::{CatalogMove, CatalogView, ChecksView, Stale};
 use crate::client::{Heard, HttpClient, Scope};
 use crate::error::QueryError;
@@ -56,11 +57,6 @@ impl FeedKey {
     }
 }
 
-/// How long a catalog move waits for the checks query to catch up with its index before it
-/// is judged (a registration writes the catalog and its check at one index, and the two
-/// answers race).
-const CHECKS_CATCH_UP: Duration = Duration::from_millis(250);
-
 /// What a feed runs on: its server's lanes, reachability and metrics.
 #[derive(Clone)]
 pub(crate) struct FeedEnv {
@@ -77,6 +73,8 @@ pub(crate) struct Feed {
     members: Mutex<Members>,
     /// The checks view's index, for a catalog move waiting on it.
     checks_index: watch::Sender<u64>,
+    /// How long a catalog move waits for the checks view ([`crate::catch_up`]).
+    catch_up: Mutex<CatchUp>,
 }
 
 #[derive(Default)]
@@ -154,11 +152,15 @@ impl Drop for Membership {
 
 impl Feed {
     pub(crate) fn new() -> Arc<Feed> {
-        Arc::new(Feed { members: Mutex::default(), checks_index: watch::Sender::new(0) })
+        Arc::new(Feed { members: Mutex::default(), checks_index: watch::Sender::new(0), catch_up: Mutex::default() })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Members> {
         self.members.lock().expect("feed members poisoned")
+    }
+
+    fn catch_up(&self) -> std::sync::MutexGuard<'_, CatchUp> {
+        self.catch_up.lock().expect("feed catch-up poisoned")
     }
 
     /// Adds a member that asked about `heard` in a read sent at `last_read`. Its receiver
@@ -289,13 +291,21 @@ impl Ctx<'_> {
     /// view's first answer.
     async fn checks(&self, block: Option<(u64, Duration)>) -> Result<(u64, bool), QueryError> {
         let token = self.key.server.token.as_ref();
+        let sent = Instant::now();
         let health_state = self.client.health_state(&self.scope, token, block);
         let answer =
             observe::request(&self.env.metrics, observe::Query::Checks, Some(&self.key), block, health_state).await?;
+        if block.is_none() {
+            // The answer's cost alone, no waiting in it: how far behind the catalog's
+            // answers this query's can run.
+            self.feed.catch_up().observe(sent.elapsed());
+        }
         let (stale, first) = {
             let mut view = self.checks.lock().expect("checks view poisoned");
             let first = view.index().is_none();
-            (view.apply(answer.index, answer.value), first)
+            let stale = view.apply(answer.index, answer.value);
+            self.feed.catch_up().checks_answered(Instant::now(), |after, upto| view.accounts_for(after, upto));
+            (stale, first)
         };
         self.feed.checks_index.send_replace(answer.index);
         // A baseline names nothing: the members re-read once both views have one.
@@ -320,11 +330,15 @@ impl Ctx<'_> {
             CatalogMove::Restarted => self.wake(&Stale::everything()),
             CatalogMove::Moved { named, appeared, after, upto } => {
                 self.wake(&Stale { services: named, appeared, ..Stale::default() });
+                let (judged, wait) = (Instant::now(), self.feed.catch_up().wait());
                 let mut caught_up = self.feed.checks_index.subscribe();
-                let _ = tokio::time::timeout(CHECKS_CATCH_UP, caught_up.wait_for(|i| *i >= upto)).await;
+                let _ = tokio::time::timeout(wait, caught_up.wait_for(|i| *i >= upto)).await;
                 let accounted = self.checks.lock().expect("checks view poisoned").accounts_for(after, upto);
-                if !accounted {
-                    tracing::debug!(consul = %self.client.address(), after, upto,
+                if accounted {
+                    self.feed.catch_up().observe(judged.elapsed());
+                } else {
+                    self.feed.catch_up().judged_early(after, upto, judged);
+                    tracing::debug!(consul = %self.client.address(), after, upto, waited = ?wait,
                         "catalog moved without check writes to account for it: re-reading every fed service");
                     self.wake(&Stale::everything());
                 }

@@ -14,6 +14,7 @@
 //!   `watch::run` performs);
 //! - `observe`, `metrics`: what every request tells the metrics.
 
+mod catch_up;
 mod changes;
 mod client;
 mod error;
