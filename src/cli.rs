@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use consul_resolver_core::assembler::ResolverName;
+use consul_resolver_core::assembler::{self, ResolverName};
 use consul_resolver_core::keys::KubeKey;
 
 #[derive(Debug, Parser)]
@@ -72,6 +72,13 @@ pub(crate) struct RunArgs {
     /// published with the silent ones marked unsynced. Kubernetes kinds always wait.
     #[arg(long, env = "BOOTSTRAP_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub bootstrap_timeout: Duration,
+
+    /// Past this many Kubernetes Services of one namespace routed to by Mappings, their
+    /// endpoints come from one watch of the namespace's EndpointSlices (or Endpoints)
+    /// instead of one watch each; one each again at half of it. One watch per Service costs
+    /// the API server a list, a watch and a connection each (docs/operations.md).
+    #[arg(long, env = "ENDPOINTS_NAMESPACE_WATCH_ABOVE", default_value_t = assembler::DEFAULT_ENDPOINTS_NAMESPACE_WATCH_ABOVE)]
+    pub endpoints_namespace_watch_above: usize,
 
     /// Most connections the operator opens to one Consul address (Consul refuses more
     /// than 200 per client by default).
@@ -304,6 +311,7 @@ mod tests {
         assert_eq!(r.coalesce_window, Duration::from_millis(250));
         assert_eq!(r.bootstrap_timeout, Duration::from_secs(30));
         assert_eq!(r.consul_max_connections, 100);
+        assert_eq!(r.endpoints_namespace_watch_above, 100);
         assert_eq!(r.ambassador_id, "default");
         assert!(r.namespaces.is_empty() && r.watches.is_empty());
         assert_eq!((r.kube_timeout, r.publish_timeout), (Duration::from_secs(10), Duration::from_secs(60)));

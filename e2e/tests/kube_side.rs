@@ -243,6 +243,131 @@ fn endpoint_watches_are_proportional_to_referenced_services_not_to_objects() {
     }
 }
 
+/// Past 100 Services of one namespace routed to (the default of
+/// `--endpoints-namespace-watch-above`), one watch of the namespace's Endpoints serves them
+/// all: the API server sees one list and one watch, not one per Service. Back at half of
+/// that, one field-selected watch each again; and up again, one for the namespace. Every
+/// step keeps every routed-to Service's endpoints right in the snapshot.
+#[test]
+fn past_a_hundred_services_one_watch_serves_the_namespace_and_back() {
+    let cluster = Cluster::shared();
+    let ns = cluster.namespace("epwide").unwrap();
+    // 130 Endpoints, 110 routed to; TEST-NET-1 addresses are data only.
+    const OBJECTS: usize = 130;
+    const ROUTED: usize = 110;
+    const FEW: usize = 40;
+    let all: String = (0..OBJECTS).map(|i| endpoints_yaml(&ns, i, &format!("192.0.2.{}", i + 1))).collect();
+    cluster.apply(&all).unwrap();
+    let mappings = |range: std::ops::Range<usize>| -> String {
+        range
+            .map(|i| format!("---\n{}", mapping_yaml(&ns, &format!("m-{i}"), &format!("svc-{i}:8080"), None)))
+            .collect()
+    };
+    cluster.apply(&mappings(0..ROUTED)).unwrap();
+    let expected_of = |n: usize, changed: Option<(usize, &str)>| -> BTreeMap<String, Vec<String>> {
+        (0..n)
+            .map(|i| {
+                let ip = match changed {
+                    Some((c, ip)) if c == i => ip.to_owned(),
+                    _ => format!("192.0.2.{}", i + 1),
+                };
+                (format!("svc-{i}"), vec![ip])
+            })
+            .collect()
+    };
+
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    op.wait_ready(T).unwrap();
+    op.wait_snapshot("110 services' endpoints", T, |s| kube_services(s, &ns) == expected_of(ROUTED, None)).unwrap();
+    let has_audit = cluster.audit_log().is_some();
+    if !has_audit {
+        eprintln!("no audit log (E2E_KUBECONFIG): the watch counts are not checked, only the snapshot");
+    }
+    let user = if has_audit { cluster.operator_username().unwrap() } else { String::new() };
+    let read = || EndpointsRequests::read(&cluster.audit_events().unwrap().unwrap_or_default(), &user, &ns);
+    let audit = |what: &str, logs: &dyn Fn() -> String, cond: &dyn Fn(&EndpointsRequests) -> bool| {
+        wait_for(what, T, || Some(read()).filter(|r| cond(r)))
+            .unwrap_or_else(|e| panic!("{e}\nlast reading: {:#?}\n--- operator log ---\n{}", read(), logs()))
+    };
+    // The operator's Kubernetes watches now (its gauge): the audit log shows a watch only
+    // once it ends, and a watch stopped right after its list never sends its watch request.
+    let kube_watches = || op.metric("consul_resolver_watches{source=\"kubernetes\"}").unwrap_or(-1.0) as i64;
+    // Right now one of them is of endpoints (the audit below shows the one list); the
+    // rest are the operator's fixed watches (resolvers, Mapping kinds).
+    let fixed = kube_watches() - 1;
+    let started_each =
+        |r: &EndpointsRequests| -> usize { r.lists.iter().filter(|(s, _)| s.is_some()).map(|(_, n)| n).sum() };
+    let watching = |what: &str, n: i64| {
+        wait_for(what, T, || (kube_watches() == fixed + n).then_some(()))
+            .unwrap_or_else(|e| panic!("{e}: {} Kubernetes watches\n{}", kube_watches(), op.logs()))
+    };
+    if has_audit {
+        let reqs = audit("the namespace's Endpoints listed", &|| op.logs(), &|r| !r.lists.is_empty());
+        eprintln!("{ROUTED} services routed to: endpoints lists by selector {:?}", reqs.lists);
+        assert_eq!(reqs.lists, BTreeMap::from([(None, 1)]), "one list of the namespace, none per service: {reqs:#?}");
+        assert!(reqs.cluster_wide.is_empty(), "never all Endpoints of the cluster: {:?}", reqs.cluster_wide);
+    }
+    // The shared watch delivers changes.
+    cluster.apply(&endpoints_yaml(&ns, 5, "192.0.2.200")).unwrap();
+    op.wait_snapshot("a change through the namespace's watch", T, |s| {
+        kube_services(s, &ns) == expected_of(ROUTED, Some((5, "192.0.2.200")))
+    })
+    .unwrap();
+
+    // Down to 40 (at most half of 100): one field-selected watch each, the shared one ends.
+    let names: Vec<String> = (FEW..ROUTED).map(|i| format!("m-{i}")).collect();
+    let mut delete = vec!["-n", &ns, "delete", "mappings.getambassador.io"];
+    delete.extend(names.iter().map(String::as_str));
+    cluster.kubectl(&delete).unwrap();
+    op.wait_snapshot("the 40 left", T, |s| kube_services(s, &ns) == expected_of(FEW, Some((5, "192.0.2.200"))))
+        .unwrap();
+    watching("40 endpoints watches", FEW as i64);
+    let mut down = 0;
+    if has_audit {
+        let reqs = audit("40 lists of their own, the namespace's watch ended", &|| op.logs(), &|r| {
+            started_each(r) >= FEW && r.watches_by_selector().contains_key(&None)
+        });
+        down = started_each(&reqs);
+        eprintln!("down to {FEW}: {down} per-service lists, watches ended {}", reqs.watches.len());
+        for i in 0..FEW {
+            let selector = Some(format!("metadata.name=svc-{i}"));
+            assert_eq!(reqs.lists.get(&selector), Some(&1), "one list for svc-{i}: {reqs:#?}");
+        }
+        // The deletes arrive one by one: the move happens when 50 are left, and the ten
+        // deleted after it had a watch of their own for a moment.
+        assert!(down <= 50, "{down} per-service lists on the way down: {reqs:#?}");
+    }
+    cluster.apply(&endpoints_yaml(&ns, 7, "192.0.2.201")).unwrap();
+    let mut expected = expected_of(FEW, Some((5, "192.0.2.200")));
+    expected.insert("svc-7".into(), vec!["192.0.2.201".into()]);
+    op.wait_snapshot("a change through a service's own watch", T, |s| kube_services(s, &ns) == expected).unwrap();
+
+    // Up again, one by one: a watch each up to 100, then the namespace's, and theirs end.
+    cluster.apply(&mappings(FEW..ROUTED)).unwrap();
+    let mut expected = expected_of(ROUTED, Some((5, "192.0.2.200")));
+    expected.insert("svc-7".into(), vec!["192.0.2.201".into()]);
+    op.wait_snapshot("110 again", T, |s| kube_services(s, &ns) == expected).unwrap();
+    watching("one endpoints watch", 1);
+    if has_audit {
+        let reqs = audit("the namespace's second list", &|| op.logs(), &|r| r.lists.get(&None) == Some(&2));
+        let up = started_each(&reqs) - down;
+        eprintln!("up to {ROUTED} again: {up} more per-service lists, namespace lists {:?}", reqs.lists.get(&None));
+        assert_eq!(reqs.lists.get(&None), Some(&2), "{reqs:#?}");
+        assert!(up <= 100 - FEW, "{up} per-service lists on the way up, at most one each for 41..=100: {reqs:#?}");
+    }
+    let status = op.terminate(T).unwrap();
+    assert!(status.success(), "{status}\n{}", op.logs());
+    if has_audit {
+        let reqs = read();
+        eprintln!(
+            "over the operator's life: {} endpoints watches, {} of them per service",
+            reqs.watches.len(),
+            started_each(&reqs)
+        );
+        assert!(reqs.cluster_wide.is_empty(), "never all Endpoints of the cluster: {:?}", reqs.cluster_wide);
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // 2. A snapshot over 1 MiB, split over ConfigMaps
 

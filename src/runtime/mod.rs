@@ -188,6 +188,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         ambassador_id: args.ambassador_id.clone(),
         default_resolver: args.default_resolver.clone(),
         endpoints_api: endpoints_api(&client, &discovered).await,
+        endpoints_namespace_watch_above: args.endpoints_namespace_watch_above,
         // Only the variables an address may name: the rest of the environment may hold
         // secrets, and an expanded address is published.
         env: std::env::vars().filter(|(name, _)| args.address_env.contains(name)).collect(),

@@ -52,8 +52,13 @@ impl Reading {
             Reading::Resolver => Decoded::Resolver(Box::new(resolver_object(value))),
             Reading::Mapping(kind) => Decoded::Mapping(mapping_object(kind, value)),
             Reading::Secret => Decoded::Secret(secret_data(value)),
-            Reading::EndpointSlices => Decoded::Endpoints(kube_endpoints::from_slice(value)),
-            Reading::Endpoints => Decoded::Endpoints(kube_endpoints::from_endpoints(value)),
+            Reading::EndpointSlices => Decoded::Endpoints {
+                service: kube_endpoints::service_of_slice(value),
+                endpoints: kube_endpoints::from_slice(value),
+            },
+            Reading::Endpoints => {
+                Decoded::Endpoints { service: obj.id.name.clone(), endpoints: kube_endpoints::from_endpoints(value) }
+            }
             Reading::Namespace => Decoded::Labels(labels_of(value)),
             Reading::Json => Decoded::Json,
         };

@@ -56,8 +56,10 @@ pub enum Decoded {
     Mapping(Result<MappingObject, String>),
     /// A Secret's data, base64-decoded per key (`None`: the value is not valid base64).
     Secret(BTreeMap<String, Option<Vec<u8>>>),
-    /// The addresses of a Service, from its EndpointSlices or Endpoints.
-    Endpoints(Vec<KubeEndpoint>),
+    /// The addresses of a Service (`service`: its name, from an EndpointSlice's
+    /// `kubernetes.io/service-name` label or the Endpoints object's name), so that one
+    /// watch of a namespace's endpoints can serve each of its Services.
+    Endpoints { service: String, endpoints: Vec<KubeEndpoint> },
     /// A Namespace's labels: whom a resolver with `allowedNamespaces.selector` serves.
     Labels(BTreeMap<String, String>),
     /// Read as JSON (`raw`): the objects of `--watch` keys.

@@ -238,6 +238,10 @@ impl World {
                         }
                         true
                     }
+                    KubeChange::Listed => {
+                        self.changes.kube.entry(key.clone()).or_insert_with(|| Some(BTreeSet::new()));
+                        true
+                    }
                     KubeChange::All => {
                         self.changes.all_of(&key);
                         true
@@ -320,6 +324,8 @@ enum KubeChange {
     None,
     /// These objects (never empty).
     Objects(Vec<ObjectId>),
+    /// A first list folded in as it came is complete, with no object changed by it.
+    Listed,
     All,
 }
 
@@ -359,9 +365,16 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
             for id in &gone {
                 store.objects.remove(id);
             }
+            let first = !store.listed;
             store.listed = true;
             store.failure = None;
-            changed_if(!gone.is_empty(), KubeChange::Objects(gone))
+            match (gone.is_empty(), first) {
+                (false, _) => KubeChange::Objects(gone),
+                // Nothing new in the objects, but the kind is now known whole: what waits
+                // for it (the endpoints watches wait for every route) goes on.
+                (true, true) => KubeChange::Listed,
+                (true, false) => KubeChange::None,
+            }
         }
         KubeEvent::ListDone => {
             let fresh = store.relisting.take().unwrap_or_default();

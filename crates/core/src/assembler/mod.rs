@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::SystemTime;
 
 use crate::keys::{ConsulKey, KubeKey, WatchKey};
-use crate::model::{Decoded, MappingObject, ObjectId};
+use crate::model::{Decoded, MappingObject, ObjectId, Stored};
 use crate::world::{Changes, ConsulStore, World};
 use consul_resolver_api::mapping::{self, MappingKind};
 use consul_resolver_api::names;
@@ -35,6 +35,7 @@ use consul_resolver_api::service::Host;
 pub use kept::Kept;
 use kept::{KeptService, ServiceOf};
 pub use kube_endpoints::EndpointsApi;
+use kube_endpoints::Scoping;
 use resolvers::Resolver;
 use snapshot::{
     Bootstrap, KubeServiceEntry, MappingEntry, Part, Problem, ResolverEntry, ServiceEntry, Stale, Target,
@@ -64,6 +65,9 @@ impl std::str::FromStr for ResolverName {
     }
 }
 
+/// The default of [`Config::endpoints_namespace_watch_above`].
+pub const DEFAULT_ENDPOINTS_NAMESPACE_WATCH_ABOVE: usize = 100;
+
 /// What the assembler needs besides the world.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -72,6 +76,9 @@ pub struct Config {
     /// Resolver for Mappings that name none; without it they are Kubernetes services.
     pub default_resolver: Option<ResolverName>,
     pub endpoints_api: EndpointsApi,
+    /// Past this many routed-to Services in one namespace, their endpoints come from one
+    /// watch of the namespace instead of one each ([`kube_endpoints::Scoping`]).
+    pub endpoints_namespace_watch_above: usize,
     /// The operator's environment, for `${VAR}` in resolver addresses.
     pub env: BTreeMap<String, String>,
     /// Static `--watch` keys, whose objects are copied into the snapshot.
@@ -84,10 +91,22 @@ impl Default for Config {
             ambassador_id: consul_resolver_api::DEFAULT_AMBASSADOR_ID.to_owned(),
             default_resolver: None,
             endpoints_api: EndpointsApi::default(),
+            endpoints_namespace_watch_above: DEFAULT_ENDPOINTS_NAMESPACE_WATCH_ABOVE,
             env: BTreeMap::new(),
             static_watches: Vec::new(),
         }
     }
+}
+
+/// The objects of a namespace's endpoints watch by the Service they belong to.
+fn group(store: &crate::world::KubeStore) -> BTreeMap<&str, Vec<&Stored>> {
+    let mut by_service: BTreeMap<&str, Vec<&Stored>> = BTreeMap::new();
+    for obj in store.objects.values() {
+        if let Decoded::Endpoints { service, .. } = &obj.decoded {
+            by_service.entry(service.as_str()).or_default().push(obj);
+        }
+    }
+    by_service
 }
 
 /// A resolver by namespace and name.
@@ -122,7 +141,11 @@ enum Uses {
 /// A Kubernetes Service routed to, as last read.
 #[derive(Debug, Clone)]
 struct KubeTarget {
+    /// The watch its endpoints come from (its own, or its namespace's).
+    key: KubeKey,
     entry: Part<KubeServiceEntry>,
+    /// Moved to `key` before it listed: `entry` is still the previous watch's.
+    awaiting: bool,
 }
 
 /// The assembler's state between changes: what each pass produced, and what the services'
@@ -144,6 +167,10 @@ pub struct Assembler {
     services: BTreeMap<ResolverId, BTreeMap<String, Part<ServiceEntry>>>,
     resolver_entries: BTreeMap<ResolverId, Part<ResolverEntry>>,
     kube_targets: BTreeMap<(String, String), KubeTarget>,
+    /// Which namespaces' endpoints are watched whole.
+    scoping: Scoping,
+    /// The Kubernetes targets were not read: not every route was known yet.
+    kube_deferred: bool,
     /// The desired watches, each with how many targets or resolvers imply it (a query can
     /// be shared by resolvers with the same settings).
     desired: BTreeMap<WatchKey, usize>,
@@ -167,6 +194,8 @@ impl Assembler {
             services: BTreeMap::new(),
             resolver_entries: BTreeMap::new(),
             kube_targets: BTreeMap::new(),
+            scoping: Scoping::default(),
+            kube_deferred: false,
             desired: BTreeMap::new(),
             touched: BTreeMap::new(),
             fresh: true,
@@ -631,38 +660,86 @@ impl Assembler {
     }
 
     /// Pass two for Kubernetes: the Services routed to, their endpoints read again when
-    /// their watch changed or they are new. Records endpoint watches that start or stop
-    /// being wanted in `delta`.
+    /// their watch changed, moved (between their own and their namespace's), or they are
+    /// new. Records endpoint watches that start or stop being wanted in `delta`.
     fn read_kube_targets(&mut self, world: &World, changes: &Changes, routes_changed: bool, delta: &mut Delta) {
-        let endpoints_api = self.cfg.endpoints_api;
-        let changed_key = |ns: &str, name: &str| changes.kube.contains_key(&endpoints_api.key(ns, name));
-        if !routes_changed && !changes.kube.keys().any(|k| k.is(endpoints_api.group(), endpoints_api.kind())) {
+        let api = self.cfg.endpoints_api;
+        // Until every route is known (a cold start's Mappings are folded in as they come),
+        // how many Services a namespace has is not known either: starting a watch per
+        // Service of the first pages would start, then stop, up to a threshold's worth.
+        let routes_known = world
+            .kube()
+            .iter()
+            .filter(|(k, _)| MappingKind::ALL.into_iter().any(|m| k.is(mapping::GROUP, m.kind())))
+            .all(|(_, s)| s.listed);
+        if !routes_known {
+            self.kube_deferred = true;
             return;
         }
+        let deferred = std::mem::take(&mut self.kube_deferred);
+        if !routes_changed && !deferred && !changes.kube.keys().any(|k| k.is(api.group(), api.kind())) {
+            return;
+        }
+        if routes_changed || deferred {
+            let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+            for (ns, _) in self.kube_uses.keys() {
+                *counts.entry(ns.as_str()).or_default() += 1;
+            }
+            self.scoping.update(counts.into_iter(), self.cfg.endpoints_namespace_watch_above);
+        }
+        // A namespace's watch holds every Service's objects: grouped once per pass.
+        let mut grouped: BTreeMap<KubeKey, BTreeMap<&str, Vec<&Stored>>> = BTreeMap::new();
         let mut targets = BTreeMap::new();
         for (ns, name) in self.kube_uses.keys() {
-            let target = match self.kube_targets.remove(&(ns.clone(), name.clone())) {
-                Some(t) if !changed_key(ns, name) => t,
+            let key = self.scoping.key(api, ns, name);
+            let previous = self.kube_targets.remove(&(ns.clone(), name.clone()));
+            let target = match previous {
+                Some(t) if t.key == key && !changes.kube.contains_key(&key) => t,
                 previous => {
-                    if previous.is_none() {
-                        delta.add(WatchKey::Kube(endpoints_api.key(ns, name)));
+                    let store = world.kube().get(&key);
+                    let moved = previous.as_ref().is_some_and(|p| p.key != key);
+                    if previous.is_none() || moved {
+                        delta.add(WatchKey::Kube(key.clone()));
                     }
-                    let store = world.kube().get(&endpoints_api.key(ns, name));
-                    KubeTarget {
-                        entry: Part::new(KubeServiceEntry {
-                            namespace: ns.clone(),
-                            name: name.clone(),
-                            synced: store.is_some_and(|s| s.listed),
-                            error: store.and_then(|s| s.rejection()).map(str::to_owned),
-                            endpoints: store.map(|s| kube_endpoints::merge(s.objects.values())).unwrap_or_default(),
-                        }),
+                    if let Some(p) = previous.as_ref().filter(|_| moved) {
+                        delta.remove(WatchKey::Kube(p.key.clone()));
+                    }
+                    let listed = store.is_some_and(|s| s.listed);
+                    let error = store.and_then(|s| s.rejection()).map(str::to_owned);
+                    match previous {
+                        // Moved to a watch that has not listed yet: what the old one last
+                        // said stands until the new one has listed (never an empty gap).
+                        Some(p) if (moved || p.awaiting) && !listed && error.is_none() => {
+                            KubeTarget { key, entry: p.entry, awaiting: true }
+                        }
+                        _ => {
+                            let endpoints = match store {
+                                None => Vec::new(),
+                                Some(s) if self.scoping.is_wide(ns) => {
+                                    let by_service = grouped.entry(key.clone()).or_insert_with(|| group(s));
+                                    kube_endpoints::merge(
+                                        name,
+                                        by_service.get(name.as_str()).into_iter().flatten().copied(),
+                                    )
+                                }
+                                Some(s) => kube_endpoints::merge(name, s.objects.values()),
+                            };
+                            let entry = Part::new(KubeServiceEntry {
+                                namespace: ns.clone(),
+                                name: name.clone(),
+                                synced: listed,
+                                error,
+                                endpoints,
+                            });
+                            KubeTarget { key, entry, awaiting: false }
+                        }
                     }
                 }
             };
             targets.insert((ns.clone(), name.clone()), target);
         }
-        for (ns, name) in std::mem::replace(&mut self.kube_targets, targets).into_keys() {
-            delta.remove(WatchKey::Kube(endpoints_api.key(&ns, &name)));
+        for target in std::mem::replace(&mut self.kube_targets, targets).into_values() {
+            delta.remove(WatchKey::Kube(target.key));
         }
     }
 
@@ -705,8 +782,8 @@ impl Assembler {
                 count(WatchKey::Consul(settings.key(name)));
             }
         }
-        for (ns, name) in self.kube_uses.keys() {
-            count(WatchKey::Kube(self.cfg.endpoints_api.key(ns, name)));
+        for target in self.kube_targets.values() {
+            count(WatchKey::Kube(target.key.clone()));
         }
         if self.resolvers.iter().any(Resolver::selects_namespaces) {
             count(WatchKey::Kube(resolvers::namespaces_key()));
