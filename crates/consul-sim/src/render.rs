@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 
+use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use super::catalog::{Check, DEFAULT_SCOPE, HealthEntry, ServiceInstance, ServiceKey, StateEntry};
@@ -85,7 +86,8 @@ fn scope(out: &mut Value, key: &ServiceKey) {
     }
 }
 
-/// A check; `owner` is its service instance's key and tags, `None` for a node check.
+/// A check; `owner` is its service instance's key and tags, `None` for a node check (also
+/// the reference shape of [`checks`]' direct serialisation).
 fn check_json(c: &Check, owner: Option<(&ServiceKey, &[String])>, legacy: bool) -> Value {
     let (service_name, service_tags) = match owner {
         None => ("", tags(&[], legacy)),
@@ -149,16 +151,130 @@ pub(crate) fn health(entries: &[HealthEntry], legacy: bool) -> Value {
 }
 
 /// The body of `GET /v1/health/state/<state>`.
-pub(crate) fn checks(entries: &[StateEntry], legacy: bool) -> Value {
-    Value::Array(
-        entries
-            .iter()
-            .map(|e| check_json(&e.check, e.owner.as_ref().map(|o| (&o.key, o.tags.as_slice())), legacy))
-            .collect(),
-    )
+///
+/// Serialised straight from the entries, without a `Value` per check: at 75,000 checks
+/// (21 MB) building the tree first took most of the answer's 420 ms. The fields are in the
+/// order `check_json` (a `Value`, keys sorted) gives them; a test holds the two equal.
+pub(crate) fn checks(entries: &[StateEntry], legacy: bool) -> Vec<u8> {
+    let rows: Vec<CheckOut<'_>> = entries.iter().map(|e| CheckOut::of(e, legacy)).collect();
+    serde_json::to_vec(&rows).expect("checks serialise")
+}
+
+/// One check as `/v1/health/state` shows it (see [`check_json`]).
+#[derive(Serialize)]
+#[serde(rename_all = "PascalCase")]
+struct CheckOut<'a> {
+    #[serde(rename = "CheckID")]
+    check_id: &'a str,
+    create_index: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    definition: Option<Empty>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    exposed_port: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    interval: Option<&'a str>,
+    modify_index: u64,
+    name: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    namespace: Option<&'a str>,
+    node: &'a str,
+    notes: &'a str,
+    output: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    partition: Option<&'a str>,
+    #[serde(rename = "ServiceID")]
+    service_id: &'a str,
+    service_name: &'a str,
+    /// `None`: `null` (the legacy shape of an empty list).
+    service_tags: Option<&'a [String]>,
+    status: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    timeout: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    r#type: Option<&'a str>,
+}
+
+/// `{}`.
+#[derive(Serialize)]
+struct Empty {}
+
+impl<'a> CheckOut<'a> {
+    fn of(e: &'a StateEntry, legacy: bool) -> Self {
+        let c = &e.check;
+        let tags: &[String] = e.owner.as_ref().map_or(&[], |o| o.tags.as_slice());
+        let scoped =
+            e.owner.as_ref().map(|o| &o.key).filter(|k| k.namespace != DEFAULT_SCOPE || k.partition != DEFAULT_SCOPE);
+        let modern = !legacy;
+        CheckOut {
+            check_id: &c.check_id,
+            create_index: c.create_index,
+            definition: modern.then_some(Empty {}),
+            exposed_port: modern.then_some(0),
+            interval: modern.then_some(""),
+            modify_index: c.modify_index,
+            name: &c.name,
+            namespace: scoped.map(|k| k.namespace.as_str()),
+            node: &c.node,
+            notes: &c.notes,
+            output: &c.output,
+            partition: scoped.map(|k| k.partition.as_str()),
+            service_id: &c.service_id,
+            service_name: e.owner.as_ref().map_or("", |o| o.key.name.as_str()),
+            service_tags: (!(tags.is_empty() && legacy)).then_some(tags),
+            status: c.status.as_str(),
+            timeout: modern.then_some(""),
+            r#type: modern.then_some(""),
+        }
+    }
 }
 
 /// The body of `GET /v1/catalog/services`.
 pub(crate) fn services(services: &BTreeMap<String, Vec<String>>, legacy: bool) -> Value {
     Value::Object(services.iter().map(|(name, t)| (name.clone(), tags(t, legacy))).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::{CheckOwner, CheckStatus};
+
+    /// The direct serialisation of checks is byte for byte the `Value` shape's, in both
+    /// flavours, for node checks, service checks with and without tags, and scoped ones.
+    #[test]
+    fn checks_serialise_as_their_value_shape() {
+        let check = |node: &str, id: &str, service_id: &str, status| Check {
+            node: node.into(),
+            check_id: id.into(),
+            name: "c".into(),
+            status,
+            notes: "n".into(),
+            output: "out \"quoted\"".into(),
+            service_id: service_id.into(),
+            create_index: 3,
+            modify_index: 9,
+        };
+        let entries = vec![
+            StateEntry { check: check("n1", "serfHealth", "", CheckStatus::Critical), owner: None },
+            StateEntry {
+                check: check("n1", "c-web", "web-1", CheckStatus::Passing),
+                owner: Some(CheckOwner {
+                    key: ServiceKey::scoped("web", None, None),
+                    tags: vec!["a".into(), "b".into()],
+                }),
+            },
+            StateEntry {
+                check: check("n2", "c-api", "api-1", CheckStatus::Warning),
+                owner: Some(CheckOwner { key: ServiceKey::scoped("api", Some("team"), Some("p1")), tags: vec![] }),
+            },
+        ];
+        for legacy in [false, true] {
+            let reference = Value::Array(
+                entries
+                    .iter()
+                    .map(|e| check_json(&e.check, e.owner.as_ref().map(|o| (&o.key, o.tags.as_slice())), legacy))
+                    .collect(),
+            );
+            assert_eq!(String::from_utf8(checks(&entries, legacy)).unwrap(), reference.to_string(), "legacy: {legacy}");
+        }
+    }
 }

@@ -166,7 +166,11 @@ impl From<Dropped> for Failure {
 type Handled = Result<Resp, Failure>;
 
 fn plain_json(value: &Value) -> Resp {
-    let mut resp = Response::new(Full::new(Bytes::from(value.to_string())));
+    json_bytes(value.to_string().into_bytes())
+}
+
+fn json_bytes(body: Vec<u8>) -> Resp {
+    let mut resp = Response::new(Full::new(Bytes::from(body)));
     resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     resp
 }
@@ -408,8 +412,12 @@ impl Ctx<'_> {
 
     /// A successful read with Consul's headers (`index` as [`reported_index`] made it).
     fn read_ok(&self, body: &Value, index: u64, consistency: &'static str, acl_filtered: bool) -> Resp {
+        self.read_ok_bytes(body.to_string().into_bytes(), index, consistency, acl_filtered)
+    }
+
+    fn read_ok_bytes(&self, body: Vec<u8>, index: u64, consistency: &'static str, acl_filtered: bool) -> Resp {
         let known_leader = self.shared.with_faults(|f| f.known_leader);
-        let mut resp = plain_json(body);
+        let mut resp = json_bytes(body);
         let h = resp.headers_mut();
         h.insert("x-consul-index", HeaderValue::from(index));
         h.insert("x-consul-knownleader", HeaderValue::from_static(if known_leader { "true" } else { "false" }));
@@ -719,7 +727,7 @@ async fn health_state(ctx: &Ctx<'_>, raw_state: &str, headers: &HeaderMap) -> Ha
     entries.retain(|e| e.owner.as_ref().is_none_or(|o| identity.can_read_service(&o.key.name)));
     let legacy = shared.with_faults(|f| f.null_variants);
     let body = render::checks(&entries, legacy);
-    Ok(with_body_fault(ctx.read_ok(&body, index, opts.consistency, entries.len() != before), body_fault))
+    Ok(with_body_fault(ctx.read_ok_bytes(body, index, opts.consistency, entries.len() != before), body_fault))
 }
 
 async fn catalog_services(ctx: &Ctx<'_>, headers: &HeaderMap) -> Handled {
