@@ -73,6 +73,8 @@ pub struct Pipeline {
     /// The world has been complete once; publication no longer waits for anything.
     bootstrapped: bool,
     last_published_hash: Option<String>,
+    /// The size of the last content serialised: the next one's buffer is made that large.
+    last_size: usize,
     /// The snapshot of the failed publication being retried: a retry of the same content
     /// keeps its id.
     retrying: Option<(String, u64)>,
@@ -108,6 +110,7 @@ impl Pipeline {
             fixed: BTreeSet::new(),
             bootstrapped: false,
             last_published_hash: None,
+            last_size: 0,
             retrying: None,
             force: false,
             last_id: 0,
@@ -215,7 +218,9 @@ impl Pipeline {
                 Next::Publish => {
                     // One serialisation: the hash is of these bytes, the document is them.
                     let content = self.assembler.content(&self.world);
-                    let (json, hash) = content.serialise();
+                    let serialised = content.serialised(self.last_size);
+                    let hash = serialised.hash().to_owned();
+                    self.last_size = serialised.json().len();
                     if !self.force && self.last_published_hash.as_deref() == Some(hash.as_str()) {
                         self.retrying = None;
                         self.limiter.skipped();
@@ -229,7 +234,7 @@ impl Pipeline {
                         }
                     };
                     self.retrying = Some((hash.clone(), id));
-                    return Step::Publish(Arc::new(Snapshot::new(id, hash, content, &json)));
+                    return Step::Publish(Arc::new(Snapshot::from_serialised(id, content, serialised)));
                 }
             }
         }

@@ -319,6 +319,31 @@ fn sha256(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
+/// Room left before a content's JSON for the document's header (`apiVersion`, `kind`,
+/// `id`, `hash`), so that the document is made in place, without copying the content.
+const HEADER_ROOM: usize = 192;
+
+/// A content's canonical JSON, laid out to become its document in place (see
+/// [`Snapshot::from_serialised`]): at 55 MB, the copy into a new buffer and the reallocations
+/// of a buffer grown from nothing were a tenth of the operator's CPU per change.
+pub struct Serialised {
+    /// [`HEADER_ROOM`] bytes, then the content's JSON.
+    buf: Vec<u8>,
+    hash: String,
+}
+
+impl Serialised {
+    /// The content hash.
+    pub fn hash(&self) -> &str {
+        &self.hash
+    }
+
+    /// The content's JSON.
+    pub fn json(&self) -> &[u8] {
+        &self.buf[HEADER_ROOM..]
+    }
+}
+
 impl Content {
     /// The canonical JSON of the content, and its hash: equal content, equal bytes, equal
     /// hash.
@@ -326,6 +351,21 @@ impl Content {
         let bytes = serde_json::to_vec(self).expect("snapshot content always serialises");
         let hash = sha256(&bytes);
         (bytes, hash)
+    }
+
+    /// The same bytes and hash as [`Content::serialise`], with room for the header before
+    /// them; `size_hint` (the last snapshot's size) spares the buffer's growth.
+    pub fn serialised(&self, size_hint: usize) -> Serialised {
+        let mut buf = Vec::with_capacity(HEADER_ROOM + size_hint + size_hint / 16);
+        buf.resize(HEADER_ROOM, b' ');
+        serde_json::to_writer(&mut buf, self).expect("snapshot content always serialises");
+        // The document keeps this buffer: not with a doubling's worth of slack, should the
+        // content have outgrown the hint.
+        if buf.capacity() > buf.len() + buf.len() / 8 {
+            buf.shrink_to_fit();
+        }
+        let hash = sha256(&buf[HEADER_ROOM..]);
+        Serialised { buf, hash }
     }
 
     /// The content hash.
@@ -349,6 +389,21 @@ impl Snapshot {
         json.extend_from_slice(header.as_bytes());
         json.extend_from_slice(&content_json[1..]);
         Snapshot { id, hash, content, json: Bytes::from(json), gzipped: OnceLock::new() }
+    }
+
+    /// The snapshot of `content`, serialised as `serialised`: the header is written into
+    /// the room left for it, and the document is the same buffer from there on.
+    pub fn from_serialised(id: u64, content: Content, serialised: Serialised) -> Snapshot {
+        let Serialised { mut buf, hash } = serialised;
+        let header = format!(r#"{{"apiVersion":"{API_VERSION}","kind":"{KIND}","id":{id},"hash":"{hash}","#);
+        debug_assert_eq!(buf.get(HEADER_ROOM), Some(&b'{'));
+        // The header's last byte, its comma, takes the place of the content's `{`.
+        let Some(start) = (HEADER_ROOM + 1).checked_sub(header.len()) else {
+            return Snapshot::new(id, hash, content, &buf[HEADER_ROOM..]);
+        };
+        buf[start..=HEADER_ROOM].copy_from_slice(header.as_bytes());
+        let json = Bytes::from(buf).slice(start..);
+        Snapshot { id, hash, content, json, gzipped: OnceLock::new() }
     }
 
     /// Reads a published document back (tools and tests).
@@ -434,5 +489,12 @@ mod tests {
         assert_eq!(s.to_json(), by_serde);
         assert_eq!(s.hash, content.hash());
         assert_eq!(Snapshot::parse(&s.to_json()).unwrap(), s);
+        // Made in place, for any id and whatever the size hint: the same document.
+        for (id, hint) in [(7, 0), (7, 1 << 20), (u64::MAX, 3)] {
+            let serialised = content.serialised(hint);
+            assert_eq!(serialised.hash(), s.hash);
+            let in_place = Snapshot::from_serialised(id, content.clone(), serialised);
+            assert_eq!(in_place.to_json(), content.clone().into_snapshot(id).to_json(), "id {id}, hint {hint}");
+        }
     }
 }
