@@ -602,7 +602,7 @@ on_both_agents! {
     async fn a_slow_checks_answer_still_accounts_for_a_port_change(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
-        sim.set_faults(FaultsPatch { checks_answer_ms: Some(600), ..Default::default() });
+        sim.set_faults(FaultsPatch { checks_answer_ms: Some(1000), ..Default::default() });
         let svcs: Vec<String> = (0..5).map(|i| unique(&format!("slow{i}"))).collect();
         one_instance_each(&env, &svcs).await;
         let mut w = Watches::new(Settings { wait: Duration::from_secs(60), sweep: NO_SWEEP, ..settings(4) });
