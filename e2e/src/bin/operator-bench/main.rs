@@ -31,7 +31,9 @@
 //!    blocking queries per service and request counts;
 //! 4. the operator's peak RSS (VmHWM) just before SIGTERM.
 //!
-//! Sizes: `BENCH_SERVICES` (1000, at most 50,000), `BENCH_INSTANCES_PER_SERVICE` (1; instance
+//! Sizes: `BENCH_KUBE_SERVICES` (0; 5,000 at scale: Kubernetes Services, an Endpoints
+//! object of three addresses and a Mapping each, spread over the namespaces),
+//! `BENCH_SERVICES` (1000, at most 50,000), `BENCH_INSTANCES_PER_SERVICE` (1; instance
 //! k of every service is on node `bench-k`, instance 0 on `bench`),
 //! `BENCH_MAPPINGS_PER_SERVICE` (10), `BENCH_NAMESPACES` (5), `BENCH_CHANGES` (200 of each
 //! kind), `BENCH_MODES` (`100,1200`), `BENCH_COALESCE_WINDOW` (`250ms`, passed as
@@ -41,7 +43,8 @@
 //! cold start / bare reflector <= 1.2x, spaced change p50 <= 50 ms and p99 <= 100 ms,
 //! back-to-back p99 <= window + 100 ms, health flip p99 <= window + 250 ms, peak RSS <= 100 MiB. `BENCH_PROFILE=scale`
 //! (`make bench-scale`) changes the defaults to 5,000 services x 15 instances (75,000
-//! endpoints), 10 Mappings per service (50,000), 5 namespaces and `BENCH_MODES=100`, and
+//! endpoints), 10 Mappings per service (50,000), 5,000 Kubernetes Services routed to (one
+//! Mapping each), 5 namespaces and `BENCH_MODES=100`, and
 //! the targets to cold start < 10 s, spaced and back-to-back p99 < window + 250 ms, peak
 //! RSS < 400 MiB. Each variable set still overrides the profile's default; the targets go
 //! with the profile.
@@ -100,6 +103,9 @@ struct Settings {
     changes: usize,
     /// Node check flips (`BENCH_NODE_FLIPS`, 50).
     node_flips: usize,
+    /// Kubernetes Services routed to (`BENCH_KUBE_SERVICES`: 5,000 at scale, else 0): each
+    /// an Endpoints object with three addresses and one Mapping, spread over the namespaces.
+    kube_services: usize,
     /// Consul scopes (`BENCH_SCOPES`, 1): with 2, the resolvers of every other namespace
     /// name a token (a Secret), which is another scope with a change feed of its own.
     scopes: usize,
@@ -129,6 +135,7 @@ impl Settings {
             namespaces: env_usize("BENCH_NAMESPACES", 5),
             changes: env_usize("BENCH_CHANGES", 200),
             node_flips: env_usize("BENCH_NODE_FLIPS", 50),
+            kube_services: env_usize("BENCH_KUBE_SERVICES", if scale { 5000 } else { 0 }),
             scopes: env_usize("BENCH_SCOPES", 1).max(1),
             modes,
             window: std::env::var("BENCH_COALESCE_WINDOW").unwrap_or_else(|_| "250ms".into()),
@@ -166,11 +173,13 @@ impl Settings {
         ensure!(s.per_service > 0 && s.namespaces > 0, "BENCH_MAPPINGS_PER_SERVICE and BENCH_NAMESPACES must be > 0");
         // Changes take ports from 20000 up, a fresh one each, both series together.
         ensure!(s.changes > 0 && 20_000 + 2 * s.changes <= 65_535, "BENCH_CHANGES must be 1..22767");
+        ensure!(s.kube_services <= 40_000, "BENCH_KUBE_SERVICES must be at most 40000");
         Ok(())
     }
 
+    /// Every Mapping: those to Consul services and one per Kubernetes Service.
     fn mappings(&self) -> usize {
-        self.services * self.per_service
+        self.services * self.per_service + self.kube_services
     }
 
     fn endpoints(&self) -> usize {
@@ -465,6 +474,39 @@ async fn setup(cluster: &Cluster, sim: &RunningSim, s: &Settings, namespaces: Ve
             o.data = json!({"spec": {"prefix": format!("/{name}/"), "service": format!("{svc}:8080"), "resolver": "consul"}});
             let api = Api::<DynamicObject>::namespaced_with(client.clone(), ns, &mr);
             async move { api.create(&PostParams::default(), &o).await.map(|_| ()).with_context(|| format!("creating Mapping {ns}/{name}")) }
+        })
+        .buffer_unordered(48)
+        .try_for_each(|()| futures::future::ready(Ok(())))
+        .await?;
+    // Kubernetes Services routed to: their Endpoints (what a 1.20 API server serves; the
+    // addresses are data in the benchmarking range 198.18.0.0/15, never connected to) and a
+    // Mapping each.
+    futures::stream::iter(0..s.kube_services)
+        .map(|i| {
+            let ns = namespaces[i % namespaces.len()].clone();
+            let name = format!("kube-svc-{i}");
+            let addresses: Vec<serde_json::Value> = (0..3)
+                .map(|a| json!({"ip": format!("198.18.{}.{}", (i * 3 + a) / 250, (i * 3 + a) % 250 + 1)}))
+                .collect();
+            let endpoints: k8s_openapi::api::core::v1::Endpoints = serde_json::from_value(json!({
+                "metadata": {"name": name, "namespace": ns},
+                "subsets": [{"addresses": addresses, "ports": [{"port": 8080}]}],
+            }))
+            .expect("an Endpoints object");
+            let mut mapping = DynamicObject::new(&format!("{name}-m"), &mr).within(&ns);
+            mapping.data = json!({"spec": {"prefix": format!("/{name}/"), "service": format!("{name}:8080")}});
+            let (client, mr) = (client.clone(), mr.clone());
+            async move {
+                Api::<k8s_openapi::api::core::v1::Endpoints>::namespaced(client.clone(), &ns)
+                    .create(&PostParams::default(), &endpoints)
+                    .await
+                    .with_context(|| format!("creating Endpoints {ns}/{name}"))?;
+                Api::<DynamicObject>::namespaced_with(client, &ns, &mr)
+                    .create(&PostParams::default(), &mapping)
+                    .await
+                    .with_context(|| format!("creating Mapping {ns}/{name}-m"))
+                    .map(|_| ())
+            }
         })
         .buffer_unordered(48)
         .try_for_each(|()| futures::future::ready(Ok(())))
@@ -1341,10 +1383,11 @@ fn main() -> anyhow::Result<()> {
     let namespaces = (0..s.namespaces).map(|_| cluster.namespace("bench")).collect::<anyhow::Result<Vec<_>>>()?;
     let setup = rt.block_on(setup(cluster, sim.as_ref().expect("started"), &s, namespaces))?;
     println!(
-        "setup: {} services x {} instances ({} endpoints), {} Mappings in {} namespaces (created in {})",
+        "setup: {} services x {} instances ({} endpoints), {} Kubernetes Services (3 endpoints each), {} Mappings in {} namespaces (created in {})",
         s.services,
         s.instances,
         s.endpoints(),
+        s.kube_services,
         s.mappings(),
         s.namespaces,
         secs(setup.mappings_created_in)
@@ -1360,13 +1403,15 @@ fn main() -> anyhow::Result<()> {
     println!();
     println!(
         "{} Consul services x {} instances ({} endpoints), {} Mappings ({} per service) in {} namespaces, \
-         a ConsulResolver per namespace; --coalesce-window {}; {} changes of each kind; load average {} at start, {} at end",
+         {} Kubernetes Services routed to, a ConsulResolver per namespace; --coalesce-window {}; {} changes of each kind; \
+         load average {} at start, {} at end",
         s.services,
         s.instances,
         s.endpoints(),
         s.mappings(),
         s.per_service,
         s.namespaces,
+        s.kube_services,
         s.window,
         s.changes,
         load_start,
