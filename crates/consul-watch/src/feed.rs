@@ -292,7 +292,13 @@ impl Ctx<'_> {
     async fn checks(&self, block: Option<(u64, Duration)>) -> Result<(u64, bool), QueryError> {
         let token = self.key.server.token.as_ref();
         let sent = Instant::now();
-        let health_state = self.client.health_state(&self.scope, token, block);
+        let health_state = self.client.health_state(&self.scope, token, block, |index, rows| {
+            let mut view = self.checks.lock().expect("checks view poisoned");
+            let first = view.index().is_none();
+            let stale = view.apply(index, rows);
+            self.feed.catch_up().checks_answered(Instant::now(), |after, upto| view.accounts_for(after, upto));
+            (stale, first)
+        });
         let answer =
             observe::request(&self.env.metrics, observe::Query::Checks, Some(&self.key), block, health_state).await?;
         if block.is_none() {
@@ -300,13 +306,7 @@ impl Ctx<'_> {
             // answers this query's can run.
             self.feed.catch_up().observe(sent.elapsed());
         }
-        let (stale, first) = {
-            let mut view = self.checks.lock().expect("checks view poisoned");
-            let first = view.index().is_none();
-            let stale = view.apply(answer.index, answer.value);
-            self.feed.catch_up().checks_answered(Instant::now(), |after, upto| view.accounts_for(after, upto));
-            (stale, first)
-        };
+        let (stale, first) = answer.value;
         self.feed.checks_index.send_replace(answer.index);
         // A baseline names nothing: the members re-read once both views have one.
         self.wake(&if first { Stale::default() } else { stale });

@@ -243,17 +243,19 @@ impl HttpClient {
         Ok(Answer { index, value })
     }
 
-    /// `GET /v1/health/state/any`: every check of the scope (the change feed).
-    pub(crate) async fn health_state(
+    /// `GET /v1/health/state/any`: every check of the scope (the change feed). `apply`
+    /// takes the answer's index and its checks, borrowed from the body it reads them from.
+    pub(crate) async fn health_state<R>(
         &self,
         scope: &Scope,
         token: Option<&Secret>,
         block: Option<(u64, Duration)>,
-    ) -> Result<Answer<Vec<parse::CheckRow>>, QueryError> {
+        apply: impl FnOnce(u64, Vec<parse::CheckRow<'_>>) -> R,
+    ) -> Result<Answer<R>, QueryError> {
         let url = format!("{}/v1/health/state/any", self.base);
         let Got { index, body, .. } = self.scoped_get(&url, scope, token, block).await?;
-        let value = parse::health_state(&body).map_err(|cause| self.body_error(cause))?;
-        Ok(Answer { index, value })
+        let rows = parse::health_state(&body).map_err(|cause| self.body_error(cause))?;
+        Ok(Answer { index, value: apply(index, rows) })
     }
 
     async fn scoped_get(

@@ -6,6 +6,7 @@
 //! not use is ignored, every field we use tolerates `null`, and anything else malformed is
 //! an error rather than a panic.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Deserialize;
@@ -150,39 +151,66 @@ pub(crate) fn catalog_services(body: &[u8]) -> Result<BTreeMap<String, Vec<Strin
         .collect())
 }
 
-/// One check of `/v1/health/state/any`, reduced to what the change feed uses.
+/// One check of `/v1/health/state/any`, reduced to what the change feed uses, borrowed
+/// from the answer where it can be: at 75,000 checks, three strings per check allocated
+/// and freed on every answer were most of its parsing.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct CheckRow {
-    pub node: String,
-    pub check_id: String,
+pub(crate) struct CheckRow<'a> {
+    pub node: Cow<'a, str>,
+    pub check_id: Cow<'a, str>,
     /// Empty for a node check (which counts against every instance on its node).
-    pub service: String,
+    pub service: Cow<'a, str>,
     pub modify_index: u64,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "PascalCase")]
-struct StateCheck {
-    #[serde(default)]
-    node: Option<String>,
-    #[serde(rename = "CheckID", default)]
-    check_id: Option<String>,
-    #[serde(default)]
-    service_name: Option<String>,
+struct StateCheck<'a> {
+    #[serde(borrow, default, deserialize_with = "in_place")]
+    node: Cow<'a, str>,
+    #[serde(borrow, rename = "CheckID", default, deserialize_with = "in_place")]
+    check_id: Cow<'a, str>,
+    #[serde(borrow, default, deserialize_with = "in_place")]
+    service_name: Cow<'a, str>,
     #[serde(default)]
     modify_index: Option<u64>,
 }
 
+/// A string read in place when it has no escapes (serde's own `Cow` always copies, and
+/// `Option<Cow>` too), `null` as empty (the older agents' shape), anything else an error.
+fn in_place<'de: 'a, 'a, D: serde::Deserializer<'de>>(d: D) -> Result<Cow<'a, str>, D::Error> {
+    struct InPlace;
+    impl<'de> serde::de::Visitor<'de> for InPlace {
+        type Value = Cow<'de, str>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a string or null")
+        }
+        fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+            Ok(Cow::Borrowed(v))
+        }
+        fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+            Ok(Cow::Owned(v.to_owned()))
+        }
+        fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+            Ok(Cow::Owned(v))
+        }
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok(Cow::Borrowed(""))
+        }
+    }
+    d.deserialize_any(InPlace)
+}
+
 /// `/v1/health/state/any`: every check of the scope.
-pub(crate) fn health_state(body: &[u8]) -> Result<Vec<CheckRow>, String> {
-    let raw: Vec<StateCheck> =
+pub(crate) fn health_state(body: &[u8]) -> Result<Vec<CheckRow<'_>>, String> {
+    let raw: Vec<StateCheck<'_>> =
         serde_json::from_slice(body).map_err(|e| format!("malformed /v1/health/state body: {e}"))?;
     Ok(raw
         .into_iter()
         .map(|c| CheckRow {
-            node: c.node.unwrap_or_default(),
-            check_id: c.check_id.unwrap_or_default(),
-            service: c.service_name.unwrap_or_default(),
+            node: c.node,
+            check_id: c.check_id,
+            service: c.service_name,
             modify_index: c.modify_index.unwrap_or(0),
         })
         .collect())
@@ -358,6 +386,12 @@ mod tests {
             CheckRow { node: "n1".into(), check_id: "service:web-1".into(), service: "web".into(), modify_index: 9 }
         );
         assert_eq!(rows[0].service, "", "a node check names no service");
+        assert!(matches!(rows[1].check_id, Cow::Borrowed(_)), "read in place, not copied");
+        let escaped = health_state(br#"[{"Node":"n1","CheckID":"c","ModifyIndex":1}]"#).unwrap();
+        assert_eq!(escaped[0].node, "n1", "an escaped string is unescaped into a copy");
+        let nulls = health_state(br#"[{"Node":"n","CheckID":"c","ServiceName":null,"ModifyIndex":1}]"#).unwrap();
+        assert_eq!(nulls[0].service, "", "null, as older agents send it, is empty");
+        assert!(health_state(br#"[{"Node":7,"CheckID":"c","ModifyIndex":1}]"#).is_err());
         for bad in [&b"{}"[..], b"null", b"[{\"ModifyIndex\":-1}]", b"<html>"] {
             assert!(health_state(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
         }
@@ -621,13 +655,14 @@ mod proptests {
                     "ServiceID": "", "ServiceName": service, "ServiceTags": [], "CreateIndex": 1, "ModifyIndex": index,
                 }))
                 .collect();
-            let rows = health_state(&serde_json::to_vec(&body).unwrap()).unwrap();
+            let bytes = serde_json::to_vec(&body).unwrap();
+            let rows = health_state(&bytes).unwrap();
             let want: Vec<CheckRow> = checks
                 .into_iter()
                 .map(|(node, check_id, service, modify_index)| CheckRow {
-                    node,
-                    check_id,
-                    service: service.unwrap_or_default(),
+                    node: node.into(),
+                    check_id: check_id.into(),
+                    service: service.unwrap_or_default().into(),
                     modify_index,
                 })
                 .collect();
