@@ -133,7 +133,9 @@ pub(crate) async fn run(server: Arc<Server>, key: ConsulKey, events: EventSink) 
         held.follow_assignment(&mut machine);
         match machine.next(Instant::now()) {
             Next::Query(block) => {
-                let Some(ev) = held.query(&mut machine, block, &mut reach).await else { continue };
+                // Boxed: the request's state (most of a watch's size) is allocated only
+                // while it queries, not held by every idle fed watch (see the size test).
+                let Some(ev) = Box::pin(held.query(&mut machine, block, &mut reach)).await else { continue };
                 if !send(ev).await {
                     return;
                 }
