@@ -510,7 +510,7 @@ mod stale_tests {
             index: Some(4),
             error: None,
             stale: Some(Stale { since: "2026-11-23T06:00:00Z".into(), reason: reason.into() }),
-            endpoints: vec![ep],
+            endpoints: vec![ep].into(),
         }
     }
 

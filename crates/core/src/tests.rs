@@ -121,7 +121,7 @@ async fn nothing_publishes_before_bootstrap() {
     p.apply([Event::Consul(key, ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
     let snap = publish(&mut p).expect("complete: publishes at once");
     assert!(snap.content.bootstrap.complete);
-    assert_eq!(snap.content.resolvers[0].services[0].endpoints, vec![ep("10.0.0.1", 80)]);
+    assert_eq!(*snap.content.resolvers[0].services[0].endpoints, vec![ep("10.0.0.1", 80)]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -213,7 +213,7 @@ async fn a_burst_of_ten_thousand_events_is_at_most_two_publications_ending_in_th
     }
     assert!(publications.len() <= 2, "{} publications", publications.len());
     let last = publications.last().unwrap();
-    assert_eq!(last.content.resolvers[0].services[0].endpoints, vec![ep("10.0.0.1", 10_000)]);
+    assert_eq!(*last.content.resolvers[0].services[0].endpoints, vec![ep("10.0.0.1", 10_000)]);
     assert_eq!(last.content.resolvers[0].services[0].index, Some(10_001));
     let ids: Vec<u64> = publications.iter().map(|s| s.id).collect();
     assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids increase: {ids:?}");
@@ -237,7 +237,7 @@ async fn a_slow_publication_is_never_overlapped_and_gets_one_follow_up() {
     }
     p.published(&first, true, Instant::now());
     let follow_up = publish(&mut p).expect("one follow-up at once");
-    assert_eq!(follow_up.content.resolvers[0].services[0].endpoints, vec![ep("10.0.0.2", 500)]);
+    assert_eq!(*follow_up.content.resolvers[0].services[0].endpoints, vec![ep("10.0.0.2", 500)]);
     assert_eq!(p.poll(Instant::now()), Step::Idle);
 }
 
@@ -513,6 +513,36 @@ async fn endpoints_watches_wait_for_every_route() {
     assert!(slice_keys(&p).is_empty());
     p.apply([Event::Kube(mappings_key(), KubeEvent::ListDone)], now);
     assert_eq!(slice_keys(&p), [EndpointsApi::EndpointSlices.namespace_key("shop").to_string()]);
+}
+
+/// Resolvers with the same settings share one answer: their entries, their last known good
+/// and the world's store hold one list of endpoints, not a copy each (at 75,000 endpoints
+/// and five resolvers the copies were about 100 MiB).
+#[tokio::test(start_paused = true)]
+async fn resolvers_share_one_list_of_endpoints() {
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    let address = json!({"address": "127.0.0.1:8500"});
+    p.apply(
+        listed(
+            &resolvers_key(),
+            vec![resolver("shop", "consul", address.clone()), resolver("blog", "consul", address)],
+        ),
+        now,
+    );
+    let routes = vec![
+        mapping("shop", "a", json!({"service": "billing:80", "resolver": "consul"})),
+        mapping("blog", "b", json!({"service": "billing:80", "resolver": "consul"})),
+    ];
+    p.apply(listed(&mappings_key(), routes), now);
+    let key = consul_keys(&p).remove(0);
+    p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
+    let content = p.assembler().content(p.world());
+    let (blog, shop) = (&content.resolvers[0].services[0].endpoints, &content.resolvers[1].services[0].endpoints);
+    assert_eq!(**shop, [ep("10.0.0.1", 80)]);
+    assert!(std::sync::Arc::ptr_eq(blog, shop), "one list for both resolvers");
+    assert!(std::sync::Arc::ptr_eq(shop, &p.world().consul()[&key].endpoints), "the world's own");
 }
 
 /// The content and the implied watches of a world of these resolvers and Mappings.
@@ -869,7 +899,7 @@ async fn after_the_first_publication_a_new_or_silent_key_holds_nothing_back() {
     p.apply([answer(&billing, 2, vec![ep("10.0.0.1", 81)])], Instant::now());
     let snap = next_publication(&mut p).await;
     let billing_entry = snap.content.resolvers[0].services.iter().find(|s| s.name == "billing").unwrap();
-    assert_eq!(billing_entry.endpoints, vec![ep("10.0.0.1", 81)]);
+    assert_eq!(*billing_entry.endpoints, vec![ep("10.0.0.1", 81)]);
     // orders fails, then answers: each is published as it comes.
     let orders_key = consul_keys(&p).into_iter().find(|k| k.service == "orders").unwrap();
     p.apply([Event::Consul(orders_key.clone(), ConsulEvent::Failed("connection refused".into()))], Instant::now());
@@ -1002,7 +1032,7 @@ async fn an_agent_cache_cut_off_from_its_servers_is_published_stale_since_the_cu
     p.apply([cached(6, 81, cut)], Instant::now());
     let snap = publish(&mut p).unwrap();
     let s = snap.content.resolvers[0].services[0].as_ref().clone();
-    assert_eq!(s.endpoints, vec![ep("10.0.0.1", 81)], "the agent's last knowledge is published");
+    assert_eq!(*s.endpoints, vec![ep("10.0.0.1", 81)], "the agent's last knowledge is published");
     assert!(s.synced && s.error.is_none(), "{s:?}");
     let stale = s.stale.expect("stale while the agent is cut off");
     assert_eq!(stale.since, "2026-11-18T11:06:40Z", "since the cut-off, not since we noticed");
@@ -1048,7 +1078,7 @@ async fn endpoints_last_obtained_outlive_a_token_rotation_a_lost_secret_and_a_br
     let new = consul_keys(&p).remove(0);
     let snap = next_publication(&mut p).await;
     let s = service(&snap);
-    assert_eq!((s.synced, s.endpoints.clone(), s.index), (false, vec![ep("10.0.0.1", 80)], Some(5)));
+    assert_eq!((s.synced, s.endpoints.clone(), s.index), (false, vec![ep("10.0.0.1", 80)].into(), Some(5)));
     let stale = s.stale.unwrap();
     assert_eq!(stale.since, "2026-11-23T06:01:00Z");
     assert_eq!(stale.reason, "the resolver's token changed: waiting for Consul to answer with the new settings");
@@ -1067,7 +1097,7 @@ async fn endpoints_last_obtained_outlive_a_token_rotation_a_lost_secret_and_a_br
     let rejected = "Consul at http://127.0.0.1:8500 rejected the request: ACL token rejected (ACL not found)";
     p.apply([Event::Consul(new.clone(), ConsulEvent::Failed(rejected.into()))], Instant::now());
     let s = service(&*next_publication(&mut p).await);
-    assert_eq!(s.endpoints, vec![ep("10.0.0.1", 80)]);
+    assert_eq!(*s.endpoints, vec![ep("10.0.0.1", 80)]);
     assert_eq!(s.error.as_deref(), Some(rejected));
     let stale = s.stale.unwrap();
     assert_eq!(stale.since, "2026-11-23T06:01:00Z", "stale since it first was");
@@ -1079,7 +1109,7 @@ async fn endpoints_last_obtained_outlive_a_token_rotation_a_lost_secret_and_a_br
     // The new token answers: current again.
     p.apply([answer(&new, 9, vec![ep("10.0.0.2", 80)])], Instant::now());
     let s = service(&*next_publication(&mut p).await);
-    assert_eq!((s.synced, s.stale, s.endpoints), (true, None, vec![ep("10.0.0.2", 80)]));
+    assert_eq!((s.synced, s.stale, s.endpoints), (true, None, vec![ep("10.0.0.2", 80)].into()));
 
     // The Secret is deleted: nothing can be queried; the last endpoints stay.
     tokio::time::advance(Duration::from_secs(60)).await;
@@ -1090,7 +1120,7 @@ async fn endpoints_last_obtained_outlive_a_token_rotation_a_lost_secret_and_a_br
     let unusable = snap.content.resolvers[0].unusable.clone().unwrap();
     assert_eq!(unusable.reason, UnusableReason::SecretUnavailable);
     let s = service(&snap);
-    assert_eq!(s.endpoints, vec![ep("10.0.0.2", 80)]);
+    assert_eq!(*s.endpoints, vec![ep("10.0.0.2", 80)]);
     assert_eq!(s.stale.clone().unwrap().reason, "spec.tokenSecretRef: Secret shop/acl not found");
     assert_eq!(s.stale.unwrap().since, "2026-11-23T06:02:30Z");
     assert!(matches!(snap.content.mappings[0].target, Target::Consul { .. }), "the route stays");
@@ -1101,7 +1131,7 @@ async fn endpoints_last_obtained_outlive_a_token_rotation_a_lost_secret_and_a_br
     let snap = next_publication(&mut p).await;
     assert_eq!(snap.content.resolvers[0].unusable.as_ref().unwrap().reason, UnusableReason::InvalidSpec);
     let s = service(&snap);
-    assert_eq!(s.endpoints, vec![ep("10.0.0.2", 80)]);
+    assert_eq!(*s.endpoints, vec![ep("10.0.0.2", 80)]);
     assert!(s.stale.unwrap().reason.contains("NOPE is not set"));
 
     // Only deleting the Mapping lets them go; a new Mapping gets nothing from before.
@@ -1164,7 +1194,7 @@ async fn a_query_failing_after_answers_keeps_its_endpoints_stale_since_the_first
     p.apply([Event::Consul(key.clone(), ConsulEvent::Failed("500 No cluster leader".into()))], Instant::now());
     let s = next_publication(&mut p).await.content.resolvers[0].services[0].as_ref().clone();
     assert!(s.synced, "it has answered before");
-    assert_eq!(s.endpoints, vec![ep("10.0.0.1", 80)]);
+    assert_eq!(*s.endpoints, vec![ep("10.0.0.1", 80)]);
     assert_eq!(s.stale.unwrap().since, "2026-11-23T06:00:10Z");
     tokio::time::advance(Duration::from_secs(10)).await;
     p.apply([Event::Consul(key.clone(), ConsulEvent::Failed("connection refused".into()))], Instant::now());

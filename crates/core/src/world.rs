@@ -26,7 +26,7 @@ use tokio::time::Instant;
 
 use super::ingest::Reading;
 use super::keys::{ConsulKey, KubeKey, WatchKey};
-use super::model::{ConsulEvent, Endpoint, Event, KubeEvent, KubeObject, ObjectId, Stored, WatchFailure};
+use super::model::{ConsulEvent, Endpoints, Event, KubeEvent, KubeObject, ObjectId, Stored, WatchFailure};
 
 /// The store of one Kubernetes key.
 #[derive(Debug, Clone)]
@@ -79,7 +79,7 @@ pub struct ConsulStore {
     pub added_at: Instant,
     /// The last answer's index and endpoints; `None` until Consul first answers.
     pub index: Option<u64>,
-    pub endpoints: Vec<Endpoint>,
+    pub endpoints: Endpoints,
     pub changed_at: Option<Instant>,
     pub last_error: Option<String>,
     /// The last answer came from an agent's cache cut off from its servers since then.
@@ -181,7 +181,7 @@ impl World {
                 self.consul.entry(k.clone()).or_insert_with(|| ConsulStore {
                     added_at: now,
                     index: None,
-                    endpoints: Vec::new(),
+                    endpoints: Endpoints::from([]),
                     changed_at: None,
                     last_error: None,
                     cut_off_since: None,
@@ -423,9 +423,9 @@ fn apply_consul(store: &mut ConsulStore, ev: ConsulEvent, now: Instant) -> bool 
     // The index is that of the answer that brought the endpoints: an answer with the same
     // endpoints (a wake-up, a timeout) changes nothing, not even it, so the snapshot never
     // depends on when else it happens to be read.
-    if first || endpoints != store.endpoints {
+    if first || endpoints[..] != store.endpoints[..] {
         store.index = Some(index);
-        store.endpoints = endpoints;
+        store.endpoints = endpoints.into();
         store.changed_at = Some(now);
         true
     } else {
@@ -453,6 +453,8 @@ mod tests {
     use crate::model::Health;
     use serde_json::json;
     use std::collections::BTreeSet;
+
+    use crate::model::Endpoint;
 
     fn mappings() -> KubeKey {
         KubeKey::new("getambassador.io", "", "Mapping")
@@ -649,7 +651,7 @@ mod tests {
         assert!(w.take_changes().is_empty());
         assert_eq!(w.consul()[&consul("a")].index, Some(5), "the index of the answer that brought them");
         assert!(w.apply(Event::Consul(consul("a"), ConsulEvent::Failed("500 No cluster leader".into())), now));
-        assert_eq!(w.consul()[&consul("a")].endpoints, vec![ep("10.0.0.1")], "errors keep the last endpoints");
+        assert_eq!(w.consul()[&consul("a")].endpoints[..], [ep("10.0.0.1")], "errors keep the last endpoints");
         assert!(!w.apply(Event::Consul(consul("a"), ConsulEvent::Failed("500 No cluster leader".into())), now));
         assert!(w.apply(answer(7), now), "recovering from an error is a change (status clears)");
         assert_eq!(w.consul()[&consul("a")].last_error, None);

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::time::SystemTime;
 
 use crate::keys::ConsulKey;
-use crate::model::Endpoint;
+use crate::model::Endpoints;
 
 /// A service as one resolver sees it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -29,7 +29,7 @@ pub struct KeptService {
     /// The query that obtained them.
     pub key: ConsulKey,
     pub index: Option<u64>,
-    pub endpoints: Vec<Endpoint>,
+    pub endpoints: Endpoints,
     /// When they stopped being current; `None` while they are.
     pub stale_since: Option<SystemTime>,
 }

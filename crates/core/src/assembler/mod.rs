@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::SystemTime;
 
 use crate::keys::{ConsulKey, KubeKey, WatchKey};
-use crate::model::{Decoded, MappingObject, ObjectId, Stored};
+use crate::model::{Decoded, Endpoints, MappingObject, ObjectId, Stored};
 use crate::world::{Changes, ConsulStore, World};
 use consul_resolver_api::mapping::{self, MappingKind};
 use consul_resolver_api::names;
@@ -951,7 +951,14 @@ fn stale(
 }
 
 fn unsynced(name: &str, error: Option<String>) -> ServiceEntry {
-    ServiceEntry { name: name.to_owned(), synced: false, index: None, error, stale: None, endpoints: Vec::new() }
+    ServiceEntry {
+        name: name.to_owned(),
+        synced: false,
+        index: None,
+        error,
+        stale: None,
+        endpoints: Endpoints::from([]),
+    }
 }
 
 /// Resolver lookup by name: same namespace first, else the single one of that name that

@@ -19,7 +19,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
-use crate::model::{Endpoint, KubeEndpoint};
+use crate::model::{Endpoints, KubeEndpoint};
 
 pub const API_VERSION: &str = "consulresolver.io/v1alpha1";
 pub const KIND: &str = "Snapshot";
@@ -217,7 +217,7 @@ pub struct ServiceEntry {
     /// Present when `endpoints` are not current (see [`Stale`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stale: Option<Stale>,
-    pub endpoints: Vec<Endpoint>,
+    pub endpoints: Endpoints,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -449,7 +449,7 @@ mod tests {
             index: Some(7),
             error: None,
             stale: None,
-            endpoints: vec![],
+            endpoints: vec![].into(),
         };
         let plain = serde_json::to_string(&entry).unwrap();
         let part = Part::new(entry.clone());
