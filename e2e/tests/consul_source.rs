@@ -529,6 +529,23 @@ async fn feed_settled(env: &Env) {
     }
 }
 
+/// Five services with one instance each, watched at a budget of 4 (one read, at most one
+/// dedicated query: the rest are fed), each answered once, the feed settled.
+async fn five_mostly_fed(env: &Env, prefix: &str) -> (Vec<String>, Vec<ConsulKey>, Watches) {
+    let svcs: Vec<String> = (0..5).map(|i| unique(&format!("{prefix}{i}"))).collect();
+    one_instance_each(env, &svcs).await;
+    let mut w = Watches::new(Settings { wait: Duration::from_secs(60), sweep: NO_SWEEP, ..settings(4) });
+    let keys: Vec<ConsulKey> = svcs.iter().map(|s| env.key(s)).collect();
+    for k in &keys {
+        w.start(k);
+    }
+    for k in &keys {
+        w.answer(k, "the first answer", |e| e.len() == 1).await;
+    }
+    feed_settled(env).await;
+    (svcs, keys, w)
+}
+
 on_both_agents! {
     /// Beyond the budget's dedicated queries, with the product's default options, a service
     /// learns of every change Consul reports as promptly as with a query of its own, in both
@@ -538,18 +555,7 @@ on_both_agents! {
     /// instance registered and deregistered, with a check or without.
     async fn fed_services_follow_every_change_both_ways(config: Config) {
         let env = Env::start(config).await;
-        let svcs: Vec<String> = (0..5).map(|i| unique(&format!("fed{i}"))).collect();
-        one_instance_each(&env, &svcs).await;
-        // A budget of 4: one read, at most one dedicated query; the rest are fed.
-        let mut w = Watches::new(Settings { wait: Duration::from_secs(60), sweep: NO_SWEEP, ..settings(4) });
-        let keys: Vec<ConsulKey> = svcs.iter().map(|s| env.key(s)).collect();
-        for k in &keys {
-            w.start(k);
-        }
-        for k in &keys {
-            w.answer(k, "the first answer", |e| e.len() == 1).await;
-        }
-        feed_settled(&env).await;
+        let (svcs, keys, mut w) = five_mostly_fed(&env, "fed").await;
 
         let node = |i: usize| format!("{}-node", svcs[i]);
         let id = |i: usize| format!("{}-1", svcs[i]);
@@ -602,18 +608,8 @@ on_both_agents! {
     async fn a_slow_checks_answer_still_accounts_for_a_port_change(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
-        sim.set_faults(FaultsPatch { checks_answer_ms: Some(1000), ..Default::default() });
-        let svcs: Vec<String> = (0..5).map(|i| unique(&format!("slow{i}"))).collect();
-        one_instance_each(&env, &svcs).await;
-        let mut w = Watches::new(Settings { wait: Duration::from_secs(60), sweep: NO_SWEEP, ..settings(4) });
-        let keys: Vec<ConsulKey> = svcs.iter().map(|s| env.key(s)).collect();
-        for k in &keys {
-            w.start(k);
-        }
-        for k in &keys {
-            w.answer(k, "the first answer", |e| e.len() == 1).await;
-        }
-        feed_settled(&env).await;
+        sim.set_faults(FaultsPatch { checks_answer_ms: Some(600), ..Default::default() });
+        let (svcs, keys, mut w) = five_mostly_fed(&env, "slow").await;
         for (round, i) in [1usize, 3, 4].into_iter().enumerate() {
             let port = 9100 + round as u16;
             env.register(&format!("{}-node", svcs[i]), &format!("{}-1", svcs[i]), &svcs[i], port, "passing", &[]).await;

@@ -124,6 +124,18 @@ impl EndpointsRequests {
     }
 }
 
+/// Whether the cluster has an audit log (it does not under `E2E_KUBECONFIG`, and then the
+/// counts are not checked, visibly), and a reader of the operator's requests on endpoints
+/// in `ns` from it.
+fn endpoints_audit<'a>(cluster: &'a Cluster, ns: &'a str) -> (bool, impl Fn() -> EndpointsRequests + 'a) {
+    let has_audit = cluster.audit_log().is_some();
+    if !has_audit {
+        eprintln!("no audit log (E2E_KUBECONFIG): the watch counts are not checked, only the snapshot");
+    }
+    let user = if has_audit { cluster.operator_username().unwrap() } else { String::new() };
+    (has_audit, move || EndpointsRequests::read(&cluster.audit_events().unwrap().unwrap_or_default(), &user, ns))
+}
+
 /// `{Some("metadata.name=svc-I"): 1}` for each of `services`.
 fn once_each(services: &[usize]) -> BTreeMap<Option<String>, usize> {
     services.iter().map(|i| (Some(format!("metadata.name=svc-{i}")), 1)).collect()
@@ -154,13 +166,7 @@ fn endpoint_watches_are_proportional_to_referenced_services_not_to_objects() {
     op.wait_ready(T).unwrap();
     op.wait_snapshot("the three referenced services' endpoints", T, |s| kube_services(s, &ns) == expected).unwrap();
 
-    let has_audit = cluster.audit_log().is_some();
-    if !has_audit {
-        eprintln!("no audit log (E2E_KUBECONFIG): the watch counts are not checked, only the snapshot");
-    }
-    // The operator's requests on endpoints in `ns`, once `cond` holds.
-    let user = if has_audit { cluster.operator_username().unwrap() } else { String::new() };
-    let read = || EndpointsRequests::read(&cluster.audit_events().unwrap().unwrap_or_default(), &user, &ns);
+    let (has_audit, read) = endpoints_audit(cluster, &ns);
     let audit = |what: &str, logs: &dyn Fn() -> String, cond: &dyn Fn(&EndpointsRequests) -> bool| {
         wait_for(what, T, || Some(read()).filter(|r| cond(r)))
             .unwrap_or_else(|e| panic!("{e}\nlast reading: {:#?}\n--- operator log ---\n{}", read(), logs()))
@@ -235,6 +241,7 @@ fn endpoint_watches_are_proportional_to_referenced_services_not_to_objects() {
         // Discovery of the core group once for all those watches, not once per watch (it
         // was 4 for these 4 before; at start, choosing between Endpoints and EndpointSlices
         // asks discovery.k8s.io, not /api/v1).
+        let user = cluster.operator_username().unwrap();
         let events = cluster.audit_events().unwrap().unwrap_or_default();
         let discovery =
             events.iter().filter(|e| e["user"]["username"] == user.as_str() && e["requestURI"] == "/api/v1").count();
@@ -279,12 +286,7 @@ fn past_a_hundred_services_one_watch_serves_the_namespace_and_back() {
     let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
     op.wait_ready(T).unwrap();
     op.wait_snapshot("110 services' endpoints", T, |s| kube_services(s, &ns) == expected_of(ROUTED, None)).unwrap();
-    let has_audit = cluster.audit_log().is_some();
-    if !has_audit {
-        eprintln!("no audit log (E2E_KUBECONFIG): the watch counts are not checked, only the snapshot");
-    }
-    let user = if has_audit { cluster.operator_username().unwrap() } else { String::new() };
-    let read = || EndpointsRequests::read(&cluster.audit_events().unwrap().unwrap_or_default(), &user, &ns);
+    let (has_audit, read) = endpoints_audit(cluster, &ns);
     let audit = |what: &str, logs: &dyn Fn() -> String, cond: &dyn Fn(&EndpointsRequests) -> bool| {
         wait_for(what, T, || Some(read()).filter(|r| cond(r)))
             .unwrap_or_else(|e| panic!("{e}\nlast reading: {:#?}\n--- operator log ---\n{}", read(), logs()))

@@ -35,9 +35,11 @@ pub(crate) struct CatchUp {
 }
 
 impl CatchUp {
-    /// How long a move waits now.
+    /// How long a move waits now: twice the worst lag and a little. A load spike on a
+    /// shared machine stretched a 400 ms lag past one and a half times it in the scale
+    /// benchmark, and each such miss re-read every fed service (more load).
     pub(crate) fn wait(&self) -> Duration {
-        (self.worst * 3 / 2 + Duration::from_millis(50)).clamp(MIN_WAIT, MAX_WAIT)
+        (self.worst * 2 + Duration::from_millis(100)).clamp(MIN_WAIT, MAX_WAIT)
     }
 
     /// A lag seen: a checks request's time when it did not block (the answer's cost
@@ -83,7 +85,7 @@ mod tests {
         c.observe(3 * MS);
         assert_eq!(c.wait(), MIN_WAIT, "a small catalog's answer");
         c.observe(700 * MS);
-        assert_eq!(c.wait(), 1100 * MS, "a lag and a half, and a little");
+        assert_eq!(c.wait(), 1500 * MS, "twice the lag, and a little");
         c.observe(10 * 1000 * MS);
         assert_eq!(c.wait(), MAX_WAIT);
         let mut c = CatchUp::default();
@@ -103,13 +105,13 @@ mod tests {
         tokio::time::advance(600 * MS).await;
         // Index 11 was a check write; 12 was not (a catalog-only write).
         c.checks_answered(Instant::now(), |after, upto| (after, upto) == (10, 11));
-        assert_eq!(c.wait(), 950 * MS);
+        assert_eq!(c.wait(), 1300 * MS);
         assert_eq!(c.late.keys().copied().collect::<Vec<_>>(), [12], "12 waits for an accounting");
         tokio::time::advance(MAX_WAIT).await;
         c.checks_answered(Instant::now(), |_, _| false);
         assert!(c.late.is_empty(), "never accounted for: forgotten, teaching nothing");
         // An unrelated write much later never inflates the lag with a stale move.
         c.checks_answered(Instant::now(), |_, _| true);
-        assert_eq!(c.wait(), 950 * MS);
+        assert_eq!(c.wait(), 1300 * MS);
     }
 }
