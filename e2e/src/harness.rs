@@ -56,6 +56,15 @@ extern "C" fn teardown_at_exit() {
             .arg(&dir)
             .stdout(Stdio::null())
             .status();
+        // The shared cluster lives in a static, which is never dropped: its temporary
+        // directory (etcd's data, about 65 MB) went with it only at exit, that is never.
+        // Every test binary left one in /tmp, and the disk of a machine running the suite
+        // again and again filled up. `E2E_KEEP_CLUSTER_DIR=1` keeps it for a post-mortem.
+        if std::env::var_os("E2E_KEEP_CLUSTER_DIR").is_none()
+            && let Some(tmp) = dir.parent()
+        {
+            let _ = std::fs::remove_dir_all(tmp);
+        }
     }
 }
 
