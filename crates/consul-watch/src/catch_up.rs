@@ -23,6 +23,9 @@ pub(crate) const MIN_WAIT: Duration = Duration::from_millis(250);
 /// The longest wait: past it, re-reading everything is the cheaper way to be fresh.
 pub(crate) const MAX_WAIT: Duration = Duration::from_secs(3);
 
+/// How many moves judged early wait to teach their lag.
+const MAX_LATE: usize = 64;
+
 /// The checks view's lag behind the catalog, as seen.
 #[derive(Debug, Default)]
 pub(crate) struct CatchUp {
@@ -48,9 +51,14 @@ impl CatchUp {
         self.worst = lag.max(self.worst - self.worst / 8);
     }
 
-    /// A move over `(after, upto]` judged at `at` without the checks view's answer.
+    /// A move over `(after, upto]` judged at `at` without the checks view's answer. Only
+    /// the latest few are kept: the checks query answers at least every `wait`, which
+    /// forgets the old ones anyway, but catalog moves may come ten a second until then.
     pub(crate) fn judged_early(&mut self, after: u64, upto: u64, at: Instant) {
         self.late.insert(upto, (after, at));
+        while self.late.len() > MAX_LATE {
+            self.late.pop_first();
+        }
     }
 
     /// The checks view has a new answer: learns the lag of every move judged early that it
@@ -113,5 +121,10 @@ mod tests {
         // An unrelated write much later never inflates the lag with a stale move.
         c.checks_answered(Instant::now(), |_, _| true);
         assert_eq!(c.wait(), 1300 * MS);
+        for i in 0..1000 {
+            c.judged_early(100 + i, 101 + i, Instant::now());
+        }
+        assert_eq!(c.late.len(), MAX_LATE, "bounded");
+        assert_eq!(c.late.keys().next(), Some(&(1101 - MAX_LATE as u64)), "the latest kept");
     }
 }
