@@ -485,9 +485,9 @@ async fn setup(cluster: &Cluster, sim: &RunningSim, s: &Settings, namespaces: Ve
         .map(|i| {
             let ns = namespaces[i % namespaces.len()].clone();
             let name = format!("kube-svc-{i}");
-            let addresses: Vec<serde_json::Value> = (0..3)
-                .map(|a| json!({"ip": format!("198.18.{}.{}", (i * 3 + a) / 250, (i * 3 + a) % 250 + 1)}))
-                .collect();
+            // 198.18.0.0/15 holds 2 x 256 x 250 of these: 40,000 Services x 3 fit.
+            let ip = |n: usize| format!("198.{}.{}.{}", 18 + n / (256 * 250), (n / 250) % 256, n % 250 + 1);
+            let addresses: Vec<serde_json::Value> = (0..3).map(|a| json!({"ip": ip(i * 3 + a)})).collect();
             let endpoints: k8s_openapi::api::core::v1::Endpoints = serde_json::from_value(json!({
                 "metadata": {"name": name, "namespace": ns},
                 "subsets": [{"addresses": addresses, "ports": [{"port": 8080}]}],
