@@ -120,6 +120,26 @@ async fn socket_addresses(address: &str) -> Vec<String> {
     }
 }
 
+/// What the crate's unit tests share.
+#[cfg(test)]
+mod test_support {
+    use consul_resolver_core::keys::{ConsulKey, ConsulServer, Secret};
+
+    /// A watch of `service` on a plain-HTTP agent at 127.0.0.1:8500 (nothing is expected
+    /// to listen there), with `token` if any and the default query options.
+    pub(crate) fn key(service: &str, token: Option<&str>) -> ConsulKey {
+        ConsulKey {
+            server: ConsulServer { address: "http://127.0.0.1:8500".into(), token: token.map(Secret::new), tls: None },
+            datacenter: None,
+            namespace: None,
+            partition: None,
+            remote: None,
+            query: Default::default(),
+            service: service.into(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,20 +151,7 @@ mod tests {
     fn an_idle_watch_is_small() {
         let source = ConsulSource::new(Settings::default(), Metrics::unregistered());
         let (tx, _rx) = tokio::sync::mpsc::channel(1);
-        let key = ConsulKey {
-            server: consul_resolver_core::keys::ConsulServer {
-                address: "http://127.0.0.1:8500".into(),
-                token: None,
-                tls: None,
-            },
-            datacenter: None,
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: Default::default(),
-            service: "web".into(),
-        };
-        let size = std::mem::size_of_val(&source.watch(key, tx));
+        let size = std::mem::size_of_val(&source.watch(test_support::key("web", None), tx));
         eprintln!("a watch's future: {size} bytes");
         assert!(size <= 4096, "a watch's future is {size} bytes");
     }

@@ -96,7 +96,6 @@ pub(crate) async fn request<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use consul_resolver_core::keys::{ConsulServer, QueryOptions, Secret};
 
     fn err(e: QueryError) -> Result<(), QueryError> {
         Err(e)
@@ -127,19 +126,7 @@ mod tests {
     }
 
     fn key(token: &str) -> ConsulKey {
-        ConsulKey {
-            server: ConsulServer {
-                address: "http://127.0.0.1:8500".into(),
-                token: Some(Secret::new(token)),
-                tls: None,
-            },
-            datacenter: None,
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: QueryOptions::default(),
-            service: "web".into(),
-        }
+        crate::test_support::key("web", Some(token))
     }
 
     /// A request that runs out its limit (on the paused clock) is a timeout, by mode, and

@@ -273,6 +273,7 @@ async fn plan_when_told(server: Weak<Server>, replan: Arc<Notify>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::key;
 
     #[test]
     fn split_adds_up_to_the_budget() {
@@ -301,19 +302,6 @@ mod tests {
         assert_eq!(server.live_clients(), 1);
         drop(c);
         assert_eq!(server.live_clients(), 0);
-    }
-
-    fn key(service: &str, token: Option<&str>) -> ConsulKey {
-        use consul_resolver_core::keys::{ConsulServer, Secret};
-        ConsulKey {
-            server: ConsulServer { address: "http://127.0.0.1:8500".into(), token: token.map(Secret::new), tls: None },
-            datacenter: None,
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: Default::default(),
-            service: service.into(),
-        }
     }
 
     /// The plan reaches the watches: beyond the lanes, each scope's watches are fed by a
