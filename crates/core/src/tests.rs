@@ -426,19 +426,29 @@ fn kube_services(p: &Pipeline) -> Vec<(String, bool, Vec<String>)> {
         .collect()
 }
 
+/// A pipeline whose namespaces share one endpoints watch past three Services, with the
+/// resolvers listed (none).
+fn namespace_watch_above_three() -> (Pipeline, Instant) {
+    let mut p = pipeline(Config { endpoints_namespace_watch_above: 3, ..Config::default() });
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![]), now);
+    (p, now)
+}
+
+/// Mapping `shop/m<i>` to Kubernetes Service `s<i>`.
+fn shop_route(i: usize) -> KubeObject {
+    mapping("shop", &format!("m{i}"), json!({"service": format!("s{i}:80")}))
+}
+
 /// Past the threshold of routed-to Services in a namespace, one watch of the namespace's
 /// EndpointSlices serves them all (each Service reading only its own slices); back at half
 /// of it, one watch each again. Both moves keep what the old watch said until the new one
 /// has listed: no Service is ever published empty in between.
 #[tokio::test(start_paused = true)]
 async fn many_services_of_a_namespace_share_one_endpoints_watch_and_back() {
-    let cfg = Config { endpoints_namespace_watch_above: 3, ..Config::default() };
-    let mut p = pipeline(cfg);
-    let now = Instant::now();
-    p.set_fixed(fixed(), now);
-    p.apply(listed(&resolvers_key(), vec![]), now);
-    let route = |i: usize| mapping("shop", &format!("m{i}"), json!({"service": format!("s{i}:80")}));
-    p.apply(listed(&mappings_key(), (0..4).map(route).collect()), now);
+    let (mut p, now) = namespace_watch_above_three();
+    p.apply(listed(&mappings_key(), (0..4).map(shop_route).collect()), now);
     let wide = EndpointsApi::EndpointSlices.namespace_key("shop");
     assert_eq!(slice_keys(&p), [wide.to_string()], "four Services, one watch of the namespace");
     assert_eq!(wide.label_selector.as_deref(), Some("kubernetes.io/service-name"));
@@ -463,11 +473,11 @@ async fn many_services_of_a_namespace_share_one_endpoints_watch_and_back() {
 
     // Down to two: above half the threshold, still shared (no flapping at the threshold).
     for i in [3, 2] {
-        p.apply([Event::Kube(mappings_key(), KubeEvent::Deleted(route(i).id))], now);
+        p.apply([Event::Kube(mappings_key(), KubeEvent::Deleted(shop_route(i).id))], now);
     }
     assert_eq!(slice_keys(&p), [wide.to_string()]);
     // Down to one: a watch of its own, and until it lists, what the shared one said.
-    p.apply([Event::Kube(mappings_key(), KubeEvent::Deleted(route(1).id))], now);
+    p.apply([Event::Kube(mappings_key(), KubeEvent::Deleted(shop_route(1).id))], now);
     let own = EndpointsApi::EndpointSlices.key("shop", "s0");
     assert_eq!(slice_keys(&p), [own.to_string()]);
     assert_eq!(kube_services(&p), [("s0".into(), true, addrs(&["10.0.0.0"]))], "never empty while it lists");
@@ -475,7 +485,7 @@ async fn many_services_of_a_namespace_share_one_endpoints_watch_and_back() {
     assert_eq!(kube_services(&p), [("s0".into(), true, addrs(&["10.0.3.0"]))]);
 
     // Back up to four: shared again, the old answers standing until it has listed.
-    p.apply((1..4).map(|i| Event::Kube(mappings_key(), KubeEvent::Applied(route(i)))).collect::<Vec<_>>(), now);
+    p.apply((1..4).map(|i| Event::Kube(mappings_key(), KubeEvent::Applied(shop_route(i)))).collect::<Vec<_>>(), now);
     assert_eq!(slice_keys(&p), [wide.to_string()]);
     let pending = kube_services(&p);
     assert_eq!(pending[0], ("s0".into(), true, addrs(&["10.0.3.0"])), "s0 keeps its own watch's answer meanwhile");
@@ -498,13 +508,9 @@ async fn many_services_of_a_namespace_share_one_endpoints_watch_and_back() {
 /// stops) a watch per Service of its first pages.
 #[tokio::test(start_paused = true)]
 async fn endpoints_watches_wait_for_every_route() {
-    let cfg = Config { endpoints_namespace_watch_above: 3, ..Config::default() };
-    let mut p = pipeline(cfg);
-    let now = Instant::now();
-    p.set_fixed(fixed(), now);
-    p.apply(listed(&resolvers_key(), vec![]), now);
-    let route = |i: usize| mapping("shop", &format!("m{i}"), json!({"service": format!("s{i}:80")}));
-    let page = |from: usize, to: usize| (from..to).map(|i| Event::Kube(mappings_key(), KubeEvent::Listed(route(i))));
+    let (mut p, now) = namespace_watch_above_three();
+    let page =
+        |from: usize, to: usize| (from..to).map(|i| Event::Kube(mappings_key(), KubeEvent::Listed(shop_route(i))));
     let first: Vec<Event> =
         std::iter::once(Event::Kube(mappings_key(), KubeEvent::ListStarted)).chain(page(0, 2)).collect();
     let diff = p.apply(first, now);
