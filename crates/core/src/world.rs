@@ -114,10 +114,14 @@ impl Changes {
         self.kube.insert(key.clone(), None);
     }
 
+    /// Records `key` as changed, with no object named yet; what was recorded stays
+    /// (`None`, all of them, included).
+    fn touched(&mut self, key: &KubeKey) -> Option<&mut BTreeSet<ObjectId>> {
+        self.kube.entry(key.clone()).or_insert_with(|| Some(BTreeSet::new())).as_mut()
+    }
+
     fn object(&mut self, key: &KubeKey, id: &ObjectId) {
-        if let Some(Some(ids)) =
-            self.kube.entry(key.clone()).or_insert_with(|| Some(BTreeSet::new())).as_mut().map(Some)
-        {
+        if let Some(ids) = self.touched(key) {
             ids.insert(id.clone());
         }
     }
@@ -239,7 +243,7 @@ impl World {
                         true
                     }
                     KubeChange::Listed => {
-                        self.changes.kube.entry(key.clone()).or_insert_with(|| Some(BTreeSet::new()));
+                        self.changes.touched(&key);
                         true
                     }
                     KubeChange::All => {
