@@ -16,6 +16,7 @@
 //! Problems (a bad `service`, an unknown or ambiguous resolver, an invalid resolver spec)
 //! are values in the snapshot, never panics, and never guesses.
 
+pub mod gzip;
 pub mod kept;
 pub(crate) mod kube_endpoints;
 pub mod resolvers;

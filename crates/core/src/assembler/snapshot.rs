@@ -19,6 +19,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
+use super::gzip::{Compressor, Gzipped};
 use crate::model::{Endpoints, KubeEndpoint};
 
 pub const API_VERSION: &str = "consulresolver.io/v1alpha1";
@@ -290,8 +291,11 @@ pub struct Snapshot {
     pub hash: String,
     pub content: Content,
     json: Bytes,
-    /// The document's bytes gzipped, once, by the first publisher that needs them.
-    gzipped: OnceLock<Bytes>,
+    /// How many of `json`'s first bytes are the header (`apiVersion`, `kind`, `id`, `hash`):
+    /// what changes in every snapshot, gzipped as a segment of its own.
+    header_len: usize,
+    /// The document gzipped, once, by the first publisher that needs it.
+    gzipped: OnceLock<Arc<Gzipped>>,
 }
 
 impl PartialEq for Snapshot {
@@ -381,7 +385,7 @@ impl Snapshot {
         let mut json = Vec::with_capacity(header.len() + content_json.len());
         json.extend_from_slice(header.as_bytes());
         json.extend_from_slice(&content_json[1..]);
-        Snapshot { id, hash, content, json: Bytes::from(json), gzipped: OnceLock::new() }
+        Snapshot { id, hash, content, json: Bytes::from(json), header_len: header.len(), gzipped: OnceLock::new() }
     }
 
     /// The snapshot of `content`, serialised as `serialised`: the header is written into
@@ -396,17 +400,20 @@ impl Snapshot {
         };
         buf[start..=HEADER_ROOM].copy_from_slice(header.as_bytes());
         let json = Bytes::from(buf).slice(start..);
-        Snapshot { id, hash, content, json, gzipped: OnceLock::new() }
+        Snapshot { id, hash, content, json, header_len: header.len(), gzipped: OnceLock::new() }
     }
 
     /// Reads a published document back (tools and tests).
     pub fn parse(json: &[u8]) -> Result<Snapshot, serde_json::Error> {
         let doc: Document = serde_json::from_slice(json)?;
+        let header =
+            format!(r#"{{"apiVersion":"{API_VERSION}","kind":"{KIND}","id":{},"hash":"{}","#, doc.id, doc.hash);
         Ok(Snapshot {
             id: doc.id,
             hash: doc.hash,
             content: doc.content,
             json: Bytes::copy_from_slice(json),
+            header_len: if json.starts_with(header.as_bytes()) { header.len() } else { 0 },
             gzipped: OnceLock::new(),
         })
     }
@@ -416,12 +423,12 @@ impl Snapshot {
         self.json.clone()
     }
 
-    /// The document's bytes gzipped by `gzip` the first time any publisher asks, and the
-    /// same bytes after that: the ConfigMap writes them, the HTTP history keeps them, and
-    /// compressing is most of a publication's CPU. (The core does not compress: every
-    /// caller passes the operator's one gzip.)
-    pub fn gzipped(&self, gzip: impl FnOnce(&[u8]) -> Vec<u8>) -> Bytes {
-        self.gzipped.get_or_init(|| Bytes::from(gzip(&self.json))).clone()
+    /// The document gzipped by `compressor` the first time any publisher asks, and the same
+    /// segments after that: the ConfigMap writes them, the HTTP history keeps them. Every
+    /// caller passes the operator's one compressor, which remembers the previous snapshot's
+    /// segments: only what changed is compressed again.
+    pub fn gzipped(&self, compressor: &Compressor) -> Arc<Gzipped> {
+        self.gzipped.get_or_init(|| Arc::new(compressor.gzip(&self.json, self.header_len))).clone()
     }
 
     /// This snapshot's part about resolver `namespace/name`, if it is in scope.
@@ -482,6 +489,9 @@ mod tests {
         assert_eq!(s.to_json(), by_serde);
         assert_eq!(s.hash, content.hash());
         assert_eq!(Snapshot::parse(&s.to_json()).unwrap(), s);
+        // The header, gzipped apart from the content: exactly up to the content's first field.
+        assert!(s.to_json()[s.header_len..].starts_with(br#""bootstrap":"#), "{}", s.header_len);
+        assert_eq!(Snapshot::parse(&s.to_json()).unwrap().header_len, s.header_len);
         // Made in place, for any id and whatever the size hint: the document serde writes.
         for (id, hint) in [(7, 0), (7, 1 << 20), (u64::MAX, 3)] {
             let serialised = content.serialised(hint);
@@ -496,6 +506,7 @@ mod tests {
             })
             .unwrap();
             assert_eq!(in_place.to_json(), by_serde, "id {id}, hint {hint}");
+            assert!(in_place.to_json()[in_place.header_len..].starts_with(br#""bootstrap":"#));
         }
     }
 }
