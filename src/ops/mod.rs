@@ -87,13 +87,13 @@ async fn route(state: ServerState, req: Request<Incoming>) -> Response<Full<Byte
             Some(Ok(id)) => match state.store.get(id) {
                 Some(Body::Json(b)) => respond(StatusCode::OK, "application/json", b),
                 Some(Body::Gzip(gz)) if accepts_gzip(&req) => {
-                    let mut resp = respond(StatusCode::OK, "application/json", gz);
+                    let mut resp = respond(StatusCode::OK, "application/json", gz.to_bytes());
                     resp.headers_mut().insert("content-encoding", hyper::header::HeaderValue::from_static("gzip"));
                     resp
                 }
                 // Tens of megabytes at scale: inflated on a blocking thread, never on one
                 // that runs the event loop's tasks.
-                Some(Body::Gzip(gz)) => match tokio::task::spawn_blocking(move || gunzip(&gz)).await {
+                Some(Body::Gzip(gz)) => match tokio::task::spawn_blocking(move || gunzip(&gz.to_bytes())).await {
                     Ok(Ok(json)) => respond(StatusCode::OK, "application/json", json),
                     Ok(Err(e)) => respond(StatusCode::INTERNAL_SERVER_ERROR, "text/plain", format!("{e}\n")),
                     Err(e) => respond(StatusCode::INTERNAL_SERVER_ERROR, "text/plain", format!("{e}\n")),

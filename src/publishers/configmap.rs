@@ -5,19 +5,26 @@
 //!
 //! - `data["snapshot.json"]` when the JSON fits the budget;
 //! - else `binaryData["snapshot.json.gz"]` when the gzip of it fits;
-//! - else the gzip bytes split over parts `NAME-a-1`..`NAME-a-n` or `NAME-b-1`..`NAME-b-n`
-//!   (`binaryData["part"]`), and `NAME` holds `data["index.json"]`: the parts, their
-//!   sha256, and the sha256 of the whole.
+//! - else the gzip stream split over parts `NAME-<hash>` (`binaryData["part"]`), and `NAME`
+//!   holds `data["index.json"]`: the parts in order, their sha256, and the sha256 of the
+//!   whole. The parts together are one gzip stream, as when it fits one ConfigMap.
 //!
-//! The switch to a new split snapshot is atomic: its parts go to the slot (`a` or `b`) the
-//! index does not name, and only then is the index written, naming them. Until then the
-//! index names the previous snapshot's parts, which stay untouched: a reader gets the old
+//! Split, a part is named by its content (the first 16 hex digits of its sha256), created
+//! whole, immutable, and never written again: the stream is made of segments deflated
+//! alone at places its content chooses (`consul_resolver_core::assembler::gzip`), so a
+//! change to one service changes a part or two, and the other parts of the new index are
+//! the previous one's, already in the cluster. A publication creates the parts the cluster
+//! lacks, then writes the index naming them; a reader fetches only the parts it has not
+//! read before (docs/snapshot.md).
+//!
+//! The switch to a new split snapshot is atomic: its parts exist before the index names
+//! them, and the parts the previous index names are left alone. A reader gets the old
 //! snapshot whole or the new one whole, and a writer stopped at any point (even SIGKILL)
-//! leaves the old one readable. Only a read spanning two publications can find its parts
-//! rewritten; it sees a part whose sha256 does not match the index it read and reads again
-//! ([`decode`] checks). After the index, parts beyond the new snapshot's in its own slot
-//! are deleted; the other slot's are kept for readers still reading them, and deleted when a
-//! snapshot fits in `NAME` alone.
+//! leaves the old one readable. After the index, our parts that neither the new index nor
+//! the previous one names are deleted (the previous one's are kept for readers still
+//! reading it); our parts are found by their label, once per process or leadership term,
+//! so those of a writer stopped before its index are deleted too. Only a read spanning two
+//! publications can find a part gone; it reads again ([`decode`] says so).
 //!
 //! Writes happen only while this replica leads, each bounded by the leadership deadline
 //! and none sent after it, and each is conditional on what this replica last saw of that
@@ -32,30 +39,32 @@
 //! Encoding and decoding are pure ([`encode`], [`decode`]); [`ConfigMapPublisher`] only
 //! applies what [`encode`] returns.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
+use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
-use super::{PublishError, Publisher, gunzip_limited, gzip};
+use super::{PublishError, Publisher, gunzip_limited};
 use crate::cli::NamespacedName;
 use crate::kube_client::{FIELD_MANAGER, status_code};
 use crate::leadership::Leadership;
 use consul_resolver_core::assembler::Snapshot;
+use consul_resolver_core::assembler::gzip::{Compressor, GZIP_HEADER};
 use consul_resolver_core::keys::KubeKey;
 
 pub(crate) const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
-/// On parts: the name of the ConfigMap whose index they belong to. Stale parts are only
-/// deleted when they carry it, so a user's unrelated `NAME-1` is never touched.
+/// On parts: the name of the ConfigMap whose index they belong to. Parts are found by it,
+/// and only deleted when they carry it, so a user's unrelated `NAME-1` is never touched.
 pub const LABEL_PART_OF: &str = "consulresolver.io/snapshot-part-of";
 /// On every snapshot ConfigMap, index and parts: a `--watch` of ConfigMaps leaves them out
 /// by this label ([`without_snapshots`]), so the operator never reads its own output back.
@@ -97,63 +106,59 @@ pub struct PartRef {
     pub size: usize,
 }
 
-/// The two sets of part names a split snapshot alternates between, so that writing one
-/// never touches the parts the index names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Slot {
-    A,
-    B,
-}
-
-impl Slot {
-    fn letter(self) -> &'static str {
-        match self {
-            Slot::A => "a",
-            Slot::B => "b",
-        }
-    }
-
-    pub(crate) fn other(self) -> Slot {
-        match self {
-            Slot::A => Slot::B,
-            Slot::B => Slot::A,
-        }
-    }
-
-    /// The slot of `part` when it is a part name of `name` (`NAME-a-3`); `None` for any
-    /// other name, such as an earlier version's `NAME-3`.
-    fn of_part(name: &str, part: &str) -> Option<Slot> {
-        let rest = part.strip_prefix(name)?.strip_prefix('-')?;
-        let (letter, number) = rest.split_once('-')?;
-        number.parse::<usize>().ok()?;
-        [Slot::A, Slot::B].into_iter().find(|s| s.letter() == letter)
-    }
+/// One part of a split snapshot: a piece of its gzip stream, named by its content.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Part {
+    pub name: String,
+    pub bytes: Bytes,
 }
 
 /// The ConfigMaps of one snapshot, in the order they must be written.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Encoded {
-    /// `NAME-<slot>-1`..`NAME-<slot>-n`; empty unless split.
-    pub parts: Vec<ConfigMap>,
+    /// The parts the index names, each once (a part may be named twice: equal segments),
+    /// in the order first named; empty unless split.
+    pub parts: Vec<Part>,
     /// `NAME`: the snapshot itself, or the index of the parts.
     pub main: ConfigMap,
-    /// The slot of the parts; `None` unless split.
-    pub slot: Option<Slot>,
+}
+
+impl Encoded {
+    /// Part `part` as the ConfigMap that holds it: created whole and immutable, labelled as
+    /// a part of `main`, and annotated with the snapshot that first needed it.
+    pub(crate) fn part_configmap(&self, part: &Part) -> ConfigMap {
+        let main = &self.main.metadata;
+        let annotations = main.annotations.iter().flatten().filter(|(k, _)| *k == ANNOTATION_ID);
+        let mut labels = main.labels.clone().unwrap_or_default();
+        labels.insert(LABEL_PART_OF.to_owned(), main.name.clone().unwrap_or_default());
+        ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(part.name.clone()),
+                namespace: main.namespace.clone(),
+                labels: Some(labels),
+                annotations: Some(annotations.map(|(k, v)| (k.clone(), v.clone())).collect()),
+                ..ObjectMeta::default()
+            },
+            binary_data: Some(BTreeMap::from([(KEY_PART.to_owned(), ByteString(part.bytes.to_vec()))])),
+            immutable: Some(true),
+            ..ConfigMap::default()
+        }
+    }
+
+    /// Every part as its ConfigMap.
+    #[cfg(test)]
+    pub(crate) fn part_configmaps(&self) -> Vec<ConfigMap> {
+        self.parts.iter().map(|p| self.part_configmap(p)).collect()
+    }
 }
 
 fn sha256(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
-/// The name of part `i` (1-based) of `name` in `slot`.
-pub(crate) fn part_name(name: &str, slot: Slot, i: usize) -> String {
-    format!("{name}-{}-{i}", slot.letter())
-}
-
-/// Part `i` as versions before the slots named it (`NAME-i`): deleted once, after the
-/// first write of a process or a new leader.
-fn legacy_part_name(name: &str, i: usize) -> String {
-    format!("{name}-{i}")
+/// The name of a part of `name` holding `bytes`: the first 16 hex digits of their sha256.
+pub(crate) fn part_name(name: &str, bytes: &[u8]) -> String {
+    format!("{name}-{}", &hex::encode(Sha256::digest(bytes))[..16])
 }
 
 fn meta(target: &NamespacedName, name: String, id: u64, hash: &str, part_of: bool) -> ObjectMeta {
@@ -177,12 +182,12 @@ fn meta(target: &NamespacedName, name: String, id: u64, hash: &str, part_of: boo
 }
 
 /// Chooses the encoding of `snapshot` for `target`, with at most `budget` bytes of data
-/// per ConfigMap; split, its parts are named in `slot`.
+/// per ConfigMap, gzipping it with `compressor` when it does not fit as JSON.
 pub(crate) fn encode(
     target: &NamespacedName,
     snapshot: &Snapshot,
     budget: usize,
-    slot: Slot,
+    compressor: &Compressor,
 ) -> Result<Encoded, String> {
     let (id, hash, json) = (snapshot.id, snapshot.hash.as_str(), &snapshot.to_json()[..]);
     let budget = budget.max(1);
@@ -194,33 +199,49 @@ pub(crate) fn encode(
             data: Some(BTreeMap::from([(KEY_JSON.to_owned(), text.to_owned())])),
             ..ConfigMap::default()
         };
-        return Ok(Encoded { parts: Vec::new(), main, slot: None });
+        return Ok(Encoded { parts: Vec::new(), main });
     }
-    let gz = snapshot.gzipped(gzip);
+    let gz = snapshot.gzipped(compressor);
     if gz.len() <= budget {
         let main = ConfigMap {
             metadata: main_meta(),
-            binary_data: Some(BTreeMap::from([(KEY_GZIP.to_owned(), ByteString(gz.to_vec()))])),
+            binary_data: Some(BTreeMap::from([(KEY_GZIP.to_owned(), ByteString(gz.to_bytes().to_vec()))])),
             ..ConfigMap::default()
         };
-        return Ok(Encoded { parts: Vec::new(), main, slot: None });
+        return Ok(Encoded { parts: Vec::new(), main });
     }
-    let mut parts = Vec::new();
-    let mut refs = Vec::new();
-    for (i, chunk) in gz.chunks(budget).enumerate() {
-        let name = part_name(&target.name, slot, i + 1);
-        refs.push(PartRef { name: name.clone(), sha256: sha256(chunk), size: chunk.len() });
-        parts.push(ConfigMap {
-            metadata: meta(target, name, id, hash, true),
-            binary_data: Some(BTreeMap::from([(KEY_PART.to_owned(), ByteString(chunk.to_vec()))])),
-            ..ConfigMap::default()
+    // The pieces whose boundaries the content chose: the gzip header with the first
+    // segment (the document's own header), each other segment, and the trailer. Each is
+    // cut to the budget where it exceeds it (only incompressible content does).
+    let mut pieces = Vec::with_capacity(gz.segments().len() + 1);
+    for (i, segment) in gz.segments().iter().enumerate() {
+        pieces.push(if i == 0 {
+            Bytes::from([&GZIP_HEADER[..], segment.body()].concat())
+        } else {
+            segment.body().clone()
         });
+    }
+    pieces.push(Bytes::copy_from_slice(&gz.trailer()));
+    let mut whole = Sha256::new();
+    let (mut refs, mut parts, mut named) = (Vec::new(), Vec::new(), BTreeSet::new());
+    for piece in &pieces {
+        let mut at = 0;
+        while at < piece.len() {
+            let bytes = piece.slice(at..piece.len().min(at + budget));
+            at += bytes.len();
+            whole.update(&bytes);
+            let name = part_name(&target.name, &bytes);
+            refs.push(PartRef { name: name.clone(), sha256: sha256(&bytes), size: bytes.len() });
+            if named.insert(name.clone()) {
+                parts.push(Part { name, bytes });
+            }
+        }
     }
     let index = Index {
         encoding: "gzip".into(),
         snapshot_id: id,
         snapshot_hash: hash.to_owned(),
-        sha256: sha256(&gz),
+        sha256: format!("sha256:{}", hex::encode(whole.finalize())),
         size: gz.len(),
         parts: refs,
     };
@@ -230,7 +251,7 @@ pub(crate) fn encode(
         data: Some(BTreeMap::from([(KEY_INDEX.to_owned(), index)])),
         ..ConfigMap::default()
     };
-    Ok(Encoded { parts, main, slot: Some(slot) })
+    Ok(Encoded { parts, main })
 }
 
 /// The index of a split snapshot, if `main` is one.
@@ -257,8 +278,9 @@ pub fn decode(main: &ConfigMap, parts: &[ConfigMap]) -> Result<Vec<u8>, String> 
 
 /// [`decode`], refusing a snapshot over `limit` bytes. Memory stays within a small multiple
 /// of the input plus `limit`, whatever the ConfigMaps hold: the index's sizes are not
-/// trusted for allocation, a part may be named only once, and gzip is inflated only up to
-/// the limit.
+/// trusted for allocation, the parts are inflated where they are (a part named many times
+/// is not copied many times), the stream they make is at most `limit` bytes, and gzip is
+/// inflated only up to the limit.
 pub fn decode_limited(main: &ConfigMap, parts: &[ConfigMap], limit: usize) -> Result<Vec<u8>, String> {
     let too_large = || format!("the snapshot is larger than {limit} bytes");
     if let Some(text) = main.data.as_ref().and_then(|d| d.get(KEY_JSON)) {
@@ -276,33 +298,80 @@ pub fn decode_limited(main: &ConfigMap, parts: &[ConfigMap], limit: usize) -> Re
     if index.encoding != "gzip" {
         return Err(format!("unknown index encoding {:?}", index.encoding));
     }
-    let mut named = std::collections::BTreeSet::new();
-    let mut gz = Vec::new();
+    let mut checked = BTreeSet::new();
+    let mut stream: Vec<&[u8]> = Vec::with_capacity(index.parts.len());
+    let mut size = 0usize;
+    let mut whole = Sha256::new();
     for r in &index.parts {
-        if !named.insert(r.name.as_str()) {
-            return Err(format!("the index names part {} twice", r.name));
-        }
         let part = parts
             .iter()
             .find(|p| p.metadata.name.as_deref() == Some(r.name.as_str()))
-            .ok_or_else(|| format!("part {} is missing", r.name))?;
+            .ok_or_else(|| format!("part {} is missing (deleted by a later publication?); read again", r.name))?;
         let bytes = part
             .binary_data
             .as_ref()
             .and_then(|d| d.get(KEY_PART))
             .ok_or_else(|| format!("part {} has no binaryData[{KEY_PART:?}]", r.name))?;
-        if sha256(&bytes.0) != r.sha256 {
-            return Err(format!("part {} does not match the index (written meanwhile?); read again", r.name));
-        }
-        if gz.len() + bytes.0.len() > limit {
+        size = size.saturating_add(bytes.0.len());
+        if size > limit {
             return Err(too_large());
         }
-        gz.extend_from_slice(&bytes.0);
+        if checked.insert(r.name.as_str()) && sha256(&bytes.0) != r.sha256 {
+            return Err(format!("part {} does not match the index (written meanwhile?); read again", r.name));
+        }
+        whole.update(&bytes.0);
+        stream.push(&bytes.0);
     }
-    if sha256(&gz) != index.sha256 {
+    if format!("sha256:{}", hex::encode(whole.finalize())) != index.sha256 {
         return Err("the parts together do not match the index's sha256".into());
     }
-    gunzip_limited(&gz, limit)
+    gunzip_pieces(stream, limit)
+}
+
+/// Inflates the one gzip stream that `pieces` make in order, refusing an output over `limit`
+/// bytes, and anything after the stream's end.
+fn gunzip_pieces(pieces: Vec<&[u8]>, limit: usize) -> Result<Vec<u8>, String> {
+    use std::io::{BufRead, Read};
+    /// The pieces read one after the other, without copying them together.
+    struct Pieces<'a> {
+        pieces: std::collections::VecDeque<&'a [u8]>,
+    }
+    impl Read for Pieces<'_> {
+        fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+            let n = {
+                let buf = self.fill_buf()?;
+                let n = buf.len().min(out.len());
+                out[..n].copy_from_slice(&buf[..n]);
+                n
+            };
+            self.consume(n);
+            Ok(n)
+        }
+    }
+    impl BufRead for Pieces<'_> {
+        fn fill_buf(&mut self) -> std::io::Result<&[u8]> {
+            while self.pieces.front().is_some_and(|p| p.is_empty()) {
+                self.pieces.pop_front();
+            }
+            Ok(self.pieces.front().copied().unwrap_or_default())
+        }
+        fn consume(&mut self, n: usize) {
+            if let Some(front) = self.pieces.front_mut() {
+                *front = &front[n.min(front.len())..];
+            }
+        }
+    }
+    let mut decoder = flate2::bufread::GzDecoder::new(Pieces { pieces: pieces.into() });
+    let mut out = Vec::new();
+    let cap = u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1);
+    (&mut decoder).take(cap).read_to_end(&mut out).map_err(|e| format!("gunzip: {e}"))?;
+    if out.len() > limit {
+        return Err(format!("gunzip: the snapshot is larger than {limit} bytes"));
+    }
+    if !decoder.into_inner().fill_buf().map_err(|e| format!("gunzip: {e}"))?.is_empty() {
+        return Err("the parts hold bytes after the end of the gzip stream".into());
+    }
+    Ok(out)
 }
 
 /// Writes each snapshot to the `--snapshot-configmap`.
@@ -311,6 +380,9 @@ pub(crate) struct ConfigMapPublisher {
     target: NamespacedName,
     budget: usize,
     leadership: Leadership,
+    /// The operator's one compressor, shared with the HTTP history: each snapshot is
+    /// gzipped once, and only its changed segments are compressed.
+    compressor: Arc<Compressor>,
     state: Arc<Mutex<State>>,
 }
 
@@ -318,14 +390,25 @@ pub(crate) struct ConfigMapPublisher {
 struct State {
     /// Bumped by [`Publisher::forget`]: a write that started before does not record itself.
     epoch: u64,
-    /// The hash and ConfigMaps of the last snapshot written completely, so also the slot
-    /// the cluster's index names; `None` at start, after taking over and after a failed
-    /// write (which may or may not have switched the index): the next write then reads the
-    /// index first, and is never skipped as equal to what the cluster holds.
+    /// The hash and ConfigMaps of the last snapshot written completely; `None` at start,
+    /// after taking over and after a failed write (which may or may not have switched the
+    /// index): the next write is then never skipped as equal to what the cluster holds.
     written: Option<(String, Arc<Encoded>)>,
+    /// Our parts in the cluster, as far as this replica knows; `None` when not known (as
+    /// for `written`): the next write lists them first.
+    parts: Option<Parts>,
     /// Each of our ConfigMaps as we last wrote or read it; a name absent is one not seen
     /// (or seen absent), written by creating it.
     versions: BTreeMap<String, Seen>,
+}
+
+/// The part ConfigMaps in the cluster.
+#[derive(Debug, Clone, Default)]
+struct Parts {
+    /// Every part of ours there is.
+    existing: BTreeSet<String>,
+    /// The parts the index in the cluster names: readers may be reading them.
+    named: BTreeSet<String>,
 }
 
 /// What this replica last saw of one ConfigMap: every write of it is conditional on this.
@@ -337,43 +420,42 @@ struct Seen {
 
 impl Seen {
     /// `None` for an object without a resourceVersion (nothing to be conditional on).
-    fn of(cm: &ConfigMap) -> Option<Seen> {
-        Some(Seen { resource_version: cm.metadata.resource_version.clone()?, uid: cm.metadata.uid.clone() })
+    fn of(meta: &ObjectMeta) -> Option<Seen> {
+        Some(Seen { resource_version: meta.resource_version.clone()?, uid: meta.uid.clone() })
     }
 }
 
 impl ConfigMapPublisher {
-    pub(crate) fn new(client: kube::Client, target: NamespacedName, leadership: Leadership) -> Self {
-        Self::with_budget(client, target, leadership, DATA_BUDGET)
+    pub(crate) fn new(
+        client: kube::Client,
+        target: NamespacedName,
+        leadership: Leadership,
+        compressor: Arc<Compressor>,
+    ) -> Self {
+        Self::with_budget(client, target, leadership, compressor, DATA_BUDGET)
     }
 
     pub(crate) fn with_budget(
         client: kube::Client,
         target: NamespacedName,
         leadership: Leadership,
+        compressor: Arc<Compressor>,
         budget: usize,
     ) -> Self {
         let api = Api::namespaced(client, &target.namespace);
-        ConfigMapPublisher { api, target, budget, leadership, state: Arc::default() }
+        ConfigMapPublisher { api, target, budget, leadership, compressor, state: Arc::default() }
     }
 
     /// The highest snapshot id in the ConfigMaps now, whoever wrote them (`None` if there
-    /// is none yet): `NAME`'s, and every part's of either slot. A leader stopped between its
-    /// parts and its index has written parts of a snapshot no index names yet: a successor
-    /// numbering after the index alone would give its own, other snapshot that same id.
+    /// is none yet): `NAME`'s, and every part's. A leader stopped between its parts and its
+    /// index has written parts of a snapshot no index names yet: a successor numbering
+    /// after the index alone would give its own, other snapshot that same id.
     pub(crate) async fn published_id(&self) -> Result<Option<u64>, PublishError> {
-        let get = |name: String| async move {
-            self.api.get_opt(&name).await.map_err(PublishError::kube(format!("get ConfigMap {name}")))
-        };
-        let mut highest = get(self.target.name.clone()).await?.as_ref().and_then(snapshot_id);
-        for slot in [Slot::A, Slot::B] {
-            for i in 1.. {
-                let part = get(part_name(&self.target.name, slot, i)).await?;
-                let Some(part) = part.filter(|p| is_part_of(p, &self.target)) else { break };
-                highest = highest.max(snapshot_id(&part));
-            }
-        }
-        Ok(highest)
+        let name = &self.target.name;
+        let main = self.api.get_opt(name).await.map_err(PublishError::kube(format!("get ConfigMap {name}")))?;
+        let parts = list_parts(&self.api, &self.target).await?;
+        let ids = parts.iter().filter_map(|p| snapshot_id(&p.metadata));
+        Ok(main.as_ref().and_then(|m| snapshot_id(&m.metadata)).into_iter().chain(ids).max())
     }
 
     /// How many part ConfigMaps the last snapshot written took (0: it fit in one), if
@@ -394,17 +476,26 @@ impl ConfigMapPublisher {
         let repaired = tokio::time::timeout_at(until, async {
             let mut writer = Writer { api: &self.api, leadership: &self.leadership, until, seen: &mut versions };
             let mut damaged = Vec::new();
-            for expected in encoded.parts.iter().chain([&encoded.main]) {
-                let name = expected.metadata.name.clone().unwrap_or_default();
-                let live = writer.read(&name).await?;
-                if !live.is_some_and(|live| same_content(&live, expected)) {
-                    damaged.push(expected);
+            // Parts first: the index must never name a part that is not there.
+            for part in &encoded.parts {
+                let expected = encoded.part_configmap(part);
+                match writer.read(&part.name).await? {
+                    Some(live) if same_part(&live, &expected) => continue,
+                    // Immutable: replaced, not edited.
+                    Some(_) => {
+                        writer.delete(&part.name).await?;
+                    }
+                    None => {}
                 }
+                writer.create_part(&expected).await?;
+                damaged.push(part.name.clone());
             }
-            for cm in &damaged {
-                writer.write(cm).await?;
+            let live = writer.read(&self.target.name).await?;
+            if !live.is_some_and(|live| same_content(&live, &encoded.main)) {
+                writer.write(&encoded.main).await?;
+                damaged.push(self.target.name.clone());
             }
-            Ok::<_, PublishError>(damaged.iter().filter_map(|cm| cm.metadata.name.clone()).collect::<Vec<_>>())
+            Ok::<_, PublishError>(damaged)
         })
         .await
         .map_err(|_| PublishError::LeadershipLapsed("the snapshot ConfigMap"))
@@ -417,6 +508,22 @@ impl ConfigMapPublisher {
         }
         repaired
     }
+}
+
+/// Our parts of `target`'s snapshots in the cluster, by their label: names, versions and
+/// annotations only (not their bytes).
+async fn list_parts(
+    api: &Api<ConfigMap>,
+    target: &NamespacedName,
+) -> Result<Vec<kube::core::PartialObjectMeta<ConfigMap>>, PublishError> {
+    let params = ListParams::default().labels(&format!("{LABEL_PART_OF}={}", target.name));
+    let list = api
+        .list_metadata(&params)
+        .await
+        .map_err(PublishError::kube(format!("list the parts of ConfigMap {}", target.name)))?;
+    // A label is only a claim: a part must also be named as ours are.
+    let prefix = format!("{}-", target.name);
+    Ok(list.items.into_iter().filter(|p| p.metadata.name.as_deref().is_some_and(|n| n.starts_with(&prefix))).collect())
 }
 
 /// A `--watch` key with the operator's snapshot ConfigMaps left out, when it watches
@@ -436,6 +543,14 @@ pub(crate) fn without_snapshots(key: KubeKey) -> KubeKey {
     key.with_labels(selector)
 }
 
+/// Whether part `live` holds what we wrote as `expected`: its bytes, under our labels. (Its
+/// annotation names the snapshot that first needed it, not the latest.)
+fn same_part(live: &ConfigMap, expected: &ConfigMap) -> bool {
+    let labels = expected.metadata.labels.iter().flatten();
+    live.binary_data == expected.binary_data
+        && labels.into_iter().all(|(k, v)| live.metadata.labels.as_ref().and_then(|l| l.get(k)) == Some(v))
+}
+
 /// Whether `live` holds what we wrote as `expected` (data, labels and annotations ours).
 fn same_content(live: &ConfigMap, expected: &ConfigMap) -> bool {
     let ours = |m: &Option<BTreeMap<String, String>>, keys: &Option<BTreeMap<String, String>>| {
@@ -448,14 +563,8 @@ fn same_content(live: &ConfigMap, expected: &ConfigMap) -> bool {
 }
 
 /// The snapshot id a ConfigMap of ours carries.
-fn snapshot_id(cm: &ConfigMap) -> Option<u64> {
-    cm.metadata.annotations.as_ref()?.get(ANNOTATION_ID)?.parse().ok()
-}
-
-/// Whether `cm` is labelled as a part of `target`'s snapshots: only those are counted or
-/// deleted, so a user's unrelated `NAME-a-1` is never touched.
-fn is_part_of(cm: &ConfigMap, target: &NamespacedName) -> bool {
-    cm.metadata.labels.as_ref().and_then(|l| l.get(LABEL_PART_OF)) == Some(&target.name)
+fn snapshot_id(meta: &ObjectMeta) -> Option<u64> {
+    meta.annotations.as_ref()?.get(ANNOTATION_ID)?.parse().ok()
 }
 
 /// Whether the API server refused a request with 409: the object exists (a create), or is
@@ -491,7 +600,7 @@ impl Writer<'_> {
 
     /// Remembers the API server's answer about `name` (`None`: it does not exist).
     fn saw(&mut self, name: &str, cm: Option<&ConfigMap>) {
-        match cm.and_then(Seen::of) {
+        match cm.and_then(|cm| Seen::of(&cm.metadata)) {
             Some(seen) => self.seen.insert(name.to_owned(), seen),
             None => self.seen.remove(name),
         };
@@ -530,6 +639,27 @@ impl Writer<'_> {
                 Err(e) if is_conflict(&e) => return Err(PublishError::Conflict(name)),
                 Err(e) => return Err(e),
             }
+        }
+    }
+
+    /// Creates part `cm` whole (parts are immutable). One that exists already is ours when it
+    /// holds these bytes under our labels (a part's name is its content's hash: written by
+    /// an earlier publication or leader); anything else of that name is refused, never
+    /// written over.
+    async fn create_part(&mut self, cm: &ConfigMap) -> Result<(), PublishError> {
+        self.may_write()?;
+        let name = cm.metadata.name.clone().unwrap_or_default();
+        let params = PostParams { field_manager: Some(FIELD_MANAGER.to_owned()), ..PostParams::default() };
+        match self.api.create(&params, cm).await {
+            Ok(created) => {
+                self.saw(&name, Some(&created));
+                Ok(())
+            }
+            Err(e) if status_code(&e) == Some(409) => match self.read(&name).await? {
+                Some(live) if same_part(&live, cm) => Ok(()),
+                _ => Err(PublishError::Conflict(name)),
+            },
+            Err(e) => Err(PublishError::Kube { what: format!("create ConfigMap {name}"), source: e }),
         }
     }
 
@@ -592,42 +722,26 @@ impl Writer<'_> {
                 self.seen.remove(name);
                 Ok(false)
             }
-            Err(e) => Err(PublishError::Kube { what: format!("delete stale part ConfigMap {name}"), source: e }),
+            Err(e) => Err(PublishError::Kube { what: format!("delete part ConfigMap {name}"), source: e }),
         }
     }
 }
 
-/// The slot the index in the cluster names now: `None` when `NAME` is absent, not split, or
-/// split by an earlier version (unslotted part names).
-async fn live_slot(writer: &mut Writer<'_>, target: &NamespacedName) -> Result<Option<Slot>, PublishError> {
+/// Our parts in the cluster, and those the index there names now. Read once per process or
+/// leadership term (and after a failed write); known from our own writes after that.
+async fn live_parts(writer: &mut Writer<'_>, target: &NamespacedName) -> Result<Parts, PublishError> {
     let main = writer.read(&target.name).await?;
     let index = main.as_ref().and_then(|m| index_of(m).ok().flatten());
-    Ok(index.and_then(|i| i.parts.first().and_then(|p| Slot::of_part(&target.name, &p.name))))
-}
-
-/// Deletes parts `from`, `from+1`, ... of `slot` (`None`: the unslotted names of earlier
-/// versions) while they exist and are ours, each as just read. Parts are always written as
-/// `1..n`, so the first gap ends the stale ones.
-async fn delete_stale_parts(
-    writer: &mut Writer<'_>,
-    target: &NamespacedName,
-    slot: Option<Slot>,
-    from: usize,
-) -> Result<usize, PublishError> {
-    let mut deleted = 0;
-    for i in from.. {
-        let name = match slot {
-            Some(slot) => part_name(&target.name, slot, i),
-            None => legacy_part_name(&target.name, i),
-        };
-        if !writer.read(&name).await?.is_some_and(|cm| is_part_of(&cm, target)) {
-            break;
+    let named = index.iter().flat_map(|i| &i.parts).map(|p| p.name.clone()).collect();
+    let mut existing = BTreeSet::new();
+    for part in list_parts(writer.api, target).await? {
+        let Some(name) = part.metadata.name.clone() else { continue };
+        if let Some(seen) = Seen::of(&part.metadata) {
+            writer.seen.insert(name.clone(), seen);
         }
-        if writer.delete(&name).await? {
-            deleted += 1;
-        }
+        existing.insert(name);
     }
-    Ok(deleted)
+    Ok(Parts { existing, named })
 }
 
 /// The ConfigMap publisher's name in metrics, logs and Events.
@@ -642,53 +756,57 @@ impl Publisher for ConfigMapPublisher {
         let mut st = self.state.lock().expect("configmap state lock");
         st.epoch += 1;
         st.written = None;
+        st.parts = None;
         st.versions.clear();
     }
 
     fn publish(&self, snapshot: Arc<Snapshot>) -> BoxFuture<'static, Result<(), PublishError>> {
-        let (epoch, mut versions, live) = {
+        let (epoch, mut versions, known) = {
             let st = self.state.lock().expect("configmap state lock");
             if st.written.as_ref().is_some_and(|(hash, _)| *hash == snapshot.hash) {
                 return futures::future::ready(Ok(())).boxed();
             }
-            // `Some(None)`: the index names no slot (not split); `None`: not known.
-            let live = st.written.as_ref().map(|(_, encoded)| encoded.slot);
-            (st.epoch, st.versions.clone(), live)
+            (st.epoch, st.versions.clone(), st.parts.clone())
         };
-        let (api, target, budget, leadership, state) =
-            (self.api.clone(), self.target.clone(), self.budget, self.leadership.clone(), self.state.clone());
+        let (api, target, budget, leadership, compressor, state) = (
+            self.api.clone(),
+            self.target.clone(),
+            self.budget,
+            self.leadership.clone(),
+            self.compressor.clone(),
+            self.state.clone(),
+        );
         async move {
             let until = leadership.until().ok_or(PublishError::NotLeading("the snapshot ConfigMap"))?;
             let json = snapshot.to_json();
             let written = tokio::time::timeout_at(until, async {
                 let mut writer = Writer { api: &api, leadership: &leadership, until, seen: &mut versions };
-                // Never the slot the index names: its parts are what readers are reading.
-                let known = match live {
-                    Some(live) => live,
-                    None => live_slot(&mut writer, &target).await?,
+                let known = match known {
+                    Some(known) => known,
+                    None => live_parts(&mut writer, &target).await?,
                 };
-                let slot = known.map_or(Slot::A, Slot::other);
-                let encoded = Arc::new(encode(&target, &snapshot, budget, slot).map_err(PublishError::Encode)?);
+                let encoded = Arc::new(encode(&target, &snapshot, budget, &compressor).map_err(PublishError::Encode)?);
+                // The parts the cluster lacks, then the index naming them.
+                let mut existing = known.existing.clone();
+                let mut created = 0;
                 for part in &encoded.parts {
-                    writer.write(part).await?;
-                }
-                writer.write(&encoded.main).await?;
-                // Switched. Parts beyond the new snapshot's in its slot name nothing; nor do
-                // the parts of either slot once a snapshot fits in NAME alone (looked for when
-                // the last one was split, or is unknown); nor, once, an earlier version's.
-                let n = encoded.parts.len();
-                let mut deleted = 0;
-                if n > 0 {
-                    deleted += delete_stale_parts(&mut writer, &target, Some(slot), n + 1).await?;
-                } else if known.is_some() || live.is_none() {
-                    for slot in [Slot::A, Slot::B] {
-                        deleted += delete_stale_parts(&mut writer, &target, Some(slot), 1).await?;
+                    if !existing.contains(&part.name) {
+                        writer.create_part(&encoded.part_configmap(part)).await?;
+                        existing.insert(part.name.clone());
+                        created += 1;
                     }
                 }
-                if live.is_none() {
-                    deleted += delete_stale_parts(&mut writer, &target, None, 1).await?;
+                writer.write(&encoded.main).await?;
+                // Switched. Our parts named by neither this index nor the one before it are
+                // read by nobody now.
+                let named: BTreeSet<String> = encoded.parts.iter().map(|p| p.name.clone()).collect();
+                let stale: Vec<String> =
+                    existing.iter().filter(|n| !named.contains(*n) && !known.named.contains(*n)).cloned().collect();
+                for name in &stale {
+                    writer.delete(name).await?;
+                    existing.remove(name);
                 }
-                Ok::<_, PublishError>((encoded, deleted))
+                Ok::<_, PublishError>((encoded, Parts { existing, named }, created, stale.len()))
             })
             .await
             .map_err(|_| PublishError::LeadershipLapsed("the snapshot ConfigMap"))
@@ -699,19 +817,22 @@ impl Publisher for ConfigMapPublisher {
                 if written.is_err() {
                     // The index may or may not have switched: known again after a write.
                     st.written = None;
+                    st.parts = None;
                 }
             }
-            let (encoded, deleted) = written?;
+            let (encoded, parts, created, deleted) = written?;
             tracing::debug!(
                 configmap = %target,
                 id = snapshot.id,
                 bytes = json.len(),
                 parts = encoded.parts.len(),
+                parts_created = created,
                 stale_parts_deleted = deleted,
                 "snapshot ConfigMap written"
             );
             if st.epoch == epoch {
                 st.written = Some((snapshot.hash.clone(), encoded));
+                st.parts = Some(parts);
             }
             Ok(())
         }
@@ -762,11 +883,16 @@ mod tests {
 
     /// A snapshot with `n` endpoints, each with `meta_len` random bytes of meta.
     pub(super) fn snapshot(n: usize, meta_len: usize) -> Snapshot {
+        snapshot_with(n, meta_len, &[])
+    }
+
+    /// [`snapshot`], with the endpoints `moved` on another port.
+    pub(super) fn snapshot_with(n: usize, meta_len: usize, moved: &[usize]) -> Snapshot {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         let endpoints = (0..n)
             .map(|i| Endpoint {
                 address: format!("10.{}.{}.{}", i / 65536 % 256, i / 256 % 256, i % 256),
-                port: 8080,
+                port: if moved.contains(&i) { 9090 } else { 8080 },
                 node: format!("node-{}", i % 97),
                 service_id: format!("web-{i}"),
                 tags: vec!["v1".into()],
@@ -805,17 +931,22 @@ mod tests {
         assert_eq!(labels[LABEL_MANAGED_BY], FIELD_MANAGER);
         let ann = cm.metadata.annotations.as_ref().unwrap();
         assert_eq!(ann[ANNOTATION_ID], s.id.to_string());
-        assert_eq!(ann[ANNOTATION_HASH], s.hash);
         assert_eq!(cm.metadata.namespace.as_deref(), Some("ops"));
+    }
+
+    fn encoded(s: &Snapshot, budget: usize) -> Encoded {
+        encode(&target(), s, budget, &Compressor::default()).unwrap()
     }
 
     fn roundtrip(s: &Snapshot) -> Encoded {
         let json = s.to_json();
-        let e = encode(&target(), s, DATA_BUDGET, Slot::A).unwrap();
-        assert_eq!(decode(&e.main, &e.parts).unwrap(), json, "decode(encode(x)) == x");
-        assert_eq!(Snapshot::parse(&decode(&e.main, &e.parts).unwrap()).unwrap(), *s);
+        let e = encoded(s, DATA_BUDGET);
+        let parts = e.part_configmaps();
+        assert_eq!(decode(&e.main, &parts).unwrap(), json, "decode(encode(x)) == x");
+        assert_eq!(Snapshot::parse(&decode(&e.main, &parts).unwrap()).unwrap(), *s);
         assert_eq!(e.main.metadata.name.as_deref(), Some("snap"));
-        for cm in e.parts.iter().chain([&e.main]) {
+        assert_eq!(e.main.metadata.annotations.as_ref().unwrap()[ANNOTATION_HASH], s.hash);
+        for cm in parts.iter().chain([&e.main]) {
             check_metadata(cm, s);
             let size: usize = cm.data.iter().flatten().map(|(_, v)| v.len()).sum::<usize>()
                 + cm.binary_data.iter().flatten().map(|(_, v)| v.0.len()).sum::<usize>();
@@ -840,43 +971,86 @@ mod tests {
         let e = roundtrip(&s);
         assert!(e.parts.is_empty());
         assert!(e.main.data.is_none());
-        assert!(e.main.binary_data.as_ref().unwrap().contains_key(KEY_GZIP));
+        let gz = &e.main.binary_data.as_ref().unwrap()[KEY_GZIP].0;
+        // One gzip stream for any reader, though made of segments.
+        let mut json = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&gz[..]), &mut json).unwrap();
+        assert!(json == s.to_json());
     }
 
     #[test]
-    fn an_incompressible_snapshot_over_a_mebibyte_is_split_with_an_index() {
+    fn an_incompressible_snapshot_over_a_mebibyte_is_split_into_parts_named_by_their_content() {
         let s = snapshot(8_000, 200);
-        let json = s.to_json();
-        assert!(gzip(&json).len() > 1024 * 1024, "over 1 MiB even compressed");
+        assert!(s.gzipped(&Compressor::default()).len() > 1024 * 1024, "over 1 MiB even compressed");
         let e = roundtrip(&s);
         assert!(e.parts.len() >= 2, "{} parts", e.parts.len());
-        for (i, part) in e.parts.iter().enumerate() {
-            assert_eq!(part.metadata.name, Some(format!("snap-a-{}", i + 1)));
-            assert_eq!(part.metadata.labels.as_ref().unwrap()[LABEL_PART_OF], "snap");
-        }
         let index = index_of(&e.main).unwrap().unwrap();
         assert_eq!(index.snapshot_id, 42);
         assert_eq!(index.snapshot_hash, s.hash);
         let names: Vec<_> = index.parts.iter().map(|p| p.name.clone()).collect();
-        assert_eq!(names, (1..=e.parts.len()).map(|i| format!("snap-a-{i}")).collect::<Vec<_>>());
-        assert_eq!(e.slot, Some(Slot::A));
-        let b = encode(&target(), &s, DATA_BUDGET, Slot::B).unwrap();
-        assert_eq!(b.parts[0].metadata.name.as_deref(), Some("snap-b-1"), "the other slot's names");
-        assert_eq!(decode(&b.main, &b.parts).unwrap(), json);
+        assert_eq!(names, e.parts.iter().map(|p| p.name.clone()).collect::<Vec<_>>());
+        for (part, cm) in e.parts.iter().zip(e.part_configmaps()) {
+            assert_eq!(part.name, part_name("snap", &part.bytes));
+            assert!(part.name.starts_with("snap-") && part.name.len() == "snap-".len() + 16, "{}", part.name);
+            assert_eq!(cm.metadata.labels.as_ref().unwrap()[LABEL_PART_OF], "snap");
+            assert_eq!(cm.immutable, Some(true), "a part is never written again");
+        }
+        // The parts together are the one gzip stream, byte for byte.
+        let whole: Vec<u8> = e.parts.iter().flat_map(|p| p.bytes.to_vec()).collect();
+        assert!(whole == s.gzipped(&Compressor::default()).to_bytes());
+        assert_eq!(index.size, whole.len());
+        assert_eq!(index.sha256, sha256(&whole));
+        // Deterministic: the same snapshot, the same parts, whoever encodes it.
+        assert_eq!(encoded(&s, DATA_BUDGET).parts, e.parts);
+        // As docs/snapshot-index.schema.json describes it.
+        let schema: serde_json::Value =
+            serde_json::from_str(include_str!("../../docs/snapshot-index.schema.json")).unwrap();
+        let validator = jsonschema::validator_for(&schema).unwrap();
+        let index: serde_json::Value = serde_json::from_str(&e.main.data.as_ref().unwrap()[KEY_INDEX]).unwrap();
+        let errors: Vec<String> =
+            validator.iter_errors(&index).map(|e| format!("{e} at {}", e.instance_path())).collect();
+        assert!(errors.is_empty(), "{errors:?}");
+        let mut wrong = index.clone();
+        wrong["parts"][0]["name"] = serde_json::json!("snap-a-1");
+        assert!(!validator.is_valid(&wrong), "the schema tells a slot name from a content name");
+    }
+
+    /// The point of naming parts by content: after a change to one endpoint, the new index
+    /// names the previous one's parts but for the header, the trailer and the segment
+    /// that changed.
+    #[test]
+    fn a_change_to_one_endpoint_changes_a_few_parts_and_the_rest_are_the_previous_ones() {
+        let compressor = Compressor::default();
+        let before = snapshot(30_000, 32);
+        let after = snapshot_with(30_000, 32, &[15_000]).content.into_snapshot(43);
+        let first = encode(&target(), &before, DATA_BUDGET, &compressor).unwrap();
+        let second = encode(&target(), &after, DATA_BUDGET, &compressor).unwrap();
+        assert!(first.parts.len() >= 5, "{} parts", first.parts.len());
+        let new: Vec<&super::Part> = second.parts.iter().filter(|p| !first.parts.contains(p)).collect();
+        let new_bytes: usize = new.iter().map(|p| p.bytes.len()).sum();
+        let all_bytes: usize = second.parts.iter().map(|p| p.bytes.len()).sum();
+        eprintln!("{} of {} parts new: {new_bytes} of {all_bytes} bytes", new.len(), second.parts.len());
+        assert_eq!(new.len(), 3, "the header, the trailer and the changed segment");
+        assert!(new_bytes * 2 < all_bytes, "{new_bytes} of {all_bytes} bytes new");
+        assert_eq!(decode(&second.main, &second.part_configmaps()).unwrap(), after.to_json());
     }
 
     #[test]
     fn a_part_from_another_write_or_a_missing_part_is_an_error_not_garbage() {
         let s = snapshot(8_000, 200);
-        let e = encode(&target(), &s, DATA_BUDGET, Slot::A).unwrap();
-        let err = decode(&e.main, &e.parts[..1]).unwrap_err();
-        assert!(err.contains("snap-a-2 is missing"), "{err}");
+        let e = encoded(&s, DATA_BUDGET);
+        let parts = e.part_configmaps();
+        let err = decode(&e.main, &parts[..1]).unwrap_err();
+        assert!(err.contains(&format!("{} is missing", e.parts[1].name)), "{err}");
 
-        let other = snapshot(8_001, 200);
-        let o = encode(&target(), &other, DATA_BUDGET, Slot::A).unwrap();
-        let mixed = vec![e.parts[0].clone(), o.parts[1].clone()];
+        // A part of that name holding other bytes (the next snapshot's: not its first
+        // segment, which both have).
+        let other = encoded(&snapshot(8_001, 200), DATA_BUDGET).part_configmaps();
+        let mut mixed = parts.clone();
+        let differs = other.iter().find(|o| o.binary_data != parts[1].binary_data).unwrap();
+        mixed[1].binary_data = differs.binary_data.clone();
         let err = decode(&e.main, &mixed).unwrap_err();
-        assert!(err.contains("snap-a-2 does not match the index"), "{err}");
+        assert!(err.contains(&format!("{} does not match the index", e.parts[1].name)), "{err}");
     }
 
     #[test]
@@ -902,8 +1076,8 @@ mod tests {
     struct Stored {
         objects: BTreeMap<String, serde_json::Value>,
         version: u64,
-        /// GETs of parts (any name but `snap`) answer 500.
-        fail_part_reads: bool,
+        /// DELETEs answer 500.
+        fail_deletes: bool,
         /// Writes sent with no condition: applies without a resourceVersion, deletes
         /// without preconditions. A writer that sends one may overwrite what it never saw.
         blind: Vec<String>,
@@ -947,7 +1121,25 @@ mod tests {
             if self.objects.contains_key(&name) {
                 return conflict("AlreadyExists");
             }
+            self.wrote(&name);
             (201, self.put(&name, cm))
+        }
+
+        /// A list of the ConfigMaps labelled as parts of `snap`, as metadata only (what
+        /// `list_metadata` asks for).
+        fn list(&self) -> (u16, serde_json::Value) {
+            let items: Vec<serde_json::Value> = self
+                .objects
+                .values()
+                .filter(|o| o["metadata"]["labels"][LABEL_PART_OF] == "snap")
+                .map(|o| {
+                    serde_json::json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+                    "metadata": o["metadata"]})
+                })
+                .collect();
+            let list = serde_json::json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadataList",
+                "metadata": {"resourceVersion": self.version.to_string()}, "items": items});
+            (200, list)
         }
 
         fn apply(&mut self, name: &str, body: &[u8]) -> (u16, serde_json::Value) {
@@ -958,6 +1150,13 @@ mod tests {
                     return conflict("Conflict");
                 }
                 Some(_) => {}
+            }
+            if self.objects.get(name).is_some_and(|o| o["immutable"] == true) {
+                return (
+                    422,
+                    serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "reason": "Invalid", "code": 422, "message": "field is immutable when `immutable` is set"}),
+                );
             }
             self.wrote(name);
             let written = self.put(name, cm);
@@ -977,6 +1176,13 @@ mod tests {
             if pre.get("resourceVersion").is_none() && pre.get("uid").is_none() {
                 self.blind.push(format!("DELETE {name}"));
             }
+            if self.fail_deletes {
+                return (
+                    500,
+                    serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "reason": "InternalError", "code": 500, "message": "etcd is away"}),
+                );
+            }
             let Some(current) = self.objects.get(name) else { return crate::test_fixtures::not_found(name) };
             for key in ["resourceVersion", "uid"] {
                 if pre.get(key).is_some_and(|v| *v != current["metadata"][key]) {
@@ -987,12 +1193,8 @@ mod tests {
         }
 
         fn get(&mut self, name: &str) -> (u16, serde_json::Value) {
-            if self.fail_part_reads && name != "snap" {
-                return (
-                    500,
-                    serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                    "reason": "InternalError", "code": 500, "message": "etcd is away"}),
-                );
+            if name == "configmaps" {
+                return self.list();
             }
             let Some(cm) = self.objects.get(name).cloned() else { return crate::test_fixtures::not_found(name) };
             if self.written_after_read.as_deref() == Some(name) {
@@ -1004,7 +1206,7 @@ mod tests {
             (200, cm)
         }
 
-        /// An apply of `name` is being carried out.
+        /// A create or an apply of `name` is being carried out.
         fn wrote(&mut self, name: &str) {
             if self.lose_leadership_at.as_ref().is_some_and(|(at, _)| at == name) {
                 self.lose_leadership_at.take().unwrap().1.send_replace(None);
@@ -1031,48 +1233,53 @@ mod tests {
     /// with a budget of 1000 bytes.
     async fn publisher_of(stored: &Arc<Mutex<Stored>>) -> (crate::test_fixtures::FakeApi, ConfigMapPublisher) {
         let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::with_budget(api.client.clone(), target(), Leadership::always(), 1000);
+        let publisher = small_budget(&api, Leadership::always());
         (api, publisher)
     }
 
-    /// `n` writes of parts `first..` of `slot`, each created (unseen) then applied.
-    fn created(slot: Slot, first: usize, n: usize) -> Vec<String> {
-        (first..first + n)
-            .flat_map(|i| ["POST configmaps".to_owned(), format!("PATCH {}", part_name("snap", slot, i))])
-            .collect()
+    fn small_budget(api: &crate::test_fixtures::FakeApi, leadership: Leadership) -> ConfigMapPublisher {
+        ConfigMapPublisher::with_budget(api.client.clone(), target(), leadership, Arc::default(), 1000)
+    }
+
+    /// The part names of `s` split with a budget of 1000 bytes.
+    fn part_names(s: &Snapshot) -> Vec<String> {
+        encoded(s, 1000).parts.into_iter().map(|p| p.name).collect()
+    }
+
+    /// The part ConfigMaps `stored` holds.
+    fn stored_parts(stored: &Arc<Mutex<Stored>>) -> BTreeSet<String> {
+        let st = stored.lock().unwrap();
+        st.objects.keys().filter(|k| k.as_str() != "snap").cloned().collect()
     }
 
     #[tokio::test]
-    async fn parts_are_applied_before_the_index_then_stale_parts_go_and_equal_content_is_skipped() {
+    async fn parts_are_created_before_the_index_then_stale_parts_go_and_equal_content_is_skipped() {
         let s = Arc::new(snapshot(40, 64));
-        let n = encode(&target(), &s, 1000, Slot::A).unwrap().parts.len();
-        assert!(n >= 2, "the budget below splits this snapshot ({n} parts)");
-        // Two stale parts of ours from a larger snapshot, then a gap, then someone else's;
-        // and an earlier version's unslotted part.
+        let names = part_names(&s);
+        assert!(names.len() >= 2, "the budget below splits this snapshot ({} parts)", names.len());
+        // Stale parts of ours: of an earlier version (slotted and unslotted names) and of a
+        // writer stopped before its index; and someone else's, not labelled as ours.
         let stored = Arc::new(Mutex::new(Stored::default()));
         {
             let mut st = stored.lock().unwrap();
-            st.someone_elses(&part_name("snap", Slot::A, n + 1), true, 1);
-            st.someone_elses(&part_name("snap", Slot::A, n + 2), true, 1);
-            st.someone_elses(&part_name("snap", Slot::A, n + 4), false, 1);
-            st.someone_elses(&legacy_part_name("snap", 1), true, 1);
+            for stale in ["snap-0123456789abcdef", "snap-1", "snap-a-1"] {
+                st.someone_elses(stale, true, 1);
+            }
+            st.someone_elses("snap-fedcba9876543210", false, 1);
         }
         let (api, publisher) = publisher_of(&stored).await;
 
         publisher.publish(s.clone()).await.unwrap();
-        // The index is read first (none: slot a), the parts written (each a name not seen:
-        // created, then applied), then the index.
-        let mut expected = vec!["GET snap".to_owned()];
-        expected.extend(created(Slot::A, 1, n));
+        // The index is read (none yet) and our parts listed; the parts created whole, then
+        // the index (created empty, then applied), then the stale parts deleted.
+        let mut expected = vec!["GET snap".to_owned(), "GET configmaps".to_owned()];
+        expected.extend(names.iter().map(|_| "POST configmaps".to_owned()));
         expected.extend(["POST configmaps".into(), "PATCH snap".into()]);
-        for i in [n + 1, n + 2] {
-            expected.extend([format!("GET snap-a-{i}"), format!("DELETE snap-a-{i}")]);
-        }
-        expected.push(format!("GET snap-a-{}", n + 3));
-        expected.extend(["GET snap-1".into(), "DELETE snap-1".into(), "GET snap-2".into()]);
+        expected.extend(["DELETE snap-0123456789abcdef", "DELETE snap-1", "DELETE snap-a-1"].map(String::from));
         assert_eq!(api.take(), expected);
-        let left: Vec<String> = stored.lock().unwrap().objects.keys().filter(|k| k.contains("-a-")).cloned().collect();
-        assert_eq!(left.len(), n + 1, "ours written, someone else's part name kept: {left:?}");
+        let mut left: BTreeSet<String> = names.iter().cloned().collect();
+        left.insert("snap-fedcba9876543210".into());
+        assert_eq!(stored_parts(&stored), left, "ours written, someone else's kept");
         assert!(stored.lock().unwrap().blind.is_empty(), "{:?}", stored.lock().unwrap().blind);
 
         let same_content = Arc::new(s.content.clone().into_snapshot(s.id + 1));
@@ -1081,95 +1288,112 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_part_name_that_is_not_ours_is_never_deleted() {
+    async fn a_configmap_that_is_not_ours_is_never_deleted() {
         let stored = Arc::new(Mutex::new(Stored::default()));
-        stored.lock().unwrap().someone_elses("snap-1", false, 1);
+        {
+            let mut st = stored.lock().unwrap();
+            st.someone_elses("snap-1", false, 1);
+            // Labelled as a part of snap, but not named as ours are.
+            st.someone_elses("other-1", true, 1);
+        }
         let (api, publisher) = publisher_of(&stored).await;
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
-        let calls = ["GET snap", "POST configmaps", "PATCH snap", "GET snap-a-1", "GET snap-b-1", "GET snap-1"];
-        assert_eq!(api.take(), calls);
-        assert!(stored.lock().unwrap().objects.contains_key("snap-1"));
+        assert_eq!(api.take(), ["GET snap", "GET configmaps", "POST configmaps", "PATCH snap"]);
+        assert_eq!(stored_parts(&stored), BTreeSet::from(["other-1".to_owned(), "snap-1".to_owned()]));
     }
 
     #[test]
-    fn a_tiny_budget_splits_into_many_parts_in_order() {
+    fn a_tiny_budget_splits_into_many_parts_found_by_name() {
         let s = snapshot(50, 64);
         let json = s.to_json();
-        let e = encode(&target(), &s, 1000, Slot::A).unwrap();
+        let e = encoded(&s, 1000);
         assert!(e.parts.len() > 2);
-        assert_eq!(decode(&e.main, &e.parts).unwrap(), json);
-        let mut reversed = e.parts.clone();
-        reversed.reverse();
-        assert_eq!(decode(&e.main, &reversed).unwrap(), json, "parts are found by name, not position");
+        let mut parts = e.part_configmaps();
+        assert_eq!(decode(&e.main, &parts).unwrap(), json);
+        parts.reverse();
+        assert_eq!(decode(&e.main, &parts).unwrap(), json, "parts are found by name, not position");
     }
 
-    /// Every write is conditional on what this publisher saw, also the first write of a
-    /// name: a part another writer created meanwhile (a new leader, say) is refused to the
-    /// create, read, and only then written over, never overwritten blind.
+    /// A part name that exists already is ours only with our bytes under our labels (as a
+    /// previous leader leaves it): then it is used as it is. Anything else of that name is
+    /// refused, not written over, and the index is not switched.
     #[tokio::test]
-    async fn a_name_not_seen_is_created_so_another_writers_object_is_read_before_it_is_written() {
+    async fn an_existing_part_is_used_when_it_holds_our_bytes_and_refused_otherwise() {
         let stored = Arc::new(Mutex::new(Stored::default()));
         let (api, publisher) = publisher_of(&stored).await;
-        publisher.publish(Arc::new(snapshot(40, 64))).await.unwrap();
-        // Another writer makes the first part of the other slot, the next snapshot's.
-        stored.lock().unwrap().someone_elses("snap-b-1", true, 99);
+        let (s1, s2) = (snapshot(40, 64), snapshot(41, 64));
+        publisher.publish(Arc::new(s1.clone())).await.unwrap();
+        let index1 = stored.lock().unwrap().objects["snap"].clone();
+        let new = part_names(&s2).into_iter().find(|n| !part_names(&s1).contains(n)).unwrap();
+        stored.lock().unwrap().someone_elses(&new, true, 99);
         api.take();
-        let s2 = snapshot(41, 64);
+        let err = publisher.publish(Arc::new(s2.clone())).await.unwrap_err();
+        assert_eq!(err.reason(), "conflict", "{err}");
+        assert!(api.take().iter().all(|c| c != "PATCH snap"), "the index is not switched");
+        assert_eq!(read_with(&stored.lock().unwrap(), &index1).unwrap(), s1.to_json());
+
+        // What a previous leader left: our bytes, our labels.
+        let e = encoded(&s2, 1000);
+        let ours = e.part_configmap(e.parts.iter().find(|p| p.name == new).unwrap());
+        {
+            let mut st = stored.lock().unwrap();
+            st.objects.remove(&new);
+            st.put(&new, serde_json::to_value(&ours).unwrap());
+        }
         publisher.publish(Arc::new(s2.clone())).await.unwrap();
-        let calls = api.take();
-        assert_eq!(calls[..4], ["POST configmaps", "GET snap-b-1", "PATCH snap-b-1", "POST configmaps"], "{calls:?}");
         let st = stored.lock().unwrap();
         assert!(st.blind.is_empty(), "written without a condition: {:?}", st.blind);
         assert_eq!(read_with(&st, &st.objects["snap"]).unwrap(), s2.to_json());
     }
 
-    /// A write whose answer is lost (a timeout) may have landed: the next write of that
-    /// ConfigMap stays conditional on what was seen before it, so it conflicts and reads,
-    /// instead of overwriting blind what someone else wrote since.
+    /// A write whose answer is lost (a timeout) may have landed: the next publication reads
+    /// the index again, so its write stays conditional on what is there, never blind.
     #[tokio::test]
     async fn after_a_lost_answer_the_next_write_is_still_conditional() {
         let stored = Arc::new(Mutex::new(Stored::default()));
         let (api, publisher) = publisher_of(&stored).await;
         publisher.publish(Arc::new(snapshot(40, 64))).await.unwrap();
-        publisher.publish(Arc::new(snapshot(41, 64))).await.unwrap();
-        // The third goes to slot a again: its first part is written, the answer lost.
-        stored.lock().unwrap().lost_answer = Some("snap-a-1".into());
-        let err = publisher.publish(Arc::new(snapshot(42, 64))).await.unwrap_err();
+        stored.lock().unwrap().lost_answer = Some("snap".into());
+        let err = publisher.publish(Arc::new(snapshot(41, 64))).await.unwrap_err();
         assert_eq!(err.reason(), "server_error", "{err}");
         // Someone else writes it meanwhile.
         {
             let mut st = stored.lock().unwrap();
             st.lost_answer = None;
-            st.someone_elses("snap-a-1", true, 99);
+            let mut cm = st.objects["snap"].clone();
+            cm["metadata"]["annotations"]["edited-by"] = serde_json::json!("someone else");
+            st.put("snap", cm);
         }
         api.take();
-        let s4 = snapshot(43, 64);
-        publisher.publish(Arc::new(s4.clone())).await.unwrap();
+        let s3 = snapshot(42, 64);
+        publisher.publish(Arc::new(s3.clone())).await.unwrap();
         let calls = api.take();
-        let at = calls.iter().position(|c| c == "PATCH snap-a-1").expect("snap-a-1 written");
-        assert_eq!(calls[at..at + 3], ["PATCH snap-a-1", "GET snap-a-1", "PATCH snap-a-1"], "{calls:?}");
+        assert_eq!(calls[..2], ["GET snap", "GET configmaps"], "read again first: {calls:?}");
         let st = stored.lock().unwrap();
         assert!(st.blind.is_empty(), "written without a condition: {:?}", st.blind);
-        assert_eq!(read_with(&st, &st.objects["snap"]).unwrap(), s4.to_json());
+        assert_eq!(read_with(&st, &st.objects["snap"]).unwrap(), s3.to_json());
     }
 
-    /// A stale part is deleted only as it was read: one written by someone else right after
-    /// (a new leader reusing the slot) is left to them, and the publication fails.
+    /// A stale part is deleted only as it was last seen: one written by someone else since
+    /// is left to them, and the publication fails.
     #[tokio::test]
-    async fn a_stale_part_written_after_it_was_read_is_not_deleted() {
+    async fn a_stale_part_written_since_it_was_seen_is_not_deleted() {
         let stored = Arc::new(Mutex::new(Stored::default()));
         let (api, publisher) = publisher_of(&stored).await;
-        let (big, small) = (snapshot(80, 64), snapshot(40, 64));
-        let n = encode(&target(), &small, 1000, Slot::A).unwrap().parts.len();
-        assert!(encode(&target(), &big, 1000, Slot::A).unwrap().parts.len() > n + 1);
-        publisher.publish(Arc::new(big)).await.unwrap();
-        publisher.publish(Arc::new(snapshot(81, 64))).await.unwrap();
-        // Back to slot a, with fewer parts: a-(n+1) is stale, and written by someone else
-        // right after it is read.
-        let stale = part_name("snap", Slot::A, n + 1);
-        stored.lock().unwrap().written_after_read = Some(stale.clone());
+        let (s1, s2, s3) = (snapshot(40, 64), snapshot(41, 64), snapshot(42, 64));
+        publisher.publish(Arc::new(s1.clone())).await.unwrap();
+        publisher.publish(Arc::new(s2.clone())).await.unwrap();
+        // The third makes s1's parts stale: one of them is written by someone else first.
+        let (p1, p2, p3) = (part_names(&s1), part_names(&s2), part_names(&s3));
+        let stale = p1.iter().find(|n| !p2.contains(n) && !p3.contains(n)).unwrap().clone();
+        {
+            let mut st = stored.lock().unwrap();
+            let mut cm = st.objects[&stale].clone();
+            cm["metadata"]["annotations"]["edited-by"] = serde_json::json!("someone else");
+            st.put(&stale, cm);
+        }
         api.take();
-        let err = publisher.publish(Arc::new(small)).await.unwrap_err();
+        let err = publisher.publish(Arc::new(s3)).await.unwrap_err();
         assert_eq!(err.reason(), "conflict", "{err}");
         let st = stored.lock().unwrap();
         assert!(st.objects.contains_key(&stale), "deleted after someone else wrote it");
@@ -1184,11 +1408,12 @@ mod tests {
         let api = stored_api(stored.clone()).await;
         let (lead, leadership) = Leadership::manual();
         lead.send_replace(Some(Instant::now() + std::time::Duration::from_secs(3600)));
-        stored.lock().unwrap().lose_leadership_at = Some(("snap-a-1".into(), lead));
-        let publisher = ConfigMapPublisher::with_budget(api.client.clone(), target(), leadership, 1000);
-        let err = publisher.publish(Arc::new(snapshot(40, 64))).await.unwrap_err();
+        let s = snapshot(40, 64);
+        stored.lock().unwrap().lose_leadership_at = Some((part_names(&s)[0].clone(), lead));
+        let publisher = small_budget(&api, leadership);
+        let err = publisher.publish(Arc::new(s)).await.unwrap_err();
         assert_eq!(err.reason(), "leadership_lapsed", "{err}");
-        assert_eq!(api.take(), ["GET snap", "POST configmaps", "PATCH snap-a-1"], "nothing written after");
+        assert_eq!(api.take(), ["GET snap", "GET configmaps", "POST configmaps"], "nothing written after");
     }
 
     /// A new leader numbers its snapshots above every id in the ConfigMaps: the index's,
@@ -1202,11 +1427,10 @@ mod tests {
         assert_eq!(publisher.published_id().await.unwrap(), Some(42));
         {
             let mut st = stored.lock().unwrap();
-            st.someone_elses("snap-b-1", true, 57);
-            st.someone_elses("snap-b-2", true, 57);
-            // Not ours, and after a gap: not counted.
-            st.someone_elses("snap-b-4", true, 90);
-            st.someone_elses("snap-a-9", false, 90);
+            st.someone_elses("snap-0123456789abcdef", true, 57);
+            // Not ours: not labelled, or not named as ours are.
+            st.someone_elses("snap-fedcba9876543210", false, 90);
+            st.someone_elses("other-0123456789abcdef", true, 90);
         }
         assert_eq!(publisher.published_id().await.unwrap(), Some(57));
     }
@@ -1215,7 +1439,7 @@ mod tests {
     async fn a_deleted_or_edited_configmap_is_written_again_by_repair() {
         let stored = Arc::new(Mutex::new(Stored::default()));
         let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always(), Arc::default());
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
         api.take();
         assert!(publisher.repair().await.unwrap().is_empty(), "intact: nothing to repair");
@@ -1239,10 +1463,34 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_deleted_or_replaced_part_is_created_again_by_repair() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let (api, publisher) = publisher_of(&stored).await;
+        let s = snapshot(40, 64);
+        publisher.publish(Arc::new(s.clone())).await.unwrap();
+        let names = part_names(&s);
+        {
+            let mut st = stored.lock().unwrap();
+            st.objects.remove(&names[0]);
+            st.objects.remove(&names[1]);
+            st.someone_elses(&names[1], true, 7);
+        }
+        api.take();
+        assert_eq!(publisher.repair().await.unwrap(), names[..2]);
+        let calls = api.take();
+        let expected = [format!("GET {}", names[0]), "POST configmaps".into(), format!("GET {}", names[1])];
+        assert_eq!(calls[..3], expected, "{calls:?}");
+        assert!(calls.contains(&format!("DELETE {}", names[1])), "replaced: deleted, then created: {calls:?}");
+        let st = stored.lock().unwrap();
+        assert_eq!(read_with(&st, &st.objects["snap"]).unwrap(), s.to_json());
+        assert!(st.blind.is_empty(), "{:?}", st.blind);
+    }
+
+    #[tokio::test]
     async fn writes_are_conditional_and_a_conflict_is_read_and_written_over() {
         let stored = Arc::new(Mutex::new(Stored::default()));
         let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always(), Arc::default());
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
         // Someone else writes it in between.
         stored.lock().unwrap().objects.get_mut("snap").unwrap()["metadata"]["resourceVersion"] =
@@ -1263,79 +1511,74 @@ mod tests {
         decode(&main, &parts)
     }
 
+    /// A new index reuses the parts the cluster holds; a reader of the previous index still
+    /// reads its snapshot whole, until the next publication after that.
     #[tokio::test]
-    async fn split_snapshots_alternate_slots_and_never_touch_the_parts_the_index_names() {
+    async fn a_new_index_reuses_unchanged_parts_and_the_previous_one_stays_readable() {
         let stored = Arc::new(Mutex::new(Stored::default()));
         let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::with_budget(api.client.clone(), target(), Leadership::always(), 1000);
-        let (s1, s2, s3) = (snapshot(40, 64), snapshot(41, 64), snapshot(42, 64));
-        let n2 = encode(&target(), &s2, 1000, Slot::B).unwrap().parts.len();
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always(), Arc::default());
+        let s1 = snapshot(30_000, 32);
+        let s2 = snapshot_with(30_000, 32, &[10_000]).content.into_snapshot(43);
+        let s3 = snapshot_with(30_000, 32, &[10_000, 20_000]).content.into_snapshot(44);
 
         publisher.publish(Arc::new(s1.clone())).await.unwrap();
         let index1 = stored.lock().unwrap().objects["snap"].clone();
+        let n = index_of(&serde_json::from_value(index1.clone()).unwrap()).unwrap().unwrap().parts.len();
         api.take();
         publisher.publish(Arc::new(s2.clone())).await.unwrap();
         let calls = api.take();
-        let mut expected = created(Slot::B, 1, n2);
-        expected.extend(["PATCH snap".into(), format!("GET snap-b-{}", n2 + 1)]);
-        assert_eq!(calls, expected, "slot b, the index known: not read again");
+        let created = calls.iter().filter(|c| *c == "POST configmaps").count();
+        assert_eq!(created, 3, "the header, the changed segment and the trailer, of {n}: {calls:?}");
+        assert_eq!(calls.last().map(String::as_str), Some("PATCH snap"), "nothing deleted yet: {calls:?}");
         // A reader holding the first index still reads the first snapshot, whole.
         assert_eq!(read_with(&stored.lock().unwrap(), &index1).unwrap(), s1.to_json());
         let index2 = stored.lock().unwrap().objects["snap"].clone();
         assert_eq!(read_with(&stored.lock().unwrap(), &index2).unwrap(), s2.to_json());
 
-        // The third goes back to slot a: a reader of the second index still reads it whole.
+        // The third: the first's own parts go, the second's stay for its readers.
         publisher.publish(Arc::new(s3.clone())).await.unwrap();
-        assert!(api.take().iter().all(|c| !c.contains("snap-b-")), "the second snapshot's parts are left alone");
-        assert_eq!(read_with(&stored.lock().unwrap(), &index2).unwrap(), s2.to_json());
-        let index3 = stored.lock().unwrap().objects["snap"].clone();
-        assert_eq!(read_with(&stored.lock().unwrap(), &index3).unwrap(), s3.to_json());
-
-        // A new process (or leader) reads the index first and writes the other slot.
-        let next = ConfigMapPublisher::with_budget(api.client.clone(), target(), Leadership::always(), 1000);
-        next.publish(Arc::new(s2.clone())).await.unwrap();
         let calls = api.take();
-        assert_eq!(calls[0], "GET snap");
-        assert!(calls.iter().any(|c| c == "PATCH snap-b-1") && !calls.iter().any(|c| c.starts_with("PATCH snap-a-")));
-        assert_eq!(read_with(&stored.lock().unwrap(), &index3).unwrap(), s3.to_json());
+        assert_eq!(calls.iter().filter(|c| c.starts_with("DELETE")).count(), 3, "{calls:?}");
+        assert_eq!(read_with(&stored.lock().unwrap(), &index2).unwrap(), s2.to_json());
+        assert!(read_with(&stored.lock().unwrap(), &index1).unwrap_err().contains("is missing"));
 
-        // A snapshot that fits in one ConfigMap: both slots' parts go.
+        // A new process (or leader) reads the index and lists the parts first, and creates
+        // only what is missing: nothing, for the second snapshot again.
+        let next = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always(), Arc::default());
+        next.publish(Arc::new(s2.clone())).await.unwrap();
+        assert_eq!(api.take(), ["GET snap", "GET configmaps", "PATCH snap"]);
+
+        // Snapshots that fit in one ConfigMap: the parts go, the last index's one
+        // publication later.
         next.publish(Arc::new(snapshot(2, 8))).await.unwrap();
-        let left: Vec<String> = stored.lock().unwrap().objects.keys().cloned().collect();
-        assert_eq!(left, ["snap"], "no part left once none is needed");
+        assert!(!stored_parts(&stored).is_empty(), "the previous index's parts are kept for its readers");
+        next.publish(Arc::new(snapshot(3, 8))).await.unwrap();
+        assert_eq!(stored_parts(&stored), BTreeSet::new(), "no part left once none is needed");
         assert!(stored.lock().unwrap().blind.is_empty(), "{:?}", stored.lock().unwrap().blind);
     }
 
-    /// A write that fails after switching the index (here: looking for stale parts) leaves
-    /// the cluster holding a snapshot this publisher did not record: the next one is written
+    /// A write that fails after switching the index (here: deleting stale parts) leaves the
+    /// cluster holding a snapshot this publisher did not record: the next one is written
     /// even when it equals the one written before, and the index is read again first.
     #[tokio::test]
     async fn after_a_failed_write_nothing_is_skipped_as_already_written() {
         let stored = Arc::new(Mutex::new(Stored::default()));
-        let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::with_budget(api.client.clone(), target(), Leadership::always(), 1000);
-        let (small, split) = (snapshot(2, 8), snapshot(40, 64));
-        publisher.publish(Arc::new(small.clone())).await.unwrap();
-        stored.lock().unwrap().fail_part_reads = true;
-        publisher.publish(Arc::new(split.clone())).await.unwrap_err();
+        let (api, publisher) = publisher_of(&stored).await;
+        let (s1, s2, small) = (snapshot(40, 64), snapshot(41, 64), snapshot(2, 8));
+        publisher.publish(Arc::new(s1)).await.unwrap();
+        publisher.publish(Arc::new(s2.clone())).await.unwrap();
+        stored.lock().unwrap().fail_deletes = true;
+        publisher.publish(Arc::new(small.clone())).await.unwrap_err();
         let main = stored.lock().unwrap().objects["snap"].clone();
-        assert_eq!(read_with(&stored.lock().unwrap(), &main).unwrap(), split.to_json(), "the index had switched");
-        stored.lock().unwrap().fail_part_reads = false;
+        assert_eq!(read_with(&stored.lock().unwrap(), &main).unwrap(), small.to_json(), "the index had switched");
+        stored.lock().unwrap().fail_deletes = false;
         api.take();
 
-        publisher.publish(Arc::new(small.clone())).await.unwrap();
+        publisher.publish(Arc::new(s2.clone())).await.unwrap();
         assert_eq!(api.take()[0], "GET snap", "the index is read again");
         let main = stored.lock().unwrap().objects["snap"].clone();
-        assert_eq!(read_with(&stored.lock().unwrap(), &main).unwrap(), small.to_json(), "written, not skipped");
-    }
-
-    #[test]
-    fn a_slot_is_read_from_part_names_of_this_configmap_only() {
-        assert_eq!(Slot::of_part("snap", "snap-a-1"), Some(Slot::A));
-        assert_eq!(Slot::of_part("snap", "snap-b-12"), Some(Slot::B));
-        for other in ["snap-1", "snap-c-1", "snap-a-", "snap-a-x", "other-a-1", "snapa-1", "snap-a"] {
-            assert_eq!(Slot::of_part("snap", other), None, "{other}");
-        }
+        assert_eq!(read_with(&stored.lock().unwrap(), &main).unwrap(), s2.to_json(), "written, not skipped");
     }
 
     #[tokio::test(start_paused = true)]
@@ -1343,7 +1586,7 @@ mod tests {
         let stored = Arc::new(Mutex::new(Stored::default()));
         let api = stored_api(stored.clone()).await;
         let (lead, leadership) = Leadership::manual();
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), leadership);
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), leadership, Arc::default());
         let err = publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap_err();
         assert!(matches!(err, PublishError::NotLeading(_)), "{err}");
         assert_eq!(err.reason(), "not_leading");
@@ -1366,6 +1609,7 @@ mod proptests {
     use super::tests::{snapshot, target};
     use super::*;
     use crate::test_fixtures::peak_heap;
+    use consul_resolver_core::assembler::gzip::Compressor;
     use proptest::prelude::*;
 
     /// The decoder's limit in these tests: small, so that bombs are worth their name.
@@ -1483,8 +1727,8 @@ mod proptests {
         ) {
             let s = snapshot(endpoints, meta_len);
             let json = s.to_json();
-            let e = encode(&target(), &s, budget, Slot::A).unwrap();
-            let mut parts = e.parts.clone();
+            let e = encode(&target(), &s, budget, &Compressor::default()).unwrap();
+            let mut parts = e.part_configmaps();
             if !parts.is_empty() {
                 let n = rotate % parts.len();
                 parts.rotate_left(n);
@@ -1499,7 +1743,7 @@ mod proptests {
             // Each part, and a snapshot kept whole, within the budget (an index grows with
             // its parts: a few hundred bytes at the real budget).
             let whole = e.parts.is_empty().then_some(&e.main);
-            for c in e.parts.iter().chain(whole) {
+            for c in e.part_configmaps().iter().chain(whole) {
                 prop_assert!(input_size(&[c]) <= budget, "{} bytes in one ConfigMap", input_size(&[c]));
             }
         }
@@ -1513,21 +1757,22 @@ mod proptests {
             flip in 1u8..=255,
         ) {
             let s = snapshot(endpoints, 32);
-            let e = encode(&target(), &s, budget, Slot::A).unwrap();
+            let e = encode(&target(), &s, budget, &Compressor::default()).unwrap();
             prop_assume!(e.parts.len() >= 2);
             let i = which % e.parts.len();
-            let mut changed = e.parts.clone();
+            let mut changed = e.part_configmaps();
             let bytes = &mut changed[i].binary_data.as_mut().unwrap().get_mut(KEY_PART).unwrap().0;
             let j = at % bytes.len();
             bytes[j] ^= flip;
             prop_assert!(decode(&e.main, &changed).is_err(), "part {} byte {} changed, and decoded", i, j);
 
-            // A part of the next snapshot, as a reader racing a write sees it: refused, or
-            // (when that part's bytes happen to be the same) the original, never a mix.
-            let next = encode(&target(), &snapshot(endpoints + 1, 32), budget, Slot::A).unwrap();
-            let mut mixed = e.parts.clone();
-            if let Some(p) = next.parts.get(i) {
-                mixed[i] = p.clone();
+            // The next snapshot's parts, as a reader racing a write sees them, under the names
+            // of this one's: refused, or (when the bytes happen to be the same) the
+            // original, never a mix.
+            let next = encode(&target(), &snapshot(endpoints + 1, 32), budget, &Compressor::default()).unwrap();
+            let mut mixed = e.part_configmaps();
+            if let Some(p) = next.part_configmaps().get(i) {
+                mixed[i].binary_data = p.binary_data.clone();
             }
             if let Ok(bytes) = decode(&e.main, &mixed) {
                 prop_assert!(bytes == s.to_json(), "a mix of two snapshots decoded");
@@ -1553,7 +1798,7 @@ mod proptests {
         assert!(err.contains("larger than 65536 bytes"), "{err}");
         assert!(peak < 1 << 20, "{peak} bytes held to refuse a bomb");
 
-        // The same part, a thousand times over: without the check, a thousand copies.
+        // The same part, a thousand times over: never a thousand copies; refused at the limit.
         let part = cm("snap-1", None, Some(BTreeMap::from([(KEY_PART.to_owned(), gz.clone())])));
         let refs = vec![PartRef { name: "snap-1".into(), sha256: sha256(&gz), size: gz.len() }; 1000];
         let whole: Vec<u8> = refs.iter().flat_map(|_| gz.clone()).collect();
@@ -1567,7 +1812,33 @@ mod proptests {
         };
         let main =
             cm("snap", Some(BTreeMap::from([(KEY_INDEX.to_owned(), serde_json::to_string(&index).unwrap())])), None);
-        let err = decode(&main, &[part]).unwrap_err();
-        assert!(err.contains("names part snap-1 twice"), "{err}");
+        let (err, peak) = peak_heap(|| decode_limited(&main, std::slice::from_ref(&part), LIMIT).unwrap_err());
+        assert!(err.contains("larger than 65536 bytes"), "{err}");
+        assert!(peak < 1 << 20, "{peak} bytes held");
+    }
+
+    /// The parts make one gzip stream and nothing else: bytes after its end are refused,
+    /// not ignored (a reader would otherwise take half of what the index names).
+    #[test]
+    fn bytes_after_the_end_of_the_stream_are_refused() {
+        let s = snapshot(40, 64);
+        let e = encode(&target(), &s, 1000, &Compressor::default()).unwrap();
+        let mut index = index_of(&e.main).unwrap().unwrap();
+        let mut parts = e.part_configmaps();
+        // The whole stream named twice over: each part checks, the whole checks.
+        let once = index.parts.clone();
+        index.parts.extend(once);
+        let whole: Vec<u8> = index
+            .parts
+            .iter()
+            .flat_map(|r| e.parts.iter().find(|p| p.name == r.name).unwrap().bytes.to_vec())
+            .collect();
+        index.sha256 = sha256(&whole);
+        let main =
+            cm("snap", Some(BTreeMap::from([(KEY_INDEX.to_owned(), serde_json::to_string(&index).unwrap())])), None);
+        let err = decode(&main, &parts).unwrap_err();
+        assert!(err.contains("after the end of the gzip stream"), "{err}");
+        parts.reverse();
+        assert_eq!(decode(&e.main, &parts).unwrap(), s.to_json(), "the true index reads");
     }
 }

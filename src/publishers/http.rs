@@ -7,15 +7,17 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 
 use consul_resolver_core::assembler::Snapshot;
+use consul_resolver_core::assembler::gzip::{Compressor, Gzipped};
 
 /// How many snapshots `/snapshots/<id>` keeps.
 pub(crate) const KEPT: usize = 10;
 
 /// The latest snapshots, as the bytes served: the latest as published (the same bytes
-/// every publisher writes), older ones gzipped, so keeping ten costs about one.
-#[derive(Default)]
+/// every publisher writes), older ones gzipped in segments that consecutive snapshots
+/// share where they are equal, so keeping ten costs about one gzip and what changed.
 pub(crate) struct SnapshotStore {
     kept: Mutex<Kept>,
+    compressor: Arc<Compressor>,
 }
 
 #[derive(Default)]
@@ -28,22 +30,37 @@ struct Kept {
 }
 
 /// A kept snapshot's bytes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub(crate) enum Body {
     Json(Bytes),
-    Gzip(Bytes),
+    Gzip(Arc<Gzipped>),
 }
 
 /// Snapshots smaller than this stay uncompressed in the history (not worth it).
 const COMPRESS_FROM: usize = 16 * 1024;
 
+impl Default for SnapshotStore {
+    /// A store with a compressor of its own (tests).
+    fn default() -> Self {
+        SnapshotStore::new(Arc::default())
+    }
+}
+
 impl SnapshotStore {
+    /// A store gzipping with `compressor`, the one the ConfigMap publisher uses.
+    pub(crate) fn new(compressor: Arc<Compressor>) -> Self {
+        SnapshotStore { kept: Mutex::default(), compressor }
+    }
+
     pub(crate) fn push(&self, snapshot: &Arc<Snapshot>) {
         let mut kept = self.kept.lock().expect("store lock");
         if let Some(previous) = kept.latest.replace(snapshot.clone()) {
             let json = previous.to_json();
-            let body =
-                if json.len() >= COMPRESS_FROM { Body::Gzip(previous.gzipped(super::gzip)) } else { Body::Json(json) };
+            let body = if json.len() >= COMPRESS_FROM {
+                Body::Gzip(previous.gzipped(&self.compressor))
+            } else {
+                Body::Json(json)
+            };
             kept.older.push_back((previous.id, body));
             while kept.older.len() >= KEPT {
                 kept.older.pop_front();
@@ -71,7 +88,7 @@ mod tests {
 
     #[test]
     fn the_history_keeps_the_latest_as_published_and_older_ones_gzipped() {
-        let store = SnapshotStore::default();
+        let store = SnapshotStore::new(Arc::default());
         let mut big = content(vec![]);
         big.problems = (0..400)
             .map(|i| consul_resolver_core::assembler::snapshot::Problem {
@@ -89,11 +106,11 @@ mod tests {
         assert_eq!(store.latest(), Some(second.to_json()), "the very bytes published");
         let Some(Body::Gzip(gz)) = store.get(1) else { panic!("the older one is compressed") };
         assert!(gz.len() * 10 < first.to_json().len());
-        assert_eq!(super::super::gunzip(&gz).unwrap(), first.to_json());
+        assert_eq!(super::super::gunzip(&gz.to_bytes()).unwrap(), first.to_json());
         for id in 3..20 {
             store.push(&Arc::new(content(vec![]).into_snapshot(id)));
         }
-        assert_eq!(store.get(2), None, "only the last ten");
+        assert!(store.get(2).is_none(), "only the last ten");
         assert!(matches!(store.get(19), Some(Body::Json(_))));
     }
 }

@@ -88,16 +88,6 @@ pub(crate) trait Publisher: Send + Sync + 'static {
     fn forget(&self) {}
 }
 
-/// gzip at the level measured for snapshots (docs/benchmarks.md, "gzip level"): level 1
-/// compresses the 3 MB snapshot of 10,000 Mappings to 167 KB in 2.7 ms, where the default
-/// level takes 17 ms for 115 KB. Both fit one ConfigMap; the time is paid on every
-/// publication.
-pub(crate) fn gzip(bytes: &[u8]) -> Vec<u8> {
-    use std::io::Write;
-    let mut enc = flate2::write::GzEncoder::new(Vec::with_capacity(bytes.len() / 8), flate2::Compression::fast());
-    enc.write_all(bytes).and_then(|_| enc.finish()).expect("gzip into memory cannot fail")
-}
-
 pub(crate) fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, String> {
     gunzip_limited(bytes, usize::MAX)
 }
