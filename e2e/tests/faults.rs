@@ -368,12 +368,12 @@ impl Polling {
 }
 
 /// SIGTERM and SIGKILL while a snapshot split over ConfigMaps is being written. A reader
-/// polling the ConfigMaps all along never assembles a mix of two snapshots (parts first, to
-/// the slot the index does not name, index last, each part checked by its sha256). SIGTERM
+/// polling the ConfigMaps all along never assembles a mix of two snapshots (new parts
+/// first, under names no index uses, index last, each part checked by its sha256). SIGTERM
 /// lets the write finish: the ConfigMaps hold the whole new snapshot when the process is
 /// gone. SIGKILL between the new parts and the index leaves the old index naming the old
 /// parts, untouched: a reader gets the old snapshot whole. The next process writes the
-/// current state whole.
+/// current state whole, and deletes the part the killed one left that no index names.
 #[test]
 #[cfg_attr(e2e_external_cluster, ignore = "freezes the API server: needs the suite's own control plane")]
 fn sigterm_and_sigkill_during_a_split_publication_never_leave_a_mix() {
@@ -452,43 +452,41 @@ fn sigterm_and_sigkill_during_a_split_publication_never_leave_a_mix() {
         other => panic!("after SIGTERM the ConfigMaps hold no whole snapshot: {other:?}\n{}", op.logs()),
     }
 
-    // SIGKILL as soon as the API server has written a part of the next snapshot, before its
+    // SIGKILL as soon as the API server has created a part of the next snapshot, before its
     // index: the audit log (written before each response, blocking mode) says when. First
-    // the new process writes what it starts with to the slot the index does not name; its
-    // next snapshot then goes back to the first slot.
-    let first_part = |main: &Value| -> String {
+    // the new process publishes what it starts with (its own id: a new first part).
+    let part_names = |main: &Value| -> Vec<String> {
         let index: Value = serde_json::from_str(main["data"]["index.json"].as_str().expect("an index")).unwrap();
-        index["parts"][0]["name"].as_str().expect("a part").to_owned()
+        index["parts"].as_array().expect("parts").iter().map(|p| p["name"].as_str().unwrap().to_owned()).collect()
     };
-    let before = first_part(&reader.get(&cm).unwrap());
+    let before = part_names(&reader.get(&cm).unwrap());
     let mut op = Operator::start(cluster, &args).unwrap();
     op.wait_ready(T).unwrap();
-    wait_for("the new process's first snapshot in the other slot", T, || {
+    wait_for("the new process's first snapshot", T, || {
         let main = reader.get(&cm)?;
-        (first_part(&main) != before).then_some(())
+        (part_names(&main)[0] != before[0]).then_some(())
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
     in_configmap(&state_b).unwrap();
     let user = cluster.operator_username().unwrap();
-    let part1 = before.clone();
     let mut audit = AuditTail::from_end(&cluster.audit_log().unwrap());
-    // Instance 0 to the front of the list: the first part's bytes change.
     let state_c = move_first(19_000);
     states.lock().unwrap().push(state_c.clone());
     let deadline = Instant::now() + T;
-    loop {
-        let written = audit.next_events().into_iter().any(|e| {
+    let part_prefix = format!("{cm}-");
+    let orphan = loop {
+        let created = audit.next_events().into_iter().find(|e| {
             e["user"]["username"] == user.as_str()
-                && e["verb"] == "patch"
-                && e["objectRef"]["name"] == part1.as_str()
-                && e["responseStatus"]["code"] == 200
+                && e["verb"] == "create"
+                && e["objectRef"]["name"].as_str().is_some_and(|n| n.starts_with(&part_prefix))
+                && e["responseStatus"]["code"] == 201
         });
-        if written {
+        if let Some(created) = created {
             op.signal(libc::SIGKILL).unwrap();
-            break;
+            break created["objectRef"]["name"].as_str().unwrap().to_owned();
         }
-        assert!(Instant::now() < deadline, "the first part was never written\n{}", op.logs());
-    }
+        assert!(Instant::now() < deadline, "no part was ever created\n{}", op.logs());
+    };
     let status = op.kill().unwrap();
     assert!(!status.success(), "killed: {status}");
     // A part of the new snapshot is written, the index still names the old one's parts,
@@ -496,17 +494,21 @@ fn sigterm_and_sigkill_during_a_split_publication_never_leave_a_mix() {
     match reader.read(&cm, &svc, &ns) {
         Read::Whole { ports, id, .. } => {
             assert!(ports == state_b, "right after SIGKILL the index names snapshot {id}, not the last whole one");
-            assert_ne!(first_part(&reader.get(&cm).unwrap()), part1, "the index was not switched");
+            assert!(!part_names(&reader.get(&cm).unwrap()).contains(&orphan), "the index was not switched");
             eprintln!("right after SIGKILL between a part and its index, a reader reads snapshot {id} whole");
         }
         other => panic!("right after SIGKILL between a part and its index: {other:?}"),
     }
-    // The next process writes the current state whole.
+    assert!(reader.get(&orphan).is_some(), "the killed process created part {orphan}");
+    // The next process writes the current state whole, and deletes what the killed one
+    // left: its first part (with its snapshot id) is in no index.
     let started = Instant::now();
     let mut op = Operator::start(cluster, &args).unwrap();
     op.wait_ready(T).unwrap();
     in_configmap(&state_c).unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
     eprintln!("republished whole {:?} after the restart", started.elapsed());
+    wait_for("the killed process's orphaned part deleted", T, || reader.get(&orphan).is_none().then_some(()))
+        .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
     let (whole, raced) = polling.finish();
     eprintln!("the polling reader: {whole} whole snapshots, each a state Consul had; {raced} reads raced a write");
     assert!(whole > 0);

@@ -266,6 +266,7 @@ const CLUSTER_WIDE: &[(&str, &str, &str)] = &[
 /// Only in consul-resolver-system: the snapshot ConfigMaps and the Lease.
 const OWN_NAMESPACE: &[(&str, &str, &str)] = &[
     ("", "configmaps", "get"),
+    ("", "configmaps", "list"),
     ("", "configmaps", "create"),
     ("", "configmaps", "patch"),
     ("", "configmaps", "delete"),
@@ -450,7 +451,8 @@ fn the_service_account_may_do_exactly_what_the_code_does() {
         (vec!["-n", granted.as_str(), "get", "secret", "any"], "get a Secret by name"),
         (vec!["-n", other.as_str(), "get", "secrets"], "list Secrets without a grant"),
         (vec!["get", "secrets", "-A"], "list Secrets cluster-wide"),
-        (vec!["-n", NS, "get", "configmaps"], "list ConfigMaps"),
+        (vec!["get", "configmaps", "-A"], "list ConfigMaps cluster-wide"),
+        (vec!["-n", other.as_str(), "get", "configmaps"], "list ConfigMaps outside its namespace"),
     ] {
         let (ok, _, err) = as_operator(cluster, &args);
         assert!(!ok, "the operator may {what}");

@@ -475,6 +475,10 @@ fn a_snapshot_well_over_one_mebibyte_reaches_the_configmap_whole() {
         assert_eq!(part["metadata"]["labels"][configmap::LABEL_PART_OF], cm.as_str());
         let bytes = base64_decode(part["binaryData"][configmap::KEY_PART].as_str().expect("binaryData part")).unwrap();
         assert_eq!(sha256sum(&bytes), r["sha256"].as_str().unwrap(), "part {}", r["name"]);
+        // Named by its content, and never written again.
+        let hex = sha256sum(&bytes).trim_start_matches("sha256:").to_owned();
+        assert_eq!(r["name"].as_str().unwrap(), format!("{cm}-{}", &hex[..16]));
+        assert_eq!(part["immutable"], true, "part {}", r["name"]);
         assert_eq!(Some(bytes.len() as u64), r["size"].as_u64(), "part {}", r["name"]);
         gz.extend_from_slice(&bytes);
     }

@@ -456,21 +456,28 @@ fn a_leader_frozen_mid_publication_is_outnumbered_and_never_writes_again() {
             }
         })
     };
-    // Frozen on the audit log's record of A's first part of a new snapshot: written before
-    // the API server answers (blocking mode), so A is stopped before (or just as) it sends
-    // its next part, well before its index.
-    let first_parts = [format!("{cm}-a-1"), format!("{cm}-b-1")];
+    // Frozen on the audit log's record of A's first part of a new snapshot (parts are
+    // created, named by their content, before the index): written before the API server
+    // answers (blocking mode), so A is stopped before (or just as) it sends its next part,
+    // well before its index.
+    let part_prefix = format!("{cm}-");
     let a_wrote = |e: &Value, names: &[String]| {
         replica(e) == Some("replica-a")
             && is_write(e)
             && succeeded(e)
             && names.iter().any(|n| e["objectRef"]["name"] == n.as_str())
     };
+    let a_created_part = |e: &Value| {
+        replica(e) == Some("replica-a")
+            && e["verb"] == "create"
+            && succeeded(e)
+            && e["objectRef"]["name"].as_str().is_some_and(|n| n.starts_with(&part_prefix))
+    };
     let deadline = Instant::now() + T;
     let mut attempts = 0;
     let frozen_at = loop {
         assert!(Instant::now() < deadline, "replica-a was never frozen mid-publication\n{}", a.logs());
-        let Some(started) = audit.next_events().into_iter().find(|e| a_wrote(e, &first_parts)) else {
+        let Some(started) = audit.next_events().into_iter().find(|e| a_created_part(e)) else {
             std::thread::sleep(Duration::from_millis(2)); // the audit log's polling pace
             continue;
         };

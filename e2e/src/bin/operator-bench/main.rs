@@ -810,6 +810,12 @@ async fn watch_configmap(
         let at = Instant::now();
         let cm = match ev {
             Ok(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm)) => cm,
+            // Parts are named by their content and never change: the ones kept are a cache
+            // a reader only adds the new ones to; deleted ones leave it.
+            Ok(watcher::Event::Delete(cm)) => {
+                parts.remove(cm.metadata.name.as_deref().unwrap_or_default());
+                continue;
+            }
             Ok(_) => continue,
             Err(e) => {
                 eprintln!("  ConfigMap watch: {e}");
