@@ -321,82 +321,102 @@ fn endpoints(snapshot: &Value, svc: &str) -> Option<(usize, u64)> {
 // ---------------------------------------------------------------------------------------
 // The tests
 
-/// A part name the operator has not written is created, and a create fails when another
-/// writer made that name first: the operator writes over it only once it has read it (its
-/// first write of a name it never read is a create, refused with 409). An unconditional
-/// apply would overwrite what it never saw (a new leader's part, when the writer is a
-/// stale leader).
+/// Split snapshot parts are named by their content, created once and never written again:
+/// a change creates only the parts whose content changed, and the rest of the new index is
+/// the previous one's. A part name another writer holds is read before the operator
+/// replaces it (its create refused with 409, then a read, then a delete conditional on
+/// that read, then its create), never overwritten unseen.
 #[test]
 #[cfg_attr(e2e_external_cluster, ignore = "reads the API server's audit log")]
-fn a_part_another_writer_created_first_is_read_before_the_operator_writes_it() {
+fn parts_are_created_once_and_a_name_another_writer_holds_is_read_before_it_is_replaced() {
     let _serial = serial();
     let cluster = Cluster::shared();
     let consul = Consul::shared();
     let ns = cluster.namespace("cond").unwrap();
     let svc = format!("cw{}", unique());
-    consul.register_many(&instances(&svc, 0..600), 16).unwrap();
+    // 1,200 instances with 4 KiB of random meta each: ~5 MB of JSON that gzip barely
+    // shrinks, so several segments and parts; instance 0 and 1199 are farther apart than
+    // the longest segment (4 MiB), so never in one.
+    const N: usize = 1200;
+    let all = instances(&svc, 0..N);
+    consul.register_many(&all, 16).unwrap();
     cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), "")).unwrap();
     cluster.apply(&mapping_yaml(&ns, "big", &svc, Some("consul"))).unwrap();
     let cm = format!("cond-{}", unique());
     let mut op = start(cluster, &operator_args(&ns, &cm, None));
-    let n = wait_for("a split snapshot of 600 endpoints in the ConfigMaps", T, || {
-        let parts = index_parts(&get_configmap(cluster, &cm)?);
-        (endpoints(&read_snapshot(cluster, &cm)?, &svc)?.0 == 600).then_some(parts.len())
-    })
-    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
-    assert!(n >= 2, "split over parts: {n}");
-
-    // The snapshot is about to grow past n parts: part n+1 of either slot is a name the
-    // operator has never written. Another writer makes both first (not labelled as parts of
-    // ours, so that no stale-part cleanup deletes them meanwhile).
-    let taken: Vec<String> = ["a", "b"].iter().map(|slot| format!("{cm}-{slot}-{}", n + 1)).collect();
-    let before = cluster.audit_events().unwrap().expect("our own cluster has an audit log").len();
-    for name in &taken {
-        cluster
-            .apply(&format!(
-                "apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: {name}, namespace: {SYSTEM}, labels: {{consulresolver.io/snapshot: \"true\"}}}}\ndata: {{written-by: someone-else}}\n"
-            ))
-            .unwrap();
-    }
-    consul.register_many(&instances(&svc, 600..1200), 16).unwrap();
-    let grown = wait_for("the grown snapshot in the ConfigMaps", T, || {
-        let parts = index_parts(&get_configmap(cluster, &cm)?);
-        (endpoints(&read_snapshot(cluster, &cm)?, &svc)?.0 == 1200).then_some(parts)
-    })
-    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
-    assert!(grown.iter().any(|p| taken.contains(p)), "the grown snapshot uses a taken name: {grown:?}");
-
-    // Each taken name the operator wrote: its first write refused, then read, then written.
     let user = cluster.operator_username().unwrap();
+    let audit_from = cluster.audit_events().unwrap().expect("our own cluster has an audit log").len();
+    // Instance `i` on `port`, and the index once the ConfigMaps hold that.
+    let publish = |i: usize, port: u16| -> Vec<String> {
+        consul.register_many(&[Instance { port, ..all[i].clone() }], 1).unwrap();
+        wait_for("the change in the ConfigMaps", T, || {
+            let snapshot = read_snapshot(cluster, &cm)?;
+            let services = snapshot["resolvers"].as_array()?.iter().flat_map(|r| r["services"].as_array()).flatten();
+            let service = services.into_iter().find(|s| s["name"] == svc.as_str())?;
+            let endpoints = service["endpoints"].as_array()?;
+            let id = format!("{svc}-{i}");
+            (endpoints.len() == N && endpoints.iter().any(|e| e["serviceId"] == id.as_str() && e["port"] == port))
+                .then(|| index_parts(&get_configmap(cluster, &cm).unwrap()))
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()))
+    };
+    let p1 = publish(0, 20_000);
+    assert!(p1.len() >= 5, "split over parts: {p1:?}");
+    let p2 = publish(0, 19_999);
+    // Parts are created in index order: the header (its id), the changed segment, the trailer.
+    let created: Vec<&String> = p2.iter().filter(|p| !p1.contains(p)).collect();
+    eprintln!("a change to instance 0 created {} of {} parts: {created:?}", created.len(), p2.len());
+    assert!(created.len() * 2 < p2.len(), "most parts are the previous index's: {created:?} of {p2:?}");
+    assert!(created.contains(&&p2[0]) && created.contains(&&p2[p2.len() - 1]), "the header and trailer are new");
+    // The segment instance 0 was in before its change: not the header, not the trailer.
+    let before: Vec<&String> = p1[1..p1.len() - 1].iter().filter(|p| !p2.contains(p)).collect();
+    assert!(!before.is_empty(), "the changed segment's old parts: {p1:?} -> {p2:?}");
+    // Another change, at the other end: the first index's own parts go.
+    let _p3 = publish(N - 1, 21_300);
+    let taken = before[0].clone();
+    wait_for("the first index's own parts deleted", T, || get_configmap(cluster, &taken).is_none().then_some(()))
+        .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    // Another writer takes that name (not labelled as ours); instance 0 goes back to its
+    // port, and the operator needs the name again for the very same bytes.
+    let audit_taken = cluster.audit_events().unwrap().unwrap().len();
+    cluster
+        .apply(&format!(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: {taken}, namespace: {SYSTEM}}}\ndata: {{written-by: someone-else}}\n"
+        ))
+        .unwrap();
+    let p4 = publish(0, 20_000);
+    assert!(p4.contains(&taken), "the segment's old name is needed again: {taken} in {p4:?}");
+    let held = get_configmap(cluster, &taken).unwrap();
+    assert!(held["data"]["written-by"].is_null() && held["binaryData"]["part"].is_string(), "replaced: {held}");
+
     let events = cluster.audit_events().unwrap().unwrap();
-    let mut checked = 0;
-    for name in &taken {
-        let requests: Vec<String> = events[before..]
+    let ours = |e: &&Value| e["user"]["username"] == user.as_str() && e["objectRef"]["resource"] == "configmaps";
+    let requests = |from: usize, name: &str| -> Vec<String> {
+        events[from..]
             .iter()
-            .filter(|e| e["user"]["username"] == user.as_str() && e["objectRef"]["name"] == name.as_str())
+            .filter(ours)
+            .filter(|e| e["objectRef"]["name"] == name)
             .map(|e| format!("{} {}", e["verb"].as_str().unwrap_or("?"), e["responseStatus"]["code"]))
-            .collect();
-        eprintln!("the operator's requests on {name}, another writer's: {requests:?}");
-        let Some(first_write) = requests.iter().position(|r| !r.starts_with("get ")) else { continue };
-        // Either it had read the object already (probing for stale parts reads the name
-        // after the last part; its write is then conditional on that read), or its first
-        // write is a create, refused because the name exists, and it reads before writing.
-        let read_before = requests[..first_write].iter().any(|r| r == "get 200");
-        if !read_before {
-            assert!(
-                requests[first_write].ends_with(" 409"),
-                "the operator wrote {name}, which another writer had created, without having read it and \
-                 without being refused: {requests:?}\n{}",
-                op.logs()
-            );
-            let read = requests[first_write..].iter().position(|r| r == "get 200").expect("read after the refusal");
-            assert!(requests[first_write + read..].iter().any(|r| r == "patch 200"), "written once read: {requests:?}");
-        } else {
-            assert!(requests[first_write..].iter().any(|r| r == "patch 200"), "written once read: {requests:?}");
-        }
-        checked += 1;
+            .collect()
+    };
+    let on_taken = requests(audit_taken, &taken);
+    eprintln!("the operator's requests on {taken}, another writer's: {on_taken:?}");
+    assert_eq!(on_taken, ["create 409", "get 200", "delete 200", "create 201"], "read before it was replaced");
+    // Never a part written over: parts are only created, read, listed and deleted.
+    let prefix = format!("{cm}-");
+    let writes: Vec<String> = events[audit_from..]
+        .iter()
+        .filter(ours)
+        .filter(|e| e["objectRef"]["name"].as_str().is_some_and(|n| n.starts_with(&prefix)))
+        .filter(|e| matches!(e["verb"].as_str(), Some("patch" | "update")))
+        .map(|e| format!("{} {}", e["verb"], e["objectRef"]["name"]))
+        .collect();
+    assert!(writes.is_empty(), "parts written over: {writes:?}");
+    // Each part of the second index that the first did not name was created exactly once.
+    for name in &created {
+        let creates = requests(audit_from, name).iter().filter(|r| r.starts_with("create 201")).count();
+        assert_eq!(creates, 1, "{name}: {:?}", requests(audit_from, name));
     }
-    assert!(checked >= 1, "the operator wrote none of {taken:?}");
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
 }
 

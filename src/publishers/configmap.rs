@@ -405,8 +405,11 @@ struct State {
 /// The part ConfigMaps in the cluster.
 #[derive(Debug, Clone, Default)]
 struct Parts {
-    /// Every part of ours there is.
+    /// Every part of ours there is (labelled as ours, named as ours are).
     existing: BTreeSet<String>,
+    /// Those this replica created, or read and found holding the bytes their name says:
+    /// a listed name alone is a claim, and the index never names a part on a claim.
+    verified: BTreeSet<String>,
     /// The parts the index in the cluster names: readers may be reading them.
     named: BTreeSet<String>,
 }
@@ -642,25 +645,33 @@ impl Writer<'_> {
         }
     }
 
-    /// Creates part `cm` whole (parts are immutable). One that exists already is ours when it
-    /// holds these bytes under our labels (a part's name is its content's hash: written by
-    /// an earlier publication or leader); anything else of that name is refused, never
-    /// written over.
+    /// Creates part `cm` whole (parts are immutable). One that exists already is used as it is
+    /// when it holds these bytes under our labels (a part's name is its content's hash: an
+    /// earlier publication or leader wrote it). Anything else of that name is read first,
+    /// then replaced (deleted as read, created again) once: we lead, and the name is ours.
     async fn create_part(&mut self, cm: &ConfigMap) -> Result<(), PublishError> {
-        self.may_write()?;
         let name = cm.metadata.name.clone().unwrap_or_default();
         let params = PostParams { field_manager: Some(FIELD_MANAGER.to_owned()), ..PostParams::default() };
-        match self.api.create(&params, cm).await {
-            Ok(created) => {
-                self.saw(&name, Some(&created));
-                Ok(())
+        for attempt in 0..2 {
+            self.may_write()?;
+            match self.api.create(&params, cm).await {
+                Ok(created) => {
+                    self.saw(&name, Some(&created));
+                    return Ok(());
+                }
+                Err(e) if status_code(&e) == Some(409) && attempt == 0 => match self.read(&name).await? {
+                    Some(live) if same_part(&live, cm) => return Ok(()),
+                    Some(_) => {
+                        tracing::info!(configmap = %name, "a snapshot part's name holds something else; replacing it");
+                        self.delete(&name).await?;
+                    }
+                    None => {}
+                },
+                Err(e) if status_code(&e) == Some(409) => return Err(PublishError::Conflict(name)),
+                Err(e) => return Err(PublishError::Kube { what: format!("create ConfigMap {name}"), source: e }),
             }
-            Err(e) if status_code(&e) == Some(409) => match self.read(&name).await? {
-                Some(live) if same_part(&live, cm) => Ok(()),
-                _ => Err(PublishError::Conflict(name)),
-            },
-            Err(e) => Err(PublishError::Kube { what: format!("create ConfigMap {name}"), source: e }),
         }
+        Err(PublishError::Conflict(name))
     }
 
     /// Creates `cm`'s name with our labels and nothing else; a 409 if it exists. Empty, not
@@ -686,10 +697,10 @@ impl Writer<'_> {
         Ok(())
     }
 
-    /// Server-side apply of `cm`, conditional on `seen`: a 409 if the object is no longer
-    /// that version. (One deleted since is created again: the API server's apply creates a
-    /// missing object whatever resourceVersion it names. Nothing reads a part the index does
-    /// not name, and a stale one is deleted by the next split snapshot in its slot.)
+    /// Server-side apply of `cm` (only ever `NAME`; parts are created, never applied),
+    /// conditional on `seen`: a 409 if the object is no longer that version. (One deleted
+    /// since is created again: the API server's apply creates a missing object whatever
+    /// resourceVersion it names.)
     async fn apply(&mut self, cm: &ConfigMap, seen: &Seen) -> Result<(), PublishError> {
         self.may_write()?;
         let name = cm.metadata.name.clone().unwrap_or_default();
@@ -741,7 +752,7 @@ async fn live_parts(writer: &mut Writer<'_>, target: &NamespacedName) -> Result<
         }
         existing.insert(name);
     }
-    Ok(Parts { existing, named })
+    Ok(Parts { existing, verified: BTreeSet::new(), named })
 }
 
 /// The ConfigMap publisher's name in metrics, logs and Events.
@@ -786,13 +797,15 @@ impl Publisher for ConfigMapPublisher {
                     None => live_parts(&mut writer, &target).await?,
                 };
                 let encoded = Arc::new(encode(&target, &snapshot, budget, &compressor).map_err(PublishError::Encode)?);
-                // The parts the cluster lacks, then the index naming them.
-                let mut existing = known.existing.clone();
+                // The parts not known to be there as they should be, then the index naming
+                // them.
+                let (mut existing, mut verified) = (known.existing.clone(), known.verified.clone());
                 let mut created = 0;
                 for part in &encoded.parts {
-                    if !existing.contains(&part.name) {
+                    if !verified.contains(&part.name) {
                         writer.create_part(&encoded.part_configmap(part)).await?;
                         existing.insert(part.name.clone());
+                        verified.insert(part.name.clone());
                         created += 1;
                     }
                 }
@@ -805,8 +818,9 @@ impl Publisher for ConfigMapPublisher {
                 for name in &stale {
                     writer.delete(name).await?;
                     existing.remove(name);
+                    verified.remove(name);
                 }
-                Ok::<_, PublishError>((encoded, Parts { existing, named }, created, stale.len()))
+                Ok::<_, PublishError>((encoded, Parts { existing, verified, named }, created, stale.len()))
             })
             .await
             .map_err(|_| PublishError::LeadershipLapsed("the snapshot ConfigMap"))
@@ -1314,36 +1328,61 @@ mod tests {
         assert_eq!(decode(&e.main, &parts).unwrap(), json, "parts are found by name, not position");
     }
 
-    /// A part name that exists already is ours only with our bytes under our labels (as a
-    /// previous leader leaves it): then it is used as it is. Anything else of that name is
-    /// refused, not written over, and the index is not switched.
+    /// A part name that exists already is used as it is when it holds our bytes under our
+    /// labels (as a previous leader leaves it). Anything else of that name is read, then
+    /// replaced conditional on that read: never written over blind. Written over by yet
+    /// someone else in between, it is left to them and the index is not switched.
     #[tokio::test]
-    async fn an_existing_part_is_used_when_it_holds_our_bytes_and_refused_otherwise() {
+    async fn an_existing_part_is_used_when_it_holds_our_bytes_and_replaced_as_read_otherwise() {
         let stored = Arc::new(Mutex::new(Stored::default()));
         let (api, publisher) = publisher_of(&stored).await;
         let (s1, s2) = (snapshot(40, 64), snapshot(41, 64));
         publisher.publish(Arc::new(s1.clone())).await.unwrap();
         let index1 = stored.lock().unwrap().objects["snap"].clone();
         let new = part_names(&s2).into_iter().find(|n| !part_names(&s1).contains(n)).unwrap();
-        stored.lock().unwrap().someone_elses(&new, true, 99);
+        {
+            let mut st = stored.lock().unwrap();
+            st.someone_elses(&new, true, 99);
+            st.written_after_read = Some(new.clone());
+        }
         api.take();
         let err = publisher.publish(Arc::new(s2.clone())).await.unwrap_err();
         assert_eq!(err.reason(), "conflict", "{err}");
-        assert!(api.take().iter().all(|c| c != "PATCH snap"), "the index is not switched");
+        let calls = api.take();
+        let at = calls.iter().position(|c| *c == format!("GET {new}")).unwrap();
+        assert_eq!(
+            calls[at - 1..at + 2],
+            ["POST configmaps".to_owned(), format!("GET {new}"), format!("DELETE {new}")]
+        );
+        assert!(calls.iter().all(|c| c != "PATCH snap"), "the index is not switched: {calls:?}");
         assert_eq!(read_with(&stored.lock().unwrap(), &index1).unwrap(), s1.to_json());
+        assert!(stored.lock().unwrap().objects[&new]["metadata"]["annotations"]["edited-by"] == "someone else");
 
-        // What a previous leader left: our bytes, our labels.
+        // Someone else's, read and not written since: replaced.
         let e = encoded(&s2, 1000);
-        let ours = e.part_configmap(e.parts.iter().find(|p| p.name == new).unwrap());
-        {
-            let mut st = stored.lock().unwrap();
-            st.objects.remove(&new);
-            st.put(&new, serde_json::to_value(&ours).unwrap());
-        }
         publisher.publish(Arc::new(s2.clone())).await.unwrap();
+        {
+            let st = stored.lock().unwrap();
+            let ours = e.part_configmap(e.parts.iter().find(|p| p.name == new).unwrap());
+            let live: ConfigMap = serde_json::from_value(st.objects[&new].clone()).unwrap();
+            assert!(same_part(&live, &ours), "replaced by our part");
+            assert_eq!(read_with(&st, &st.objects["snap"]).unwrap(), s2.to_json());
+        }
+
+        // A part the next snapshot needs, left by another leader: our bytes, our labels.
+        // Used as it is.
+        let s3 = snapshot(42, 64);
+        let e3 = encoded(&s3, 1000);
+        let left = e3.parts.iter().find(|p| !part_names(&s2).contains(&p.name)).unwrap();
+        stored.lock().unwrap().put(&left.name, serde_json::to_value(e3.part_configmap(left)).unwrap());
+        api.take();
+        publisher.publish(Arc::new(s3.clone())).await.unwrap();
+        let calls = api.take();
+        assert!(calls.contains(&format!("GET {}", left.name)), "refused, then read: {calls:?}");
+        assert!(!calls.contains(&format!("DELETE {}", left.name)), "used as it is: {calls:?}");
         let st = stored.lock().unwrap();
         assert!(st.blind.is_empty(), "written without a condition: {:?}", st.blind);
-        assert_eq!(read_with(&st, &st.objects["snap"]).unwrap(), s2.to_json());
+        assert_eq!(read_with(&st, &st.objects["snap"]).unwrap(), s3.to_json());
     }
 
     /// A write whose answer is lost (a timeout) may have landed: the next publication reads
@@ -1543,11 +1582,16 @@ mod tests {
         assert_eq!(read_with(&stored.lock().unwrap(), &index2).unwrap(), s2.to_json());
         assert!(read_with(&stored.lock().unwrap(), &index1).unwrap_err().contains("is missing"));
 
-        // A new process (or leader) reads the index and lists the parts first, and creates
-        // only what is missing: nothing, for the second snapshot again.
+        // A new process (or leader) reads the index and lists the parts first. A part listed
+        // is only a claim: each one it needs is read once (its create refused) and used as
+        // it is, nothing written again.
         let next = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always(), Arc::default());
         next.publish(Arc::new(s2.clone())).await.unwrap();
-        assert_eq!(api.take(), ["GET snap", "GET configmaps", "PATCH snap"]);
+        let calls = api.take();
+        assert_eq!(calls[..2], ["GET snap", "GET configmaps"]);
+        assert_eq!(calls.iter().filter(|c| c.starts_with("GET snap-")).count(), n, "{calls:?}");
+        assert!(calls.iter().all(|c| !c.starts_with("DELETE")), "{calls:?}");
+        assert_eq!(calls.last().map(String::as_str), Some("PATCH snap"));
 
         // Snapshots that fit in one ConfigMap: the parts go, the last index's one
         // publication later.
