@@ -52,7 +52,21 @@ impl SnapshotStore {
         SnapshotStore { kept: Mutex::default(), compressor }
     }
 
+    /// Keeps `snapshot` as the latest. Its gzip is started now, off the caller's thread (the
+    /// event loop's), rather than when the next one pushes it into the history: the
+    /// compressor compares each document with the one it compressed last, and holds that one
+    /// until the next, so compressing the latest keeps it holding the document the store
+    /// holds anyway, not a second one. (With a ConfigMap publisher, whichever asks first
+    /// compresses; the other gets the same segments.)
     pub(crate) fn push(&self, snapshot: &Arc<Snapshot>) {
+        if snapshot.to_json().len() >= COMPRESS_FROM {
+            let (snapshot, compressor) = (snapshot.clone(), self.compressor.clone());
+            let gzip = move || drop(snapshot.gzipped(&compressor));
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn_blocking(gzip)),
+                Err(_) => gzip(),
+            }
+        }
         let mut kept = self.kept.lock().expect("store lock");
         if let Some(previous) = kept.latest.replace(snapshot.clone()) {
             let json = previous.to_json();
@@ -112,5 +126,59 @@ mod tests {
         }
         assert!(store.get(2).is_none(), "only the last ten");
         assert!(matches!(store.get(19), Some(Body::Json(_))));
+    }
+
+    /// Large snapshots that differ in one place cost one gzip and, per snapshot, the
+    /// segment that changed: the history's entries share the deflated segments they have in
+    /// common.
+    #[test]
+    fn the_history_shares_what_consecutive_snapshots_have_in_common() {
+        let store = SnapshotStore::default();
+        let big = |id: u64| {
+            let mut c = content(vec![]);
+            // ~3 MB of problems, one of them saying which snapshot this is.
+            c.problems = (0..20_000)
+                .map(|i| consul_resolver_core::assembler::snapshot::Problem {
+                    kind: "Mapping".into(),
+                    namespace: "shop".into(),
+                    name: format!("m{i:05}"),
+                    message: if i == 10_000 {
+                        format!("changed in snapshot {id}")
+                    } else {
+                        format!("resolver \"nope-{i}\": no ConsulResolver of that name in shop, {}", i * 7919)
+                    },
+                })
+                .collect();
+            Arc::new(c.into_snapshot(id))
+        };
+        for id in 1..=KEPT as u64 {
+            store.push(&big(id));
+        }
+        let older: Vec<Arc<Gzipped>> = (1..KEPT as u64)
+            .map(|id| match store.get(id) {
+                Some(Body::Gzip(gz)) => gz,
+                other => panic!("snapshot {id}: {other:?}"),
+            })
+            .collect();
+        let mut bodies = std::collections::HashMap::new();
+        for gz in &older {
+            for s in gz.segments() {
+                bodies.insert(s.body().as_ptr(), s.body().len());
+            }
+        }
+        let held: usize = bodies.values().sum();
+        let one = older[0].len();
+        let json = big(1).to_json().len();
+        eprintln!("{} snapshots of {json} bytes of JSON: {held} bytes of gzip held, {one} for one", older.len());
+        assert!(older[0].segments().len() >= 3, "{} segments", older[0].segments().len());
+        let largest = older.iter().flat_map(|gz| gz.segments()).map(|s| s.body().len()).max().unwrap();
+        let n = older.len();
+        assert!(held <= one + n * largest, "{held} bytes held for {n} gzips of {one} (segments up to {largest})");
+        // Each snapshot after the first holds two bodies of its own: its header (id, hash)
+        // and the segment with the changed problem; all others are the first one's.
+        assert_eq!(bodies.len(), older[0].segments().len() + 2 * (n - 1), "bodies held");
+        for (gz, id) in older.iter().zip(1..) {
+            assert_eq!(super::super::gunzip(&gz.to_bytes()).unwrap(), big(id).to_json(), "snapshot {id}");
+        }
     }
 }
