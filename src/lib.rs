@@ -31,7 +31,7 @@ pub use process::main;
 /// The snapshot ConfigMap format (docs/snapshot.md), for readers of it.
 pub mod snapshot_configmap {
     pub use crate::publishers::configmap::{
-        ANNOTATION_HASH, ANNOTATION_ID, DATA_BUDGET, KEY_GZIP, KEY_JSON, KEY_PART, LABEL_PART_OF, LABEL_SNAPSHOT,
-        MAX_DECODED_BYTES, decode, decode_limited, index_of,
+        ANNOTATION_HASH, ANNOTATION_ID, DATA_BUDGET, Index, KEY_GZIP, KEY_JSON, KEY_PART, LABEL_PART_OF,
+        LABEL_SNAPSHOT, MAX_DECODED_BYTES, PartRef, decode, decode_limited, index_of,
     };
 }

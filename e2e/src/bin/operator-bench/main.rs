@@ -63,7 +63,7 @@
 
 mod soak;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::io::{Read, Seek, SeekFrom};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -795,12 +795,58 @@ fn audit_since(path: &Path, offset: u64, since: SystemTime) -> anyhow::Result<Au
     Ok(audit)
 }
 
+/// What the split snapshot's indexes named anew, from the second index seen on: the bytes
+/// a reader that keeps the parts it has read must fetch (and the operator wrote).
+#[derive(Default)]
+struct PartChurn {
+    /// The names of the last index seen.
+    last: Option<BTreeSet<String>>,
+    indexes: u64,
+    new_parts: u64,
+    new_bytes: u64,
+    parts: u64,
+    bytes: u64,
+}
+
+impl PartChurn {
+    fn saw(&mut self, index: &configmap::Index) {
+        let names: BTreeSet<String> = index.parts.iter().map(|p| p.name.clone()).collect();
+        if let Some(last) = &self.last {
+            let new: BTreeMap<&str, usize> =
+                index.parts.iter().filter(|p| !last.contains(&p.name)).map(|p| (p.name.as_str(), p.size)).collect();
+            self.indexes += 1;
+            self.new_parts += new.len() as u64;
+            self.new_bytes += new.values().sum::<usize>() as u64;
+            self.parts += names.len() as u64;
+            self.bytes += index.size as u64;
+        }
+        self.last = Some(names);
+    }
+
+    fn summary(&self) -> String {
+        if self.indexes == 0 {
+            return "not split".into();
+        }
+        let n = self.indexes as f64;
+        format!(
+            "{:.1} new parts of {:.1}, {:.0} KB of {:.0} KB, per index ({} indexes)",
+            self.new_parts as f64 / n,
+            self.parts as f64 / n,
+            self.new_bytes as f64 / n / 1000.0,
+            self.bytes as f64 / n / 1000.0,
+            self.indexes
+        )
+    }
+}
+
 /// Watches the operator's namespace's snapshot ConfigMaps and sends, for each version of
-/// `name`, the time it arrived (before decoding) and its ports.
+/// `name`, the time it arrived (before decoding) and its ports; counts in `churn` what each
+/// index names anew.
 async fn watch_configmap(
     client: kube::Client,
     name: String,
     tx: mpsc::UnboundedSender<(Instant, anyhow::Result<Ports>)>,
+    churn: std::sync::Arc<std::sync::Mutex<PartChurn>>,
 ) {
     let api = Api::<ConfigMap>::namespaced(client, OPERATOR_NS);
     let config = watcher::Config::default().labels("app.kubernetes.io/managed-by=consul-resolver-operator");
@@ -826,6 +872,9 @@ async fn watch_configmap(
         if cm_name != name {
             parts.insert(cm_name, cm);
             continue;
+        }
+        if let Ok(Some(index)) = configmap::index_of(&cm) {
+            churn.lock().unwrap().saw(&index);
         }
         let parts: Vec<ConfigMap> = parts.values().cloned().collect();
         let decoded = configmap::decode(&cm, &parts)
@@ -1199,7 +1248,8 @@ fn run_operator(
     // Changes, timed at the ConfigMap.
     let admin = rt.block_on(kube_client(&cluster.admin_kubeconfig))?;
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let watch = rt.spawn(watch_configmap(admin.clone(), cm.clone(), tx));
+    let churn = std::sync::Arc::new(std::sync::Mutex::new(PartChurn::default()));
+    let watch = rt.spawn(watch_configmap(admin.clone(), cm.clone(), tx, churn.clone()));
     let encoding = rt.block_on(async {
         let api = Api::<ConfigMap>::namespaced(admin.clone(), OPERATOR_NS);
         let main = api.get(&cm).await?;
@@ -1234,6 +1284,7 @@ fn run_operator(
         cpu_ms(cpu_back_to_back)
     );
     let change_requests = sim.stats().requests_total - before_changes;
+    println!("  ConfigMap parts during the changes: {}", churn.lock().unwrap().summary());
     let before_flips = sim.stats().requests_total;
     let flips = rt.block_on(health_flips(&http, &setup.base_url, &mut rx, s, 29))?;
     let flip_requests = sim.stats().requests_total - before_flips;
