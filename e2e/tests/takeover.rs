@@ -81,8 +81,14 @@ fn get_configmap(cluster: &Cluster, name: &str) -> Option<Value> {
 
 /// The parts the index in `cm` names.
 fn index_parts(cm: &Value) -> Vec<String> {
+    index_sizes(cm).into_iter().map(|(name, _)| name).collect()
+}
+
+/// The parts the index in `cm` names, with their sizes.
+fn index_sizes(cm: &Value) -> Vec<(String, u64)> {
     let index: Value = cm["data"]["index.json"].as_str().and_then(|t| serde_json::from_str(t).ok()).unwrap_or_default();
-    index["parts"].as_array().into_iter().flatten().filter_map(|p| p["name"].as_str().map(str::to_owned)).collect()
+    let parts = index["parts"].as_array().into_iter().flatten();
+    parts.filter_map(|p| Some((p["name"].as_str()?.to_owned(), p["size"].as_u64()?))).collect()
 }
 
 fn holder(cluster: &Cluster, lease: &str) -> Option<String> {
@@ -233,9 +239,7 @@ async fn record(
     let kc = kube::config::Kubeconfig::read_from(&kubeconfig)?;
     let config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default()).await?;
     let client = kube::Client::try_from(config)?;
-    let ours = |name: &str| {
-        name == cm || name.strip_prefix(&cm).is_some_and(|rest| rest.starts_with("-a-") || rest.starts_with("-b-"))
-    };
+    let ours = |name: &str| name == cm || name.strip_prefix(&cm).is_some_and(|rest| rest.starts_with('-'));
     let configmaps = Api::<ConfigMap>::namespaced(client.clone(), SYSTEM)
         .watch(&WatchParams::default().labels("consulresolver.io/snapshot=true").timeout(290), "0")
         .await?
@@ -334,10 +338,10 @@ fn parts_are_created_once_and_a_name_another_writer_holds_is_read_before_it_is_r
     let consul = Consul::shared();
     let ns = cluster.namespace("cond").unwrap();
     let svc = format!("cw{}", unique());
-    // 1,200 instances with 4 KiB of random meta each: ~5 MB of JSON that gzip barely
-    // shrinks, so several segments and parts; instance 0 and 1199 are farther apart than
-    // the longest segment (4 MiB), so never in one.
-    const N: usize = 1200;
+    // 2,400 instances with 4 KiB of random meta each: ~10 MB of JSON that gzip barely
+    // shrinks, so several segments and parts. A segment is at most 4 MiB of JSON: under
+    // half the document, and instance 0 and 2399 are never in one.
+    const N: usize = 2400;
     let all = instances(&svc, 0..N);
     consul.register_many(&all, 16).unwrap();
     cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), "")).unwrap();
@@ -347,7 +351,7 @@ fn parts_are_created_once_and_a_name_another_writer_holds_is_read_before_it_is_r
     let user = cluster.operator_username().unwrap();
     let audit_from = cluster.audit_events().unwrap().expect("our own cluster has an audit log").len();
     // Instance `i` on `port`, and the index once the ConfigMaps hold that.
-    let publish = |i: usize, port: u16| -> Vec<String> {
+    let publish = |i: usize, port: u16| -> Vec<(String, u64)> {
         consul.register_many(&[Instance { port, ..all[i].clone() }], 1).unwrap();
         wait_for("the change in the ConfigMaps", T, || {
             let snapshot = read_snapshot(cluster, &cm)?;
@@ -356,36 +360,52 @@ fn parts_are_created_once_and_a_name_another_writer_holds_is_read_before_it_is_r
             let endpoints = service["endpoints"].as_array()?;
             let id = format!("{svc}-{i}");
             (endpoints.len() == N && endpoints.iter().any(|e| e["serviceId"] == id.as_str() && e["port"] == port))
-                .then(|| index_parts(&get_configmap(cluster, &cm).unwrap()))
+                .then(|| index_sizes(&get_configmap(cluster, &cm).unwrap()))
         })
         .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()))
     };
-    let p1 = publish(0, 20_000);
+    let names = |p: &[(String, u64)]| p.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    let (p1_sized, p2_sized) = (publish(0, 20_000), publish(0, 19_999));
+    let (p1, p2) = (names(&p1_sized), names(&p2_sized));
     assert!(p1.len() >= 5, "split over parts: {p1:?}");
-    let p2 = publish(0, 19_999);
-    // Parts are created in index order: the header (its id), the changed segment, the trailer.
+    // New: the header (its id), the changed segment's parts, the trailer; by bytes, most of
+    // the index is the previous one's.
     let created: Vec<&String> = p2.iter().filter(|p| !p1.contains(p)).collect();
-    eprintln!("a change to instance 0 created {} of {} parts: {created:?}", created.len(), p2.len());
-    assert!(created.len() * 2 < p2.len(), "most parts are the previous index's: {created:?} of {p2:?}");
+    let new_bytes: u64 = p2_sized.iter().filter(|(n, _)| !p1.contains(n)).map(|(_, s)| s).sum();
+    let all_bytes: u64 = p2_sized.iter().map(|(_, s)| s).sum();
+    eprintln!(
+        "a change to instance 0 created {} of {} parts, {new_bytes} of {all_bytes} bytes: {created:?}",
+        created.len(),
+        p2.len()
+    );
+    assert!(created.len() < p2.len() && new_bytes * 2 < all_bytes, "most of the index is the previous one's");
     assert!(created.contains(&&p2[0]) && created.contains(&&p2[p2.len() - 1]), "the header and trailer are new");
     // The segment instance 0 was in before its change: not the header, not the trailer.
     let before: Vec<&String> = p1[1..p1.len() - 1].iter().filter(|p| !p2.contains(p)).collect();
     assert!(!before.is_empty(), "the changed segment's old parts: {p1:?} -> {p2:?}");
     // Another change, at the other end: the first index's own parts go.
-    let _p3 = publish(N - 1, 21_300);
-    let taken = before[0].clone();
-    wait_for("the first index's own parts deleted", T, || get_configmap(cluster, &taken).is_none().then_some(()))
+    let p3 = names(&publish(N - 1, 23_000));
+    wait_for("the first index's own parts deleted", T, || get_configmap(cluster, before[0]).is_none().then_some(()))
         .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
-    // Another writer takes that name (not labelled as ours); instance 0 goes back to its
-    // port, and the operator needs the name again for the very same bytes.
+    // The operator stops; another writer takes the name of a part the index names (a
+    // segment no change touched), not labelled as ours. The next process publishes the same
+    // content, so it needs that name for the very same bytes.
+    assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
+    let taken = p3[1..p3.len() - 1].iter().find(|p| p1.contains(p)).expect("a part no change touched").clone();
     let audit_taken = cluster.audit_events().unwrap().unwrap().len();
+    cluster.kubectl(&["-n", SYSTEM, "delete", "configmap", &taken]).unwrap();
     cluster
         .apply(&format!(
             "apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: {taken}, namespace: {SYSTEM}}}\ndata: {{written-by: someone-else}}\n"
         ))
         .unwrap();
-    let p4 = publish(0, 20_000);
-    assert!(p4.contains(&taken), "the segment's old name is needed again: {taken} in {p4:?}");
+    let mut op = start(cluster, &operator_args(&ns, &cm, None));
+    let p4 = wait_for("the next process's snapshot in the ConfigMaps", T, || {
+        let parts = index_parts(&get_configmap(cluster, &cm)?);
+        (parts[0] != p3[0] && endpoints(&read_snapshot(cluster, &cm)?, &svc)?.0 == N).then_some(parts)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert!(p4.contains(&taken), "the same content, the same parts: {taken} in {p4:?}");
     let held = get_configmap(cluster, &taken).unwrap();
     assert!(held["data"]["written-by"].is_null() && held["binaryData"]["part"].is_string(), "replaced: {held}");
 
