@@ -161,16 +161,14 @@ pub(crate) fn part_name(name: &str, bytes: &[u8]) -> String {
     format!("{name}-{}", &hex::encode(Sha256::digest(bytes))[..16])
 }
 
-fn meta(target: &NamespacedName, name: String, id: u64, hash: &str, part_of: bool) -> ObjectMeta {
-    let mut labels = BTreeMap::from([
+/// `NAME`'s metadata (a part's is made from it: [`Encoded::part_configmap`]).
+fn meta(target: &NamespacedName, id: u64, hash: &str) -> ObjectMeta {
+    let labels = BTreeMap::from([
         (LABEL_MANAGED_BY.to_owned(), FIELD_MANAGER.to_owned()),
         (LABEL_SNAPSHOT.to_owned(), "true".to_owned()),
     ]);
-    if part_of {
-        labels.insert(LABEL_PART_OF.to_owned(), target.name.clone());
-    }
     ObjectMeta {
-        name: Some(name),
+        name: Some(target.name.clone()),
         namespace: Some(target.namespace.clone()),
         labels: Some(labels),
         annotations: Some(BTreeMap::from([
@@ -191,7 +189,7 @@ pub(crate) fn encode(
 ) -> Result<Encoded, String> {
     let (id, hash, json) = (snapshot.id, snapshot.hash.as_str(), &snapshot.to_json()[..]);
     let budget = budget.max(1);
-    let main_meta = || meta(target, target.name.clone(), id, hash, false);
+    let main_meta = || meta(target, id, hash);
     if json.len() <= budget {
         let text = std::str::from_utf8(json).map_err(|e| format!("snapshot JSON is not UTF-8: {e}"))?;
         let main = ConfigMap {
@@ -867,11 +865,11 @@ mod tests {
         assert_eq!(without_snapshots(selected.clone()), selected, "once");
         let svc = KubeKey::new("", "", "Service");
         assert_eq!(without_snapshots(svc.clone()), svc, "other kinds unchanged");
-        let labels =
-            meta(&NamespacedName { namespace: "ops".into(), name: "snap".into() }, "snap".into(), 1, "h", true)
-                .labels
-                .unwrap();
-        assert_eq!(labels[LABEL_SNAPSHOT], "true", "parts carry it");
+        let e = encoded(&snapshot(8_000, 200), DATA_BUDGET);
+        assert!(!e.parts.is_empty());
+        for cm in e.part_configmaps().iter().chain([&e.main]) {
+            assert_eq!(cm.metadata.labels.as_ref().unwrap()[LABEL_SNAPSHOT], "true", "parts carry it too");
+        }
     }
     use consul_resolver_core::assembler::snapshot::{Bootstrap, Content, Part, ResolverEntry, ServiceEntry};
     use consul_resolver_core::model::{Endpoint, Health};
