@@ -275,7 +275,10 @@ check delete    ""                  configmaps      ""     "$NS"   true
 check create    ""                  configmaps      ""     default false
 check update    coordination.k8s.io leases          ""     "$NS"   true
 check patch     coordination.k8s.io leases          ""     "$NS"   false
-check list      ""                  configmaps      ""     "$NS"   false
+# Snapshot parts are found by their label in the operator's namespace, nowhere else.
+check list      ""                  configmaps      ""     "$NS"   true
+check list      ""                  configmaps      ""     default false
+check watch     ""                  configmaps      ""     "$NS"   false
 check create    coordination.k8s.io leases          ""     default false
 check create    apps                deployments     ""     "$NS"   false
 check list      ""                  pods            ""     ""      false
