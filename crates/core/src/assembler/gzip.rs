@@ -41,7 +41,7 @@ const AVG_SEGMENT: u64 = 1024 * 1024;
 /// ... and cut at this length whatever their content, so that a document without element
 /// boundaries still is. At the compression gzip's fastest level reaches on snapshots
 /// (about 15x), a segment deflates to about 85 KB on average: a change to one service
-/// rewrites that much, and a 55 MB snapshot is about 45 parts.
+/// rewrites that much (in each copy of the service), and a 55 MB snapshot is 40 to 60 of them.
 const MAX_SEGMENT: usize = 4 * 1024 * 1024;
 
 /// One segment deflated alone: a deflate body that is byte-aligned and not final.
