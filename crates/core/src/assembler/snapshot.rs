@@ -376,12 +376,18 @@ impl Content {
     }
 }
 
+/// The document's header: its opening brace, `apiVersion`, `kind`, `id` and `hash`, and the
+/// comma before the content's first field.
+fn header(id: u64, hash: &str) -> String {
+    format!(r#"{{"apiVersion":"{API_VERSION}","kind":"{KIND}","id":{id},"hash":"{hash}","#)
+}
+
 impl Snapshot {
     /// The snapshot of `content`, whose canonical JSON is `content_json` with hash `hash`:
     /// the document is those bytes behind the header, not a second serialisation.
     pub fn new(id: u64, hash: String, content: Content, content_json: &[u8]) -> Snapshot {
         debug_assert_eq!(content_json.first(), Some(&b'{'));
-        let header = format!(r#"{{"apiVersion":"{API_VERSION}","kind":"{KIND}","id":{id},"hash":"{hash}","#);
+        let header = header(id, &hash);
         let mut json = Vec::with_capacity(header.len() + content_json.len());
         json.extend_from_slice(header.as_bytes());
         json.extend_from_slice(&content_json[1..]);
@@ -392,7 +398,7 @@ impl Snapshot {
     /// the room left for it, and the document is the same buffer from there on.
     pub fn from_serialised(id: u64, content: Content, serialised: Serialised) -> Snapshot {
         let Serialised { mut buf, hash } = serialised;
-        let header = format!(r#"{{"apiVersion":"{API_VERSION}","kind":"{KIND}","id":{id},"hash":"{hash}","#);
+        let header = header(id, &hash);
         debug_assert_eq!(buf.get(HEADER_ROOM), Some(&b'{'));
         // The header's last byte, its comma, takes the place of the content's `{`.
         let Some(start) = (HEADER_ROOM + 1).checked_sub(header.len()) else {
@@ -406,8 +412,7 @@ impl Snapshot {
     /// Reads a published document back (tools and tests).
     pub fn parse(json: &[u8]) -> Result<Snapshot, serde_json::Error> {
         let doc: Document = serde_json::from_slice(json)?;
-        let header =
-            format!(r#"{{"apiVersion":"{API_VERSION}","kind":"{KIND}","id":{},"hash":"{}","#, doc.id, doc.hash);
+        let header = header(doc.id, &doc.hash);
         Ok(Snapshot {
             id: doc.id,
             hash: doc.hash,
