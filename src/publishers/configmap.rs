@@ -152,13 +152,21 @@ impl Encoded {
     }
 }
 
+/// `sha256:` and the hex digest of `bytes`.
 fn sha256(bytes: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+    digest_text(Sha256::new_with_prefix(bytes))
 }
 
-/// The name of a part of `name` holding `bytes`: the first 16 hex digits of their sha256.
-pub(crate) fn part_name(name: &str, bytes: &[u8]) -> String {
-    format!("{name}-{}", &hex::encode(Sha256::digest(bytes))[..16])
+/// `sha256:` and the hex digest of what `hasher` was given.
+fn digest_text(hasher: Sha256) -> String {
+    format!("sha256:{}", hex::encode(hasher.finalize()))
+}
+
+/// The name of a part of `name` whose bytes have the digest `sha256` (as [`sha256`] writes
+/// it): the first 16 hex digits.
+pub(crate) fn part_name(name: &str, sha256: &str) -> String {
+    let hex = sha256.strip_prefix("sha256:").unwrap_or(sha256);
+    format!("{name}-{}", &hex[..16])
 }
 
 /// `NAME`'s metadata (a part's is made from it: [`Encoded::part_configmap`]).
@@ -228,8 +236,9 @@ pub(crate) fn encode(
             let bytes = piece.slice(at..piece.len().min(at + budget));
             at += bytes.len();
             whole.update(&bytes);
-            let name = part_name(&target.name, &bytes);
-            refs.push(PartRef { name: name.clone(), sha256: sha256(&bytes), size: bytes.len() });
+            let digest = sha256(&bytes);
+            let name = part_name(&target.name, &digest);
+            refs.push(PartRef { name: name.clone(), sha256: digest, size: bytes.len() });
             if named.insert(name.clone()) {
                 parts.push(Part { name, bytes });
             }
@@ -239,7 +248,7 @@ pub(crate) fn encode(
         encoding: "gzip".into(),
         snapshot_id: id,
         snapshot_hash: hash.to_owned(),
-        sha256: format!("sha256:{}", hex::encode(whole.finalize())),
+        sha256: digest_text(whole),
         size: gz.len(),
         parts: refs,
     };
@@ -320,7 +329,7 @@ pub fn decode_limited(main: &ConfigMap, parts: &[ConfigMap], limit: usize) -> Re
         whole.update(&bytes.0);
         stream.push(&bytes.0);
     }
-    if format!("sha256:{}", hex::encode(whole.finalize())) != index.sha256 {
+    if digest_text(whole) != index.sha256 {
         return Err("the parts together do not match the index's sha256".into());
     }
     gunzip_pieces(stream, limit)
@@ -797,7 +806,7 @@ impl Publisher for ConfigMapPublisher {
                 let encoded = Arc::new(encode(&target, &snapshot, budget, &compressor).map_err(PublishError::Encode)?);
                 // The parts not known to be there as they should be, then the index naming
                 // them.
-                let (mut existing, mut verified) = (known.existing.clone(), known.verified.clone());
+                let Parts { mut existing, mut verified, named: previous } = known;
                 let mut created = 0;
                 for part in &encoded.parts {
                     if !verified.contains(&part.name) {
@@ -812,7 +821,7 @@ impl Publisher for ConfigMapPublisher {
                 // read by nobody now.
                 let named: BTreeSet<String> = encoded.parts.iter().map(|p| p.name.clone()).collect();
                 let stale: Vec<String> =
-                    existing.iter().filter(|n| !named.contains(*n) && !known.named.contains(*n)).cloned().collect();
+                    existing.iter().filter(|n| !named.contains(*n) && !previous.contains(*n)).cloned().collect();
                 for name in &stale {
                     writer.delete(name).await?;
                     existing.remove(name);
@@ -1002,7 +1011,7 @@ mod tests {
         let names: Vec<_> = index.parts.iter().map(|p| p.name.clone()).collect();
         assert_eq!(names, e.parts.iter().map(|p| p.name.clone()).collect::<Vec<_>>());
         for (part, cm) in e.parts.iter().zip(e.part_configmaps()) {
-            assert_eq!(part.name, part_name("snap", &part.bytes));
+            assert_eq!(part.name, part_name("snap", &sha256(&part.bytes)));
             assert!(part.name.starts_with("snap-") && part.name.len() == "snap-".len() + 16, "{}", part.name);
             assert_eq!(cm.metadata.labels.as_ref().unwrap()[LABEL_PART_OF], "snap");
             assert_eq!(cm.immutable, Some(true), "a part is never written again");
