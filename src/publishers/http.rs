@@ -99,19 +99,26 @@ impl SnapshotStore {
 mod tests {
     use super::*;
     use crate::test_fixtures::content;
+    use consul_resolver_core::assembler::snapshot::{Content, Problem};
+
+    /// Content of `n` problems (Mappings `m00000`...), problem `i` saying `message(i)`.
+    fn problems(n: usize, message: impl Fn(usize) -> String) -> Content {
+        let mut c = content(vec![]);
+        c.problems = (0..n)
+            .map(|i| Problem {
+                kind: "Mapping".into(),
+                namespace: "shop".into(),
+                name: format!("m{i:05}"),
+                message: message(i),
+            })
+            .collect();
+        c
+    }
 
     #[test]
     fn the_history_keeps_the_latest_as_published_and_older_ones_gzipped() {
-        let store = SnapshotStore::new(Arc::default());
-        let mut big = content(vec![]);
-        big.problems = (0..400)
-            .map(|i| consul_resolver_core::assembler::snapshot::Problem {
-                kind: "Mapping".into(),
-                namespace: "shop".into(),
-                name: format!("m{i}"),
-                message: "resolver \"nope\": no ConsulResolver of that name in shop".into(),
-            })
-            .collect();
+        let store = SnapshotStore::default();
+        let big = problems(400, |_| "resolver \"nope\": no ConsulResolver of that name in shop".into());
         let first = Arc::new(big.clone().into_snapshot(1));
         let second = Arc::new(big.into_snapshot(2));
         assert!(first.to_json().len() >= COMPRESS_FROM, "{}", first.to_json().len());
@@ -134,21 +141,12 @@ mod tests {
     #[test]
     fn the_history_shares_what_consecutive_snapshots_have_in_common() {
         let store = SnapshotStore::default();
+        // ~3 MB of problems, one of them saying which snapshot this is.
         let big = |id: u64| {
-            let mut c = content(vec![]);
-            // ~3 MB of problems, one of them saying which snapshot this is.
-            c.problems = (0..20_000)
-                .map(|i| consul_resolver_core::assembler::snapshot::Problem {
-                    kind: "Mapping".into(),
-                    namespace: "shop".into(),
-                    name: format!("m{i:05}"),
-                    message: if i == 10_000 {
-                        format!("changed in snapshot {id}")
-                    } else {
-                        format!("resolver \"nope-{i}\": no ConsulResolver of that name in shop, {}", i * 7919)
-                    },
-                })
-                .collect();
+            let c = problems(20_000, |i| match i {
+                10_000 => format!("changed in snapshot {id}"),
+                _ => format!("resolver \"nope-{i}\": no ConsulResolver of that name in shop, {}", i * 7919),
+            });
             Arc::new(c.into_snapshot(id))
         };
         for id in 1..=KEPT as u64 {
