@@ -4,6 +4,7 @@
 //! Plain data without the `crd` feature: the core depends on it without compiling against
 //! kube.
 
+pub mod export;
 pub mod mapping;
 pub mod names;
 pub mod resolver;

@@ -149,3 +149,78 @@ pub struct StaleStatus {
     pub since: String,
     pub reason: String,
 }
+
+/// Condition types and reasons of a `ConsulService` (an export). docs/export.md lists them.
+pub mod export {
+    /// Whether the Service and its slices hold the service's current endpoints.
+    pub const READY: &str = "Ready";
+    /// Whether the Service and its slices are written as the export says.
+    pub const EXPORTED: &str = "Exported";
+    /// Whether a Service of the export's name exists that the operator does not own (it is
+    /// then never touched, and no slice is written for it).
+    pub const CONFLICT: &str = "Conflict";
+    /// Every condition type, in the order they appear on the status.
+    pub const ALL: [&str; 3] = [READY, EXPORTED, CONFLICT];
+
+    pub mod reason {
+        /// `Ready=True`, `Exported=True`: written, from a current answer.
+        pub const EXPORTED: &str = "Exported";
+        /// `Ready=False`: the endpoints are the ones last obtained (Consul unreachable, the
+        /// resolver unusable); slices carry the stale annotations.
+        pub const STALE: &str = "Stale";
+        /// `Ready=False`: Consul has not answered for the service yet.
+        pub const WAITING: &str = "WaitingForConsul";
+        /// The spec cannot be used as written.
+        pub const INVALID_SPEC: &str = "InvalidSpec";
+        /// The resolver named is missing, ambiguous, does not serve this namespace, or is
+        /// unusable.
+        pub const RESOLVER_UNAVAILABLE: &str = "ResolverUnavailable";
+        /// `Conflict=True`: a Service of this name exists and is not ours.
+        pub const SERVICE_EXISTS: &str = "ServiceExists";
+        /// `Conflict=False`.
+        pub const NO_CONFLICT: &str = "NoConflict";
+        /// `Exported=False`: a write to the API server failed (retried with backoff).
+        pub const WRITE_FAILED: &str = "WriteFailed";
+    }
+}
+
+/// What the operator last wrote for an export.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConsulServiceStatus {
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `Exported` and `Conflict`, as metav1.Conditions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// The Service the operator manages for this export (same namespace).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+    /// Endpoints in its slices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoints: Option<u32>,
+    /// Instances left out (see `excludedInstances`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub excluded: Option<u32>,
+    /// EndpointSlices written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slices: Option<u32>,
+    /// The first instances left out, and why (bounded; `excluded` is the exact count).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub excluded_instances: Vec<ExcludedInstance>,
+    /// Present while the slices hold the endpoints last obtained, not a current answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stale: Option<StaleStatus>,
+}
+
+/// A Consul instance an export leaves out.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ExcludedInstance {
+    pub node: String,
+    pub service_id: String,
+    pub address: String,
+    /// Why, e.g. "loopback address (127.0.0.0/8)".
+    pub reason: String,
+}

@@ -7,6 +7,7 @@
 
 pub mod assembler;
 pub mod election;
+pub mod export;
 mod ingest;
 pub mod keys;
 pub mod limiter;

@@ -1,0 +1,241 @@
+//! The `ConsulService` spec: one Consul service exported as a Kubernetes Service without a
+//! selector and its EndpointSlices, for any consumer (kube-proxy, a mesh, a Gateway API
+//! implementation, `curl http://name.namespace`). With the `crd` feature it is also the
+//! custom resource, with its status. docs/export.md says what consumers see, and why.
+//!
+//! The doc comments on the spec fields become the CRD schema's descriptions, so they are
+//! written for `kubectl explain consulservice.spec`.
+
+#[cfg(feature = "crd")]
+use kube::CustomResource;
+#[cfg(feature = "crd")]
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::names;
+use crate::resolver::NonEmpty;
+
+/// The custom resource's kind (its group and version are the resolver's).
+pub const KIND: &str = "ConsulService";
+
+/// Most ports a Service may expose here: each is a port of every slice.
+pub const MAX_PORTS: usize = 32;
+
+/// Export one Consul service, read through a ConsulResolver, as a Kubernetes Service
+/// without a selector (same name, same namespace) and its EndpointSlices.
+#[allow(clippy::duplicated_attributes)]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "crd", derive(CustomResource, JsonSchema))]
+#[cfg_attr(
+    feature = "crd",
+    kube(
+        group = "consulresolver.io",
+        version = "v1alpha1",
+        kind = "ConsulService",
+        plural = "consulservices",
+        singular = "consulservice",
+        shortname = "csvc",
+        namespaced,
+        status = "crate::status::ConsulServiceStatus",
+        derive = "PartialEq",
+        doc = "A Consul service exported as a Kubernetes Service and EndpointSlices.",
+        printcolumn(name = "Ready", type_ = "string", json_path = ".status.conditions[?(@.type==\"Ready\")].status"),
+        printcolumn(name = "Consul", type_ = "string", json_path = ".spec.service"),
+        printcolumn(name = "Endpoints", type_ = "integer", json_path = ".status.endpoints"),
+        printcolumn(name = "Excluded", type_ = "integer", json_path = ".status.excluded"),
+        printcolumn(name = "Slices", type_ = "integer", json_path = ".status.slices"),
+        printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ConsulServiceSpec {
+    /// The ConsulResolver to read the service through, found as a Mapping's `resolver` is:
+    /// one of that name in this namespace, else the single one elsewhere whose
+    /// `allowedNamespaces` admits this namespace. Absent: the operator's
+    /// `--default-resolver`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 253)))]
+    pub resolver: Option<String>,
+
+    /// The Consul service's name. Its instances are the endpoints; which of them are
+    /// admitted (health, tags, filter) is the resolver's business.
+    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 512)))]
+    pub service: String,
+
+    /// The Service's ports. Absent: one port per distinct instance port, named
+    /// `tcp-<port>`, each forwarding to the instances registered with that port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 32)))]
+    pub ports: Option<Vec<ExportPort>>,
+
+    /// A headless Service (`clusterIP: None`): DNS answers with the endpoints' addresses,
+    /// and no virtual IP is allocated. Changing it replaces the Service (its clusterIP
+    /// cannot change in place).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub headless: Option<bool>,
+
+    /// The address family of the Service and its slices. Instances of the other family
+    /// are left out and reported in the status. Default `IPv4`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip_family: Option<IpFamily>,
+
+    /// Ambassador IDs this export belongs to, as a resolver's: ignored unless the list
+    /// contains the operator's `--ambassador-id`. Empty or absent means `["default"]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(max = 64)))]
+    pub ambassador_id: Option<Vec<NonEmpty>>,
+}
+
+/// One port of the exported Service.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(feature = "crd", derive(JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ExportPort {
+    /// The port's name, also the slices' port name (consumers join the two by it): a DNS
+    /// label.
+    #[cfg_attr(
+        feature = "crd",
+        schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))
+    )]
+    pub name: String,
+    /// The port the Service listens on.
+    #[cfg_attr(feature = "crd", schemars(range(min = 1, max = 65535)))]
+    pub port: u16,
+    /// The instances' port to forward to. Absent: each instance's port as registered in
+    /// Consul.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(range(min = 1, max = 65535)))]
+    pub target_port: Option<u16>,
+    /// `TCP` (default), `UDP` or `SCTP`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<Protocol>,
+    /// The application protocol (`http`, `kubernetes.io/h2c`, ...), passed on to consumers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 316)))]
+    pub app_protocol: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[cfg_attr(feature = "crd", derive(JsonSchema))]
+pub enum Protocol {
+    #[default]
+    #[serde(rename = "TCP")]
+    Tcp,
+    #[serde(rename = "UDP")]
+    Udp,
+    #[serde(rename = "SCTP")]
+    Sctp,
+}
+
+impl Protocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[cfg_attr(feature = "crd", derive(JsonSchema))]
+pub enum IpFamily {
+    #[default]
+    IPv4,
+    IPv6,
+}
+
+impl IpFamily {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IpFamily::IPv4 => "IPv4",
+            IpFamily::IPv6 => "IPv6",
+        }
+    }
+}
+
+impl ConsulServiceSpec {
+    /// Whether this export belongs to the operator's Ambassador ID.
+    pub fn serves_ambassador_id(&self, id: &str) -> bool {
+        match self.ambassador_id.as_deref() {
+            None | Some([]) => id == crate::DEFAULT_AMBASSADOR_ID,
+            Some(ids) => ids.iter().any(|i| i.0 == id),
+        }
+    }
+
+    /// What the schema cannot say: the rules a Service's ports must follow, checked before
+    /// anything is written. `name` is the export's (and so the Service's) name.
+    pub fn validate(&self, name: &str) -> Result<(), String> {
+        names::dns1035_label(name).map_err(|why| format!("metadata.name {name:?} cannot name a Service: it {why}"))?;
+        if self.service.trim().is_empty() {
+            return Err("spec.service is empty".into());
+        }
+        if let Some(r) = &self.resolver {
+            names::dns1123_subdomain(r).map_err(|why| format!("spec.resolver {r:?} is not a valid name: it {why}"))?;
+        }
+        let Some(ports) = &self.ports else { return Ok(()) };
+        if ports.is_empty() {
+            return Err("spec.ports is empty: leave it out to expose the instances' own ports".into());
+        }
+        if ports.len() > MAX_PORTS {
+            return Err(format!("spec.ports has {} ports; at most {MAX_PORTS}", ports.len()));
+        }
+        for (i, p) in ports.iter().enumerate() {
+            names::dns1123_label(&p.name)
+                .map_err(|why| format!("spec.ports[{i}].name {:?} is not a valid port name: it {why}", p.name))?;
+            if p.port == 0 || p.target_port == Some(0) {
+                return Err(format!("spec.ports[{i}]: ports are 1-65535"));
+            }
+            if let Some(j) = ports[..i].iter().position(|q| q.name == p.name) {
+                return Err(format!("spec.ports[{i}].name {:?} is also spec.ports[{j}]'s", p.name));
+            }
+            let proto = p.protocol.unwrap_or_default();
+            if let Some(j) = ports[..i].iter().position(|q| q.port == p.port && q.protocol.unwrap_or_default() == proto)
+            {
+                return Err(format!("spec.ports[{i}]: port {}/{} is also spec.ports[{j}]'s", p.port, proto.as_str()));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(ports: serde_json::Value) -> ConsulServiceSpec {
+        serde_json::from_value(serde_json::json!({"service": "web", "ports": ports})).unwrap()
+    }
+
+    #[test]
+    fn a_plain_export_is_valid_and_its_defaults_are_tcp_and_ipv4() {
+        let s: ConsulServiceSpec = serde_json::from_value(serde_json::json!({"service": "web"})).unwrap();
+        assert_eq!(s.validate("web"), Ok(()));
+        assert_eq!(s.ip_family.unwrap_or_default(), IpFamily::IPv4);
+        let p = spec(serde_json::json!([{"name": "http", "port": 80}]));
+        assert_eq!(p.ports.unwrap()[0].protocol.unwrap_or_default(), Protocol::Tcp);
+    }
+
+    #[test]
+    fn bad_specs_are_refused_naming_the_field() {
+        let cases = [
+            (spec(serde_json::json!([])), "web", "spec.ports is empty"),
+            (spec(serde_json::json!([{"name": "Http", "port": 80}])), "web", "spec.ports[0].name"),
+            (
+                spec(serde_json::json!([{"name": "a", "port": 80}, {"name": "a", "port": 81}])),
+                "web",
+                "also spec.ports[0]'s",
+            ),
+            (spec(serde_json::json!([{"name": "a", "port": 80}, {"name": "b", "port": 80}])), "web", "80/TCP"),
+            (spec(serde_json::json!([{"name": "a", "port": 0}])), "web", "1-65535"),
+            (spec(serde_json::json!([{"name": "a", "port": 80}])), "1web", "cannot name a Service"),
+        ];
+        for (s, name, want) in cases {
+            let err = s.validate(name).unwrap_err();
+            assert!(err.contains(want), "{err:?} should say {want:?}");
+        }
+        // The same port number over two protocols is fine (DNS on 53/TCP and 53/UDP).
+        let dns = spec(serde_json::json!([{"name": "a", "port": 53}, {"name": "b", "port": 53, "protocol": "UDP"}]));
+        assert_eq!(dns.validate("dns"), Ok(()));
+    }
+}
