@@ -68,7 +68,8 @@ image-deps:
 
 # Regenerate the committed CRD from the Rust types (a unit test fails on drift).
 crds:
-	$(CARGO) run --quiet --bin consul-resolver-operator -- crd > crds/consulresolver.yaml
+	$(CARGO) run --quiet --bin consul-resolver-operator -- crd consulresolver > crds/consulresolver.yaml
+	$(CARGO) run --quiet --bin consul-resolver-operator -- crd consulservice > crds/consulservice.yaml
 
 fmt:
 	$(CARGO) fmt --all

@@ -290,6 +290,21 @@ check list      ""                  secrets         ""     default true
 check watch     ""                  secrets         ""     default true
 check get       ""                  secrets         ""     default false
 check list      ""                  secrets         ""     "$NS"   false
+# Exports write Services and EndpointSlices only where consul-resolver-operator-exports
+# is bound.
+check list      consulresolver.io   consulservices  ""     ""      true
+check patch     consulresolver.io   consulservices  status default true
+check create    ""                  services        ""     default false
+check patch     discovery.k8s.io    endpointslices  ""     default false
+"${K[@]}" -n default create rolebinding consul-resolver-operator-exports \
+  --clusterrole=consul-resolver-operator-exports \
+  --serviceaccount=consul-resolver-system:consul-resolver-operator >/dev/null
+check create    ""                  services        ""     default true
+check patch     ""                  services        ""     default true
+check update    ""                  services        ""     default false
+check patch     discovery.k8s.io    endpointslices  ""     default true
+check delete    discovery.k8s.io    endpointslices  ""     default true
+check create    ""                  services        ""     "$NS"   false
 # And black-box, as a user would ask (the getambassador.io CRDs exist by now).
 expect_eq "kubectl auth can-i list mappings -A" \
   "$("${KO[@]}" auth can-i list mappings.getambassador.io --all-namespaces 2>/dev/null || true)" yes

@@ -38,10 +38,20 @@ pub(crate) enum LogFormat {
 pub(crate) enum Command {
     /// Run the operator.
     Run(Box<RunArgs>),
-    /// Print the ConsulResolver CRD as YAML.
-    Crd,
+    /// Print a CRD as YAML: `consulresolver` (the default) or `consulservice`.
+    Crd {
+        #[arg(value_enum, default_value_t = CrdKind::Consulresolver)]
+        kind: CrdKind,
+    },
     /// Print the version.
     Version,
+}
+
+/// The custom resources the operator defines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum CrdKind {
+    Consulresolver,
+    Consulservice,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -14,6 +14,7 @@
 mod cli;
 mod controller;
 mod crdgen;
+mod export;
 mod kube_client;
 mod leadership;
 mod measure;

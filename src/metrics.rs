@@ -15,6 +15,7 @@
 use prometheus::{Encoder, Registry, TextEncoder};
 
 use crate::controller::metrics::ControllerMetrics;
+use crate::export::metrics::ExportMetrics;
 use crate::leadership::LeadershipMetrics;
 use crate::measure::int_gauge_vec;
 use crate::ops::health::LivenessMetrics;
@@ -33,6 +34,7 @@ pub(crate) struct Metrics {
     pub pipeline: PipelineMetrics,
     pub publishers: PublisherMetrics,
     pub controller: ControllerMetrics,
+    pub exports: ExportMetrics,
     pub leadership: LeadershipMetrics,
     pub liveness: LivenessMetrics,
     /// The ops server's connections.
@@ -63,6 +65,7 @@ impl Metrics {
             pipeline: PipelineMetrics::register(&registry).expect(unique),
             publishers: PublisherMetrics::register(&registry).expect(unique),
             controller: ControllerMetrics::register(&registry).expect(unique),
+            exports: ExportMetrics::register(&registry).expect(unique),
             leadership: LeadershipMetrics::register(&registry).expect(unique),
             liveness: LivenessMetrics::register(&registry).expect(unique),
             ops_server: ServerMetrics::register(&registry).expect(unique),
@@ -134,6 +137,7 @@ mod tests {
             m.pipeline.collectors(),
             m.publishers.collectors(),
             m.controller.collectors(),
+            m.exports.collectors(),
             m.leadership.collectors(),
             m.liveness.collectors(),
             m.ops_server.collectors(),

@@ -9,7 +9,7 @@ use tracing_subscriber::EnvFilter;
 pub fn main() {
     let cli = cli::parse();
     match cli.command {
-        Command::Crd => print!("{}", crate::crdgen::crd_yaml()),
+        Command::Crd { kind } => print!("{}", crate::crdgen::crd_yaml(kind)),
         Command::Version => println!("consul-resolver-operator {}", env!("CARGO_PKG_VERSION")),
         Command::Run(args) => {
             keep_large_buffers_out_of_the_heap();

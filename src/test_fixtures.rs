@@ -89,6 +89,7 @@ pub(crate) fn content(resolvers: Vec<ResolverEntry>) -> Content {
         kubernetes_services: vec![],
         watched: vec![],
         problems: vec![],
+        exports: vec![],
     }
 }
 

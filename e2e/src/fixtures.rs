@@ -40,3 +40,11 @@ pub fn ports(snapshot: &Value, ns: &str, name: &str, service: &str) -> Option<Ve
     p.sort();
     Some(p)
 }
+
+/// A ConsulService (an export of `service` through resolver `resolver`); `extra` is more of
+/// its spec, as YAML lines indented by two spaces.
+pub fn export_yaml(ns: &str, name: &str, service: &str, resolver: &str, extra: &str) -> String {
+    format!(
+        "apiVersion: consulresolver.io/v1alpha1\nkind: ConsulService\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  service: \"{service}\"\n  resolver: \"{resolver}\"\n{extra}"
+    )
+}

@@ -189,6 +189,21 @@ impl Cluster {
         Ok(())
     }
 
+    /// Lets the operator carry out exports in `namespace` (write their Services and
+    /// EndpointSlices), as manifests/rbac.yaml documents.
+    pub fn grant_exports(&self, namespace: &str) -> anyhow::Result<()> {
+        self.kubectl(&[
+            "-n",
+            namespace,
+            "create",
+            "rolebinding",
+            "consul-resolver-operator-exports",
+            "--clusterrole=consul-resolver-operator-exports",
+            "--serviceaccount=consul-resolver-system:consul-resolver-operator",
+        ])?;
+        Ok(())
+    }
+
     /// A value `cluster.sh up` wrote to DIR/env (`ETCD_URL`, `APISERVER_PORT`, ...); `None`
     /// for an existing cluster.
     pub fn env_value(&self, name: &str) -> Option<String> {

@@ -82,10 +82,12 @@ fn the_kustomization_renders_the_whole_install_consistently() {
         .collect();
     let want: BTreeSet<(String, String, String, String)> = [
         ("apiextensions.k8s.io/v1", "CustomResourceDefinition", "", "consulresolvers.consulresolver.io"),
+        ("apiextensions.k8s.io/v1", "CustomResourceDefinition", "", "consulservices.consulresolver.io"),
         ("v1", "Namespace", "", NS),
         ("v1", "ServiceAccount", NS, NAME),
         ("rbac.authorization.k8s.io/v1", "ClusterRole", "", NAME),
         ("rbac.authorization.k8s.io/v1", "ClusterRole", "", "consul-resolver-operator-secrets"),
+        ("rbac.authorization.k8s.io/v1", "ClusterRole", "", "consul-resolver-operator-exports"),
         ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", "", NAME),
         ("rbac.authorization.k8s.io/v1", "Role", NS, NAME),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", NS, NAME),
@@ -163,6 +165,7 @@ fn the_kustomization_renders_the_whole_install_consistently() {
     // Role, and the secrets ClusterRole is bound by no binding here.
     for b in objects.iter().filter(|o| o["kind"].as_str().is_some_and(|k| k.ends_with("Binding"))) {
         assert_ne!(b["roleRef"]["name"], "consul-resolver-operator-secrets", "{b}");
+        assert_ne!(b["roleRef"]["name"], "consul-resolver-operator-exports", "{b}");
         assert_eq!(b["subjects"], serde_json::json!([{"kind": "ServiceAccount", "name": NAME, "namespace": NS}]));
     }
 }
@@ -250,6 +253,9 @@ const CLUSTER_WIDE: &[(&str, &str, &str)] = &[
     ("consulresolver.io", "consulresolvers", "list"),
     ("consulresolver.io", "consulresolvers", "watch"),
     ("consulresolver.io", "consulresolvers/status", "patch"),
+    ("consulresolver.io", "consulservices", "list"),
+    ("consulresolver.io", "consulservices", "watch"),
+    ("consulresolver.io", "consulservices/status", "patch"),
     ("getambassador.io", "mappings", "list"),
     ("getambassador.io", "mappings", "watch"),
     ("getambassador.io", "tcpmappings", "list"),
@@ -276,6 +282,17 @@ const OWN_NAMESPACE: &[(&str, &str, &str)] = &[
 ];
 /// Only in a namespace with the documented RoleBinding to consul-resolver-operator-secrets.
 const GRANTED_NAMESPACE: &[(&str, &str, &str)] = &[("", "secrets", "list"), ("", "secrets", "watch")];
+/// Only in a namespace with the documented RoleBinding to consul-resolver-operator-exports.
+const EXPORTING_NAMESPACE: &[(&str, &str, &str)] = &[
+    ("", "services", "get"),
+    ("", "services", "create"),
+    ("", "services", "patch"),
+    ("", "services", "delete"),
+    ("discovery.k8s.io", "endpointslices", "list"),
+    ("discovery.k8s.io", "endpointslices", "create"),
+    ("discovery.k8s.io", "endpointslices", "patch"),
+    ("discovery.k8s.io", "endpointslices", "delete"),
+];
 
 type Grant = (String, String, String);
 
@@ -375,6 +392,8 @@ fn the_service_account_may_do_exactly_what_the_code_does() {
     let other = cluster.namespace("install-other").unwrap();
     // The documented way to let the operator read one namespace's Secrets.
     cluster.grant_secrets(&granted).unwrap();
+    let exporting = cluster.namespace("install-exporting").unwrap();
+    cluster.grant_exports(&exporting).unwrap();
 
     // The whole rule set, per namespace: nothing beyond what the code uses.
     let everywhere = grants(&[CLUSTER_WIDE]);
@@ -384,6 +403,11 @@ fn the_service_account_may_do_exactly_what_the_code_does() {
         rules_review(cluster, &granted).unwrap(),
         grants(&[CLUSTER_WIDE, GRANTED_NAMESPACE]),
         "rules in {granted}"
+    );
+    assert_eq!(
+        rules_review(cluster, &exporting).unwrap(),
+        grants(&[CLUSTER_WIDE, EXPORTING_NAMESPACE]),
+        "rules in {exporting}"
     );
 
     // The same, as `kubectl auth can-i` answers it: every verb on each resource the
@@ -397,6 +421,9 @@ fn the_service_account_may_do_exactly_what_the_code_does() {
         (None, resources(CLUSTER_WIDE), everywhere.clone()),
         (Some(NS), resources(OWN_NAMESPACE), grants(&[OWN_NAMESPACE])),
         (Some(granted.as_str()), resources(GRANTED_NAMESPACE), grants(&[GRANTED_NAMESPACE])),
+        // EndpointSlices are also listed and watched cluster-wide (the Mappings' targets).
+        (Some(exporting.as_str()), resources(EXPORTING_NAMESPACE), grants(&[EXPORTING_NAMESPACE, CLUSTER_WIDE])),
+        (Some(other.as_str()), resources(EXPORTING_NAMESPACE), everywhere.clone()),
         (Some(other.as_str()), own_and_secrets, BTreeSet::new()),
     ];
     let mut asked: Vec<(&str, &str, &str, Option<&str>, bool)> = Vec::new();

@@ -943,6 +943,7 @@ mod tests {
             kubernetes_services: vec![],
             watched: vec![],
             problems: vec![],
+            exports: vec![],
         }
         .into_snapshot(42)
     }

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::publication::Outlets;
 use crate::controller::ResolverController;
+use crate::export::ExportController;
 use crate::leadership::Leadership;
 use crate::measure::unix_seconds;
 use crate::metrics::Metrics;
@@ -45,6 +46,8 @@ pub(super) struct EventLoop {
     pub(super) store: Arc<SnapshotStore>,
     pub(super) outlets: Outlets,
     pub(super) controller: ResolverController,
+    /// `None` where the ConsulService CRD is not installed.
+    pub(super) exports: Option<ExportController>,
     pub(super) metrics: Metrics,
     /// `/readyz`: set once a snapshot is assembled and served.
     pub(super) ready: Arc<AtomicBool>,
@@ -90,7 +93,10 @@ struct Turn {
 
 impl EventLoop {
     /// Runs until `shutdown`; the outlets, returned, finish what they deliver.
-    pub(super) async fn run(mut self, shutdown: CancellationToken) -> (ResolverController, Watches, Outlets) {
+    pub(super) async fn run(
+        mut self,
+        shutdown: CancellationToken,
+    ) -> (ResolverController, Option<ExportController>, Watches, Outlets) {
         let leading = self.leadership.is_leading();
         self.metrics.leadership.started(leading);
         let mut turn = Turn { leading, logged_waiting: false, pending: None };
@@ -123,7 +129,7 @@ impl EventLoop {
                 _ = tick.tick() => self.on_tick(),
             }
         }
-        (self.controller, self.watches, self.outlets)
+        (self.controller, self.exports, self.watches, self.outlets)
     }
 
     fn beat(&self) {
@@ -175,6 +181,9 @@ impl EventLoop {
         self.metrics.pipeline.assemble_seconds.with_label_values(&["apply"]).observe(secs(received.elapsed()));
         self.watches.apply(&diff);
         self.controller.sync(self.pipeline.world());
+        if let Some(exports) = &mut self.exports {
+            exports.sync(self.pipeline.world());
+        }
         let watched = diff.start.iter().chain(&diff.stop);
         if resolvers_touched || watched.filter_map(as_kube).any(reads_resolvers) {
             self.show_resolver_scopes();
@@ -204,6 +213,9 @@ impl EventLoop {
         let floor = self.outlets.took_over().await;
         self.pipeline.republish(floor);
         self.controller.leading();
+        if let Some(exports) = &mut self.exports {
+            exports.leading();
+        }
     }
 
     /// A new snapshot: served over HTTP at once (the operator is ready from the first),
@@ -215,6 +227,9 @@ impl EventLoop {
         self.outlets.offer(snapshot.clone());
         self.pipeline.published(&snapshot, true, started);
         self.controller.published(&snapshot);
+        if let Some(exports) = &mut self.exports {
+            exports.published(&snapshot);
+        }
         self.ready.store(true, Ordering::Relaxed);
         let metrics = &self.metrics.pipeline;
         metrics.publish_seconds.observe(secs(started.elapsed()));

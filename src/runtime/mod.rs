@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cli::RunArgs;
 use crate::controller::ResolverController;
+use crate::export::{ExportConfig, ExportController, SliceVersion};
 use crate::leadership::{Campaign, Leadership, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::ops::ServerState;
@@ -62,6 +63,14 @@ async fn fixed_keys(client: &Client, discovered: &Discovered, args: &RunArgs) ->
         match discovered.resolve(client, &key).await {
             Ok(_) => kinds.push(key),
             Err(e) => tracing::warn!(kind = kind.kind(), error = %e, "Ambassador kind not served; not watched"),
+        }
+    }
+    // Exports only where their CRD is installed (crds/consulservice.yaml).
+    let exports = KubeKey::new(resolver::GROUP, resolver::VERSION, consul_resolver_api::export::KIND);
+    match discovered.resolve(client, &exports).await {
+        Ok(_) => kinds.push(exports),
+        Err(e) => {
+            tracing::warn!(error = %e, "the ConsulService CRD is not installed: no exports (kubectl apply -f crds/)")
         }
     }
     let mut keys = BTreeSet::new();
@@ -199,6 +208,11 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         static_watches: args.watches.clone(),
     };
     tracing::info!(endpoints = ?config.endpoints_api, watches = fixed.len(), %identity, "starting");
+    let exporting = fixed
+        .iter()
+        .any(|k| matches!(k, WatchKey::Kube(k) if k.is(resolver::GROUP, consul_resolver_api::export::KIND)));
+    // Slices of the version the watches read: `discovery.k8s.io/v1` where served (1.21+).
+    let v1 = config.endpoints_api == EndpointsApi::EndpointSlices;
 
     let (tx, rx) = mpsc::channel::<Event>(4096);
     let consul = ConsulSource::new(
@@ -272,6 +286,17 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         args.resync_period,
         &vitals,
     );
+    let exports = if exporting {
+        let cfg = ExportConfig {
+            version: if v1 { SliceVersion::V1 } else { SliceVersion::V1beta1 },
+            ambassador_id: args.ambassador_id.clone(),
+            resync: args.resync_period,
+            metrics: metrics.exports.clone(),
+        };
+        Some(ExportController::spawn(client.clone(), leadership.clone(), cfg, &vitals))
+    } else {
+        None
+    };
 
     let event_loop = EventLoop {
         pipeline,
@@ -281,6 +306,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         store,
         outlets,
         controller,
+        exports,
         metrics,
         ready,
         identity,
@@ -289,7 +315,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         ambassador_id,
         env,
     };
-    let (controller, watches, outlets) = event_loop.run(shutdown).await;
+    let (controller, exports, watches, outlets) = event_loop.run(shutdown).await;
     let signalled = signalled.await.unwrap_or_else(|_| Instant::now());
     // A Lease request's own limit, within the client's --kube-timeout.
     let release = campaign.as_ref().map_or(Duration::ZERO, |c| c.release_time().min(args.kube_timeout));
@@ -301,7 +327,11 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         "shutdown: publications and status writes in flight may finish, then what is left is cut off and the Lease \
          (with leader election) released"
     );
-    tokio::join!(outlets.shutdown(budget.writers_until), controller.shutdown(within));
+    tokio::join!(outlets.shutdown(budget.writers_until), controller.shutdown(within), async {
+        if let Some(exports) = exports {
+            exports.shutdown(within).await;
+        }
+    });
     if let Some(campaign) = campaign {
         campaign.release(budget.release_until(Instant::now())).await;
     }

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use base64::Engine;
+use consul_resolver_api::export::{self, ConsulServiceSpec};
 use consul_resolver_api::mapping::{self, Mapping, MappingKind};
 use consul_resolver_api::resolver::{self, ConsulResolverSpec};
 use consul_resolver_api::service::ServiceRef;
@@ -13,12 +14,13 @@ use serde_json::Value;
 
 use crate::assembler::kube_endpoints;
 use crate::keys::KubeKey;
-use crate::model::{Decoded, KubeObject, MappingObject, ResolverObject, Stored};
+use crate::model::{Decoded, ExportObject, KubeObject, MappingObject, ResolverObject, Stored};
 
 /// How the objects of one watch key are read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Reading {
     Resolver,
+    Export,
     Mapping(MappingKind),
     Secret,
     EndpointSlices,
@@ -35,6 +37,7 @@ impl Reading {
         }
         match (key.group.as_str(), key.kind.as_str()) {
             (resolver::GROUP, resolver::KIND) => Reading::Resolver,
+            (resolver::GROUP, export::KIND) => Reading::Export,
             (mapping::GROUP, kind) => {
                 MappingKind::ALL.into_iter().find(|k| k.kind() == kind).map_or(Reading::Json, Reading::Mapping)
             }
@@ -50,6 +53,7 @@ impl Reading {
         let value = &*obj.value;
         let decoded = match self {
             Reading::Resolver => Decoded::Resolver(Box::new(resolver_object(value))),
+            Reading::Export => Decoded::Export(Box::new(export_object(value))),
             Reading::Mapping(kind) => Decoded::Mapping(mapping_object(kind, value)),
             Reading::Secret => Decoded::Secret(secret_data(value)),
             Reading::EndpointSlices => Decoded::Endpoints {
@@ -62,8 +66,9 @@ impl Reading {
             Reading::Namespace => Decoded::Labels(labels_of(value)),
             Reading::Json => Decoded::Json,
         };
-        // Resolvers keep their JSON for the status controller; `--watch` objects are JSON.
-        let raw = matches!(self, Reading::Resolver | Reading::Json).then(|| obj.value.clone());
+        // Resolvers and exports keep their JSON for their controllers; `--watch` objects
+        // are JSON.
+        let raw = matches!(self, Reading::Resolver | Reading::Export | Reading::Json).then(|| obj.value.clone());
         Stored { raw, decoded }
     }
 
@@ -87,6 +92,15 @@ fn resolver_object(value: &Value) -> ResolverObject {
         None => Err("spec is missing".to_owned()),
     };
     ResolverObject { generation, spec }
+}
+
+fn export_object(value: &Value) -> ExportObject {
+    let generation = value.pointer("/metadata/generation").and_then(Value::as_i64);
+    let spec = match value.get("spec") {
+        Some(spec) => ConsulServiceSpec::deserialize(spec).map_err(|e| format!("spec is not valid: {e}")),
+        None => Err("spec is missing".to_owned()),
+    };
+    ExportObject { generation, spec }
 }
 
 fn mapping_object(kind: MappingKind, value: &Value) -> Result<MappingObject, String> {

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::SystemTime;
 
+use consul_resolver_api::export::ConsulServiceSpec;
 use consul_resolver_api::mapping::MappingKind;
 use consul_resolver_api::resolver::ConsulResolverSpec;
 use consul_resolver_api::service::{ServiceRef, ServiceRefError};
@@ -52,6 +53,8 @@ pub struct Stored {
 pub enum Decoded {
     /// Boxed: a spec is several times the size of the other variants.
     Resolver(Box<ResolverObject>),
+    /// A ConsulService export.
+    Export(Box<ExportObject>),
     /// A Mapping or TCPMapping, or why it cannot be read (a problem on it).
     Mapping(Result<MappingObject, String>),
     /// A Secret's data, base64-decoded per key (`None`: the value is not valid base64).
@@ -73,6 +76,15 @@ pub struct ResolverObject {
     pub generation: Option<i64>,
     /// The spec, or why it cannot be read.
     pub spec: Result<ConsulResolverSpec, String>,
+}
+
+/// A ConsulService as the assembler reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExportObject {
+    /// `metadata.generation`, for the status's `observedGeneration`.
+    pub generation: Option<i64>,
+    /// The spec, or why it cannot be read.
+    pub spec: Result<ConsulServiceSpec, String>,
 }
 
 /// A Mapping or TCPMapping as the assembler reads it.

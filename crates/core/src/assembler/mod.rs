@@ -336,6 +336,7 @@ impl Assembler {
             kubernetes_services: self.kube_targets.values().map(|t| t.entry.clone()).collect(),
             watched,
             problems,
+            exports: Vec::new(),
         }
     }
 

@@ -123,6 +123,33 @@ pub struct Content {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub watched: Vec<WatchedEntry>,
     pub problems: Vec<Problem>,
+    /// The `ConsulService` exports, sorted by namespace and name: which resolver's entry
+    /// each reads (the endpoints are in that resolver's `services`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exports: Vec<Part<ExportEntry>>,
+}
+
+/// A `ConsulService` export, routed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExportEntry {
+    pub namespace: String,
+    pub name: String,
+    /// The export's `metadata.generation`, for its status's `observedGeneration`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<i64>,
+    /// The Consul service.
+    pub service: String,
+    /// The resolver it is read through, `namespace/name`; absent when none can be used
+    /// (`problem` says why).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolver: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub problem: Option<String>,
+    /// The service's entry in the resolver's `services` (shared with it; in the document
+    /// only there).
+    #[serde(skip)]
+    pub source: Option<Part<ServiceEntry>>,
 }
 
 /// The objects of one static `--watch`, sorted by namespace and name.
@@ -481,6 +508,7 @@ mod tests {
             kubernetes_services: vec![],
             watched: vec![],
             problems: vec![],
+            exports: vec![],
         };
         let s = content.clone().into_snapshot(7);
         let by_serde = serde_json::to_vec(&Document {

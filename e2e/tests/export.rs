@@ -1,0 +1,317 @@
+//! Exports (ConsulService), black box against the real API server: the operator runs as
+//! its own process with the ServiceAccount and RBAC of manifests/ (exports granted per
+//! namespace), Consul is changed only through its HTTP API. What consumers depend on
+//! (docs/export.md): a Service without a selector, slices found by
+//! `kubernetes.io/service-name` and managed by us, owned by the Service, at most 100
+//! endpoints each, grouped by port set, canonical IPv4 addresses only, ready from Consul
+//! health; few writes; a conflict, a lost resolver and a deleted export handled.
+//!
+//! Addresses are from the documentation ranges (RFC 5737): they are data here, nothing
+//! connects to them (e2e/tests/kube_proxy.rs routes real traffic, inside a namespace).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use e2e::consul::{Consul, Instance};
+use e2e::fixtures::{export_yaml, mapping_yaml, resolver_yaml};
+use e2e::harness::{Cluster, Operator, unique, wait_for};
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(60);
+const SLICES: &str = "endpointslices.v1beta1.discovery.k8s.io";
+
+fn get_json(cluster: &Cluster, args: &[&str]) -> Option<Value> {
+    let mut all = args.to_vec();
+    all.extend(["-o", "json"]);
+    serde_json::from_str(&cluster.kubectl(&all).ok()?).ok()
+}
+
+fn export_status(cluster: &Cluster, ns: &str, name: &str) -> Option<Value> {
+    get_json(cluster, &["-n", ns, "get", "consulservice", name]).map(|o| o["status"].clone())
+}
+
+fn condition(status: &Value, type_: &str) -> Option<(String, String)> {
+    let c = status["conditions"].as_array()?.iter().find(|c| c["type"] == type_)?;
+    Some((c["status"].as_str()?.to_owned(), c["reason"].as_str()?.to_owned()))
+}
+
+/// Our slices of Service `name`, by name.
+fn slices(cluster: &Cluster, ns: &str, name: &str) -> BTreeMap<String, Value> {
+    let selector = format!("kubernetes.io/service-name={name}");
+    let list = get_json(cluster, &["-n", ns, "get", SLICES, "-l", &selector]).unwrap_or_default();
+    list["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|s| (s["metadata"]["name"].as_str().unwrap_or_default().to_owned(), s.clone()))
+        .collect()
+}
+
+fn addresses(slices: &BTreeMap<String, Value>) -> Vec<String> {
+    let mut all: Vec<String> = slices
+        .values()
+        .flat_map(|s| s["endpoints"].as_array().cloned().unwrap_or_default())
+        .filter_map(|e| e["addresses"][0].as_str().map(str::to_owned))
+        .collect();
+    all.sort();
+    all
+}
+
+fn versions(slices: &BTreeMap<String, Value>) -> BTreeMap<String, String> {
+    slices
+        .iter()
+        .map(|(n, s)| (n.clone(), s["metadata"]["resourceVersion"].as_str().unwrap_or_default().to_owned()))
+        .collect()
+}
+
+fn instance(svc: &str, i: usize, port: u16, status: &str) -> Instance {
+    Instance {
+        node: format!("node-{svc}-{i}"),
+        address: format!("192.0.2.{}", i + 1),
+        service: svc.to_owned(),
+        id: format!("{svc}-{i}"),
+        port,
+        status: status.to_owned(),
+        ..Instance::default()
+    }
+}
+
+/// A namespace where exports are granted, with a resolver `consul` of the shared Consul.
+fn team(cluster: &Cluster, consul: &Consul, prefix: &str) -> String {
+    let ns = cluster.namespace(prefix).unwrap();
+    cluster.grant_exports(&ns).unwrap();
+    cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), "")).unwrap();
+    ns
+}
+
+#[test]
+fn an_export_is_a_selectorless_service_and_slices_that_follow_consul_with_few_writes() {
+    let (cluster, consul) = (Cluster::shared(), Consul::shared());
+    let ns = team(cluster, consul, "export");
+    let svc = format!("web{}", unique());
+    let mut all: Vec<Instance> = (0..250).map(|i| instance(&svc, i, 8080, "passing")).collect();
+    consul.register_many(&all, 16).unwrap();
+    // Bad input: a loopback node (agentless Consul), a hostname, an IPv6 address.
+    for (id, address) in [("lo", "127.0.0.1"), ("host", "db.node.consul"), ("v6", "2001:db8::5")] {
+        consul.register(&format!("node-{svc}-{id}"), address, &svc, &format!("{svc}-{id}"), 8080, "passing").unwrap();
+    }
+    let ports = "  ports: [{name: http, port: 80, appProtocol: http}]\n";
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", ports)).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    op.wait_ready(T).unwrap();
+
+    let status = wait_for("the export Ready with 250 endpoints in 3 slices", T, || {
+        let s = export_status(cluster, &ns, "web")?;
+        (condition(&s, "Ready")? == ("True".into(), "Exported".into()) && s["endpoints"] == 250 && s["slices"] == 3)
+            .then_some(s)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert_eq!(status["excluded"], 3, "{status}");
+    let reasons: Vec<&str> =
+        status["excludedInstances"].as_array().unwrap().iter().map(|x| x["reason"].as_str().unwrap()).collect();
+    for want in ["loopback address", "not an IP address", "not an IPv4 address"] {
+        assert!(reasons.iter().any(|r| r.starts_with(want)), "{want:?} in {reasons:?}");
+    }
+    assert_eq!(condition(&status, "Conflict").unwrap().0, "False");
+
+    // The Service: ours, without a selector, owned by the export.
+    let export = get_json(cluster, &["-n", &ns, "get", "consulservice", "web"]).unwrap();
+    let service = get_json(cluster, &["-n", &ns, "get", "service", "web"]).unwrap();
+    assert!(service["spec"].get("selector").is_none(), "{service}");
+    assert_eq!(service["spec"]["ports"][0]["name"], "http");
+    assert_eq!(service["spec"]["ports"][0]["port"], 80);
+    let owner = &service["metadata"]["ownerReferences"][0];
+    assert_eq!(
+        (owner["kind"].as_str(), owner["uid"].as_str()),
+        (Some("ConsulService"), export["metadata"]["uid"].as_str())
+    );
+
+    // The slices: the rules consumers depend on.
+    let found = slices(cluster, &ns, "web");
+    let mut sizes: Vec<usize> = found.values().map(|s| s["endpoints"].as_array().unwrap().len()).collect();
+    sizes.sort();
+    assert_eq!(sizes, [50, 100, 100]);
+    for s in found.values() {
+        assert_eq!(s["addressType"], "IPv4");
+        assert_eq!(
+            s["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"],
+            "consul-resolver-operator.consulresolver.io"
+        );
+        assert_eq!(
+            s["ports"],
+            serde_json::json!([{"name": "http", "port": 8080, "protocol": "TCP", "appProtocol": "http"}])
+        );
+        let owner = &s["metadata"]["ownerReferences"][0];
+        assert_eq!(
+            (owner["kind"].as_str(), owner["uid"].as_str()),
+            (Some("Service"), service["metadata"]["uid"].as_str())
+        );
+        assert_eq!(owner["controller"], true);
+        for e in s["endpoints"].as_array().unwrap() {
+            assert_eq!(e["addresses"].as_array().unwrap().len(), 1);
+            assert_eq!(e["conditions"]["ready"], true);
+            assert!(
+                e.get("nodeName").is_none()
+                    && e.get("topology").is_none_or(|t| t.get("kubernetes.io/hostname").is_none())
+            );
+        }
+    }
+    assert_eq!(addresses(&found).len(), 250);
+
+    // One instance turns critical: out, and only its slice is written. Then back.
+    let before = versions(&found);
+    let flipped = "192.0.2.8".to_owned();
+    all[7].status = "critical".into();
+    consul.register_many(&all[7..8], 1).unwrap();
+    let after = wait_for("the critical instance out of the slices", T, || {
+        let now = slices(cluster, &ns, "web");
+        (addresses(&now).len() == 249 && !addresses(&now).contains(&flipped)).then_some(now)
+    })
+    .unwrap();
+    let changed: Vec<_> = versions(&after).into_iter().filter(|(n, v)| before.get(n) != Some(v)).collect();
+    assert_eq!(changed.len(), 1, "one slice written for one instance: {changed:?}");
+    all[7].status = "passing".into();
+    consul.register_many(&all[7..8], 1).unwrap();
+    let back = wait_for("the instance back", T, || {
+        let now = slices(cluster, &ns, "web");
+        addresses(&now).contains(&flipped).then_some(now)
+    })
+    .unwrap();
+    let changed: Vec<_> = versions(&back).into_iter().filter(|(n, v)| versions(&after).get(n) != Some(v)).collect();
+    assert_eq!(changed.len(), 1, "one slice written for one instance: {changed:?}");
+
+    // Ten instances move to another port: a slice of their own (all of a slice's
+    // endpoints share its ports), under the same Service port name. And back.
+    for i in all.iter_mut().take(10) {
+        i.port = 9090;
+    }
+    consul.register_many(&all[..10], 4).unwrap();
+    wait_for("a slice of the ten on port 9090", T, || {
+        let now = slices(cluster, &ns, "web");
+        let moved = now.values().find(|s| s["ports"][0]["port"] == 9090)?;
+        (moved["endpoints"].as_array()?.len() == 10
+            && moved["ports"][0]["name"] == "http"
+            && addresses(&now).len() == 250)
+            .then_some(())
+    })
+    .unwrap();
+    for i in all.iter_mut().take(10) {
+        i.port = 8080;
+    }
+    consul.register_many(&all[..10], 4).unwrap();
+    wait_for("the ten back among the others, their slice gone", T, || {
+        let now = slices(cluster, &ns, "web");
+        (now.values().all(|s| s["ports"][0]["port"] == 8080) && addresses(&now).len() == 250).then_some(())
+    })
+    .unwrap();
+
+    // The export deleted: its Service and slices go (this test cluster runs no garbage
+    // collector; the operator removes them itself).
+    cluster.kubectl(&["-n", &ns, "delete", "consulservice", "web"]).unwrap();
+    wait_for("the Service and slices removed", T, || {
+        let gone = cluster.kubectl(&["-n", &ns, "get", "service", "web"]).is_err();
+        (gone && slices(cluster, &ns, "web").is_empty()).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    op.terminate(T).unwrap();
+}
+
+#[test]
+fn a_service_that_is_not_ours_is_left_alone_until_it_goes() {
+    let (cluster, consul) = (Cluster::shared(), Consul::shared());
+    let ns = team(cluster, consul, "export-conflict");
+    let svc = format!("web{}", unique());
+    consul.register_many(&[instance(&svc, 0, 8080, "passing")], 1).unwrap();
+    let theirs = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: taken, namespace: {ns}}}\nspec: {{selector: {{app: taken}}, ports: [{{port: 80}}]}}\n"
+    );
+    cluster.apply(&theirs).unwrap();
+    let rv = get_json(cluster, &["-n", &ns, "get", "service", "taken"]).unwrap()["metadata"]["resourceVersion"].clone();
+    cluster.apply(&export_yaml(&ns, "taken", &svc, "consul", "")).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    wait_for("Conflict=True", T, || {
+        let s = export_status(cluster, &ns, "taken")?;
+        (condition(&s, "Conflict")? == ("True".into(), "ServiceExists".into())).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    let now = get_json(cluster, &["-n", &ns, "get", "service", "taken"]).unwrap();
+    assert_eq!(now["metadata"]["resourceVersion"], rv, "their Service was written");
+    assert!(slices(cluster, &ns, "taken").is_empty(), "slices written for someone else's Service");
+
+    // Their Service goes: the export takes the name.
+    cluster.kubectl(&["-n", &ns, "delete", "service", "taken"]).unwrap();
+    // A resync would notice too; a change of the export itself is the prompt way.
+    cluster.kubectl(&["-n", &ns, "annotate", "consulservice", "taken", "poke=1"]).unwrap();
+    wait_for("exported, without conflict", T, || {
+        let s = export_status(cluster, &ns, "taken")?;
+        (condition(&s, "Conflict")?.0 == "False" && condition(&s, "Ready")?.0 == "True").then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert_eq!(addresses(&slices(cluster, &ns, "taken")), ["192.0.2.1"]);
+    op.terminate(T).unwrap();
+}
+
+#[test]
+fn a_resolver_deleted_empties_the_export_and_back() {
+    let (cluster, consul) = (Cluster::shared(), Consul::shared());
+    let ns = team(cluster, consul, "export-resolver");
+    let svc = format!("web{}", unique());
+    consul.register_many(&[instance(&svc, 0, 8080, "passing"), instance(&svc, 1, 8080, "passing")], 2).unwrap();
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", "")).unwrap();
+    // A Mapping reads the same Consul service: still one watch.
+    cluster.apply(&mapping_yaml(&ns, "m", &svc, Some("consul"))).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    wait_for("two endpoints exported", T, || (addresses(&slices(cluster, &ns, "web")).len() == 2).then_some(()))
+        .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    let service = get_json(cluster, &["-n", &ns, "get", "service", "web"]).unwrap();
+    assert_eq!(service["spec"]["ports"][0]["name"], "tcp-8080", "without spec.ports, one port per instance port");
+    let watches = op.metric_sum("consul_resolver_consul_watches").unwrap();
+    assert_eq!(watches, 1.0, "the Mapping and the export share one Consul watch");
+
+    cluster.kubectl(&["-n", &ns, "delete", "consulresolver", "consul"]).unwrap();
+    wait_for("the slices removed, and the status saying why", T, || {
+        let s = export_status(cluster, &ns, "web")?;
+        (slices(cluster, &ns, "web").is_empty() && condition(&s, "Ready")?.1 == "ResolverUnavailable").then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert!(cluster.kubectl(&["-n", &ns, "get", "service", "web"]).is_ok(), "the Service stays with its export");
+
+    cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), "")).unwrap();
+    wait_for("exported again", T, || {
+        let s = export_status(cluster, &ns, "web")?;
+        (addresses(&slices(cluster, &ns, "web")).len() == 2 && condition(&s, "Ready")?.0 == "True").then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    op.terminate(T).unwrap();
+}
+
+#[test]
+fn two_operators_with_different_ambassador_ids_never_touch_each_others_exports() {
+    let (cluster, consul) = (Cluster::shared(), Consul::shared());
+    let ns = cluster.namespace("export-two").unwrap();
+    cluster.grant_exports(&ns).unwrap();
+    let svc = format!("web{}", unique());
+    consul.register_many(&[instance(&svc, 0, 8080, "passing")], 1).unwrap();
+    for id in ["a", "b"] {
+        let ids = format!("  ambassadorId: [{id}]\n");
+        cluster.apply(&resolver_yaml(&ns, &format!("consul-{id}"), &consul.address(), &ids)).unwrap();
+        let spec = format!("  ambassadorId: [{id}]\n");
+        cluster.apply(&export_yaml(&ns, &format!("web-{id}"), &svc, &format!("consul-{id}"), &spec)).unwrap();
+    }
+    let mut a = Operator::start(cluster, &["--namespace", &ns, "--ambassador-id", "a"]).unwrap();
+    let mut b = Operator::start(cluster, &["--namespace", &ns, "--ambassador-id", "b"]).unwrap();
+    for id in ["a", "b"] {
+        wait_for("both exported", T, || (slices(cluster, &ns, &format!("web-{id}")).len() == 1).then_some(()))
+            .unwrap_or_else(|e| panic!("{e}\n{}\n{}", a.logs(), b.logs()));
+        let s = slices(cluster, &ns, &format!("web-{id}"));
+        let labels = &s.values().next().unwrap()["metadata"]["labels"];
+        assert_eq!(labels["consulresolver.io/ambassador-id"], id);
+    }
+    let b_before = versions(&slices(cluster, &ns, "web-b"));
+    cluster.kubectl(&["-n", &ns, "delete", "consulservice", "web-a"]).unwrap();
+    wait_for("web-a removed by its operator", T, || slices(cluster, &ns, "web-a").is_empty().then_some(())).unwrap();
+    assert_eq!(versions(&slices(cluster, &ns, "web-b")), b_before, "operator a touched b's slices");
+    assert!(cluster.kubectl(&["-n", &ns, "get", "service", "web-b"]).is_ok());
+    a.terminate(T).unwrap();
+    b.terminate(T).unwrap();
+}

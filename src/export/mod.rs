@@ -1,0 +1,343 @@
+//! The ConsulService controller: exports Consul services as Kubernetes Services without a
+//! selector and their EndpointSlices (docs/export.md), one export at a time, only while
+//! this replica leads.
+//!
+//! Like the resolver controller (`crate::controller`), its store is fed from the world,
+//! which already watches ConsulServices, and it reconciles from the published snapshot:
+//! an export is reconciled when its object changes, when its part of a snapshot changes
+//! (its routing, or the Consul service's entry it reads), on gaining leadership and every
+//! resync period. Each export fails and retries alone.
+//!
+//! The routing (which resolver, with the same namespace rules as a Mapping's) and the
+//! watch are the core's: an export is a consumer of the shared watch registry, so a Consul
+//! service a Mapping and an export both name is one watch. What is written is planned by
+//! `consul_resolver_core::export`; this module reads and writes the API server.
+
+pub(crate) mod metrics;
+mod objects;
+mod reconcile;
+mod status;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::channel::{mpsc, oneshot};
+use futures::{FutureExt, StreamExt};
+use kube::api::{ApiResource, DynamicObject};
+use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::reflector::{ObjectRef, store::Writer};
+use kube::runtime::watcher;
+use kube::{ResourceExt, core::GroupVersionKind};
+use serde_json::Value;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::kube_client::error_reason;
+use crate::leadership::Leadership;
+use crate::ops::health::Vitals;
+use consul_resolver_api::export::{ConsulService, KIND};
+use consul_resolver_api::resolver::GROUP;
+use consul_resolver_core::assembler::Snapshot;
+use consul_resolver_core::assembler::snapshot::{ExportEntry, Part};
+use consul_resolver_core::export::Desired;
+use consul_resolver_core::world::World;
+use metrics::ExportMetrics;
+pub(crate) use objects::SliceVersion;
+
+type Ref = ObjectRef<DynamicObject>;
+
+const CONCURRENCY: u16 = 4;
+const RETRY_BASE: Duration = Duration::from_millis(500);
+const RETRY_CAP: Duration = Duration::from_secs(300);
+
+/// Why an export's reconcile failed; it is retried alone with backoff.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ExportError {
+    #[error("leadership lapsed while writing {0}")]
+    LeadershipLapsed(String),
+    #[error("writing {0}: {1}")]
+    Write(String, #[source] kube::Error),
+}
+
+impl ExportError {
+    fn reason(&self) -> &'static str {
+        match self {
+            ExportError::LeadershipLapsed(_) => "leadership_lapsed",
+            ExportError::Write(_, e) => error_reason(e),
+        }
+    }
+}
+
+/// The exports' part of the latest snapshot.
+struct Published {
+    exports: BTreeMap<(String, String), Part<ExportEntry>>,
+}
+
+impl Published {
+    fn of(snapshot: &Snapshot) -> Published {
+        let exports =
+            snapshot.content.exports.iter().map(|e| ((e.namespace.clone(), e.name.clone()), e.clone())).collect();
+        Published { exports }
+    }
+}
+
+/// What every reconcile shares.
+pub(crate) struct Context {
+    client: kube::Client,
+    resource: ApiResource,
+    services: ApiResource,
+    slices: ApiResource,
+    version: SliceVersion,
+    /// The instance label's value (from `--ambassador-id`).
+    instance: String,
+    ambassador_id: String,
+    leadership: Leadership,
+    latest: watch::Receiver<Option<Arc<Published>>>,
+    metrics: ExportMetrics,
+    resync: Duration,
+    failures: Mutex<HashMap<Ref, u32>>,
+}
+
+async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action, ExportError> {
+    let result = reconcile_export(&obj, &ctx).await;
+    let at = ObjectRef::from_obj_with(&*obj, ctx.resource.clone());
+    match &result {
+        Ok(_) => {
+            ctx.metrics.reconciles.with_label_values(&["success"]).inc();
+            ctx.failures.lock().expect("failures lock").remove(&at);
+        }
+        Err(_) => ctx.metrics.reconciles.with_label_values(&["error"]).inc(),
+    }
+    result
+}
+
+async fn reconcile_export(obj: &DynamicObject, ctx: &Context) -> Result<Action, ExportError> {
+    let Some(until) = ctx.leadership.until() else { return Ok(Action::await_change()) };
+    let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
+    let live_status = obj.data.get("status").cloned().and_then(|s| serde_json::from_value(s).ok());
+    let generation = obj.metadata.generation;
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let spec = match reconcile::validate(obj) {
+        Ok(spec) => spec,
+        Err(why) => {
+            let s = status::status_for(&name, generation, &status::Outcome::Invalid(why), live_status.as_ref(), now);
+            reconcile::update_status(ctx, obj, &s, live_status.as_ref(), until).await?;
+            return Ok(Action::await_change());
+        }
+    };
+    if !spec.serves_ambassador_id(&ctx.ambassador_id) {
+        return Ok(Action::await_change());
+    }
+    let published = ctx.latest.borrow().clone();
+    let Some(entry) = published.as_ref().and_then(|p| p.exports.get(&(namespace.clone(), name.clone())).cloned())
+    else {
+        return Ok(Action::await_change());
+    };
+    let desired = Desired::of(&spec, entry.source.as_deref());
+    let outcome = reconcile::apply(ctx, obj, &entry, &desired, until).await;
+    let stale = ctx.metrics.stale_since.with_label_values(&[&namespace, &name]);
+    match desired.stale.as_ref().and_then(|s| chrono::DateTime::parse_from_rfc3339(&s.since).ok()) {
+        Some(t) => stale.set(t.timestamp() as f64),
+        None => {
+            let _ = ctx.metrics.stale_since.remove_label_values(&[&namespace, &name]);
+        }
+    }
+    let outcome = outcome?;
+    let s = status::status_for(&name, generation, &outcome, live_status.as_ref(), now);
+    reconcile::update_status(ctx, obj, &s, live_status.as_ref(), until).await?;
+    Ok(Action::requeue(ctx.resync))
+}
+
+fn error_policy(obj: Arc<DynamicObject>, error: &ExportError, ctx: Arc<Context>) -> Action {
+    let at = ObjectRef::from_obj_with(&*obj, ctx.resource.clone());
+    let failures = {
+        let mut f = ctx.failures.lock().expect("failures lock");
+        let n = f.entry(at).or_insert(0);
+        *n = n.saturating_add(1);
+        *n
+    };
+    let step = RETRY_BASE.saturating_mul(2u32.saturating_pow(failures.saturating_sub(1).min(20)));
+    let delay = step.min(RETRY_CAP).mul_f64(1.0 - rand::random_range(0.0..0.2));
+    tracing::warn!(export = %format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any()),
+        error = %error, reason = error.reason(), retry_in = ?delay, "export reconcile failed");
+    Action::requeue(delay)
+}
+
+/// The running controller, and the store it reads, fed from the world.
+pub(crate) struct ExportController {
+    writer: Writer<DynamicObject>,
+    resource: ApiResource,
+    fed: BTreeMap<(String, String), (Arc<Value>, DynamicObject)>,
+    ready: bool,
+    objects: mpsc::UnboundedSender<Arc<DynamicObject>>,
+    refs: mpsc::UnboundedSender<Ref>,
+    latest: watch::Sender<Option<Arc<Published>>>,
+    ctx: Arc<Context>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+    /// Exports deleted: their Service and slices are removed, one task each.
+    removals: Vec<JoinHandle<()>>,
+}
+
+/// How the controller is set up.
+pub(crate) struct ExportConfig {
+    pub(crate) version: SliceVersion,
+    pub(crate) ambassador_id: String,
+    pub(crate) resync: Duration,
+    pub(crate) metrics: ExportMetrics,
+}
+
+impl ExportController {
+    pub(crate) fn spawn(
+        client: kube::Client,
+        leadership: Leadership,
+        cfg: ExportConfig,
+        vitals: &Arc<Vitals>,
+    ) -> ExportController {
+        let resource = ApiResource::erase::<ConsulService>(&());
+        let services = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "Service"), "services");
+        let (group, version) = cfg.version.api_version().split_once('/').expect("group/version");
+        let slices = ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk(group, version, "EndpointSlice"),
+            "endpointslices",
+        );
+        let writer = Writer::new(resource.clone());
+        let reader = writer.as_reader();
+        let (objects, objects_rx) = mpsc::unbounded();
+        let (refs, refs_rx) = mpsc::unbounded();
+        let (latest, latest_rx) = watch::channel(None);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let ctx = Arc::new(Context {
+            client,
+            resource: resource.clone(),
+            services,
+            slices,
+            version: cfg.version,
+            instance: objects::instance_value(&cfg.ambassador_id),
+            ambassador_id: cfg.ambassador_id,
+            leadership,
+            latest: latest_rx,
+            metrics: cfg.metrics,
+            resync: cfg.resync,
+            failures: Mutex::default(),
+        });
+        let controller = Controller::for_shared_stream_with(objects_rx, reader, resource.clone())
+            .with_config(ControllerConfig::default().concurrency(CONCURRENCY))
+            .reconcile_on(refs_rx)
+            .graceful_shutdown_on(stopped.map(|_| ()))
+            .run(reconcile, error_policy, ctx.clone())
+            .for_each(|result| async move {
+                if let Err(e) = result
+                    && !matches!(e, kube::runtime::controller::Error::ReconcilerFailed(..))
+                {
+                    tracing::debug!(error = %e, "export controller");
+                }
+            });
+        ExportController {
+            writer,
+            resource,
+            fed: BTreeMap::new(),
+            ready: false,
+            objects,
+            refs,
+            latest,
+            ctx,
+            stop: Some(stop),
+            task: tokio::spawn(vitals.watch("export controller", controller)),
+            removals: Vec::new(),
+        }
+    }
+
+    /// Brings the store up to date with the world's exports; an export gone has its
+    /// Service and slices removed.
+    pub(crate) fn sync(&mut self, world: &World) {
+        let mut seen = std::collections::BTreeSet::new();
+        for (id, stored) in world.objects_of(GROUP, KIND) {
+            let Some(raw) = &stored.raw else { continue };
+            let id = (id.namespace.clone().unwrap_or_default(), id.name.clone());
+            seen.insert(id.clone());
+            if self.fed.get(&id).is_some_and(|(v, _)| Arc::ptr_eq(v, raw) || v == raw) {
+                continue;
+            }
+            let Ok(dynamic) = serde_json::from_value::<DynamicObject>((**raw).clone()) else { continue };
+            if self.ready {
+                self.writer.apply_watcher_event(&watcher::Event::Apply(dynamic.clone()));
+                let _ = self.objects.unbounded_send(Arc::new(dynamic.clone()));
+            }
+            self.fed.insert(id, (raw.clone(), dynamic));
+        }
+        let gone: Vec<_> = self.fed.keys().filter(|id| !seen.contains(*id)).cloned().collect();
+        for id in gone {
+            let Some((_, dynamic)) = self.fed.remove(&id) else { continue };
+            let _ = self.ctx.metrics.stale_since.remove_label_values(&[&id.0, &id.1]);
+            if self.ready {
+                let at = ObjectRef::from_obj_with(&dynamic, self.resource.clone());
+                self.ctx.failures.lock().expect("failures lock").remove(&at);
+                self.writer.apply_watcher_event(&watcher::Event::Delete(dynamic));
+            }
+            self.removals.retain(|t| !t.is_finished());
+            let ctx = self.ctx.clone();
+            self.removals.push(tokio::spawn(async move {
+                // Only the leader removes; a follower's export deletions are the leader's
+                // to carry out (it sees them too).
+                let Some(until) = ctx.leadership.until() else { return };
+                if let Err(e) = reconcile::remove(&ctx, &id.0, &id.1, until).await {
+                    tracing::warn!(export = %format!("{}/{}", id.0, id.1), error = %e,
+                        "could not remove a deleted export's Service and slices (owner references remove them where a garbage collector runs)");
+                }
+            }));
+        }
+    }
+
+    /// `snapshot` was published: reconcile the exports whose part of it changed.
+    pub(crate) fn published(&mut self, snapshot: &Snapshot) {
+        let published = Published::of(snapshot);
+        let previous = self.latest.send_replace(Some(Arc::new(Published { exports: published.exports.clone() })));
+        if !self.ready {
+            self.writer.apply_watcher_event(&watcher::Event::Init);
+            for (_, dynamic) in self.fed.values() {
+                self.writer.apply_watcher_event(&watcher::Event::InitApply(dynamic.clone()));
+            }
+            self.writer.apply_watcher_event(&watcher::Event::InitDone);
+            self.ready = true;
+            self.trigger_all();
+            return;
+        }
+        for (id, entry) in &published.exports {
+            let before = previous.as_ref().and_then(|p| p.exports.get(id));
+            if before != Some(entry) {
+                let at = ObjectRef::new_with(&id.1, self.resource.clone()).within(&id.0);
+                let _ = self.refs.unbounded_send(at);
+            }
+        }
+    }
+
+    /// This replica just became leader: every export is reconciled again.
+    pub(crate) fn leading(&mut self) {
+        if self.ready {
+            self.trigger_all();
+        }
+    }
+
+    fn trigger_all(&self) {
+        for (_, dynamic) in self.fed.values() {
+            let _ = self.refs.unbounded_send(ObjectRef::from_obj_with(dynamic, self.resource.clone()));
+        }
+    }
+
+    /// Lets the reconciles in flight finish for at most `within`, then stops.
+    pub(crate) async fn shutdown(mut self, within: Duration) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if tokio::time::timeout(within, &mut self.task).await.is_err() {
+            tracing::warn!("shutdown: export writes in flight cut off (the next leader reconciles every export again)");
+            self.task.abort();
+            let _ = (&mut self.task).await;
+        }
+        for t in self.removals {
+            t.abort();
+        }
+    }
+}

@@ -1,0 +1,340 @@
+//! The Service and EndpointSlices of an export as the API server holds them: written from
+//! the core's plan, and read back into it. `discovery.k8s.io/v1` where served (1.21+),
+//! `v1beta1` where only that is (1.20, which has `topology` instead of `zone` and drops
+//! the `serving`/`terminating` conditions unless a feature gate is on: read back, an
+//! absent condition is its API default, so a server that drops it is not rewritten
+//! forever).
+
+use std::collections::BTreeMap;
+
+use serde_json::{Value, json};
+
+use consul_resolver_api::export::IpFamily;
+use consul_resolver_core::assembler::snapshot::Stale;
+use consul_resolver_core::export::layout::{LiveSlice, SlicePlan};
+use consul_resolver_core::export::{Desired, SliceEndpoint, SlicePort};
+
+/// Label of every slice: how consumers find a Service's slices.
+pub(crate) const SERVICE_NAME: &str = "kubernetes.io/service-name";
+/// Label of every slice: who manages it. A label value cannot hold `/`, so this is the
+/// operator's name under our domain, never the control plane's reserved values.
+pub(crate) const MANAGED_BY: &str = "endpointslice.kubernetes.io/managed-by";
+pub(crate) const MANAGED_BY_VALUE: &str = "consul-resolver-operator.consulresolver.io";
+/// Label of the Service and its slices: the export they belong to.
+pub(crate) const EXPORT: &str = "consulresolver.io/export";
+/// Label of the Service and its slices: the operator instance (`--ambassador-id`), so two
+/// operators in one cluster never list, change or delete each other's.
+pub(crate) const INSTANCE: &str = "consulresolver.io/ambassador-id";
+/// Annotations of a slice holding endpoints last obtained, not a current answer.
+pub(crate) const STALE_SINCE: &str = "consulresolver.io/stale-since";
+pub(crate) const STALE_REASON: &str = "consulresolver.io/stale-reason";
+
+/// Which EndpointSlice version the API server serves (discovered once at start).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SliceVersion {
+    V1,
+    V1beta1,
+}
+
+impl SliceVersion {
+    pub(crate) fn api_version(self) -> &'static str {
+        match self {
+            SliceVersion::V1 => "discovery.k8s.io/v1",
+            SliceVersion::V1beta1 => "discovery.k8s.io/v1beta1",
+        }
+    }
+}
+
+/// The instance label's value: the Ambassador ID when it is a valid label value, else a
+/// digest of it (label values are at most 63 of `[A-Za-z0-9_.-]`).
+pub(crate) fn instance_value(ambassador_id: &str) -> String {
+    let valid = !ambassador_id.is_empty()
+        && ambassador_id.len() <= 63
+        && ambassador_id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        && ambassador_id.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && ambassador_id.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if valid {
+        return ambassador_id.to_owned();
+    }
+    use sha2::Digest;
+    format!("sha256-{}", &hex::encode(sha2::Sha256::digest(ambassador_id.as_bytes()))[..32])
+}
+
+/// Labels of an export's Service.
+pub(crate) fn service_labels(export: &str, instance: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("app.kubernetes.io/managed-by".to_owned(), "consul-resolver-operator".to_owned()),
+        (EXPORT.to_owned(), export.to_owned()),
+        (INSTANCE.to_owned(), instance.to_owned()),
+    ])
+}
+
+/// Labels of an export's slices.
+pub(crate) fn slice_labels(export: &str, instance: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (SERVICE_NAME.to_owned(), export.to_owned()),
+        (MANAGED_BY.to_owned(), MANAGED_BY_VALUE.to_owned()),
+        (EXPORT.to_owned(), export.to_owned()),
+        (INSTANCE.to_owned(), instance.to_owned()),
+    ])
+}
+
+/// The label selector of an export's slices, ours only.
+pub(crate) fn slice_selector(export: &str, instance: &str) -> String {
+    slice_labels(export, instance).iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+}
+
+/// An owner reference, as the controller of the object that holds it.
+pub(crate) fn owner(api_version: &str, kind: &str, name: &str, uid: &str) -> Value {
+    json!({"apiVersion": api_version, "kind": kind, "name": name, "uid": uid,
+           "controller": true, "blockOwnerDeletion": true})
+}
+
+/// The export's Service: no selector (so no controller of the cluster fills its
+/// endpoints), owned by the export.
+pub(crate) fn service(
+    namespace: &str,
+    name: &str,
+    desired: &Desired,
+    labels: &BTreeMap<String, String>,
+    owner: Value,
+) -> Value {
+    let ports: Vec<Value> = desired
+        .ports
+        .iter()
+        .map(|p| {
+            let mut port = json!({"name": p.name, "port": p.port, "protocol": p.protocol});
+            if let Some(a) = &p.app_protocol {
+                port["appProtocol"] = json!(a);
+            }
+            port
+        })
+        .collect();
+    let mut spec = json!({"type": "ClusterIP", "ports": ports});
+    if desired.headless {
+        spec["clusterIP"] = json!("None");
+    }
+    if desired.family == IpFamily::IPv6 {
+        spec["ipFamilies"] = json!(["IPv6"]);
+    }
+    json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels, "ownerReferences": [owner]},
+        "spec": spec,
+    })
+}
+
+/// Whether the live Service already is what [`service`] would write (so nothing is sent).
+pub(crate) fn service_matches(live: &Value, want: &Value) -> bool {
+    let labels_ok = want["metadata"]["labels"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .all(|(k, v)| live.pointer(&format!("/metadata/labels/{}", k.replace('/', "~1"))) == Some(v));
+    let owner_ok = live["metadata"]["ownerReferences"].as_array().is_some_and(|o| {
+        o.iter().any(|r| r["uid"] == want["metadata"]["ownerReferences"][0]["uid"] && r["controller"] == true)
+    });
+    let port = |p: &Value| {
+        (
+            p["name"].clone(),
+            p["port"].clone(),
+            p.get("protocol").cloned().unwrap_or(json!("TCP")),
+            p.get("appProtocol").cloned(),
+        )
+    };
+    let ports =
+        |s: &Value| s["spec"]["ports"].as_array().map(|ps| ps.iter().map(port).collect::<Vec<_>>()).unwrap_or_default();
+    let selectorless =
+        live["spec"].get("selector").is_none_or(|s| s.is_null() || s.as_object().is_some_and(|m| m.is_empty()));
+    labels_ok && owner_ok && selectorless && ports(live) == ports(want) && is_headless(live) == is_headless(want)
+}
+
+pub(crate) fn is_headless(service: &Value) -> bool {
+    service["spec"]["clusterIP"] == "None"
+}
+
+/// One slice of the plan, as written.
+pub(crate) fn slice(
+    version: SliceVersion,
+    namespace: &str,
+    plan: &SlicePlan,
+    desired: &Desired,
+    labels: &BTreeMap<String, String>,
+    owner: Value,
+) -> Value {
+    let mut annotations = serde_json::Map::new();
+    if let Some(s) = &desired.stale {
+        annotations.insert(STALE_SINCE.into(), json!(s.since));
+        annotations.insert(STALE_REASON.into(), json!(s.reason));
+    }
+    let endpoints: Vec<Value> = plan
+        .endpoints
+        .iter()
+        .map(|e| {
+            json!({"addresses": [e.address],
+                   "conditions": {"ready": e.ready, "serving": e.serving, "terminating": false}})
+        })
+        .collect();
+    let ports: Vec<Value> = plan
+        .ports
+        .iter()
+        .map(|p| {
+            let mut port = json!({"name": p.name, "port": p.port, "protocol": p.protocol});
+            if let Some(a) = &p.app_protocol {
+                port["appProtocol"] = json!(a);
+            }
+            port
+        })
+        .collect();
+    json!({
+        "apiVersion": version.api_version(), "kind": "EndpointSlice",
+        "metadata": {"name": plan.name, "namespace": namespace, "labels": labels,
+                     "annotations": annotations, "ownerReferences": [owner]},
+        "addressType": desired.family.as_str(),
+        "ports": ports,
+        "endpoints": endpoints,
+    })
+}
+
+/// A live slice in the plan's terms; `intact` when its labels and owner are ours as
+/// [`slice`] writes them.
+pub(crate) fn live_slice(obj: &Value, labels: &BTreeMap<String, String>, owner_uid: Option<&str>) -> LiveSlice {
+    let family = match obj["addressType"].as_str() {
+        Some("IPv4") => Some(IpFamily::IPv4),
+        Some("IPv6") => Some(IpFamily::IPv6),
+        _ => None,
+    };
+    let ports = obj["ports"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| SlicePort {
+            name: p["name"].as_str().unwrap_or_default().to_owned(),
+            port: p["port"].as_u64().and_then(|n| u16::try_from(n).ok()).unwrap_or(0),
+            protocol: match p["protocol"].as_str() {
+                Some("UDP") => "UDP",
+                Some("SCTP") => "SCTP",
+                _ => "TCP",
+            },
+            app_protocol: p["appProtocol"].as_str().map(str::to_owned),
+        })
+        .collect();
+    let endpoints = obj["endpoints"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| {
+            let address = e["addresses"].as_array()?.first()?.as_str()?.to_owned();
+            let c = &e["conditions"];
+            Some(SliceEndpoint {
+                address,
+                ready: c["ready"].as_bool().unwrap_or(true),
+                serving: c["serving"].as_bool().unwrap_or(c["ready"].as_bool().unwrap_or(true)),
+            })
+        })
+        .collect();
+    let annotation = |k: &str| obj["metadata"]["annotations"][k].as_str().map(str::to_owned);
+    let stale = match (annotation(STALE_SINCE), annotation(STALE_REASON)) {
+        (Some(since), Some(reason)) => Some(Stale { since, reason }),
+        _ => None,
+    };
+    let labels_ok = labels.iter().all(|(k, v)| obj["metadata"]["labels"][k].as_str() == Some(v.as_str()));
+    let owner_ok = owner_uid.is_some_and(|uid| {
+        obj["metadata"]["ownerReferences"]
+            .as_array()
+            .is_some_and(|o| o.iter().any(|r| r["uid"] == uid && r["controller"] == true))
+    });
+    LiveSlice {
+        name: obj["metadata"]["name"].as_str().unwrap_or_default().to_owned(),
+        family,
+        ports,
+        endpoints,
+        stale,
+        intact: labels_ok && owner_ok,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use consul_resolver_api::export::ConsulServiceSpec;
+    use consul_resolver_core::assembler::snapshot::ServiceEntry;
+    use consul_resolver_core::export::layout;
+    use consul_resolver_core::model::{Endpoint, Health};
+
+    fn desired() -> Desired {
+        let spec: ConsulServiceSpec = serde_json::from_value(json!({"service": "web",
+            "ports": [{"name": "http", "port": 80, "appProtocol": "http"}]}))
+        .unwrap();
+        let ep = |a: &str| Endpoint {
+            address: a.into(),
+            port: 8080,
+            node: "n".into(),
+            service_id: a.into(),
+            tags: vec![],
+            meta: Default::default(),
+            health: Health::Passing,
+        };
+        let entry = ServiceEntry {
+            name: "web".into(),
+            synced: true,
+            index: Some(1),
+            error: None,
+            stale: Some(Stale { since: "2026-11-25T00:00:00Z".into(), reason: "Consul unreachable".into() }),
+            endpoints: vec![ep("10.0.0.2"), ep("10.0.0.1")].into(),
+        };
+        Desired::of(&spec, Some(&entry))
+    }
+
+    #[test]
+    fn a_written_slice_reads_back_as_the_plan_so_it_is_not_written_again() {
+        let d = desired();
+        let plan = layout::plan("web", &d, &[]);
+        let labels = slice_labels("web", "default");
+        for version in [SliceVersion::V1, SliceVersion::V1beta1] {
+            let written = slice(version, "shop", &plan.slices[0], &d, &labels, owner("v1", "Service", "web", "u-1"));
+            assert_eq!(written["addressType"], "IPv4");
+            assert_eq!(written["metadata"]["labels"][SERVICE_NAME], "web");
+            assert_eq!(written["metadata"]["labels"][MANAGED_BY], MANAGED_BY_VALUE);
+            assert_eq!(
+                written["ports"][0],
+                json!({"name": "http", "port": 8080, "protocol": "TCP", "appProtocol": "http"})
+            );
+            assert_eq!(written["endpoints"][0]["addresses"], json!(["10.0.0.1"]));
+            let live = live_slice(&written, &labels, Some("u-1"));
+            assert!(live.intact);
+            let again = layout::plan("web", &d, &[live]);
+            assert!(again.write.is_empty(), "{again:?}");
+        }
+        // A 1.20 server without the gate drops `serving`: read back as ready.
+        let mut dropped =
+            slice(SliceVersion::V1beta1, "shop", &plan.slices[0], &d, &labels, owner("v1", "Service", "web", "u-1"));
+        dropped["endpoints"][0]["conditions"] = json!({"ready": true});
+        dropped["endpoints"][1]["conditions"] = json!({"ready": true});
+        assert!(layout::plan("web", &d, &[live_slice(&dropped, &labels, Some("u-1"))]).write.is_empty());
+        // Someone else's owner, or a label changed: not intact.
+        assert!(!live_slice(&dropped, &labels, Some("u-2")).intact);
+    }
+
+    #[test]
+    fn the_service_has_no_selector_and_matches_itself_only() {
+        let d = desired();
+        let labels = service_labels("web", "default");
+        let want =
+            service("shop", "web", &d, &labels, owner("consulresolver.io/v1alpha1", "ConsulService", "web", "u-1"));
+        assert!(want["spec"].get("selector").is_none());
+        let mut live = want.clone();
+        live["spec"]["clusterIP"] = json!("10.0.0.7");
+        live["spec"]["ports"][0]["targetPort"] = json!(80);
+        assert!(service_matches(&live, &want));
+        live["spec"]["selector"] = json!({"app": "web"});
+        assert!(!service_matches(&live, &want));
+    }
+
+    #[test]
+    fn instance_values_are_valid_labels() {
+        assert_eq!(instance_value("default"), "default");
+        let odd = instance_value("team a/prod");
+        assert!(odd.starts_with("sha256-") && odd.len() <= 63);
+    }
+}
