@@ -52,17 +52,21 @@ pub struct ResolverName {
     pub name: String,
 }
 
+/// `NAME` or `NAMESPACE/NAME`, each part held to Kubernetes' rule for it (a resolver's name
+/// is an object name, an RFC 1123 subdomain; a namespace an RFC 1123 label).
 impl std::str::FromStr for ResolverName {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let valid = |p: &str| !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
-        match s.split_once('/') {
-            Some((ns, name)) if valid(ns) && valid(name) => {
-                Ok(ResolverName { namespace: Some(ns.into()), name: name.into() })
-            }
-            None if valid(s) => Ok(ResolverName { namespace: None, name: s.into() }),
-            _ => Err(format!("{s:?} is not NAME or NAMESPACE/NAME")),
+        let (namespace, name) = match s.split_once('/') {
+            Some((ns, name)) => (Some(ns), name),
+            None => (None, s),
+        };
+        let bad = |why: &str| format!("{s:?} is not NAME or NAMESPACE/NAME: {why}");
+        if let Some(ns) = namespace {
+            names::dns1123_label(ns).map_err(|why| bad(&format!("namespace {ns:?} {why}")))?;
         }
+        names::dns1123_subdomain(name).map_err(|why| bad(&format!("name {name:?} {why}")))?;
+        Ok(ResolverName { namespace: namespace.map(str::to_owned), name: name.to_owned() })
     }
 }
 
@@ -1014,6 +1018,24 @@ impl Lookup {
             ([], others) => Found::NotServed(others.iter().map(shown).collect()),
             ([i], _) => Found::One(*i),
             (many, _) => Found::Ambiguous(many.iter().map(shown).collect()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resolver_names_follow_kubernetes_rules() {
+        let named = |s: &str| s.parse::<ResolverName>();
+        assert_eq!(named("consul"), Ok(ResolverName { namespace: None, name: "consul".into() }));
+        assert_eq!(
+            named("ops/consul.v2"),
+            Ok(ResolverName { namespace: Some("ops".into()), name: "consul.v2".into() })
+        );
+        for bad in ["", "/consul", "ops/", "Consul", "ops.x/consul", "ops/a/b", "a..b", "-a"] {
+            assert!(named(bad).is_err(), "{bad:?}");
         }
     }
 }
