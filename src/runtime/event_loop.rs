@@ -175,7 +175,7 @@ impl EventLoop {
         self.metrics.pipeline.assemble_seconds.with_label_values(&["apply"]).observe(secs(received.elapsed()));
         self.watches.apply(&diff);
         self.controller.sync(self.pipeline.world());
-        let watched = diff.start.iter().chain(&diff.stop);
+        let watched = diff.added.iter().chain(&diff.removed);
         if resolvers_touched || watched.filter_map(as_kube).any(reads_resolvers) {
             self.show_resolver_scopes();
         }

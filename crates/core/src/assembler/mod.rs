@@ -25,6 +25,7 @@ pub mod snapshot;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::SystemTime;
 
+use crate::delta::Delta;
 use crate::keys::{ConsulKey, KubeKey, WatchKey};
 use crate::model::{Decoded, Endpoints, MappingObject, ObjectId, Stored};
 use crate::world::{Changes, ConsulStore, World};
@@ -118,13 +119,6 @@ fn group(store: &crate::world::KubeStore) -> BTreeMap<&str, Vec<&Stored>> {
 type ResolverId = (String, String);
 /// A Mapping by kind, namespace and name: sorts as its snapshot entries do.
 type MappingKey = (MappingKind, String, String);
-
-/// How [`Assembler::update`] changed the desired watches.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Updated {
-    pub added: Vec<WatchKey>,
-    pub removed: Vec<WatchKey>,
-}
 
 /// One Mapping, routed.
 #[derive(Debug, Clone)]
@@ -224,9 +218,10 @@ impl Assembler {
         &self.kept
     }
 
-    /// Folds `changes` of `world` in: redoes what they touch, and says how the desired
-    /// watches changed. `now` stamps the moment a service's endpoints become stale.
-    pub fn update(&mut self, world: &World, changes: &Changes, now: SystemTime) -> Updated {
+    /// Folds `changes` of `world` in: redoes what they touch, and says which watches start
+    /// or stop being desired (sorted, disjoint). `now` stamps the moment a service's
+    /// endpoints become stale.
+    pub fn update(&mut self, world: &World, changes: &Changes, now: SystemTime) -> Delta<WatchKey> {
         // Namespaces are watched only for resolvers that select them by label.
         let everything =
             self.fresh || changes.kube.keys().any(|k| k.is(GROUP, KIND) || k.is("", "Secret") || k.is("", "Namespace"));
@@ -242,7 +237,7 @@ impl Assembler {
             self.read_kube_targets(world, changes, true, &mut delta);
             let before = std::mem::take(&mut self.desired);
             self.desired = self.derive_desired();
-            return Updated {
+            return Delta {
                 added: self.desired.keys().filter(|k| !before.contains_key(k)).cloned().collect(),
                 removed: before.into_keys().filter(|k| !self.desired.contains_key(k)).collect(),
             };
@@ -573,7 +568,7 @@ impl Assembler {
         world: &World,
         dirty: Option<&BTreeMap<ResolverId, BTreeSet<String>>>,
         now: SystemTime,
-        delta: &mut Delta,
+        delta: &mut Delta<WatchKey>,
     ) {
         let touched = std::mem::take(&mut self.touched);
         let Some(dirty) = dirty else { return self.read_all_services(world, now, delta) };
@@ -605,7 +600,7 @@ impl Assembler {
                 if previous.is_none()
                     && let Ok(settings) = &r.settings
                 {
-                    delta.add(WatchKey::Consul(settings.key(name)));
+                    delta.added.push(WatchKey::Consul(settings.key(name)));
                 }
                 let entry = service_entry(world, r, &rid, name, &mut self.kept, now).map(Part::new);
                 if entry.as_deref() != previous.map(|p| &**p) {
@@ -625,7 +620,7 @@ impl Assembler {
 
     /// Reads every resolver's services anew: after the resolvers (or their Secrets)
     /// changed.
-    fn read_all_services(&mut self, world: &World, now: SystemTime, delta: &mut Delta) {
+    fn read_all_services(&mut self, world: &World, now: SystemTime, delta: &mut Delta<WatchKey>) {
         let mut old_services = std::mem::take(&mut self.services);
         let mut old_entries = std::mem::take(&mut self.resolver_entries);
         for r in &self.resolvers {
@@ -639,7 +634,7 @@ impl Assembler {
                 if previous.is_none()
                     && let Ok(settings) = &r.settings
                 {
-                    delta.add(WatchKey::Consul(settings.key(name)));
+                    delta.added.push(WatchKey::Consul(settings.key(name)));
                 }
                 if let Some(entry) = service_entry(world, r, &rid, name, &mut self.kept, now) {
                     // The same entry keeps its allocation: equal parts stay shared.
@@ -667,7 +662,13 @@ impl Assembler {
     /// Pass two for Kubernetes: the Services routed to, their endpoints read again when
     /// their watch changed, moved (between their own and their namespace's), or they are
     /// new. Records endpoint watches that start or stop being wanted in `delta`.
-    fn read_kube_targets(&mut self, world: &World, changes: &Changes, routes_changed: bool, delta: &mut Delta) {
+    fn read_kube_targets(
+        &mut self,
+        world: &World,
+        changes: &Changes,
+        routes_changed: bool,
+        delta: &mut Delta<WatchKey>,
+    ) {
         let api = self.cfg.endpoints_api;
         // Until every route is known (a cold start's Mappings are folded in as they come),
         // how many Services a namespace has is not known either: starting a watch per
@@ -704,10 +705,10 @@ impl Assembler {
                     let store = world.kube().get(&key);
                     let moved = previous.as_ref().is_some_and(|p| p.key != key);
                     if previous.is_none() || moved {
-                        delta.add(WatchKey::Kube(key.clone()));
+                        delta.added.push(WatchKey::Kube(key.clone()));
                     }
                     if let Some(p) = previous.as_ref().filter(|_| moved) {
-                        delta.remove(WatchKey::Kube(p.key.clone()));
+                        delta.removed.push(WatchKey::Kube(p.key.clone()));
                     }
                     let listed = store.is_some_and(|s| s.listed);
                     let error = store.and_then(|s| s.rejection()).map(str::to_owned);
@@ -744,14 +745,14 @@ impl Assembler {
             targets.insert((ns.clone(), name.clone()), target);
         }
         for target in std::mem::replace(&mut self.kube_targets, targets).into_values() {
-            delta.remove(WatchKey::Kube(target.key));
+            delta.removed.push(WatchKey::Kube(target.key));
         }
     }
 
     /// Applies the watches that start or stop being wanted to the counts; says which are
     /// now wanted at all, or no longer.
-    fn apply_delta(&mut self, delta: Delta) -> Updated {
-        let mut updated = Updated::default();
+    fn apply_delta(&mut self, delta: Delta<WatchKey>) -> Delta<WatchKey> {
+        let mut updated = Delta::default();
         for key in delta.removed {
             if let Some(n) = self.desired.get_mut(&key) {
                 *n -= 1;
@@ -771,6 +772,8 @@ impl Assembler {
         // Removed and added back in one update: nothing to do for the registry.
         updated.added.retain(|k| !updated.removed.contains(k));
         updated.removed.retain(|k| !self.desired.contains_key(k));
+        updated.added.sort();
+        updated.removed.sort();
         updated
     }
 
@@ -797,27 +800,10 @@ impl Assembler {
     }
 }
 
-/// Watches that start or stop being implied, one target at a time.
-#[derive(Debug, Default)]
-struct Delta {
-    added: Vec<WatchKey>,
-    removed: Vec<WatchKey>,
-}
-
-impl Delta {
-    fn add(&mut self, key: WatchKey) {
-        self.added.push(key);
-    }
-
-    fn remove(&mut self, key: WatchKey) {
-        self.removed.push(key);
-    }
-}
-
 /// A service resolver `r` no longer wants: its query stops, and its kept endpoints go.
-fn forget_service(r: &Resolver, rid: &ResolverId, name: &str, kept: &mut Kept, delta: &mut Delta) {
+fn forget_service(r: &Resolver, rid: &ResolverId, name: &str, kept: &mut Kept, delta: &mut Delta<WatchKey>) {
     if let Ok(settings) = &r.settings {
-        delta.remove(WatchKey::Consul(settings.key(name)));
+        delta.removed.push(WatchKey::Consul(settings.key(name)));
     }
     kept.remove(&service_of(rid, name));
 }
