@@ -30,7 +30,7 @@ use crate::keys::{ConsulKey, KubeKey, WatchKey};
 use crate::model::{Decoded, Endpoints, MappingObject, ObjectId, Stored};
 use crate::world::{Changes, ConsulStore, World};
 use consul_resolver_api::mapping::{self, MappingKind};
-use consul_resolver_api::names;
+use consul_resolver_api::names::{self, NamespacedName};
 use consul_resolver_api::resolver::{GROUP, KIND};
 use consul_resolver_api::service::Host;
 
@@ -115,10 +115,30 @@ fn group(store: &crate::world::KubeStore) -> BTreeMap<&str, Vec<&Stored>> {
     by_service
 }
 
-/// A resolver by namespace and name.
-type ResolverId = (String, String);
-/// A Mapping by kind, namespace and name: sorts as its snapshot entries do.
-type MappingKey = (MappingKind, String, String);
+/// A consumer of targets: what the routes table is keyed by. Each one routes to at most one
+/// target (a resolver's Consul service, a Kubernetes Service), and every consumer of one
+/// target shares its watch. Sorts as the snapshot's entries do: Mappings by kind, namespace
+/// and name.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Consumer {
+    /// A Mapping or TCPMapping.
+    Mapping { kind: MappingKind, id: NamespacedName },
+}
+
+impl Consumer {
+    fn mapping(kind: MappingKind, id: &ObjectId) -> Self {
+        Consumer::Mapping { kind, id: NamespacedName::new(id.namespace.clone().unwrap_or_default(), id.name.clone()) }
+    }
+
+    /// A problem reported on this consumer's object.
+    fn problem(&self, message: String) -> Problem {
+        match self {
+            Consumer::Mapping { kind, id } => {
+                Problem { kind: kind.kind().into(), namespace: id.namespace.clone(), name: id.name.clone(), message }
+            }
+        }
+    }
+}
 
 /// One Mapping, routed.
 #[derive(Debug, Clone)]
@@ -132,8 +152,10 @@ struct Routed {
 /// The target a route reads endpoints from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Uses {
-    Consul(ResolverId, String),
-    Kube(String, String),
+    /// A resolver's service.
+    Consul(NamespacedName, String),
+    /// A Kubernetes Service.
+    Kube(NamespacedName),
     Nothing,
 }
 
@@ -157,15 +179,15 @@ pub struct Assembler {
     /// Resolvers in scope, sorted by namespace and name.
     resolvers: Vec<Resolver>,
     lookup: Lookup,
-    routes: BTreeMap<MappingKey, Routed>,
+    routes: BTreeMap<Consumer, Routed>,
     /// Per resolver, per service, how many routes use it.
-    consul_uses: BTreeMap<ResolverId, BTreeMap<String, usize>>,
+    consul_uses: BTreeMap<NamespacedName, BTreeMap<String, usize>>,
     /// Per Kubernetes Service, the routes to it.
-    kube_uses: BTreeMap<(String, String), BTreeSet<MappingKey>>,
+    kube_uses: BTreeMap<NamespacedName, BTreeSet<Consumer>>,
     /// Per resolver, its services' entries; and the resolver's whole entry.
-    services: BTreeMap<ResolverId, BTreeMap<String, Part<ServiceEntry>>>,
-    resolver_entries: BTreeMap<ResolverId, Part<ResolverEntry>>,
-    kube_targets: BTreeMap<(String, String), KubeTarget>,
+    services: BTreeMap<NamespacedName, BTreeMap<String, Part<ServiceEntry>>>,
+    resolver_entries: BTreeMap<NamespacedName, Part<ResolverEntry>>,
+    kube_targets: BTreeMap<NamespacedName, KubeTarget>,
     /// Which namespaces' endpoints are watched whole.
     scoping: Scoping,
     /// The Kubernetes targets were not read: not every route was known yet.
@@ -175,7 +197,7 @@ pub struct Assembler {
     desired: BTreeMap<WatchKey, usize>,
     /// Per resolver, the services that started or stopped being routed to since its
     /// services were last read.
-    touched: BTreeMap<ResolverId, BTreeSet<String>>,
+    touched: BTreeMap<NamespacedName, BTreeSet<String>>,
     /// Nothing has been read yet: the first update reads everything.
     fresh: bool,
 }
@@ -258,11 +280,11 @@ impl Assembler {
             }
         }
         // Services whose entry must be read again: those read through a changed query.
-        let mut dirty: BTreeMap<ResolverId, BTreeSet<String>> = BTreeMap::new();
+        let mut dirty: BTreeMap<NamespacedName, BTreeSet<String>> = BTreeMap::new();
         for key in &changes.consul {
             for r in &self.resolvers {
                 if r.settings.as_ref().is_ok_and(|s| s.queries(key)) {
-                    dirty.entry((r.namespace.clone(), r.name.clone())).or_default().insert(key.service.clone());
+                    dirty.entry(r.id()).or_default().insert(key.service.clone());
                 }
             }
         }
@@ -289,24 +311,16 @@ impl Assembler {
             })
             .collect();
         problems.extend(self.routes.values().filter_map(|r| r.problem.clone()));
-        for ((namespace, name), target) in &self.kube_targets {
+        for (id, target) in &self.kube_targets {
             let Some(why) = &target.entry.error else { continue };
-            for (kind, m_ns, m_name) in self.kube_uses.get(&(namespace.clone(), name.clone())).into_iter().flatten() {
-                problems.push(Problem {
-                    kind: kind.kind().into(),
-                    namespace: m_ns.clone(),
-                    name: m_name.clone(),
-                    message: format!("cannot watch the endpoints of Service {namespace}/{name}: {why}"),
-                });
+            for consumer in self.kube_uses.get(id).into_iter().flatten() {
+                problems.push(consumer.problem(format!("cannot watch the endpoints of Service {id}: {why}")));
             }
         }
         problems.sort();
         problems.dedup();
-        let resolvers: Vec<Part<ResolverEntry>> = self
-            .resolvers
-            .iter()
-            .filter_map(|r| self.resolver_entries.get(&(r.namespace.clone(), r.name.clone())).cloned())
-            .collect();
+        let resolvers: Vec<Part<ResolverEntry>> =
+            self.resolvers.iter().filter_map(|r| self.resolver_entries.get(&r.id()).cloned()).collect();
         let unsynced = resolvers
             .iter()
             .flat_map(|r| {
@@ -345,10 +359,11 @@ impl Assembler {
         self.kube_uses.clear();
         for kind in MappingKind::ALL {
             for (id, stored) in world.objects_of(mapping::GROUP, kind.kind()) {
+                let consumer = Consumer::mapping(kind, id);
                 if let Decoded::Mapping(m) = &stored.decoded
-                    && let Some(routed) = self.route(kind, id, m)
+                    && let Some(routed) = self.route(&consumer, m)
                 {
-                    self.add_route(key_of(kind, id), routed);
+                    self.add_route(consumer, routed);
                 }
             }
         }
@@ -356,15 +371,21 @@ impl Assembler {
 
     /// Routes every Mapping of `kind` again (its watch relisted, or came or went).
     fn reroute_kind(&mut self, world: &World, kind: MappingKind) -> bool {
-        let mine: Vec<MappingKey> = self.routes.keys().filter(|k| k.0 == kind).cloned().collect();
+        let mine: Vec<Consumer> = self
+            .routes
+            .keys()
+            .filter(|c| matches!(c, Consumer::Mapping { kind: k, .. } if *k == kind))
+            .cloned()
+            .collect();
         for key in mine {
             self.remove_route(&key);
         }
         for (id, stored) in world.objects_of(mapping::GROUP, kind.kind()) {
+            let consumer = Consumer::mapping(kind, id);
             if let Decoded::Mapping(m) = &stored.decoded
-                && let Some(routed) = self.route(kind, id, m)
+                && let Some(routed) = self.route(&consumer, m)
             {
-                self.add_route(key_of(kind, id), routed);
+                self.add_route(consumer, routed);
             }
         }
         true
@@ -372,9 +393,9 @@ impl Assembler {
 
     /// Routes one Mapping again; whether its route changed.
     fn reroute(&mut self, world: &World, kind: MappingKind, id: &ObjectId) -> bool {
-        let key = key_of(kind, id);
+        let key = Consumer::mapping(kind, id);
         let now = world.object_of(mapping::GROUP, kind.kind(), id).and_then(|stored| match &stored.decoded {
-            Decoded::Mapping(m) => self.route(kind, id, m),
+            Decoded::Mapping(m) => self.route(&key, m),
             _ => None,
         });
         let before = self.routes.get(&key);
@@ -393,7 +414,7 @@ impl Assembler {
         true
     }
 
-    fn add_route(&mut self, key: MappingKey, routed: Routed) {
+    fn add_route(&mut self, key: Consumer, routed: Routed) {
         match &routed.uses {
             Uses::Consul(rid, service) => {
                 let uses = self.consul_uses.entry(rid.clone()).or_default().entry(service.clone()).or_default();
@@ -402,15 +423,15 @@ impl Assembler {
                     self.touched.entry(rid.clone()).or_default().insert(service.clone());
                 }
             }
-            Uses::Kube(ns, name) => {
-                self.kube_uses.entry((ns.clone(), name.clone())).or_default().insert(key.clone());
+            Uses::Kube(target) => {
+                self.kube_uses.entry(target.clone()).or_default().insert(key.clone());
             }
             Uses::Nothing => {}
         }
         self.routes.insert(key, routed);
     }
 
-    fn remove_route(&mut self, key: &MappingKey) {
+    fn remove_route(&mut self, key: &Consumer) {
         let Some(routed) = self.routes.remove(key) else { return };
         match routed.uses {
             Uses::Consul(rid, service) => {
@@ -427,8 +448,7 @@ impl Assembler {
                     }
                 }
             }
-            Uses::Kube(ns, name) => {
-                let target = (ns, name);
+            Uses::Kube(target) => {
                 if let Some(by) = self.kube_uses.get_mut(&target) {
                     by.remove(key);
                     if by.is_empty() {
@@ -441,17 +461,11 @@ impl Assembler {
     }
 
     /// Pass one for one Mapping: where its traffic goes. `None`: not this operator's.
-    fn route(&self, kind: MappingKind, id: &ObjectId, m: &Result<MappingObject, String>) -> Option<Routed> {
+    fn route(&self, consumer: &Consumer, m: &Result<MappingObject, String>) -> Option<Routed> {
         let m = match m {
             Ok(m) => m,
             Err(e) => {
-                let problem = Problem {
-                    kind: kind.kind().into(),
-                    namespace: id.namespace.clone().unwrap_or_default(),
-                    name: id.name.clone(),
-                    message: e.clone(),
-                };
-                return Some(Routed { entry: None, problem: Some(problem), uses: Uses::Nothing });
+                return Some(Routed { entry: None, problem: Some(consumer.problem(e.clone())), uses: Uses::Nothing });
             }
         };
         if !m.serves_ambassador_id(&self.cfg.ambassador_id) {
@@ -461,14 +475,9 @@ impl Assembler {
             Err(e) => (Target::Unresolved, Uses::Nothing, Some(format!("spec.service: {e}"))),
             Ok(svc) => self.target(m, svc),
         };
-        let problem = why.map(|message| Problem {
-            kind: kind.kind().into(),
-            namespace: m.namespace.clone(),
-            name: m.name.clone(),
-            message,
-        });
+        let problem = why.map(|why| consumer.problem(why));
         let entry = MappingEntry {
-            kind: kind.kind().into(),
+            kind: m.kind.kind().into(),
             namespace: m.namespace.clone(),
             name: m.name.clone(),
             service: m.service.clone(),
@@ -507,21 +516,21 @@ impl Assembler {
                     return unresolved(format!("spec.service: {ns:?} is not a valid namespace: it {why}"));
                 }
                 let target = Target::Kubernetes { namespace: ns.clone(), service: name.clone(), port: svc.port };
-                return (target, Uses::Kube(ns, name.clone()), None);
+                return (target, Uses::Kube(NamespacedName::new(ns, name.clone())), None);
             }
         };
         match self.lookup.find(&self.resolvers, &m.namespace, &wanted) {
             Found::One(i) => {
                 let r = &self.resolvers[i];
-                let rid = (r.namespace.clone(), r.name.clone());
+                let rid = r.id();
                 match &r.settings {
                     // Unless served from the endpoints last obtained, or waiting a moment
                     // for a Secret: then the Mapping keeps its route.
                     Err(u)
                         if u.reason != UnusableReason::WaitingForSecret
-                            && self.kept.get(&service_of(&rid, name)).is_none() =>
+                            && self.kept.get(&ServiceOf::new(&rid, name)).is_none() =>
                     {
-                        unresolved(format!("resolver {}/{} cannot be used: {}", r.namespace, r.name, u.message))
+                        unresolved(format!("resolver {rid} cannot be used: {}", u.message))
                     }
                     _ => {
                         let target = Target::Consul {
@@ -566,14 +575,14 @@ impl Assembler {
     fn read_services(
         &mut self,
         world: &World,
-        dirty: Option<&BTreeMap<ResolverId, BTreeSet<String>>>,
+        dirty: Option<&BTreeMap<NamespacedName, BTreeSet<String>>>,
         now: SystemTime,
         delta: &mut Delta<WatchKey>,
     ) {
         let touched = std::mem::take(&mut self.touched);
         let Some(dirty) = dirty else { return self.read_all_services(world, now, delta) };
         for r in &self.resolvers {
-            let rid = (r.namespace.clone(), r.name.clone());
+            let rid = r.id();
             let answered = dirty.get(&rid);
             let routed = touched.get(&rid);
             if answered.is_none() && routed.is_none() {
@@ -624,7 +633,7 @@ impl Assembler {
         let mut old_services = std::mem::take(&mut self.services);
         let mut old_entries = std::mem::take(&mut self.resolver_entries);
         for r in &self.resolvers {
-            let rid = (r.namespace.clone(), r.name.clone());
+            let rid = r.id();
             let mut wanted: BTreeSet<&str> = r.listed_services().collect();
             wanted.extend(self.consul_uses.get(&rid).into_iter().flatten().map(|(s, _)| s.as_str()));
             let mut old = old_services.remove(&rid).unwrap_or_default();
@@ -652,11 +661,7 @@ impl Assembler {
         }
         // Resolvers deleted (or out of scope) let their kept endpoints go.
         let services = &self.services;
-        self.kept.retain(|of| {
-            services
-                .get(&(of.resolver_namespace.clone(), of.resolver_name.clone()))
-                .is_some_and(|s| s.contains_key(&of.service))
-        });
+        self.kept.retain(|of| services.get(&of.resolver).is_some_and(|s| s.contains_key(&of.service)));
     }
 
     /// Pass two for Kubernetes: the Services routed to, their endpoints read again when
@@ -688,17 +693,18 @@ impl Assembler {
         }
         if routes_changed || deferred {
             let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-            for (ns, _) in self.kube_uses.keys() {
-                *counts.entry(ns.as_str()).or_default() += 1;
+            for target in self.kube_uses.keys() {
+                *counts.entry(target.namespace.as_str()).or_default() += 1;
             }
             self.scoping.update(counts.into_iter(), self.cfg.endpoints_namespace_watch_above);
         }
         // A namespace's watch holds every Service's objects: grouped once per pass.
         let mut grouped: BTreeMap<KubeKey, BTreeMap<&str, Vec<&Stored>>> = BTreeMap::new();
         let mut targets = BTreeMap::new();
-        for (ns, name) in self.kube_uses.keys() {
+        for id in self.kube_uses.keys() {
+            let (ns, name) = (&id.namespace, &id.name);
             let key = self.scoping.key(api, ns, name);
-            let previous = self.kube_targets.remove(&(ns.clone(), name.clone()));
+            let previous = self.kube_targets.remove(id);
             let target = match previous {
                 Some(t) if t.key == key && !changes.kube.contains_key(&key) => t,
                 previous => {
@@ -742,7 +748,7 @@ impl Assembler {
                     }
                 }
             };
-            targets.insert((ns.clone(), name.clone()), target);
+            targets.insert(id.clone(), target);
         }
         for target in std::mem::replace(&mut self.kube_targets, targets).into_values() {
             delta.removed.push(WatchKey::Kube(target.key));
@@ -785,7 +791,7 @@ impl Assembler {
         for r in &self.resolvers {
             r.secrets.iter().cloned().map(WatchKey::Kube).for_each(&mut count);
             let Ok(settings) = &r.settings else { continue };
-            let rid = (r.namespace.clone(), r.name.clone());
+            let rid = r.id();
             for name in self.services.get(&rid).into_iter().flat_map(|s| s.keys()) {
                 count(WatchKey::Consul(settings.key(name)));
             }
@@ -801,11 +807,11 @@ impl Assembler {
 }
 
 /// A service resolver `r` no longer wants: its query stops, and its kept endpoints go.
-fn forget_service(r: &Resolver, rid: &ResolverId, name: &str, kept: &mut Kept, delta: &mut Delta<WatchKey>) {
+fn forget_service(r: &Resolver, rid: &NamespacedName, name: &str, kept: &mut Kept, delta: &mut Delta<WatchKey>) {
     if let Ok(settings) = &r.settings {
         delta.removed.push(WatchKey::Consul(settings.key(name)));
     }
-    kept.remove(&service_of(rid, name));
+    kept.remove(&ServiceOf::new(rid, name));
 }
 
 /// A resolver's entry in the snapshot, with its services' entries (shared).
@@ -821,26 +827,18 @@ fn resolver_entry(r: &Resolver, services: &BTreeMap<String, Part<ServiceEntry>>)
     })
 }
 
-fn key_of(kind: MappingKind, id: &ObjectId) -> MappingKey {
-    (kind, id.namespace.clone().unwrap_or_default(), id.name.clone())
-}
-
-fn service_of(rid: &ResolverId, service: &str) -> ServiceOf {
-    ServiceOf { resolver_namespace: rid.0.clone(), resolver_name: rid.1.clone(), service: service.to_owned() }
-}
-
 /// One service's entry: its query's answer, or (until the query answers, or while the
 /// resolver is unusable) the endpoints last obtained, or nothing to show. Updates what is
 /// kept of it.
 fn service_entry(
     world: &World,
     r: &Resolver,
-    rid: &ResolverId,
+    rid: &NamespacedName,
     name: &str,
     kept: &mut Kept,
     now: SystemTime,
 ) -> Option<ServiceEntry> {
-    let of = service_of(rid, name);
+    let of = ServiceOf::new(rid, name);
     let previous = kept.get(&of).cloned();
     let (entry, keep) = match &r.settings {
         Ok(settings) => {

@@ -13,7 +13,7 @@ use crate::keys::{
 };
 use crate::model::Decoded;
 use crate::world::World;
-use consul_resolver_api::names;
+use consul_resolver_api::names::{self, NamespacedName};
 use consul_resolver_api::resolver::{ConsistencyMode, ConsulResolverSpec, HealthStatus, SecretKeyRef};
 
 pub(crate) use consul_resolver_api::resolver::{GROUP, KIND};
@@ -34,6 +34,11 @@ pub struct Resolver {
 }
 
 impl Resolver {
+    /// Its namespace and name.
+    pub fn id(&self) -> NamespacedName {
+        NamespacedName::new(self.namespace.clone(), self.name.clone())
+    }
+
     /// The services it always watches (`spec.services`), whatever Mappings name.
     pub fn listed_services(&self) -> impl Iterator<Item = &str> {
         self.spec.iter().flat_map(|s| s.services.iter().flatten()).map(|s| &**s)
