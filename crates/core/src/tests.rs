@@ -1352,6 +1352,8 @@ async fn incremental_assembly_equals_reading_everything_again() {
                 "step {step}: desired watches"
             );
             assert_eq!(incremental.kept(), full.kept(), "step {step}: endpoints kept");
+            assert_eq!(incremental.desired_counts(), &incremental.recount(), "step {step}: counts drifted");
+            assert_eq!(incremental.desired_counts(), full.desired_counts(), "step {step}: desired counts");
             if only_consul && !changes.consul.is_empty() && changes.kube.is_empty() {
                 assert!(updated.added.is_empty() && updated.removed.is_empty(), "step {step}: Consul alone");
                 consul_only += 1;
@@ -1366,4 +1368,94 @@ async fn incremental_assembly_equals_reading_everything_again() {
         }
     }
     assert!(steps > 1000 && consul_only > 100, "the walk exercised it: {steps} updates, {consul_only} Consul-only");
+}
+
+/// The desired watches are counted one way, whatever the path: a shared query, a Secret, a
+/// Kubernetes target, each added by what starts holding it and removed by what stops. After
+/// every update, incremental or everything read again, the counts kept equal the counts
+/// taken from scratch, and an incremental update agrees with reading everything again.
+#[tokio::test(start_paused = true)]
+async fn desired_counts_agree_however_they_were_reached() {
+    use super::assembler::Assembler;
+    use super::world::World;
+    let now = Instant::now();
+    let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(WALL_START);
+    let mut world = World::new(BOOTSTRAP);
+    for key in fixed() {
+        world.track(&key, now);
+    }
+    for key in [resolvers_key(), mappings_key()] {
+        world.apply(Event::Kube(key.clone(), KubeEvent::ListStarted), now);
+        world.apply(Event::Kube(key, KubeEvent::ListDone), now);
+    }
+    let shared = |dc: Option<&str>| {
+        let mut spec = json!({"address": "127.0.0.1:8500", "allowedNamespaces": {"from": "All"}});
+        if let Some(dc) = dc {
+            spec["datacenter"] = json!(dc);
+        }
+        spec
+    };
+    let mut a = Assembler::new(Config { endpoints_api: EndpointsApi::Endpoints, ..Config::default() });
+    let billing = |ns: &str, name: &str, resolver: &str| {
+        Event::Kube(
+            mappings_key(),
+            KubeEvent::Applied(mapping(ns, name, json!({"service": "billing", "resolver": resolver}))),
+        )
+    };
+    let steps: Vec<Vec<Event>> = vec![
+        // Two resolvers with the same settings: their billing queries are one key, twice.
+        vec![
+            Event::Kube(resolvers_key(), KubeEvent::Applied(resolver("shop", "consul", shared(None)))),
+            Event::Kube(resolvers_key(), KubeEvent::Applied(resolver("ops", "consul", shared(None)))),
+        ],
+        vec![billing("shop", "m1", "consul"), billing("shop", "m2", "consul"), billing("ops", "m3", "consul")],
+        vec![Event::Kube(
+            mappings_key(),
+            KubeEvent::Applied(mapping("shop", "web", json!({"service": "web.shop:80"}))),
+        )],
+        // One of the two uses goes: the key stays, counted once.
+        vec![Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("ops", "m3", json!({})).id))],
+        // A setting changes: the query moves to a new key (read everything again).
+        vec![Event::Kube(resolvers_key(), KubeEvent::Applied(resolver("shop", "consul", shared(Some("dc2")))))],
+        vec![billing("ops", "m3", "consul")],
+        vec![Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("shop", "m1", json!({})).id))],
+        // shop's Mapping m2 goes to ops/consul (it serves every namespace).
+        vec![Event::Kube(resolvers_key(), KubeEvent::Deleted(resolver("shop", "consul", json!({})).id))],
+        vec![Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("shop", "web", json!({})).id))],
+        vec![
+            Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("shop", "m2", json!({})).id)),
+            Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("ops", "m3", json!({})).id)),
+        ],
+        vec![Event::Kube(resolvers_key(), KubeEvent::Deleted(resolver("ops", "consul", json!({})).id))],
+    ];
+    let mut shared_seen = false;
+    for (step, batch) in steps.into_iter().enumerate() {
+        for e in batch {
+            world.apply(e, now);
+        }
+        loop {
+            let changes = world.take_changes();
+            if changes.is_empty() {
+                break;
+            }
+            let mut full = a.clone();
+            full.read_everything_next();
+            let delta = a.update(&world, &changes, wall);
+            full.update(&world, &changes, wall);
+            assert_eq!(a.desired_counts(), &a.recount(), "step {step}: the counts kept are the counts");
+            assert_eq!(a.desired_counts(), full.desired_counts(), "step {step}: incremental and full agree");
+            shared_seen |= a
+                .desired_counts()
+                .iter()
+                .any(|(k, n)| matches!(k, WatchKey::Consul(c) if c.service == "billing") && *n == 2);
+            for key in delta.removed {
+                world.untrack(&key);
+            }
+            for key in delta.added {
+                world.track(&key, now);
+            }
+        }
+    }
+    assert!(shared_seen, "one billing query was implied by both resolvers at once");
+    assert!(a.desired_counts().is_empty(), "nothing is implied any more: {:?}", a.desired_counts());
 }

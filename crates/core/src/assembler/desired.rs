@@ -2,12 +2,14 @@
 //! watch can be implied several times (a query shared by resolvers with the same settings,
 //! a Secret named twice, a namespace's endpoints serving many Services).
 //!
-//! An incremental update changes the counts by what starts or stops holding a watch (a
-//! resolver's service its query, a Kubernetes target its endpoints' watch); after the
-//! resolvers changed, they are derived anew ([`Desired::replace`]).
+//! The counts change one way only: whatever holds a watch (a resolver its Secrets, a
+//! resolver's service its query, a Kubernetes target its endpoints' watch) adds it when it
+//! starts holding it and removes it when it stops, on every path, incremental or not. So
+//! the counts cannot drift from what the passes hold; a test recounts them from scratch.
 
 use std::collections::BTreeMap;
 
+use super::resolvers::{self, Resolver};
 use crate::delta::Delta;
 use crate::keys::WatchKey;
 
@@ -44,20 +46,25 @@ impl Desired {
         }
     }
 
-    /// Replaces every count with `counts`, derived anew.
-    pub(crate) fn replace(&mut self, counts: BTreeMap<WatchKey, usize>) {
-        for key in self.counts.keys().filter(|k| !counts.contains_key(k)) {
-            self.flipped.entry(key.clone()).or_insert(true);
+    /// The resolvers in scope changed from `old` to `new`: their own watches follow.
+    pub(crate) fn resolvers_changed(&mut self, old: &[Resolver], new: &[Resolver]) {
+        for key in resolver_watches(new) {
+            self.add(key);
         }
-        for key in counts.keys().filter(|k| !self.counts.contains_key(k)) {
-            self.flipped.entry(key.clone()).or_insert(false);
+        for key in resolver_watches(old) {
+            self.remove(key);
         }
-        self.counts = counts;
     }
 
     /// The desired watches, in key order.
     pub(crate) fn keys(&self) -> impl Iterator<Item = &WatchKey> {
         self.counts.keys()
+    }
+
+    /// Each desired watch with its count.
+    #[cfg(test)]
+    pub(crate) fn counts(&self) -> &BTreeMap<WatchKey, usize> {
+        &self.counts
     }
 
     /// The watches that became desired, and those no longer desired, since the last call:
@@ -73,6 +80,14 @@ impl Desired {
         }
         delta
     }
+}
+
+/// The watches resolvers imply by themselves: the Secrets they name, and Namespaces (their
+/// labels) while some resolver selects the namespaces it serves by label.
+fn resolver_watches(resolvers: &[Resolver]) -> impl Iterator<Item = WatchKey> + '_ {
+    let secrets = resolvers.iter().flat_map(|r| r.secrets.iter().cloned().map(WatchKey::Kube));
+    let namespaces = resolvers.iter().any(Resolver::selects_namespaces).then(resolvers::namespaces_key);
+    secrets.chain(namespaces.map(WatchKey::Kube))
 }
 
 #[cfg(test)]
@@ -97,7 +112,6 @@ mod tests {
         d.remove(key("b"));
         d.add(key("b"));
         assert_eq!(d.take(), Delta { added: vec![], removed: vec![key("a")] }, "b went and came back: nothing");
-        d.replace(BTreeMap::from([(key("c"), 1), (key("b"), 2)]));
-        assert_eq!(d.take(), Delta { added: vec![key("c")], removed: vec![] });
+        assert_eq!(d.counts().iter().map(|(k, n)| (k.clone(), *n)).collect::<Vec<_>>(), [(key("b"), 1)]);
     }
 }

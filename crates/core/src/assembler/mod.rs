@@ -6,7 +6,8 @@
 //! - [`route`]: pass one routes each consumer (a Mapping) to its target (a resolver's
 //!   Consul service, a Kubernetes Service, an address), and counts the routes per target;
 //! - [`read`]: pass two reads each target's endpoints (and each service a resolver lists);
-//! - [`desired`]: the watches the passes' results imply, counted.
+//! - [`desired`]: the watches the passes' results imply, counted, changed by whatever
+//!   starts or stops holding one.
 //!
 //! This module only orchestrates them. Between changes it keeps both passes' results, and
 //! redoes only what the world's [`Changes`] touch:
@@ -127,9 +128,17 @@ impl Assembler {
         self.services.kept()
     }
 
-    /// The watches the routes and resolvers imply, counted: their Secrets, their services'
-    /// Consul queries, and the endpoints of the Kubernetes Services routed to.
-    fn derive_desired(&self) -> BTreeMap<WatchKey, usize> {
+    /// Each desired watch with its count, as kept from update to update.
+    #[cfg(test)]
+    pub(crate) fn desired_counts(&self) -> &BTreeMap<WatchKey, usize> {
+        self.desired.counts()
+    }
+
+    /// The desired watches counted from scratch, from what the passes hold now and the
+    /// resolvers' current settings: what [`Assembler::desired_counts`] must always equal,
+    /// however the updates that led here went.
+    #[cfg(test)]
+    pub(crate) fn recount(&self) -> BTreeMap<WatchKey, usize> {
         let secrets = self.resolvers.iter().flat_map(|r| r.secrets.iter().cloned().map(WatchKey::Kube));
         let namespaces = self.resolvers.iter().any(Resolver::selects_namespaces).then(resolvers::namespaces_key);
         let mut counts = BTreeMap::new();
@@ -152,16 +161,16 @@ impl Assembler {
         self.fresh = false;
         if everything {
             // Resolvers (or the Secrets they read) changed: read them, route every Mapping
-            // and read every service again, and derive the desired watches anew.
-            self.resolvers = resolvers::read(world, &self.cfg.ambassador_id, &self.cfg.env);
+            // and read every service again.
+            let resolvers = resolvers::read(world, &self.cfg.ambassador_id, &self.cfg.env);
+            self.desired.resolvers_changed(&self.resolvers, &resolvers);
+            self.resolvers = resolvers;
             let inputs = route::Inputs { cfg: &self.cfg, resolvers: &self.resolvers, kept: self.services.kept() };
             self.routes.route_all(world, &inputs);
             self.routes.take_touched(); // Every service is read.
             let inputs = read::Inputs { world, cfg: &self.cfg, resolvers: &self.resolvers, routes: &self.routes, now };
             self.services.read_all(&inputs, &mut self.desired);
             self.kube.read(&inputs, changes, true, &mut self.desired);
-            let derived = self.derive_desired();
-            self.desired.replace(derived);
             return self.desired.take();
         }
         let inputs = route::Inputs { cfg: &self.cfg, resolvers: &self.resolvers, kept: self.services.kept() };
