@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use consul_resolver_api::names::{self, NamespacedName};
 use consul_resolver_core::assembler::{self, ResolverName};
 use consul_resolver_core::keys::KubeKey;
 
@@ -57,11 +58,11 @@ pub(crate) enum CrdKind {
 #[derive(Debug, Clone, Args)]
 pub(crate) struct RunArgs {
     /// Namespace to watch ConsulResolvers and Mappings in; repeat for several. Default: all.
-    #[arg(long = "namespace", env = "WATCH_NAMESPACES", value_delimiter = ',', value_parser = parse_name)]
+    #[arg(long = "namespace", env = "WATCH_NAMESPACES", value_delimiter = ',', value_parser = parse_namespace)]
     pub namespaces: Vec<String>,
 
     /// Only resolvers and Mappings whose ambassador_id contains this are read.
-    #[arg(long, env = "AMBASSADOR_ID", default_value = "default", value_parser = parse_name)]
+    #[arg(long, env = "AMBASSADOR_ID", default_value = "default", value_parser = parse_ambassador_id)]
     pub ambassador_id: String,
 
     /// Resolver (NAME or NAMESPACE/NAME) for Mappings that name none. Without it, such
@@ -70,7 +71,7 @@ pub(crate) struct RunArgs {
     pub default_resolver: Option<ResolverName>,
 
     /// ConfigMap (NAMESPACE/NAME) the snapshot is written to. Default: none.
-    #[arg(long, env = "SNAPSHOT_CONFIGMAP", value_parser = parse_namespaced_name)]
+    #[arg(long, env = "SNAPSHOT_CONFIGMAP", value_parser = NamespacedName::from_str)]
     pub snapshot_configmap: Option<NamespacedName>,
 
     /// Changes within this window after a publication are coalesced into one trailing
@@ -155,7 +156,7 @@ pub(crate) struct RunArgs {
     /// Lease (NAMESPACE/NAME) for leader election. Every replica watches and serves HTTP;
     /// only the lease holder writes the ConfigMap, statuses and Events. Without it this
     /// process always writes: run a single replica.
-    #[arg(long, env = "LEADER_ELECTION_LEASE", value_parser = parse_namespaced_name)]
+    #[arg(long, env = "LEADER_ELECTION_LEASE", value_parser = NamespacedName::from_str)]
     pub leader_election_lease: Option<LeaseRef>,
 
     /// This replica's name in the lease (the pod name). Default: HOSTNAME-PID.
@@ -179,45 +180,20 @@ pub(crate) struct RunArgs {
     pub address_env: Vec<String>,
 }
 
-/// An object by namespace and name (`NAMESPACE/NAME`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct NamespacedName {
-    pub namespace: String,
-    pub name: String,
-}
-
-impl std::fmt::Display for NamespacedName {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
-
 /// The leader-election Lease.
 pub(crate) type LeaseRef = NamespacedName;
 
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
+fn parse_namespace(s: &str) -> Result<String, String> {
+    names::dns1123_label(s).map(|()| s.to_owned()).map_err(|why| format!("{s:?} is not a valid namespace: it {why}"))
 }
 
-fn parse_name(s: &str) -> Result<String, String> {
-    if is_dns_label(s) {
-        Ok(s.to_owned())
-    } else {
-        Err(format!("{s:?} is not a valid name (lowercase letters, digits, '-', '.')"))
-    }
-}
-
-fn parse_namespaced_name(s: &str) -> Result<NamespacedName, String> {
-    match s.split_once('/') {
-        Some((ns, name)) if is_dns_label(ns) && is_dns_label(name) => {
-            Ok(NamespacedName { namespace: ns.to_owned(), name: name.to_owned() })
-        }
-        _ => Err(format!("{s:?} is not NAMESPACE/NAME")),
-    }
+/// An Ambassador ID is only compared with the `ambassador_id` of Mappings and resolvers, never
+/// sent to the API server; it keeps the rule the flag always had (lowercase letters, digits,
+/// '-' and '.'), checked as the RFC 1123 subdomain that rule approximated.
+fn parse_ambassador_id(s: &str) -> Result<String, String> {
+    names::dns1123_subdomain(s)
+        .map(|()| s.to_owned())
+        .map_err(|why| format!("{s:?} is not a valid Ambassador ID: it {why}"))
 }
 
 fn parse_env_name(s: &str) -> Result<String, String> {
@@ -255,7 +231,7 @@ pub(crate) fn parse_watch(s: &str) -> Result<KubeKey, String> {
         None => (s, None),
     };
     let (kind_group, namespace) = match rest.split_once('/') {
-        Some((kg, ns)) if is_dns_label(ns) => (kg, Some(ns)),
+        Some((kg, ns)) if names::dns1123_label(ns).is_ok() => (kg, Some(ns)),
         Some((_, ns)) => return Err(format!("{s:?}: {ns:?} is not a namespace name")),
         None => (rest, None),
     };
@@ -265,7 +241,7 @@ pub(crate) fn parse_watch(s: &str) -> Result<KubeKey, String> {
     if !kind_ok {
         return Err(format!("{s:?}: kind {kind:?} must be a Kind name such as Service or Mapping"));
     }
-    if !group.is_empty() && !is_dns_label(group) {
+    if !group.is_empty() && names::dns1123_subdomain(group).is_err() {
         return Err(format!("{s:?}: {group:?} is not an API group"));
     }
     if group.is_empty() && kind == "Secret" {
@@ -374,6 +350,13 @@ mod tests {
             (&["--shutdown-timeout", "0s"][..], "--shutdown-timeout"),
             (&["--resync-period", "never"][..], "--resync-period"),
             (&["--address-env", "HOST-IP"][..], "--address-env"),
+            // Kubernetes' own rules (api::names): a namespace is a label, no dots.
+            (&["--namespace", "a.b"][..], "--namespace"),
+            (&["--snapshot-configmap", "ops.x/snap"][..], "--snapshot-configmap"),
+            (&["--snapshot-configmap", "ops/a..b"][..], "--snapshot-configmap"),
+            (&["--watch", "Service/a.b"][..], "--watch"),
+            (&["--default-resolver", "Ops/consul"][..], "--default-resolver"),
+            (&["--ambassador-id", "a..b"][..], "--ambassador-id"),
         ] {
             let e = run(args).unwrap_err();
             let first = e.render().to_string();

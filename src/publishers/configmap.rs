@@ -55,9 +55,9 @@ use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
 use super::{PublishError, Publisher, gunzip_limited};
-use crate::cli::NamespacedName;
 use crate::kube_client::{FIELD_MANAGER, status_code};
 use crate::leadership::Leadership;
+use consul_resolver_api::names::NamespacedName;
 use consul_resolver_core::assembler::Snapshot;
 use consul_resolver_core::assembler::gzip::{Compressor, GZIP_HEADER};
 use consul_resolver_core::keys::KubeKey;

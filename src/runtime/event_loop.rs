@@ -184,7 +184,7 @@ impl EventLoop {
         if let Some(exports) = &mut self.exports {
             exports.sync(self.pipeline.world());
         }
-        let watched = diff.start.iter().chain(&diff.stop);
+        let watched = diff.added.iter().chain(&diff.removed);
         if resolvers_touched || watched.filter_map(as_kube).any(reads_resolvers) {
             self.show_resolver_scopes();
         }

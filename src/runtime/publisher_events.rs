@@ -16,9 +16,9 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use prometheus::IntCounter;
 use tokio::time::Instant;
 
-use crate::cli::NamespacedName;
 use crate::controller::events::{MAX_NOTE, truncate};
 use crate::leadership::Leadership;
+use consul_resolver_api::names::NamespacedName;
 
 pub(crate) const PUBLISH_FAILED: &str = "PublishFailed";
 pub(crate) const PUBLISH_RECOVERED: &str = "PublishRecovered";

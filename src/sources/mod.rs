@@ -12,8 +12,8 @@ pub(crate) mod metrics;
 
 use std::collections::BTreeMap;
 
+use consul_resolver_core::delta::Delta;
 use consul_resolver_core::keys::WatchKey;
-use consul_resolver_core::registry::Diff;
 use tokio_util::task::AbortOnDropHandle;
 
 use consul_watch::ConsulSource;
@@ -47,14 +47,14 @@ impl Watches {
 
     /// Starts and stops watches as `diff` says; `consul_resolver_watches{source}` follows,
     /// down to 0 when the last one stops.
-    pub(crate) fn apply(&mut self, diff: &Diff<WatchKey>) {
-        for key in &diff.stop {
+    pub(crate) fn apply(&mut self, diff: &Delta<WatchKey>) {
+        for key in &diff.removed {
             if self.running.remove(key).is_some() {
                 tracing::info!(watch = %key, "watch stopped");
                 self.metrics.watch_stops.with_label_values(&[source(key)]).inc();
             }
         }
-        for key in &diff.start {
+        for key in &diff.added {
             tracing::info!(watch = %key, source = source(key), "watch started");
             self.metrics.watch_starts.with_label_values(&[source(key)]).inc();
             let events = self.events.clone();
@@ -116,11 +116,11 @@ mod tests {
             service: "web".into(),
         });
         let gauge = |source: &str| metrics.watches.with_label_values(&[source]).get();
-        w.apply(&Diff { start: vec![kube.clone(), consul.clone()], stop: vec![] });
+        w.apply(&Delta { added: vec![kube.clone(), consul.clone()], removed: vec![] });
         assert_eq!((gauge("kubernetes"), gauge("consul")), (1, 1));
-        w.apply(&Diff { start: vec![], stop: vec![consul] });
+        w.apply(&Delta { added: vec![], removed: vec![consul] });
         assert_eq!((gauge("kubernetes"), gauge("consul")), (1, 0));
-        w.apply(&Diff { start: vec![], stop: vec![kube] });
+        w.apply(&Delta { added: vec![], removed: vec![kube] });
         assert_eq!((gauge("kubernetes"), gauge("consul")), (0, 0));
         for source in ["kubernetes", "consul"] {
             assert_eq!(metrics.watch_starts.with_label_values(&[source]).get(), 1);

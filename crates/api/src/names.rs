@@ -1,10 +1,14 @@
-//! Kubernetes naming rules, checked before a name goes into a field or label selector.
+//! Kubernetes naming rules, and the one way the operator names a namespaced object.
 //!
 //! A name the API server would refuse in a selector (`metadata.name=a,b`,
 //! `kubernetes.io/service-name=-x`) must never become a watch: it is reported on the object
 //! that holds it, as a validation error naming the field, and nothing is requested. These
 //! are the rules of apimachinery's `validation.IsDNS1123Subdomain`, `IsDNS1123Label`,
-//! `IsDNS1035Label` and `IsConfigMapKey`.
+//! `IsDNS1035Label` and `IsConfigMapKey`. Every Kubernetes name the operator checks is
+//! checked here: the command line's flags, a resolver's spec, a Mapping's target.
+
+use std::fmt;
+use std::str::FromStr;
 
 /// Why a name breaks a rule, for messages: "`\"a,b\"` is not a valid Secret name: ...".
 pub(crate) type Broken = &'static str;
@@ -69,6 +73,40 @@ pub fn data_key(s: &str) -> Result<(), Broken> {
     Ok(())
 }
 
+/// A namespaced object: `namespace/name` on the command line and in messages. Sorts by
+/// namespace, then name (as the snapshot's entries do).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NamespacedName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl NamespacedName {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        NamespacedName { namespace: namespace.into(), name: name.into() }
+    }
+}
+
+impl fmt::Display for NamespacedName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// `NAMESPACE/NAME`: a namespace (an RFC 1123 label) and an object name (an RFC 1123
+/// subdomain, the rule of most kinds' names: ConfigMaps, Leases, custom resources).
+impl FromStr for NamespacedName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let Some((namespace, name)) = s.split_once('/') else {
+            return Err(format!("{s:?} is not NAMESPACE/NAME"));
+        };
+        dns1123_label(namespace).map_err(|why| format!("{s:?}: namespace {namespace:?} {why}"))?;
+        dns1123_subdomain(name).map_err(|why| format!("{s:?}: name {name:?} {why}"))?;
+        Ok(NamespacedName::new(namespace, name))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,6 +130,19 @@ mod tests {
             assert!(dns1035_label(bad).is_err(), "{bad:?}");
         }
         assert_eq!(dns1123_label("1shop"), Ok(()), "namespaces may start with a digit");
+    }
+
+    #[test]
+    fn namespaced_names_parse_and_print() {
+        let n: NamespacedName = "ops/snap.v2".parse().unwrap();
+        assert_eq!(n, NamespacedName::new("ops", "snap.v2"));
+        assert_eq!(n.to_string(), "ops/snap.v2");
+        for bad in ["snap", "/snap", "ops/", "ops.x/snap", "Ops/snap", "ops/Snap", "ops/a/b", "ops/a..b"] {
+            assert!(bad.parse::<NamespacedName>().is_err(), "{bad:?}");
+        }
+        let e = "ops.x/snap".parse::<NamespacedName>().unwrap_err();
+        assert!(e.contains("namespace \"ops.x\" must consist of"), "{e}");
+        assert!(NamespacedName::new("a", "z") < NamespacedName::new("b", "a"), "namespace first");
     }
 
     #[test]

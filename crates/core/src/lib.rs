@@ -6,6 +6,7 @@
 //! ```
 
 pub mod assembler;
+pub mod delta;
 pub mod election;
 pub mod export;
 mod ingest;

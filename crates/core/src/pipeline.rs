@@ -22,10 +22,11 @@ use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 
 use super::assembler::{self, Assembler, Snapshot};
+use super::delta::Delta;
 use super::keys::{KubeKey, WatchKey};
 use super::limiter::{Limiter, Next};
 use super::model::Event;
-use super::registry::{ConsumerId, Diff, Registry};
+use super::registry::{ConsumerId, Registry};
 use super::world::{Readiness, World};
 
 /// What the runtime should do next.
@@ -134,7 +135,7 @@ impl Pipeline {
     }
 
     /// Sets the fixed watches; returns the watches to start and stop.
-    pub fn set_fixed(&mut self, keys: BTreeSet<WatchKey>, now: Instant) -> Diff<WatchKey> {
+    pub fn set_fixed(&mut self, keys: BTreeSet<WatchKey>, now: Instant) -> Delta<WatchKey> {
         self.fixed = keys
             .iter()
             .filter_map(|k| match k {
@@ -145,11 +146,11 @@ impl Pipeline {
         let diff = self.registry.set(&Self::fixed_consumer(), keys);
         self.track(&diff, now);
         let more = self.settle(now);
-        merge(diff, more)
+        diff.then(more)
     }
 
     /// Folds a batch of events in; returns the watches to start and stop.
-    pub fn apply(&mut self, events: impl IntoIterator<Item = Event>, now: Instant) -> Diff<WatchKey> {
+    pub fn apply(&mut self, events: impl IntoIterator<Item = Event>, now: Instant) -> Delta<WatchKey> {
         let mut changed = false;
         for e in events {
             changed |= self.world.apply(e, now);
@@ -162,25 +163,25 @@ impl Pipeline {
 
     /// Lets the assembler fold in what changed, and the registry follow what it implies,
     /// until nothing more changes (starting a watch adds its empty store to the world).
-    fn settle(&mut self, now: Instant) -> Diff<WatchKey> {
-        let mut diff = Diff::default();
+    fn settle(&mut self, now: Instant) -> Delta<WatchKey> {
+        let mut diff = Delta::default();
         loop {
             let changes = self.world.take_changes();
             if changes.is_empty() {
                 return diff;
             }
-            let updated = self.assembler.update(&self.world, &changes, self.clock.at(now));
-            let more = self.registry.change(&Self::assembler_consumer(), updated.added, updated.removed);
+            let wanted = self.assembler.update(&self.world, &changes, self.clock.at(now));
+            let more = self.registry.change(&Self::assembler_consumer(), wanted);
             self.track(&more, now);
-            diff = merge(diff, more);
+            diff = diff.then(more);
         }
     }
 
-    fn track(&mut self, diff: &Diff<WatchKey>, now: Instant) {
-        for k in &diff.stop {
+    fn track(&mut self, diff: &Delta<WatchKey>, now: Instant) {
+        for k in &diff.removed {
             self.world.untrack(k);
         }
-        for k in &diff.start {
+        for k in &diff.added {
             match k {
                 WatchKey::Kube(kube) if self.fixed.contains(kube) => self.world.track_fixed(k, now),
                 _ => self.world.track(k, now),
@@ -269,27 +270,4 @@ impl Pipeline {
             self.limiter.changed();
         }
     }
-}
-
-fn merge<K: Ord>(mut a: Diff<K>, b: Diff<K>) -> Diff<K> {
-    // A key stopped by `a` and started by `b` (or the reverse) nets out.
-    for k in b.start {
-        match a.stop.iter().position(|s| *s == k) {
-            Some(i) => {
-                a.stop.remove(i);
-            }
-            None => a.start.push(k),
-        }
-    }
-    for k in b.stop {
-        match a.start.iter().position(|s| *s == k) {
-            Some(i) => {
-                a.start.remove(i);
-            }
-            None => a.stop.push(k),
-        }
-    }
-    a.start.sort();
-    a.stop.sort();
-    a
 }

@@ -10,6 +10,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
+use crate::delta::Delta;
+
 /// Who wants a key.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ConsumerId(String);
@@ -23,25 +25,6 @@ impl ConsumerId {
 impl fmt::Display for ConsumerId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
-    }
-}
-
-/// What to do to the running watches. Both lists are sorted and disjoint.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Diff<K> {
-    pub start: Vec<K>,
-    pub stop: Vec<K>,
-}
-
-impl<K> Default for Diff<K> {
-    fn default() -> Self {
-        Diff { start: Vec::new(), stop: Vec::new() }
-    }
-}
-
-impl<K> Diff<K> {
-    pub fn is_empty(&self) -> bool {
-        self.start.is_empty() && self.stop.is_empty()
     }
 }
 
@@ -63,11 +46,12 @@ impl<K: Ord + Clone> Registry<K> {
     }
 
     /// Replaces everything `consumer` wants with `desired`, returning the watches to start
-    /// (keys nobody wanted before) and to stop (keys nobody wants any more).
-    pub fn set(&mut self, consumer: &ConsumerId, desired: BTreeSet<K>) -> Diff<K> {
+    /// (keys nobody wanted before: `added`) and to stop (keys nobody wants any more:
+    /// `removed`), each sorted.
+    pub fn set(&mut self, consumer: &ConsumerId, desired: BTreeSet<K>) -> Delta<K> {
         let empty = BTreeSet::new();
         let current = self.keys_by_consumer.get(consumer).unwrap_or(&empty);
-        let mut diff = Diff::default();
+        let mut diff = Delta::default();
         for key in current.difference(&desired) {
             let consumers = self
                 .consumers_by_key
@@ -76,13 +60,13 @@ impl<K: Ord + Clone> Registry<K> {
             consumers.remove(consumer);
             if consumers.is_empty() {
                 self.consumers_by_key.remove(key);
-                diff.stop.push(key.clone());
+                diff.removed.push(key.clone());
             }
         }
         for key in desired.difference(current) {
             let consumers = self.consumers_by_key.entry(key.clone()).or_default();
             if consumers.is_empty() {
-                diff.start.push(key.clone());
+                diff.added.push(key.clone());
             }
             consumers.insert(consumer.clone());
         }
@@ -94,17 +78,13 @@ impl<K: Ord + Clone> Registry<K> {
         diff
     }
 
-    /// Changes what `consumer` wants by `add` and `remove`, without restating the rest:
-    /// the cost is that of the change, not of everything the consumer wants.
-    pub fn change(
-        &mut self,
-        consumer: &ConsumerId,
-        add: impl IntoIterator<Item = K>,
-        remove: impl IntoIterator<Item = K>,
-    ) -> Diff<K> {
-        let mut diff = Diff::default();
+    /// Changes what `consumer` wants by `wanted` (keys it starts and stops wanting), without
+    /// restating the rest: the cost is that of the change, not of everything the consumer
+    /// wants. Returns the watches to start and to stop, sorted and disjoint.
+    pub fn change(&mut self, consumer: &ConsumerId, wanted: Delta<K>) -> Delta<K> {
+        let mut diff = Delta::default();
         let mine = self.keys_by_consumer.entry(consumer.clone()).or_default();
-        for key in remove {
+        for key in wanted.removed {
             if !mine.remove(&key) {
                 continue;
             }
@@ -112,16 +92,16 @@ impl<K: Ord + Clone> Registry<K> {
             consumers.remove(consumer);
             if consumers.is_empty() {
                 self.consumers_by_key.remove(&key);
-                diff.stop.push(key);
+                diff.removed.push(key);
             }
         }
-        for key in add {
+        for key in wanted.added {
             if !mine.insert(key.clone()) {
                 continue;
             }
             let consumers = self.consumers_by_key.entry(key.clone()).or_default();
             if consumers.is_empty() {
-                diff.start.push(key);
+                diff.added.push(key);
             }
             consumers.insert(consumer.clone());
         }
@@ -129,15 +109,15 @@ impl<K: Ord + Clone> Registry<K> {
             self.keys_by_consumer.remove(consumer);
         }
         // A key removed and added back in one change nets out.
-        diff.start.retain(|k| !diff.stop.contains(k));
-        diff.stop.retain(|k| !self.consumers_by_key.contains_key(k));
-        diff.start.sort();
-        diff.stop.sort();
+        diff.added.retain(|k| !diff.removed.contains(k));
+        diff.removed.retain(|k| !self.consumers_by_key.contains_key(k));
+        diff.added.sort();
+        diff.removed.sort();
         diff
     }
 
     /// Everything `consumer` wanted is released.
-    pub fn remove_consumer(&mut self, consumer: &ConsumerId) -> Diff<K> {
+    pub fn remove_consumer(&mut self, consumer: &ConsumerId) -> Delta<K> {
         self.set(consumer, BTreeSet::new())
     }
 
@@ -168,15 +148,15 @@ mod tests {
     fn first_consumer_starts_and_last_consumer_stops() {
         let mut r = Registry::new();
         let (a, b) = (ConsumerId::new("a"), ConsumerId::new("b"));
-        assert_eq!(r.set(&a, set(&["k1", "k2"])), Diff { start: vec!["k1", "k2"], stop: vec![] });
+        assert_eq!(r.set(&a, set(&["k1", "k2"])), Delta { added: vec!["k1", "k2"], removed: vec![] });
         // b shares k2 with a: nothing new starts for it.
-        assert_eq!(r.set(&b, set(&["k2", "k3"])), Diff { start: vec!["k3"], stop: vec![] });
+        assert_eq!(r.set(&b, set(&["k2", "k3"])), Delta { added: vec!["k3"], removed: vec![] });
         assert_eq!(r.keys().count(), 3);
         // a leaves k2: b still wants it, so it keeps running; k1 had only a.
-        assert_eq!(r.set(&a, set(&[])), Diff { start: vec![], stop: vec!["k1"] });
+        assert_eq!(r.set(&a, set(&[])), Delta { added: vec![], removed: vec!["k1"] });
         assert!(r.contains(&"k2"));
         assert_eq!(r.consumers(&"k2").collect::<Vec<_>>(), [&b]);
-        assert_eq!(r.remove_consumer(&b), Diff { start: vec![], stop: vec!["k2", "k3"] });
+        assert_eq!(r.remove_consumer(&b), Delta { added: vec![], removed: vec!["k2", "k3"] });
         assert_eq!(r.keys().count(), 0);
     }
 
@@ -199,7 +179,7 @@ mod tests {
         // Same set again: nothing restarts.
         assert!(r.set(&a, set(&["k1", "k2", "k3"])).is_empty());
         // One key swapped: exactly that key stops and its replacement starts.
-        assert_eq!(r.set(&a, set(&["k1", "k2", "k4"])), Diff { start: vec!["k4"], stop: vec!["k3"] });
+        assert_eq!(r.set(&a, set(&["k1", "k2", "k4"])), Delta { added: vec!["k4"], removed: vec!["k3"] });
     }
 
     #[test]
@@ -209,11 +189,15 @@ mod tests {
         let (a, b) = (ConsumerId::new("a"), ConsumerId::new("b"));
         by_set.set(&b, set(&["shared"]));
         by_delta.set(&b, set(&["shared"]));
-        assert_eq!(by_set.set(&a, set(&["k1", "shared"])), by_delta.change(&a, ["k1", "shared"], []));
-        assert_eq!(by_set.set(&a, set(&["k2"])), by_delta.change(&a, ["k2"], ["k1", "shared"]));
-        assert_eq!(by_delta.change(&a, ["k2"], []), Diff::default(), "already wanted: nothing");
-        assert_eq!(by_delta.change(&a, [], ["nope"]), Diff::default(), "never wanted: nothing");
-        assert_eq!(by_set.set(&a, set(&[])), by_delta.change(&a, [], ["k2"]));
+        let change = |added: &[&'static str], removed: &[&'static str]| Delta {
+            added: added.to_vec(),
+            removed: removed.to_vec(),
+        };
+        assert_eq!(by_set.set(&a, set(&["k1", "shared"])), by_delta.change(&a, change(&["k1", "shared"], &[])));
+        assert_eq!(by_set.set(&a, set(&["k2"])), by_delta.change(&a, change(&["k2"], &["k1", "shared"])));
+        assert_eq!(by_delta.change(&a, change(&["k2"], &[])), Delta::default(), "already wanted: nothing");
+        assert_eq!(by_delta.change(&a, change(&[], &["nope"])), Delta::default(), "never wanted: nothing");
+        assert_eq!(by_set.set(&a, set(&[])), by_delta.change(&a, change(&[], &["k2"])));
         assert_eq!(by_set.keys().collect::<Vec<_>>(), by_delta.keys().collect::<Vec<_>>());
     }
 
@@ -227,9 +211,9 @@ mod tests {
     fn many_consumers_one_key_is_one_start_and_one_stop() {
         let mut r = Registry::new();
         let consumers: Vec<_> = (0..100).map(|i| ConsumerId::new(format!("c{i}"))).collect();
-        let starts: usize = consumers.iter().map(|c| r.set(c, set(&["k"])).start.len()).sum();
+        let starts: usize = consumers.iter().map(|c| r.set(c, set(&["k"])).added.len()).sum();
         assert_eq!(starts, 1);
-        let stops: usize = consumers.iter().map(|c| r.remove_consumer(c).stop.len()).sum();
+        let stops: usize = consumers.iter().map(|c| r.remove_consumer(c).removed.len()).sum();
         assert_eq!(stops, 1);
     }
 }

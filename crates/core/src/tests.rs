@@ -98,7 +98,7 @@ fn bootstrapped_pipeline() -> (Pipeline, ConsulKey) {
         ),
         now,
     );
-    assert_eq!(diff.start.len(), 1, "the Mapping implies exactly one Consul watch: {diff:?}");
+    assert_eq!(diff.added.len(), 1, "the Mapping implies exactly one Consul watch: {diff:?}");
     let key = consul_keys(&p).remove(0);
     (p, key)
 }
@@ -140,7 +140,7 @@ async fn consul_watches_start_while_the_mappings_still_list_and_nothing_publishe
     };
     let diff =
         p.apply([Event::Kube(mappings_key(), KubeEvent::ListStarted)].into_iter().chain(page(&["billing"])), now);
-    assert_eq!(diff.start.iter().filter(|k| matches!(k, WatchKey::Consul(_))).count(), 1, "{diff:?}");
+    assert_eq!(diff.added.iter().filter(|k| matches!(k, WatchKey::Consul(_))).count(), 1, "{diff:?}");
     for key in consul_keys(&p) {
         p.apply([Event::Consul(key, ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
     }
@@ -151,7 +151,7 @@ async fn consul_watches_start_while_the_mappings_still_list_and_nothing_publishe
     );
     assert_eq!(p.poll(now), Step::Idle);
     let diff = p.apply(page(&["orders"]), now);
-    assert_eq!(diff.start.len(), 1, "{diff:?}");
+    assert_eq!(diff.added.len(), 1, "{diff:?}");
     p.apply([Event::Kube(mappings_key(), KubeEvent::ListDone)], now);
     assert_eq!(p.poll(now), Step::WaitUntil(now + BOOTSTRAP), "listed, but orders has not answered");
     for key in consul_keys(&p) {
@@ -335,9 +335,9 @@ async fn mappings_drive_consul_watches_and_sharing() {
         ],
         now,
     );
-    assert!(diff.start.is_empty());
-    assert_eq!(diff.stop.len(), 1);
-    assert!(matches!(&diff.stop[0], WatchKey::Consul(k) if k.service == "posts"));
+    assert!(diff.added.is_empty());
+    assert_eq!(diff.removed.len(), 1);
+    assert!(matches!(&diff.removed[0], WatchKey::Consul(k) if k.service == "posts"));
 
     // Changing the resolver's spec restarts only the watches whose key changed.
     let diff = p.apply(
@@ -347,9 +347,9 @@ async fn mappings_drive_consul_watches_and_sharing() {
         )],
         now,
     );
-    assert_eq!(diff.start.len(), 1, "{diff:?}");
-    assert!(matches!(&diff.start[0], WatchKey::Consul(k) if k.datacenter.as_deref() == Some("dc2")));
-    assert!(diff.stop.is_empty(), "dc1 billing is still used by shop/b");
+    assert_eq!(diff.added.len(), 1, "{diff:?}");
+    assert!(matches!(&diff.added[0], WatchKey::Consul(k) if k.datacenter.as_deref() == Some("dc2")));
+    assert!(diff.removed.is_empty(), "dc1 billing is still used by shop/b");
 }
 
 #[tokio::test(start_paused = true)]
@@ -514,7 +514,7 @@ async fn endpoints_watches_wait_for_every_route() {
     let first: Vec<Event> =
         std::iter::once(Event::Kube(mappings_key(), KubeEvent::ListStarted)).chain(page(0, 2)).collect();
     let diff = p.apply(first, now);
-    assert!(slice_keys(&p).is_empty() && diff.start.is_empty(), "a first page starts no endpoints watch: {diff:?}");
+    assert!(slice_keys(&p).is_empty() && diff.added.is_empty(), "a first page starts no endpoints watch: {diff:?}");
     p.apply(page(2, 5).collect::<Vec<_>>(), now);
     assert!(slice_keys(&p).is_empty());
     p.apply([Event::Kube(mappings_key(), KubeEvent::ListDone)], now);
@@ -669,7 +669,7 @@ async fn a_resolver_serves_the_namespaces_its_selector_matches_as_their_labels_c
         "selector": {"matchLabels": {"consul-access": "shop"}}}});
     let diff = p.apply(listed(&resolvers_key(), vec![resolver("shop", "consul", selecting)]), now);
     let namespaces = super::assembler::resolvers::namespaces_key();
-    assert!(diff.start.contains(&WatchKey::Kube(namespaces.clone())), "Namespaces watched: {diff:?}");
+    assert!(diff.added.contains(&WatchKey::Kube(namespaces.clone())), "Namespaces watched: {diff:?}");
     p.apply(
         listed(&mappings_key(), vec![mapping("blog", "m", json!({"service": "posts", "resolver": "consul"}))]),
         now,
@@ -679,21 +679,21 @@ async fn a_resolver_serves_the_namespaces_its_selector_matches_as_their_labels_c
 
     let diff = p.apply(listed(&namespaces, vec![ns(json!({"team": "blog"}))]), now);
     assert_eq!(target(&p), Target::Unresolved, "not labelled: not served");
-    assert!(diff.start.iter().all(|k| !matches!(k, WatchKey::Consul(_))), "{diff:?}");
+    assert!(diff.added.iter().all(|k| !matches!(k, WatchKey::Consul(_))), "{diff:?}");
 
     let labelled = ns(json!({"team": "blog", "consul-access": "shop"}));
     let diff = p.apply([Event::Kube(namespaces.clone(), KubeEvent::Applied(labelled))], now);
     assert!(matches!(target(&p), Target::Consul { resolver_namespace, .. } if resolver_namespace == "shop"));
-    assert!(diff.start.iter().any(|k| matches!(k, WatchKey::Consul(c) if c.service == "posts")), "{diff:?}");
+    assert!(diff.added.iter().any(|k| matches!(k, WatchKey::Consul(c) if c.service == "posts")), "{diff:?}");
 
     let diff = p.apply([Event::Kube(namespaces.clone(), KubeEvent::Applied(ns(json!({"team": "blog"}))))], now);
     assert_eq!(target(&p), Target::Unresolved, "the label gone: refused again");
-    assert!(diff.stop.iter().any(|k| matches!(k, WatchKey::Consul(c) if c.service == "posts")), "{diff:?}");
+    assert!(diff.removed.iter().any(|k| matches!(k, WatchKey::Consul(c) if c.service == "posts")), "{diff:?}");
 
     // No resolver selects any more: Namespaces are no longer watched.
     let shared = json!({"address": "127.0.0.1:8500", "allowedNamespaces": {"from": "All"}});
     let diff = p.apply(listed(&resolvers_key(), vec![resolver("shop", "consul", shared)]), now);
-    assert!(diff.stop.contains(&WatchKey::Kube(namespaces)), "{diff:?}");
+    assert!(diff.removed.contains(&WatchKey::Kube(namespaces)), "{diff:?}");
 }
 
 #[tokio::test(start_paused = true)]
@@ -750,14 +750,14 @@ async fn tokens_come_from_secrets_and_never_reach_the_snapshot() {
     );
     // The Secret is watched by name as soon as the resolver names it.
     assert_eq!(
-        diff.start.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        diff.added.iter().map(ToString::to_string).collect::<Vec<_>>(),
         ["Secret/v1 in shop fields metadata.name=consul-acl"]
     );
     let diff = p.apply(
         listed(&mappings_key(), vec![mapping("shop", "m", json!({"service": "billing", "resolver": "consul"}))]),
         now,
     );
-    assert!(diff.start.is_empty(), "no Consul watch without the token: {diff:?}");
+    assert!(diff.added.is_empty(), "no Consul watch without the token: {diff:?}");
     let secret_key = super::assembler::resolvers::secret_key("shop", "consul-acl");
     use base64::Engine;
     let encoded = base64::engine::general_purpose::STANDARD.encode(format!("{token}\n"));
@@ -768,7 +768,7 @@ async fn tokens_come_from_secrets_and_never_reach_the_snapshot() {
         ),
         now,
     );
-    let WatchKey::Consul(k) = &diff.start[0] else { panic!("{diff:?}") };
+    let WatchKey::Consul(k) = &diff.added[0] else { panic!("{diff:?}") };
     assert_eq!(k.server.token.as_ref().unwrap().expose(), token, "trimmed token from the Secret");
     p.apply([Event::Consul(k.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![] })], now);
     let snap = publish(&mut p).unwrap();
@@ -785,7 +785,7 @@ async fn tokens_come_from_secrets_and_never_reach_the_snapshot() {
         )],
         now,
     );
-    assert_eq!((diff.start.len(), diff.stop.len()), (1, 1));
+    assert_eq!((diff.added.len(), diff.removed.len()), (1, 1));
 }
 
 #[tokio::test(start_paused = true)]
@@ -811,7 +811,7 @@ async fn client_certificates_come_from_secrets_and_go_in_pairs() {
         "data": {"tls.crt": b64("CERT PEM"), "tls.key": b64("KEY PEM")}});
     let diff =
         p.apply(listed(&super::assembler::resolvers::secret_key("shop", "consul-client"), vec![object(secret)]), now);
-    let [WatchKey::Consul(k)] = diff.start.as_slice() else { panic!("one Consul watch: {diff:?}") };
+    let [WatchKey::Consul(k)] = diff.added.as_slice() else { panic!("one Consul watch: {diff:?}") };
     let id = k.server.tls.as_ref().and_then(|t| t.client_identity.as_ref()).expect("a client identity");
     assert_eq!((&*id.cert_pem, id.key_pem.expose()), ("CERT PEM", "KEY PEM"));
     assert!(!format!("{k:?}").contains("KEY PEM"), "the key never prints");
@@ -894,7 +894,7 @@ async fn after_the_first_publication_a_new_or_silent_key_holds_nothing_back() {
         )],
         Instant::now(),
     );
-    assert_eq!(diff.start.len(), 1);
+    assert_eq!(diff.added.len(), 1);
     let snap = publish(&mut p).expect("published at once, not after the bootstrap timeout");
     let orders = snap.content.resolvers[0].services.iter().find(|s| s.name == "orders").unwrap();
     assert!(!orders.synced && orders.endpoints.is_empty());
@@ -1080,7 +1080,7 @@ async fn endpoints_last_obtained_outlive_a_token_rotation_a_lost_secret_and_a_br
         [Event::Kube(secret.clone(), KubeEvent::Applied(secret_object("shop", "acl", "new-token")))],
         Instant::now(),
     );
-    assert_eq!((diff.start.len(), diff.stop, &diff.start), (1, vec![WatchKey::Consul(old.clone())], &diff.start));
+    assert_eq!((diff.added.len(), diff.removed, &diff.added), (1, vec![WatchKey::Consul(old.clone())], &diff.added));
     let new = consul_keys(&p).remove(0);
     let snap = next_publication(&mut p).await;
     let s = service(&snap);
@@ -1121,7 +1121,7 @@ async fn endpoints_last_obtained_outlive_a_token_rotation_a_lost_secret_and_a_br
     tokio::time::advance(Duration::from_secs(60)).await;
     let diff =
         p.apply([Event::Kube(secret.clone(), KubeEvent::Deleted(secret_object("shop", "acl", "").id))], Instant::now());
-    assert_eq!(diff.stop, vec![WatchKey::Consul(new)]);
+    assert_eq!(diff.removed, vec![WatchKey::Consul(new)]);
     let snap = next_publication(&mut p).await;
     let unusable = snap.content.resolvers[0].unusable.clone().unwrap();
     assert_eq!(unusable.reason, UnusableReason::SecretUnavailable);
@@ -1352,6 +1352,8 @@ async fn incremental_assembly_equals_reading_everything_again() {
                 "step {step}: desired watches"
             );
             assert_eq!(incremental.kept(), full.kept(), "step {step}: endpoints kept");
+            assert_eq!(incremental.desired_counts(), &incremental.recount(), "step {step}: counts drifted");
+            assert_eq!(incremental.desired_counts(), full.desired_counts(), "step {step}: desired counts");
             if only_consul && !changes.consul.is_empty() && changes.kube.is_empty() {
                 assert!(updated.added.is_empty() && updated.removed.is_empty(), "step {step}: Consul alone");
                 consul_only += 1;
@@ -1366,4 +1368,94 @@ async fn incremental_assembly_equals_reading_everything_again() {
         }
     }
     assert!(steps > 1000 && consul_only > 100, "the walk exercised it: {steps} updates, {consul_only} Consul-only");
+}
+
+/// The desired watches are counted one way, whatever the path: a shared query, a Secret, a
+/// Kubernetes target, each added by what starts holding it and removed by what stops. After
+/// every update, incremental or everything read again, the counts kept equal the counts
+/// taken from scratch, and an incremental update agrees with reading everything again.
+#[tokio::test(start_paused = true)]
+async fn desired_counts_agree_however_they_were_reached() {
+    use super::assembler::Assembler;
+    use super::world::World;
+    let now = Instant::now();
+    let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(WALL_START);
+    let mut world = World::new(BOOTSTRAP);
+    for key in fixed() {
+        world.track(&key, now);
+    }
+    for key in [resolvers_key(), mappings_key()] {
+        world.apply(Event::Kube(key.clone(), KubeEvent::ListStarted), now);
+        world.apply(Event::Kube(key, KubeEvent::ListDone), now);
+    }
+    let shared = |dc: Option<&str>| {
+        let mut spec = json!({"address": "127.0.0.1:8500", "allowedNamespaces": {"from": "All"}});
+        if let Some(dc) = dc {
+            spec["datacenter"] = json!(dc);
+        }
+        spec
+    };
+    let mut a = Assembler::new(Config { endpoints_api: EndpointsApi::Endpoints, ..Config::default() });
+    let billing = |ns: &str, name: &str, resolver: &str| {
+        Event::Kube(
+            mappings_key(),
+            KubeEvent::Applied(mapping(ns, name, json!({"service": "billing", "resolver": resolver}))),
+        )
+    };
+    let steps: Vec<Vec<Event>> = vec![
+        // Two resolvers with the same settings: their billing queries are one key, twice.
+        vec![
+            Event::Kube(resolvers_key(), KubeEvent::Applied(resolver("shop", "consul", shared(None)))),
+            Event::Kube(resolvers_key(), KubeEvent::Applied(resolver("ops", "consul", shared(None)))),
+        ],
+        vec![billing("shop", "m1", "consul"), billing("shop", "m2", "consul"), billing("ops", "m3", "consul")],
+        vec![Event::Kube(
+            mappings_key(),
+            KubeEvent::Applied(mapping("shop", "web", json!({"service": "web.shop:80"}))),
+        )],
+        // One of the two uses goes: the key stays, counted once.
+        vec![Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("ops", "m3", json!({})).id))],
+        // A setting changes: the query moves to a new key (read everything again).
+        vec![Event::Kube(resolvers_key(), KubeEvent::Applied(resolver("shop", "consul", shared(Some("dc2")))))],
+        vec![billing("ops", "m3", "consul")],
+        vec![Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("shop", "m1", json!({})).id))],
+        // shop's Mapping m2 goes to ops/consul (it serves every namespace).
+        vec![Event::Kube(resolvers_key(), KubeEvent::Deleted(resolver("shop", "consul", json!({})).id))],
+        vec![Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("shop", "web", json!({})).id))],
+        vec![
+            Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("shop", "m2", json!({})).id)),
+            Event::Kube(mappings_key(), KubeEvent::Deleted(mapping("ops", "m3", json!({})).id)),
+        ],
+        vec![Event::Kube(resolvers_key(), KubeEvent::Deleted(resolver("ops", "consul", json!({})).id))],
+    ];
+    let mut shared_seen = false;
+    for (step, batch) in steps.into_iter().enumerate() {
+        for e in batch {
+            world.apply(e, now);
+        }
+        loop {
+            let changes = world.take_changes();
+            if changes.is_empty() {
+                break;
+            }
+            let mut full = a.clone();
+            full.read_everything_next();
+            let delta = a.update(&world, &changes, wall);
+            full.update(&world, &changes, wall);
+            assert_eq!(a.desired_counts(), &a.recount(), "step {step}: the counts kept are the counts");
+            assert_eq!(a.desired_counts(), full.desired_counts(), "step {step}: incremental and full agree");
+            shared_seen |= a
+                .desired_counts()
+                .iter()
+                .any(|(k, n)| matches!(k, WatchKey::Consul(c) if c.service == "billing") && *n == 2);
+            for key in delta.removed {
+                world.untrack(&key);
+            }
+            for key in delta.added {
+                world.track(&key, now);
+            }
+        }
+    }
+    assert!(shared_seen, "one billing query was implied by both resolvers at once");
+    assert!(a.desired_counts().is_empty(), "nothing is implied any more: {:?}", a.desired_counts());
 }

@@ -12,15 +12,22 @@
 use std::collections::BTreeMap;
 use std::time::SystemTime;
 
+use consul_resolver_api::names::NamespacedName;
+
 use crate::keys::ConsulKey;
 use crate::model::Endpoints;
 
 /// A service as one resolver sees it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ServiceOf {
-    pub resolver_namespace: String,
-    pub resolver_name: String,
+    pub resolver: NamespacedName,
     pub service: String,
+}
+
+impl ServiceOf {
+    pub fn new(resolver: &NamespacedName, service: &str) -> Self {
+        ServiceOf { resolver: resolver.clone(), service: service.to_owned() }
+    }
 }
 
 /// The endpoints last obtained for one [`ServiceOf`].

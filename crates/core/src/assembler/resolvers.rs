@@ -13,7 +13,7 @@ use crate::keys::{
 };
 use crate::model::Decoded;
 use crate::world::World;
-use consul_resolver_api::names;
+use consul_resolver_api::names::{self, NamespacedName};
 use consul_resolver_api::resolver::{ConsistencyMode, ConsulResolverSpec, HealthStatus, SecretKeyRef};
 
 pub(crate) use consul_resolver_api::resolver::{GROUP, KIND};
@@ -34,6 +34,11 @@ pub struct Resolver {
 }
 
 impl Resolver {
+    /// Its namespace and name.
+    pub fn id(&self) -> NamespacedName {
+        NamespacedName::new(self.namespace.clone(), self.name.clone())
+    }
+
     /// The services it always watches (`spec.services`), whatever Mappings name.
     pub fn listed_services(&self) -> impl Iterator<Item = &str> {
         self.spec.iter().flat_map(|s| s.services.iter().flatten()).map(|s| &**s)
@@ -178,15 +183,12 @@ fn settings(
     let datacenter = non_empty("datacenter", &spec.datacenter)?;
     let consul_ns = non_empty("namespace", &spec.namespace)?;
     let partition = non_empty("partition", &spec.partition)?;
-    // A peer or sameness group is a name Consul checks as a DNS label; both at once mean
-    // two different sources of instances.
+    // A peer or sameness group is a name Consul checks as a DNS label (the rule of
+    // Kubernetes' RFC 1123 labels); both at once mean two different sources of instances.
     let label = |field: &str, v: &Option<String>| -> Result<Option<String>, Unusable> {
         let v = non_empty(field, v)?;
         if let Some(name) = &v
-            && (name.len() > 63
-                || !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                || name.starts_with('-')
-                || name.ends_with('-'))
+            && names::dns1123_label(name).is_err()
         {
             return Err(invalid(format!(
                 "spec.{field} {name:?} is not a Consul {field} name (at most 63 lower case letters, digits and -, \

@@ -1,0 +1,206 @@
+//! Pass one: routing. Each consumer (a Mapping) is taken to its target: a resolver's Consul
+//! service, a Kubernetes Service, an address, or unresolved with a problem. The routes
+//! table, and how many routes use each target, change together, only through
+//! [`Routes::add`] and [`Routes::remove`], so pass two can trust the uses it reads.
+
+mod consumer;
+mod lookup;
+mod target;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use consul_resolver_api::mapping::{self, MappingKind};
+use consul_resolver_api::names::NamespacedName;
+
+use super::Config;
+use super::kept::Kept;
+use super::resolvers::Resolver;
+use super::snapshot::{MappingEntry, Part, Problem};
+use crate::model::{Decoded, ObjectId};
+use crate::world::World;
+
+pub(crate) use consumer::Consumer;
+use lookup::Lookup;
+pub use lookup::ResolverName;
+
+/// What routing reads besides the consumers themselves.
+pub(crate) struct Inputs<'a> {
+    pub(crate) cfg: &'a Config,
+    /// The resolvers in scope, sorted by namespace and name.
+    pub(crate) resolvers: &'a [Resolver],
+    /// The endpoints kept: a route through an unusable resolver stands while its service's
+    /// endpoints are kept.
+    pub(crate) kept: &'a Kept,
+}
+
+/// One consumer, routed.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Routed {
+    /// Its snapshot entry; `None` when it cannot be read at all (a problem only).
+    entry: Option<Part<MappingEntry>>,
+    problem: Option<Problem>,
+    uses: Uses,
+}
+
+/// The target a route reads endpoints from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Uses {
+    /// A resolver's service.
+    Consul(NamespacedName, String),
+    /// A Kubernetes Service.
+    Kube(NamespacedName),
+    Nothing,
+}
+
+/// Pass one's state: every route, and per target the routes that use it.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Routes {
+    /// The resolvers by name, for the routes that name one.
+    lookup: Lookup,
+    routes: BTreeMap<Consumer, Routed>,
+    /// Per resolver, per service, how many routes use it.
+    consul_uses: BTreeMap<NamespacedName, BTreeMap<String, usize>>,
+    /// Per Kubernetes Service, the routes to it.
+    kube_uses: BTreeMap<NamespacedName, BTreeSet<Consumer>>,
+    /// Per resolver, the services that started or stopped being routed to since pass two
+    /// last took them ([`Routes::take_touched`]).
+    touched: BTreeMap<NamespacedName, BTreeSet<String>>,
+}
+
+impl Routes {
+    /// Routes every Mapping again: the resolvers changed.
+    pub(crate) fn route_all(&mut self, world: &World, inputs: &Inputs<'_>) {
+        self.lookup = Lookup::new(inputs.resolvers, world);
+        self.routes.clear();
+        self.consul_uses.clear();
+        self.kube_uses.clear();
+        for kind in MappingKind::ALL {
+            self.route_kind(world, kind, inputs);
+        }
+    }
+
+    /// Routes every Mapping of `kind` again (its watch relisted, or came or went).
+    pub(crate) fn reroute_kind(&mut self, world: &World, kind: MappingKind, inputs: &Inputs<'_>) -> bool {
+        let mine: Vec<Consumer> = self
+            .routes
+            .keys()
+            .filter(|c| matches!(c, Consumer::Mapping { kind: k, .. } if *k == kind))
+            .cloned()
+            .collect();
+        for consumer in mine {
+            self.remove(&consumer);
+        }
+        self.route_kind(world, kind, inputs);
+        true
+    }
+
+    fn route_kind(&mut self, world: &World, kind: MappingKind, inputs: &Inputs<'_>) {
+        for (id, stored) in world.objects_of(mapping::GROUP, kind.kind()) {
+            let consumer = Consumer::mapping(kind, id);
+            if let Decoded::Mapping(m) = &stored.decoded
+                && let Some(routed) = target::route(inputs, &self.lookup, &consumer, m)
+            {
+                self.add(consumer, routed);
+            }
+        }
+    }
+
+    /// Routes one Mapping again; whether its route changed.
+    pub(crate) fn reroute(&mut self, world: &World, kind: MappingKind, id: &ObjectId, inputs: &Inputs<'_>) -> bool {
+        let consumer = Consumer::mapping(kind, id);
+        let now = world.object_of(mapping::GROUP, kind.kind(), id).and_then(|stored| match &stored.decoded {
+            Decoded::Mapping(m) => target::route(inputs, &self.lookup, &consumer, m),
+            _ => None,
+        });
+        if self.routes.get(&consumer) == now.as_ref() {
+            return false;
+        }
+        self.remove(&consumer);
+        if let Some(routed) = now {
+            self.add(consumer, routed);
+        }
+        true
+    }
+
+    fn add(&mut self, consumer: Consumer, routed: Routed) {
+        match &routed.uses {
+            Uses::Consul(resolver, service) => {
+                let uses = self.consul_uses.entry(resolver.clone()).or_default().entry(service.clone()).or_default();
+                *uses += 1;
+                if *uses == 1 {
+                    self.touched.entry(resolver.clone()).or_default().insert(service.clone());
+                }
+            }
+            Uses::Kube(target) => {
+                self.kube_uses.entry(target.clone()).or_default().insert(consumer.clone());
+            }
+            Uses::Nothing => {}
+        }
+        self.routes.insert(consumer, routed);
+    }
+
+    fn remove(&mut self, consumer: &Consumer) {
+        let Some(routed) = self.routes.remove(consumer) else { return };
+        match routed.uses {
+            Uses::Consul(resolver, service) => {
+                if let Some(services) = self.consul_uses.get_mut(&resolver) {
+                    if let Some(n) = services.get_mut(&service) {
+                        *n -= 1;
+                        if *n == 0 {
+                            services.remove(&service);
+                            self.touched.entry(resolver.clone()).or_default().insert(service);
+                        }
+                    }
+                    if services.is_empty() {
+                        self.consul_uses.remove(&resolver);
+                    }
+                }
+            }
+            Uses::Kube(target) => {
+                if let Some(by) = self.kube_uses.get_mut(&target) {
+                    by.remove(consumer);
+                    if by.is_empty() {
+                        self.kube_uses.remove(&target);
+                    }
+                }
+            }
+            Uses::Nothing => {}
+        }
+    }
+
+    /// Per resolver, the services that started or stopped being routed to since the last
+    /// call: pass two reads them.
+    pub(crate) fn take_touched(&mut self) -> BTreeMap<NamespacedName, BTreeSet<String>> {
+        std::mem::take(&mut self.touched)
+    }
+
+    /// Whether some route goes to `resolver`'s `service`.
+    pub(crate) fn routes_to(&self, resolver: &NamespacedName, service: &str) -> bool {
+        self.consul_uses.get(resolver).is_some_and(|u| u.contains_key(service))
+    }
+
+    /// The services of `resolver` that routes go to.
+    pub(crate) fn routed_services(&self, resolver: &NamespacedName) -> impl Iterator<Item = &str> {
+        self.consul_uses.get(resolver).into_iter().flat_map(|u| u.keys().map(String::as_str))
+    }
+
+    /// The Kubernetes Services routed to, sorted by namespace and name.
+    pub(crate) fn kube_targets(&self) -> impl Iterator<Item = &NamespacedName> {
+        self.kube_uses.keys()
+    }
+
+    /// Who routes to the Kubernetes Service `target`.
+    pub(crate) fn kube_consumers(&self, target: &NamespacedName) -> impl Iterator<Item = &Consumer> {
+        self.kube_uses.get(target).into_iter().flatten()
+    }
+
+    /// The routes' snapshot entries, in the snapshot's order.
+    pub(crate) fn entries(&self) -> impl Iterator<Item = &Part<MappingEntry>> {
+        self.routes.values().filter_map(|r| r.entry.as_ref())
+    }
+
+    /// The routes' problems.
+    pub(crate) fn problems(&self) -> impl Iterator<Item = &Problem> {
+        self.routes.values().filter_map(|r| r.problem.as_ref())
+    }
+}
