@@ -1459,3 +1459,63 @@ async fn desired_counts_agree_however_they_were_reached() {
     assert!(shared_seen, "one billing query was implied by both resolvers at once");
     assert!(a.desired_counts().is_empty(), "nothing is implied any more: {:?}", a.desired_counts());
 }
+
+fn exports_key() -> KubeKey {
+    KubeKey::new("consulresolver.io", "v1alpha1", "ConsulService")
+}
+fn export(ns: &str, name: &str, spec: Value) -> KubeObject {
+    object(json!({"apiVersion": "consulresolver.io/v1alpha1", "kind": "ConsulService",
+                  "metadata": {"namespace": ns, "name": name, "generation": 2}, "spec": spec}))
+}
+
+/// An export is one more consumer of the shared registry: the Consul service a Mapping and
+/// an export both name is one watch, which stays while either wants it; the export's entry
+/// shares the resolver's service entry; an export whose resolver cannot be found says why.
+#[tokio::test(start_paused = true)]
+async fn an_export_and_a_mapping_of_one_service_share_one_watch_both_ways() {
+    let (mut p, key) = bootstrapped_pipeline();
+    let now = Instant::now();
+    let mut fixed = fixed();
+    fixed.insert(exports_key().into());
+    p.set_fixed(fixed, now);
+    let diff = p.apply(
+        listed(
+            &exports_key(),
+            vec![
+                export("shop", "billing", json!({"service": "billing", "resolver": "consul"})),
+                export("shop", "lost", json!({"service": "billing", "resolver": "nowhere"})),
+            ],
+        ),
+        now,
+    );
+    assert!(diff.added.is_empty(), "the Mapping's watch serves the export too: {diff:?}");
+    assert_eq!(consul_keys(&p), std::slice::from_ref(&key));
+    p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
+    let snap = publish(&mut p).expect("published");
+    let exports = &snap.content.exports;
+    assert_eq!(exports.len(), 2);
+    let billing = &exports[0];
+    assert_eq!((billing.resolver.as_deref(), billing.generation), (Some("shop/consul"), Some(2)));
+    let source = billing.source.as_ref().expect("the service's entry");
+    assert!(
+        super::assembler::snapshot::Part::ptr_eq(source, &snap.content.resolvers[0].services[0]),
+        "shared, not copied"
+    );
+    assert!(exports[1].problem.as_deref().is_some_and(|p| p.contains("\"nowhere\"")), "{:?}", exports[1]);
+    assert!(snap.content.problems.is_empty(), "an export's problem is on its status, not Ambassador's list");
+
+    // The Mapping goes: the export still wants the service.
+    let mappings = mappings_key();
+    let diff = p.apply(listed(&mappings, vec![]), now);
+    assert!(diff.removed.is_empty(), "{diff:?}");
+    assert_eq!(consul_keys(&p), std::slice::from_ref(&key));
+    // And the export: nobody does.
+    let diff = p.apply(listed(&exports_key(), vec![export("shop", "lost", json!({"service": "billing"}))]), now);
+    assert_eq!(diff.removed, [WatchKey::Consul(key.clone())]);
+    // Back up: an export alone starts it.
+    let diff = p.apply(
+        listed(&exports_key(), vec![export("shop", "billing", json!({"service": "billing", "resolver": "consul"}))]),
+        now,
+    );
+    assert_eq!(diff.added, [WatchKey::Consul(key)]);
+}

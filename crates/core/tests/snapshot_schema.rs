@@ -42,6 +42,7 @@ async fn realistic_snapshot() -> Snapshot {
     let resolvers = KubeKey::new("consulresolver.io", "v1alpha1", "ConsulResolver");
     let mappings = KubeKey::new("getambassador.io", "v3alpha1", "Mapping");
     let configmaps = KubeKey::new("", "v1", "ConfigMap").in_namespace("shop");
+    let exports = KubeKey::new("consulresolver.io", "v1alpha1", "ConsulService");
     let cfg = Config {
         endpoints_api: EndpointsApi::Endpoints,
         static_watches: vec![configmaps.clone()],
@@ -51,8 +52,10 @@ async fn realistic_snapshot() -> Snapshot {
         WallClock { instant: Instant::now(), wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_413_600) };
     let mut p = Pipeline::new(cfg, BOOTSTRAP, Duration::from_millis(250), clock);
     let now = Instant::now();
-    let fixed: BTreeSet<WatchKey> =
-        [resolvers.clone(), mappings.clone(), configmaps.clone()].into_iter().map(WatchKey::Kube).collect();
+    let fixed: BTreeSet<WatchKey> = [resolvers.clone(), mappings.clone(), configmaps.clone(), exports.clone()]
+        .into_iter()
+        .map(WatchKey::Kube)
+        .collect();
     p.set_fixed(fixed, now);
     p.apply(
         listed(
@@ -82,6 +85,18 @@ async fn realistic_snapshot() -> Snapshot {
                 mapping("via-broken", json!({"service": "api", "resolver": "broken", "prefix": "/x/"})),
                 mapping("flaky", json!({"service": "flaky", "resolver": "consul", "prefix": "/f/"})),
                 mapping("vault", json!({"service": "vault.locked:8200", "prefix": "/v/"})),
+            ],
+        ),
+        now,
+    );
+    p.apply(
+        listed(
+            &exports,
+            vec![
+                object(json!({"metadata": {"namespace": "shop", "name": "billing", "generation": 1},
+                              "spec": {"service": "billing", "resolver": "consul"}})),
+                object(json!({"metadata": {"namespace": "shop", "name": "lost"},
+                              "spec": {"service": "billing", "resolver": "nope"}})),
             ],
         ),
         now,
@@ -179,6 +194,8 @@ async fn a_published_snapshot_validates_against_the_schema() {
     let web = doc["kubernetesServices"].as_array().unwrap().iter().find(|s| s["name"] == "web").unwrap();
     assert_eq!(web["endpoints"].as_array().unwrap().len(), 2);
     assert_eq!(doc["watched"][0]["objects"][0]["metadata"]["name"], json!("extra"));
+    assert_eq!(doc["exports"][0]["resolver"], json!("shop/consul"));
+    assert!(doc["exports"][1]["problem"].as_str().is_some_and(|p| p.contains("nope")), "{doc:#}");
 
     let validator = schema();
     let errs = errors(&validator, &doc);

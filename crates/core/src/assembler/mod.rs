@@ -36,6 +36,7 @@ use std::time::SystemTime;
 use crate::delta::Delta;
 use crate::keys::{KubeKey, WatchKey};
 use crate::world::{Changes, World};
+use consul_resolver_api::export;
 use consul_resolver_api::mapping::{self, MappingKind};
 use consul_resolver_api::resolver::{GROUP, KIND};
 
@@ -46,7 +47,7 @@ use read::{KubeTargets, Services};
 use resolvers::Resolver;
 pub use route::ResolverName;
 use route::Routes;
-use snapshot::{Bootstrap, Part, Problem, ResolverEntry, UnusableReason, WatchedEntry};
+use snapshot::{Bootstrap, ExportEntry, Part, Problem, ResolverEntry, UnusableReason, WatchedEntry};
 pub use snapshot::{Content, Snapshot};
 
 /// The default of [`Config::endpoints_namespace_watch_above`].
@@ -176,6 +177,20 @@ impl Assembler {
         let inputs = route::Inputs { cfg: &self.cfg, resolvers: &self.resolvers, kept: self.services.kept() };
         let mut routes_changed = false;
         for (key, ids) in &changes.kube {
+            if key.is(GROUP, export::KIND) {
+                // Exports read Consul services only: no Kubernetes target moves.
+                match ids {
+                    Some(ids) => {
+                        for id in ids {
+                            self.routes.reroute_export(world, id, &inputs);
+                        }
+                    }
+                    None => {
+                        self.routes.reroute_exports(world, &inputs);
+                    }
+                }
+                continue;
+            }
             let Some(kind) = MappingKind::ALL.into_iter().find(|k| key.is(mapping::GROUP, k.kind())) else {
                 continue;
             };
@@ -253,7 +268,15 @@ impl Assembler {
             kubernetes_services: self.kube.entries().cloned().collect(),
             watched,
             problems,
-            exports: Vec::new(),
+            exports: self
+                .routes
+                .exports()
+                .map(|(e, reads)| {
+                    let source =
+                        reads.and_then(|(resolver, service)| self.services.service(resolver, service).cloned());
+                    Part::new(ExportEntry { source, ..e.clone() })
+                })
+                .collect(),
         }
     }
 }

@@ -94,6 +94,11 @@ impl Services {
         self.entries.get(id)
     }
 
+    /// The entry of `resolver`'s `service`, if it is one of its services.
+    pub(crate) fn service(&self, resolver: &NamespacedName, service: &str) -> Option<&Part<ServiceEntry>> {
+        self.by_resolver.get(resolver)?.services.get(service)
+    }
+
     pub(crate) fn kept(&self) -> &Kept {
         &self.kept
     }

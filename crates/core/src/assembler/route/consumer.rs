@@ -14,11 +14,17 @@ use crate::model::ObjectId;
 pub(crate) enum Consumer {
     /// A Mapping or TCPMapping.
     Mapping { kind: MappingKind, id: NamespacedName },
+    /// A ConsulService: an export of one Consul service as a Service and EndpointSlices.
+    Export(NamespacedName),
 }
 
 impl Consumer {
     pub(crate) fn mapping(kind: MappingKind, id: &ObjectId) -> Self {
         Consumer::Mapping { kind, id: NamespacedName::new(id.namespace.clone().unwrap_or_default(), id.name.clone()) }
+    }
+
+    pub(crate) fn export(id: &ObjectId) -> Self {
+        Consumer::Export(NamespacedName::new(id.namespace.clone().unwrap_or_default(), id.name.clone()))
     }
 
     /// A problem reported on this consumer's object.
@@ -27,6 +33,12 @@ impl Consumer {
             Consumer::Mapping { kind, id } => {
                 Problem { kind: kind.kind().into(), namespace: id.namespace.clone(), name: id.name.clone(), message }
             }
+            Consumer::Export(id) => Problem {
+                kind: consul_resolver_api::export::KIND.into(),
+                namespace: id.namespace.clone(),
+                name: id.name.clone(),
+                message,
+            },
         }
     }
 }

@@ -1,5 +1,7 @@
-//! Pass one: routing. Each consumer (a Mapping) is taken to its target: a resolver's Consul
-//! service, a Kubernetes Service, an address, or unresolved with a problem. The routes
+//! Pass one: routing. Each consumer (a Mapping, or an export) is taken to its target: a
+//! resolver's Consul service, a Kubernetes Service, an address, or unresolved with a
+//! problem. A Mapping and an export of the same resolver's service are two uses of one
+//! target, so one watch. The routes
 //! table, and how many routes use each target, change together, only through
 //! [`Routes::add`] and [`Routes::remove`], so pass two can trust the uses it reads.
 
@@ -15,9 +17,11 @@ use consul_resolver_api::names::NamespacedName;
 use super::Config;
 use super::kept::Kept;
 use super::resolvers::Resolver;
-use super::snapshot::{MappingEntry, Part, Problem};
+use super::snapshot::{ExportEntry, MappingEntry, Part, Problem};
 use crate::model::{Decoded, ObjectId};
 use crate::world::World;
+use consul_resolver_api::export;
+use consul_resolver_api::resolver::GROUP;
 
 pub(crate) use consumer::Consumer;
 use lookup::Lookup;
@@ -37,9 +41,17 @@ pub(crate) struct Inputs<'a> {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Routed {
     /// Its snapshot entry; `None` when it cannot be read at all (a problem only).
-    entry: Option<Part<MappingEntry>>,
+    entry: Option<Entry>,
     problem: Option<Problem>,
     uses: Uses,
+}
+
+/// A route's entry in the snapshot.
+#[derive(Debug, Clone, PartialEq)]
+enum Entry {
+    Mapping(Part<MappingEntry>),
+    /// Without its `source`: that is read in pass two's state when the content is made.
+    Export(ExportEntry),
 }
 
 /// The target a route reads endpoints from.
@@ -77,6 +89,38 @@ impl Routes {
         for kind in MappingKind::ALL {
             self.route_kind(world, kind, inputs);
         }
+        self.route_exports(world, inputs);
+    }
+
+    fn route_exports(&mut self, world: &World, inputs: &Inputs<'_>) {
+        for (id, stored) in world.objects_of(GROUP, export::KIND) {
+            let consumer = Consumer::export(id);
+            if let Decoded::Export(e) = &stored.decoded
+                && let Some(routed) = target::route_export(inputs, &self.lookup, &consumer, e)
+            {
+                self.add(consumer, routed);
+            }
+        }
+    }
+
+    /// Routes every export again (their watch relisted, or came or went).
+    pub(crate) fn reroute_exports(&mut self, world: &World, inputs: &Inputs<'_>) -> bool {
+        let mine: Vec<Consumer> = self.routes.keys().filter(|c| matches!(c, Consumer::Export(_))).cloned().collect();
+        for consumer in mine {
+            self.remove(&consumer);
+        }
+        self.route_exports(world, inputs);
+        true
+    }
+
+    /// Routes one export again; whether its route changed.
+    pub(crate) fn reroute_export(&mut self, world: &World, id: &ObjectId, inputs: &Inputs<'_>) -> bool {
+        let consumer = Consumer::export(id);
+        let now = world.object_of(GROUP, export::KIND, id).and_then(|stored| match &stored.decoded {
+            Decoded::Export(e) => target::route_export(inputs, &self.lookup, &consumer, e),
+            _ => None,
+        });
+        self.replace(consumer, now)
     }
 
     /// Routes every Mapping of `kind` again (its watch relisted, or came or went).
@@ -112,6 +156,11 @@ impl Routes {
             Decoded::Mapping(m) => target::route(inputs, &self.lookup, &consumer, m),
             _ => None,
         });
+        self.replace(consumer, now)
+    }
+
+    /// Puts `now` in `consumer`'s place; whether that changed its route.
+    fn replace(&mut self, consumer: Consumer, now: Option<Routed>) -> bool {
         if self.routes.get(&consumer) == now.as_ref() {
             return false;
         }
@@ -196,7 +245,20 @@ impl Routes {
 
     /// The routes' snapshot entries, in the snapshot's order.
     pub(crate) fn entries(&self) -> impl Iterator<Item = &Part<MappingEntry>> {
-        self.routes.values().filter_map(|r| r.entry.as_ref())
+        self.routes.values().filter_map(|r| match &r.entry {
+            Some(Entry::Mapping(m)) => Some(m),
+            _ => None,
+        })
+    }
+
+    /// The exports' entries, sorted by namespace and name, without their `source`, each
+    /// with the resolver service it reads.
+    pub(crate) fn exports(&self) -> impl Iterator<Item = (&ExportEntry, Option<(&NamespacedName, &str)>)> {
+        self.routes.values().filter_map(|r| match (&r.entry, &r.uses) {
+            (Some(Entry::Export(e)), Uses::Consul(resolver, service)) => Some((e, Some((resolver, service.as_str())))),
+            (Some(Entry::Export(e)), _) => Some((e, None)),
+            _ => None,
+        })
     }
 
     /// The routes' problems.

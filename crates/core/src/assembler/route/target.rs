@@ -1,14 +1,14 @@
-//! Routing one Mapping: where its traffic goes, what that reads, and why it cannot go
-//! anywhere.
+//! Routing one Mapping or export: where its traffic goes, what that reads, and why it
+//! cannot go anywhere. Both find their resolver the same way ([`through_resolver`]).
 
 use consul_resolver_api::names::{self, NamespacedName};
 use consul_resolver_api::service::{Host, ServiceRef};
 
 use super::lookup::{Found, Lookup, ResolverName};
-use super::{Consumer, Inputs, Routed, Uses};
+use super::{Consumer, Entry, Inputs, Routed, Uses};
 use crate::assembler::kept::ServiceOf;
-use crate::assembler::snapshot::{MappingEntry, Part, Target, UnusableReason};
-use crate::model::MappingObject;
+use crate::assembler::snapshot::{ExportEntry, MappingEntry, Part, Target, UnusableReason};
+use crate::model::{ExportObject, MappingObject};
 
 /// Pass one for one Mapping. `None`: not this operator's (another Ambassador ID).
 pub(super) fn route(
@@ -35,7 +35,97 @@ pub(super) fn route(
         service: m.service.clone(),
         target,
     };
-    Some(Routed { entry: Some(Part::new(entry)), problem: why.map(|why| consumer.problem(why)), uses })
+    Some(Routed { entry: Some(Entry::Mapping(Part::new(entry))), problem: why.map(|why| consumer.problem(why)), uses })
+}
+
+/// Pass one for one export. `None`: not this operator's (another Ambassador ID). Its
+/// problems are on its own status, not in the snapshot's `problems` (Ambassador's).
+pub(super) fn route_export(
+    inputs: &Inputs<'_>,
+    lookup: &Lookup,
+    consumer: &Consumer,
+    e: &ExportObject,
+) -> Option<Routed> {
+    let Consumer::Export(id) = consumer else { return None };
+    let entry = |service: &str, resolver: Option<String>, problem: Option<String>| ExportEntry {
+        namespace: id.namespace.clone(),
+        name: id.name.clone(),
+        generation: e.generation,
+        service: service.to_owned(),
+        resolver,
+        problem,
+        source: None,
+    };
+    let spec = match &e.spec {
+        Ok(spec) => spec,
+        Err(why) => {
+            return Some(Routed {
+                entry: Some(Entry::Export(entry("", None, Some(why.clone())))),
+                problem: None,
+                uses: Uses::Nothing,
+            });
+        }
+    };
+    if !spec.serves_ambassador_id(&inputs.cfg.ambassador_id) {
+        return None;
+    }
+    let wanted = match (&spec.resolver, &inputs.cfg.default_resolver) {
+        (Some(r), _) => Ok(ResolverName { namespace: None, name: r.clone() }),
+        (None, Some(d)) => Ok(d.clone()),
+        (None, None) => Err("spec.resolver is not set and the operator has no --default-resolver".to_owned()),
+    };
+    let through =
+        wanted.and_then(|w| through_resolver(inputs, lookup, &id.namespace, &w, &spec.service, "ConsulServices"));
+    let (entry, uses) = match through {
+        Ok(resolver) => {
+            (entry(&spec.service, Some(resolver.to_string()), None), Uses::Consul(resolver, spec.service.clone()))
+        }
+        Err(why) => (entry(&spec.service, None, Some(why)), Uses::Nothing),
+    };
+    Some(Routed { entry: Some(Entry::Export(entry)), problem: None, uses })
+}
+
+/// The resolver `wanted` by an object in `from` (whose kind, plural, is `what`) to read
+/// `service` through, or why none can be used.
+fn through_resolver(
+    inputs: &Inputs<'_>,
+    lookup: &Lookup,
+    from: &str,
+    wanted: &ResolverName,
+    service: &str,
+    what: &str,
+) -> Result<NamespacedName, String> {
+    match lookup.find(inputs.resolvers, from, wanted) {
+        Found::One(i) => {
+            let r = &inputs.resolvers[i];
+            let resolver = r.id();
+            match &r.settings {
+                // Unless served from the endpoints last obtained, or waiting a moment for a
+                // Secret: then the route stands.
+                Err(u)
+                    if u.reason != UnusableReason::WaitingForSecret
+                        && inputs.kept.get(&ServiceOf::new(&resolver, service)).is_none() =>
+                {
+                    Err(format!("resolver {resolver} cannot be used: {}", u.message))
+                }
+                _ => Ok(resolver),
+            }
+        }
+        Found::None => Err(format!(
+            "resolver {:?}: no ConsulResolver of that name in {from} or any other watched namespace",
+            wanted.to_string(),
+        )),
+        Found::NotServed(all) => Err(format!(
+            "resolver {} does not serve {what} from namespace {from}: its spec.allowedNamespaces does not admit it (absent, only its own namespace; `from: All`, or `from: Selector` with the namespace's labels, shares it)",
+            all.join(", "),
+        )),
+        Found::Ambiguous(all) => Err(format!(
+            "resolver {:?} is ambiguous: no ConsulResolver of that name in {from}, and several elsewhere ({}); name one in the {} namespace",
+            wanted.name,
+            all.join(", "),
+            if what == "Mappings" { "Mapping's" } else { "export's" },
+        )),
+    }
 }
 
 /// The target of a Mapping whose `service` parsed, what it reads, and why it cannot be
@@ -65,45 +155,16 @@ fn target(inputs: &Inputs<'_>, lookup: &Lookup, m: &MappingObject, svc: &Service
             return (target, Uses::Kube(NamespacedName::new(ns, name.clone())), None);
         }
     };
-    match lookup.find(inputs.resolvers, &m.namespace, &wanted) {
-        Found::One(i) => {
-            let r = &inputs.resolvers[i];
-            let resolver = r.id();
-            match &r.settings {
-                // Unless served from the endpoints last obtained, or waiting a moment for a
-                // Secret: then the Mapping keeps its route.
-                Err(u)
-                    if u.reason != UnusableReason::WaitingForSecret
-                        && inputs.kept.get(&ServiceOf::new(&resolver, name)).is_none() =>
-                {
-                    unresolved(format!("resolver {resolver} cannot be used: {}", u.message))
-                }
-                _ => {
-                    let target = Target::Consul {
-                        resolver_namespace: r.namespace.clone(),
-                        resolver_name: r.name.clone(),
-                        service: name.clone(),
-                        port: svc.port,
-                    };
-                    (target, Uses::Consul(resolver, name.clone()), None)
-                }
-            }
+    match through_resolver(inputs, lookup, &m.namespace, &wanted, name, "Mappings") {
+        Ok(resolver) => {
+            let target = Target::Consul {
+                resolver_namespace: resolver.namespace.clone(),
+                resolver_name: resolver.name.clone(),
+                service: name.clone(),
+                port: svc.port,
+            };
+            (target, Uses::Consul(resolver, name.clone()), None)
         }
-        Found::None => unresolved(format!(
-            "resolver {:?}: no ConsulResolver of that name in {} or any other watched namespace",
-            wanted.to_string(),
-            m.namespace
-        )),
-        Found::NotServed(all) => unresolved(format!(
-            "resolver {} does not serve Mappings from namespace {}: its spec.allowedNamespaces does not admit it (absent, only its own namespace; `from: All`, or `from: Selector` with the namespace's labels, shares it)",
-            all.join(", "),
-            m.namespace
-        )),
-        Found::Ambiguous(all) => unresolved(format!(
-            "resolver {:?} is ambiguous: no ConsulResolver of that name in {}, and several elsewhere ({}); name one in the Mapping's namespace",
-            wanted.name,
-            m.namespace,
-            all.join(", ")
-        )),
+        Err(why) => unresolved(why),
     }
 }
