@@ -101,18 +101,33 @@ impl Cluster {
                 _tmp: Some(tmp),
             }
         };
-        cluster.kubectl(&["apply", "-f", &repo_root().join("crds").display().to_string()])?;
-        cluster.kubectl(&["apply", "-f", &repo_root().join("e2e/crds/ambassador.yaml").display().to_string()])?;
-        cluster.kubectl(&[
+        if let Err(e) = cluster.install_crds() {
+            // Stopped now, while its directory exists: dropping `cluster` removes it, and
+            // the exit-time teardown would find nothing to stop (each test retries the
+            // start, so a broken CRD once left a running control plane per test).
+            if let Some(dir) = &cluster.dir {
+                let _ = Command::new("bash").arg(repo_root().join("e2e/cluster.sh")).arg("down").arg(dir).status();
+                STARTED_DIR.lock().expect("lock").take_if(|d| d == dir);
+            }
+            return Err(e);
+        }
+        Ok(cluster)
+    }
+
+    fn install_crds(&self) -> anyhow::Result<()> {
+        self.kubectl(&["apply", "-f", &repo_root().join("crds").display().to_string()])?;
+        self.kubectl(&["apply", "-f", &repo_root().join("e2e/crds/ambassador.yaml").display().to_string()])?;
+        self.kubectl(&[
             "wait",
             "--for",
             "condition=established",
             "--timeout=60s",
             "crd/consulresolvers.consulresolver.io",
+            "crd/consulservices.consulresolver.io",
             "crd/mappings.getambassador.io",
             "crd/tcpmappings.getambassador.io",
         ])?;
-        Ok(cluster)
+        Ok(())
     }
 
     /// Runs kubectl as admin; returns stdout, or an error with stderr.

@@ -32,11 +32,13 @@ pub(crate) fn status_for(
     now: Timestamp,
 ) -> ConsulServiceStatus {
     let now = Timestamp::from_second(now.as_second()).unwrap_or(now);
+    // Messages are never empty: metav1.Condition requires one (an empty one is sent as null).
+    let no_conflict = || ("False", reason::NO_CONFLICT, format!("no Service {name} but ours"));
     let (ready, exported, conflict) = match outcome {
         Outcome::Invalid(why) => (
             ("False", reason::INVALID_SPEC, why.clone()),
             ("False", reason::INVALID_SPEC, why.clone()),
-            ("False", reason::NO_CONFLICT, String::new()),
+            ("Unknown", reason::INVALID_SPEC, "not checked: the spec cannot be used".to_owned()),
         ),
         Outcome::Conflict => {
             let why = format!("Service {name} exists and is not managed by this export: it is left alone");
@@ -49,15 +51,11 @@ pub(crate) fn status_for(
         Outcome::NoResolver(why) => (
             ("False", reason::RESOLVER_UNAVAILABLE, why.clone()),
             ("False", reason::RESOLVER_UNAVAILABLE, why.clone()),
-            ("False", reason::NO_CONFLICT, String::new()),
+            no_conflict(),
         ),
         Outcome::NoPorts { .. } => {
             let why = "no instance yet, so no port to expose: the Service is created with the first instance (or set spec.ports)".to_owned();
-            (
-                ("False", reason::WAITING, why.clone()),
-                ("False", reason::WAITING, why),
-                ("False", reason::NO_CONFLICT, String::new()),
-            )
+            (("False", reason::WAITING, why.clone()), ("False", reason::WAITING, why), no_conflict())
         }
         Outcome::Exported { desired, slices, waiting } => {
             let n = desired.endpoint_count();
@@ -71,7 +69,7 @@ pub(crate) fn status_for(
             (
                 ready,
                 ("True", reason::EXPORTED, format!("Service {name} and {slices} EndpointSlices written")),
-                ("False", reason::NO_CONFLICT, String::new()),
+                no_conflict(),
             )
         }
     };
@@ -119,4 +117,37 @@ pub(crate) fn status_for(
         status.stale = d.stale.as_ref().map(|s| StaleStatus { since: s.since.clone(), reason: s.reason.clone() });
     }
     status
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use consul_resolver_api::export::ConsulServiceSpec;
+
+    #[test]
+    fn every_condition_has_a_message_and_transitions_keep_their_time() {
+        let spec: ConsulServiceSpec = serde_json::from_value(serde_json::json!({"service": "web"})).unwrap();
+        let d = Desired::of(&spec, None);
+        let t0 = Timestamp::from_second(1_795_413_600).unwrap();
+        let outcomes = [
+            Outcome::Invalid("spec.ports is empty".into()),
+            Outcome::Conflict,
+            Outcome::NoResolver("no resolver".into()),
+            Outcome::NoPorts { desired: &d },
+            Outcome::Exported { desired: &d, slices: 0, waiting: false },
+        ];
+        for o in &outcomes {
+            let s = status_for("web", Some(2), o, None, t0);
+            assert_eq!(s.conditions.len(), 3);
+            // The API server refuses an empty message (it is sent as null).
+            assert!(s.conditions.iter().all(|c| !c.message.is_empty()), "{s:?}");
+        }
+        let first = status_for("web", Some(2), &outcomes[4], None, t0);
+        let later = Timestamp::from_second(1_795_413_700).unwrap();
+        let again = status_for("web", Some(2), &outcomes[4], Some(&first), later);
+        assert_eq!(again, first, "nothing changed: the same status, so nothing is written");
+        let conflict = status_for("web", Some(2), &outcomes[1], Some(&first), later);
+        let ready = conflict.conditions.iter().find(|c| c.type_ == cond::READY).unwrap();
+        assert_eq!((ready.status.as_str(), ready.last_transition_time.0), ("False", later));
+    }
 }

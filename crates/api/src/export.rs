@@ -77,6 +77,7 @@ pub struct ConsulServiceSpec {
     /// The address family of the Service and its slices. Instances of the other family
     /// are left out and reported in the status. Default `IPv4`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(schema_with = "ip_family_schema"))]
     pub ip_family: Option<IpFamily>,
 
     /// Ambassador IDs this export belongs to, as a resolver's: ignored unless the list
@@ -108,6 +109,7 @@ pub struct ExportPort {
     pub target_port: Option<u16>,
     /// `TCP` (default), `UDP` or `SCTP`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(schema_with = "protocol_schema"))]
     pub protocol: Option<Protocol>,
     /// The application protocol (`http`, `kubernetes.io/h2c`, ...), passed on to consumers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -152,6 +154,28 @@ impl IpFamily {
             IpFamily::IPv6 => "IPv6",
         }
     }
+}
+
+// Optional enums: the derived schema lists `null` among the values, which the API server
+// refuses in a CRD ("unknown object type nil"), as for the resolver's `consistency`.
+#[cfg(feature = "crd")]
+fn ip_family_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "enum": ["IPv4", "IPv6"],
+        "nullable": true,
+        "description": "The address family of the Service and its slices: `IPv4` (default) or `IPv6`. Instances of the other family are left out and reported in the status."
+    })
+}
+
+#[cfg(feature = "crd")]
+fn protocol_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "enum": ["TCP", "UDP", "SCTP"],
+        "nullable": true,
+        "description": "`TCP` (default), `UDP` or `SCTP`."
+    })
 }
 
 impl ConsulServiceSpec {
