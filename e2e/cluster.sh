@@ -2,16 +2,21 @@
 # A real Kubernetes control plane on loopback: etcd (Debian's etcd-server) and a
 # kube-apiserver built once from Debian's `kubernetes` source package and cached
 # outside the repo. One implementation, used by `make demo`, the e2e harness and CI.
+# The same build also makes kube-proxy (same version), which e2e/tests/kube_proxy.rs
+# runs in iptables mode inside a network namespace of its own.
 #
 #   e2e/cluster.sh deps            install the Debian packages it needs (when missing)
-#   e2e/cluster.sh build           build kube-apiserver into the cache (when missing)
+#   e2e/cluster.sh build           build kube-apiserver and kube-proxy into the cache (when
+#                                  either is missing: one `make` builds both)
 #   e2e/cluster.sh up DIR          start etcd + kube-apiserver, state and kubeconfigs in DIR
 #   e2e/cluster.sh down DIR        stop exactly the processes `up` started (by pid)
 #   e2e/cluster.sh env DIR         print the environment a client needs (KUBECONFIG=...)
 #   e2e/cluster.sh apiserver DIR [PORT]
 #                                  start kube-apiserver again for the running etcd of DIR (after
 #                                  a test killed it), on PORT or the port of `up`, and only there
-#   e2e/cluster.sh apiserver-path  print the cached binary's path
+#   e2e/cluster.sh apiserver-path  print the cached kube-apiserver's path
+#   e2e/cluster.sh kube-proxy-path print the cached kube-proxy's path (it may not exist yet:
+#                                  callers test it, `build` makes it)
 #
 # `up DIR` leaves in DIR (absolute paths; DIR is created if missing):
 #   admin.kubeconfig     user admin (group system:masters), bearer token from tokens.csv
@@ -38,6 +43,9 @@ KUBE_VERSION=1.20.2
 CACHE_ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/consul-resolver-operator"
 CACHE_DIR="$CACHE_ROOT/kube-apiserver-$KUBE_VERSION"
 APISERVER="$CACHE_DIR/kube-apiserver"
+# Its own directory, so the apiserver's path stays what machines already have cached.
+PROXY_CACHE_DIR="$CACHE_ROOT/kube-proxy-$KUBE_VERSION"
+KUBE_PROXY="$PROXY_CACHE_DIR/kube-proxy"
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The operator's identity inside the test cluster; manifests/ bind RBAC to it.
 OPERATOR_NS=consul-resolver-system
@@ -50,7 +58,11 @@ die() { printf '[cluster] error: %s\n' "$*" >&2; exit 1; }
 source "$REPO_ROOT/scripts/apt.sh"
 
 cmd_deps() {
-  apt_install etcd-server openssl ca-certificates curl
+  # iptables: kube-proxy's iptables mode runs iptables-save/-restore (whichever backend
+  # the alternatives system selects; Debian's default is nft). conntrack: kube-proxy
+  # runs it to flush stale UDP entries. iproute2 (`ip netns`) and curl: the kube-proxy
+  # test's network namespace and its requests from inside it.
+  apt_install etcd-server openssl ca-certificates curl iptables conntrack iproute2
   command -v kubectl >/dev/null || apt_install kubernetes-client
 }
 
@@ -70,9 +82,17 @@ ensure_deb_src() {
 }
 
 cmd_build() {
-  if [ -x "$APISERVER" ]; then log "kube-apiserver $KUBE_VERSION cached at $APISERVER"; return 0; fi
-  log "kube-apiserver $KUBE_VERSION is not cached: building it once from Debian's source package"
-  log "(about 8-15 minutes on 2 cores; later runs reuse $CACHE_DIR)"
+  if [ -x "$APISERVER" ] && [ -x "$KUBE_PROXY" ]; then
+    log "kube-apiserver $KUBE_VERSION cached at $APISERVER"
+    log "kube-proxy $KUBE_VERSION cached at $KUBE_PROXY"
+    return 0
+  fi
+  # Either missing: build both in one `make`, so the packages they share (client-go,
+  # apimachinery, ...) compile once. The Go cache is deleted after a build, so building
+  # only the missing one would cost about as much; a machine that cached kube-apiserver
+  # before kube-proxy was added pays one full build, once.
+  log "kube-apiserver and kube-proxy $KUBE_VERSION are not both cached: building them once from Debian's source package"
+  log "(about 8-15 minutes on 2 cores; later runs reuse $CACHE_DIR and $PROXY_CACHE_DIR)"
   apt_install golang-go rsync dpkg-dev golang-github-modern-go-reflect2-dev
   ensure_deb_src
   local work="$CACHE_ROOT/build-$KUBE_VERSION"
@@ -87,21 +107,26 @@ cmd_build() {
   rm -rf "$src/vendor/github.com/modern-go/reflect2"
   mkdir -p "$src/vendor/github.com/modern-go/reflect2"
   cp -r /usr/share/gocode/src/github.com/modern-go/reflect2/. "$src/vendor/github.com/modern-go/reflect2/"
-  log "building cmd/kube-apiserver (make WHAT=cmd/kube-apiserver, GOPATH mode)"
+  log "building cmd/kube-apiserver and cmd/kube-proxy (make WHAT=\"cmd/kube-apiserver cmd/kube-proxy\", GOPATH mode)"
   local start=$SECONDS
   (
     cd "$src"
     export GO111MODULE=off GOFLAGS=-mod=vendor GOCACHE="$work/gocache" GOPATH="$work/gopath"
     export KUBE_GIT_VERSION="v$KUBE_VERSION" KUBE_GIT_TREE_STATE=clean
     unset GOFLAGS
-    make WHAT=cmd/kube-apiserver 2>&1 | sed -u 's/^/[cluster:make] /' >&2
+    make WHAT="cmd/kube-apiserver cmd/kube-proxy" 2>&1 | sed -u 's/^/[cluster:make] /' >&2
   )
-  local built
-  built=$(find "$src/_output" -type f -name kube-apiserver -perm -u+x | head -n1)
-  [ -n "$built" ] || die "build finished but no kube-apiserver binary was found under $src/_output"
-  mkdir -p "$CACHE_DIR"
-  cp "$built" "$APISERVER.tmp" && mv "$APISERVER.tmp" "$APISERVER"
-  log "built in $((SECONDS - start))s: $APISERVER"
+  local api_built proxy_built
+  api_built=$(find "$src/_output" -type f -name kube-apiserver -perm -u+x | head -n1)
+  proxy_built=$(find "$src/_output" -type f -name kube-proxy -perm -u+x | head -n1)
+  [ -n "$api_built" ] || die "build finished but no kube-apiserver binary was found under $src/_output"
+  [ -n "$proxy_built" ] || die "build finished but no kube-proxy binary was found under $src/_output"
+  mkdir -p "$CACHE_DIR" "$PROXY_CACHE_DIR"
+  # Each copied under a temporary name and renamed: a binary in the cache is always complete,
+  # and a kube-apiserver running from the old file keeps it.
+  cp "$api_built" "$APISERVER.tmp" && mv "$APISERVER.tmp" "$APISERVER"
+  cp "$proxy_built" "$KUBE_PROXY.tmp" && mv "$KUBE_PROXY.tmp" "$KUBE_PROXY"
+  log "built in $((SECONDS - start))s: $APISERVER $KUBE_PROXY"
   rm -rf "$work"
 }
 
@@ -440,9 +465,10 @@ case "${1:-}" in
   deps) cmd_deps ;;
   build) cmd_deps; cmd_build ;;
   apiserver-path) echo "$APISERVER" ;;
+  kube-proxy-path) echo "$KUBE_PROXY" ;;
   up) shift; cmd_up "$@" ;;
   down) shift; cmd_down "$@" ;;
   env) shift; cmd_env "$@" ;;
   apiserver) shift; cmd_apiserver "$@" ;;
-  *) die "usage: $0 deps|build|up DIR|down DIR|env DIR|apiserver DIR [PORT]|apiserver-path" ;;
+  *) die "usage: $0 deps|build|up DIR|down DIR|env DIR|apiserver DIR [PORT]|apiserver-path|kube-proxy-path" ;;
 esac

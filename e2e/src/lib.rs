@@ -5,4 +5,5 @@ pub mod bench;
 pub mod consul;
 pub mod fixtures;
 pub mod harness;
+pub mod netns;
 pub mod watches;
