@@ -16,6 +16,7 @@
 //! gaining leadership, and every `--resync-period`.
 
 pub(crate) mod events;
+pub(crate) mod feed;
 pub(crate) mod metrics;
 pub(crate) mod status;
 
@@ -23,14 +24,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::channel::{mpsc, oneshot};
+use futures::channel::oneshot;
 use futures::{FutureExt, StreamExt};
 use kube::api::{ApiResource, DynamicObject, Patch, PatchParams};
 use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
-use kube::runtime::reflector::{ObjectRef, store::Writer};
-use kube::runtime::watcher;
+use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
-use serde_json::Value;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -44,9 +43,8 @@ use consul_resolver_core::assembler::Snapshot;
 use consul_resolver_core::assembler::snapshot::{Part, ResolverEntry};
 use consul_resolver_core::world::World;
 use events::Events;
+use feed::{Feed, Ref};
 use metrics::ControllerMetrics;
-
-type Ref = ObjectRef<DynamicObject>;
 
 /// Reconciles running at once: enough to catch up quickly after gaining leadership, few
 /// enough not to flood the API server with status writes.
@@ -215,14 +213,7 @@ fn retry_delay(failures: u32, shave: f64) -> Duration {
 
 /// The running controller, and the store it reads, fed from the world.
 pub(crate) struct ResolverController {
-    writer: Writer<DynamicObject>,
-    resource: ApiResource,
-    /// The resolvers in the store, as the world holds them.
-    fed: BTreeMap<(String, String), (Arc<Value>, DynamicObject)>,
-    /// The store is filled (at the first publication: before it, there is nothing to say).
-    ready: bool,
-    objects: mpsc::UnboundedSender<Arc<DynamicObject>>,
-    refs: mpsc::UnboundedSender<Ref>,
+    feed: Feed,
     latest: watch::Sender<Option<Arc<Published>>>,
     ctx: Arc<Context>,
     stop: Option<oneshot::Sender<()>>,
@@ -240,10 +231,7 @@ impl ResolverController {
         vitals: &Arc<Vitals>,
     ) -> ResolverController {
         let resource = ApiResource::erase::<ConsulResolver>(&());
-        let writer = Writer::new(resource.clone());
-        let reader = writer.as_reader();
-        let (objects, objects_rx) = mpsc::unbounded();
-        let (refs, refs_rx) = mpsc::unbounded();
+        let (feed, streams) = Feed::new(resource.clone());
         let (latest, latest_rx) = watch::channel(None);
         let (stop, stopped) = oneshot::channel::<()>();
         let ctx = Arc::new(Context {
@@ -257,9 +245,9 @@ impl ResolverController {
             failures: Mutex::default(),
             written: Mutex::default(),
         });
-        let controller = Controller::for_shared_stream_with(objects_rx, reader, resource.clone())
+        let controller = Controller::for_shared_stream_with(streams.objects, streams.reader, resource.clone())
             .with_config(ControllerConfig::default().concurrency(CONCURRENCY))
-            .reconcile_on(refs_rx)
+            .reconcile_on(streams.refs)
             .graceful_shutdown_on(stopped.map(|_| ()))
             .run(reconcile, error_policy, ctx.clone())
             .for_each(|result| async move {
@@ -272,12 +260,7 @@ impl ResolverController {
                 }
             });
         ResolverController {
-            writer,
-            resource,
-            fed: BTreeMap::new(),
-            ready: false,
-            objects,
-            refs,
+            feed,
             latest,
             ctx,
             stop: Some(stop),
@@ -288,54 +271,23 @@ impl ResolverController {
     /// Brings the store up to date with the world's resolvers, triggering a reconcile of
     /// each one that changed (a spec edit, a status wiped by hand).
     pub(crate) fn sync(&mut self, world: &World) {
-        let mut seen = std::collections::BTreeSet::new();
-        for (id, stored) in world.objects_of(GROUP, KIND) {
-            let Some(raw) = &stored.raw else { continue };
-            let id = (id.namespace.clone().unwrap_or_default(), id.name.clone());
-            seen.insert(id.clone());
-            let unchanged = self.fed.get(&id).is_some_and(|(v, _)| Arc::ptr_eq(v, raw) || v == raw);
-            if unchanged {
-                continue;
-            }
-            let Ok(dynamic) = serde_json::from_value::<DynamicObject>((**raw).clone()) else { continue };
-            if self.ready {
-                self.writer.apply_watcher_event(&watcher::Event::Apply(dynamic.clone()));
-                let _ = self.objects.unbounded_send(Arc::new(dynamic.clone()));
-            }
-            self.fed.insert(id, (raw.clone(), dynamic));
-        }
-        let gone: Vec<_> = self.fed.keys().filter(|id| !seen.contains(*id)).cloned().collect();
-        for id in gone {
-            if let Some((_, dynamic)) = self.fed.remove(&id)
-                && self.ready
-            {
-                let at = ObjectRef::from_obj_with(&dynamic, self.resource.clone());
-                self.ctx.written.lock().expect("written lock").remove(&at);
-                self.ctx.failures.lock().expect("failures lock").remove(&at);
-                self.writer.apply_watcher_event(&watcher::Event::Delete(dynamic));
-            }
+        for gone in self.feed.sync(world, GROUP, KIND) {
+            let at = ObjectRef::from_obj_with(&gone, self.feed.resource().clone());
+            self.ctx.written.lock().expect("written lock").remove(&at);
+            self.ctx.failures.lock().expect("failures lock").remove(&at);
         }
     }
 
     /// `snapshot` was published: reconcile the resolvers whose part of it changed.
     pub(crate) fn published(&mut self, snapshot: &Snapshot) {
         let previous = self.latest.send_replace(Some(Arc::new(Published::of(snapshot))));
-        if !self.ready {
-            // The first snapshot: the store is filled with what the world has listed.
-            self.writer.apply_watcher_event(&watcher::Event::Init);
-            for (_, dynamic) in self.fed.values() {
-                self.writer.apply_watcher_event(&watcher::Event::InitApply(dynamic.clone()));
-            }
-            self.writer.apply_watcher_event(&watcher::Event::InitDone);
-            self.ready = true;
-            self.trigger_all();
-            return;
+        if self.feed.fill() {
+            return; // The first snapshot: every resolver is reconciled.
         }
         for entry in &snapshot.content.resolvers {
             let before = previous.as_ref().and_then(|p| p.resolver(&entry.namespace, &entry.name));
             if before != Some(entry) {
-                let at = ObjectRef::new_with(&entry.name, self.resource.clone()).within(&entry.namespace);
-                let _ = self.refs.unbounded_send(at);
+                self.feed.trigger(&entry.namespace, &entry.name);
             }
         }
     }
@@ -345,15 +297,7 @@ impl ResolverController {
     pub(crate) fn leading(&mut self) {
         self.ctx.events.forget();
         self.ctx.written.lock().expect("written lock").clear();
-        if self.ready {
-            self.trigger_all();
-        }
-    }
-
-    fn trigger_all(&self) {
-        for (_, dynamic) in self.fed.values() {
-            let _ = self.refs.unbounded_send(ObjectRef::from_obj_with(dynamic, self.resource.clone()));
-        }
+        self.feed.trigger_all();
     }
 
     /// Lets the reconciles in flight finish (each is bounded by the leadership deadline)
@@ -385,7 +329,7 @@ mod tests {
     use consul_resolver_core::keys::{KubeKey, WatchKey};
     use consul_resolver_core::model::KubeObject;
     use consul_resolver_core::model::{Event as WorldEvent, KubeEvent};
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     fn resolvers() -> KubeKey {
         KubeKey::new(GROUP, "v1alpha1", KIND)

@@ -22,17 +22,16 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::channel::{mpsc, oneshot};
+use futures::channel::oneshot;
 use futures::{FutureExt, StreamExt};
 use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
-use kube::runtime::reflector::{ObjectRef, store::Writer};
-use kube::runtime::watcher;
+use kube::runtime::reflector::ObjectRef;
 use kube::{ResourceExt, core::GroupVersionKind};
-use serde_json::Value;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::controller::feed::{Feed, Ref};
 use crate::kube_client::error_reason;
 use crate::leadership::Leadership;
 use crate::ops::health::Vitals;
@@ -44,8 +43,6 @@ use consul_resolver_core::export::Desired;
 use consul_resolver_core::world::World;
 use metrics::ExportMetrics;
 pub(crate) use objects::SliceVersion;
-
-type Ref = ObjectRef<DynamicObject>;
 
 const CONCURRENCY: u16 = 4;
 const RETRY_BASE: Duration = Duration::from_millis(500);
@@ -166,12 +163,7 @@ fn error_policy(obj: Arc<DynamicObject>, error: &ExportError, ctx: Arc<Context>)
 
 /// The running controller, and the store it reads, fed from the world.
 pub(crate) struct ExportController {
-    writer: Writer<DynamicObject>,
-    resource: ApiResource,
-    fed: BTreeMap<(String, String), (Arc<Value>, DynamicObject)>,
-    ready: bool,
-    objects: mpsc::UnboundedSender<Arc<DynamicObject>>,
-    refs: mpsc::UnboundedSender<Ref>,
+    feed: Feed,
     latest: watch::Sender<Option<Arc<Published>>>,
     ctx: Arc<Context>,
     stop: Option<oneshot::Sender<()>>,
@@ -202,10 +194,7 @@ impl ExportController {
             &GroupVersionKind::gvk(group, version, "EndpointSlice"),
             "endpointslices",
         );
-        let writer = Writer::new(resource.clone());
-        let reader = writer.as_reader();
-        let (objects, objects_rx) = mpsc::unbounded();
-        let (refs, refs_rx) = mpsc::unbounded();
+        let (feed, streams) = Feed::new(resource.clone());
         let (latest, latest_rx) = watch::channel(None);
         let (stop, stopped) = oneshot::channel::<()>();
         let ctx = Arc::new(Context {
@@ -222,9 +211,9 @@ impl ExportController {
             resync: cfg.resync,
             failures: Mutex::default(),
         });
-        let controller = Controller::for_shared_stream_with(objects_rx, reader, resource.clone())
+        let controller = Controller::for_shared_stream_with(streams.objects, streams.reader, resource.clone())
             .with_config(ControllerConfig::default().concurrency(CONCURRENCY))
-            .reconcile_on(refs_rx)
+            .reconcile_on(streams.refs)
             .graceful_shutdown_on(stopped.map(|_| ()))
             .run(reconcile, error_policy, ctx.clone())
             .for_each(|result| async move {
@@ -235,12 +224,7 @@ impl ExportController {
                 }
             });
         ExportController {
-            writer,
-            resource,
-            fed: BTreeMap::new(),
-            ready: false,
-            objects,
-            refs,
+            feed,
             latest,
             ctx,
             stop: Some(stop),
@@ -252,30 +236,11 @@ impl ExportController {
     /// Brings the store up to date with the world's exports; an export gone has its
     /// Service and slices removed.
     pub(crate) fn sync(&mut self, world: &World) {
-        let mut seen = std::collections::BTreeSet::new();
-        for (id, stored) in world.objects_of(GROUP, KIND) {
-            let Some(raw) = &stored.raw else { continue };
-            let id = (id.namespace.clone().unwrap_or_default(), id.name.clone());
-            seen.insert(id.clone());
-            if self.fed.get(&id).is_some_and(|(v, _)| Arc::ptr_eq(v, raw) || v == raw) {
-                continue;
-            }
-            let Ok(dynamic) = serde_json::from_value::<DynamicObject>((**raw).clone()) else { continue };
-            if self.ready {
-                self.writer.apply_watcher_event(&watcher::Event::Apply(dynamic.clone()));
-                let _ = self.objects.unbounded_send(Arc::new(dynamic.clone()));
-            }
-            self.fed.insert(id, (raw.clone(), dynamic));
-        }
-        let gone: Vec<_> = self.fed.keys().filter(|id| !seen.contains(*id)).cloned().collect();
-        for id in gone {
-            let Some((_, dynamic)) = self.fed.remove(&id) else { continue };
+        for gone in self.feed.sync(world, GROUP, KIND) {
+            let id = (gone.namespace().unwrap_or_default(), gone.name_any());
             let _ = self.ctx.metrics.stale_since.remove_label_values(&[&id.0, &id.1]);
-            if self.ready {
-                let at = ObjectRef::from_obj_with(&dynamic, self.resource.clone());
-                self.ctx.failures.lock().expect("failures lock").remove(&at);
-                self.writer.apply_watcher_event(&watcher::Event::Delete(dynamic));
-            }
+            let at = ObjectRef::from_obj_with(&gone, self.feed.resource().clone());
+            self.ctx.failures.lock().expect("failures lock").remove(&at);
             self.removals.retain(|t| !t.is_finished());
             let ctx = self.ctx.clone();
             self.removals.push(tokio::spawn(async move {
@@ -292,38 +257,22 @@ impl ExportController {
 
     /// `snapshot` was published: reconcile the exports whose part of it changed.
     pub(crate) fn published(&mut self, snapshot: &Snapshot) {
-        let published = Published::of(snapshot);
-        let previous = self.latest.send_replace(Some(Arc::new(Published { exports: published.exports.clone() })));
-        if !self.ready {
-            self.writer.apply_watcher_event(&watcher::Event::Init);
-            for (_, dynamic) in self.fed.values() {
-                self.writer.apply_watcher_event(&watcher::Event::InitApply(dynamic.clone()));
-            }
-            self.writer.apply_watcher_event(&watcher::Event::InitDone);
-            self.ready = true;
-            self.trigger_all();
-            return;
+        let published = Arc::new(Published::of(snapshot));
+        let previous = self.latest.send_replace(Some(published.clone()));
+        if self.feed.fill() {
+            return; // The first snapshot: every export is reconciled.
         }
-        for (id, entry) in &published.exports {
-            let before = previous.as_ref().and_then(|p| p.exports.get(id));
+        for ((namespace, name), entry) in &published.exports {
+            let before = previous.as_ref().and_then(|p| p.exports.get(&(namespace.clone(), name.clone())));
             if before != Some(entry) {
-                let at = ObjectRef::new_with(&id.1, self.resource.clone()).within(&id.0);
-                let _ = self.refs.unbounded_send(at);
+                self.feed.trigger(namespace, name);
             }
         }
     }
 
     /// This replica just became leader: every export is reconciled again.
     pub(crate) fn leading(&mut self) {
-        if self.ready {
-            self.trigger_all();
-        }
-    }
-
-    fn trigger_all(&self) {
-        for (_, dynamic) in self.fed.values() {
-            let _ = self.refs.unbounded_send(ObjectRef::from_obj_with(dynamic, self.resource.clone()));
-        }
+        self.feed.trigger_all();
     }
 
     /// Lets the reconciles in flight finish for at most `within`, then stops.

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 use consul_resolver_api::export::IpFamily;
 use consul_resolver_core::assembler::snapshot::Stale;
 use consul_resolver_core::export::layout::{LiveSlice, SlicePlan};
-use consul_resolver_core::export::{Desired, SliceEndpoint, SlicePort};
+use consul_resolver_core::export::{Desired, Port, SliceEndpoint};
 
 /// Label of every slice: how consumers find a Service's slices.
 pub(crate) const SERVICE_NAME: &str = "kubernetes.io/service-name";
@@ -90,6 +90,15 @@ pub(crate) fn owner(api_version: &str, kind: &str, name: &str, uid: &str) -> Val
            "controller": true, "blockOwnerDeletion": true})
 }
 
+/// A port of the Service or of a slice, as both write it.
+fn port(p: &Port) -> Value {
+    let mut port = json!({"name": p.name, "port": p.port, "protocol": p.protocol});
+    if let Some(a) = &p.app_protocol {
+        port["appProtocol"] = json!(a);
+    }
+    port
+}
+
 /// The export's Service: no selector (so no controller of the cluster fills its
 /// endpoints), owned by the export.
 pub(crate) fn service(
@@ -99,17 +108,7 @@ pub(crate) fn service(
     labels: &BTreeMap<String, String>,
     owner: Value,
 ) -> Value {
-    let ports: Vec<Value> = desired
-        .ports
-        .iter()
-        .map(|p| {
-            let mut port = json!({"name": p.name, "port": p.port, "protocol": p.protocol});
-            if let Some(a) = &p.app_protocol {
-                port["appProtocol"] = json!(a);
-            }
-            port
-        })
-        .collect();
+    let ports: Vec<Value> = desired.ports.iter().map(port).collect();
     let mut spec = json!({"type": "ClusterIP", "ports": ports});
     if desired.headless {
         spec["clusterIP"] = json!("None");
@@ -175,17 +174,7 @@ pub(crate) fn slice(
                    "conditions": {"ready": e.ready, "serving": e.serving, "terminating": false}})
         })
         .collect();
-    let ports: Vec<Value> = plan
-        .ports
-        .iter()
-        .map(|p| {
-            let mut port = json!({"name": p.name, "port": p.port, "protocol": p.protocol});
-            if let Some(a) = &p.app_protocol {
-                port["appProtocol"] = json!(a);
-            }
-            port
-        })
-        .collect();
+    let ports: Vec<Value> = plan.ports.iter().map(port).collect();
     json!({
         "apiVersion": version.api_version(), "kind": "EndpointSlice",
         "metadata": {"name": plan.name, "namespace": namespace, "labels": labels,
@@ -208,7 +197,7 @@ pub(crate) fn live_slice(obj: &Value, labels: &BTreeMap<String, String>, owner_u
         .as_array()
         .into_iter()
         .flatten()
-        .map(|p| SlicePort {
+        .map(|p| Port {
             name: p["name"].as_str().unwrap_or_default().to_owned(),
             port: p["port"].as_u64().and_then(|n| u16::try_from(n).ok()).unwrap_or(0),
             protocol: match p["protocol"].as_str() {

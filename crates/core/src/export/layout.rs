@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use consul_resolver_api::export::IpFamily;
 
-use super::{Desired, MAX_ENDPOINTS_PER_SLICE, SliceEndpoint, SlicePort};
+use super::{Desired, MAX_ENDPOINTS_PER_SLICE, Port, SliceEndpoint};
 use crate::assembler::snapshot::Stale;
 
 /// A slice as it is in the cluster, read back in the terms of [`Desired`].
@@ -22,7 +22,7 @@ pub struct LiveSlice {
     pub name: String,
     /// Its `addressType`; `None` for one we never write (FQDN): replaced.
     pub family: Option<IpFamily>,
-    pub ports: Vec<SlicePort>,
+    pub ports: Vec<Port>,
     pub endpoints: Vec<SliceEndpoint>,
     /// Its stale annotations.
     pub stale: Option<Stale>,
@@ -35,7 +35,7 @@ pub struct LiveSlice {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlicePlan {
     pub name: String,
-    pub ports: Vec<SlicePort>,
+    pub ports: Vec<Port>,
     /// Sorted by address.
     pub endpoints: Vec<SliceEndpoint>,
 }
@@ -53,7 +53,7 @@ pub struct Plan {
 
 /// The slices `desired` needs, given the `live` ones of the Service `service`.
 pub fn plan(service: &str, desired: &Desired, live: &[LiveSlice]) -> Plan {
-    let mut remaining: BTreeMap<&Vec<SlicePort>, BTreeMap<&str, &SliceEndpoint>> =
+    let mut remaining: BTreeMap<&Vec<Port>, BTreeMap<&str, &SliceEndpoint>> =
         desired.groups.iter().map(|(ports, eps)| (ports, eps.iter().map(|(a, e)| (a.as_str(), e)).collect())).collect();
     let mut live_sorted: Vec<&LiveSlice> = live.iter().collect();
     live_sorted.sort_by(|a, b| a.name.cmp(&b.name));

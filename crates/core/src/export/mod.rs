@@ -24,18 +24,10 @@ use crate::model::Endpoint;
 /// change to a slice goes to every node, so smaller slices mean smaller writes).
 pub const MAX_ENDPOINTS_PER_SLICE: usize = 100;
 
-/// A port of the exported Service.
+/// A port: of the exported Service (`port` is what it listens on), or of a slice (`port`
+/// is the instances' port; its `name` is the Service port's, which consumers join on).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ServicePort {
-    pub name: String,
-    pub port: u16,
-    pub protocol: &'static str,
-    pub app_protocol: Option<String>,
-}
-
-/// A port of a slice: the Service port of the same name, on the instances' side.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct SlicePort {
+pub struct Port {
     pub name: String,
     pub port: u16,
     pub protocol: &'static str,
@@ -63,11 +55,11 @@ pub struct Excluded {
 /// What an export asks for, before it is laid out into slices.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Desired {
-    pub ports: Vec<ServicePort>,
+    pub ports: Vec<Port>,
     pub headless: bool,
     pub family: IpFamily,
     /// Endpoints by the ports they serve, by address.
-    pub groups: BTreeMap<Vec<SlicePort>, BTreeMap<String, SliceEndpoint>>,
+    pub groups: BTreeMap<Vec<Port>, BTreeMap<String, SliceEndpoint>>,
     /// Sorted.
     pub excluded: Vec<Excluded>,
     /// The endpoints are the ones last obtained, not a current answer.
@@ -80,7 +72,7 @@ impl Desired {
     pub fn of(spec: &ConsulServiceSpec, entry: Option<&ServiceEntry>) -> Desired {
         let family = spec.ip_family.unwrap_or_default();
         let endpoints: &[Endpoint] = entry.map(|e| &*e.endpoints).unwrap_or_default();
-        let mut groups: BTreeMap<Vec<SlicePort>, BTreeMap<String, SliceEndpoint>> = BTreeMap::new();
+        let mut groups: BTreeMap<Vec<Port>, BTreeMap<String, SliceEndpoint>> = BTreeMap::new();
         let mut excluded = Vec::new();
         let mut default_ports = std::collections::BTreeSet::new();
         for e in endpoints {
@@ -99,7 +91,7 @@ impl Desired {
             let ports = match &spec.ports {
                 Some(ports) => ports
                     .iter()
-                    .map(|p| SlicePort {
+                    .map(|p| Port {
                         name: p.name.clone(),
                         port: p.target_port.unwrap_or(e.port),
                         protocol: p.protocol.unwrap_or_default().as_str(),
@@ -108,12 +100,7 @@ impl Desired {
                     .collect(),
                 None => {
                     default_ports.insert(e.port);
-                    vec![SlicePort {
-                        name: default_port_name(e.port),
-                        port: e.port,
-                        protocol: "TCP",
-                        app_protocol: None,
-                    }]
+                    vec![Port { name: default_port_name(e.port), port: e.port, protocol: "TCP", app_protocol: None }]
                 }
             };
             // The same address twice in a group (two registrations of one process) is one
@@ -127,7 +114,7 @@ impl Desired {
         let ports = match &spec.ports {
             Some(ports) => ports
                 .iter()
-                .map(|p| ServicePort {
+                .map(|p| Port {
                     name: p.name.clone(),
                     port: p.port,
                     protocol: p.protocol.unwrap_or_default().as_str(),
@@ -136,7 +123,7 @@ impl Desired {
                 .collect(),
             None => default_ports
                 .into_iter()
-                .map(|p| ServicePort { name: default_port_name(p), port: p, protocol: "TCP", app_protocol: None })
+                .map(|p| Port { name: default_port_name(p), port: p, protocol: "TCP", app_protocol: None })
                 .collect(),
         };
         Desired {
