@@ -214,6 +214,73 @@ fn an_export_is_a_selectorless_service_and_slices_that_follow_consul_with_few_wr
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
     op.terminate(T).unwrap();
+
+    // What the operator sent for it: only the verbs of the export role, never a watch of
+    // Services or slices, and never an update (writes are server-side apply).
+    if let (Some(events), Ok(user)) = (cluster.audit_events().unwrap(), cluster.operator_username()) {
+        let verbs: std::collections::BTreeSet<(String, String)> = events
+            .iter()
+            .filter(|e| e["user"]["username"] == user.as_str() && e["objectRef"]["namespace"] == ns.as_str())
+            .filter(|e| matches!(e["objectRef"]["resource"].as_str(), Some("services" | "endpointslices")))
+            .map(|e| (e["objectRef"]["resource"].as_str().unwrap().to_owned(), e["verb"].as_str().unwrap().to_owned()))
+            .collect();
+        let allowed = [
+            ("services", "get"),
+            ("services", "patch"),
+            ("services", "delete"),
+            ("endpointslices", "list"),
+            ("endpointslices", "patch"),
+            ("endpointslices", "delete"),
+        ];
+        for (resource, verb) in &verbs {
+            assert!(
+                allowed.contains(&(resource.as_str(), verb.as_str())),
+                "the operator sent {verb} {resource}: {verbs:?}"
+            );
+        }
+        assert!(verbs.contains(&("endpointslices".into(), "patch".into())), "{verbs:?}");
+    }
+}
+
+#[test]
+fn endpoints_kept_while_consul_cannot_be_read_are_marked_stale_and_back() {
+    let (cluster, consul) = (Cluster::shared(), Consul::shared());
+    let ns = team(cluster, consul, "export-stale");
+    let svc = format!("web{}", unique());
+    consul.register_many(&[instance(&svc, 0, 8080, "passing"), instance(&svc, 1, 8080, "passing")], 2).unwrap();
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", "")).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    wait_for("exported", T, || (addresses(&slices(cluster, &ns, "web")).len() == 2).then_some(()))
+        .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+
+    // The resolver now points where nothing answers: the endpoints last obtained are kept
+    // (the Service does not go empty), and say so.
+    let dead = format!("127.0.0.1:{}", e2e::harness::free_port());
+    cluster.apply(&resolver_yaml(&ns, "consul", &dead, "")).unwrap();
+    let status = wait_for("the slices marked stale", T, || {
+        let s = export_status(cluster, &ns, "web")?;
+        let found = slices(cluster, &ns, "web");
+        let marked = found.values().all(|s| s["metadata"]["annotations"]["consulresolver.io/stale-since"].is_string());
+        (marked && condition(&s, "Ready")? == ("False".into(), "Stale".into())).then_some(s)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert_eq!(addresses(&slices(cluster, &ns, "web")).len(), 2, "kept, not emptied");
+    assert!(status["stale"]["reason"].as_str().is_some_and(|r| r.contains("address")), "{status}");
+    let since =
+        op.metric(&format!("consul_resolver_export_stale_since_timestamp_seconds{{name=\"web\",namespace=\"{ns}\"}}"));
+    assert!(since.is_some_and(|t| t > 1.7e9), "the stale metric: {since:?}");
+
+    // Back: current again, the marks gone, the metric too.
+    cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), "")).unwrap();
+    wait_for("current again", T, || {
+        let s = export_status(cluster, &ns, "web")?;
+        let found = slices(cluster, &ns, "web");
+        let clean = found.values().all(|s| s["metadata"]["annotations"].get("consulresolver.io/stale-since").is_none());
+        (clean && condition(&s, "Ready")?.0 == "True").then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert!(op.metric_sum("consul_resolver_export_stale_since_timestamp_seconds").is_some_and(|v| v == 0.0));
+    op.terminate(T).unwrap();
 }
 
 #[test]
