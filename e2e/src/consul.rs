@@ -149,17 +149,23 @@ pub struct Instance {
     pub status: String,
     pub tags: Vec<String>,
     pub meta: std::collections::BTreeMap<String, String>,
+    /// `Service.Locality.Zone` (Consul 1.17+); `None` sends no `Locality`.
+    pub zone: Option<String>,
 }
 
 impl Instance {
     /// The `/v1/catalog/register` body.
     fn registration(&self) -> Value {
-        let Instance { node, address, service, id, port, status, tags, meta } = self;
-        json!({
+        let Instance { node, address, service, id, port, status, tags, meta, zone } = self;
+        let mut body = json!({
             "Node": node,
             "Address": address,
             "Service": {"ID": id, "Service": service, "Address": address, "Port": port, "Tags": tags, "Meta": meta},
             "Check": {"CheckID": format!("check-{id}"), "Name": format!("{service} health"), "Status": status, "ServiceID": id}
-        })
+        });
+        if let Some(zone) = zone {
+            body["Service"]["Locality"] = json!({"Region": "test", "Zone": zone});
+        }
+        body
     }
 }

@@ -90,6 +90,8 @@ fn an_export_is_a_selectorless_service_and_slices_that_follow_consul_with_few_wr
     let ns = team(cluster, consul, "export");
     let svc = format!("web{}", unique());
     let mut all: Vec<Instance> = (0..250).map(|i| instance(&svc, i, 8080, "passing")).collect();
+    // One with a Consul locality: its endpoint carries the zone.
+    all[0].zone = Some("zone-a".into());
     consul.register_many(&all, 16).unwrap();
     // Bad input: a loopback node (agentless Consul), a hostname, an IPv6 address.
     for (id, address) in [("lo", "127.0.0.1"), ("host", "db.node.consul"), ("v6", "2001:db8::5")] {
@@ -113,6 +115,13 @@ fn an_export_is_a_selectorless_service_and_slices_that_follow_consul_with_few_wr
         assert!(reasons.iter().any(|r| r.starts_with(want)), "{want:?} in {reasons:?}");
     }
     assert_eq!(condition(&status, "Conflict").unwrap().0, "False");
+    // What `kubectl get csvc -A` shows (the CRD's printer columns).
+    let table = cluster.kubectl(&["get", "csvc", "-A"]).unwrap();
+    let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
+    assert_eq!(header, ["NAMESPACE", "NAME", "READY", "CONSUL", "ENDPOINTS", "EXCLUDED", "SLICES", "AGE"], "{table}");
+    let row = table.lines().find(|l| l.starts_with(&format!("{ns} "))).unwrap_or_else(|| panic!("{table}"));
+    let row: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(row[1..7], ["web", "True", svc.as_str(), "250", "3", "3"], "{table}");
 
     // The Service: ours, without a selector, owned by the export.
     let export = get_json(cluster, &["-n", &ns, "get", "consulservice", "web"]).unwrap();
@@ -149,6 +158,9 @@ fn an_export_is_a_selectorless_service_and_slices_that_follow_consul_with_few_wr
         assert_eq!(owner["controller"], true);
         for e in s["endpoints"].as_array().unwrap() {
             assert_eq!(e["addresses"].as_array().unwrap().len(), 1);
+            // v1beta1 (this API server) keeps the zone in `topology`.
+            let zone = e["topology"]["topology.kubernetes.io/zone"].as_str();
+            assert_eq!(zone.is_some(), e["addresses"][0] == "192.0.2.1", "only the instance with a locality: {e}");
             assert_eq!(e["conditions"]["ready"], true);
             assert!(
                 e.get("nodeName").is_none()

@@ -277,6 +277,7 @@ mod tests {
             tags: vec![],
             meta: Default::default(),
             health: Health::Passing,
+            zone: None,
         }
     }
     fn service(name: &str, endpoints: usize) -> ServiceEntry {
@@ -503,6 +504,7 @@ mod stale_tests {
             tags: vec![],
             meta: Default::default(),
             health: Health::Passing,
+            zone: None,
         };
         ServiceEntry {
             name: name.into(),

@@ -29,6 +29,9 @@ pub(crate) const INSTANCE: &str = "consulresolver.io/ambassador-id";
 pub(crate) const STALE_SINCE: &str = "consulresolver.io/stale-since";
 pub(crate) const STALE_REASON: &str = "consulresolver.io/stale-reason";
 
+/// Where v1beta1 keeps an endpoint's zone (v1 has a field of its own).
+const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
 /// Which EndpointSlice version the API server serves (discovered once at start).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum SliceVersion {
@@ -170,8 +173,15 @@ pub(crate) fn slice(
         .endpoints
         .iter()
         .map(|e| {
-            json!({"addresses": [e.address],
-                   "conditions": {"ready": e.ready, "serving": e.serving, "terminating": false}})
+            let mut endpoint = json!({"addresses": [e.address],
+                   "conditions": {"ready": e.ready, "serving": e.serving, "terminating": false}});
+            if let Some(zone) = &e.zone {
+                match version {
+                    SliceVersion::V1 => endpoint["zone"] = json!(zone),
+                    SliceVersion::V1beta1 => endpoint["topology"] = json!({ZONE_LABEL: zone}),
+                }
+            }
+            endpoint
         })
         .collect();
     let ports: Vec<Value> = plan.ports.iter().map(port).collect();
@@ -215,10 +225,12 @@ pub(crate) fn live_slice(obj: &Value, labels: &BTreeMap<String, String>, owner_u
         .filter_map(|e| {
             let address = e["addresses"].as_array()?.first()?.as_str()?.to_owned();
             let c = &e["conditions"];
+            let zone = e["zone"].as_str().or_else(|| e["topology"][ZONE_LABEL].as_str()).map(str::to_owned);
             Some(SliceEndpoint {
                 address,
                 ready: c["ready"].as_bool().unwrap_or(true),
                 serving: c["serving"].as_bool().unwrap_or(c["ready"].as_bool().unwrap_or(true)),
+                zone,
             })
         })
         .collect();
@@ -263,6 +275,7 @@ mod tests {
             tags: vec![],
             meta: Default::default(),
             health: Health::Passing,
+            zone: (a == "10.0.0.1").then(|| "zone-a".to_owned()),
         };
         let entry = ServiceEntry {
             name: "web".into(),
@@ -290,6 +303,13 @@ mod tests {
                 json!({"name": "http", "port": 8080, "protocol": "TCP", "appProtocol": "http"})
             );
             assert_eq!(written["endpoints"][0]["addresses"], json!(["10.0.0.1"]));
+            let zone = match version {
+                SliceVersion::V1 => &written["endpoints"][0]["zone"],
+                SliceVersion::V1beta1 => &written["endpoints"][0]["topology"][ZONE_LABEL],
+            };
+            assert_eq!(zone, "zone-a");
+            assert!(written["endpoints"][1].get("zone").is_none() && written["endpoints"][1].get("topology").is_none());
+            assert!(written["endpoints"][0].get("nodeName").is_none(), "a Consul node is not a Kubernetes Node");
             let live = live_slice(&written, &labels, Some("u-1"));
             assert!(live.intact);
             let again = layout::plan("web", &d, &[live]);

@@ -919,6 +919,7 @@ mod tests {
                 tags: vec!["v1".into()],
                 meta: BTreeMap::from([("build".to_owned(), rng.token(meta_len))]),
                 health: Health::Passing,
+                zone: None,
             })
             .collect();
         Content {

@@ -112,6 +112,14 @@ impl Node {
     }
 }
 
+/// A service instance's locality (Consul 1.17+): where it runs, for topology-aware routing.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "PascalCase", default)]
+pub(crate) struct Locality {
+    pub region: String,
+    pub zone: String,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "PascalCase")]
 pub(crate) struct TaggedAddress {
@@ -187,6 +195,8 @@ pub(crate) struct ServiceInstance {
     pub port: u16,
     pub meta: BTreeMap<String, String>,
     pub tagged_addresses: BTreeMap<String, TaggedAddress>,
+    /// As registered (`Service.Locality`); `None` when the registration sent none.
+    pub locality: Option<Locality>,
     pub weights: Weights,
     pub enable_tag_override: bool,
     pub kind: ServiceKind,
@@ -214,6 +224,7 @@ impl ServiceInstance {
             && self.port == other.port
             && self.meta == other.meta
             && self.tagged_addresses == other.tagged_addresses
+            && self.locality == other.locality
             && self.weights == other.weights
             && self.enable_tag_override == other.enable_tag_override
             && self.kind == other.kind
@@ -287,6 +298,7 @@ pub(crate) struct ServiceRegistration {
     pub port: Option<u16>,
     pub meta: Option<BTreeMap<String, String>>,
     pub tagged_addresses: Option<BTreeMap<String, TaggedAddress>>,
+    pub locality: Option<Locality>,
     pub weights: Option<Weights>,
     pub enable_tag_override: bool,
     pub kind: Option<String>,
@@ -801,6 +813,7 @@ impl Catalog {
                     port,
                     meta: s.meta.unwrap_or_default(),
                     tagged_addresses: s.tagged_addresses.unwrap_or_default(),
+                    locality: s.locality,
                     weights: s.weights.unwrap_or_default(),
                     enable_tag_override: s.enable_tag_override,
                     kind,

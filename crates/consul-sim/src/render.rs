@@ -43,6 +43,10 @@ fn service_json(s: &ServiceInstance, peer: Option<&str>, legacy: bool) -> Value 
         "CreateIndex": s.create_index,
         "ModifyIndex": s.modify_index,
     });
+    // Consul 1.17+ sends `Locality` only when the instance has one (`omitempty`).
+    if let Some(l) = s.locality.as_ref().filter(|_| !legacy) {
+        out["Locality"] = json!({"Region": l.region, "Zone": l.zone});
+    }
     if !legacy {
         let mut proxy = json!({"Mode": "", "MeshGateway": {}, "Expose": {}});
         merge(&mut proxy, proxy_json(s));

@@ -264,6 +264,30 @@ async fn body_and_headers_follow_the_contract() {
     assert_eq!(r.index(), e["Service"]["ModifyIndex"].as_u64().unwrap());
 }
 
+/// `Service.Locality` (Consul 1.17+) is kept as registered and sent back; an instance
+/// without one has no `Locality` field at all (Consul's `omitempty`). A locality change is a
+/// change of the instance (its index moves).
+#[tokio::test]
+async fn locality_is_kept_and_sent_only_when_set() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    let with = |zone: &str| {
+        json!({"Node": "n1", "Address": "10.1.1.1",
+               "Service": {"ID": "web-1", "Service": "web", "Port": 80, "Locality": {"Region": "r", "Zone": zone}}})
+    };
+    assert_eq!(put(a, "/v1/catalog/register", &with("r-a")).await.status, 200);
+    register(a, "n2", "web", "web-2", "passing", &[]).await;
+    let r = get(a, "/v1/health/service/web").await;
+    let body = r.json();
+    let by_id = |id: &str| body.as_array().unwrap().iter().find(|e| e["Service"]["ID"] == id).unwrap().clone();
+    assert_eq!(by_id("web-1")["Service"]["Locality"], json!({"Region": "r", "Zone": "r-a"}));
+    assert!(by_id("web-2")["Service"].get("Locality").is_none());
+    let before = r.index();
+    assert_eq!(put(a, "/v1/catalog/register", &with("r-b")).await.status, 200);
+    let r = get(a, "/v1/health/service/web").await;
+    assert!(r.index() > before, "a new zone is a change");
+}
+
 #[tokio::test]
 async fn null_variants_at_start_and_at_run_time() {
     let sim = start(Config { null_variants: true, ..Config::default() }).await;

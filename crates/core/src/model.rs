@@ -140,6 +140,9 @@ pub struct Endpoint {
     pub meta: BTreeMap<String, String>,
     /// The worst status among the instance's checks (node checks included).
     pub health: Health,
+    /// `Service.Locality.Zone` (Consul 1.17+), when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zone: Option<String>,
 }
 
 /// One address of a Kubernetes Service (from EndpointSlices or Endpoints).

@@ -64,6 +64,7 @@ fn ep(addr: &str, port: u16) -> Endpoint {
         tags: vec![],
         meta: Default::default(),
         health: Health::Passing,
+        zone: None,
     }
 }
 fn consul_keys(p: &Pipeline) -> Vec<ConsulKey> {

@@ -489,6 +489,7 @@ mod tests {
             tags: vec![],
             meta: Default::default(),
             health: Health::Passing,
+            zone: None,
         }
     }
 

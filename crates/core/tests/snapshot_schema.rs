@@ -144,6 +144,7 @@ async fn realistic_snapshot() -> Snapshot {
                 tags: vec![],
                 meta: BTreeMap::new(),
                 health: Health::Passing,
+                zone: None,
             }];
             p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 7, endpoints })], now);
             p.apply([Event::Consul(key, ConsulEvent::Failed("500 No cluster leader".into()))], now);
@@ -160,6 +161,7 @@ async fn realistic_snapshot() -> Snapshot {
                     tags: vec!["blue".into(), "v2".into()],
                     meta: BTreeMap::from([("version".to_owned(), "2.3.1".to_owned())]),
                     health: Health::Warning,
+                    zone: None,
                 }],
             }
         } else {

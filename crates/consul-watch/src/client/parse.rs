@@ -65,6 +65,16 @@ struct Service {
     meta: Option<BTreeMap<String, Value>>,
     #[serde(default)]
     tagged_addresses: Option<BTreeMap<String, Option<ServiceAddress>>>,
+    /// Consul 1.17+; absent or `null` before, and for instances registered without one.
+    #[serde(default)]
+    locality: Option<Locality>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct Locality {
+    #[serde(default)]
+    zone: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -237,6 +247,7 @@ fn endpoint(mut e: Entry, kind: &AddressType) -> Endpoint {
     // No checks at all means passing, as Consul's own `passing` filter treats it.
     let health =
         e.checks.unwrap_or_default().iter().map(|c| status(c.status.as_deref())).max().unwrap_or(Health::Passing);
+    let zone = e.service.locality.and_then(|l| l.zone).filter(|z| !z.is_empty());
     Endpoint {
         address,
         port,
@@ -245,6 +256,7 @@ fn endpoint(mut e: Entry, kind: &AddressType) -> Endpoint {
         tags,
         meta,
         health,
+        zone,
     }
 }
 
@@ -305,6 +317,17 @@ mod tests {
         assert_eq!((b.address.as_str(), b.port), ("192.168.1.1", 80), "Service.Address wins when set");
         assert_eq!(b.health, Health::Passing, "no checks means passing");
         assert!(b.tags.is_empty() && b.meta.is_empty());
+    }
+
+    #[test]
+    fn locality_zone_when_set() {
+        let body = r#"[{"Node":{"Node":"n","Address":"10.0.0.1"},
+            "Service":{"ID":"a","Port":1,"Locality":{"Region":"eu-west-1","Zone":"eu-west-1a"}},"Checks":[]},
+          {"Node":{"Node":"n","Address":"10.0.0.2"},"Service":{"ID":"b","Port":1,"Locality":null},"Checks":[]},
+          {"Node":{"Node":"n","Address":"10.0.0.3"},"Service":{"ID":"c","Port":1,"Locality":{"Zone":""}},"Checks":[]}]"#;
+        let zones: Vec<_> =
+            health_service(body.as_bytes(), &AddressType::Service).unwrap().into_iter().map(|e| e.zone).collect();
+        assert_eq!(zones, [Some("eu-west-1a".to_owned()), None, None]);
     }
 
     #[test]
@@ -544,6 +567,7 @@ mod proptests {
             tags,
             meta: i.meta.clone(),
             health: i.checks.iter().map(|s| status(Some(s))).max().unwrap_or(Health::Passing),
+            zone: None,
         }
     }
 

@@ -284,6 +284,7 @@ mod tests {
             tags: vec![],
             meta: Default::default(),
             health: Health::Passing,
+            zone: None,
         }
     }
 

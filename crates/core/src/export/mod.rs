@@ -7,6 +7,8 @@
 //!   port, named `tcp-<port>`; slice port names are the Service's (consumers join on them);
 //! - instances are grouped by the ports they serve: a slice's endpoints share its ports;
 //! - one address family, canonical addresses, nothing unroutable ([`address`]);
+//! - `zone` is the instance's Consul locality zone; `nodeName` is never set (a Consul node
+//!   is not a Kubernetes Node);
 //! - every instance in the entry was admitted by the resolver's health statuses (the query
 //!   asks Consul only for those), so each is ready and serving; the others are left out.
 
@@ -41,6 +43,8 @@ pub struct SliceEndpoint {
     pub address: String,
     pub ready: bool,
     pub serving: bool,
+    /// The instance's Consul locality zone, for topology-aware consumers.
+    pub zone: Option<String>,
 }
 
 /// An instance the export leaves out, and why.
@@ -108,7 +112,7 @@ impl Desired {
             groups
                 .entry(ports)
                 .or_default()
-                .insert(address.clone(), SliceEndpoint { address, ready: true, serving: true });
+                .insert(address.clone(), SliceEndpoint { address, ready: true, serving: true, zone: e.zone.clone() });
         }
         excluded.sort();
         let ports = match &spec.ports {
@@ -160,6 +164,7 @@ mod tests {
             tags: vec![],
             meta: Default::default(),
             health: Health::Passing,
+            zone: None,
         }
     }
 
