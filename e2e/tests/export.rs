@@ -331,6 +331,31 @@ fn a_service_that_is_not_ours_is_left_alone_until_it_goes() {
 }
 
 #[test]
+fn an_export_where_the_operator_may_not_write_says_forbidden_and_recovers_with_the_grant() {
+    let (cluster, consul) = (Cluster::shared(), Consul::shared());
+    let ns = cluster.namespace("export-denied").unwrap();
+    cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), "")).unwrap();
+    let svc = format!("web{}", unique());
+    consul.register_many(&[instance(&svc, 0, 8080, "passing")], 1).unwrap();
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", "")).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    let status = wait_for("Exported=False, forbidden", T, || {
+        let s = export_status(cluster, &ns, "web")?;
+        (condition(&s, "Exported")? == ("False".into(), "WriteFailed".into())).then_some(s)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert!(status.to_string().contains("forbidden"), "{status}");
+    // The documented grant: exported at the next retry.
+    cluster.grant_exports(&ns).unwrap();
+    wait_for("exported once granted", T, || {
+        let s = export_status(cluster, &ns, "web")?;
+        (condition(&s, "Ready")?.0 == "True" && addresses(&slices(cluster, &ns, "web")).len() == 1).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    op.terminate(T).unwrap();
+}
+
+#[test]
 fn a_resolver_deleted_empties_the_export_and_back() {
     let (cluster, consul) = (Cluster::shared(), Consul::shared());
     let ns = team(cluster, consul, "export-resolver");

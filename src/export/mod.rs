@@ -140,7 +140,22 @@ async fn reconcile_export(obj: &DynamicObject, ctx: &Context) -> Result<Action, 
             let _ = ctx.metrics.stale_since.remove_label_values(&[&namespace, &name]);
         }
     }
-    let outcome = outcome?;
+    let outcome = match outcome {
+        Ok(outcome) => outcome,
+        Err(e) => {
+            // Said on the export (a missing grant reads as "forbidden" there), then retried
+            // with backoff; a status write that fails too changes nothing about that.
+            let s = status::status_for(
+                &name,
+                generation,
+                &status::Outcome::Failed(e.to_string()),
+                live_status.as_ref(),
+                now,
+            );
+            let _ = reconcile::update_status(ctx, obj, &s, live_status.as_ref(), until).await;
+            return Err(e);
+        }
+    };
     let s = status::status_for(&name, generation, &outcome, live_status.as_ref(), now);
     reconcile::update_status(ctx, obj, &s, live_status.as_ref(), until).await?;
     Ok(Action::requeue(ctx.resync))

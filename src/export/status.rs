@@ -22,6 +22,9 @@ pub(crate) enum Outcome<'a> {
     Exported { desired: &'a Desired, slices: usize, waiting: bool },
     /// The Service cannot exist yet: no port to expose (no instance, no `spec.ports`).
     NoPorts { desired: &'a Desired },
+    /// A write failed (`why`: the API server's answer, e.g. forbidden without the export
+    /// role in this namespace); retried with backoff.
+    Failed(String),
 }
 
 pub(crate) fn status_for(
@@ -48,6 +51,11 @@ pub(crate) fn status_for(
                 ("True", reason::SERVICE_EXISTS, why),
             )
         }
+        Outcome::Failed(why) => (
+            ("False", reason::WRITE_FAILED, why.clone()),
+            ("False", reason::WRITE_FAILED, why.clone()),
+            ("Unknown", reason::WRITE_FAILED, "not known: the Service could not be read or written".to_owned()),
+        ),
         Outcome::NoResolver(why) => (
             ("False", reason::RESOLVER_UNAVAILABLE, why.clone()),
             ("False", reason::RESOLVER_UNAVAILABLE, why.clone()),
@@ -135,6 +143,7 @@ mod tests {
             Outcome::NoResolver("no resolver".into()),
             Outcome::NoPorts { desired: &d },
             Outcome::Exported { desired: &d, slices: 0, waiting: false },
+            Outcome::Failed("forbidden".into()),
         ];
         for o in &outcomes {
             let s = status_for("web", Some(2), o, None, t0);
