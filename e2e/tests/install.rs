@@ -205,7 +205,7 @@ fn apply_k_installs_everything_and_a_second_apply_changes_nothing() {
     let dir = install_dir(cluster, tmp.path());
 
     let first = apply_k(cluster, &dir);
-    assert_eq!(first.len(), 11, "one line per object: {first:#?}");
+    assert_eq!(first.len(), 13, "one line per object: {first:#?}");
     for line in &first {
         assert!(["created", "configured", "unchanged"].iter().any(|w| line.ends_with(w)), "{line}");
     }
