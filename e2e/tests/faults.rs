@@ -395,6 +395,7 @@ fn sigterm_and_sigkill_during_a_split_publication_never_leave_a_mix() {
         status: "passing".into(),
         tags: vec![],
         meta: BTreeMap::from([("build".into(), hex(256)), ("commit".into(), hex(256))]),
+        zone: None,
     };
     let instances: Vec<Instance> = (0..INSTANCES).map(|i| instance(i, 20_000 + i as u16)).collect();
     consul.register_many(&instances, 16).unwrap();

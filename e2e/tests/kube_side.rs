@@ -440,6 +440,7 @@ fn a_snapshot_well_over_one_mebibyte_reaches_the_configmap_whole() {
             status: "passing".into(),
             tags: vec!["big".into()],
             meta: BTreeMap::from([("build".into(), random_hex(256)), ("commit".into(), random_hex(256))]),
+            zone: None,
         })
         .collect();
     let started = Instant::now();
@@ -556,6 +557,7 @@ fn changing_a_mappings_resolver_moves_its_watch() {
         status: "passing".into(),
         tags: vec![tag.into()],
         meta: BTreeMap::new(),
+        zone: None,
     };
     consul.register_many(&[instance(1, "blue"), instance(2, "green")], 2).unwrap();
 

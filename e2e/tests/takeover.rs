@@ -69,6 +69,7 @@ fn instances(svc: &str, range: std::ops::Range<usize>) -> Vec<Instance> {
                 status: "passing".into(),
                 tags: vec![],
                 meta: (0..8).map(|k| (format!("m{k}"), noise(&mut seed, 512))).collect(),
+                zone: None,
             }
         })
         .collect()
