@@ -115,6 +115,10 @@ async fn reconcile_export(obj: &DynamicObject, ctx: &Context) -> Result<Action, 
     let live_status = obj.data.get("status").cloned().and_then(|s| serde_json::from_value(s).ok());
     let generation = obj.metadata.generation;
     let now = k8s_openapi::jiff::Timestamp::now();
+    // Another operator's export (another Ambassador ID) is not ours to judge either.
+    if reconcile::parse(obj).is_ok_and(|s| !s.serves_ambassador_id(&ctx.ambassador_id)) {
+        return Ok(Action::await_change());
+    }
     let spec = match reconcile::validate(obj) {
         Ok(spec) => spec,
         Err(why) => {
@@ -123,9 +127,6 @@ async fn reconcile_export(obj: &DynamicObject, ctx: &Context) -> Result<Action, 
             return Ok(Action::await_change());
         }
     };
-    if !spec.serves_ambassador_id(&ctx.ambassador_id) {
-        return Ok(Action::await_change());
-    }
     let published = ctx.latest.borrow().clone();
     let Some(entry) = published.as_ref().and_then(|p| p.exports.get(&(namespace.clone(), name.clone())).cloned())
     else {
@@ -133,9 +134,8 @@ async fn reconcile_export(obj: &DynamicObject, ctx: &Context) -> Result<Action, 
     };
     let desired = Desired::of(&spec, entry.source.as_deref());
     let outcome = reconcile::apply(ctx, obj, &entry, &desired, until).await;
-    let stale = ctx.metrics.stale_since.with_label_values(&[&namespace, &name]);
     match desired.stale.as_ref().and_then(|s| chrono::DateTime::parse_from_rfc3339(&s.since).ok()) {
-        Some(t) => stale.set(t.timestamp() as f64),
+        Some(t) => ctx.metrics.stale_since.with_label_values(&[&namespace, &name]).set(t.timestamp() as f64),
         None => {
             let _ = ctx.metrics.stale_since.remove_label_values(&[&namespace, &name]);
         }

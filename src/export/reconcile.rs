@@ -26,11 +26,15 @@ async fn within<T>(until: Instant, what: &str, f: impl Future<Output = kube::Res
     }
 }
 
-/// Validate: the spec as the export holds it, or why it cannot be used.
-pub(super) fn validate(obj: &DynamicObject) -> Result<ConsulServiceSpec, String> {
+/// The spec as the export holds it, or why it cannot be read.
+pub(super) fn parse(obj: &DynamicObject) -> Result<ConsulServiceSpec, String> {
     let spec = obj.data.get("spec").ok_or("spec is missing")?;
-    let spec: ConsulServiceSpec =
-        serde_json::from_value(spec.clone()).map_err(|e| format!("spec is not valid: {e}"))?;
+    serde_json::from_value(spec.clone()).map_err(|e| format!("spec is not valid: {e}"))
+}
+
+/// Validate: the spec, or why it cannot be used.
+pub(super) fn validate(obj: &DynamicObject) -> Result<ConsulServiceSpec, String> {
+    let spec = parse(obj)?;
     spec.validate(&obj.name_any())?;
     Ok(spec)
 }
