@@ -203,10 +203,10 @@ fn error_policy(obj: Arc<DynamicObject>, error: &ReconcileError, ctx: Arc<Contex
     Action::requeue(delay)
 }
 
-/// The wait before retry `failures` (1-based) of one resolver: doubling from
-/// [`RETRY_BASE`], capped at [`RETRY_CAP`], `shave` (0..1) taken off so resolvers failing
-/// together do not retry in lockstep.
-fn retry_delay(failures: u32, shave: f64) -> Duration {
+/// The wait before retry `failures` (1-based) of one object (a resolver, an export):
+/// doubling from [`RETRY_BASE`], capped at [`RETRY_CAP`], `shave` (0..1) taken off so
+/// objects failing together do not retry in lockstep.
+pub(crate) fn retry_delay(failures: u32, shave: f64) -> Duration {
     let step = RETRY_BASE.saturating_mul(2u32.saturating_pow(failures.saturating_sub(1).min(20)));
     step.min(RETRY_CAP).mul_f64(1.0 - shave.clamp(0.0, 0.5))
 }

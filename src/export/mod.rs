@@ -44,9 +44,10 @@ use consul_resolver_core::world::World;
 use metrics::ExportMetrics;
 pub(crate) use objects::SliceVersion;
 
+/// Exports reconciled at once: each writes a Service and its slices, so fewer than the
+/// resolver controller's status writes. Retries back off as the resolver controller's do
+/// (`controller::retry_delay`).
 const CONCURRENCY: u16 = 4;
-const RETRY_BASE: Duration = Duration::from_millis(500);
-const RETRY_CAP: Duration = Duration::from_secs(300);
 
 /// Why an export's reconcile failed; it is retried alone with backoff.
 #[derive(Debug, thiserror::Error)]
@@ -169,8 +170,7 @@ fn error_policy(obj: Arc<DynamicObject>, error: &ExportError, ctx: Arc<Context>)
         *n = n.saturating_add(1);
         *n
     };
-    let step = RETRY_BASE.saturating_mul(2u32.saturating_pow(failures.saturating_sub(1).min(20)));
-    let delay = step.min(RETRY_CAP).mul_f64(1.0 - rand::random_range(0.0..0.2));
+    let delay = crate::controller::retry_delay(failures, rand::random_range(0.0..0.2));
     tracing::warn!(export = %format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any()),
         error = %error, reason = error.reason(), retry_in = ?delay, "export reconcile failed");
     Action::requeue(delay)
