@@ -24,14 +24,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::channel::oneshot;
-use futures::{FutureExt, StreamExt};
 use kube::api::{ApiResource, DynamicObject, Patch, PatchParams};
-use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 use crate::kube_client::{FIELD_MANAGER, error_reason, status_code};
 use crate::leadership::Leadership;
@@ -43,15 +40,12 @@ use consul_resolver_core::assembler::Snapshot;
 use consul_resolver_core::assembler::snapshot::{Part, ResolverEntry};
 use consul_resolver_core::world::World;
 use events::Events;
-use feed::{Feed, Ref};
+use feed::{Backoff, Feed, Ref, Running};
 use metrics::ControllerMetrics;
 
 /// Reconciles running at once: enough to catch up quickly after gaining leadership, few
 /// enough not to flood the API server with status writes.
 const CONCURRENCY: u16 = 8;
-/// Retries of a failing resolver: doubling from this, capped.
-const RETRY_BASE: Duration = Duration::from_millis(500);
-const RETRY_CAP: Duration = Duration::from_secs(300);
 
 /// Why a reconcile failed; the resolver is retried with its own backoff.
 #[derive(Debug, thiserror::Error)]
@@ -107,7 +101,7 @@ struct Context {
     events: Events,
     metrics: ControllerMetrics,
     resync: Duration,
-    failures: Mutex<HashMap<Ref, u32>>,
+    backoff: Backoff,
     written: Mutex<HashMap<Ref, Written>>,
 }
 
@@ -135,7 +129,7 @@ async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action,
     match &result {
         Ok(_) => {
             ctx.metrics.reconciles.with_label_values(&["success"]).inc();
-            ctx.failures.lock().expect("failures lock").remove(&at);
+            ctx.backoff.forget(&at);
         }
         Err(e) => {
             ctx.metrics.reconciles.with_label_values(&["error"]).inc();
@@ -191,24 +185,9 @@ async fn reconcile_status(obj: &DynamicObject, at: &Ref, ctx: &Context) -> Resul
 }
 
 fn error_policy(obj: Arc<DynamicObject>, error: &ReconcileError, ctx: Arc<Context>) -> Action {
-    let at = ObjectRef::from_obj_with(&*obj, ctx.resource.clone());
-    let failures = {
-        let mut f = ctx.failures.lock().expect("failures lock");
-        let n = f.entry(at).or_insert(0);
-        *n = n.saturating_add(1);
-        *n
-    };
-    let delay = retry_delay(failures, rand::random_range(0.0..0.2));
+    let delay = ctx.backoff.failed(ObjectRef::from_obj_with(&*obj, ctx.resource.clone()));
     tracing::warn!(error = %error, retry_in = ?delay, "resolver reconcile failed");
     Action::requeue(delay)
-}
-
-/// The wait before retry `failures` (1-based) of one object (a resolver, an export):
-/// doubling from [`RETRY_BASE`], capped at [`RETRY_CAP`], `shave` (0..1) taken off so
-/// objects failing together do not retry in lockstep.
-pub(crate) fn retry_delay(failures: u32, shave: f64) -> Duration {
-    let step = RETRY_BASE.saturating_mul(2u32.saturating_pow(failures.saturating_sub(1).min(20)));
-    step.min(RETRY_CAP).mul_f64(1.0 - shave.clamp(0.0, 0.5))
 }
 
 /// The running controller, and the store it reads, fed from the world.
@@ -216,8 +195,7 @@ pub(crate) struct ResolverController {
     feed: Feed,
     latest: watch::Sender<Option<Arc<Published>>>,
     ctx: Arc<Context>,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<()>,
+    running: Running,
 }
 
 impl ResolverController {
@@ -233,39 +211,19 @@ impl ResolverController {
         let resource = ApiResource::erase::<ConsulResolver>(&());
         let (feed, streams) = Feed::new(resource.clone());
         let (latest, latest_rx) = watch::channel(None);
-        let (stop, stopped) = oneshot::channel::<()>();
         let ctx = Arc::new(Context {
             events: Events::new(client.clone(), FIELD_MANAGER, identity, metrics.clone()),
             client,
-            resource: resource.clone(),
+            resource,
             leadership,
             latest: latest_rx,
             metrics,
             resync,
-            failures: Mutex::default(),
+            backoff: Backoff::default(),
             written: Mutex::default(),
         });
-        let controller = Controller::for_shared_stream_with(streams.objects, streams.reader, resource.clone())
-            .with_config(ControllerConfig::default().concurrency(CONCURRENCY))
-            .reconcile_on(streams.refs)
-            .graceful_shutdown_on(stopped.map(|_| ()))
-            .run(reconcile, error_policy, ctx.clone())
-            .for_each(|result| async move {
-                // Reconcile failures were logged and counted by the error policy; a
-                // trigger for a resolver deleted meanwhile is nothing.
-                if let Err(e) = result
-                    && !matches!(e, kube::runtime::controller::Error::ReconcilerFailed(..))
-                {
-                    tracing::debug!(error = %e, "resolver controller");
-                }
-            });
-        ResolverController {
-            feed,
-            latest,
-            ctx,
-            stop: Some(stop),
-            task: tokio::spawn(vitals.watch("status controller", controller)),
-        }
+        let running = streams.run(CONCURRENCY, reconcile, error_policy, ctx.clone(), "status controller", vitals);
+        ResolverController { feed, latest, ctx, running }
     }
 
     /// Brings the store up to date with the world's resolvers, triggering a reconcile of
@@ -274,7 +232,7 @@ impl ResolverController {
         for gone in self.feed.sync(world, GROUP, KIND) {
             let at = ObjectRef::from_obj_with(&gone, self.feed.resource().clone());
             self.ctx.written.lock().expect("written lock").remove(&at);
-            self.ctx.failures.lock().expect("failures lock").remove(&at);
+            self.ctx.backoff.forget(&at);
         }
     }
 
@@ -305,19 +263,12 @@ impl ResolverController {
     /// Status writes still in flight then are cut off, with a log line: the next leader
     /// reconciles every resolver at its takeover, so nothing is lost but time, and the
     /// Lease release that follows is what lets it take over at once.
-    pub(crate) async fn shutdown(mut self, within: Duration) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if tokio::time::timeout(within, &mut self.task).await.is_err() {
+    pub(crate) async fn shutdown(self, within: Duration) {
+        if self.running.shutdown(within).await {
             tracing::warn!(
                 "shutdown: status writes in flight cut off at the end of their share of --shutdown-timeout (the next \
                  leader writes every resolver's status again)"
             );
-            self.task.abort();
-            // Waits until the reconciles are dropped, so none is still writing once the
-            // Lease is released.
-            let _ = (&mut self.task).await;
         }
     }
 }
@@ -441,14 +392,5 @@ mod tests {
         assert_eq!(metrics.reconcile_errors.with_label_values(&["conflict"]).get(), 1);
         assert!(metrics.reconciles.with_label_values(&["success"]).get() >= 2);
         c.shutdown(Duration::from_secs(5)).await;
-    }
-
-    #[test]
-    fn retries_double_per_resolver_and_are_capped() {
-        assert_eq!(retry_delay(1, 0.0), RETRY_BASE);
-        assert_eq!(retry_delay(2, 0.0), RETRY_BASE * 2);
-        assert_eq!(retry_delay(4, 0.0), RETRY_BASE * 8);
-        assert_eq!(retry_delay(40, 0.0), RETRY_CAP);
-        assert!(retry_delay(3, 0.2) < retry_delay(3, 0.0));
     }
 }

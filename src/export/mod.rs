@@ -18,20 +18,18 @@ mod objects;
 mod reconcile;
 mod status;
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
-use futures::channel::oneshot;
-use futures::{FutureExt, StreamExt};
 use kube::api::{ApiResource, DynamicObject};
-use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
 use kube::{ResourceExt, core::GroupVersionKind};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::controller::feed::{Feed, Ref};
+use crate::controller::feed::{Backoff, Feed, Running};
 use crate::kube_client::error_reason;
 use crate::leadership::Leadership;
 use crate::ops::health::Vitals;
@@ -94,7 +92,7 @@ pub(crate) struct Context {
     latest: watch::Receiver<Option<Arc<Published>>>,
     metrics: ExportMetrics,
     resync: Duration,
-    failures: Mutex<HashMap<Ref, u32>>,
+    backoff: Backoff,
 }
 
 async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action, ExportError> {
@@ -103,7 +101,7 @@ async fn reconcile(obj: Arc<DynamicObject>, ctx: Arc<Context>) -> Result<Action,
     match &result {
         Ok(_) => {
             ctx.metrics.reconciles.with_label_values(&["success"]).inc();
-            ctx.failures.lock().expect("failures lock").remove(&at);
+            ctx.backoff.forget(&at);
         }
         Err(_) => ctx.metrics.reconciles.with_label_values(&["error"]).inc(),
     }
@@ -163,14 +161,7 @@ async fn reconcile_export(obj: &DynamicObject, ctx: &Context) -> Result<Action, 
 }
 
 fn error_policy(obj: Arc<DynamicObject>, error: &ExportError, ctx: Arc<Context>) -> Action {
-    let at = ObjectRef::from_obj_with(&*obj, ctx.resource.clone());
-    let failures = {
-        let mut f = ctx.failures.lock().expect("failures lock");
-        let n = f.entry(at).or_insert(0);
-        *n = n.saturating_add(1);
-        *n
-    };
-    let delay = crate::controller::retry_delay(failures, rand::random_range(0.0..0.2));
+    let delay = ctx.backoff.failed(ObjectRef::from_obj_with(&*obj, ctx.resource.clone()));
     tracing::warn!(export = %format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any()),
         error = %error, reason = error.reason(), retry_in = ?delay, "export reconcile failed");
     Action::requeue(delay)
@@ -181,8 +172,7 @@ pub(crate) struct ExportController {
     feed: Feed,
     latest: watch::Sender<Option<Arc<Published>>>,
     ctx: Arc<Context>,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<()>,
+    running: Running,
     /// Exports deleted: their Service and slices are removed, one task each.
     removals: Vec<JoinHandle<()>>,
 }
@@ -211,10 +201,9 @@ impl ExportController {
         );
         let (feed, streams) = Feed::new(resource.clone());
         let (latest, latest_rx) = watch::channel(None);
-        let (stop, stopped) = oneshot::channel::<()>();
         let ctx = Arc::new(Context {
             client,
-            resource: resource.clone(),
+            resource,
             services,
             slices,
             version: cfg.version,
@@ -224,28 +213,10 @@ impl ExportController {
             latest: latest_rx,
             metrics: cfg.metrics,
             resync: cfg.resync,
-            failures: Mutex::default(),
+            backoff: Backoff::default(),
         });
-        let controller = Controller::for_shared_stream_with(streams.objects, streams.reader, resource.clone())
-            .with_config(ControllerConfig::default().concurrency(CONCURRENCY))
-            .reconcile_on(streams.refs)
-            .graceful_shutdown_on(stopped.map(|_| ()))
-            .run(reconcile, error_policy, ctx.clone())
-            .for_each(|result| async move {
-                if let Err(e) = result
-                    && !matches!(e, kube::runtime::controller::Error::ReconcilerFailed(..))
-                {
-                    tracing::debug!(error = %e, "export controller");
-                }
-            });
-        ExportController {
-            feed,
-            latest,
-            ctx,
-            stop: Some(stop),
-            task: tokio::spawn(vitals.watch("export controller", controller)),
-            removals: Vec::new(),
-        }
+        let running = streams.run(CONCURRENCY, reconcile, error_policy, ctx.clone(), "export controller", vitals);
+        ExportController { feed, latest, ctx, running, removals: Vec::new() }
     }
 
     /// Brings the store up to date with the world's exports; an export gone has its
@@ -255,7 +226,7 @@ impl ExportController {
             let id = (gone.namespace().unwrap_or_default(), gone.name_any());
             let _ = self.ctx.metrics.stale_since.remove_label_values(&[&id.0, &id.1]);
             let at = ObjectRef::from_obj_with(&gone, self.feed.resource().clone());
-            self.ctx.failures.lock().expect("failures lock").remove(&at);
+            self.ctx.backoff.forget(&at);
             self.removals.retain(|t| !t.is_finished());
             let ctx = self.ctx.clone();
             self.removals.push(tokio::spawn(async move {
@@ -291,14 +262,9 @@ impl ExportController {
     }
 
     /// Lets the reconciles in flight finish for at most `within`, then stops.
-    pub(crate) async fn shutdown(mut self, within: Duration) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if tokio::time::timeout(within, &mut self.task).await.is_err() {
+    pub(crate) async fn shutdown(self, within: Duration) {
+        if self.running.shutdown(within).await {
             tracing::warn!("shutdown: export writes in flight cut off (the next leader reconciles every export again)");
-            self.task.abort();
-            let _ = (&mut self.task).await;
         }
         for t in self.removals {
             t.abort();
