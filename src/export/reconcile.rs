@@ -26,6 +26,25 @@ async fn within<T>(until: Instant, what: &str, f: impl Future<Output = kube::Res
     }
 }
 
+/// A request within the leadership deadline, to an object that may be gone meanwhile
+/// (`None`: the API server said 404, which for a delete is as good as done).
+async fn within_unless_gone<T>(
+    until: Instant,
+    what: &str,
+    f: impl Future<Output = kube::Result<T>>,
+) -> Result<Option<T>, ExportError> {
+    match within(until, what, f).await {
+        Err(ExportError::Write(_, e)) if status_code(&e) == Some(404) => Ok(None),
+        r => r.map(Some),
+    }
+}
+
+/// Whether the Service `live` is the one this operator instance keeps for export `name`.
+fn ours(live: &DynamicObject, name: &str, instance: &str) -> bool {
+    live.labels().get(objects::EXPORT).map(String::as_str) == Some(name)
+        && live.labels().get(objects::INSTANCE).map(String::as_str) == Some(instance)
+}
+
 /// The spec as the export holds it, or why it cannot be read.
 pub(super) fn parse(obj: &DynamicObject) -> Result<ConsulServiceSpec, String> {
     let spec = obj.data.get("spec").ok_or("spec is missing")?;
@@ -51,10 +70,7 @@ pub(super) async fn apply<'a>(
     let services: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), &namespace, &ctx.services);
     let shown = format!("Service {namespace}/{name}");
     let live = within(until, &shown, services.get_opt(&name)).await?;
-    let ours = live.as_ref().is_none_or(|s| {
-        s.labels().get(objects::EXPORT) == Some(&name) && s.labels().get(objects::INSTANCE) == Some(&ctx.instance)
-    });
-    if !ours {
+    if live.as_ref().is_some_and(|s| !ours(s, &name, &ctx.instance)) {
         remove_slices(ctx, &namespace, &name, until).await?;
         return Ok(Outcome::Conflict);
     }
@@ -138,15 +154,10 @@ async fn delete_slice(
     until: Instant,
 ) -> Result<(), ExportError> {
     let what = format!("EndpointSlice {namespace}/{name}");
-    match tokio::time::timeout_at(until, api.delete(name, &DeleteParams::default())).await {
-        Err(_) => Err(ExportError::LeadershipLapsed(what)),
-        Ok(Err(e)) if status_code(&e) == Some(404) => Ok(()),
-        Ok(Err(e)) => Err(ExportError::Write(what, e)),
-        Ok(Ok(_)) => {
-            ctx.metrics.writes.with_label_values(&["endpointslice", "delete"]).inc();
-            Ok(())
-        }
+    if within_unless_gone(until, &what, api.delete(name, &DeleteParams::default())).await?.is_some() {
+        ctx.metrics.writes.with_label_values(&["endpointslice", "delete"]).inc();
     }
+    Ok(())
 }
 
 /// Deletes every slice of ours for the Service `name`.
@@ -174,15 +185,10 @@ pub(super) async fn remove(ctx: &Context, namespace: &str, name: &str, until: In
     let services: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), namespace, &ctx.services);
     let shown = format!("Service {namespace}/{name}");
     let Some(live) = within(until, &shown, services.get_opt(name)).await? else { return Ok(()) };
-    if live.labels().get(objects::EXPORT).map(String::as_str) == Some(name)
-        && live.labels().get(objects::INSTANCE) == Some(&ctx.instance)
+    if ours(&live, name, &ctx.instance)
+        && within_unless_gone(until, &shown, services.delete(name, &DeleteParams::default())).await?.is_some()
     {
-        match tokio::time::timeout_at(until, services.delete(name, &DeleteParams::default())).await {
-            Err(_) => return Err(ExportError::LeadershipLapsed(shown)),
-            Ok(Err(e)) if status_code(&e) == Some(404) => {}
-            Ok(Err(e)) => return Err(ExportError::Write(shown, e)),
-            Ok(Ok(_)) => ctx.metrics.writes.with_label_values(&["service", "delete"]).inc(),
-        }
+        ctx.metrics.writes.with_label_values(&["service", "delete"]).inc();
     }
     Ok(())
 }
@@ -209,10 +215,7 @@ pub(super) async fn update_status(
     let api: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), &namespace, &ctx.resource);
     let params = PatchParams::apply(FIELD_MANAGER).force();
     let shown = format!("the status of ConsulService {namespace}/{name}");
-    match tokio::time::timeout_at(until, api.patch_status(&name, &params, &Patch::Apply(&patch))).await {
-        Err(_) => Err(ExportError::LeadershipLapsed(shown)),
-        Ok(Err(e)) if status_code(&e) == Some(404) => Ok(()),
-        Ok(Err(e)) => Err(ExportError::Write(shown, e)),
-        Ok(Ok(_)) => Ok(()),
-    }
+    // Deleted meanwhile: nothing to say.
+    within_unless_gone(until, &shown, api.patch_status(&name, &params, &Patch::Apply(&patch))).await?;
+    Ok(())
 }
