@@ -2,6 +2,7 @@
 //! the HTTP publisher keeps (`/snapshot`, `/snapshots/<id>`). The routes are here; what a
 //! connection may hold is in [`server`].
 
+pub(crate) mod body;
 pub(crate) mod health;
 pub(crate) mod server;
 
@@ -10,7 +11,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use tokio::net::TcpListener;
@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::publishers::gunzip;
 use crate::publishers::http::{Body, KEPT, SnapshotStore};
+use body::ResponseBody;
 use health::{Heartbeat, Vitals};
 use server::ServerMetrics;
 
@@ -42,11 +43,15 @@ pub(crate) struct ServerState {
     pub vitals: Arc<Vitals>,
 }
 
-fn respond(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+fn respond(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<ResponseBody> {
+    respond_with(status, content_type, ResponseBody::from(body.into()))
+}
+
+fn respond_with(status: StatusCode, content_type: &str, body: ResponseBody) -> Response<ResponseBody> {
     Response::builder()
         .status(status)
         .header("content-type", content_type)
-        .body(Full::new(body.into()))
+        .body(body)
         .expect("static response parts are valid")
 }
 
@@ -60,7 +65,7 @@ fn accepts_gzip(req: &Request<Incoming>) -> bool {
         .any(|e| e.trim().split(';').next().is_some_and(|name| name.trim() == "gzip"))
 }
 
-async fn route(state: ServerState, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn route(state: ServerState, req: Request<Incoming>) -> Response<ResponseBody> {
     if req.method() != hyper::Method::GET {
         return respond(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "only GET\n");
     }
@@ -80,11 +85,12 @@ async fn route(state: ServerState, req: Request<Incoming>) -> Response<Full<Byte
         "/readyz" => respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "no snapshot published yet\n"),
         "/metrics" => respond(StatusCode::OK, "text/plain; version=0.0.4", (state.render)()),
         "/snapshot" => match state.store.latest() {
-            Some(b) => respond(StatusCode::OK, "application/json", b),
+            Some(s) => respond_with(StatusCode::OK, "application/json", ResponseBody::document(s)),
             None => respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "no snapshot published yet\n"),
         },
         _ => match path.strip_prefix("/snapshots/").map(str::parse::<u64>) {
             Some(Ok(id)) => match state.store.get(id) {
+                Some(Body::Latest(s)) => respond_with(StatusCode::OK, "application/json", ResponseBody::document(s)),
                 Some(Body::Json(b)) => respond(StatusCode::OK, "application/json", b),
                 Some(Body::Gzip(gz)) if accepts_gzip(&req) => {
                     let mut resp = respond(StatusCode::OK, "application/json", gz.to_bytes());

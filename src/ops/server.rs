@@ -20,8 +20,6 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -190,7 +188,7 @@ pub(crate) async fn run<H, F>(
     handle: H,
 ) where
     H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+    F: Future<Output = Response<super::body::ResponseBody>> + Send + 'static,
 {
     let table = Arc::new(Mutex::new(Table::default()));
     let mut backoff = AcceptBackoff::new();

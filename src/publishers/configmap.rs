@@ -59,7 +59,7 @@ use crate::kube_client::{FIELD_MANAGER, status_code};
 use crate::leadership::Leadership;
 use consul_resolver_api::names::NamespacedName;
 use consul_resolver_core::assembler::Snapshot;
-use consul_resolver_core::assembler::gzip::{Compressor, GZIP_HEADER};
+use consul_resolver_core::assembler::gzip::GZIP_HEADER;
 use consul_resolver_core::keys::KubeKey;
 
 pub(crate) const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
@@ -188,18 +188,15 @@ fn meta(target: &NamespacedName, id: u64, hash: &str) -> ObjectMeta {
 }
 
 /// Chooses the encoding of `snapshot` for `target`, with at most `budget` bytes of data
-/// per ConfigMap, gzipping it with `compressor` when it does not fit as JSON.
-pub(crate) fn encode(
-    target: &NamespacedName,
-    snapshot: &Snapshot,
-    budget: usize,
-    compressor: &Compressor,
-) -> Result<Encoded, String> {
-    let (id, hash, json) = (snapshot.id, snapshot.hash.as_str(), &snapshot.to_json()[..]);
+/// per ConfigMap, gzipped (once per snapshot, see [`Snapshot::gzipped`]) when it does not
+/// fit as JSON.
+pub(crate) fn encode(target: &NamespacedName, snapshot: &Snapshot, budget: usize) -> Result<Encoded, String> {
+    let (id, hash) = (snapshot.id, snapshot.hash.as_str());
     let budget = budget.max(1);
     let main_meta = || meta(target, id, hash);
-    if json.len() <= budget {
-        let text = std::str::from_utf8(json).map_err(|e| format!("snapshot JSON is not UTF-8: {e}"))?;
+    if snapshot.len() <= budget {
+        let json = snapshot.to_json();
+        let text = std::str::from_utf8(&json).map_err(|e| format!("snapshot JSON is not UTF-8: {e}"))?;
         let main = ConfigMap {
             metadata: main_meta(),
             data: Some(BTreeMap::from([(KEY_JSON.to_owned(), text.to_owned())])),
@@ -207,7 +204,7 @@ pub(crate) fn encode(
         };
         return Ok(Encoded { parts: Vec::new(), main });
     }
-    let gz = snapshot.gzipped(compressor);
+    let gz = snapshot.gzipped();
     if gz.len() <= budget {
         let main = ConfigMap {
             metadata: main_meta(),
@@ -387,9 +384,6 @@ pub(crate) struct ConfigMapPublisher {
     target: NamespacedName,
     budget: usize,
     leadership: Leadership,
-    /// The operator's one compressor, shared with the HTTP history: each snapshot is
-    /// gzipped once, and only its changed segments are compressed.
-    compressor: Arc<Compressor>,
     state: Arc<Mutex<State>>,
 }
 
@@ -436,24 +430,18 @@ impl Seen {
 }
 
 impl ConfigMapPublisher {
-    pub(crate) fn new(
-        client: kube::Client,
-        target: NamespacedName,
-        leadership: Leadership,
-        compressor: Arc<Compressor>,
-    ) -> Self {
-        Self::with_budget(client, target, leadership, compressor, DATA_BUDGET)
+    pub(crate) fn new(client: kube::Client, target: NamespacedName, leadership: Leadership) -> Self {
+        Self::with_budget(client, target, leadership, DATA_BUDGET)
     }
 
     pub(crate) fn with_budget(
         client: kube::Client,
         target: NamespacedName,
         leadership: Leadership,
-        compressor: Arc<Compressor>,
         budget: usize,
     ) -> Self {
         let api = Api::namespaced(client, &target.namespace);
-        ConfigMapPublisher { api, target, budget, leadership, compressor, state: Arc::default() }
+        ConfigMapPublisher { api, target, budget, leadership, state: Arc::default() }
     }
 
     /// The highest snapshot id in the ConfigMaps now, whoever wrote them (`None` if there
@@ -786,24 +774,17 @@ impl Publisher for ConfigMapPublisher {
             }
             (st.epoch, st.versions.clone(), st.parts.clone())
         };
-        let (api, target, budget, leadership, compressor, state) = (
-            self.api.clone(),
-            self.target.clone(),
-            self.budget,
-            self.leadership.clone(),
-            self.compressor.clone(),
-            self.state.clone(),
-        );
+        let (api, target, budget, leadership, state) =
+            (self.api.clone(), self.target.clone(), self.budget, self.leadership.clone(), self.state.clone());
         async move {
             let until = leadership.until().ok_or(PublishError::NotLeading("the snapshot ConfigMap"))?;
-            let json = snapshot.to_json();
             let written = tokio::time::timeout_at(until, async {
                 let mut writer = Writer { api: &api, leadership: &leadership, until, seen: &mut versions };
                 let known = match known {
                     Some(known) => known,
                     None => live_parts(&mut writer, &target).await?,
                 };
-                let encoded = Arc::new(encode(&target, &snapshot, budget, &compressor).map_err(PublishError::Encode)?);
+                let encoded = Arc::new(encode(&target, &snapshot, budget).map_err(PublishError::Encode)?);
                 // The parts not known to be there as they should be, then the index naming
                 // them.
                 let Parts { mut existing, mut verified, named: previous } = known;
@@ -845,7 +826,7 @@ impl Publisher for ConfigMapPublisher {
             tracing::debug!(
                 configmap = %target,
                 id = snapshot.id,
-                bytes = json.len(),
+                bytes = snapshot.len(),
                 parts = encoded.parts.len(),
                 parts_created = created,
                 stale_parts_deleted = deleted,
@@ -958,7 +939,7 @@ mod tests {
     }
 
     fn encoded(s: &Snapshot, budget: usize) -> Encoded {
-        encode(&target(), s, budget, &Compressor::default()).unwrap()
+        encode(&target(), s, budget).unwrap()
     }
 
     fn roundtrip(s: &Snapshot) -> Encoded {
@@ -1004,7 +985,7 @@ mod tests {
     #[test]
     fn an_incompressible_snapshot_over_a_mebibyte_is_split_into_parts_named_by_their_content() {
         let s = snapshot(8_000, 200);
-        assert!(s.gzipped(&Compressor::default()).len() > 1024 * 1024, "over 1 MiB even compressed");
+        assert!(s.gzipped().len() > 1024 * 1024, "over 1 MiB even compressed");
         let e = roundtrip(&s);
         assert!(e.parts.len() >= 2, "{} parts", e.parts.len());
         let index = index_of(&e.main).unwrap().unwrap();
@@ -1020,7 +1001,7 @@ mod tests {
         }
         // The parts together are the one gzip stream, byte for byte.
         let whole: Vec<u8> = e.parts.iter().flat_map(|p| p.bytes.to_vec()).collect();
-        assert!(whole == s.gzipped(&Compressor::default()).to_bytes());
+        assert!(whole == s.gzipped().to_bytes());
         assert_eq!(index.size, whole.len());
         assert_eq!(index.sha256, sha256(&whole));
         // Deterministic: the same snapshot, the same parts, whoever encodes it.
@@ -1043,11 +1024,10 @@ mod tests {
     /// that changed.
     #[test]
     fn a_change_to_one_endpoint_changes_a_few_parts_and_the_rest_are_the_previous_ones() {
-        let compressor = Compressor::default();
         let before = snapshot(30_000, 32);
         let after = snapshot_with(30_000, 32, &[15_000]).content.into_snapshot(43);
-        let first = encode(&target(), &before, DATA_BUDGET, &compressor).unwrap();
-        let second = encode(&target(), &after, DATA_BUDGET, &compressor).unwrap();
+        let first = encode(&target(), &before, DATA_BUDGET).unwrap();
+        let second = encode(&target(), &after, DATA_BUDGET).unwrap();
         assert!(first.parts.len() >= 5, "{} parts", first.parts.len());
         let new: Vec<&super::Part> = second.parts.iter().filter(|p| !first.parts.contains(p)).collect();
         let new_bytes: usize = new.iter().map(|p| p.bytes.len()).sum();
@@ -1261,7 +1241,7 @@ mod tests {
     }
 
     fn small_budget(api: &crate::test_fixtures::FakeApi, leadership: Leadership) -> ConfigMapPublisher {
-        ConfigMapPublisher::with_budget(api.client.clone(), target(), leadership, Arc::default(), 1000)
+        ConfigMapPublisher::with_budget(api.client.clone(), target(), leadership, 1000)
     }
 
     /// The part names of `s` split with a budget of 1000 bytes.
@@ -1487,7 +1467,7 @@ mod tests {
     async fn a_deleted_or_edited_configmap_is_written_again_by_repair() {
         let stored = Arc::new(Mutex::new(Stored::default()));
         let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always(), Arc::default());
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
         api.take();
         assert!(publisher.repair().await.unwrap().is_empty(), "intact: nothing to repair");
@@ -1538,7 +1518,7 @@ mod tests {
     async fn writes_are_conditional_and_a_conflict_is_read_and_written_over() {
         let stored = Arc::new(Mutex::new(Stored::default()));
         let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always(), Arc::default());
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
         // Someone else writes it in between.
         stored.lock().unwrap().objects.get_mut("snap").unwrap()["metadata"]["resourceVersion"] =
@@ -1565,7 +1545,7 @@ mod tests {
     async fn a_new_index_reuses_unchanged_parts_and_the_previous_one_stays_readable() {
         let stored = Arc::new(Mutex::new(Stored::default()));
         let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always(), Arc::default());
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
         let s1 = snapshot(30_000, 32);
         let s2 = snapshot_with(30_000, 32, &[10_000]).content.into_snapshot(43);
         let s3 = snapshot_with(30_000, 32, &[10_000, 20_000]).content.into_snapshot(44);
@@ -1594,7 +1574,7 @@ mod tests {
         // A new process (or leader) reads the index and lists the parts first. A part listed
         // is only a claim: each one it needs is read once (its create refused) and used as
         // it is, nothing written again.
-        let next = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always(), Arc::default());
+        let next = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
         next.publish(Arc::new(s2.clone())).await.unwrap();
         let calls = api.take();
         assert_eq!(calls[..2], ["GET snap", "GET configmaps"]);
@@ -1639,7 +1619,7 @@ mod tests {
         let stored = Arc::new(Mutex::new(Stored::default()));
         let api = stored_api(stored.clone()).await;
         let (lead, leadership) = Leadership::manual();
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), leadership, Arc::default());
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), leadership);
         let err = publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap_err();
         assert!(matches!(err, PublishError::NotLeading(_)), "{err}");
         assert_eq!(err.reason(), "not_leading");
@@ -1662,7 +1642,6 @@ mod proptests {
     use super::tests::{snapshot, target};
     use super::*;
     use crate::test_fixtures::peak_heap;
-    use consul_resolver_core::assembler::gzip::Compressor;
     use proptest::prelude::*;
 
     /// The decoder's limit in these tests: small, so that bombs are worth their name.
@@ -1780,7 +1759,7 @@ mod proptests {
         ) {
             let s = snapshot(endpoints, meta_len);
             let json = s.to_json();
-            let e = encode(&target(), &s, budget, &Compressor::default()).unwrap();
+            let e = encode(&target(), &s, budget).unwrap();
             let mut parts = e.part_configmaps();
             if !parts.is_empty() {
                 let n = rotate % parts.len();
@@ -1810,7 +1789,7 @@ mod proptests {
             flip in 1u8..=255,
         ) {
             let s = snapshot(endpoints, 32);
-            let e = encode(&target(), &s, budget, &Compressor::default()).unwrap();
+            let e = encode(&target(), &s, budget).unwrap();
             prop_assume!(e.parts.len() >= 2);
             let i = which % e.parts.len();
             let mut changed = e.part_configmaps();
@@ -1822,7 +1801,7 @@ mod proptests {
             // The next snapshot's parts, as a reader racing a write sees them, under the names
             // of this one's: refused, or (when the bytes happen to be the same) the
             // original, never a mix.
-            let next = encode(&target(), &snapshot(endpoints + 1, 32), budget, &Compressor::default()).unwrap();
+            let next = encode(&target(), &snapshot(endpoints + 1, 32), budget).unwrap();
             let mut mixed = e.part_configmaps();
             if let Some(p) = next.part_configmaps().get(i) {
                 mixed[i].binary_data = p.binary_data.clone();
@@ -1875,7 +1854,7 @@ mod proptests {
     #[test]
     fn bytes_after_the_end_of_the_stream_are_refused() {
         let s = snapshot(40, 64);
-        let e = encode(&target(), &s, 1000, &Compressor::default()).unwrap();
+        let e = encode(&target(), &s, 1000).unwrap();
         let mut index = index_of(&e.main).unwrap().unwrap();
         let mut parts = e.part_configmaps();
         // The whole stream named twice over: each part checks, the whole checks.

@@ -48,12 +48,21 @@ impl HookPublisher {
 
 /// Writes `bytes` to `dir/FILE_NAME` so that a reader sees the old file or the new one,
 /// never half of one.
-async fn write_atomically(dir: &Path, bytes: &[u8]) -> Result<PathBuf, PublishError> {
+async fn write_atomically(dir: &Path, snapshot: &Snapshot) -> Result<PathBuf, PublishError> {
+    use tokio::io::AsyncWriteExt;
     let io = |what: String| move |e: std::io::Error| PublishError::Io(format!("{what}: {e}"));
     tokio::fs::create_dir_all(dir).await.map_err(io(format!("cannot create {}", dir.display())))?;
     let path = dir.join(FILE_NAME);
     let tmp = dir.join(format!(".{FILE_NAME}.tmp"));
-    tokio::fs::write(&tmp, bytes).await.map_err(io(format!("cannot write {}", tmp.display())))?;
+    let cannot_write = || io(format!("cannot write {}", tmp.display()));
+    // From the document's pieces, through a buffer: never a copy of the whole in memory.
+    let file = tokio::fs::File::create(&tmp).await.map_err(cannot_write())?;
+    let mut out = tokio::io::BufWriter::with_capacity(256 * 1024, file);
+    for chunk in snapshot.chunks() {
+        out.write_all(chunk).await.map_err(cannot_write())?;
+    }
+    out.flush().await.map_err(cannot_write())?;
+    drop(out);
     tokio::fs::rename(&tmp, &path).await.map_err(io(format!("cannot rename to {}", path.display())))?;
     Ok(path)
 }
@@ -117,7 +126,7 @@ impl Publisher for HookPublisher {
             }
             let started = std::time::Instant::now();
             let ran = async {
-                let file = write_atomically(&dir, &snapshot.to_json()).await?;
+                let file = write_atomically(&dir, &snapshot).await?;
                 run(&command, snapshot.id, &file, timeout).await
             }
             .await;

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 
 use consul_resolver_core::assembler::Snapshot;
-use consul_resolver_core::assembler::gzip::{Compressor, Gzipped};
+use consul_resolver_core::assembler::gzip::Gzipped;
 
 /// How many snapshots `/snapshots/<id>` keeps.
 pub(crate) const KEPT: usize = 10;
@@ -15,9 +15,9 @@ pub(crate) const KEPT: usize = 10;
 /// The latest snapshots, as the bytes served: the latest as published (the same bytes
 /// every publisher writes), older ones gzipped in segments that consecutive snapshots
 /// share where they are equal, so keeping ten costs about one gzip and what changed.
+#[derive(Default)]
 pub(crate) struct SnapshotStore {
     kept: Mutex<Kept>,
-    compressor: Arc<Compressor>,
 }
 
 #[derive(Default)]
@@ -32,6 +32,8 @@ struct Kept {
 /// A kept snapshot's bytes.
 #[derive(Debug, Clone)]
 pub(crate) enum Body {
+    /// The latest, served from its segments.
+    Latest(Arc<Snapshot>),
     Json(Bytes),
     Gzip(Arc<Gzipped>),
 }
@@ -39,29 +41,15 @@ pub(crate) enum Body {
 /// Snapshots smaller than this stay uncompressed in the history (not worth it).
 const COMPRESS_FROM: usize = 16 * 1024;
 
-impl Default for SnapshotStore {
-    /// A store with a compressor of its own (tests).
-    fn default() -> Self {
-        SnapshotStore::new(Arc::default())
-    }
-}
-
 impl SnapshotStore {
-    /// A store gzipping with `compressor`, the one the ConfigMap publisher uses.
-    pub(crate) fn new(compressor: Arc<Compressor>) -> Self {
-        SnapshotStore { kept: Mutex::default(), compressor }
-    }
-
     /// Keeps `snapshot` as the latest. Its gzip is started now, off the caller's thread (the
-    /// event loop's), rather than when the next one pushes it into the history: the
-    /// compressor compares each document with the one it compressed last, and holds that one
-    /// until the next, so compressing the latest keeps it holding the document the store
-    /// holds anyway, not a second one. (With a ConfigMap publisher, whichever asks first
-    /// compresses; the other gets the same segments.)
+    /// event loop's), rather than when the next one pushes it into the history. (With a
+    /// ConfigMap publisher, whichever asks first compresses; the other gets the same
+    /// segments.)
     pub(crate) fn push(&self, snapshot: &Arc<Snapshot>) {
-        if snapshot.to_json().len() >= COMPRESS_FROM {
-            let (snapshot, compressor) = (snapshot.clone(), self.compressor.clone());
-            let gzip = move || drop(snapshot.gzipped(&compressor));
+        if snapshot.len() >= COMPRESS_FROM {
+            let snapshot = snapshot.clone();
+            let gzip = move || drop(snapshot.gzipped());
             match tokio::runtime::Handle::try_current() {
                 Ok(runtime) => drop(runtime.spawn_blocking(gzip)),
                 Err(_) => gzip(),
@@ -69,11 +57,10 @@ impl SnapshotStore {
         }
         let mut kept = self.kept.lock().expect("store lock");
         if let Some(previous) = kept.latest.replace(snapshot.clone()) {
-            let json = previous.to_json();
-            let body = if json.len() >= COMPRESS_FROM {
-                Body::Gzip(previous.gzipped(&self.compressor))
+            let body = if previous.len() >= COMPRESS_FROM {
+                Body::Gzip(previous.gzipped())
             } else {
-                Body::Json(json)
+                Body::Json(previous.to_json())
             };
             kept.older.push_back((previous.id, body));
             while kept.older.len() >= KEPT {
@@ -82,14 +69,14 @@ impl SnapshotStore {
         }
     }
 
-    pub(crate) fn latest(&self) -> Option<Bytes> {
-        self.kept.lock().expect("store lock").latest.as_ref().map(|s| s.to_json())
+    pub(crate) fn latest(&self) -> Option<Arc<Snapshot>> {
+        self.kept.lock().expect("store lock").latest.clone()
     }
 
     pub(crate) fn get(&self, id: u64) -> Option<Body> {
         let kept = self.kept.lock().expect("store lock");
         match &kept.latest {
-            Some(latest) if latest.id == id => Some(Body::Json(latest.to_json())),
+            Some(latest) if latest.id == id => Some(Body::Latest(latest.clone())),
             _ => kept.older.iter().find(|(i, _)| *i == id).map(|(_, b)| b.clone()),
         }
     }
@@ -99,6 +86,7 @@ impl SnapshotStore {
 mod tests {
     use super::*;
     use crate::test_fixtures::content;
+    use consul_resolver_core::assembler::segment::Cutter;
     use consul_resolver_core::assembler::snapshot::{Content, Problem};
 
     /// Content of `n` problems (Mappings `m00000`...), problem `i` saying `message(i)`.
@@ -124,7 +112,8 @@ mod tests {
         assert!(first.to_json().len() >= COMPRESS_FROM, "{}", first.to_json().len());
         store.push(&first);
         store.push(&second);
-        assert_eq!(store.latest(), Some(second.to_json()), "the very bytes published");
+        assert!(Arc::ptr_eq(&store.latest().unwrap(), &second), "the very snapshot published");
+        assert!(matches!(store.get(2), Some(Body::Latest(s)) if Arc::ptr_eq(&s, &second)));
         let Some(Body::Gzip(gz)) = store.get(1) else { panic!("the older one is compressed") };
         assert!(gz.len() * 10 < first.to_json().len());
         assert_eq!(super::super::gunzip(&gz.to_bytes()).unwrap(), first.to_json());
@@ -132,7 +121,7 @@ mod tests {
             store.push(&Arc::new(content(vec![]).into_snapshot(id)));
         }
         assert!(store.get(2).is_none(), "only the last ten");
-        assert!(matches!(store.get(19), Some(Body::Json(_))));
+        assert!(matches!(store.get(18), Some(Body::Json(_))), "small ones kept as they are");
     }
 
     /// Large snapshots that differ in one place cost one gzip and, per snapshot, the
@@ -141,13 +130,19 @@ mod tests {
     #[test]
     fn the_history_shares_what_consecutive_snapshots_have_in_common() {
         let store = SnapshotStore::default();
-        // ~3 MB of problems, one of them saying which snapshot this is.
-        let big = |id: u64| {
-            let c = problems(20_000, |i| match i {
+        // ~3 MB of problems, one of them saying which snapshot this is, made one after the
+        // other as the pipeline makes them (by one cutter).
+        let content = |id: u64| {
+            problems(20_000, |i| match i {
                 10_000 => format!("changed in snapshot {id}"),
                 _ => format!("resolver \"nope-{i}\": no ConsulResolver of that name in shop, {}", i * 7919),
-            });
-            Arc::new(c.into_snapshot(id))
+            })
+        };
+        let cutter = std::cell::RefCell::new(Cutter::default());
+        let big = |id: u64| {
+            let c = content(id);
+            let cut = c.cut(&mut cutter.borrow_mut());
+            Arc::new(Snapshot::new(id, c, cut))
         };
         for id in 1..=KEPT as u64 {
             store.push(&big(id));
@@ -166,7 +161,7 @@ mod tests {
         }
         let held: usize = bodies.values().sum();
         let one = older[0].len();
-        let json = big(1).to_json().len();
+        let json = content(1).into_snapshot(1).len();
         eprintln!("{} snapshots of {json} bytes of JSON: {held} bytes of gzip held, {one} for one", older.len());
         assert!(older[0].segments().len() >= 3, "{} segments", older[0].segments().len());
         let largest = older.iter().flat_map(|gz| gz.segments()).map(|s| s.body().len()).max().unwrap();
@@ -176,7 +171,11 @@ mod tests {
         // and the segment with the changed problem; all others are the first one's.
         assert_eq!(bodies.len(), older[0].segments().len() + 2 * (n - 1), "bodies held");
         for (gz, id) in older.iter().zip(1..) {
-            assert_eq!(super::super::gunzip(&gz.to_bytes()).unwrap(), big(id).to_json(), "snapshot {id}");
+            assert_eq!(
+                super::super::gunzip(&gz.to_bytes()).unwrap(),
+                content(id).into_snapshot(id).to_json(),
+                "snapshot {id}"
+            );
         }
     }
 }

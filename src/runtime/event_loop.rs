@@ -235,7 +235,7 @@ impl EventLoop {
         metrics.publish_seconds.observe(secs(started.elapsed()));
         metrics.snapshots_published.inc();
         metrics.snapshot_id.set(snapshot.id as i64);
-        metrics.snapshot_bytes.set(snapshot.to_json().len() as i64);
+        metrics.snapshot_bytes.set(snapshot.len() as i64);
         metrics.problems.set(snapshot.content.problems.len() as i64);
         metrics.bootstrapped.set(1);
         metrics.last_publication_timestamp.set(unix_seconds(SystemTime::now()));

@@ -39,7 +39,6 @@ use crate::sources::Watches;
 use crate::sources::kube::{Discovered, KubeSource};
 use consul_resolver_api::mapping::{self, MappingKind};
 use consul_resolver_api::resolver;
-use consul_resolver_core::assembler::gzip::Compressor;
 use consul_resolver_core::assembler::{self, EndpointsApi};
 use consul_resolver_core::keys::{KubeKey, WatchKey};
 use consul_resolver_core::model::Event;
@@ -168,10 +167,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         .await
         .context("cannot build a Kubernetes client (KUBECONFIG or in-cluster)")?;
     let metrics = Metrics::new();
-    // One compressor for every publisher: each snapshot is gzipped once, in segments that
-    // the next snapshot reuses where it has not changed.
-    let compressor = Arc::new(Compressor::default());
-    let store = Arc::new(SnapshotStore::new(compressor.clone()));
+    let store = Arc::new(SnapshotStore::default());
     let ready = Arc::new(AtomicBool::new(false));
     let heartbeat = Arc::new(Heartbeat::new(started));
     let vitals = Vitals::new(shutdown.clone());
@@ -254,7 +250,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
     let configmap = args
         .snapshot_configmap
         .clone()
-        .map(|t| Arc::new(ConfigMapPublisher::new(client.clone(), t, leadership.clone(), compressor.clone())));
+        .map(|t| Arc::new(ConfigMapPublisher::new(client.clone(), t, leadership.clone())));
     let events = PublisherEvents::new(
         client.clone(),
         crate::kube_client::FIELD_MANAGER,

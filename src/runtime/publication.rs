@@ -371,7 +371,7 @@ mod tests {
             events: None,
         };
         let outlets = Outlets::start(publishers, None, &Leadership::always(), config);
-        outlets.offer(Arc::new(Snapshot::new(1, "sha256:1".into(), content(vec![]), b"{}")));
+        outlets.offer(Arc::new(content(vec![]).into_snapshot(1)));
         while outlets.tasks.iter().any(|r| r.delivering.lock().unwrap().is_none()) {
             tokio::task::yield_now().await;
         }

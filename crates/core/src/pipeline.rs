@@ -21,6 +21,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
+use super::assembler::segment::Cutter;
 use super::assembler::{self, Assembler, Snapshot};
 use super::delta::Delta;
 use super::keys::{KubeKey, WatchKey};
@@ -74,8 +75,8 @@ pub struct Pipeline {
     /// The world has been complete once; publication no longer waits for anything.
     bootstrapped: bool,
     last_published_hash: Option<String>,
-    /// The size of the last content serialised: the next one's buffer is made that large.
-    last_size: usize,
+    /// Cuts each content into segments, reusing the last one's where they are the same.
+    cutter: Cutter,
     /// The snapshot of the failed publication being retried: a retry of the same content
     /// keeps its id.
     retrying: Option<(String, u64)>,
@@ -111,7 +112,7 @@ impl Pipeline {
             fixed: BTreeSet::new(),
             bootstrapped: false,
             last_published_hash: None,
-            last_size: 0,
+            cutter: Cutter::default(),
             retrying: None,
             force: false,
             last_id: 0,
@@ -217,11 +218,10 @@ impl Pipeline {
                 Next::Idle => return Step::Idle,
                 Next::WaitUntil(at) => return Step::WaitUntil(at),
                 Next::Publish => {
-                    // One serialisation: the hash is of these bytes, the document is them.
+                    // Written once, as segments: the hash is of these, the document is them.
                     let content = self.assembler.content(&self.world);
-                    let serialised = content.serialised(self.last_size);
-                    let hash = serialised.hash().to_owned();
-                    self.last_size = serialised.json().len();
+                    let cut = content.cut(&mut self.cutter);
+                    let hash = cut.hash.clone();
                     if !self.force && self.last_published_hash.as_deref() == Some(hash.as_str()) {
                         self.retrying = None;
                         self.limiter.skipped();
@@ -235,7 +235,7 @@ impl Pipeline {
                         }
                     };
                     self.retrying = Some((hash.clone(), id));
-                    return Step::Publish(Arc::new(Snapshot::from_serialised(id, content, serialised)));
+                    return Step::Publish(Arc::new(Snapshot::new(id, content, cut)));
                 }
             }
         }

@@ -28,7 +28,9 @@ pub(crate) mod kube_endpoints;
 mod read;
 pub mod resolvers;
 mod route;
+pub mod segment;
 pub mod snapshot;
+mod write;
 
 use std::collections::BTreeMap;
 use std::time::SystemTime;

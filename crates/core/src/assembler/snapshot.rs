@@ -6,9 +6,10 @@
 //!
 //! The parts are shared ([`Part`]): the assembler keeps them between changes, so a content
 //! is pointer copies, and each part is turned into JSON once, however many snapshots hold
-//! it. A publication serialises the content once, mostly by copying its parts' JSON: the
-//! hash is taken of those bytes, and the document's are the same bytes behind its
-//! `apiVersion`, `kind`, `id` and `hash`.
+//! it. A publication writes the content as pieces, mostly its parts' JSON, shared, never
+//! copied into one buffer ([`super::write`]), cut into segments ([`super::segment`]): the
+//! hash is a digest of the segments' digests, and the document is the same segments behind
+//! a header (`apiVersion`, `kind`, `id` and `hash`).
 
 use std::fmt;
 use std::ops::Deref;
@@ -16,25 +17,25 @@ use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
-use serde_json::value::RawValue;
-use sha2::{Digest, Sha256};
 
-use super::gzip::{Compressor, Gzipped};
+use super::gzip::{self, Gzipped};
+use super::segment::{self, Cut, Cutter, Segment};
 use crate::model::{Endpoints, KubeEndpoint};
 
 pub const API_VERSION: &str = "consulresolver.io/v1alpha1";
 pub const KIND: &str = "Snapshot";
 
 /// A part of a snapshot, shared between the snapshots that hold it, with its JSON made the
-/// first time it is serialised and copied after that. Between two snapshots most parts are
-/// the same (one Consul answer changes one service), so this makes serialising a
-/// snapshot cost about what changed, plus a copy of the rest.
+/// first time a document is written and shared after that. Between two snapshots most parts
+/// are the same (one Consul answer changes one service), so this makes writing a snapshot
+/// cost about what changed.
 pub struct Part<T>(Arc<PartInner<T>>);
 
 #[derive(Clone)]
 struct PartInner<T> {
     value: T,
-    json: OnceLock<Box<RawValue>>,
+    /// The JSON, and its [`segment::hash`].
+    json: OnceLock<(Bytes, u64)>,
 }
 
 impl<T> Part<T> {
@@ -92,16 +93,25 @@ impl<T: fmt::Debug> fmt::Debug for Part<T> {
     }
 }
 
+impl<T: Serialize> Part<T> {
+    /// The JSON (made the first time, shared after that) and its [`segment::hash`].
+    pub(crate) fn json(&self) -> (Bytes, u64) {
+        self.0
+            .json
+            .get_or_init(|| {
+                let json = Bytes::from(serde_json::to_vec(&self.0.value).expect("snapshot parts always serialise"));
+                let hash = segment::hash(&json);
+                (json, hash)
+            })
+            .clone()
+    }
+}
+
+/// As the value: documents are written from the kept JSON ([`Part::json`]), not through
+/// this.
 impl<T: Serialize> Serialize for Part<T> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let json = match self.0.json.get() {
-            Some(json) => json,
-            None => {
-                let json = serde_json::value::to_raw_value(&self.0.value).map_err(serde::ser::Error::custom)?;
-                self.0.json.get_or_init(|| json)
-            }
-        };
-        json.serialize(s)
+        self.0.value.serialize(s)
     }
 }
 
@@ -309,25 +319,28 @@ pub struct Problem {
     pub message: String,
 }
 
-/// A published snapshot: its content, and the document's bytes (serialised once).
+/// A published snapshot: its content, and the document: a header, then the content's
+/// segments.
 #[derive(Debug, Clone)]
 pub struct Snapshot {
     /// Increases with every publication of this operator process.
     pub id: u64,
-    /// `sha256:` of the canonical JSON of the content.
+    /// The content hash (docs/snapshot.md): a digest of the segments' sha256s.
     pub hash: String,
     pub content: Content,
-    json: Bytes,
-    /// How many of `json`'s first bytes are the header (`apiVersion`, `kind`, `id`, `hash`):
-    /// what changes in every snapshot, gzipped as a segment of its own.
-    header_len: usize,
+    /// The document's header (`apiVersion`, `kind`, `id`, `hash`): what changes in every
+    /// snapshot, gzipped as a segment of its own.
+    header: Bytes,
+    segments: Arc<[Arc<Segment>]>,
+    /// Bytes of the whole document.
+    len: usize,
     /// The document gzipped, once, by the first publisher that needs it.
     gzipped: OnceLock<Arc<Gzipped>>,
 }
 
 impl PartialEq for Snapshot {
     fn eq(&self, other: &Self) -> bool {
-        self.id == other.id && self.hash == other.hash && self.content == other.content && self.json == other.json
+        self.id == other.id && self.hash == other.hash && self.content == other.content
     }
 }
 
@@ -345,61 +358,21 @@ struct Document {
     content: Content,
 }
 
-/// `sha256:` and the hex digest of `bytes`.
-fn sha256(bytes: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
-}
-
-/// Room left before a content's JSON for the document's header (`apiVersion`, `kind`,
-/// `id`, `hash`), so that the document is made in place, without copying the content.
-const HEADER_ROOM: usize = 192;
-
-/// A content's canonical JSON, laid out to become its document in place (see
-/// [`Snapshot::from_serialised`]): at 55 MB, the copy into a new buffer and the reallocations
-/// of a buffer grown from nothing were a tenth of the operator's CPU per change.
-pub struct Serialised {
-    /// [`HEADER_ROOM`] bytes, then the content's JSON.
-    buf: Vec<u8>,
-    hash: String,
-}
-
-impl Serialised {
-    /// The content hash.
-    pub fn hash(&self) -> &str {
-        &self.hash
-    }
-
-    /// The content's JSON.
-    pub fn json(&self) -> &[u8] {
-        &self.buf[HEADER_ROOM..]
-    }
-}
-
 impl Content {
-    /// The canonical JSON of the content, and its hash (equal content, equal bytes, equal
-    /// hash), with room for the header before them; `size_hint` (the last snapshot's size)
-    /// spares the buffer's growth.
-    pub fn serialised(&self, size_hint: usize) -> Serialised {
-        let mut buf = Vec::with_capacity(HEADER_ROOM + size_hint + size_hint / 16);
-        buf.resize(HEADER_ROOM, b' ');
-        serde_json::to_writer(&mut buf, self).expect("snapshot content always serialises");
-        // The document keeps this buffer: not with a doubling's worth of slack, should the
-        // content have outgrown the hint.
-        if buf.capacity() > buf.len() + buf.len() / 8 {
-            buf.shrink_to_fit();
-        }
-        let hash = sha256(&buf[HEADER_ROOM..]);
-        Serialised { buf, hash }
+    /// The content cut into segments by `cutter` (which reuses the last content's where
+    /// they are the same), and its hash.
+    pub fn cut(&self, cutter: &mut Cutter) -> Cut {
+        cutter.cut(|w| self.write(w))
     }
 
     /// The content hash.
     pub fn hash(&self) -> String {
-        self.serialised(0).hash
+        self.cut(&mut Cutter::default()).hash
     }
 
     pub fn into_snapshot(self, id: u64) -> Snapshot {
-        let serialised = self.serialised(0);
-        Snapshot::from_serialised(id, self, serialised)
+        let cut = self.cut(&mut Cutter::default());
+        Snapshot::new(id, self, cut)
     }
 }
 
@@ -410,57 +383,81 @@ fn header(id: u64, hash: &str) -> String {
 }
 
 impl Snapshot {
-    /// The snapshot of `content`, whose canonical JSON is `content_json` with hash `hash`:
-    /// the document is those bytes behind the header, not a second serialisation.
-    pub fn new(id: u64, hash: String, content: Content, content_json: &[u8]) -> Snapshot {
-        debug_assert_eq!(content_json.first(), Some(&b'{'));
-        let header = header(id, &hash);
-        let mut json = Vec::with_capacity(header.len() + content_json.len());
-        json.extend_from_slice(header.as_bytes());
-        json.extend_from_slice(&content_json[1..]);
-        Snapshot { id, hash, content, json: Bytes::from(json), header_len: header.len(), gzipped: OnceLock::new() }
-    }
-
-    /// The snapshot of `content`, serialised as `serialised`: the header is written into
-    /// the room left for it, and the document is the same buffer from there on.
-    pub fn from_serialised(id: u64, content: Content, serialised: Serialised) -> Snapshot {
-        let Serialised { mut buf, hash } = serialised;
-        let header = header(id, &hash);
-        debug_assert_eq!(buf.get(HEADER_ROOM), Some(&b'{'));
-        // The header's last byte, its comma, takes the place of the content's `{`.
-        let Some(start) = (HEADER_ROOM + 1).checked_sub(header.len()) else {
-            return Snapshot::new(id, hash, content, &buf[HEADER_ROOM..]);
-        };
-        buf[start..=HEADER_ROOM].copy_from_slice(header.as_bytes());
-        let json = Bytes::from(buf).slice(start..);
-        Snapshot { id, hash, content, json, header_len: header.len(), gzipped: OnceLock::new() }
+    /// The snapshot of `content`, cut as `cut`: the document is the header, then those
+    /// segments.
+    pub fn new(id: u64, content: Content, cut: Cut) -> Snapshot {
+        let header = Bytes::from(header(id, &cut.hash));
+        Snapshot {
+            id,
+            hash: cut.hash,
+            content,
+            len: header.len() + cut.len,
+            header,
+            segments: cut.segments,
+            gzipped: OnceLock::new(),
+        }
     }
 
     /// Reads a published document back (tools and tests).
     pub fn parse(json: &[u8]) -> Result<Snapshot, serde_json::Error> {
         let doc: Document = serde_json::from_slice(json)?;
-        let header = header(doc.id, &doc.hash);
-        Ok(Snapshot {
-            id: doc.id,
-            hash: doc.hash,
-            content: doc.content,
-            json: Bytes::copy_from_slice(json),
-            header_len: if json.starts_with(header.as_bytes()) { header.len() } else { 0 },
-            gzipped: OnceLock::new(),
-        })
+        let cut = doc.content.cut(&mut Cutter::default());
+        let mut snapshot = Snapshot::new(doc.id, doc.content, cut);
+        // As published, should it have been hashed otherwise.
+        snapshot.hash = doc.hash;
+        snapshot.header = Bytes::from(header(doc.id, &snapshot.hash));
+        snapshot.len = snapshot.header.len() + snapshot.segments.iter().map(|s| s.len()).sum::<usize>();
+        Ok(snapshot)
     }
 
-    /// The document's bytes, shared: every publisher writes these.
+    /// Bytes of the document.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The document's header (`apiVersion`, `kind`, `id`, `hash`); the content's segments
+    /// follow it.
+    pub fn header(&self) -> &Bytes {
+        &self.header
+    }
+
+    /// The content's segments, in order.
+    pub fn segments(&self) -> &[Arc<Segment>] {
+        &self.segments
+    }
+
+    /// The document's bytes in order: the header, then every segment's pieces.
+    pub fn chunks(&self) -> impl Iterator<Item = &Bytes> {
+        std::iter::once(&self.header).chain(self.segments.iter().flat_map(|s| s.pieces()))
+    }
+
+    /// The document in one buffer: a copy, for writers that need one (a small ConfigMap)
+    /// and tests; large documents are read by [`Snapshot::chunks`] or gzipped.
     pub fn to_json(&self) -> Bytes {
-        self.json.clone()
+        let mut out = Vec::with_capacity(self.len);
+        for chunk in self.chunks() {
+            out.extend_from_slice(chunk);
+        }
+        Bytes::from(out)
     }
 
-    /// The document gzipped by `compressor` the first time any publisher asks, and the same
-    /// segments after that: the ConfigMap writes them, the HTTP history keeps them. Every
-    /// caller passes the operator's one compressor, which remembers the previous snapshot's
-    /// segments: only what changed is compressed again.
-    pub fn gzipped(&self, compressor: &Compressor) -> Arc<Gzipped> {
-        self.gzipped.get_or_init(|| Arc::new(compressor.gzip(&self.json, self.header_len))).clone()
+    /// The document gzipped the first time any publisher asks, and the same segments after
+    /// that: the ConfigMap writes them, the HTTP history keeps them. Only the header and the
+    /// segments no earlier snapshot held are deflated: the others were, once, when first
+    /// gzipped.
+    pub fn gzipped(&self) -> Arc<Gzipped> {
+        self.gzipped
+            .get_or_init(|| {
+                let mut deflated = Vec::with_capacity(self.segments.len() + 1);
+                deflated.push(gzip::deflate(std::slice::from_ref(&self.header)));
+                deflated.extend(self.segments.iter().map(|s| s.deflated().clone()));
+                Arc::new(Gzipped::new(deflated))
+            })
+            .clone()
     }
 
     /// This snapshot's part about resolver `namespace/name`, if it is in scope.
@@ -472,9 +469,10 @@ impl Snapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::{Endpoint, Health, KubePort};
 
     #[test]
-    fn a_part_serialises_as_its_value_would_every_time_and_into_any_json_form() {
+    fn a_part_serialises_as_its_value_and_keeps_its_json() {
         let entry = ServiceEntry {
             name: "web \"quoted\" é".into(),
             synced: true,
@@ -486,60 +484,162 @@ mod tests {
         let plain = serde_json::to_string(&entry).unwrap();
         let part = Part::new(entry.clone());
         assert_eq!(serde_json::to_string(&part).unwrap(), plain);
-        assert_eq!(serde_json::to_string(&part).unwrap(), plain, "the second time, from its kept JSON");
+        let (json, hash) = part.json();
+        assert_eq!(json, plain.as_bytes());
+        assert_eq!(hash, segment::hash(plain.as_bytes()));
+        assert_eq!(part.json().0.as_ptr(), json.as_ptr(), "made once, shared after");
         assert_eq!(serde_json::to_value(&part).unwrap(), serde_json::to_value(&entry).unwrap());
         let back: Part<ServiceEntry> = serde_json::from_str(&plain).unwrap();
         assert_eq!(back, part);
         assert!(!Part::ptr_eq(&back, &part) && Part::ptr_eq(&part.clone(), &part));
+        // A changed copy makes its JSON again.
+        let mut changed = part.clone();
+        Part::make_mut(&mut changed).index = Some(8);
+        assert_ne!(changed.json().0, json);
+        assert_eq!(part.json().0, json);
     }
 
-    #[test]
-    fn the_document_is_the_content_bytes_behind_a_header_as_serde_writes_it() {
-        let content = Content {
+    fn endpoint(i: usize) -> Endpoint {
+        Endpoint {
+            address: format!("10.0.{}.{}", i / 256, i % 256),
+            port: 8080,
+            node: format!("node-{i}"),
+            service_id: format!("web-{i}"),
+            tags: vec!["v1".into()],
+            meta: [("build".to_owned(), format!("{i:016x}"))].into(),
+            health: Health::Passing,
+            zone: i.is_multiple_of(2).then(|| "zone-a".into()),
+        }
+    }
+
+    fn service(name: &str, n: usize) -> Part<ServiceEntry> {
+        Part::new(ServiceEntry {
+            name: name.into(),
+            synced: true,
+            index: Some(n as u64),
+            error: (n == 0).then(|| "no instances".into()),
+            stale: (n == 1).then(|| Stale { since: "2026-11-25T00:00:00Z".into(), reason: "token".into() }),
+            endpoints: (0..n).map(endpoint).collect(),
+        })
+    }
+
+    /// Every field and every optional one set somewhere.
+    fn rich(services: usize) -> Content {
+        let resolver = |name: &str, unusable: bool| {
+            Part::new(ResolverEntry {
+                namespace: "shop".into(),
+                name: name.into(),
+                generation: Some(3),
+                address: "http://127.0.0.1:8500".into(),
+                datacenter: Some("dc1".into()),
+                unusable: unusable.then(|| Unusable {
+                    reason: UnusableReason::SecretUnavailable,
+                    message: "Secret shop/token: not found".into(),
+                }),
+                services: (0..services).map(|i| service(&format!("svc-{i:05}"), i % 17)).collect(),
+            })
+        };
+        Content {
             bootstrap: Bootstrap { complete: false, unsynced: vec!["a/b/c".into()] },
-            resolvers: vec![],
-            mappings: vec![Part::new(MappingEntry {
+            resolvers: vec![resolver("consul", false), resolver("other", true), resolver("empty", false)],
+            mappings: (0..services)
+                .map(|i| {
+                    Part::new(MappingEntry {
+                        kind: "Mapping".into(),
+                        namespace: "shop".into(),
+                        name: format!("m-{i}"),
+                        service: format!("svc-{i:05}.consul"),
+                        target: Target::Consul {
+                            resolver_namespace: "shop".into(),
+                            resolver_name: "consul".into(),
+                            service: format!("svc-{i:05}"),
+                            port: i.is_multiple_of(2).then_some(80),
+                        },
+                    })
+                })
+                .collect(),
+            kubernetes_services: vec![Part::new(KubeServiceEntry {
+                namespace: "shop".into(),
+                name: "k".into(),
+                synced: true,
+                error: None,
+                endpoints: vec![KubeEndpoint {
+                    address: "10.1.0.1".into(),
+                    ports: vec![KubePort { name: Some("http".into()), port: 80 }],
+                    ready: true,
+                }],
+            })],
+            watched: vec![WatchedEntry {
+                watch: "v1/ConfigMap".into(),
+                objects: vec![Arc::new(serde_json::json!({"a": 1}))],
+            }],
+            problems: vec![Problem {
                 kind: "Mapping".into(),
                 namespace: "shop".into(),
                 name: "m".into(),
-                service: "web:80".into(),
-                target: Target::Unresolved,
+                message: "x".into(),
+            }],
+            exports: vec![Part::new(ExportEntry {
+                namespace: "shop".into(),
+                name: "e".into(),
+                generation: Some(1),
+                service: "svc-00001".into(),
+                resolver: Some("shop/consul".into()),
+                problem: None,
+                source: None,
             })],
+        }
+    }
+
+    fn by_serde(id: u64, hash: &str, content: &Content) -> Vec<u8> {
+        serde_json::to_vec(&Document {
+            api_version: API_VERSION.into(),
+            kind: KIND.into(),
+            id,
+            hash: hash.into(),
+            content: content.clone(),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn the_document_is_what_serde_writes_in_pieces_and_parses_back() {
+        let small = Content {
+            bootstrap: Bootstrap { complete: true, unsynced: vec![] },
+            resolvers: vec![],
+            mappings: vec![],
             kubernetes_services: vec![],
             watched: vec![],
             problems: vec![],
             exports: vec![],
         };
-        let s = content.clone().into_snapshot(7);
-        let by_serde = serde_json::to_vec(&Document {
-            api_version: API_VERSION.into(),
-            kind: KIND.into(),
-            id: 7,
-            hash: s.hash.clone(),
-            content: content.clone(),
-        })
-        .unwrap();
-        assert_eq!(s.to_json(), by_serde);
-        assert_eq!(s.hash, content.hash());
-        assert_eq!(Snapshot::parse(&s.to_json()).unwrap(), s);
-        // The header, gzipped apart from the content: exactly up to the content's first field.
-        assert!(s.to_json()[s.header_len..].starts_with(br#""bootstrap":"#), "{}", s.header_len);
-        assert_eq!(Snapshot::parse(&s.to_json()).unwrap().header_len, s.header_len);
-        // Made in place, for any id and whatever the size hint: the document serde writes.
-        for (id, hint) in [(7, 0), (7, 1 << 20), (u64::MAX, 3)] {
-            let serialised = content.serialised(hint);
-            assert_eq!(serialised.hash(), s.hash);
-            let in_place = Snapshot::from_serialised(id, content.clone(), serialised);
-            let by_serde = serde_json::to_vec(&Document {
-                api_version: API_VERSION.into(),
-                kind: KIND.into(),
-                id,
-                hash: s.hash.clone(),
-                content: content.clone(),
-            })
-            .unwrap();
-            assert_eq!(in_place.to_json(), by_serde, "id {id}, hint {hint}");
-            assert!(in_place.to_json()[in_place.header_len..].starts_with(br#""bootstrap":"#));
+        // Large enough for many segments.
+        for content in [small, rich(3), rich(4_000)] {
+            for id in [7, u64::MAX] {
+                let s = content.clone().into_snapshot(id);
+                assert_eq!(s.to_json(), by_serde(id, &s.hash, &content));
+                assert_eq!(s.len(), s.to_json().len());
+                assert_eq!(s.hash, content.hash(), "the hash is the content's, whatever the id");
+                let back = Snapshot::parse(&s.to_json()).unwrap();
+                assert_eq!(back, s);
+                assert_eq!(back.to_json(), s.to_json());
+                // The header is a segment of its own, up to the content's first field.
+                assert!(s.header.ends_with(b",") && s.to_json()[s.header.len()..].starts_with(br#""bootstrap":"#));
+                let gz = s.gzipped();
+                assert_eq!(gz.segments().len(), s.segments.len() + 1);
+                assert_eq!(crate::assembler::gzip::tests::gunzip(&gz.to_bytes()), s.to_json());
+            }
         }
+        assert!(rich(4_000).into_snapshot(1).segments.len() > 3);
+    }
+
+    #[test]
+    fn the_hash_tells_contents_apart() {
+        let a = rich(50);
+        let mut b = a.clone();
+        Part::make_mut(&mut Part::make_mut(&mut b.resolvers[1]).services[3]).index = Some(1_000);
+        assert_ne!(a.hash(), b.hash());
+        assert_eq!(a.hash(), a.clone().hash());
+        assert!(a.hash().starts_with("sha256:") && a.hash().len() == 7 + 64);
     }
 }

@@ -1,0 +1,416 @@
+//! The snapshot document cut into segments where its content says (docs/snapshot.md,
+//! "Segments"), so that what did not change between two snapshots costs nothing again:
+//! neither its bytes (a segment is the pieces it was written from, mostly parts' kept JSON,
+//! shared, never copied into one buffer), nor its digest (the content hash is a digest of
+//! the segments' digests), nor its deflated body (made once, by the first publisher that
+//! gzips, and shared by every snapshot that holds the segment).
+//!
+//! Cuts fall after whole array elements (a service's, a Mapping's, a Kubernetes Service's
+//! or an export's entry), where a hash of the element says so, not at positions: a change
+//! to one service changes the segment holding it, and the cuts around it stay where they
+//! were. A [`Cutter`] remembers the previous document's segments and reuses one whose
+//! bytes are those of the new one: recognised by being made of the very same pieces (a
+//! pointer compare per piece) or, failing that, compared byte for byte, never trusted on a
+//! hash.
+//!
+//! Pure computation: no I/O.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+
+use super::gzip::{self, Deflated};
+
+/// Segments are at least this long (but for the document's end) ...
+const MIN_SEGMENT: usize = 256 * 1024;
+/// ... about this much longer on average (an element ends its segment, once the segment is
+/// past the minimum, with probability `element length / AVG_SEGMENT`) ...
+const AVG_SEGMENT: u64 = 1024 * 1024;
+/// ... and cut at this length whatever their content, so that a document without element
+/// boundaries still is. At the compression gzip's fastest level reaches on snapshots
+/// (about 15x), a segment deflates to about 85 KB on average: a change to one service
+/// rewrites that much (in each copy of the service), and a 55 MB snapshot is 40 to 60 of them.
+pub(crate) const MAX_SEGMENT: usize = 4 * 1024 * 1024;
+/// Pieces longer than this are also cut inside (see [`Segmenter::push_large`]).
+const INNER_CUTS_FROM: usize = 64 * 1024;
+
+/// A run of the document's bytes, as the pieces it was written from, with what is computed
+/// of it once: its sha256 and, on demand, its deflated body.
+pub struct Segment {
+    pieces: Box<[Bytes]>,
+    len: usize,
+    /// What a [`Cutter`] files it under: a hash of its pieces' hashes.
+    key: u64,
+    sha256: [u8; 32],
+    deflated: OnceLock<Deflated>,
+}
+
+impl Segment {
+    fn new(pieces: Vec<Bytes>, len: usize, key: u64) -> Segment {
+        let mut sha = Sha256::new();
+        for p in &pieces {
+            sha.update(p);
+        }
+        Segment {
+            pieces: pieces.into_boxed_slice(),
+            len,
+            key,
+            sha256: sha.finalize().into(),
+            deflated: OnceLock::new(),
+        }
+    }
+
+    /// The bytes, in order.
+    pub fn pieces(&self) -> &[Bytes] {
+        &self.pieces
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Deflated alone (see [`gzip`]), the first time anyone asks.
+    pub fn deflated(&self) -> &Deflated {
+        self.deflated.get_or_init(|| gzip::deflate(&self.pieces))
+    }
+
+    /// Whether `pieces` (of `len` bytes in all) are this segment's bytes: the same pieces,
+    /// or, where one is not, equal bytes.
+    fn holds(&self, pieces: &[Bytes], len: usize) -> bool {
+        if len != self.len {
+            return false;
+        }
+        let aligned =
+            self.pieces.len() == pieces.len() && self.pieces.iter().zip(pieces).all(|(a, b)| a.len() == b.len());
+        if aligned {
+            // The usual case: the same parts (a pointer compare each), or equal entries of
+            // two resolvers that follow the same service.
+            self.pieces.iter().zip(pieces).all(|(a, b)| a.as_ptr() == b.as_ptr() || a == b)
+        } else {
+            self.pieces.iter().flat_map(|p| p.iter()).eq(pieces.iter().flat_map(|p| p.iter()))
+        }
+    }
+}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment").field("len", &self.len).field("pieces", &self.pieces.len()).finish()
+    }
+}
+
+/// A content cut into segments, and its hash.
+#[derive(Debug, Clone)]
+pub struct Cut {
+    pub segments: Arc<[Arc<Segment>]>,
+    /// `sha256:` and the hex digest of the segments' digests, in order (docs/snapshot.md).
+    pub hash: String,
+    /// Bytes in all.
+    pub len: usize,
+}
+
+/// Segments by key, for reuse.
+type Index = HashMap<u64, Vec<Arc<Segment>>>;
+
+/// Cuts documents one after the other, reusing the previous one's segments where the bytes
+/// are the same.
+#[derive(Default)]
+pub struct Cutter {
+    previous: Index,
+}
+
+impl Cutter {
+    /// What `write` writes, cut into segments.
+    pub fn cut(&mut self, write: impl FnOnce(&mut Segmenter<'_>)) -> Cut {
+        let mut segmenter = Segmenter {
+            previous: &self.previous,
+            made: Index::new(),
+            pieces: Vec::new(),
+            len: 0,
+            key: 0,
+            segments: Vec::new(),
+        };
+        write(&mut segmenter);
+        segmenter.end();
+        let Segmenter { segments, made, .. } = segmenter;
+        let mut digests = Sha256::new();
+        let mut len = 0;
+        for s in &segments {
+            digests.update(s.sha256);
+            len += s.len;
+        }
+        // The next document is compared with this one: every segment it holds, once.
+        let mut next = made;
+        for s in &segments {
+            let candidates = next.entry(s.key).or_default();
+            if !candidates.iter().any(|c| Arc::ptr_eq(c, s)) {
+                candidates.push(s.clone());
+            }
+        }
+        self.previous = next;
+        Cut { segments: segments.into(), hash: format!("sha256:{}", hex::encode(digests.finalize())), len }
+    }
+}
+
+/// Receives a document's bytes in order and cuts them into segments.
+pub struct Segmenter<'a> {
+    previous: &'a Index,
+    /// The segments made new in this document, so that equal ones (the same service changed
+    /// in every resolver that follows it) are digested and deflated once.
+    made: Index,
+    pieces: Vec<Bytes>,
+    len: usize,
+    key: u64,
+    segments: Vec<Arc<Segment>>,
+}
+
+impl Segmenter<'_> {
+    /// Bytes that no cut may follow.
+    pub fn bytes(&mut self, bytes: Bytes) {
+        let h = hash(&bytes);
+        self.push(bytes, h);
+    }
+
+    /// Literal bytes (punctuation, field names).
+    pub fn literal(&mut self, bytes: &'static [u8]) {
+        self.bytes(Bytes::from_static(bytes));
+    }
+
+    /// A whole array element, `hash` being [`hash`] of its bytes, after which the segment
+    /// may end. Whether it does is decided by `identity`, a hash of what the element is
+    /// about (a service's name, a Mapping's namespace and name), not of its bytes: a change
+    /// to a service's endpoints then never moves a cut, and changes only its own segment.
+    pub fn element(&mut self, bytes: Bytes, hash: u64, identity: u64) {
+        let len = bytes.len();
+        self.push(bytes, hash);
+        if self.len >= MIN_SEGMENT && identity % AVG_SEGMENT < len as u64 {
+            self.end();
+        }
+    }
+
+    fn push(&mut self, bytes: Bytes, hash: u64) {
+        if bytes.len() > INNER_CUTS_FROM {
+            return self.push_large(bytes);
+        }
+        // Past the maximum: cut before the piece (between elements, or before one).
+        if self.len + bytes.len() > MAX_SEGMENT {
+            self.end();
+        }
+        self.add(bytes, hash);
+    }
+
+    /// A piece that may hold segments of its own (a service of thousands of instances, a
+    /// long list of problems): cut inside it too, between its own array elements (`},{`),
+    /// by the same rule, with the element's bytes for its identity.
+    fn push_large(&mut self, bytes: Bytes) {
+        let (mut start, mut element) = (0, 0);
+        for at in memchr::memmem::find_iter(&bytes, b"},{") {
+            // After the `,`: the next element starts the next segment.
+            let end = at + 2;
+            let this = element..end;
+            element = end;
+            let len = self.len + (end - start);
+            if len >= MAX_SEGMENT
+                || (len >= MIN_SEGMENT && hash(&bytes[this.clone()]) % AVG_SEGMENT < this.len() as u64)
+            {
+                self.add_bounded(bytes.slice(start..end));
+                self.end();
+                start = end;
+            }
+        }
+        self.add_bounded(bytes.slice(start..));
+    }
+
+    /// Adds `bytes`, ending the segment wherever it reaches the maximum.
+    fn add_bounded(&mut self, mut bytes: Bytes) {
+        while self.len + bytes.len() > MAX_SEGMENT {
+            let rest = bytes.split_off(MAX_SEGMENT - self.len);
+            let h = hash(&bytes);
+            self.add(bytes, h);
+            self.end();
+            bytes = rest;
+        }
+        let h = hash(&bytes);
+        self.add(bytes, h);
+    }
+
+    fn add(&mut self, bytes: Bytes, hash: u64) {
+        if bytes.is_empty() {
+            return;
+        }
+        self.len += bytes.len();
+        self.key = (self.key.rotate_left(5) ^ hash ^ bytes.len() as u64).wrapping_mul(0x517c_c1b7_2722_0a95);
+        self.pieces.push(bytes);
+    }
+
+    /// Ends the segment under way, if any.
+    fn end(&mut self) {
+        if self.pieces.is_empty() {
+            return;
+        }
+        let (pieces, len, key) =
+            (std::mem::take(&mut self.pieces), std::mem::take(&mut self.len), std::mem::take(&mut self.key));
+        let found = [self.previous.get(&key), self.made.get(&key)]
+            .into_iter()
+            .flatten()
+            .flatten()
+            .find(|s| s.holds(&pieces, len))
+            .cloned();
+        let segment = found.unwrap_or_else(|| {
+            let s = Arc::new(Segment::new(pieces, len, key));
+            self.made.entry(key).or_default().push(s.clone());
+            s
+        });
+        self.segments.push(segment);
+    }
+}
+
+/// A fast, non-cryptographic hash (word-wise multiply-rotate, then a murmur3 finaliser):
+/// it only chooses cuts and files segments, both verified or harmless when they collide.
+pub(crate) fn hash(bytes: &[u8]) -> u64 {
+    const K: u64 = 0x517c_c1b7_2722_0a95;
+    let mut h = bytes.len() as u64;
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        h = (h.rotate_left(5) ^ u64::from_le_bytes(w.try_into().expect("8 bytes"))).wrapping_mul(K);
+    }
+    for &b in words.remainder() {
+        h = (h.rotate_left(5) ^ u64::from(b)).wrapping_mul(K);
+    }
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `n` elements of about 250 bytes, element `changed` (if any) with another port, in a
+    /// document written the way [`super::super::write`] does.
+    fn elements(n: usize, changed: Option<usize>) -> Vec<Bytes> {
+        (0..n)
+            .map(|i| {
+                let port = if Some(i) == changed { 9999 } else { 8080 };
+                Bytes::from(format!(
+                    r#"{{"address":"10.{}.{}.{}","port":{port},"node":"node-{}","serviceId":"web-{i}","tags":["v1"],"meta":{{"build":"{:016x}"}},"health":"passing"}}"#,
+                    i / 65536 % 256,
+                    i / 256 % 256,
+                    i % 256,
+                    i % 97,
+                    hash(&i.to_le_bytes())
+                ))
+            })
+            .collect()
+    }
+
+    fn write(w: &mut Segmenter<'_>, elements: &[Bytes]) {
+        w.literal(b"\"items\":[");
+        for (i, e) in elements.iter().enumerate() {
+            if i > 0 {
+                w.literal(b",");
+            }
+            w.element(e.clone(), hash(e), hash(&i.to_le_bytes()));
+        }
+        w.literal(b"]}");
+    }
+
+    fn bytes(cut: &Cut) -> Vec<u8> {
+        cut.segments.iter().flat_map(|s| s.pieces()).flat_map(|p| p.iter().copied()).collect()
+    }
+
+    fn shared(a: &Cut, b: &Cut) -> usize {
+        b.segments.iter().filter(|s| a.segments.iter().any(|t| Arc::ptr_eq(s, t))).count()
+    }
+
+    #[test]
+    fn segments_cover_the_document_and_end_after_elements_within_their_bounds() {
+        let items = elements(40_000, None);
+        let cut = Cutter::default().cut(|w| write(w, &items));
+        let mut expected = b"\"items\":[".to_vec();
+        for (i, e) in items.iter().enumerate() {
+            if i > 0 {
+                expected.push(b',');
+            }
+            expected.extend_from_slice(e);
+        }
+        expected.extend_from_slice(b"]}");
+        assert_eq!(bytes(&cut), expected);
+        assert_eq!(cut.len, expected.len());
+        assert!(cut.segments.len() > 2, "{} segments of {} bytes", cut.segments.len(), cut.len);
+        for s in &cut.segments[..cut.segments.len() - 1] {
+            assert!((MIN_SEGMENT..=MAX_SEGMENT).contains(&s.len()), "{s:?}");
+            let last = s.pieces().last().unwrap().last();
+            assert!(last == Some(&b'}') || last == Some(&b','), "ends after an element or before one: {last:?}");
+        }
+        // A piece past the maximum (no element boundary) is cut at it.
+        let big = Bytes::from(vec![b'a'; 2 * MAX_SEGMENT + 5]);
+        let cut = Cutter::default().cut(|w| {
+            w.literal(b"[");
+            w.bytes(big.clone());
+        });
+        let lens: Vec<usize> = cut.segments.iter().map(|s| s.len()).collect();
+        assert_eq!(lens, [MAX_SEGMENT, MAX_SEGMENT, 6], "cut at the maximum");
+        assert_eq!(bytes(&cut)[1..], big);
+    }
+
+    #[test]
+    fn a_change_makes_only_its_own_segment_again_and_shares_the_rest() {
+        let mut cutter = Cutter::default();
+        let before = elements(40_000, None);
+        let first = cutter.cut(|w| write(w, &before));
+        // One element changes its length, which moves every byte after it; the others are
+        // the same pieces (as a part's kept JSON is).
+        let mut after = before.clone();
+        after[20_000] = elements(20_001, Some(20_000)).pop().unwrap();
+        let second = cutter.cut(|w| write(w, &after));
+        let n = second.segments.len();
+        assert_eq!(n, first.segments.len(), "the same cuts around the change");
+        assert_eq!(shared(&first, &second), n - 1, "all but the changed segment, shared");
+        assert_ne!(first.hash, second.hash);
+        // The same document again: every segment shared, the same hash.
+        let again = cutter.cut(|w| write(w, &after));
+        assert_eq!(shared(&second, &again), n);
+        assert_eq!(again.hash, second.hash);
+        // Equal bytes in other pieces (another resolver's equal entries) are the same
+        // segments too, compared byte for byte.
+        let copies: Vec<Bytes> = after.iter().map(|e| Bytes::copy_from_slice(e)).collect();
+        let copied = cutter.cut(|w| write(w, &copies));
+        assert_eq!(shared(&again, &copied), n);
+        // A fresh cutter agrees on the hash: it is the content's, not the history's.
+        assert_eq!(Cutter::default().cut(|w| write(w, &after)).hash, second.hash);
+    }
+
+    #[test]
+    fn equal_runs_in_one_document_are_one_segment() {
+        let items = elements(80_000, None);
+        let cut = Cutter::default().cut(|w| {
+            write(w, &items);
+            write(w, &items);
+        });
+        let distinct: Vec<&Arc<Segment>> = cut.segments.iter().fold(Vec::new(), |mut v, s| {
+            if !v.iter().any(|t| Arc::ptr_eq(t, s)) {
+                v.push(s);
+            }
+            v
+        });
+        assert!(distinct.len() < cut.segments.len(), "{} of {}", distinct.len(), cut.segments.len());
+    }
+
+    #[test]
+    fn a_segment_holds_only_its_own_bytes() {
+        let a = Segment::new(vec![Bytes::from_static(b"aaaa-"), Bytes::from_static(b"one")], 8, 1);
+        assert!(a.holds(&[Bytes::from_static(b"aaaa-"), Bytes::from_static(b"one")], 8));
+        assert!(a.holds(&[Bytes::from_static(b"aaaa"), Bytes::from_static(b"-one")], 8), "other piece bounds");
+        assert!(!a.holds(&[Bytes::from_static(b"aaaa-"), Bytes::from_static(b"two")], 8));
+        assert!(!a.holds(&[Bytes::from_static(b"aaaa"), Bytes::from_static(b"-two")], 8));
+        assert!(!a.holds(&[Bytes::from_static(b"aaaa-on")], 7));
+    }
+}

@@ -1,0 +1,109 @@
+//! Writing a content as the pieces of its canonical JSON: serde's bytes exactly, but each
+//! [`Part`]'s JSON is a piece of its own, shared with the part (and with every other
+//! snapshot that holds it), never copied into one buffer. At 55 MB, serialising the whole
+//! document and hashing it on every change was the largest cost of a publication
+//! (docs/benchmarks.md).
+//!
+//! The content is written without its opening `{`: the document's header takes its place
+//! (see [`super::snapshot::Snapshot`]).
+
+use bytes::Bytes;
+use serde::Serialize;
+
+use super::segment::{self, Segmenter};
+use super::snapshot::{Content, Part, ResolverEntry};
+
+impl Content {
+    /// Writes the content's JSON, from its first field on, into `w`: array elements that
+    /// are parts as elements a segment may end after.
+    pub(crate) fn write(&self, w: &mut Segmenter<'_>) {
+        // Every field, so that a new one cannot be forgotten here; the order and names
+        // are serde's (the unit tests compare with it).
+        let Content { bootstrap, resolvers, mappings, kubernetes_services, watched, problems, exports } = self;
+        w.literal(b"\"bootstrap\":");
+        w.bytes(to_json(bootstrap));
+        w.literal(b",\"resolvers\":[");
+        for (i, r) in resolvers.iter().enumerate() {
+            if i > 0 {
+                w.literal(b",");
+            }
+            write_resolver(r, w);
+        }
+        w.literal(b"],\"mappings\":");
+        elements(mappings, w, |m| identity(&[&m.namespace, &m.name]));
+        w.literal(b",\"kubernetesServices\":");
+        elements(kubernetes_services, w, |k| identity(&[&k.namespace, &k.name]));
+        if !watched.is_empty() {
+            w.literal(b",\"watched\":");
+            w.bytes(to_json(watched));
+        }
+        // Problems are not parts (they are made again with each content), but there can be
+        // many: each is an element a segment may end after.
+        w.literal(b",\"problems\":[");
+        for (i, p) in problems.iter().enumerate() {
+            if i > 0 {
+                w.literal(b",");
+            }
+            let json = to_json(p);
+            let hash = segment::hash(&json);
+            w.element(json, hash, identity(&[&p.kind, &p.namespace, &p.name]));
+        }
+        w.literal(b"]");
+        if !exports.is_empty() {
+            w.literal(b",\"exports\":");
+            elements(exports, w, |e| identity(&[&e.namespace, &e.name]));
+        }
+        w.literal(b"}");
+    }
+}
+
+/// A resolver's entry: its fields as serde writes them, then its services as elements.
+fn write_resolver(r: &ResolverEntry, w: &mut Segmenter<'_>) {
+    let ResolverEntry { namespace, name, generation, address, datacenter, unusable, services } = r;
+    // The entry without its services: serde writes `services` last, as `[]}`.
+    let head = to_json(&ResolverEntry {
+        namespace: namespace.clone(),
+        name: name.clone(),
+        generation: *generation,
+        address: address.clone(),
+        datacenter: datacenter.clone(),
+        unusable: unusable.clone(),
+        services: Vec::new(),
+    });
+    const EMPTY: &[u8] = b"\"services\":[]}";
+    // Fixed by the derive's field order; the unit tests compare every document with serde's.
+    debug_assert!(head.ends_with(EMPTY), "serde writes a resolver entry's services last");
+    w.bytes(head.slice(..head.len() - 2));
+    for (i, s) in services.iter().enumerate() {
+        if i > 0 {
+            w.literal(b",");
+        }
+        let (json, hash) = s.json();
+        w.element(json, hash, identity(&[&s.name]));
+    }
+    w.literal(b"]}");
+}
+
+/// `[`, the parts' JSON, `]`; `identity` says what each part is about.
+fn elements<T: Serialize>(parts: &[Part<T>], w: &mut Segmenter<'_>, identity: impl Fn(&T) -> u64) {
+    w.literal(b"[");
+    for (i, p) in parts.iter().enumerate() {
+        if i > 0 {
+            w.literal(b",");
+        }
+        let (json, hash) = p.json();
+        w.element(json, hash, identity(p));
+    }
+    w.literal(b"]");
+}
+
+/// A hash of the names an element is about (see [`Segmenter::element`]).
+fn identity(names: &[&str]) -> u64 {
+    names
+        .iter()
+        .fold(0u64, |h, n| (h.rotate_left(17) ^ segment::hash(n.as_bytes())).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+fn to_json<T: Serialize + ?Sized>(value: &T) -> Bytes {
+    Bytes::from(serde_json::to_vec(value).expect("snapshot content always serialises"))
+}
