@@ -100,31 +100,26 @@ impl Gzipped {
 /// Mappings to 167 KB in 2.7 ms, where the default level takes 17 ms for 115 KB.
 pub fn deflate(pieces: &[Bytes]) -> Deflated {
     use flate2::{Compress, Compression, FlushCompress};
-    let raw_len: usize = pieces.iter().map(Bytes::len).sum();
+    // Gathered first (a segment is at most 4 MiB): the compressor is called once, not once
+    // per piece of a few hundred bytes, and each call prepares all the output room it is
+    // given (a memset of it) whatever it writes: per piece, that was most of the cost.
+    let bytes = pieces.concat();
     let mut c = Compress::new(Compression::fast(), false);
-    let mut out = Vec::with_capacity(raw_len / 8 + 64);
-    let mut crc = crc32fast::Hasher::new();
-    let mut feed = |input: &[u8], flush: FlushCompress| {
-        let start = c.total_in();
-        loop {
-            if out.capacity() - out.len() < 64 {
-                out.reserve(out.capacity().max(4096));
-            }
-            let consumed = (c.total_in() - start) as usize;
-            c.compress_vec(&input[consumed..], &mut out, flush).expect("deflate into memory cannot fail");
-            // Done when all input is in and the output did not fill what it was given
-            // (so whatever the flush asked for is written too).
-            if (c.total_in() - start) as usize == input.len() && out.len() < out.capacity() {
-                break;
-            }
+    let mut out = Vec::with_capacity(bytes.len() / 8 + 64);
+    loop {
+        if out.capacity() - out.len() < 64 {
+            out.reserve(out.capacity().max(4096));
         }
-    };
-    for p in pieces {
-        crc.update(p);
-        feed(p, FlushCompress::None);
+        let consumed = c.total_in() as usize;
+        c.compress_vec(&bytes[consumed..], &mut out, FlushCompress::Sync).expect("deflate into memory cannot fail");
+        // Flushed when all input is in and the output did not fill what it was given.
+        if c.total_in() as usize == bytes.len() && out.len() < out.capacity() {
+            break;
+        }
     }
-    feed(&[], FlushCompress::Sync);
-    Deflated { body: Bytes::from(out), crc: crc.finalize(), raw_len: raw_len as u64 }
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&bytes);
+    Deflated { body: Bytes::from(out), crc: crc.finalize(), raw_len: bytes.len() as u64 }
 }
 
 #[cfg(test)]
