@@ -1520,3 +1520,49 @@ async fn an_export_and_a_mapping_of_one_service_share_one_watch_both_ways() {
     );
     assert_eq!(diff.added, [WatchKey::Consul(key)]);
 }
+
+/// Two resolvers that follow the same Consul read equal entries of a service: one part,
+/// whose JSON is made and kept once, before and after an answer, and each its own again
+/// when they differ.
+#[tokio::test(start_paused = true)]
+async fn resolvers_of_one_consul_share_their_equal_service_entries() {
+    let mut p = pipeline(Config::default());
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    let same = json!({"address": "127.0.0.1:8500"});
+    p.apply(
+        listed(&resolvers_key(), vec![resolver("shop", "consul", same.clone()), resolver("shop", "other", same)]),
+        now,
+    );
+    p.apply(
+        listed(
+            &mappings_key(),
+            vec![
+                mapping("shop", "a", json!({"service": "billing:8080", "resolver": "consul"})),
+                mapping("shop", "b", json!({"service": "billing:8080", "resolver": "other"})),
+            ],
+        ),
+        now,
+    );
+    let keys = consul_keys(&p);
+    assert_eq!(keys.len(), 1, "one query for both: {keys:?}");
+    p.apply(
+        [Event::Consul(keys[0].clone(), ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })],
+        now,
+    );
+    let shared = |s: &super::assembler::Snapshot| {
+        let [a, b] = &s.content.resolvers[..] else { panic!("two resolvers") };
+        super::assembler::snapshot::Part::ptr_eq(&a.services[0], &b.services[0])
+    };
+    let first = publish(&mut p).expect("published");
+    assert_eq!(first.content.resolvers[0].services[0].endpoints.len(), 1);
+    assert!(shared(&first), "one part for equal entries");
+    p.apply(
+        [Event::Consul(keys[0].clone(), ConsulEvent::Answer { index: 4, endpoints: vec![ep("10.0.0.2", 80)] })],
+        now,
+    );
+    tokio::time::advance(WINDOW * 2).await;
+    let second = publish(&mut p).expect("published");
+    assert_eq!(second.content.resolvers[1].services[0].endpoints[0].address, "10.0.0.2");
+    assert!(shared(&second), "after an answer too");
+}

@@ -266,10 +266,8 @@ impl Segmenter<'_> {
         // The very same pieces first (a resolver's unchanged run of services), then equal
         // bytes (another resolver's equal run): comparing bytes first would compare every
         // resolver's run with the first one's, tens of megabytes per publication.
-        let found = candidates()
-            .find(|s| s.is(&pieces, len))
-            .or_else(|| candidates().find(|s| s.holds(&pieces, len)))
-            .cloned();
+        let found =
+            candidates().find(|s| s.is(&pieces, len)).or_else(|| candidates().find(|s| s.holds(&pieces, len))).cloned();
         let segment = found.unwrap_or_else(|| {
             let s = Arc::new(Segment::new(pieces, len, key));
             self.made.entry(key).or_default().push(s.clone());

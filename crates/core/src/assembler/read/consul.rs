@@ -71,6 +71,26 @@ impl ResolverServices {
     }
 }
 
+/// The service entries made in one reading, by service name: resolvers that follow the
+/// same Consul (the same query) get equal entries, and share one part, so its JSON is made
+/// and kept once, and the document's runs of them are the same pieces. At the scale
+/// profile's five resolvers, 44 MB of JSON kept once instead of five times.
+#[derive(Default)]
+struct Made(BTreeMap<String, Part<ServiceEntry>>);
+
+impl Made {
+    /// A part of `entry`: the one made for another resolver if it is equal, else
+    /// `previous` if it is equal, else a new one.
+    fn part(&mut self, name: &str, entry: ServiceEntry, previous: Option<Part<ServiceEntry>>) -> Part<ServiceEntry> {
+        if let Some(part) = self.0.get(name).filter(|p| ***p == entry) {
+            return part.clone();
+        }
+        let part = previous.filter(|p| **p == entry).unwrap_or_else(|| Part::new(entry));
+        self.0.insert(name.to_owned(), part.clone());
+        part
+    }
+}
+
 /// Per resolver, the services read through a query in `changed`: their entries must be
 /// read again.
 pub(crate) fn answered(
@@ -114,6 +134,7 @@ impl Services {
         desired: &mut Desired,
     ) {
         let Inputs { world, resolvers, routes, now, .. } = *inputs;
+        let mut made = Made::default();
         for r in resolvers {
             let id = r.id();
             let answered = answered.get(&id);
@@ -137,7 +158,7 @@ impl Services {
                 if previous.is_some() && !answered.is_some_and(|a| a.contains(name)) {
                     continue; // Still wanted, and its answer did not change.
                 }
-                let entry = service_entry(world, r, &id, name, &mut self.kept, now).map(Part::new);
+                let entry = service_entry(world, r, &id, name, &mut self.kept, now).map(|e| made.part(name, e, None));
                 if entry.as_deref() != previous.map(|p| &**p) {
                     changed = true;
                     match entry {
@@ -161,6 +182,7 @@ impl Services {
         let Inputs { world, resolvers, routes, now, .. } = *inputs;
         let mut old_services = std::mem::take(&mut self.by_resolver);
         let mut old_entries = std::mem::take(&mut self.entries);
+        let mut made = Made::default();
         for r in resolvers {
             let id = r.id();
             let mut wanted: BTreeSet<&str> = r.listed_services().collect();
@@ -171,7 +193,7 @@ impl Services {
                 let previous = old.remove(name);
                 if let Some(entry) = service_entry(world, r, &id, name, &mut self.kept, now) {
                     // The same entry keeps its allocation: equal parts stay shared.
-                    let entry = previous.filter(|p| **p == entry).unwrap_or_else(|| Part::new(entry));
+                    let entry = made.part(name, entry, previous);
                     mine.insert(name, entry, desired);
                 }
             }
