@@ -171,10 +171,12 @@ impl Multiplexer {
             };
             let (parts, mut body) = response.into_parts();
             let declared = parts.headers.get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok());
-            if declared.and_then(|v| v.parse::<u64>().ok()).is_some_and(|n| n > self.max_body as u64) {
+            let declared = declared.and_then(|v| v.parse::<u64>().ok());
+            if declared.is_some_and(|n| n > self.max_body as u64) {
                 return Err(self.too_large());
             }
-            let mut buf = BytesMut::new();
+            // Room for what is announced (at most the limit): no doubling copies.
+            let mut buf = BytesMut::with_capacity(declared.map_or(0, |n| n as usize));
             while let Some(chunk) = body.data().await {
                 let chunk = chunk.map_err(|e| self.network(cause_chain(&e)))?;
                 // Give the window back as we read, or a large answer stalls.

@@ -119,7 +119,8 @@ pub fn deflate(pieces: &[Bytes]) -> Deflated {
     }
     let mut crc = crc32fast::Hasher::new();
     crc.update(&bytes);
-    Deflated { body: Bytes::from(out), crc: crc.finalize(), raw_len: bytes.len() as u64 }
+    // Kept as long as the segment: without the slack of the output room.
+    Deflated { body: Bytes::from(out.into_boxed_slice()), crc: crc.finalize(), raw_len: bytes.len() as u64 }
 }
 
 #[cfg(test)]

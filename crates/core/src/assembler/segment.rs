@@ -6,9 +6,9 @@
 //! gzips, and shared by every snapshot that holds the segment).
 //!
 //! Cuts fall after whole array elements (a service's, a Mapping's, a Kubernetes Service's
-//! or an export's entry), where a hash of the element says so, not at positions: a change
-//! to one service changes the segment holding it, and the cuts around it stay where they
-//! were. A [`Cutter`] remembers the previous document's segments and reuses one whose
+//! or an export's entry), where a hash of the element's identity (its name) says so, not
+//! at positions: a change to one service changes the segment holding it, and the cuts
+//! around it stay where they were. A [`Cutter`] remembers the previous document's segments and reuses one whose
 //! bytes are those of the new one: recognised by being made of the very same pieces (a
 //! pointer compare per piece) or, failing that, compared byte for byte, never trusted on a
 //! hash.
@@ -32,7 +32,7 @@ const AVG_SEGMENT: u64 = 1024 * 1024;
 /// boundaries still is. At the compression gzip's fastest level reaches on snapshots
 /// (about 15x), a segment deflates to about 85 KB on average: a change to one service
 /// rewrites that much (in each copy of the service), and a 55 MB snapshot is 40 to 60 of them.
-pub(crate) const MAX_SEGMENT: usize = 4 * 1024 * 1024;
+const MAX_SEGMENT: usize = 4 * 1024 * 1024;
 /// Pieces longer than this are also cut inside (see [`Segmenter::push_large`]).
 const INNER_CUTS_FROM: usize = 64 * 1024;
 

@@ -99,7 +99,10 @@ impl<T: Serialize> Part<T> {
         self.0
             .json
             .get_or_init(|| {
-                let json = Bytes::from(serde_json::to_vec(&self.0.value).expect("snapshot parts always serialise"));
+                let json = serde_json::to_vec(&self.0.value).expect("snapshot parts always serialise");
+                // Kept for as long as the part: without the slack of the doubling buffer
+                // it was written into (up to half of it; 20 MB at the scale profile).
+                let json = Bytes::from(json.into_boxed_slice());
                 let hash = segment::hash(&json);
                 (json, hash)
             })

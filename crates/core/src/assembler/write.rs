@@ -104,6 +104,7 @@ fn identity(names: &[&str]) -> u64 {
         .fold(0u64, |h, n| (h.rotate_left(17) ^ segment::hash(n.as_bytes())).wrapping_mul(0x9e37_79b9_7f4a_7c15))
 }
 
+/// The JSON of `value`, without slack: segments keep it as long as they are reused.
 fn to_json<T: Serialize + ?Sized>(value: &T) -> Bytes {
-    Bytes::from(serde_json::to_vec(value).expect("snapshot content always serialises"))
+    Bytes::from(serde_json::to_vec(value).expect("snapshot content always serialises").into_boxed_slice())
 }
