@@ -46,8 +46,8 @@ impl HookPublisher {
     }
 }
 
-/// Writes `bytes` to `dir/FILE_NAME` so that a reader sees the old file or the new one,
-/// never half of one.
+/// Writes the document of `snapshot` to `dir/FILE_NAME` so that a reader sees the old file
+/// or the new one, never half of one.
 async fn write_atomically(dir: &Path, snapshot: &Snapshot) -> Result<PathBuf, PublishError> {
     use tokio::io::AsyncWriteExt;
     let io = |what: String| move |e: std::io::Error| PublishError::Io(format!("{what}: {e}"));
