@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use std::time::SystemTime;
 
-use super::assembler::snapshot::{Target, UnusableReason};
+use super::assembler::snapshot::{Part, Target, UnusableReason};
 use super::assembler::{self, Config, EndpointsApi};
 use super::keys::{ConsulKey, KubeKey, WatchKey};
 use super::model::{ConsulEvent, Event, KubeEvent, WatchFailure};
@@ -328,6 +328,25 @@ async fn mappings_drive_consul_watches_and_sharing() {
     assert_eq!(services, ["billing", "posts"], "three Mappings, two resolvers, one billing watch");
     assert!(consul_keys(&p).iter().all(|k| k.datacenter.as_deref() == Some("dc1")));
 
+    // The two resolvers' equal entries of billing are one part, whose JSON is made and
+    // kept once, and stay one after a new answer.
+    let billing = |s: &assembler::Snapshot, ns: &str| {
+        s.resolver(ns, "consul")
+            .and_then(|r| r.services.iter().find(|e| e.name == "billing"))
+            .cloned()
+            .expect("billing")
+    };
+    for (index, address) in [(3, "10.0.0.1"), (4, "10.0.0.2")] {
+        let answers = consul_keys(&p)
+            .into_iter()
+            .map(|k| Event::Consul(k, ConsulEvent::Answer { index, endpoints: vec![ep(address, 80)] }));
+        p.apply(answers, now);
+        tokio::time::advance(WINDOW * 2).await;
+        let s = publish(&mut p).expect("published");
+        assert_eq!(billing(&s, "blog").endpoints[0].address, address);
+        assert!(Part::ptr_eq(&billing(&s, "shop"), &billing(&s, "blog")), "one part for equal entries");
+    }
+
     // Mapping d goes: posts stops. Mapping a goes: billing stays (b and c still use it).
     let diff = p.apply(
         [
@@ -351,6 +370,12 @@ async fn mappings_drive_consul_watches_and_sharing() {
     assert_eq!(diff.added.len(), 1, "{diff:?}");
     assert!(matches!(&diff.added[0], WatchKey::Consul(k) if k.datacenter.as_deref() == Some("dc2")));
     assert!(diff.removed.is_empty(), "dc1 billing is still used by shop/b");
+    // Their entries differ now (blog's new query has not answered): each its own.
+    tokio::time::advance(WINDOW * 2).await;
+    let s = publish(&mut p).expect("published");
+    let (shop, blog) = (billing(&s, "shop"), billing(&s, "blog"));
+    assert!(shop.synced && !blog.synced, "{shop:?} {blog:?}");
+    assert!(!Part::ptr_eq(&shop, &blog));
 }
 
 #[tokio::test(start_paused = true)]
@@ -1519,50 +1544,4 @@ async fn an_export_and_a_mapping_of_one_service_share_one_watch_both_ways() {
         now,
     );
     assert_eq!(diff.added, [WatchKey::Consul(key)]);
-}
-
-/// Two resolvers that follow the same Consul read equal entries of a service: one part,
-/// whose JSON is made and kept once, before and after an answer, and each its own again
-/// when they differ.
-#[tokio::test(start_paused = true)]
-async fn resolvers_of_one_consul_share_their_equal_service_entries() {
-    let mut p = pipeline(Config::default());
-    let now = Instant::now();
-    p.set_fixed(fixed(), now);
-    let same = json!({"address": "127.0.0.1:8500"});
-    p.apply(
-        listed(&resolvers_key(), vec![resolver("shop", "consul", same.clone()), resolver("shop", "other", same)]),
-        now,
-    );
-    p.apply(
-        listed(
-            &mappings_key(),
-            vec![
-                mapping("shop", "a", json!({"service": "billing:8080", "resolver": "consul"})),
-                mapping("shop", "b", json!({"service": "billing:8080", "resolver": "other"})),
-            ],
-        ),
-        now,
-    );
-    let keys = consul_keys(&p);
-    assert_eq!(keys.len(), 1, "one query for both: {keys:?}");
-    p.apply(
-        [Event::Consul(keys[0].clone(), ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })],
-        now,
-    );
-    let shared = |s: &super::assembler::Snapshot| {
-        let [a, b] = &s.content.resolvers[..] else { panic!("two resolvers") };
-        super::assembler::snapshot::Part::ptr_eq(&a.services[0], &b.services[0])
-    };
-    let first = publish(&mut p).expect("published");
-    assert_eq!(first.content.resolvers[0].services[0].endpoints.len(), 1);
-    assert!(shared(&first), "one part for equal entries");
-    p.apply(
-        [Event::Consul(keys[0].clone(), ConsulEvent::Answer { index: 4, endpoints: vec![ep("10.0.0.2", 80)] })],
-        now,
-    );
-    tokio::time::advance(WINDOW * 2).await;
-    let second = publish(&mut p).expect("published");
-    assert_eq!(second.content.resolvers[1].services[0].endpoints[0].address, "10.0.0.2");
-    assert!(shared(&second), "after an answer too");
 }
