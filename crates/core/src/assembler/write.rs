@@ -23,12 +23,7 @@ impl Content {
         w.literal(b"\"bootstrap\":");
         w.bytes(to_json(bootstrap));
         w.literal(b",\"resolvers\":[");
-        for (i, r) in resolvers.iter().enumerate() {
-            if i > 0 {
-                w.literal(b",");
-            }
-            write_resolver(r, w);
-        }
+        separated(resolvers, w, |r, w| write_resolver(r, w));
         w.literal(b"],\"mappings\":");
         elements(mappings, w, |m| identity(&[&m.namespace, &m.name]));
         w.literal(b",\"kubernetesServices\":");
@@ -40,14 +35,11 @@ impl Content {
         // Problems are not parts (they are made again with each content), but there can be
         // many: each is an element a segment may end after.
         w.literal(b",\"problems\":[");
-        for (i, p) in problems.iter().enumerate() {
-            if i > 0 {
-                w.literal(b",");
-            }
+        separated(problems, w, |p, w| {
             let json = to_json(p);
             let hash = segment::hash(&json);
             w.element(json, hash, identity(&[&p.kind, &p.namespace, &p.name]));
-        }
+        });
         w.literal(b"]");
         if !exports.is_empty() {
             w.literal(b",\"exports\":");
@@ -74,27 +66,31 @@ fn write_resolver(r: &ResolverEntry, w: &mut Segmenter<'_>) {
     // Fixed by the derive's field order; the unit tests compare every document with serde's.
     debug_assert!(head.ends_with(EMPTY), "serde writes a resolver entry's services last");
     w.bytes(head.slice(..head.len() - 2));
-    for (i, s) in services.iter().enumerate() {
-        if i > 0 {
-            w.literal(b",");
-        }
+    separated(services, w, |s, w| {
         let (json, hash) = s.json();
         w.element(json, hash, identity(&[&s.name]));
-    }
+    });
     w.literal(b"]}");
 }
 
 /// `[`, the parts' JSON, `]`; `identity` says what each part is about.
 fn elements<T: Serialize>(parts: &[Part<T>], w: &mut Segmenter<'_>, identity: impl Fn(&T) -> u64) {
     w.literal(b"[");
-    for (i, p) in parts.iter().enumerate() {
+    separated(parts, w, |p, w| {
+        let (json, hash) = p.json();
+        w.element(json, hash, identity(p));
+    });
+    w.literal(b"]");
+}
+
+/// Each of `items` written by `write`, with commas between.
+fn separated<T>(items: &[T], w: &mut Segmenter<'_>, mut write: impl FnMut(&T, &mut Segmenter<'_>)) {
+    for (i, item) in items.iter().enumerate() {
         if i > 0 {
             w.literal(b",");
         }
-        let (json, hash) = p.json();
-        w.element(json, hash, identity(p));
+        write(item, w);
     }
-    w.literal(b"]");
 }
 
 /// A hash of the names an element is about (see [`Segmenter::element`]).
