@@ -14,9 +14,10 @@
 //!   index); anything else (a port change that does not rewrite its check, a check-less
 //!   registration, writes the feed did not see one by one) calls for re-reading everything.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use crate::client::parse::CheckRow;
+use crate::client::parse::{CheckBytes, CheckRow};
 
 /// What to re-read. Service names are lower case: Consul compares them case-insensitively.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -58,10 +59,11 @@ const WIDEST_ACCOUNTED_MOVE: u64 = 1024;
 #[derive(Debug, Default)]
 pub(crate) struct ChecksView {
     index: Option<u64>,
-    /// Node -> check ID -> what the view knows of the check. Updated in place and looked up
-    /// by the answer's borrowed strings: at 75,000 checks, building a new map per answer
-    /// (and dropping the old one) was a tenth of the operator's CPU per change.
-    checks: HashMap<String, HashMap<String, Known>>,
+    /// Each check by the hash of its bytes in the answers ([`CheckBytes`]): a check whose
+    /// bytes come back is unchanged and is neither read nor looked up by name. At 75,000
+    /// checks, reading each and finding it by node and ID in every answer was most of what
+    /// an answer cost the feed.
+    checks: HashMap<u128, Known>,
     /// Which answer `Known::seen` refers to.
     generation: u64,
     /// Raft indexes at which the view saw a check written or removed.
@@ -70,6 +72,8 @@ pub(crate) struct ChecksView {
 
 #[derive(Debug)]
 struct Known {
+    node: String,
+    check_id: String,
     service: String,
     modify_index: u64,
     /// The last answer (generation) that had it: those not in the latest were removed.
@@ -83,66 +87,65 @@ impl ChecksView {
 
     /// Takes a new answer; returns what changed since the previous one. The first answer,
     /// and one whose index went backwards (a restored or rebuilt cluster), change everything.
-    pub(crate) fn apply(&mut self, index: u64, rows: Vec<CheckRow<'_>>) -> Stale {
-        let previous = self.index.replace(index);
+    /// A check that cannot be read is an error, and the view is left as it was.
+    pub(crate) fn apply(&mut self, index: u64, answer: &[CheckBytes<'_>]) -> Result<Stale, String> {
+        let base = self.index.filter(|base| index >= *base);
+        let known = |c: &&CheckBytes<'_>| base.is_some() && self.checks.contains_key(&c.hash);
+        let new: Vec<(u128, CheckRow<'_>)> =
+            answer.iter().filter(|c| !known(c)).map(|c| Ok((c.hash, c.read()?))).collect::<Result<_, String>>()?;
+
+        self.index = Some(index);
         let mut stale = Stale::default();
-        let base = match previous {
-            Some(base) if index >= base => Some(base),
-            _ => {
-                stale.everything = true;
-                self.writes.clear();
-                self.checks.clear();
-                None
-            }
-        };
+        if base.is_none() {
+            stale.everything = true;
+            self.writes.clear();
+            self.checks.clear();
+        }
         self.generation += 1;
         let seen = self.generation;
-        for row in rows {
-            if let Some(base) = base
-                && row.modify_index > base
-            {
-                stale.check(&row.node, &row.service);
-                self.writes.insert(row.modify_index);
+        for check in answer {
+            if let Some(known) = self.checks.get_mut(&check.hash) {
+                known.seen = seen;
             }
-            if !self.checks.contains_key(row.node.as_ref()) {
-                self.checks.insert(row.node.clone().into_owned(), HashMap::new());
-            }
-            let on_node = self.checks.get_mut(row.node.as_ref()).expect("inserted above");
-            match on_node.get_mut(row.check_id.as_ref()) {
-                Some(known) => {
-                    known.modify_index = row.modify_index;
-                    known.seen = seen;
-                    if known.service != row.service {
-                        known.service = row.service.into_owned();
-                    }
+        }
+        // A check whose bytes changed comes back under a new hash: its old entry is replaced,
+        // not removed.
+        let mut rewritten = HashSet::new();
+        for (hash, row) in new {
+            if let Some(base) = base {
+                if row.modify_index > base {
+                    stale.check(&row.node, &row.service);
+                    self.writes.insert(row.modify_index);
                 }
-                None => {
-                    let known = Known { service: row.service.into_owned(), modify_index: row.modify_index, seen };
-                    on_node.insert(row.check_id.into_owned(), known);
-                }
+                rewritten.insert((row.node.clone(), row.check_id.clone()));
             }
+            let known = Known {
+                node: row.node.into_owned(),
+                check_id: row.check_id.into_owned(),
+                service: row.service.into_owned(),
+                modify_index: row.modify_index,
+                seen,
+            };
+            self.checks.insert(hash, known);
         }
         let mut removed = false;
-        for (node, on_node) in &mut self.checks {
-            on_node.retain(|_, k| {
-                let kept = k.seen == seen;
-                if !kept && base.is_some() {
-                    stale.check(node, &k.service);
-                    removed = true;
-                }
-                kept
-            });
-        }
-        self.checks.retain(|_, on_node| !on_node.is_empty());
+        self.checks.retain(|_, k| {
+            let kept = k.seen == seen;
+            if !kept && !rewritten.contains(&(Cow::Borrowed(k.node.as_str()), Cow::Borrowed(k.check_id.as_str()))) {
+                stale.check(&k.node, &k.service);
+                removed = true;
+            }
+            kept
+        });
         // The table's index is its latest write; when no remaining check carries it, that
         // write was a removal, and the removals above account for it.
-        if removed && !self.checks.values().flat_map(HashMap::values).any(|k| k.modify_index == index) {
+        if removed && !self.checks.values().any(|k| k.modify_index == index) {
             self.writes.insert(index);
         }
         while self.writes.len() > REMEMBERED_WRITES {
             self.writes.pop_first();
         }
-        stale
+        Ok(stale)
     }
 
     /// Whether every raft index in `(after, upto]` was a check write this view saw.
@@ -204,10 +207,26 @@ impl CatalogView {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::client::parse::health_state;
 
     fn row(node: &str, check: &str, service: &str, modify_index: u64) -> CheckRow<'static> {
         let owned = |s: &str| std::borrow::Cow::Owned(s.to_owned());
         CheckRow { node: owned(node), check_id: owned(check), service: owned(service), modify_index }
+    }
+
+    /// The answer an agent would send for `rows`, through the feed's reader.
+    fn apply(v: &mut ChecksView, index: u64, rows: &[CheckRow<'_>]) -> Stale {
+        let body = serde_json::to_vec(
+            &rows
+                .iter()
+                .map(|r| {
+                    serde_json::json!({"Node": r.node, "CheckID": r.check_id, "Name": "n", "Status": "passing",
+                        "ServiceName": r.service, "CreateIndex": 1, "ModifyIndex": r.modify_index})
+                })
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        v.apply(index, &health_state(&body).unwrap()).unwrap()
     }
 
     fn names(v: &[&str]) -> BTreeSet<String> {
@@ -218,45 +237,80 @@ mod tests {
     fn checks_name_the_services_and_nodes_that_changed() {
         let mut v = ChecksView::default();
         let base = vec![row("n1", "serfHealth", "", 5), row("n1", "svc:web", "Web", 6), row("n2", "svc:api", "api", 7)];
-        assert!(v.apply(7, base.clone()).everything, "the first answer is a baseline: everything");
+        assert!(apply(&mut v, 7, &base).everything, "the first answer is a baseline: everything");
 
         // web's check flips at 8.
         let mut next = base.clone();
         next[1].modify_index = 8;
-        let s = v.apply(8, next.clone());
+        let s = apply(&mut v, 8, &next);
         assert_eq!(s, Stale { services: names(&["web"]), ..Stale::default() });
         assert!(v.accounts_for(7, 8));
 
         // A node check flips at 9: the node, not a service.
         next[0].modify_index = 9;
-        assert_eq!(v.apply(9, next.clone()), Stale { nodes: names(&["n1"]), ..Stale::default() });
+        assert_eq!(apply(&mut v, 9, &next), Stale { nodes: names(&["n1"]), ..Stale::default() });
 
         // api's check is removed at 10 (its instance deregistered).
         next.remove(2);
-        assert_eq!(v.apply(10, next.clone()), Stale { services: names(&["api"]), ..Stale::default() });
+        assert_eq!(apply(&mut v, 10, &next), Stale { services: names(&["api"]), ..Stale::default() });
         assert!(v.accounts_for(9, 10), "a removal is the table's latest write");
 
         // A timeout: same index, nothing changed.
-        assert!(v.apply(10, next.clone()).is_empty());
+        assert!(apply(&mut v, 10, &next).is_empty());
 
         // The index goes backwards: everything, and no old write accounts for anything.
-        assert!(v.apply(3, next).everything);
+        assert!(apply(&mut v, 3, &next).everything);
         assert!(!v.accounts_for(7, 8));
     }
 
     #[test]
     fn only_writes_seen_one_by_one_account_for_a_move() {
         let mut v = ChecksView::default();
-        v.apply(10, vec![row("n", "a", "a", 10), row("n", "b", "b", 10)]);
+        apply(&mut v, 10, &[row("n", "a", "a", 10), row("n", "b", "b", 10)]);
         // Two check writes at 12 and 13; 11 was something else.
-        v.apply(13, vec![row("n", "a", "a", 12), row("n", "b", "b", 13)]);
+        apply(&mut v, 13, &[row("n", "a", "a", 12), row("n", "b", "b", 13)]);
         assert!(v.accounts_for(11, 13));
         assert!(!v.accounts_for(10, 13), "index 11 is unexplained");
         assert!(!v.accounts_for(13, 13), "an empty move is not accounted for");
         // A check rewritten twice between answers shows only its last write.
-        v.apply(16, vec![row("n", "a", "a", 16), row("n", "b", "b", 13)]);
+        apply(&mut v, 16, &[row("n", "a", "a", 16), row("n", "b", "b", 13)]);
         assert!(v.accounts_for(15, 16));
         assert!(!v.accounts_for(13, 16));
+    }
+
+    #[test]
+    fn unchanged_checks_are_not_read_again() {
+        let mut v = ChecksView::default();
+        let base = [row("n1", "serfHealth", "", 5), row("n1", "svc:web", "web", 6)];
+        apply(&mut v, 6, &base);
+        // The same bytes with a malformed check beside them: only the new one is read, and
+        // its error leaves the view as it was.
+        let body = br#"[{"Node":"n1","CheckID":"serfHealth","Name":"n","Status":"passing","ServiceName":"","CreateIndex":1,"ModifyIndex":5},
+            {"Node":"n1","CheckID":"svc:web","Name":"n","Status":"passing","ServiceName":"web","CreateIndex":1,"ModifyIndex":6},
+            {"Node":7}]"#;
+        assert!(v.apply(9, &health_state(body).unwrap()).unwrap_err().contains("malformed check"));
+        assert_eq!(v.index(), Some(6), "a failed answer changes nothing");
+        // Whitespace around a check is not part of it: an agent's indentation is no change.
+        let pretty = br#"[ {"Node":"n1","CheckID":"serfHealth","Name":"n","Status":"passing","ServiceName":"","CreateIndex":1,"ModifyIndex":5} ,
+            {"Node":"n1","CheckID":"svc:web","Name":"n","Status":"passing","ServiceName":"web","CreateIndex":1,"ModifyIndex":6} ]"#;
+        assert!(v.apply(7, &health_state(pretty).unwrap()).unwrap().is_empty());
+        assert!(!v.accounts_for(6, 7), "index 7 was no check write");
+    }
+
+    #[test]
+    fn a_check_rewritten_is_changed_not_removed() {
+        let mut v = ChecksView::default();
+        apply(&mut v, 6, &[row("n1", "svc:web", "web", 6), row("n2", "svc:api", "api", 6)]);
+        // web's check rewritten at 8 (its bytes change), api's removed at 9.
+        let s = apply(&mut v, 9, &[row("n1", "svc:web", "web", 8)]);
+        assert_eq!(s, Stale { services: names(&["web", "api"]), ..Stale::default() });
+        assert!(v.accounts_for(7, 9), "8 the rewrite, 9 the removal");
+        // Rewritten again with an output that does not move ModifyIndex (not a write Consul
+        // would send, but the view must not take it for a removal either).
+        let body = br#"[{"Node":"n1","CheckID":"svc:web","Output":"slow","ServiceName":"web","ModifyIndex":8}]"#;
+        assert!(v.apply(9, &health_state(body).unwrap()).unwrap().is_empty());
+        // And web's check is still known: removing it now names web.
+        assert_eq!(apply(&mut v, 10, &[]), Stale { services: names(&["web"]), ..Stale::default() });
     }
 
     #[test]

@@ -292,12 +292,12 @@ impl Ctx<'_> {
     async fn checks(&self, block: Option<(u64, Duration)>) -> Result<(u64, bool), QueryError> {
         let token = self.key.server.token.as_ref();
         let sent = Instant::now();
-        let health_state = self.client.health_state(&self.scope, token, block, |index, rows| {
+        let health_state = self.client.health_state(&self.scope, token, block, |index, checks| {
             let mut view = self.checks.lock().expect("checks view poisoned");
             let first = view.index().is_none();
-            let stale = view.apply(index, rows);
+            let stale = view.apply(index, &checks)?;
             self.feed.catch_up().checks_answered(Instant::now(), |after, upto| view.accounts_for(after, upto));
-            (stale, first)
+            Ok((stale, first))
         });
         let answer =
             observe::request(&self.env.metrics, observe::Query::Checks, Some(&self.key), block, health_state).await?;

@@ -244,18 +244,20 @@ impl HttpClient {
     }
 
     /// `GET /v1/health/state/any`: every check of the scope (the change feed). `apply`
-    /// takes the answer's index and its checks, borrowed from the body it reads them from.
+    /// takes the answer's index and its checks, still unread, borrowed from the body; its
+    /// error is a malformed answer.
     pub(crate) async fn health_state<R>(
         &self,
         scope: &Scope,
         token: Option<&Secret>,
         block: Option<(u64, Duration)>,
-        apply: impl FnOnce(u64, Vec<parse::CheckRow<'_>>) -> R,
+        apply: impl FnOnce(u64, Vec<parse::CheckBytes<'_>>) -> Result<R, String>,
     ) -> Result<Answer<R>, QueryError> {
         let url = format!("{}/v1/health/state/any", self.base);
         let Got { index, body, .. } = self.scoped_get(&url, scope, token, block).await?;
-        let rows = parse::health_state(&body).map_err(|cause| self.body_error(cause))?;
-        Ok(Answer { index, value: apply(index, rows) })
+        let checks = parse::health_state(&body).map_err(|cause| self.body_error(cause))?;
+        let value = apply(index, checks).map_err(|cause| self.body_error(cause))?;
+        Ok(Answer { index, value })
     }
 
     async fn scoped_get(

@@ -211,19 +211,123 @@ fn in_place<'de: 'a, 'a, D: serde::Deserializer<'de>>(d: D) -> Result<Cow<'a, st
     d.deserialize_any(InPlace)
 }
 
-/// `/v1/health/state/any`: every check of the scope.
-pub(crate) fn health_state(body: &[u8]) -> Result<Vec<CheckRow<'_>>, String> {
-    let raw: Vec<StateCheck<'_>> =
-        serde_json::from_slice(body).map_err(|e| format!("malformed /v1/health/state body: {e}"))?;
-    Ok(raw
-        .into_iter()
-        .map(|c| CheckRow {
+/// One check of `/v1/health/state/any` as it came: its bytes, and a hash of them that
+/// stands for the check in the change feed's view. The feed reads only the checks whose
+/// bytes it has not seen before (docs/consul.md, "Services without a blocking query of their
+/// own"): every write to a check moves its `ModifyIndex`, so a check that did not change
+/// comes back byte for byte, and at 75,000 checks reading and looking up every one of them
+/// in every answer was half of what the feed cost.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CheckBytes<'a> {
+    /// 128 bits of xxh3: a collision (a changed check taken for an unchanged one) is far
+    /// less likely than a memory error.
+    pub hash: u128,
+    bytes: &'a [u8],
+}
+
+impl<'a> CheckBytes<'a> {
+    /// Reads the check: an error when it is not a check.
+    pub(crate) fn read(&self) -> Result<CheckRow<'a>, String> {
+        let c: StateCheck<'a> = serde_json::from_slice(self.bytes)
+            .map_err(|e| format!("malformed check in a /v1/health/state body: {e}"))?;
+        Ok(CheckRow {
             node: c.node,
             check_id: c.check_id,
             service: c.service_name,
             modify_index: c.modify_index.unwrap_or(0),
         })
-        .collect())
+    }
+}
+
+/// `/v1/health/state/any`: every check of the scope, split but not yet read. The body must
+/// be one JSON array to its end; each element is only bracket-matched here and read (and
+/// so validated) by [`CheckBytes::read`] when its bytes are new to the reader.
+pub(crate) fn health_state(body: &[u8]) -> Result<Vec<CheckBytes<'_>>, String> {
+    let malformed = |what: &str| format!("malformed /v1/health/state body: {what}");
+    let mut checks = Vec::new();
+    let mut at = skip_space(body, 0);
+    if body.get(at) != Some(&b'[') {
+        return Err(malformed("not an array"));
+    }
+    at = skip_space(body, at + 1);
+    if body.get(at) == Some(&b']') {
+        at += 1;
+    } else {
+        loop {
+            let end = element_end(body, at).ok_or_else(|| malformed("truncated"))?;
+            let bytes = &body[at..end];
+            checks.push(CheckBytes { hash: xxhash_rust::xxh3::xxh3_128(bytes), bytes });
+            at = skip_space(body, end);
+            match body.get(at) {
+                Some(b',') => at = skip_space(body, at + 1),
+                Some(b']') => {
+                    at += 1;
+                    break;
+                }
+                Some(_) => return Err(malformed("expected `,` or `]` between checks")),
+                None => return Err(malformed("truncated")),
+            }
+        }
+    }
+    if skip_space(body, at) != body.len() {
+        return Err(malformed("trailing characters after the array"));
+    }
+    Ok(checks)
+}
+
+/// Every check of a `/v1/health/state` body, read.
+#[cfg(test)]
+fn read_all(body: &[u8]) -> Result<Vec<CheckRow<'_>>, String> {
+    health_state(body)?.iter().map(CheckBytes::read).collect()
+}
+
+fn skip_space(body: &[u8], mut at: usize) -> usize {
+    while body.get(at).is_some_and(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r')) {
+        at += 1;
+    }
+    at
+}
+
+/// Where the array element starting at `start` ends: its brackets matched, strings (and
+/// their escapes) skipped. `None` when the body ends first. Whether the element is well
+/// formed is for the JSON reader to say.
+fn element_end(body: &[u8], start: usize) -> Option<usize> {
+    let mut depth = 0usize;
+    let mut at = start;
+    while let Some(&b) = body.get(at) {
+        match b {
+            b'"' => {
+                at = string_end(body, at + 1)?;
+                if depth == 0 {
+                    return Some(at);
+                }
+                continue;
+            }
+            b'{' | b'[' => depth += 1,
+            b'}' | b']' if depth == 0 => return Some(at),
+            b'}' | b']' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(at + 1);
+                }
+            }
+            b',' if depth == 0 => return Some(at),
+            _ => {}
+        }
+        at += 1;
+    }
+    None
+}
+
+/// Just past the quote closing the string whose contents start at `at`.
+fn string_end(body: &[u8], mut at: usize) -> Option<usize> {
+    loop {
+        let found = at + memchr::memchr2(b'"', b'\\', body.get(at..)?)?;
+        if body[found] == b'"' {
+            return Some(found + 1);
+        }
+        at = found + 2;
+    }
 }
 
 fn endpoint(mut e: Entry, kind: &AddressType) -> Endpoint {
@@ -397,7 +501,7 @@ mod tests {
         assert!(services["old"].is_empty() && services["consul"].is_empty());
         assert!(catalog_services(b"[]").is_err());
 
-        let rows = health_state(
+        let rows = read_all(
             br#"[{"Node":"n1","CheckID":"serfHealth","Name":"Serf","Status":"passing","ServiceID":"","ServiceName":"",
                    "ServiceTags":[],"Type":"","CreateIndex":5,"ModifyIndex":5},
                   {"Node":"n1","CheckID":"service:web-1","Status":"critical","ServiceID":"web-1","ServiceName":"web",
@@ -410,13 +514,13 @@ mod tests {
         );
         assert_eq!(rows[0].service, "", "a node check names no service");
         assert!(matches!(rows[1].check_id, Cow::Borrowed(_)), "read in place, not copied");
-        let escaped = health_state(br#"[{"Node":"n1","CheckID":"c","ModifyIndex":1}]"#).unwrap();
+        let escaped = read_all(br#"[{"Node":"n1","CheckID":"c","ModifyIndex":1}]"#).unwrap();
         assert_eq!(escaped[0].node, "n1", "an escaped string is unescaped into a copy");
-        let nulls = health_state(br#"[{"Node":"n","CheckID":"c","ServiceName":null,"ModifyIndex":1}]"#).unwrap();
+        let nulls = read_all(br#"[{"Node":"n","CheckID":"c","ServiceName":null,"ModifyIndex":1}]"#).unwrap();
         assert_eq!(nulls[0].service, "", "null, as older agents send it, is empty");
-        assert!(health_state(br#"[{"Node":7,"CheckID":"c","ModifyIndex":1}]"#).is_err());
+        assert!(read_all(br#"[{"Node":7,"CheckID":"c","ModifyIndex":1}]"#).is_err());
         for bad in [&b"{}"[..], b"null", b"[{\"ModifyIndex\":-1}]", b"<html>"] {
-            assert!(health_state(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
+            assert!(read_all(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
         }
     }
 
@@ -455,6 +559,8 @@ mod proptests {
             any::<u64>().prop_map(Value::from),
             any::<f64>().prop_filter("JSON numbers are finite", |f| f.is_finite()).prop_map(Value::from),
             ".{0,8}".prop_map(Value::from),
+            // What a splitter could take for structure: quotes, escapes, brackets.
+            r#"[\\"{}\[\],: a]{0,8}"#.prop_map(Value::from),
         ];
         leaf.prop_recursive(4, 48, 6, |inner| {
             prop_oneof![
@@ -615,7 +721,7 @@ mod proptests {
             }
             let (_, peak) = peak_heap(|| catalog_services(&body));
             prop_assert!(peak <= heap_bound(&body));
-            let (_, peak) = peak_heap(|| health_state(&body));
+            let (_, peak) = peak_heap(|| read_all(&body));
             prop_assert!(peak <= heap_bound(&body));
         }
 
@@ -669,6 +775,32 @@ mod proptests {
         }
 
         #[test]
+        fn checks_answers_split_into_their_elements_exactly(
+            values in prop::collection::vec(any_json(), 0..6),
+            pretty in any::<bool>(),
+        ) {
+            let body = if pretty { serde_json::to_vec_pretty(&values) } else { serde_json::to_vec(&values) }.unwrap();
+            let split = health_state(&body).unwrap();
+            prop_assert_eq!(split.len(), values.len());
+            for (check, value) in split.iter().zip(&values) {
+                // Each element is its value's bytes, whatever strings, escapes and brackets
+                // it holds (compared read back when indented, floats read the same way).
+                let alone = serde_json::to_vec(value).unwrap();
+                if pretty {
+                    let read = |b: &[u8]| serde_json::from_slice::<Value>(b).unwrap();
+                    prop_assert_eq!(read(check.bytes), read(&alone));
+                } else {
+                    prop_assert_eq!(check.bytes, &alone[..]);
+                    prop_assert_eq!(check.hash, xxhash_rust::xxh3::xxh3_128(&alone));
+                }
+            }
+            // A truncated answer is an error from the split alone, never fewer checks.
+            for cut in [0, body.len() / 3, body.len() / 2, body.len() - 1] {
+                prop_assert!(health_state(&body[..cut]).is_err(), "prefix of {} bytes", cut);
+            }
+        }
+
+        #[test]
         fn health_state_reads_back_every_check(
             checks in prop::collection::vec((text(), text(), prop::option::of(text()), any::<u64>()), 0..8),
         ) {
@@ -680,7 +812,7 @@ mod proptests {
                 }))
                 .collect();
             let bytes = serde_json::to_vec(&body).unwrap();
-            let rows = health_state(&bytes).unwrap();
+            let rows = read_all(&bytes).unwrap();
             let want: Vec<CheckRow> = checks
                 .into_iter()
                 .map(|(node, check_id, service, modify_index)| CheckRow {
