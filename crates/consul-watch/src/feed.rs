@@ -292,10 +292,10 @@ impl Ctx<'_> {
     async fn checks(&self, block: Option<(u64, Duration)>) -> Result<(u64, bool), QueryError> {
         let token = self.key.server.token.as_ref();
         let sent = Instant::now();
-        let health_state = self.client.health_state(&self.scope, token, block, |index, checks| {
+        let health_state = self.client.health_state(&self.scope, token, block, |index, body| {
             let mut view = self.checks.lock().expect("checks view poisoned");
             let first = view.index().is_none();
-            let stale = view.apply(index, &checks)?;
+            let stale = view.apply(index, body)?;
             self.feed.catch_up().checks_answered(Instant::now(), |after, upto| view.accounts_for(after, upto));
             Ok((stale, first))
         });

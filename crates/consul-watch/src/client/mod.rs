@@ -244,19 +244,18 @@ impl HttpClient {
     }
 
     /// `GET /v1/health/state/any`: every check of the scope (the change feed). `apply`
-    /// takes the answer's index and its checks, still unread, borrowed from the body; its
-    /// error is a malformed answer.
+    /// takes the answer's index and its body, and reads what it needs of it (the checks
+    /// it does not know already); its error is a malformed answer.
     pub(crate) async fn health_state<R>(
         &self,
         scope: &Scope,
         token: Option<&Secret>,
         block: Option<(u64, Duration)>,
-        apply: impl FnOnce(u64, Vec<parse::CheckBytes<'_>>) -> Result<R, String>,
+        apply: impl FnOnce(u64, &[u8]) -> Result<R, String>,
     ) -> Result<Answer<R>, QueryError> {
         let url = format!("{}/v1/health/state/any", self.base);
         let Got { index, body, .. } = self.scoped_get(&url, scope, token, block).await?;
-        let checks = parse::health_state(&body).map_err(|cause| self.body_error(cause))?;
-        let value = apply(index, checks).map_err(|cause| self.body_error(cause))?;
+        let value = apply(index, &body).map_err(|cause| self.body_error(cause))?;
         Ok(Answer { index, value })
     }
 
