@@ -317,11 +317,11 @@ impl Ctx<'_> {
     /// not accounted for by check writes.
     async fn catalog(&self, block: Option<(u64, Duration)>, view: &mut CatalogView) -> Result<(u64, bool), QueryError> {
         let token = self.key.server.token.as_ref();
-        let catalog = self.client.catalog_services(&self.scope, token, block);
+        let catalog = self.client.catalog_services(&self.scope, token, block, |index, body| view.apply(index, body));
         let answer =
             observe::request(&self.env.metrics, observe::Query::Catalog, Some(&self.key), block, catalog).await?;
         let index = answer.index;
-        match view.apply(index, answer.value) {
+        match answer.value {
             CatalogMove::Baseline => {
                 self.wake(&Stale::default());
                 return Ok((index, true));

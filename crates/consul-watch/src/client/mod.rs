@@ -12,7 +12,7 @@ pub(crate) mod multiplex;
 pub(crate) mod parse;
 pub(crate) mod tls;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -230,16 +230,19 @@ impl HttpClient {
         self.get(&url, &[], None, timeout).await.map(|_| ())
     }
 
-    /// `GET /v1/catalog/services`: service names and their tags (the change feed).
-    pub(crate) async fn catalog_services(
+    /// `GET /v1/catalog/services`: service names and their tags (the change feed). `apply`
+    /// takes the answer's index and its body, and reads it if it needs to
+    /// ([`parse::catalog_services`]); its error is a malformed answer.
+    pub(crate) async fn catalog_services<R>(
         &self,
         scope: &Scope,
         token: Option<&Secret>,
         block: Option<(u64, Duration)>,
-    ) -> Result<Answer<BTreeMap<String, Vec<String>>>, QueryError> {
+        apply: impl FnOnce(u64, &[u8]) -> Result<R, String>,
+    ) -> Result<Answer<R>, QueryError> {
         let url = format!("{}/v1/catalog/services", self.base);
         let Got { index, body, .. } = self.scoped_get(&url, scope, token, block).await?;
-        let value = parse::catalog_services(&body).map_err(|cause| self.body_error(cause))?;
+        let value = apply(index, &body).map_err(|cause| self.body_error(cause))?;
         Ok(Answer { index, value })
     }
 
