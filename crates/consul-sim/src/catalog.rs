@@ -31,6 +31,7 @@
 //! registration that changes nothing rewrites nothing and takes no index.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use serde::Deserialize;
 
@@ -381,19 +382,13 @@ impl StateFilter {
     }
 }
 
-/// What a check shows of the service instance it belongs to.
-#[derive(Clone, Debug)]
-pub(crate) struct CheckOwner {
-    pub key: ServiceKey,
-    pub tags: Vec<String>,
-}
-
 /// One row of a `/v1/health/state` answer, before rendering.
 #[derive(Clone, Debug)]
 pub(crate) struct StateEntry {
-    pub check: Check,
-    /// `None` for a node check.
-    pub owner: Option<CheckOwner>,
+    pub check: Arc<Check>,
+    /// The service instance it belongs to (its name, scope and tags show); `None` for a
+    /// node check.
+    pub owner: Option<Arc<ServiceInstance>>,
 }
 
 /// Bookkeeping of one write transaction.
@@ -471,7 +466,9 @@ pub(crate) struct Catalog {
     raft_index: u64,
     nodes: BTreeMap<String, Node>,
     /// Keyed by (node, service ID).
-    services: BTreeMap<(String, String), ServiceInstance>,
+    /// Shared with the answers that show them (`Arc`): a 75,000-check answer takes a
+    /// pointer per check under the lock, not copies of every string.
+    services: BTreeMap<(String, String), Arc<ServiceInstance>>,
     /// The instances of each service, as keys of `services`: a health read or a write's
     /// index bookkeeping then costs the instances of one service, not the whole catalog
     /// (a full scan per read held the lock long enough to cap a 75,000-instance catalog
@@ -479,7 +476,7 @@ pub(crate) struct Catalog {
     /// `remove_service_entry`; a service with no instance has no entry.
     by_service: HashMap<ServiceKey, BTreeSet<(String, String)>>,
     /// Keyed by (node, check ID).
-    checks: BTreeMap<(String, String), Check>,
+    checks: BTreeMap<(String, String), Arc<Check>>,
     /// The check IDs of each (node, service ID) owner, `""` for node checks: an instance's
     /// checks without walking every check of its node (thousands on a busy node). Kept in
     /// step with `checks` by `insert_check` and `remove_check`.
@@ -686,7 +683,7 @@ impl Catalog {
 
     fn health_of(&self, instances: Option<&BTreeSet<(String, String)>>, tags: &[String]) -> Vec<HealthEntry> {
         let mut entries = Vec::new();
-        let instances = instances.into_iter().flatten().filter_map(|k| self.services.get(k));
+        let instances = instances.into_iter().flatten().filter_map(|k| self.services.get(k)).map(|s| &**s);
         for svc in instances {
             let has_all_tags = tags.iter().all(|want| svc.tags.iter().any(|t| t.eq_ignore_ascii_case(want)));
             if !has_all_tags {
@@ -719,19 +716,23 @@ impl Catalog {
     ) -> Vec<StateEntry> {
         let scope = ServiceKey::scoped("", namespace, partition);
         let mut out = Vec::new();
+        // One lookup key, its strings' room reused for every check.
+        let mut key = (String::new(), String::new());
         for c in self.checks.values().filter(|c| filter.matches(c.status)) {
             let owner = if c.service_id.is_empty() {
                 None
             } else {
+                key.0.clone_from(&c.node);
+                key.1.clone_from(&c.service_id);
                 // Registration refuses a check of an unknown instance and removing an
                 // instance removes its checks, so the owner exists.
-                let Some(s) = self.services.get(&(c.node.clone(), c.service_id.clone())) else {
+                let Some(s) = self.services.get(&key) else {
                     continue;
                 };
                 if s.key.namespace != scope.namespace || s.key.partition != scope.partition {
                     continue;
                 }
-                Some(CheckOwner { key: s.key.clone(), tags: s.tags.clone() })
+                Some(s.clone())
             };
             out.push(StateEntry { check: c.clone(), owner });
         }
@@ -1017,17 +1018,22 @@ impl Catalog {
             n.modify_index = index;
         }
         for s in self.services.values_mut() {
+            let s = Arc::make_mut(s);
             s.create_index = index;
             s.modify_index = index;
         }
         for c in self.checks.values_mut() {
+            let c = Arc::make_mut(c);
             c.create_index = index;
             c.modify_index = index;
         }
     }
 
     fn node_services<'a>(&'a self, node: &'a str) -> impl Iterator<Item = &'a ServiceInstance> + 'a {
-        self.services.range((node.to_owned(), String::new())..).take_while(move |((n, _), _)| n == node).map(|(_, s)| s)
+        self.services
+            .range((node.to_owned(), String::new())..)
+            .take_while(move |((n, _), _)| n == node)
+            .map(|(_, s)| &**s)
     }
 
     /// A node change dirties every instance on it.
@@ -1038,7 +1044,10 @@ impl Catalog {
     }
 
     fn node_checks<'a>(&'a self, node: &'a str) -> impl Iterator<Item = &'a Check> + 'a {
-        self.checks.range((node.to_owned(), String::new())..).take_while(move |((n, _), _)| n == node).map(|(_, c)| c)
+        self.checks
+            .range((node.to_owned(), String::new())..)
+            .take_while(move |((n, _), _)| n == node)
+            .map(|(_, c)| &**c)
     }
 
     /// The checks of one instance (`service_id` empty: the node's own checks), by check ID.
@@ -1048,6 +1057,7 @@ impl Catalog {
             .into_iter()
             .flatten()
             .filter_map(move |id| self.checks.get(&(node.to_owned(), id.clone())))
+            .map(|c| &**c)
     }
 
     /// Inserts or replaces a check, moving it between owners if its service changed.
@@ -1057,10 +1067,10 @@ impl Catalog {
             .entry((check.node.clone(), check.service_id.clone()))
             .or_default()
             .insert(check.check_id.clone());
-        self.checks.insert((check.node.clone(), check.check_id.clone()), check);
+        self.checks.insert((check.node.clone(), check.check_id.clone()), Arc::new(check));
     }
 
-    fn remove_check(&mut self, node: &str, check_id: &str) -> Option<Check> {
+    fn remove_check(&mut self, node: &str, check_id: &str) -> Option<Arc<Check>> {
         let check = self.checks.remove(&(node.to_owned(), check_id.to_owned()))?;
         let owner = (check.node.clone(), check.service_id.clone());
         if let Some(ids) = self.checks_by_owner.get_mut(&owner) {
@@ -1090,7 +1100,7 @@ impl Catalog {
         let ids = self.checks_by_owner.get(&(node.to_owned(), service_id.to_owned())).cloned().unwrap_or_default();
         for id in ids {
             if let Some(c) = self.checks.get_mut(&(node.to_owned(), id)) {
-                c.modify_index = idx;
+                Arc::make_mut(c).modify_index = idx;
                 tx.checks_table_changed = true;
             }
         }
@@ -1102,11 +1112,11 @@ impl Catalog {
         if let Some(dest) = svc.connect_destination() {
             self.by_destination.entry(dest).or_default().insert(k.clone());
         }
-        self.services.insert(k, svc);
+        self.services.insert(k, Arc::new(svc));
     }
 
     /// Removes an instance from `services` and `by_service` (not its checks).
-    fn remove_service_entry(&mut self, k: &(String, String)) -> Option<ServiceInstance> {
+    fn remove_service_entry(&mut self, k: &(String, String)) -> Option<Arc<ServiceInstance>> {
         let svc = self.services.remove(k)?;
         if let Some(instances) = self.by_service.get_mut(&svc.key) {
             instances.remove(k);
@@ -1406,8 +1416,9 @@ mod tests {
         c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), None, None).unwrap();
         c.register(reg("n2", "10.0.0.2", "b", "b1", "warning"), Some("team"), None).unwrap();
         c.register(node_check("n2", "critical"), None, None).unwrap();
-        let ids =
-            |f, ns| -> Vec<String> { c.checks_in_state(f, ns, None).into_iter().map(|e| e.check.check_id).collect() };
+        let ids = |f, ns| -> Vec<String> {
+            c.checks_in_state(f, ns, None).into_iter().map(|e| e.check.check_id.clone()).collect()
+        };
         assert_eq!(ids(StateFilter::Any, None), ["check-a1", "serfHealth"]);
         assert_eq!(ids(StateFilter::Any, Some("team")), ["check-b1", "serfHealth"]);
         assert_eq!(ids(StateFilter::Only(CheckStatus::Critical), Some("team")), ["serfHealth"]);

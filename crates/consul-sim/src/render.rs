@@ -240,35 +240,57 @@ pub(crate) fn services(services: &BTreeMap<String, Vec<String>>, legacy: bool) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::catalog::{CheckOwner, CheckStatus};
+    use std::sync::Arc;
+
+    use crate::catalog::CheckStatus;
+
+    /// An instance of `key` with `tags`: what a check shows of its owner.
+    fn owner(key: ServiceKey, tags: Vec<String>) -> Option<Arc<ServiceInstance>> {
+        Some(Arc::new(ServiceInstance {
+            node: "n".into(),
+            id: "i".into(),
+            key,
+            tags,
+            address: String::new(),
+            port: 1,
+            meta: BTreeMap::new(),
+            tagged_addresses: BTreeMap::new(),
+            locality: None,
+            weights: Default::default(),
+            enable_tag_override: false,
+            kind: Default::default(),
+            proxy: None,
+            create_index: 1,
+            modify_index: 1,
+        }))
+    }
 
     /// The direct serialisation of checks is byte for byte the `Value` shape's, in both
     /// flavours, for node checks, service checks with and without tags, and scoped ones.
     #[test]
     fn checks_serialise_as_their_value_shape() {
-        let check = |node: &str, id: &str, service_id: &str, status| Check {
-            node: node.into(),
-            check_id: id.into(),
-            name: "c".into(),
-            status,
-            notes: "n".into(),
-            output: "out \"quoted\"".into(),
-            service_id: service_id.into(),
-            create_index: 3,
-            modify_index: 9,
+        let check = |node: &str, id: &str, service_id: &str, status| {
+            Arc::new(Check {
+                node: node.into(),
+                check_id: id.into(),
+                name: "c".into(),
+                status,
+                notes: "n".into(),
+                output: "out \"quoted\"".into(),
+                service_id: service_id.into(),
+                create_index: 3,
+                modify_index: 9,
+            })
         };
         let entries = vec![
             StateEntry { check: check("n1", "serfHealth", "", CheckStatus::Critical), owner: None },
             StateEntry {
                 check: check("n1", "c-web", "web-1", CheckStatus::Passing),
-                owner: Some(CheckOwner {
-                    key: ServiceKey::scoped("web", None, None),
-                    tags: vec!["a".into(), "b".into()],
-                }),
+                owner: owner(ServiceKey::scoped("web", None, None), vec!["a".into(), "b".into()]),
             },
             StateEntry {
                 check: check("n2", "c-api", "api-1", CheckStatus::Warning),
-                owner: Some(CheckOwner { key: ServiceKey::scoped("api", Some("team"), Some("p1")), tags: vec![] }),
+                owner: owner(ServiceKey::scoped("api", Some("team"), Some("p1")), vec![]),
             },
         ];
         for legacy in [false, true] {
