@@ -77,6 +77,11 @@ pub const KEY_GZIP: &str = "snapshot.json.gz";
 pub(crate) const KEY_INDEX: &str = "index.json";
 pub const KEY_PART: &str = "part";
 
+/// Parts created at once ([`Writer::create_parts`]): a change's few new parts in one round
+/// trip, while a first publication's dozens (each up to [`DATA_BUDGET`]) are not all held
+/// in requests at the same time.
+const PARTS_AT_ONCE: usize = 4;
+
 /// Bytes of data per ConfigMap: well under the API server's 1 MiB, leaving room for
 /// metadata (labels, annotations, managedFields).
 pub const DATA_BUDGET: usize = 900 * 1024;
@@ -640,6 +645,32 @@ impl Writer<'_> {
         }
     }
 
+    /// Creates `parts` of `encoded`, [`PARTS_AT_ONCE`] at a time: they are distinct objects,
+    /// each written in a round trip of its own, and one after the other they were most of a
+    /// publication's time at the scale profile (docs/benchmarks.md). Each creation sees and
+    /// records only its own name. The first error is returned once every creation started
+    /// has ended, with what each saw recorded.
+    async fn create_parts(&mut self, encoded: &Encoded, parts: &[&Part]) -> Result<(), PublishError> {
+        use futures::StreamExt as _;
+        let mut own: Vec<BTreeMap<String, Seen>> =
+            parts.iter().map(|p| self.seen.remove_entry(&p.name).into_iter().collect()).collect();
+        let (api, leadership, until) = (self.api, self.leadership, self.until);
+        // Futures made in a loop, not by a closure: a closure over these borrows makes the
+        // publication's boxed future not `Send` ("FnOnce is not general enough").
+        let mut creations = Vec::with_capacity(parts.len());
+        for (part, seen) in parts.iter().zip(own.iter_mut()) {
+            creations.push(async move {
+                Writer { api, leadership, until, seen }.create_part(&encoded.part_configmap(part)).await
+            });
+        }
+        let results: Vec<Result<(), PublishError>> =
+            futures::stream::iter(creations).buffer_unordered(PARTS_AT_ONCE).collect().await;
+        for seen in own {
+            self.seen.extend(seen);
+        }
+        results.into_iter().collect()
+    }
+
     /// Creates part `cm` whole (parts are immutable). One that exists already is used as it is
     /// when it holds these bytes under our labels (a part's name is its content's hash: an
     /// earlier publication or leader wrote it). Anything else of that name is read first,
@@ -788,15 +819,13 @@ impl Publisher for ConfigMapPublisher {
                 // The parts not known to be there as they should be, then the index naming
                 // them.
                 let Parts { mut existing, mut verified, named: previous } = known;
-                let mut created = 0;
-                for part in &encoded.parts {
-                    if !verified.contains(&part.name) {
-                        writer.create_part(&encoded.part_configmap(part)).await?;
-                        existing.insert(part.name.clone());
-                        verified.insert(part.name.clone());
-                        created += 1;
-                    }
+                let missing: Vec<&Part> = encoded.parts.iter().filter(|p| !verified.contains(&p.name)).collect();
+                writer.create_parts(&encoded, &missing).await?;
+                for part in &missing {
+                    existing.insert(part.name.clone());
+                    verified.insert(part.name.clone());
                 }
+                let created = missing.len();
                 writer.write(&encoded.main).await?;
                 // Switched. Our parts named by neither this index nor the one before it are
                 // read by nobody now.
@@ -1219,17 +1248,65 @@ mod tests {
 
     async fn stored_api(stored: Arc<Mutex<Stored>>) -> crate::test_fixtures::FakeApi {
         crate::test_fixtures::serve(Arc::new(move |method: &str, path: &str, body: &[u8]| {
-            let name = path.rsplit('/').next().unwrap_or_default().to_owned();
-            let mut st = stored.lock().unwrap();
-            match method {
-                "POST" => st.create(body),
-                "PATCH" => st.apply(&name, body),
-                "DELETE" => st.delete(&name, body),
-                "GET" => st.get(&name),
-                _ => (405, serde_json::json!({})),
-            }
+            answer(&stored, method, path, body)
         }))
         .await
+    }
+
+    /// What the API server holding `stored` answers.
+    fn answer(stored: &Mutex<Stored>, method: &str, path: &str, body: &[u8]) -> (u16, serde_json::Value) {
+        let name = path.rsplit('/').next().unwrap_or_default().to_owned();
+        let mut st = stored.lock().unwrap();
+        match method {
+            "POST" => st.create(body),
+            "PATCH" => st.apply(&name, body),
+            "DELETE" => st.delete(&name, body),
+            "GET" => st.get(&name),
+            _ => (405, serde_json::json!({})),
+        }
+    }
+
+    /// Parts are created several at once, up to the bound: each part's creation is held
+    /// until `PARTS_AT_ONCE` of them are in flight (or two seconds pass), which one after
+    /// the other never happens.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+    async fn parts_are_created_several_at_once() {
+        let s = Arc::new(snapshot(200, 64));
+        let names = part_names(&s);
+        assert!(names.len() > PARTS_AT_ONCE, "the budget splits this snapshot into {} parts", names.len());
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        // (in flight now, most in flight at once)
+        let gate = Arc::new((Mutex::new((0usize, 0usize)), std::sync::Condvar::new()));
+        let (stored2, gate2) = (stored.clone(), gate.clone());
+        let api = crate::test_fixtures::serve(Arc::new(move |method: &str, path: &str, body: &[u8]| {
+            let is_part = method == "POST" && body.windows(LABEL_PART_OF.len()).any(|w| w == LABEL_PART_OF.as_bytes());
+            if is_part {
+                let (lock, ready) = &*gate2;
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+                let mut g = lock.lock().unwrap();
+                g.0 += 1;
+                g.1 = g.1.max(g.0);
+                ready.notify_all();
+                while g.1 < PARTS_AT_ONCE {
+                    let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else { break };
+                    g = ready.wait_timeout(g, left).unwrap().0;
+                }
+                g.0 -= 1;
+            }
+            answer(&stored2, method, path, body)
+        }))
+        .await;
+        let publisher = small_budget(&api, Leadership::always());
+        publisher.publish(s.clone()).await.unwrap();
+        assert_eq!(gate.0.lock().unwrap().1, PARTS_AT_ONCE, "parts in flight at once");
+        assert_eq!(stored_parts(&stored), names.iter().cloned().collect::<BTreeSet<_>>(), "every part written");
+        let requests = api.take();
+        let index = requests.iter().position(|r| r == "PATCH snap").expect("the index is applied");
+        assert_eq!(
+            requests[..index].iter().filter(|r| *r == "POST configmaps").count(),
+            names.len() + 1,
+            "parts first"
+        );
     }
 
     /// A loopback API server holding `stored`, and a publisher (always leading) writing to it
@@ -1338,11 +1415,10 @@ mod tests {
         let err = publisher.publish(Arc::new(s2.clone())).await.unwrap_err();
         assert_eq!(err.reason(), "conflict", "{err}");
         let calls = api.take();
+        // Refused, read, deleted as read (other parts' creations run beside it).
         let at = calls.iter().position(|c| *c == format!("GET {new}")).unwrap();
-        assert_eq!(
-            calls[at - 1..at + 2],
-            ["POST configmaps".to_owned(), format!("GET {new}"), format!("DELETE {new}")]
-        );
+        assert!(calls[..at].contains(&"POST configmaps".to_owned()), "{calls:?}");
+        assert!(calls[at..].contains(&format!("DELETE {new}")), "{calls:?}");
         assert!(calls.iter().all(|c| c != "PATCH snap"), "the index is not switched: {calls:?}");
         assert_eq!(read_with(&stored.lock().unwrap(), &index1).unwrap(), s1.to_json());
         assert!(stored.lock().unwrap().objects[&new]["metadata"]["annotations"]["edited-by"] == "someone else");
@@ -1436,12 +1512,19 @@ mod tests {
         let api = stored_api(stored.clone()).await;
         let (lead, leadership) = Leadership::manual();
         lead.send_replace(Some(Instant::now() + std::time::Duration::from_secs(3600)));
-        let s = snapshot(40, 64);
+        let s = snapshot(200, 64);
+        assert!(part_names(&s).len() > PARTS_AT_ONCE);
         stored.lock().unwrap().lose_leadership_at = Some((part_names(&s)[0].clone(), lead));
         let publisher = small_budget(&api, leadership);
         let err = publisher.publish(Arc::new(s)).await.unwrap_err();
         assert_eq!(err.reason(), "leadership_lapsed", "{err}");
-        assert_eq!(api.take(), ["GET snap", "GET configmaps", "POST configmaps"], "nothing written after");
+        // The creations already on their way when the first answer said so, and nothing
+        // after: no further part, no index.
+        let calls = api.take();
+        let posts = calls.len() - 2;
+        assert_eq!(calls[..2], ["GET snap", "GET configmaps"]);
+        assert!((1..=PARTS_AT_ONCE).contains(&posts), "{calls:?}");
+        assert!(calls[2..].iter().all(|c| c == "POST configmaps"), "nothing written after: {calls:?}");
     }
 
     /// A new leader numbers its snapshots above every id in the ConfigMaps: the index's,

@@ -896,6 +896,55 @@ async fn publish_seconds(op: &Operator) -> Option<(f64, u64)> {
     ))
 }
 
+/// The histograms that say where a change's time goes: the publication's latency from its
+/// first event, the assembler's stages, each publisher, and the feed's Consul requests.
+const BREAKDOWN: [&str; 4] = [
+    "consul_resolver_publication_latency_seconds",
+    "consul_resolver_assemble_duration_seconds",
+    "consul_resolver_publisher_duration_seconds",
+    "consul_resolver_consul_request_duration_seconds",
+];
+
+/// The `_sum` and `_count` of every series of the [`BREAKDOWN`] histograms, by the series'
+/// name and labels.
+async fn breakdown(op: &Operator) -> Option<BTreeMap<String, (f64, f64)>> {
+    let text = reqwest::Client::builder().no_proxy().build().ok()?.get(op.url("/metrics")).send().await.ok()?;
+    let text = text.text().await.ok()?;
+    let mut out: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    for line in text.lines() {
+        let Some((series, value)) = line.rsplit_once(' ') else { continue };
+        let Ok(value) = value.parse::<f64>() else { continue };
+        for family in BREAKDOWN {
+            let Some(rest) = series.strip_prefix(family) else { continue };
+            let (sum, labels) = match (rest.strip_prefix("_sum"), rest.strip_prefix("_count")) {
+                (Some(labels), _) => (true, labels),
+                (_, Some(labels)) => (false, labels),
+                _ => continue,
+            };
+            let name = format!("{}{labels}", family.trim_start_matches("consul_resolver_"));
+            let entry = out.entry(name).or_default();
+            if sum {
+                entry.0 = value;
+            } else {
+                entry.1 = value;
+            }
+        }
+    }
+    Some(out)
+}
+
+/// The mean of each [`BREAKDOWN`] series observed between two scrapes, in ms.
+fn breakdown_means(before: &BTreeMap<String, (f64, f64)>, after: &BTreeMap<String, (f64, f64)>) -> String {
+    after
+        .iter()
+        .filter_map(|(name, (sum, count))| {
+            let (s0, n0) = before.get(name).copied().unwrap_or_default();
+            (count > &n0).then(|| format!("{name} {:.1} ms x{}", (sum - s0) / (count - n0) * 1000.0, count - n0))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 struct Latencies(Vec<Duration>);
 
 impl Latencies {
@@ -1271,9 +1320,13 @@ fn run_operator(
     // spaced one included: work a change leaves for after its publication counts too),
     // divided by the changes. Clock ticks, so 10 ms steps over the series at USER_HZ 100.
     let cpu_before = cpu_time(pid)?;
+    let breakdown_before = rt.block_on(breakdown(&op));
     let spaced = rt.block_on(changes(pid, &http, &setup.base_url, &mut rx, s, 20_000, 0, true))?;
     let cpu_spaced = (cpu_time(pid)? - cpu_before) / s.changes as u32;
     println!("  spaced changes: {}; operator CPU per change {}", spaced.summary(), cpu_ms(cpu_spaced));
+    if let (Some(before), Some(after)) = (breakdown_before, rt.block_on(breakdown(&op))) {
+        println!("  where the spaced changes' time went (mean per observation): {}", breakdown_means(&before, &after));
+    }
     let cpu_before = cpu_time(pid)?;
     let back_to_back =
         rt.block_on(changes(pid, &http, &setup.base_url, &mut rx, s, 20_000 + s.changes as u16, 13, false))?;
