@@ -96,12 +96,34 @@ pub(crate) struct ChecksView {
 
 #[derive(Debug)]
 struct Known {
-    node: String,
-    check_id: String,
-    service: String,
+    /// Node, check ID and service name, one after the other in one allocation: at 75,000
+    /// checks, three strings each were 5 MB more of the operator's peak memory.
+    names: Box<str>,
+    node_end: usize,
+    check_end: usize,
     modify_index: u64,
     /// The last answer (generation) that had it: those not in the latest were removed.
     seen: u64,
+}
+
+impl Known {
+    fn new(row: &CheckRow<'_>, seen: u64) -> Known {
+        let names = [&*row.node, &*row.check_id, &*row.service].concat().into_boxed_str();
+        let (node_end, check_end) = (row.node.len(), row.node.len() + row.check_id.len());
+        Known { names, node_end, check_end, modify_index: row.modify_index, seen }
+    }
+
+    fn node(&self) -> &str {
+        &self.names[..self.node_end]
+    }
+
+    fn check_id(&self) -> &str {
+        &self.names[self.node_end..self.check_end]
+    }
+
+    fn service(&self) -> &str {
+        &self.names[self.check_end..]
+    }
 }
 
 impl ChecksView {
@@ -155,20 +177,13 @@ impl ChecksView {
                 }
                 rewritten.insert((row.node.clone(), row.check_id.clone()));
             }
-            let known = Known {
-                node: row.node.into_owned(),
-                check_id: row.check_id.into_owned(),
-                service: row.service.into_owned(),
-                modify_index: row.modify_index,
-                seen,
-            };
-            self.checks.insert(hash, known);
+            self.checks.insert(hash, Known::new(&row, seen));
         }
         let mut removed = false;
         self.checks.retain(|_, k| {
             let kept = k.seen == seen;
-            if !kept && !rewritten.contains(&(Cow::Borrowed(k.node.as_str()), Cow::Borrowed(k.check_id.as_str()))) {
-                stale.check(&k.node, &k.service);
+            if !kept && !rewritten.contains(&(Cow::Borrowed(k.node()), Cow::Borrowed(k.check_id()))) {
+                stale.check(k.node(), k.service());
                 removed = true;
             }
             kept
