@@ -238,6 +238,17 @@ impl Drop for Frozen<'_> {
     }
 }
 
+/// A read in a line: which kind, and for a whole snapshot its id and port count (not the
+/// 2,500 ports).
+fn summary(read: Option<&Read>) -> String {
+    match read {
+        None => "none".into(),
+        Some(Read::Whole { id, ports, .. }) => format!("whole snapshot id {id} with {} ports", ports.len()),
+        Some(Read::Raced(why)) => format!("raced: {why}"),
+        Some(Read::Absent) => "no ConfigMap".into(),
+    }
+}
+
 /// What a reader of the snapshot ConfigMaps got.
 #[derive(Debug)]
 enum Read {
@@ -415,16 +426,23 @@ fn sigterm_and_sigkill_during_a_split_publication_never_leave_a_mix() {
     let args = ["--namespace", ns.as_str(), "--snapshot-configmap", cm_arg.as_str()];
     e2e::harness::operator_binary().unwrap();
     let reader = Reader::new(cluster);
+    // On a timeout, what the reader last got says which side is behind: no ConfigMap,
+    // parts of different writes, or a whole snapshot of another state.
     let in_configmap = |want: &Vec<u64>| {
+        let mut last = None;
         wait_for("the state in the ConfigMaps", T, || match reader.read(&cm, &svc, &ns) {
             Read::Whole { ports, .. } if &ports == want => Some(()),
-            _ => None,
+            other => {
+                last = Some(other);
+                None
+            }
         })
+        .map_err(|e| e.context(format!("the last read: {}", summary(last.as_ref()))))
     };
 
     let mut op = Operator::start(cluster, &args).unwrap();
     op.wait_ready(T).unwrap();
-    in_configmap(&state_a).unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    in_configmap(&state_a).unwrap_or_else(|e| panic!("{e:#}\n{}", op.logs()));
     let main = reader.get(&cm).unwrap();
     let parts = main["data"]["index.json"].as_str().map(|i| serde_json::from_str::<Value>(i).unwrap()["parts"].clone());
     assert!(parts.as_ref().and_then(Value::as_array).is_some_and(|p| p.len() >= 2), "split over parts: {parts:?}");
@@ -506,7 +524,7 @@ fn sigterm_and_sigkill_during_a_split_publication_never_leave_a_mix() {
     let started = Instant::now();
     let mut op = Operator::start(cluster, &args).unwrap();
     op.wait_ready(T).unwrap();
-    in_configmap(&state_c).unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    in_configmap(&state_c).unwrap_or_else(|e| panic!("{e:#}\n{}", op.logs()));
     eprintln!("republished whole {:?} after the restart", started.elapsed());
     wait_for("the killed process's orphaned part deleted", T, || reader.get(&orphan).is_none().then_some(()))
         .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
