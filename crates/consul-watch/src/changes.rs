@@ -234,19 +234,12 @@ impl CatalogView {
     /// Takes a new answer's body. A malformed one is an error, and the view is left as it was.
     pub(crate) fn apply(&mut self, index: u64, body: &[u8]) -> Result<CatalogMove, String> {
         let hash = xxhash_rust::xxh3::xxh3_128(body);
-        if self.index.is_some() && hash == self.body {
-            return Ok(self.services_moved(index, None));
-        }
-        let services = parse::catalog_services(body)?;
-        self.body = hash;
-        Ok(self.services_moved(index, Some(services)))
-    }
-
-    /// How the catalog moved to `index`, with its services (`None`: as they were).
-    fn services_moved(&mut self, index: u64, services: Option<BTreeMap<String, Vec<String>>>) -> CatalogMove {
-        let Some(services) = services else {
-            let previous = self.index.replace(index).expect("a body seen before");
-            return match index.cmp(&previous) {
+        if let Some(previous) = self.index
+            && hash == self.body
+        {
+            // Names and tags as they were: only the index says anything.
+            self.index = Some(index);
+            return Ok(match index.cmp(&previous) {
                 std::cmp::Ordering::Less => CatalogMove::Restarted,
                 std::cmp::Ordering::Equal => CatalogMove::Unchanged,
                 std::cmp::Ordering::Greater => CatalogMove::Moved {
@@ -255,8 +248,15 @@ impl CatalogView {
                     after: previous,
                     upto: index,
                 },
-            };
-        };
+            });
+        }
+        let services = parse::catalog_services(body)?;
+        self.body = hash;
+        Ok(self.services_moved(index, services))
+    }
+
+    /// How the catalog moved to `index`, where it holds `services`.
+    fn services_moved(&mut self, index: u64, services: BTreeMap<String, Vec<String>>) -> CatalogMove {
         let previous = self.index.replace(index);
         let old = std::mem::replace(&mut self.services, services);
         match previous {
