@@ -648,8 +648,10 @@ impl Writer<'_> {
     /// Creates `parts` of `encoded`, [`PARTS_AT_ONCE`] at a time: they are distinct objects,
     /// each written in a round trip of its own, and one after the other they were most of a
     /// publication's time at the scale profile (docs/benchmarks.md). Each creation sees and
-    /// records only its own name. The first error is returned once every creation started
-    /// has ended, with what each saw recorded.
+    /// records only its own name. Each part is tried (none is sent once leadership is gone:
+    /// [`Writer::may_write`]), and the first error is returned at the end, with what each
+    /// creation saw recorded. Dropped at the publication's deadline, the names they held are
+    /// forgotten; a failed publication lists and reads the parts again anyway.
     async fn create_parts(&mut self, encoded: &Encoded, parts: &[&Part]) -> Result<(), PublishError> {
         use futures::StreamExt as _;
         let mut own: Vec<BTreeMap<String, Seen>> =
