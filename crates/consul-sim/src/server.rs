@@ -313,11 +313,15 @@ fn gzipped(bytes: &[u8]) -> Option<Vec<u8>> {
         let mut input = bytes;
         loop {
             out.reserve(input.len() / 4 + 1024);
-            let before = deflate.total_in();
+            let (before, written) = (deflate.total_in(), deflate.total_out());
             let status = deflate.compress_vec(input, &mut out, FlushCompress::Finish).ok()?;
-            input = &input[(deflate.total_in() - before) as usize..];
+            let read = (deflate.total_in() - before) as usize;
+            input = &input[read..];
             if status == Status::StreamEnd {
                 return Some(());
+            }
+            if read == 0 && deflate.total_out() == written {
+                return None; // No progress with room to write: never loop on it.
             }
         }
     })?;
