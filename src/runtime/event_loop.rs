@@ -98,6 +98,9 @@ impl EventLoop {
         shutdown: CancellationToken,
     ) -> (ResolverController, Option<ExportController>, Watches, Outlets) {
         let leading = self.leadership.is_leading();
+        // Said once at start, as every change is after it: whether the ConfigMap and the
+        // statuses are written by this replica, or wait for the lease.
+        tracing::info!(identity = %self.identity, leading, "leadership at start");
         self.metrics.leadership.started(leading);
         let mut turn = Turn { leading, logged_waiting: false, pending: None };
         // Leading from the start (no election, or a lease won before the loop ran) is a
