@@ -226,6 +226,10 @@ pub(crate) struct CheckBytes<'a> {
 }
 
 impl<'a> CheckBytes<'a> {
+    fn of(bytes: &'a [u8]) -> Self {
+        CheckBytes { hash: xxhash_rust::xxh3::xxh3_128(bytes), bytes }
+    }
+
     /// Reads the check: an error when it is not a check.
     pub(crate) fn read(&self) -> Result<CheckRow<'a>, String> {
         let c: StateCheck<'a> = serde_json::from_slice(self.bytes)
@@ -252,7 +256,7 @@ impl<'a> CheckBytes<'a> {
 /// operator's CPU per change; this is a `memmem` of it.
 pub(crate) fn health_state_quick(body: &[u8]) -> Option<Vec<CheckBytes<'_>>> {
     let start = skip_space(body, 0);
-    let end = body.len() - body.iter().rev().take_while(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r')).count();
+    let end = body.len() - body.iter().rev().take_while(|b| is_space(**b)).count();
     let inner = body.get(start..end)?.strip_prefix(b"[")?.strip_suffix(b"]")?;
     if inner.is_empty() {
         return Some(Vec::new());
@@ -263,7 +267,7 @@ pub(crate) fn health_state_quick(body: &[u8]) -> Option<Vec<CheckBytes<'_>>> {
         ends.map(|end| {
             let bytes = &inner[from..end];
             from = end + 1;
-            CheckBytes { hash: xxhash_rust::xxh3::xxh3_128(bytes), bytes }
+            CheckBytes::of(bytes)
         })
         .collect(),
     )
@@ -285,8 +289,7 @@ pub(crate) fn health_state(body: &[u8]) -> Result<Vec<CheckBytes<'_>>, String> {
     } else {
         loop {
             let end = element_end(body, at).ok_or_else(|| malformed("truncated"))?;
-            let bytes = &body[at..end];
-            checks.push(CheckBytes { hash: xxhash_rust::xxh3::xxh3_128(bytes), bytes });
+            checks.push(CheckBytes::of(&body[at..end]));
             at = skip_space(body, end);
             match body.get(at) {
                 Some(b',') => at = skip_space(body, at + 1),
@@ -311,8 +314,13 @@ fn read_all(body: &[u8]) -> Result<Vec<CheckRow<'_>>, String> {
     health_state(body)?.iter().map(CheckBytes::read).collect()
 }
 
+/// JSON's whitespace.
+fn is_space(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
 fn skip_space(body: &[u8], mut at: usize) -> usize {
-    while body.get(at).is_some_and(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r')) {
+    while body.get(at).copied().is_some_and(is_space) {
         at += 1;
     }
     at
