@@ -886,10 +886,15 @@ async fn watch_configmap(
     }
 }
 
+/// The operator's `/metrics` page.
+async fn metrics_text(op: &Operator) -> Option<String> {
+    let resp = reqwest::Client::builder().no_proxy().build().ok()?.get(op.url("/metrics")).send().await.ok()?;
+    resp.text().await.ok()
+}
+
 /// The operator's `publish_duration_seconds` histogram: (sum, count).
 async fn publish_seconds(op: &Operator) -> Option<(f64, u64)> {
-    let text = reqwest::Client::builder().no_proxy().build().ok()?.get(op.url("/metrics")).send().await.ok()?;
-    let text = text.text().await.ok()?;
+    let text = metrics_text(op).await?;
     Some((
         metric_sample(&text, "consul_resolver_publish_duration_seconds_sum")?,
         metric_sample(&text, "consul_resolver_publish_duration_seconds_count")? as u64,
@@ -908,8 +913,7 @@ const BREAKDOWN: [&str; 4] = [
 /// The `_sum` and `_count` of every series of the [`BREAKDOWN`] histograms, by the series'
 /// name and labels.
 async fn breakdown(op: &Operator) -> Option<BTreeMap<String, (f64, f64)>> {
-    let text = reqwest::Client::builder().no_proxy().build().ok()?.get(op.url("/metrics")).send().await.ok()?;
-    let text = text.text().await.ok()?;
+    let text = metrics_text(op).await?;
     let mut out: BTreeMap<String, (f64, f64)> = BTreeMap::new();
     for line in text.lines() {
         let Some((series, value)) = line.rsplit_once(' ') else { continue };
