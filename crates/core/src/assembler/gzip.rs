@@ -94,17 +94,21 @@ impl Gzipped {
     }
 }
 
-/// `pieces`, one after the other, deflated alone at the fastest level and ended by a sync
-/// flush (byte-aligned, not final), with their CRC-32. The level measured for snapshots
-/// (docs/benchmarks.md, "gzip level"): level 1 compresses the 3 MB snapshot of 10,000
-/// Mappings to 167 KB in 2.7 ms, where the default level takes 17 ms for 115 KB.
+/// The deflate level of snapshots (docs/benchmarks.md, "gzip level"). With zlib-rs (the
+/// backend every part of the workspace shares), level 1 is its "quick" strategy, which
+/// trades a third of the compression for speed; level 2 compresses about as well as
+/// miniz_oxide's level 1 did, and still in about its time.
+pub const LEVEL: u32 = 2;
+
+/// `pieces`, one after the other, deflated alone at [`LEVEL`] and ended by a sync flush
+/// (byte-aligned, not final), with their CRC-32.
 pub fn deflate(pieces: &[Bytes]) -> Deflated {
     use flate2::{Compress, Compression, FlushCompress};
     // Gathered first (a segment is at most 4 MiB): the compressor is called once, not once
     // per piece of a few hundred bytes, and each call prepares all the output room it is
     // given (a memset of it) whatever it writes: per piece, that was most of the cost.
     let bytes = pieces.concat();
-    let mut c = Compress::new(Compression::fast(), false);
+    let mut c = Compress::new(Compression::new(LEVEL), false);
     let mut out = Vec::with_capacity(bytes.len() / 8 + 64);
     loop {
         if out.capacity() - out.len() < 64 {
