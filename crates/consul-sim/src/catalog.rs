@@ -63,6 +63,11 @@ impl ServiceKey {
         };
         Self { partition: scope(partition), namespace: scope(namespace), name: name.into() }
     }
+
+    /// In the default namespace and partition.
+    pub(crate) fn is_default_scope(&self) -> bool {
+        self.namespace == DEFAULT_SCOPE && self.partition == DEFAULT_SCOPE
+    }
 }
 
 /// A check's health. Consul's `maintenance` is stored (and shown) as `critical`.
@@ -475,6 +480,13 @@ pub(crate) struct Catalog {
     /// at about 100 reads a second). Kept in step with `services` by `insert_service` and
     /// `remove_service_entry`; a service with no instance has no entry.
     by_service: HashMap<ServiceKey, BTreeSet<(String, String)>>,
+    /// The tags of each service's instances, counted, for `/v1/catalog/services` (which
+    /// shows their union): kept in step with `by_service`, so that answer costs the services
+    /// and not every instance of them.
+    tags_by_service: HashMap<ServiceKey, BTreeMap<String, usize>>,
+    /// How many instances are outside the default namespace and partition: while none is,
+    /// a default-scope checks answer needs no look at each instance's scope.
+    scoped_instances: usize,
     /// Keyed by (node, check ID).
     checks: BTreeMap<(String, String), Arc<Check>>,
     /// The check IDs of each (node, service ID) owner, `""` for node checks: an instance's
@@ -506,6 +518,8 @@ impl Catalog {
             nodes: BTreeMap::new(),
             services: BTreeMap::new(),
             by_service: HashMap::new(),
+            tags_by_service: HashMap::new(),
+            scoped_instances: 0,
             checks: BTreeMap::new(),
             checks_by_owner: HashMap::new(),
             service_indexes: HashMap::new(),
@@ -716,23 +730,35 @@ impl Catalog {
     ) -> Vec<StateEntry> {
         let scope = ServiceKey::scoped("", namespace, partition);
         let mut out = Vec::new();
-        // One lookup key, its strings' room reused for every check.
-        let mut key = (String::new(), String::new());
-        for c in self.checks.values().filter(|c| filter.matches(c.status)) {
+        // Checks come node by node: the instances of the node being walked, by service ID.
+        // (A lookup per check in `services` compared node names at every level of the tree:
+        // thousands of instances share a node.)
+        let mut node: Option<&str> = None;
+        let mut instances: HashMap<&str, &Arc<ServiceInstance>, foldhash::fast::RandomState> = HashMap::default();
+        // Each instance's scope is a look at two more strings per check, all over memory.
+        let every_instance_in_scope = self.scoped_instances == 0 && scope.is_default_scope();
+        for ((check_node, _), c) in self.checks.iter().filter(|(_, c)| filter.matches(c.status)) {
             let owner = if c.service_id.is_empty() {
                 None
             } else {
-                key.0.clone_from(&c.node);
-                key.1.clone_from(&c.service_id);
+                if node != Some(check_node.as_str()) {
+                    node = Some(check_node);
+                    instances.clear();
+                    // Exactly this node's keys: no key lies between `node` and `node\0`.
+                    let on_node = (check_node.clone(), String::new())..(format!("{check_node}\0"), String::new());
+                    instances.extend(self.services.range(on_node).map(|((_, id), s)| (id.as_str(), s)));
+                }
                 // Registration refuses a check of an unknown instance and removing an
                 // instance removes its checks, so the owner exists.
-                let Some(s) = self.services.get(&key) else {
+                let Some(s) = instances.get(c.service_id.as_str()) else {
                     continue;
                 };
-                if s.key.namespace != scope.namespace || s.key.partition != scope.partition {
+                if !every_instance_in_scope
+                    && (s.key.namespace != scope.namespace || s.key.partition != scope.partition)
+                {
                     continue;
                 }
-                Some(s.clone())
+                Some(Arc::clone(s))
             };
             out.push(StateEntry { check: c.clone(), owner });
         }
@@ -742,13 +768,11 @@ impl Catalog {
     /// Service names in a namespace/partition with the union of their tags (sorted, unique).
     pub(crate) fn services(&self, namespace: Option<&str>, partition: Option<&str>) -> BTreeMap<String, Vec<String>> {
         let scope = ServiceKey::scoped("", namespace, partition);
-        let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-        for svc in self.services.values() {
-            if svc.key.namespace == scope.namespace && svc.key.partition == scope.partition {
-                out.entry(svc.key.name.clone()).or_default().extend(svc.tags.iter().cloned());
-            }
-        }
-        out.into_iter().map(|(name, tags)| (name, tags.into_iter().collect())).collect()
+        self.tags_by_service
+            .iter()
+            .filter(|(key, _)| key.namespace == scope.namespace && key.partition == scope.partition)
+            .map(|(key, tags)| (key.name.clone(), tags.keys().cloned().collect()))
+            .collect()
     }
 
     /// Applies a registration atomically; returns whether anything changed.
@@ -1109,6 +1133,11 @@ impl Catalog {
     fn insert_service(&mut self, svc: ServiceInstance) {
         let k = (svc.node.clone(), svc.id.clone());
         self.by_service.entry(svc.key.clone()).or_default().insert(k.clone());
+        let tags = self.tags_by_service.entry(svc.key.clone()).or_default();
+        for tag in &svc.tags {
+            *tags.entry(tag.clone()).or_default() += 1;
+        }
+        self.scoped_instances += usize::from(!svc.key.is_default_scope());
         if let Some(dest) = svc.connect_destination() {
             self.by_destination.entry(dest).or_default().insert(k.clone());
         }
@@ -1122,8 +1151,19 @@ impl Catalog {
             instances.remove(k);
             if instances.is_empty() {
                 self.by_service.remove(&svc.key);
+                self.tags_by_service.remove(&svc.key);
+            } else if let Some(tags) = self.tags_by_service.get_mut(&svc.key) {
+                for tag in &svc.tags {
+                    if let Some(n) = tags.get_mut(tag) {
+                        *n -= 1;
+                        if *n == 0 {
+                            tags.remove(tag);
+                        }
+                    }
+                }
             }
         }
+        self.scoped_instances -= usize::from(!svc.key.is_default_scope());
         if let Some(dest) = svc.connect_destination()
             && let Some(proxies) = self.by_destination.get_mut(&dest)
         {
@@ -1215,6 +1255,16 @@ mod tests {
                 rebuilt.entry(s.key.clone()).or_default().insert(k.clone());
             }
             assert_eq!(self.by_service, rebuilt);
+            let mut tags: HashMap<ServiceKey, BTreeMap<String, usize>> = HashMap::new();
+            for s in self.services.values() {
+                let counts = tags.entry(s.key.clone()).or_default();
+                for t in &s.tags {
+                    *counts.entry(t.clone()).or_default() += 1;
+                }
+            }
+            assert_eq!(self.tags_by_service, tags);
+            let scoped = self.services.values().filter(|s| !s.key.is_default_scope()).count();
+            assert_eq!(self.scoped_instances, scoped);
             let mut owners: HashMap<(String, String), BTreeSet<String>> = HashMap::new();
             for ((node, id), c) in &self.checks {
                 owners.entry((node.clone(), c.service_id.clone())).or_default().insert(id.clone());
@@ -1339,6 +1389,36 @@ mod tests {
             "Service": {"ID": id, "Service": svc, "Port": port},
         }))
         .unwrap()
+    }
+
+    /// `/v1/catalog/services` shows each service's union of its instances' tags, as they
+    /// are now: a tag dropped by one instance stays while another has it.
+    #[test]
+    fn the_services_list_follows_tags_in_and_out() {
+        let tagged = |node: &str, id: &str, tags: &[&str]| -> RegisterRequest {
+            serde_json::from_value(serde_json::json!({
+                "Node": node,
+                "Address": "10.0.0.1",
+                "Service": {"ID": id, "Service": "web", "Port": 80, "Tags": tags},
+            }))
+            .unwrap()
+        };
+        let list = |c: &Catalog| -> Vec<(String, Vec<String>)> { c.services(None, None).into_iter().collect() };
+        let web = |tags: &[&str]| vec![("web".to_owned(), tags.iter().map(|t| t.to_string()).collect())];
+        let mut c = Catalog::new("dc1", 1);
+        c.register(tagged("n1", "w1", &["b", "a"]), None, None).unwrap();
+        c.register(tagged("n2", "w2", &["a", "c"]), None, None).unwrap();
+        assert_eq!(list(&c), web(&["a", "b", "c"]));
+        c.register(tagged("n1", "w1", &[]), None, None).unwrap();
+        assert_eq!(list(&c), web(&["a", "c"]));
+        c.register(bare_service("n3", "api", "a1", 80), Some("team"), None).unwrap();
+        assert_eq!(list(&c), web(&["a", "c"]), "another namespace's service is not listed");
+        c.assert_lookup_tables_consistent();
+        c.deregister(dereg("n2", Some("w2"))).unwrap();
+        assert_eq!(list(&c), web(&[]));
+        c.deregister(dereg("n1", Some("w1"))).unwrap();
+        assert!(list(&c).is_empty());
+        c.assert_lookup_tables_consistent();
     }
 
     fn check_of<'a>(c: &'a Catalog, node: &str, id: &str) -> &'a Check {

@@ -6,7 +6,8 @@
 //! what older agents send: `null` for empty `Meta`, `TaggedAddresses` and `Tags`, and none of
 //! the newer fields. Clients must parse both.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde_json::{Map, Value, json};
@@ -164,6 +165,59 @@ pub(crate) fn checks(entries: &[StateEntry], legacy: bool) -> Vec<u8> {
     serde_json::to_vec(&rows).expect("checks serialise")
 }
 
+/// Each check's JSON in the modern flavour, made once and reused by every later
+/// `/v1/health/state` answer while neither the check nor its instance is replaced.
+///
+/// At 75,000 checks, serialising every check again (string escaping, mostly) was most of a
+/// 21 MB answer's time, and that answer is what a change feed waits for after every write.
+/// A row is keyed by the addresses of the check and of its instance and holds both: the
+/// catalog never changes a shared `Arc` in place (`Arc::make_mut` copies it while a row
+/// holds it), and an address cannot be reused while a row keeps its value alive, so a key
+/// names exactly the values its JSON was made from.
+#[derive(Default)]
+pub(crate) struct CheckJsonCache {
+    rows: HashMap<(usize, usize), CachedCheck, foldhash::fast::RandomState>,
+    /// The last answer's length: the next one's room.
+    last_len: usize,
+}
+
+struct CachedCheck {
+    check: Arc<Check>,
+    owner: Option<Arc<ServiceInstance>>,
+    json: Box<[u8]>,
+}
+
+impl CheckJsonCache {
+    /// The body of `GET /v1/health/state/<state>` in the modern flavour: [`checks`]' bytes.
+    pub(crate) fn render(&mut self, entries: &[StateEntry]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.last_len.max(2));
+        out.push(b'[');
+        for (i, e) in entries.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            let key = (Arc::as_ptr(&e.check) as usize, e.owner.as_ref().map_or(0, |o| Arc::as_ptr(o) as usize));
+            let row = self.rows.entry(key).or_insert_with(|| CachedCheck {
+                check: e.check.clone(),
+                owner: e.owner.clone(),
+                json: serde_json::to_vec(&CheckOut::of(e, false)).expect("a check serialises").into_boxed_slice(),
+            });
+            out.extend_from_slice(&row.json);
+        }
+        out.push(b']');
+        self.last_len = out.len();
+        out
+    }
+
+    /// Drops the rows of checks and instances that nothing but this cache holds any more:
+    /// the catalog replaced or removed them.
+    pub(crate) fn forget_replaced(&mut self) {
+        self.rows.retain(|_, r| {
+            Arc::strong_count(&r.check) > 1 && r.owner.as_ref().is_none_or(|o| Arc::strong_count(o) > 1)
+        });
+    }
+}
+
 /// One check as `/v1/health/state` shows it (see [`check_json`]).
 #[derive(Serialize)]
 #[serde(rename_all = "PascalCase")]
@@ -240,7 +294,6 @@ pub(crate) fn services(services: &BTreeMap<String, Vec<String>>, legacy: bool) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     use crate::catalog::CheckStatus;
 
@@ -302,5 +355,19 @@ mod tests {
             );
             assert_eq!(String::from_utf8(checks(&entries, legacy)).unwrap(), reference.to_string(), "legacy: {legacy}");
         }
+
+        // The kept JSON is the same bytes, and a replaced check or instance is shown anew.
+        let mut cache = CheckJsonCache::default();
+        assert_eq!(cache.render(&entries), checks(&entries, false));
+        assert_eq!(cache.render(&[]), b"[]");
+        let mut changed = entries.clone();
+        changed[1].check = check("n1", "c-web", "web-1", CheckStatus::Critical);
+        changed[2].owner = owner(ServiceKey::scoped("api", Some("team"), Some("p1")), vec!["new".into()]);
+        assert_eq!(cache.render(&changed), checks(&changed, false));
+        assert_eq!(cache.rows.len(), 5, "the replaced values are still held by `entries`");
+        drop(entries);
+        cache.forget_replaced();
+        assert_eq!(cache.rows.len(), 3, "only the rows of what `changed` holds are kept");
+        assert_eq!(cache.render(&changed), checks(&changed, false));
     }
 }

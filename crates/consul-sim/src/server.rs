@@ -755,8 +755,9 @@ async fn health_state(ctx: &Ctx<'_>, raw_state: &str, headers: &HeaderMap) -> Ha
     let before = entries.len();
     entries.retain(|e| e.owner.as_ref().is_none_or(|o| identity.can_read_service(&o.key.name)));
     let legacy = shared.with_faults(|f| f.null_variants);
-    let body = render::checks(&entries, legacy);
-    Ok(with_body_fault(ctx.read_ok_bytes(body, index, opts.consistency, entries.len() != before), body_fault))
+    let filtered = entries.len() != before;
+    let body = shared.checks_body(entries, legacy);
+    Ok(with_body_fault(ctx.read_ok_bytes(body, index, opts.consistency, filtered), body_fault))
 }
 
 async fn catalog_services(ctx: &Ctx<'_>, headers: &HeaderMap) -> Handled {

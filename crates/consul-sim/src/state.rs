@@ -15,9 +15,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use super::Config;
-use super::catalog::{Catalog, ServiceKey};
+use super::catalog::{Catalog, ServiceKey, StateEntry};
 use super::conn::Protocol;
 use super::faults::{Faults, FaultsPatch, Outcome, Quirks, RequestRecord, Stats};
+use super::render::{self, CheckJsonCache};
 
 /// Locks, ignoring poisoning: the protected data stays consistent because no code panics
 /// while holding a lock, and a test tool should keep answering regardless.
@@ -75,6 +76,8 @@ pub(crate) struct Shared {
     /// queries left running without a client (`no_server_cancel`) end.
     pub shutdown: watch::Sender<bool>,
     faults: Mutex<Faults>,
+    /// The checks' JSON kept between `/v1/health/state` answers.
+    check_json: Mutex<CheckJsonCache>,
     /// While `agent_cut_off` is on: when it began, and the catalog as the agent's cache
     /// last saw it then.
     cut_off: Mutex<Option<CutOff>>,
@@ -101,6 +104,7 @@ impl Shared {
             drops: watch::Sender::new(()),
             shutdown: watch::Sender::new(false),
             faults: Mutex::new(faults),
+            check_json: Mutex::new(CheckJsonCache::default()),
             cut_off: Mutex::new(None),
             conns: Mutex::new(ConnTable::default()),
             log: Mutex::new(RequestLog { capacity, next_seq: 1, records: VecDeque::new() }),
@@ -118,6 +122,18 @@ impl Shared {
         let r = f(&mut lock(&self.catalog));
         self.changes.send_replace(());
         r
+    }
+
+    /// The body of a `/v1/health/state` answer of `entries`.
+    pub(crate) fn checks_body(&self, entries: Vec<StateEntry>, legacy: bool) -> Vec<u8> {
+        if legacy {
+            return render::checks(&entries, true);
+        }
+        let mut cache = lock(&self.check_json);
+        let body = cache.render(&entries);
+        drop(entries);
+        cache.forget_replaced();
+        body
     }
 
     // ---- faults
