@@ -96,8 +96,9 @@ impl Gzipped {
 
 /// The deflate level of snapshots (docs/benchmarks.md, "gzip level"). With zlib-rs (the
 /// backend every part of the workspace shares), level 1 is its "quick" strategy, which
-/// trades a third of the compression for speed; level 2 compresses about as well as
-/// miniz_oxide's level 1 did, and still in about its time.
+/// trades a third of the compression for speed. Level 2 made the scale profile's 58 MB
+/// snapshot 3.0 MB in 49 ms, where miniz_oxide's level 1 (used before) made a 56 MB one
+/// 3.4 MB in 53 ms.
 pub const LEVEL: u32 = 2;
 
 /// `pieces`, one after the other, deflated alone at [`LEVEL`] and ended by a sync flush
