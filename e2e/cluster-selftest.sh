@@ -11,7 +11,8 @@
 #   4. the operator's ServiceAccount token does exactly what manifests/rbac.yaml says;
 #   5. the audit log records watch requests;
 #   6. `down` stops exactly the recorded processes, twice in a row; `up` again on the
-#      same dir restarts the same cluster (same objects, same URL);
+#      same dir restarts the same cluster (same objects, same URL), with each process
+#      slow to exec (a process not yet exec'd is starting, not exited);
 #   7. no process from the run is left.
 # Exits non-zero on any failure and always tears down (trap).
 set -euo pipefail
@@ -331,7 +332,8 @@ for p in "${SEEN_PIDS[@]}"; do alive "$p" && fail "pid $p still running after do
 [ ! -e "$C/etcd.pid" ] && [ ! -e "$C/apiserver.pid" ] || fail "pid files left after down"
 bash "$CLUSTER" down "$C"
 old_url=$APISERVER_URL
-bash "$CLUSTER" up "$C"
+# Each child held a second between fork and exec: still starting, not exited.
+CLUSTER_EXEC_DELAY=1 bash "$CLUSTER" up "$C"
 # shellcheck disable=SC1090,SC1091
 source "$C/env"
 SEEN_PIDS+=("$ETCD_PID" "$APISERVER_PID")

@@ -216,20 +216,36 @@ log_tail() { [ -f "$1" ] && { printf -- '----- last lines of %s -----\n' "$1"; t
 
 # start_bg PIDFILE LOGFILE CMD...: start CMD detached from our stdio (so a caller
 # reading our output through a pipe is not kept waiting) and record its pid.
+# CLUSTER_EXEC_DELAY (seconds; the self-test sets it) holds the child between fork and
+# exec, the window wait_ready must not mistake for an exit.
 start_bg() {
   local pidfile=$1 logfile=$2; shift 2
-  "$@" </dev/null >>"$logfile" 2>&1 &
+  if [ -n "${CLUSTER_EXEC_DELAY:-}" ]; then
+    (sleep "$CLUSTER_EXEC_DELAY"; exec "$@") </dev/null >>"$logfile" 2>&1 &
+  else
+    "$@" </dev/null >>"$logfile" 2>&1 &
+  fi
   echo $! >"$pidfile"
 }
 
-# wait_ready NAME PID MARKER LOGFILE CHECK...: poll CHECK until it succeeds. Returns 0
+# pid_running PID: the process exists and is not a zombie, whatever it runs.
+pid_running() {
+  local state
+  state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null || true)
+  [ -n "$state" ] && [ "$state" != Z ]
+}
+
+# wait_ready NAME PID LOGFILE CHECK...: poll CHECK until it succeeds. Returns 0
 # when ready, 2 when the process died because its port was taken, dies otherwise.
 wait_ready() {
-  local name=$1 pid=$2 marker=$3 logfile=$4; shift 4
+  local name=$1 pid=$2 logfile=$3; shift 3
   local deadline=$((SECONDS + UP_TIMEOUT))
   while :; do
     if "$@" >/dev/null 2>&1; then return 0; fi
-    if ! pid_is_ours "$pid" "$marker"; then
+    # Our own child, just started: until it has exec'd, its command line is still this
+    # script's (no marker), so only its end counts as an exit. (A busy machine once ran
+    # the first check inside that window: "exited during startup" with an empty log.)
+    if ! pid_running "$pid"; then
       if grep -q 'address already in use' "$logfile" 2>/dev/null; then return 2; fi
       log_tail "$logfile"
       die "$name (pid $pid) exited during startup; its log is $logfile"
@@ -326,7 +342,7 @@ start_etcd() {
       --initial-cluster="default=http://127.0.0.1:$peer" \
       --initial-cluster-state=new \
       --logger=zap --log-outputs=stderr --log-level=warn
-    rc=0; wait_ready etcd "$(cat "$dir/etcd.pid")" "$(etcd_marker "$dir")" "$dir/etcd.log" etcd_healthy "$client" || rc=$?
+    rc=0; wait_ready etcd "$(cat "$dir/etcd.pid")" "$dir/etcd.log" etcd_healthy "$client" || rc=$?
     if [ $rc = 0 ]; then ETCD_PORT=$client ETCD_PEER_PORT=$peer; return 0; fi
     log "etcd: port taken, retrying with other ports"
   done
@@ -372,7 +388,7 @@ start_apiserver() {
     #    and this plugin would reject every Pod. Tokens come from the TokenRequest API.
     #  --audit-log-mode=blocking: an event is on disk before the response is sent, so
     #    tests can read the audit log right after a request without racing a buffer.
-    rc=0; wait_ready kube-apiserver "$(cat "$dir/apiserver.pid")" "$(apiserver_marker "$dir")" "$dir/apiserver.log" \
+    rc=0; wait_ready kube-apiserver "$(cat "$dir/apiserver.pid")" "$dir/apiserver.log" \
       apiserver_ready "$port" "$dir/pki/apiserver.crt" "$token" || rc=$?
     if [ $rc = 0 ]; then APISERVER_PORT=$port; return 0; fi
     [ -z "$forced" ] || die "kube-apiserver: port $forced is taken"
