@@ -160,13 +160,18 @@ for s in socks:
 PY_EOF
 }
 
+# pid_running PID: the process exists and is not a zombie, whatever it runs.
+pid_running() {
+  local state
+  state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null || true)
+  [ -n "$state" ] && [ "$state" != Z ]
+}
+
 # Is PID alive (not a zombie) and does its command line contain MARKER? The marker
 # is a flag naming this cluster's DIR, so a recycled pid is never mistaken for ours.
 pid_is_ours() {
-  local pid=$1 marker=$2 state
-  [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
-  state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null || true)
-  [ -n "$state" ] && [ "$state" != Z ] || return 1
+  local pid=$1 marker=$2
+  [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] && pid_running "$pid" || return 1
   local args; args=$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null || true)
   grep -qxF -- "$marker" <<<"$args"
 }
@@ -226,13 +231,6 @@ start_bg() {
     "$@" </dev/null >>"$logfile" 2>&1 &
   fi
   echo $! >"$pidfile"
-}
-
-# pid_running PID: the process exists and is not a zombie, whatever it runs.
-pid_running() {
-  local state
-  state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null || true)
-  [ -n "$state" ] && [ "$state" != Z ]
 }
 
 # wait_ready NAME PID LOGFILE CHECK...: poll CHECK until it succeeds. Returns 0
