@@ -70,6 +70,12 @@ pub fn peak_heap<R>(f: impl FnOnce() -> R) -> (R, usize) {
     (r, usize::try_from(peak - start).unwrap_or(0))
 }
 
+/// The heap bytes live on this thread: allocated here and not yet freed (here). A
+/// difference of two readings is what was kept in between, by code that ran on this thread.
+pub fn live_heap() -> isize {
+    LIVE.with(Cell::get)
+}
+
 #[cfg(test)]
 mod tests {
     #[global_allocator]

@@ -1,8 +1,9 @@
-//! The HTTP side: one `reqwest::Client` per Consul address and TLS settings, and the health
+//! The HTTP side: one connection pool per Consul address and TLS settings, and the health
 //! query with Consul's parameters and error statuses.
 //!
-//! `parse` reads the bodies, `tls` builds the TLS configuration both protocol paths share,
-//! `multiplex` carries queries as HTTP/2 streams.
+//! `parse` reads the bodies; `plain` carries queries over plain HTTP/1.1; over TLS, `tls`
+//! builds the configuration both protocol paths share, `multiplex` carries queries as
+//! HTTP/2 streams and reqwest as HTTP/1.1.
 //!
 //! The ACL token is a per-request header rather than part of the client, so watches with
 //! different tokens share one connection pool (and one connection budget). It is never put
@@ -10,6 +11,7 @@
 
 pub(crate) mod multiplex;
 pub(crate) mod parse;
+pub(crate) mod plain;
 pub(crate) mod tls;
 
 use std::collections::BTreeSet;
@@ -23,6 +25,7 @@ use crate::error::{QueryError, cause_chain};
 use consul_resolver_core::keys::{Consistency, ConsulKey, Remote, Secret, TlsSettings};
 use consul_resolver_core::model::Endpoint;
 use multiplex::{Multiplexer, Protocol};
+use plain::Plain;
 
 /// How much longer than its `wait` (plus the server's random extra of up to wait/16) a
 /// request may take before the client gives up on it: a non-blocking read gets this alone.
@@ -74,19 +77,28 @@ pub(crate) struct Heard {
     pub names: BTreeSet<String>,
 }
 
-/// A connection pool to one Consul address: HTTP/2 streams over TLS when the server speaks
-/// it (see [`super::multiplex`]), else HTTP/1.1 connections.
+/// A connection pool to one Consul address: plain HTTP/1.1 connections of our own for
+/// `http://` (see [`plain`]); over TLS, HTTP/2 streams when the server speaks it (see
+/// [`multiplex`]), else reqwest's HTTP/1.1 connections.
 #[derive(Clone)]
 pub(crate) struct HttpClient {
-    http: reqwest::Client,
-    /// `https://` addresses: tried first, until the server turns out to speak HTTP/1.1 only.
-    multiplexer: Option<Arc<Multiplexer>>,
+    transport: Transport,
     /// Where requests go (`https://<serverName>:port` when SNI is overridden).
     base: String,
     /// The address as configured, for messages.
     address: String,
     /// Largest answer body accepted, after decompression.
     max_body: usize,
+}
+
+#[derive(Clone)]
+enum Transport {
+    Plain(Arc<Plain>),
+    Tls {
+        http: reqwest::Client,
+        /// Tried first, until the server turns out to speak HTTP/1.1 only.
+        multiplexer: Arc<Multiplexer>,
+    },
 }
 
 impl std::fmt::Debug for HttpClient {
@@ -117,6 +129,16 @@ impl HttpClient {
         budget: Arc<tokio::sync::Semaphore>,
     ) -> Result<Self, String> {
         let url = reqwest::Url::parse(address).map_err(|e| format!("invalid Consul address {address}: {e}"))?;
+        let base = address.trim_end_matches('/').to_owned();
+        match url.scheme() {
+            "https" => {}
+            "http" => {
+                let plain = Plain::new(address, &url, max_connections, max_body)?;
+                let transport = Transport::Plain(Arc::new(plain));
+                return Ok(HttpClient { transport, base, address: address.to_owned(), max_body });
+            }
+            other => return Err(format!("Consul address {address}: scheme {other:?} is not http or https")),
+        }
         let mut builder = reqwest::Client::builder()
             .pool_max_idle_per_host(max_connections)
             // Idle connections beyond a blocking query's life are not worth keeping long.
@@ -129,39 +151,36 @@ impl HttpClient {
             .tcp_keepalive_interval(Duration::from_secs(5))
             .tcp_keepalive_retries(3)
             .user_agent(USER_AGENT);
-        let mut base = address.trim_end_matches('/').to_owned();
-        let mut multiplexer = None;
-        if url.scheme() == "https" {
-            let in_context = |e: String| format!("Consul at {address}: {e}");
-            let host = url.host_str().ok_or_else(|| format!("Consul address {address} has no host"))?;
-            let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
-            let port = url.port_or_known_default().unwrap_or(443);
-            let server_name = tls.and_then(|t| t.server_name.as_deref()).filter(|n| !n.is_empty());
-            if let Some(name) = server_name {
-                builder = builder
-                    .dns_resolver(Arc::new(PinnedName { server_name: name.to_ascii_lowercase(), host: host.clone() }));
-                base = format!("https://{name}:{port}");
-            }
-            builder = builder.use_preconfigured_tls(tls::client_config(tls, tls::Offer::Http1).map_err(in_context)?);
-            multiplexer = Some(Multiplexer::new(
-                address,
-                &host,
-                port,
-                server_name.unwrap_or(&host),
-                tls::client_config(tls, tls::Offer::Http2OrHttp1).map_err(in_context)?,
-                budget,
-                max_body,
-            )?);
+        let mut base = base;
+        let in_context = |e: String| format!("Consul at {address}: {e}");
+        let host = url.host_str().ok_or_else(|| format!("Consul address {address} has no host"))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+        let port = url.port_or_known_default().unwrap_or(443);
+        let server_name = tls.and_then(|t| t.server_name.as_deref()).filter(|n| !n.is_empty());
+        if let Some(name) = server_name {
+            builder = builder
+                .dns_resolver(Arc::new(PinnedName { server_name: name.to_ascii_lowercase(), host: host.clone() }));
+            base = format!("https://{name}:{port}");
         }
+        builder = builder.use_preconfigured_tls(tls::client_config(tls, tls::Offer::Http1).map_err(in_context)?);
+        let multiplexer = Multiplexer::new(
+            address,
+            &host,
+            port,
+            server_name.unwrap_or(&host),
+            tls::client_config(tls, tls::Offer::Http2OrHttp1).map_err(in_context)?,
+            budget,
+            max_body,
+        )?;
         let http = builder.build().map_err(|e| format!("Consul at {address}: cannot build a client: {e}"))?;
-        Ok(HttpClient { http, multiplexer, base, address: address.to_owned(), max_body })
+        Ok(HttpClient { transport: Transport::Tls { http, multiplexer }, base, address: address.to_owned(), max_body })
     }
 
     /// Whether queries are HTTP/2 streams: learnt on the first connection, so `false` until
     /// a query reached the server. A watch of a multiplexed server needs no slot of the
     /// budget: a stream is cheap, and connections are counted as they open.
     pub(crate) fn multiplexed(&self) -> bool {
-        self.multiplexer.as_ref().is_some_and(|m| m.protocol() == Protocol::Http2)
+        matches!(&self.transport, Transport::Tls { multiplexer, .. } if multiplexer.protocol() == Protocol::Http2)
     }
 
     pub(crate) fn address(&self) -> &str {
@@ -305,16 +324,32 @@ impl HttpClient {
             address: address.clone(),
             cause: format!("no complete answer within {timeout:?} (the blocking wait plus a margin)"),
         };
-        let answer = match &self.multiplexer {
-            Some(m) if m.protocol() != Protocol::Http1 => {
-                headers.insert(reqwest::header::USER_AGENT, reqwest::header::HeaderValue::from_static(USER_AGENT));
-                tokio::time::timeout(timeout, m.get(url.as_str(), &headers)).await.map_err(|_| late())??
+        let (status, headers, body) = match &self.transport {
+            Transport::Plain(plain) => {
+                let target = match url.query() {
+                    Some(q) => format!("{}?{q}", url.path()),
+                    None => url.path().to_owned(),
+                };
+                tokio::time::timeout(timeout, plain.get(&target, &headers)).await.map_err(|_| late())??
             }
-            _ => None,
-        };
-        let (status, headers, body) = match answer {
-            Some(a) => a,
-            None => tokio::time::timeout(timeout, self.get_http1(url, headers)).await.map_err(|_| late())??,
+            Transport::Tls { http, multiplexer } => {
+                let answer = match multiplexer.protocol() {
+                    Protocol::Http1 => None,
+                    _ => {
+                        headers
+                            .insert(reqwest::header::USER_AGENT, reqwest::header::HeaderValue::from_static(USER_AGENT));
+                        tokio::time::timeout(timeout, multiplexer.get(url.as_str(), &headers))
+                            .await
+                            .map_err(|_| late())??
+                    }
+                };
+                match answer {
+                    Some(a) => a,
+                    None => tokio::time::timeout(timeout, self.get_http1(http, url, headers))
+                        .await
+                        .map_err(|_| late())??,
+                }
+            }
         };
         if status.is_success() {
             return Ok(Got { index: index_header(&headers), cache_age: cache_age(&headers), body });
@@ -332,16 +367,21 @@ impl HttpClient {
         })
     }
 
-    /// The HTTP/1.1 path: reqwest, reading at most `max_body` bytes (after decompression,
+    /// HTTP/1.1 over TLS: reqwest, reading at most `max_body` bytes (after decompression,
     /// so a small gzip bomb is caught too) instead of buffering whatever the peer sends.
-    async fn get_http1(&self, url: reqwest::Url, headers: HeaderMap) -> Result<multiplex::Response, QueryError> {
+    async fn get_http1(
+        &self,
+        http: &reqwest::Client,
+        url: reqwest::Url,
+        headers: HeaderMap,
+    ) -> Result<multiplex::Response, QueryError> {
         let address = &self.address;
         // reqwest errors can include the URL (never headers); the URL holds no secret.
         let network = |e: reqwest::Error| match tls::explain(&e) {
             Some(cause) => QueryError::Tls { address: address.clone(), cause },
             None => QueryError::Network { address: address.clone(), cause: cause_chain(&e) },
         };
-        let mut resp = self.http.get(url).headers(headers).send().await.map_err(network)?;
+        let mut resp = http.get(url).headers(headers).send().await.map_err(network)?;
         let status = resp.status();
         if status.is_redirection() {
             return Ok((status, resp.headers().clone(), bytes::Bytes::new()));

@@ -411,8 +411,8 @@ fn refused(e: &h2::Error) -> bool {
     e.reason() == Some(h2::Reason::REFUSED_STREAM) || (e.is_go_away() && e.reason() == Some(h2::Reason::NO_ERROR))
 }
 
-/// TCP keepalive as on the HTTP/1.1 path: a peer that vanished mid-block is noticed.
-fn keepalive(tcp: &TcpStream) {
+/// TCP keepalive on every path: a peer that vanished mid-block is noticed within about 30 s.
+pub(crate) fn keepalive(tcp: &TcpStream) {
     let ka = socket2::TcpKeepalive::new()
         .with_time(Duration::from_secs(15))
         .with_interval(Duration::from_secs(5))
