@@ -382,7 +382,8 @@ async fn read_chunked(tcp: &mut TcpStream, mut raw: BytesMut, max_body: usize) -
     loop {
         match next_chunk(&raw)? {
             Chunk::Data { start, len } => {
-                if body.len() + len > max_body {
+                // (`len` may be any 64-bit size a server writes: compared, never added.)
+                if len > max_body - body.len() {
                     return Err(Failure::TooLarge);
                 }
                 if raw.len() >= start + len + 2 {
@@ -441,9 +442,11 @@ fn next_chunk(raw: &[u8]) -> Result<Chunk, Failure> {
 /// Inflates a gzipped body, at most `max_body` bytes of it.
 fn gunzip(gz: &[u8], max_body: usize) -> Result<Vec<u8>, Failure> {
     // The gzip trailer's last four bytes are the inflated size (modulo 4 GiB): room for it
-    // at once rather than doubling buffers for a 21 MB answer.
+    // at once rather than doubling buffers for a 21 MB answer. Trusted only as far as
+    // deflate can expand (1,032 times), so a small answer cannot claim a large buffer.
     let announced = gz.len().checked_sub(4).map_or(0, |i| u32::from_le_bytes([gz[i], gz[i + 1], gz[i + 2], gz[i + 3]]));
-    let mut out = Vec::with_capacity((announced as usize).min(max_body) + 1);
+    let room = (announced as usize).min(max_body).min(gz.len().saturating_mul(1032));
+    let mut out = Vec::with_capacity(room + 1);
     flate2::read::GzDecoder::new(gz)
         .take(max_body as u64 + 1)
         .read_to_end(&mut out)

@@ -144,6 +144,8 @@ async fn answers_above_the_limit_fail_however_they_are_framed() {
     let chunked = serve(answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n40\r\n"));
     let p = Plain::new(chunked.url.as_str(), &chunked.url, 4, 63).unwrap();
     assert!(matches!(get(&p).await, Err(QueryError::TooLarge { .. })));
+    let huge = serve(answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\nffffffffffffffff\r\n"));
+    assert!(matches!(get(&client(&huge)).await, Err(QueryError::TooLarge { .. })), "a size near 2^64 is too large");
 }
 
 #[tokio::test]
@@ -349,4 +351,17 @@ async fn a_waiting_query_holds_no_buffers() {
     assert!(held < 1024, "a waiting query holds {held} bytes");
     answer_tx.send(()).unwrap();
     assert_eq!(&waiting.await.unwrap().2[..], b"{}");
+}
+
+/// The gzip trailer's size sets the buffer only as far as deflate can expand: a small answer
+/// that claims 4 GiB does not get a large buffer.
+#[test]
+fn a_forged_gzip_size_does_not_claim_memory() {
+    let mut gz = gzip(b"[]");
+    let n = gz.len();
+    gz[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+    let (inflated, peak) = heap_peak::peak_heap(|| gunzip(&gz, 1 << 30));
+    // Its checksum of the size fails, but only after the buffer was made.
+    assert!(inflated.is_err());
+    assert!(peak < 256 << 10, "{peak} bytes (the inflater itself about 100 KB)");
 }
