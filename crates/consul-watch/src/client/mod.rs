@@ -145,6 +145,8 @@ impl HttpClient {
             .pool_idle_timeout(Duration::from_secs(30))
             .connect_timeout(Duration::from_secs(10))
             .redirect(reqwest::redirect::Policy::none())
+            // Consul is reached directly on every path (docs/consul.md, "Plain HTTP/1.1").
+            .no_proxy()
             // A peer that vanished without a FIN or RST is noticed within about 30 s, even
             // in the middle of a five-minute blocking query.
             .tcp_keepalive(Duration::from_secs(15))
