@@ -1104,6 +1104,8 @@ struct Instance {
     bootstrap_services_queried: usize,
     /// VmHWM, VmRSS (KiB) right after the first snapshot.
     memory_first: (u64, u64),
+    /// The operator's CPU time (user + system) from spawn to the first snapshot.
+    cpu_first: Duration,
 }
 
 fn cold_start(
@@ -1134,6 +1136,7 @@ fn cold_start(
     let pid = op.pid().context("the operator is not running")?;
     let (cold_http, first_id, snapshot) = rt.block_on(first_snapshot(&op, pid, spawned, s.mappings()))?;
     let snapshot_bytes = snapshot.len();
+    let cpu_first = cpu_time(pid)?;
     let memory_first = memory_kib(pid)?;
     let bootstrap_requests = sim.stats().requests_total;
     let bootstrap_services_queried: usize =
@@ -1151,8 +1154,9 @@ fn cold_start(
         println!("  note: watches restarted during the cold start; log kept at {}", copy.display());
     }
     println!(
-        "  operator pid {pid}: first complete snapshot (id {first_id}, {snapshot_bytes} bytes) at GET /snapshot after {}; {milestones:?}",
-        ms(cold_http)
+        "  operator pid {pid}: first complete snapshot (id {first_id}, {snapshot_bytes} bytes) at GET /snapshot after {}, CPU {}; {milestones:?}",
+        ms(cold_http),
+        ms(cpu_first)
     );
     Ok(Instance {
         op,
@@ -1164,6 +1168,7 @@ fn cold_start(
         bootstrap_requests,
         bootstrap_services_queried,
         memory_first,
+        cpu_first,
     })
 }
 
@@ -1183,6 +1188,10 @@ struct Run {
     max_connections: u32,
     reflector: Vec<Duration>,
     cold: Vec<Duration>,
+    /// CPU time to the end of each: the bench process's for the reflector (it does nothing
+    /// else meanwhile), the operator's to its first snapshot.
+    reflector_cpu: Vec<Duration>,
+    cold_cpu: Vec<Duration>,
     last: Milestones,
     snapshot_bytes: usize,
     /// The first snapshot's document, for the gzip measurement.
@@ -1247,19 +1256,24 @@ fn run_operator(
     println!("== --consul-max-connections {max_connections}");
     let mut reflector = Vec::new();
     let mut cold = Vec::new();
+    let (mut reflector_cpu, mut cold_cpu) = (Vec::new(), Vec::new());
     let mut instance = None;
     let rounds = if plan == Plan::Compared { 3 } else { 1 };
     for k in 0..rounds {
         if plan == Plan::Compared {
+            let cpu_before = cpu_time(std::process::id())?;
             let (t, n) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, &setup.namespaces))?;
+            let cpu = cpu_time(std::process::id())? - cpu_before;
             ensure!(n == s.mappings(), "the reflector saw {n} Mappings, not {}", s.mappings());
-            println!("  bare reflector: {} ({n} Mappings)", ms(t));
+            println!("  bare reflector: {} ({n} Mappings), CPU {}", ms(t), ms(cpu));
             reflector.push(t);
+            reflector_cpu.push(cpu);
         }
         sim.take();
         let fresh = sim.insert(fresh_sim(rt, setup.sim_addr, s)?);
         let i = cold_start(rt, cluster, fresh, setup, s, max_connections)?;
         cold.push(i.cold_http);
+        cold_cpu.push(i.cpu_first);
         if k + 1 < rounds {
             stop(i.op, fresh)?;
         } else {
@@ -1372,6 +1386,8 @@ fn run_operator(
         max_connections,
         reflector,
         cold,
+        reflector_cpu,
+        cold_cpu,
         last: milestones(&log, spawned_at),
         snapshot_bytes,
         snapshot,
@@ -1555,6 +1571,9 @@ fn main() -> anyhow::Result<()> {
         &|r| min_med_max(&r.cold, secs),
     );
     row("bare reflector on the same Mappings (min / median / max of 3)", "", &|r| min_med_max(&r.reflector, secs));
+    row("CPU (user + system) to the end: operator to its first snapshot / bare reflector (medians)", "", &|r| {
+        format!("{} / {}", ms(median(&r.cold_cpu)), ms(median(&r.reflector_cpu)))
+    });
     row("cold start / bare reflector (medians)", &target(&[targets.overhead.map(|l| l.text(ratio_x))]), &|r| {
         ratio_x(median(&r.cold).as_secs_f64() / median(&r.reflector).as_secs_f64())
     });
