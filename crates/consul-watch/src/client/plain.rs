@@ -5,9 +5,10 @@
 //! its blocking query, so at a large budget the connections' resting memory is most of the
 //! operator's. Through reqwest and hyper one costs about 40 KB: a task of its own, a
 //! dispatch channel, write and read buffers and the pool's wrappers (docs/benchmarks.md,
-//! heaptrack at 1,200 connections). Here a waiting query holds its socket and nothing else:
-//! the read buffer is allocated when the answer starts to arrive, and the request's bytes
-//! are freed once written. HTTPS stays with reqwest (HTTP/1.1) and `multiplex` (HTTP/2).
+//! heaptrack at 1,200 connections). Here a waiting query holds its socket and the few
+//! hundred bytes of the request it sent (kept to send again should the connection turn out
+//! closed): the read buffer is allocated when the answer starts to arrive. HTTPS stays
+//! with reqwest (HTTP/1.1) and `multiplex` (HTTP/2).
 //!
 //! What it reads is what Go's `net/http` (Consul's server) writes: a `Content-Length` or
 //! `chunked` body, gzipped when asked, `Connection: close` when the server will close. A
