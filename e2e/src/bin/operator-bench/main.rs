@@ -37,7 +37,8 @@
 //! k of every service is on node `bench-k`, instance 0 on `bench`),
 //! `BENCH_MAPPINGS_PER_SERVICE` (10), `BENCH_NAMESPACES` (5), `BENCH_CHANGES` (200 of each
 //! kind), `BENCH_MODES` (`100,1200`), `BENCH_COALESCE_WINDOW` (`250ms`, passed as
-//! `--coalesce-window`).
+//! `--coalesce-window`). `BENCH_SAVE_SNAPSHOTS=<dir>` writes each cold start's first
+//! snapshot there (`first-<pid>.json`), to compare two builds' documents.
 //!
 //! Targets (the output names the set that applies, and gives met / MISSED for each):
 //! cold start / bare reflector <= 1.2x, spaced change p50 <= 50 ms and p99 <= 100 ms,
@@ -1137,6 +1138,9 @@ fn cold_start(
     let (cold_http, first_id, snapshot) = rt.block_on(first_snapshot(&op, pid, spawned, s.mappings()))?;
     let snapshot_bytes = snapshot.len();
     let cpu_first = cpu_time(pid)?;
+    if let Some(dir) = std::env::var_os("BENCH_SAVE_SNAPSHOTS") {
+        std::fs::write(Path::new(&dir).join(format!("first-{pid}.json")), &snapshot)?;
+    }
     let memory_first = memory_kib(pid)?;
     let bootstrap_requests = sim.stats().requests_total;
     let bootstrap_services_queried: usize =
