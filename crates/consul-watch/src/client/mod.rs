@@ -33,6 +33,9 @@ use plain::Plain;
 /// is noticed by this, or sooner by TCP keepalive.
 pub(crate) const REQUEST_MARGIN: Duration = Duration::from_secs(15);
 
+/// How long a TCP connect (and a TLS handshake) may take, on every path.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The client-side limit of a request that blocks for `block` (`None`: does not block).
 pub(crate) fn request_timeout(block: Option<(u64, Duration)>) -> Duration {
     match block {
@@ -143,7 +146,7 @@ impl HttpClient {
             .pool_max_idle_per_host(max_connections)
             // Idle connections beyond a blocking query's life are not worth keeping long.
             .pool_idle_timeout(Duration::from_secs(30))
-            .connect_timeout(Duration::from_secs(10))
+            .connect_timeout(CONNECT_TIMEOUT)
             .redirect(reqwest::redirect::Policy::none())
             // Consul is reached directly on every path (docs/consul.md, "Plain HTTP/1.1").
             .no_proxy()

@@ -24,16 +24,13 @@ use tokio::net::TcpStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::AbortOnDropHandle;
 
-use super::tls;
+use super::{CONNECT_TIMEOUT, tls};
 use crate::error::{QueryError, cause_chain};
 
 /// Streams we put on one connection even when the server allows more (Go's HTTP/2 server,
 /// which Consul uses, allows 250 by default): past this, another connection shares the
 /// load of one TCP stream's losses and of one reader.
 pub(crate) const MAX_STREAMS_PER_CONNECTION: usize = 250;
-
-/// How long a TCP connect and TLS handshake may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Receive windows: large enough that a big health answer is not throttled by round trips.
 const STREAM_WINDOW: u32 = 4 << 20;

@@ -27,11 +27,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::CONNECT_TIMEOUT;
 use super::multiplex::{Response, keepalive};
 use crate::error::QueryError;
 
-/// How long a TCP connect may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// An idle connection older than this is closed rather than reused: Go's servers close
 /// idle connections after their own timeout, and a connection we keep counts against the
 /// agent's per-client limit.
