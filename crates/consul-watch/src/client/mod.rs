@@ -36,6 +36,30 @@ pub(crate) const REQUEST_MARGIN: Duration = Duration::from_secs(15);
 /// How long a TCP connect (and a TLS handshake) may take, on every path.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// TCP keepalive on every path: a peer that vanished without a FIN or RST is noticed
+/// within about 30 s, even in the middle of a five-minute blocking query.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const KEEPALIVE_RETRIES: u32 = 3;
+
+/// Turns [`KEEPALIVE_IDLE`] and its kin on for a connection of our own (reqwest's are set
+/// on its builder).
+pub(crate) fn keepalive(tcp: &tokio::net::TcpStream) {
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_RETRIES);
+    let _ = socket2::SockRef::from(tcp).set_tcp_keepalive(&ka);
+}
+
+/// Where an `http(s)://` address connects: its host (an IPv6 address without brackets)
+/// and its port.
+fn host_and_port(address: &str, url: &reqwest::Url) -> Result<(String, u16), String> {
+    let host = url.host_str().ok_or_else(|| format!("Consul address {address} has no host"))?;
+    let port = url.port_or_known_default().ok_or_else(|| format!("Consul address {address} has no port"))?;
+    Ok((host.trim_start_matches('[').trim_end_matches(']').to_owned(), port))
+}
+
 /// The client-side limit of a request that blocks for `block` (`None`: does not block).
 pub(crate) fn request_timeout(block: Option<(u64, Duration)>) -> Duration {
     match block {
@@ -83,7 +107,6 @@ pub(crate) struct Heard {
 /// A connection pool to one Consul address: plain HTTP/1.1 connections of our own for
 /// `http://` (see [`plain`]); over TLS, HTTP/2 streams when the server speaks it (see
 /// [`multiplex`]), else reqwest's HTTP/1.1 connections.
-#[derive(Clone)]
 pub(crate) struct HttpClient {
     transport: Transport,
     /// Where requests go (`https://<serverName>:port` when SNI is overridden).
@@ -94,9 +117,8 @@ pub(crate) struct HttpClient {
     max_body: usize,
 }
 
-#[derive(Clone)]
 enum Transport {
-    Plain(Arc<Plain>),
+    Plain(Plain),
     Tls {
         http: reqwest::Client,
         /// Tried first, until the server turns out to speak HTTP/1.1 only.
@@ -132,15 +154,14 @@ impl HttpClient {
         budget: Arc<tokio::sync::Semaphore>,
     ) -> Result<Self, String> {
         let url = reqwest::Url::parse(address).map_err(|e| format!("invalid Consul address {address}: {e}"))?;
-        let base = address.trim_end_matches('/').to_owned();
-        match url.scheme() {
-            "https" => {}
-            "http" => {
-                let plain = Plain::new(address, &url, max_connections, max_body)?;
-                let transport = Transport::Plain(Arc::new(plain));
-                return Ok(HttpClient { transport, base, address: address.to_owned(), max_body });
-            }
+        let mut base = address.trim_end_matches('/').to_owned();
+        let (host, port) = match url.scheme() {
+            "http" | "https" => host_and_port(address, &url)?,
             other => return Err(format!("Consul address {address}: scheme {other:?} is not http or https")),
+        };
+        if url.scheme() == "http" {
+            let transport = Transport::Plain(Plain::new(address, &url, host, port, max_connections, max_body));
+            return Ok(HttpClient { transport, base, address: address.to_owned(), max_body });
         }
         let mut builder = reqwest::Client::builder()
             .pool_max_idle_per_host(max_connections)
@@ -150,17 +171,11 @@ impl HttpClient {
             .redirect(reqwest::redirect::Policy::none())
             // Consul is reached directly on every path (docs/consul.md, "Plain HTTP/1.1").
             .no_proxy()
-            // A peer that vanished without a FIN or RST is noticed within about 30 s, even
-            // in the middle of a five-minute blocking query.
-            .tcp_keepalive(Duration::from_secs(15))
-            .tcp_keepalive_interval(Duration::from_secs(5))
-            .tcp_keepalive_retries(3)
+            .tcp_keepalive(KEEPALIVE_IDLE)
+            .tcp_keepalive_interval(KEEPALIVE_INTERVAL)
+            .tcp_keepalive_retries(KEEPALIVE_RETRIES)
             .user_agent(USER_AGENT);
-        let mut base = base;
         let in_context = |e: String| format!("Consul at {address}: {e}");
-        let host = url.host_str().ok_or_else(|| format!("Consul address {address} has no host"))?;
-        let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
-        let port = url.port_or_known_default().unwrap_or(443);
         let server_name = tls.and_then(|t| t.server_name.as_deref()).filter(|n| !n.is_empty());
         if let Some(name) = server_name {
             builder = builder

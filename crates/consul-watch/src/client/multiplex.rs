@@ -24,7 +24,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::AbortOnDropHandle;
 
-use super::{CONNECT_TIMEOUT, tls};
+use super::{CONNECT_TIMEOUT, keepalive, tls};
 use crate::error::{QueryError, cause_chain};
 
 /// Streams we put on one connection even when the server allows more (Go's HTTP/2 server,
@@ -406,15 +406,6 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Recorder<T> {
 /// A stream the server did not process (it may be retried safely).
 fn refused(e: &h2::Error) -> bool {
     e.reason() == Some(h2::Reason::REFUSED_STREAM) || (e.is_go_away() && e.reason() == Some(h2::Reason::NO_ERROR))
-}
-
-/// TCP keepalive on every path: a peer that vanished mid-block is noticed within about 30 s.
-pub(crate) fn keepalive(tcp: &TcpStream) {
-    let ka = socket2::TcpKeepalive::new()
-        .with_time(Duration::from_secs(15))
-        .with_interval(Duration::from_secs(5))
-        .with_retries(3);
-    let _ = socket2::SockRef::from(tcp).set_tcp_keepalive(&ka);
 }
 
 /// A header value that never prints (the ACL token).

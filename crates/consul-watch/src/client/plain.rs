@@ -27,8 +27,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::CONNECT_TIMEOUT;
-use super::multiplex::{Response, keepalive};
+use super::multiplex::Response;
+use super::{CONNECT_TIMEOUT, keepalive};
 use crate::error::QueryError;
 
 /// An idle connection older than this is closed rather than reused: Go's servers close
@@ -76,24 +76,32 @@ enum Failure {
 }
 
 impl Plain {
-    /// The client of `address`, an `http://` URL. Keeps at most `max_idle` idle
-    /// connections; answers above `max_body` bytes (before or after decompression) fail.
-    pub(crate) fn new(address: &str, url: &reqwest::Url, max_idle: usize, max_body: usize) -> Result<Self, String> {
-        let host = url.host_str().ok_or_else(|| format!("Consul address {address} has no host"))?;
-        let port = url.port_or_known_default().unwrap_or(80);
+    /// The client of `address`, an `http://` URL that connects to `host` and `port`. Keeps
+    /// at most `max_idle` idle connections; answers above `max_body` bytes (before or after
+    /// decompression) fail.
+    pub(crate) fn new(
+        address: &str,
+        url: &reqwest::Url,
+        host: String,
+        port: u16,
+        max_idle: usize,
+        max_body: usize,
+    ) -> Self {
+        // As the URL writes it: an IPv6 host in brackets, a default port left out.
+        let shown = url.host_str().unwrap_or(&host);
         let authority = match url.port() {
-            Some(p) => format!("{host}:{p}"),
-            None => host.to_owned(),
+            Some(p) => format!("{shown}:{p}"),
+            None => shown.to_owned(),
         };
-        Ok(Plain {
+        Plain {
             address: address.to_owned(),
-            host: host.trim_start_matches('[').trim_end_matches(']').to_owned(),
+            host,
             port,
             authority,
             max_idle,
             max_body,
             idle: Mutex::new(VecDeque::new()),
-        })
+        }
     }
 
     /// `GET target` (a path and query) with `headers` added (the token, as a sensitive value

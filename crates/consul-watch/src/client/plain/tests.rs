@@ -10,13 +10,14 @@ use super::*;
 
 const LIMIT: usize = 1 << 20;
 
-/// A server whose `script` gets each accepted connection and its number (from 0).
+/// A server whose `script` gets each accepted connection's number (from 0), a reader of
+/// its requests and the connection to answer on.
 struct Server {
     url: reqwest::Url,
     accepted: Arc<AtomicUsize>,
 }
 
-fn serve(script: impl Fn(usize, StdStream) + Send + Sync + 'static) -> Server {
+fn serve(script: impl Fn(usize, BufReader<StdStream>, StdStream) + Send + Sync + 'static) -> Server {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = reqwest::Url::parse(&format!("http://{}", listener.local_addr().unwrap())).unwrap();
     let accepted = Arc::new(AtomicUsize::new(0));
@@ -27,7 +28,8 @@ fn serve(script: impl Fn(usize, StdStream) + Send + Sync + 'static) -> Server {
             let Ok(conn) = conn else { return };
             let n = counter.fetch_add(1, Ordering::SeqCst);
             let script = script.clone();
-            std::thread::spawn(move || script(n, conn));
+            let reader = BufReader::new(conn.try_clone().unwrap());
+            std::thread::spawn(move || script(n, reader, conn));
         }
     });
     Server { url, accepted }
@@ -49,18 +51,22 @@ fn request(reader: &mut BufReader<StdStream>) -> Option<String> {
 }
 
 /// Answers every request of the connection with `answer`.
-fn answering(answer: &'static [u8]) -> impl Fn(usize, StdStream) + Send + Sync + 'static {
-    move |_, conn| {
-        let mut reader = BufReader::new(conn.try_clone().unwrap());
-        let mut conn = conn;
+fn answering(answer: &'static [u8]) -> impl Fn(usize, BufReader<StdStream>, StdStream) + Send + Sync + 'static {
+    move |_, mut reader, mut conn| {
         while request(&mut reader).is_some() {
             conn.write_all(answer).unwrap();
         }
     }
 }
 
+/// A client of `url` as `HttpClient::new` makes one.
+fn plain(url: &reqwest::Url, max_idle: usize, max_body: usize) -> Plain {
+    let (host, port) = super::super::host_and_port(url.as_str(), url).unwrap();
+    Plain::new(url.as_str(), url, host, port, max_idle, max_body)
+}
+
 fn client(s: &Server) -> Plain {
-    Plain::new(s.url.as_str(), &s.url, 4, LIMIT).unwrap()
+    plain(&s.url, 4, LIMIT)
 }
 
 async fn get(p: &Plain) -> Result<Response, QueryError> {
@@ -89,9 +95,7 @@ async fn a_sized_answer_is_read_and_its_connection_kept_for_the_next() {
 
 #[tokio::test]
 async fn a_chunked_answer_arriving_in_pieces_is_read_whole_and_the_connection_kept() {
-    let s = serve(|_, conn| {
-        let mut reader = BufReader::new(conn.try_clone().unwrap());
-        let mut conn = conn;
+    let s = serve(|_, mut reader, mut conn| {
         while request(&mut reader).is_some() {
             let parts: [&[u8]; 7] = [
                 b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-",
@@ -131,7 +135,7 @@ async fn a_gzipped_answer_is_inflated_within_the_limit() {
     let (_, _, body) = get(&client(&s)).await.unwrap();
     assert_eq!(body, json);
     // The same answer past a smaller limit: a small gzip that inflates beyond it fails.
-    let small = Plain::new(s.url.as_str(), &s.url, 4, json.len() - 1).unwrap();
+    let small = plain(&s.url, 4, json.len() - 1);
     assert!(gz.len() < json.len() - 1);
     assert!(matches!(get(&small).await, Err(QueryError::TooLarge { .. })));
 }
@@ -139,10 +143,10 @@ async fn a_gzipped_answer_is_inflated_within_the_limit() {
 #[tokio::test]
 async fn answers_above_the_limit_fail_however_they_are_framed() {
     let announced = serve(answering(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n"));
-    let p = Plain::new(announced.url.as_str(), &announced.url, 4, 99).unwrap();
+    let p = plain(&announced.url, 4, 99);
     assert!(matches!(get(&p).await, Err(QueryError::TooLarge { limit: 99, .. })));
     let chunked = serve(answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n40\r\n"));
-    let p = Plain::new(chunked.url.as_str(), &chunked.url, 4, 63).unwrap();
+    let p = plain(&chunked.url, 4, 63);
     assert!(matches!(get(&p).await, Err(QueryError::TooLarge { .. })));
     let huge = serve(answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\nffffffffffffffff\r\n"));
     assert!(matches!(get(&client(&huge)).await, Err(QueryError::TooLarge { .. })), "a size near 2^64 is too large");
@@ -157,8 +161,7 @@ async fn connection_close_and_unframed_answers_are_not_reused() {
     assert_eq!(close.accepted.load(Ordering::SeqCst), 2);
     assert_eq!(p.idle(), 0);
 
-    let to_close = serve(|_, mut conn| {
-        let mut reader = BufReader::new(conn.try_clone().unwrap());
+    let to_close = serve(|_, mut reader, mut conn| {
         request(&mut reader);
         conn.write_all(b"HTTP/1.1 200 OK\r\n\r\n{\"read\":").unwrap();
         conn.write_all(b"\"to the end\"}").unwrap();
@@ -174,15 +177,12 @@ async fn connection_close_and_unframed_answers_are_not_reused() {
 #[tokio::test]
 async fn a_connection_the_server_closed_while_idle_is_replaced_not_reported() {
     let (closed_tx, closed_rx) = std::sync::mpsc::channel();
-    let closed_tx = std::sync::Mutex::new(closed_tx);
-    let s = serve(move |n, conn| {
-        let mut reader = BufReader::new(conn.try_clone().unwrap());
-        let mut conn = conn;
+    let s = serve(move |n, mut reader, mut conn| {
         while request(&mut reader).is_some() {
             conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]").unwrap();
             if n == 0 {
                 conn.shutdown(std::net::Shutdown::Both).unwrap();
-                closed_tx.lock().unwrap().send(()).unwrap();
+                closed_tx.send(()).unwrap();
                 return;
             }
         }
@@ -200,9 +200,7 @@ async fn a_connection_the_server_closed_while_idle_is_replaced_not_reported() {
 /// it is not sent again behind the watch's back.
 #[tokio::test]
 async fn a_query_the_server_drops_is_an_error_even_on_a_reused_connection() {
-    let s = serve(|_, conn| {
-        let mut reader = BufReader::new(conn.try_clone().unwrap());
-        let mut conn = conn;
+    let s = serve(|_, mut reader, mut conn| {
         request(&mut reader).unwrap();
         conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]").unwrap();
         // Reads the next request, then closes without answering.
@@ -218,8 +216,7 @@ async fn a_query_the_server_drops_is_an_error_even_on_a_reused_connection() {
 
 #[tokio::test]
 async fn a_new_connection_closed_without_an_answer_is_a_network_error() {
-    let s = serve(|_, conn| {
-        let mut reader = BufReader::new(conn.try_clone().unwrap());
+    let s = serve(|_, mut reader, _conn| {
         request(&mut reader);
     });
     let err = get(&client(&s)).await.unwrap_err();
@@ -232,7 +229,7 @@ async fn a_new_connection_closed_without_an_answer_is_a_network_error() {
 async fn a_refused_connection_names_the_address() {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let url = reqwest::Url::parse(&format!("http://127.0.0.1:{port}")).unwrap();
-    let err = get(&Plain::new(url.as_str(), &url, 4, LIMIT).unwrap()).await.unwrap_err();
+    let err = get(&plain(&url, 4, LIMIT)).await.unwrap_err();
     assert!(err.unreachable());
     assert!(err.to_string().contains(&format!("127.0.0.1:{port}")), "{err}");
 }
@@ -259,12 +256,9 @@ async fn malformed_answers_are_body_errors_that_never_show_the_token() {
 #[tokio::test]
 async fn the_request_names_the_host_asks_for_gzip_and_carries_the_token() {
     let (tx, rx) = std::sync::mpsc::channel();
-    let tx = std::sync::Mutex::new(tx);
-    let s = serve(move |_, conn| {
-        let mut reader = BufReader::new(conn.try_clone().unwrap());
-        let mut conn = conn;
+    let s = serve(move |_, mut reader, mut conn| {
         let head = request(&mut reader).unwrap();
-        tx.lock().unwrap().send(head).unwrap();
+        tx.send(head).unwrap();
         conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]").unwrap();
     });
     let mut headers = HeaderMap::new();
@@ -283,7 +277,7 @@ async fn the_request_names_the_host_asks_for_gzip_and_carries_the_token() {
 #[tokio::test]
 async fn idle_connections_are_capped_and_expire() {
     let s = serve(answering(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]"));
-    let p = Plain::new(s.url.as_str(), &s.url, 2, LIMIT).unwrap();
+    let p = plain(&s.url, 2, LIMIT);
     // Three at once: none finds an idle connection.
     let (a, b, c) = tokio::join!(get(&p), get(&p), get(&p));
     assert!(a.is_ok() && b.is_ok() && c.is_ok());
@@ -301,17 +295,14 @@ async fn idle_connections_are_capped_and_expire() {
 #[tokio::test]
 async fn a_waiting_query_holds_no_buffers() {
     let (seen_tx, seen_rx) = std::sync::mpsc::channel();
-    let seen_tx = std::sync::Mutex::new(seen_tx);
     let (answer_tx, answer_rx) = std::sync::mpsc::channel::<()>();
     let answer_rx = std::sync::Mutex::new(answer_rx);
-    let s = serve(move |_, conn| {
-        let mut reader = BufReader::new(conn.try_clone().unwrap());
-        let mut conn = conn;
+    let s = serve(move |_, mut reader, mut conn| {
         // The first query is answered at once; the second once the test has measured.
         request(&mut reader).unwrap();
         conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]").unwrap();
         request(&mut reader).unwrap();
-        seen_tx.lock().unwrap().send(()).unwrap();
+        seen_tx.send(()).unwrap();
         answer_rx.lock().unwrap().recv().unwrap();
         conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}").unwrap();
     });
