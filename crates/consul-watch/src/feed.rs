@@ -138,7 +138,10 @@ pub(crate) struct Membership {
 impl Membership {
     /// Records what the member's latest answer asked about.
     pub(crate) fn saw(&self, heard: &Heard) {
-        if let Some(m) = self.feed.lock().all.get_mut(&self.id) {
+        if let Some(m) = self.feed.lock().all.get_mut(&self.id)
+            && m.heard != *heard
+        {
+            // Most reads hear what the last one did: no reallocation then.
             m.heard.clone_from(heard);
         }
     }
