@@ -1,7 +1,7 @@
 //! The Kubernetes source: one kube-runtime watcher per key (kind + namespace +
 //! selectors), with backoff, translated into the core's list/apply/delete events.
 //!
-//! Objects are handled as JSON (`DynamicObject`): the core has no Kubernetes types, and
+//! Objects are handled as JSON ([`wire::WireObject`]): the core has no Kubernetes types, and
 //! the same code serves our CRD, Ambassador's kinds, Secrets, EndpointSlices and any kind
 //! given with `--watch`. The version is the one the API server prefers unless the key
 //! pins one; it is found by discovery, so older API servers work too.
@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use kube::api::DynamicObject;
 use kube::discovery::{self, ApiCapabilities, ApiResource, Scope};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
@@ -21,7 +20,9 @@ use super::EventSink;
 use super::metrics::SourceMetrics;
 use consul_resolver_core::keys::KubeKey;
 use consul_resolver_core::model::{Event, KubeEvent, WatchFailure};
-use consul_resolver_core::model::{KubeObject, ObjectId};
+use wire::WireObject;
+
+mod wire;
 
 pub(crate) struct KubeSource {
     client: Client,
@@ -161,7 +162,7 @@ async fn run(client: Client, key: KubeKey, events: EventSink, metrics: SourceMet
             }
         }
     };
-    let api: Api<DynamicObject> = match (&caps.scope, &key.namespace) {
+    let api: Api<WireObject> = match (&caps.scope, &key.namespace) {
         (Scope::Namespaced, Some(ns)) => Api::namespaced_with(client, ns, &resource),
         _ => Api::all_with(client, &resource),
     };
@@ -187,19 +188,16 @@ async fn run(client: Client, key: KubeKey, events: EventSink, metrics: SourceMet
                 listed_before = true;
                 KubeEvent::ListStarted
             }
-            Ok(watcher::Event::InitApply(o)) => match to_object(o) {
+            Ok(watcher::Event::InitApply(o)) => match o.into_object() {
                 Some(o) => KubeEvent::Listed(o),
                 None => continue,
             },
             Ok(watcher::Event::InitDone) => KubeEvent::ListDone,
-            Ok(watcher::Event::Apply(o)) => match to_object(o) {
+            Ok(watcher::Event::Apply(o)) => match o.into_object() {
                 Some(o) => KubeEvent::Applied(o),
                 None => continue,
             },
-            Ok(watcher::Event::Delete(o)) => KubeEvent::Deleted(ObjectId {
-                namespace: o.metadata.namespace.clone(),
-                name: o.metadata.name.clone().unwrap_or_default(),
-            }),
+            Ok(watcher::Event::Delete(o)) => KubeEvent::Deleted(o.id()),
             Err(e) => {
                 let (failure, reason) = failure(&e);
                 tracing::warn!(watch = %key, error = %failure.message, rejected = failure.rejected, "watch error; retrying with backoff");
@@ -215,24 +213,6 @@ async fn run(client: Client, key: KubeKey, events: EventSink, metrics: SourceMet
             return;
         }
     }
-}
-
-/// The object as JSON, as the API server sent it but for `managedFields` (large, never
-/// read: kept out of the world's memory). The body (`spec`, `data`, ...) is moved, not
-/// serialised again: at 10,000 Mappings that was a third of a cold start's CPU.
-fn to_object(o: DynamicObject) -> Option<KubeObject> {
-    let DynamicObject { types, mut metadata, data } = o;
-    metadata.managed_fields = None;
-    let mut value = match data {
-        serde_json::Value::Object(map) => map,
-        _ => serde_json::Map::new(),
-    };
-    value.insert("metadata".into(), serde_json::to_value(&metadata).ok()?);
-    if let Some(t) = types {
-        value.insert("apiVersion".into(), t.api_version.into());
-        value.insert("kind".into(), t.kind.into());
-    }
-    KubeObject::from_value(serde_json::Value::Object(value))
 }
 
 #[cfg(test)]
@@ -271,24 +251,6 @@ mod tests {
 
     fn status(code: u16, reason: &str) -> Box<Status> {
         Box::new(Status::failure("secrets is forbidden", reason).with_code(code))
-    }
-
-    #[test]
-    fn objects_keep_everything_but_managed_fields() {
-        let json = serde_json::json!({
-            "apiVersion": "getambassador.io/v3alpha1", "kind": "Mapping",
-            "metadata": {"namespace": "shop", "name": "billing", "labels": {"team": "a"},
-                         "managedFields": [{"manager": "kubectl", "operation": "Apply"}]},
-            "spec": {"service": "billing", "resolver": "consul"},
-            "status": {"state": "Running"}
-        });
-        let o: DynamicObject = serde_json::from_value(json.clone()).unwrap();
-        let got = to_object(o).unwrap();
-        let mut expected = json;
-        expected["metadata"].as_object_mut().unwrap().remove("managedFields");
-        assert_eq!(*got.value, expected);
-        assert_eq!(got.id.name, "billing");
-        assert_eq!(got.id.namespace.as_deref(), Some("shop"));
     }
 
     #[test]
