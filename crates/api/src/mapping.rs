@@ -75,24 +75,42 @@ pub enum MappingError {
 impl Mapping {
     /// Reads a Mapping from the object JSON the API server returned, of either version.
     pub fn from_object(kind: MappingKind, object: &Value) -> Result<Self, MappingError> {
-        let meta = |field: &'static str| {
-            object
-                .pointer(&format!("/metadata/{field}"))
-                .and_then(Value::as_str)
-                .map(str::to_owned)
-                .ok_or(MappingError::MissingMeta { kind: kind.kind(), field })
-        };
-        let namespace = meta("namespace")?;
-        let name = meta("name")?;
-        let spec = match object.get("spec") {
-            None | Some(Value::Null) => MappingSpec::default(),
-            Some(spec) => MappingSpec::deserialize(spec).map_err(|source| MappingError::Spec {
-                kind: kind.kind(),
-                namespace: namespace.clone(),
-                name: name.clone(),
-                source,
-            })?,
-        };
+        let meta = |field: &str| object.pointer(&format!("/metadata/{field}")).and_then(Value::as_str);
+        let spec = object.get("spec").filter(|s| !s.is_null());
+        Self::read(kind, meta("namespace"), meta("name"), || {
+            spec.map_or(Ok(MappingSpec::default()), MappingSpec::deserialize)
+        })
+    }
+
+    /// Reads a Mapping from its metadata's `namespace` and `name` and its `spec` as the API
+    /// server wrote it (JSON text), without building the object's JSON first.
+    pub fn from_spec_text(
+        kind: MappingKind,
+        namespace: Option<&str>,
+        name: Option<&str>,
+        spec: Option<&str>,
+    ) -> Result<Self, MappingError> {
+        Self::read(kind, namespace, name, || {
+            let spec: Option<MappingSpec> = spec.map(serde_json::from_str).transpose()?.flatten();
+            Ok(spec.unwrap_or_default())
+        })
+    }
+
+    fn read(
+        kind: MappingKind,
+        namespace: Option<&str>,
+        name: Option<&str>,
+        spec: impl FnOnce() -> Result<MappingSpec, serde_json::Error>,
+    ) -> Result<Self, MappingError> {
+        let missing = |field| MappingError::MissingMeta { kind: kind.kind(), field };
+        let namespace = namespace.ok_or_else(|| missing("namespace"))?.to_owned();
+        let name = name.ok_or_else(|| missing("name"))?.to_owned();
+        let spec = spec().map_err(|source| MappingError::Spec {
+            kind: kind.kind(),
+            namespace: namespace.clone(),
+            name: name.clone(),
+            source,
+        })?;
         Ok(Mapping { kind, namespace, name, spec })
     }
 }
@@ -156,6 +174,12 @@ mod tests {
         assert!(e.to_string().starts_with("Mapping n/t: spec is not valid"), "{e}");
         let e = Mapping::from_object(MappingKind::Mapping, &json!({"metadata": {"name": "x"}})).unwrap_err();
         assert!(e.to_string().contains("metadata.namespace"), "{e}");
+        let e = Mapping::from_spec_text(MappingKind::Mapping, Some("n"), Some("t"), Some(r#"{"service": 42}"#));
+        assert!(e.unwrap_err().to_string().starts_with("Mapping n/t: spec is not valid"));
+        let e = Mapping::from_spec_text(MappingKind::TcpMapping, Some("n"), None, None).unwrap_err();
+        assert!(e.to_string().contains("metadata.name"), "{e}");
+        let none = Mapping::from_spec_text(MappingKind::Mapping, Some("n"), Some("t"), Some("null")).unwrap();
+        assert_eq!(none.spec, MappingSpec::default(), "a null spec, as an absent one");
     }
 }
 
@@ -205,9 +229,17 @@ mod proptests {
             // An arbitrary value, and a well-named object with an arbitrary spec.
             let _ = Mapping::from_object(kind, &object);
             let named = json!({"metadata": {"name": "m", "namespace": "ns"}, "spec": spec});
-            match Mapping::from_object(kind, &named) {
+            let from_object = Mapping::from_object(kind, &named);
+            match &from_object {
                 Ok(m) => prop_assert_eq!((m.namespace.as_str(), m.name.as_str()), ("ns", "m")),
                 Err(e) => prop_assert!(e.to_string().starts_with(&format!("{} ns/m: spec is not valid", kind.kind())), "{}", e),
+            }
+            // The spec read from its text: the same Mapping, or an error too.
+            let from_text = Mapping::from_spec_text(kind, Some("ns"), Some("m"), Some(&spec.to_string()));
+            match (from_object, from_text) {
+                (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
+                (Err(_), Err(e)) => prop_assert!(e.to_string().starts_with(&format!("{} ns/m: spec is not valid", kind.kind())), "{}", e),
+                (a, b) => prop_assert!(false, "{:?} read from the object, {:?} from the text", a, b),
             }
         }
 

@@ -3,6 +3,7 @@
 //! `--watch` keys, whose objects the snapshot copies whole, are kept as JSON.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use base64::Engine;
 use consul_resolver_api::export::{self, ConsulServiceSpec};
@@ -50,25 +51,30 @@ impl Reading {
     }
 
     pub(crate) fn decode(self, obj: &KubeObject) -> Stored {
-        let value = &*obj.value;
+        // A Mapping is read from its spec's text; every other kind from its JSON, built
+        // here (resolvers, exports and `--watch` objects keep it).
+        if let Reading::Mapping(kind) = self {
+            return Stored { raw: None, decoded: Decoded::Mapping(mapping_object(kind, obj)) };
+        }
+        let value = obj.to_value();
         let decoded = match self {
-            Reading::Resolver => Decoded::Resolver(Box::new(resolver_object(value))),
-            Reading::Export => Decoded::Export(Box::new(export_object(value))),
-            Reading::Mapping(kind) => Decoded::Mapping(mapping_object(kind, value)),
-            Reading::Secret => Decoded::Secret(secret_data(value)),
+            Reading::Resolver => Decoded::Resolver(Box::new(resolver_object(&value))),
+            Reading::Export => Decoded::Export(Box::new(export_object(&value))),
+            Reading::Mapping(kind) => Decoded::Mapping(mapping_object(kind, obj)),
+            Reading::Secret => Decoded::Secret(secret_data(&value)),
             Reading::EndpointSlices => Decoded::Endpoints {
-                service: kube_endpoints::service_of_slice(value),
-                endpoints: kube_endpoints::from_slice(value),
+                service: kube_endpoints::service_of_slice(&value),
+                endpoints: kube_endpoints::from_slice(&value),
             },
             Reading::Endpoints => {
-                Decoded::Endpoints { service: obj.id.name.clone(), endpoints: kube_endpoints::from_endpoints(value) }
+                Decoded::Endpoints { service: obj.id.name.clone(), endpoints: kube_endpoints::from_endpoints(&value) }
             }
-            Reading::Namespace => Decoded::Labels(labels_of(value)),
+            Reading::Namespace => Decoded::Labels(labels_of(&value)),
             Reading::Json => Decoded::Json,
         };
         // Resolvers and exports keep their JSON for their controllers; `--watch` objects
         // are JSON.
-        let raw = matches!(self, Reading::Resolver | Reading::Export | Reading::Json).then(|| obj.value.clone());
+        let raw = matches!(self, Reading::Resolver | Reading::Export | Reading::Json).then(|| Arc::new(value));
         Stored { raw, decoded }
     }
 
@@ -103,8 +109,10 @@ fn export_object(value: &Value) -> ExportObject {
     ExportObject { generation, spec }
 }
 
-fn mapping_object(kind: MappingKind, value: &Value) -> Result<MappingObject, String> {
-    let m = Mapping::from_object(kind, value).map_err(|e| e.to_string())?;
+fn mapping_object(kind: MappingKind, obj: &KubeObject) -> Result<MappingObject, String> {
+    let meta = |key: &str| obj.metadata().get(key).and_then(Value::as_str);
+    let m =
+        Mapping::from_spec_text(kind, meta("namespace"), meta("name"), obj.field("spec")).map_err(|e| e.to_string())?;
     let service = m.spec.service.unwrap_or_default();
     Ok(MappingObject {
         kind,

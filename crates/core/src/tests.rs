@@ -868,10 +868,9 @@ async fn snapshots_are_deterministic() {
 
 #[tokio::test(start_paused = true)]
 async fn resolver_entries_carry_the_generation_for_observed_generation() {
-    let mut with_generation = resolver("shop", "consul", json!({"address": "127.0.0.1:8500"}));
-    let mut value = (*with_generation.value).clone();
+    let mut value = resolver("shop", "consul", json!({"address": "127.0.0.1:8500"})).to_value();
     value["metadata"]["generation"] = json!(7);
-    with_generation.value = std::sync::Arc::new(value);
+    let with_generation = object(value);
     let a = assemble(
         vec![with_generation, resolver("shop", "bare", json!({"address": "127.0.0.1:8500"}))],
         vec![],

@@ -1,17 +1,20 @@
-//! An object as the API server sends it, decoded once, straight into the JSON the core
-//! keeps ([`KubeObject`]).
+//! An object as the API server sends it, decoded once, straight into what the core keeps
+//! ([`KubeObject`]): the metadata as JSON, every other top-level field as its text.
 //!
-//! `DynamicObject` decodes the metadata into `ObjectMeta` (`managedFields` included: at
-//! 10,000 Mappings a tenth of a cold start's decoding), and the core then needed the
-//! metadata back as JSON, serialised again from `ObjectMeta`. Here `managedFields` is
-//! skipped unread, and the metadata stays JSON; the watcher only needs the
-//! `resourceVersion` (to resume its watch), which is copied out.
+//! `DynamicObject` decoded the metadata into `ObjectMeta` (`managedFields` included), the
+//! rest into JSON, and the core then needed the metadata back as JSON (serialised again)
+//! and read a Mapping's spec out of JSON it dropped at once. Here `managedFields` is
+//! skipped unread, the metadata stays JSON, and a spec is decoded only by what reads it,
+//! from its text. The watcher needs only the `resourceVersion` (to resume its watch),
+//! which is copied out, with the name and namespace.
 
+use std::borrow::Cow;
 use std::fmt;
 
 use kube::core::{ApiResource, DynamicResourceScope, ObjectMeta, Resource};
 use serde::Deserialize;
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use consul_resolver_core::model::{KubeObject, ObjectId};
@@ -21,7 +24,9 @@ use consul_resolver_core::model::{KubeObject, ObjectId};
 pub(crate) struct WireObject {
     /// `name`, `namespace` and `resourceVersion` only.
     meta: ObjectMeta,
-    value: Map<String, Value>,
+    metadata: Map<String, Value>,
+    /// Every other top-level field as the API server wrote it.
+    fields: Vec<(String, Box<str>)>,
 }
 
 impl WireObject {
@@ -32,7 +37,7 @@ impl WireObject {
 
     /// The object as the core keeps it; `None` without a name.
     pub(crate) fn into_object(self) -> Option<KubeObject> {
-        KubeObject::from_value(Value::Object(self.value))
+        KubeObject::from_parts(self.metadata, self.fields)
     }
 }
 
@@ -40,23 +45,23 @@ impl Resource for WireObject {
     type DynamicType = ApiResource;
     type Scope = DynamicResourceScope;
 
-    fn group(dt: &ApiResource) -> std::borrow::Cow<'_, str> {
+    fn group(dt: &ApiResource) -> Cow<'_, str> {
         dt.group.as_str().into()
     }
 
-    fn version(dt: &ApiResource) -> std::borrow::Cow<'_, str> {
+    fn version(dt: &ApiResource) -> Cow<'_, str> {
         dt.version.as_str().into()
     }
 
-    fn kind(dt: &ApiResource) -> std::borrow::Cow<'_, str> {
+    fn kind(dt: &ApiResource) -> Cow<'_, str> {
         dt.kind.as_str().into()
     }
 
-    fn api_version(dt: &ApiResource) -> std::borrow::Cow<'_, str> {
+    fn api_version(dt: &ApiResource) -> Cow<'_, str> {
         dt.api_version.as_str().into()
     }
 
-    fn plural(dt: &ApiResource) -> std::borrow::Cow<'_, str> {
+    fn plural(dt: &ApiResource) -> Cow<'_, str> {
         dt.plural.as_str().into()
     }
 
@@ -71,28 +76,55 @@ impl Resource for WireObject {
 
 impl<'de> Deserialize<'de> for WireObject {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let value = deserializer.deserialize_map(Fields::Object)?;
-        let text =
-            |key: &str| value.get("metadata").and_then(|m| m.get(key)).and_then(Value::as_str).map(str::to_owned);
+        let (metadata, fields) = deserializer.deserialize_map(Object)?;
+        let text = |key: &str| metadata.get(key).and_then(Value::as_str).map(str::to_owned);
         let meta = ObjectMeta {
             name: text("name"),
             namespace: text("namespace"),
             resource_version: text("resourceVersion"),
             ..ObjectMeta::default()
         };
-        Ok(WireObject { meta, value })
+        Ok(WireObject { meta, metadata, fields })
     }
 }
 
-/// Which map is being read: the object (whose `metadata` is read as [`Fields::Metadata`])
-/// or its metadata (whose `managedFields` is skipped).
-#[derive(Clone, Copy)]
-enum Fields {
-    Object,
-    Metadata,
+/// The object's map: `metadata` read as [`Metadata`], the other fields kept as text.
+struct Object;
+
+impl<'de> Visitor<'de> for Object {
+    type Value = (Map<String, Value>, Vec<(String, Box<str>)>);
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a Kubernetes object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        // A field's text can be kept only when read from serde_json's own reader, which
+        // does not know a map's length. A map that does (buffered by serde: a watch event
+        // whose `object` comes before its `type`, which no API server writes; or a
+        // `Value`) gives its fields as JSON, written back as text.
+        let buffered = map.size_hint().is_some();
+        let mut metadata = Map::new();
+        let mut fields = Vec::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if key == "metadata" {
+                metadata = map.next_value_seed(Metadata)?;
+            } else if buffered {
+                let value: Value = map.next_value()?;
+                fields.push((key, value.to_string().into_boxed_str()));
+            } else {
+                let text: Box<RawValue> = map.next_value()?;
+                fields.push((key, text.into()));
+            }
+        }
+        Ok((metadata, fields))
+    }
 }
 
-impl<'de> DeserializeSeed<'de> for Fields {
+/// An object's metadata, but for `managedFields`, skipped unread.
+struct Metadata;
+
+impl<'de> DeserializeSeed<'de> for Metadata {
     type Value = Map<String, Value>;
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
@@ -100,28 +132,22 @@ impl<'de> DeserializeSeed<'de> for Fields {
     }
 }
 
-impl<'de> Visitor<'de> for Fields {
+impl<'de> Visitor<'de> for Metadata {
     type Value = Map<String, Value>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str(match self {
-            Fields::Object => "a Kubernetes object",
-            Fields::Metadata => "an object's metadata",
-        })
+        f.write_str("an object's metadata")
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut out = Map::new();
         while let Some(key) = map.next_key::<String>()? {
-            let value = match (self, key.as_str()) {
-                (Fields::Object, "metadata") => Value::Object(map.next_value_seed(Fields::Metadata)?),
-                (Fields::Metadata, "managedFields") => {
-                    map.next_value::<IgnoredAny>()?;
-                    continue;
-                }
-                _ => map.next_value::<Value>()?,
-            };
-            out.insert(key, value);
+            if key == "managedFields" {
+                map.next_value::<IgnoredAny>()?;
+            } else {
+                let value = map.next_value()?;
+                out.insert(key, value);
+            }
         }
         Ok(out)
     }
@@ -161,7 +187,7 @@ mod tests {
         let object = wire.into_object().unwrap();
         let mut expected = mapping();
         expected["metadata"].as_object_mut().unwrap().remove("managedFields");
-        assert_eq!(*object.value, expected);
+        assert_eq!(object.to_value(), expected);
         let dynamic: DynamicObject = serde_json::from_slice(&body).unwrap();
         assert_eq!(dynamic.metadata.managed_fields.map(|m| m.len()), Some(1), "the fixture has managed fields");
     }
@@ -173,21 +199,38 @@ mod tests {
         let mut item = mapping();
         item.as_object_mut().unwrap().retain(|k, _| k == "metadata" || k == "spec");
         let list = json!({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": "50"}, "items": [item]});
-        let list: ObjectList<WireObject> = serde_json::from_value(list).unwrap();
+        let list: ObjectList<WireObject> = serde_json::from_str(&list.to_string()).unwrap();
         assert_eq!(list.metadata.resource_version.as_deref(), Some("50"));
         let object = list.items.into_iter().next().unwrap().into_object().unwrap();
-        assert_eq!(object.value.get("kind"), None);
+        assert_eq!(object.field("kind"), None);
+        assert_eq!(object.field("spec"), Some(r#"{"prefix":"/web/","resolver":"consul-dc1","service":"web"}"#));
         assert_eq!(object.id.name, "web");
 
-        let event = json!({"type": "MODIFIED", "object": mapping()});
-        let WatchEvent::Modified(o) = serde_json::from_value::<WatchEvent<WireObject>>(event).unwrap() else {
-            panic!("a modification")
-        };
-        assert_eq!(o.resource_version().as_deref(), Some("42"));
+        // As the API server writes an event (`type` first), and the other way round, which
+        // serde reads from a buffer.
+        let object = serde_json::to_string(&mapping()).unwrap();
+        for event in [
+            format!(r#"{{"type":"MODIFIED","object":{object}}}"#),
+            format!(r#"{{"object":{object},"type":"MODIFIED"}}"#),
+        ] {
+            let WatchEvent::Modified(o) = serde_json::from_str::<WatchEvent<WireObject>>(&event).unwrap() else {
+                panic!("a modification")
+            };
+            assert_eq!(o.resource_version().as_deref(), Some("42"));
+            let mut expected = mapping();
+            expected["metadata"].as_object_mut().unwrap().remove("managedFields");
+            assert_eq!(o.into_object().unwrap().to_value(), expected);
+        }
+        let from_value: WireObject = serde_json::from_value(mapping()).unwrap();
+        assert_eq!(
+            from_value.into_object().unwrap().field("spec"),
+            Some(r#"{"prefix":"/web/","resolver":"consul-dc1","service":"web"}"#)
+        );
 
-        let nameless: WireObject = serde_json::from_value(json!({"metadata": {}, "spec": {}})).unwrap();
+        let nameless: WireObject = serde_json::from_str(r#"{"metadata": {}, "spec": {}}"#).unwrap();
         assert!(nameless.into_object().is_none());
-        assert!(serde_json::from_value::<WireObject>(json!(["not", "an", "object"])).is_err());
-        assert!(serde_json::from_value::<WireObject>(json!({"metadata": "text"})).is_err());
+        assert!(serde_json::from_str::<WireObject>(r#"["not", "an", "object"]"#).is_err());
+        assert!(serde_json::from_str::<WireObject>(r#"{"metadata": "text"}"#).is_err());
+        assert!(serde_json::from_str::<WireObject>(r#"{"metadata": {"name": "x"}, "spec": {"#).is_err());
     }
 }
