@@ -110,9 +110,8 @@ fn export_object(value: &Value) -> ExportObject {
 }
 
 fn mapping_object(kind: MappingKind, obj: &KubeObject) -> Result<MappingObject, String> {
-    let meta = |key: &str| obj.metadata().get(key).and_then(Value::as_str);
-    let m =
-        Mapping::from_spec_text(kind, meta("namespace"), meta("name"), obj.field("spec")).map_err(|e| e.to_string())?;
+    let (namespace, name) = (obj.id.namespace.as_deref(), Some(obj.id.name.as_str()));
+    let m = Mapping::from_spec_text(kind, namespace, name, obj.field("spec")).map_err(|e| e.to_string())?;
     let service = m.spec.service.unwrap_or_default();
     Ok(MappingObject {
         kind,

@@ -10,6 +10,7 @@ use consul_resolver_api::mapping::MappingKind;
 use consul_resolver_api::resolver::ConsulResolverSpec;
 use consul_resolver_api::service::{ServiceRef, ServiceRefError};
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use super::keys::{ConsulKey, KubeKey};
@@ -26,12 +27,21 @@ pub struct ObjectId {
 /// `status`, `data`, ...) kept as the API server wrote it, read only by what needs it
 /// ([`crate::ingest`]). A Mapping's spec is decoded straight from its text: at 10,000
 /// Mappings, building each one's JSON first was a tenth of a cold start's CPU.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct KubeObject {
     pub id: ObjectId,
     metadata: Map<String, Value>,
     /// Field name and its JSON text, in the order received.
-    fields: Vec<(String, Box<str>)>,
+    fields: Vec<(String, Box<RawValue>)>,
+}
+
+impl PartialEq for KubeObject {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+            && self.metadata == other.metadata
+            && self.fields.len() == other.fields.len()
+            && self.fields.iter().zip(&other.fields).all(|((k, v), (l, w))| k == l && v.get() == w.get())
+    }
 }
 
 impl KubeObject {
@@ -42,12 +52,13 @@ impl KubeObject {
             Some(Value::Object(m)) => m,
             _ => Map::new(),
         };
-        let fields = map.into_iter().map(|(k, v)| (k, v.to_string().into_boxed_str())).collect();
+        let fields =
+            map.into_iter().filter_map(|(k, v)| Some((k, serde_json::value::to_raw_value(&v).ok()?))).collect();
         Self::from_parts(metadata, fields)
     }
 
     /// From `metadata` and the other fields' JSON text; `None` when it has no name.
-    pub fn from_parts(metadata: Map<String, Value>, fields: Vec<(String, Box<str>)>) -> Option<Self> {
+    pub fn from_parts(metadata: Map<String, Value>, fields: Vec<(String, Box<RawValue>)>) -> Option<Self> {
         let text = |key: &str| metadata.get(key).and_then(Value::as_str).map(str::to_owned);
         let id = ObjectId { namespace: text("namespace"), name: text("name")? };
         Some(KubeObject { id, metadata, fields })
@@ -59,17 +70,15 @@ impl KubeObject {
 
     /// A top-level field's JSON text.
     pub fn field(&self, name: &str) -> Option<&str> {
-        self.fields.iter().find(|(k, _)| k == name).map(|(_, v)| &**v)
+        self.fields.iter().find(|(k, _)| k == name).map(|(_, v)| v.get())
     }
 
-    /// The whole object as JSON. A field whose text is not JSON (never, from a source) is
-    /// left out.
+    /// The whole object as JSON.
     pub fn to_value(&self) -> Value {
-        let mut map = Map::with_capacity(self.fields.len() + 1);
+        let mut map = Map::new();
         for (key, text) in &self.fields {
-            if let Ok(v) = serde_json::from_str::<Value>(text) {
-                map.insert(key.clone(), v);
-            }
+            // A `RawValue` is valid JSON by construction: this cannot fail.
+            map.insert(key.clone(), serde_json::from_str(text.get()).unwrap_or(Value::Null));
         }
         map.insert("metadata".into(), Value::Object(self.metadata.clone()));
         Value::Object(map)

@@ -13,7 +13,7 @@ use std::fmt;
 
 use kube::core::{ApiResource, DynamicResourceScope, ObjectMeta, Resource};
 use serde::Deserialize;
-use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, Error as _, IgnoredAny, MapAccess, Visitor};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
@@ -26,7 +26,7 @@ pub(crate) struct WireObject {
     meta: ObjectMeta,
     metadata: Map<String, Value>,
     /// Every other top-level field as the API server wrote it.
-    fields: Vec<(String, Box<str>)>,
+    fields: Vec<(String, Box<RawValue>)>,
 }
 
 impl WireObject {
@@ -92,7 +92,7 @@ impl<'de> Deserialize<'de> for WireObject {
 struct Object;
 
 impl<'de> Visitor<'de> for Object {
-    type Value = (Map<String, Value>, Vec<(String, Box<str>)>);
+    type Value = (Map<String, Value>, Vec<(String, Box<RawValue>)>);
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a Kubernetes object")
@@ -111,10 +111,9 @@ impl<'de> Visitor<'de> for Object {
                 metadata = map.next_value_seed(Metadata)?;
             } else if buffered {
                 let value: Value = map.next_value()?;
-                fields.push((key, value.to_string().into_boxed_str()));
+                fields.push((key, serde_json::value::to_raw_value(&value).map_err(A::Error::custom)?));
             } else {
-                let text: Box<RawValue> = map.next_value()?;
-                fields.push((key, text.into()));
+                fields.push((key, map.next_value()?));
             }
         }
         Ok((metadata, fields))
