@@ -1011,6 +1011,53 @@ async fn changes(
     Ok(Latencies(out))
 }
 
+/// The services a series of changes or flips at `offset` changes (as [`changes`] and
+/// [`health_flips`] pick them).
+fn changed_services(s: &Settings, offset: usize) -> impl Iterator<Item = String> + '_ {
+    (0..s.changes).map(move |i| service_name((i * 7919 + offset) % s.services))
+}
+
+/// The simulator's latest request, to count a series' requests from.
+fn last_request(sim: &RunningSim) -> u64 {
+    sim.requests().last().map_or(0, |r| r.seq)
+}
+
+/// The Consul requests of a series, split: those it caused (queries of the services it
+/// changed, and the change feed's own queries), and queries of every other service. The
+/// latter are the background: the sweep (each fed service once per `--consul-sweep`,
+/// spread over it: about 16 a second at 4,900 fed services and 5 minutes) and dedicated
+/// blocking queries timing out; or a wake-up of every fed service, which a rate well
+/// above the sweep's would show.
+#[derive(Debug, Clone, Copy, Default)]
+struct SeriesRequests {
+    caused: u64,
+    others: u64,
+    over: Duration,
+}
+
+impl SeriesRequests {
+    fn summary(&self, changes: usize) -> String {
+        format!(
+            "{:.1}; {} of other services in {:.0} s ({:.1}/s)",
+            self.caused as f64 / changes.max(1) as f64,
+            self.others,
+            self.over.as_secs_f64(),
+            self.others as f64 / self.over.as_secs_f64().max(1e-3)
+        )
+    }
+}
+
+fn series_requests(sim: &RunningSim, after: u64, changed: &HashSet<String>, over: Duration) -> SeriesRequests {
+    let mut r = SeriesRequests { over, ..SeriesRequests::default() };
+    for req in sim.requests().iter().filter(|q| q.seq > after) {
+        match &req.service {
+            Some(name) if !changed.contains(name) => r.others += 1,
+            _ => r.caused += 1,
+        }
+    }
+    r
+}
+
 /// How long after `t0` the ConfigMap first satisfied `shows`; an error after
 /// `CHANGE_LIMIT` naming `what`.
 async fn until_configmap(
@@ -1205,7 +1252,7 @@ struct Run {
     back_to_back: Latencies,
     /// Health flips (critical, then passing again), spaced, and the Consul requests of them.
     flips: Latencies,
-    flip_requests: u64,
+    flip_requests: SeriesRequests,
     /// Node check flips (critical, then passing again) of a node holding one instance.
     node_flips: Latencies,
     /// The operator's CPU time over each series of changes, per change.
@@ -1220,7 +1267,7 @@ struct Run {
     publish_mean: Option<Duration>,
     bootstrap_requests: u64,
     bootstrap_services_queried: usize,
-    change_requests: u64,
+    change_requests: SeriesRequests,
     memory_first: (u64, u64),
     memory_end: (u64, u64),
     exit: String,
@@ -1336,7 +1383,8 @@ fn run_operator(
         anyhow::Ok(how)
     })?;
     let http = reqwest::Client::builder().no_proxy().build()?;
-    let before_changes = sim.stats().requests_total;
+    let before_changes = last_request(sim);
+    let changes_started = Instant::now();
     let publish_before = rt.block_on(publish_seconds(&op));
     // CPU per change: the operator's whole CPU time over a series (the quiet windows of the
     // spaced one included: work a change leaves for after its publication counts too),
@@ -1358,12 +1406,15 @@ fn run_operator(
         back_to_back.summary(),
         cpu_ms(cpu_back_to_back)
     );
-    let change_requests = sim.stats().requests_total - before_changes;
+    let changed: HashSet<String> = [0, 13].iter().flat_map(|&offset| changed_services(s, offset)).collect();
+    let change_requests = series_requests(sim, before_changes, &changed, changes_started.elapsed());
+    println!("  Consul requests during the changes: {}", change_requests.summary(2 * s.changes));
     println!("  ConfigMap parts during the changes: {}", churn.lock().unwrap().summary());
-    let before_flips = sim.stats().requests_total;
+    let (before_flips, flips_started) = (last_request(sim), Instant::now());
     let flips = rt.block_on(health_flips(&http, &setup.base_url, &mut rx, s, 29))?;
-    let flip_requests = sim.stats().requests_total - before_flips;
-    println!("  health flips: {}; {} Consul requests for {} flips", flips.summary(), flip_requests, flips.0.len());
+    let flipped: HashSet<String> = changed_services(s, 29).collect();
+    let flip_requests = series_requests(sim, before_flips, &flipped, flips_started.elapsed());
+    println!("  health flips: {}; Consul requests: {}", flips.summary(), flip_requests.summary(flips.0.len()));
     let node_flips = if s.node_flips > 0 {
         let n = rt.block_on(node_flips(&http, &setup.base_url, &mut rx, s, 31))?;
         println!("  node check flips: {}", n.summary());
@@ -1607,13 +1658,7 @@ fn main() -> anyhow::Result<()> {
     row(
         "Consul health flip -> ConfigMap, spaced (critical and back; fed services included)",
         &p("p99", targets.flip_p99),
-        &|r| {
-            format!(
-                "{}; {:.1} Consul requests per flip",
-                r.flips.summary(),
-                r.flip_requests as f64 / r.flips.0.len().max(1) as f64
-            )
-        },
+        &|r| format!("{}; Consul requests per flip {}", r.flips.summary(), r.flip_requests.summary(r.flips.0.len())),
     );
     row(
         "Consul node check flip -> ConfigMap, spaced (critical and back; fed services included)",
@@ -1642,9 +1687,11 @@ fn main() -> anyhow::Result<()> {
     row("Consul requests to the first snapshot (services queried)", "", &|r| {
         format!("{} ({})", r.bootstrap_requests, r.bootstrap_services_queried)
     });
-    row("Consul requests per change", "", &|r| {
-        format!("{:.1}", r.change_requests as f64 / (2 * s.changes).max(1) as f64)
-    });
+    row(
+        "Consul requests per change (of the changed services, and the feed's); of other services (the sweep)",
+        "",
+        &|r| r.change_requests.summary(2 * s.changes),
+    );
     row("operator CPU per change (utime + stime over the series / changes): spaced; back to back", "", &|r| {
         format!("{}; {}", cpu_ms(r.cpu_spaced), cpu_ms(r.cpu_back_to_back))
     });
