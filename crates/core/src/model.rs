@@ -25,9 +25,10 @@ pub struct ObjectId {
 /// A Kubernetes object as a source received it: its `metadata` read (without
 /// `managedFields`, which nothing reads), and every other top-level field (`spec`,
 /// `status`, `data`, ...) kept as the API server wrote it, read only by what needs it
-/// ([`crate::ingest`]). A Mapping's spec is decoded straight from its text: building each
-/// Mapping's JSON first (and its metadata's, twice) made a page of 500 cost 2.2 ms to
-/// decode instead of 0.95 (docs/benchmarks.md).
+/// ([`crate::ingest`]). A Mapping's spec is decoded straight from its text. Decoding the
+/// metadata with its `managedFields`, writing it back as JSON and building each Mapping's
+/// JSON before reading it made a page of 500 cost 2.2 ms instead of 0.95
+/// (docs/benchmarks.md).
 #[derive(Debug, Clone)]
 pub struct KubeObject {
     pub id: ObjectId,
