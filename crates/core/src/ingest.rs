@@ -2,6 +2,7 @@
 //! assembler reads of its kind (see [`Stored`]). The kind comes from the watch key; the
 //! `--watch` keys, whose objects the snapshot copies whole, are kept as JSON.
 
+use std::cell::OnceCell;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -51,30 +52,29 @@ impl Reading {
     }
 
     pub(crate) fn decode(self, obj: &KubeObject) -> Stored {
-        // A Mapping is read from its spec's text; every other kind from its JSON, built
-        // here (resolvers, exports and `--watch` objects keep it).
-        if let Reading::Mapping(kind) = self {
-            return Stored { raw: None, decoded: Decoded::Mapping(mapping_object(kind, obj)) };
-        }
-        let value = obj.to_value();
+        // The object's JSON is built only for what reads it: a Mapping is read from its
+        // spec's text.
+        let built = OnceCell::new();
+        let value = || built.get_or_init(|| obj.to_value());
         let decoded = match self {
-            Reading::Resolver => Decoded::Resolver(Box::new(resolver_object(&value))),
-            Reading::Export => Decoded::Export(Box::new(export_object(&value))),
+            Reading::Resolver => Decoded::Resolver(Box::new(resolver_object(value()))),
+            Reading::Export => Decoded::Export(Box::new(export_object(value()))),
             Reading::Mapping(kind) => Decoded::Mapping(mapping_object(kind, obj)),
-            Reading::Secret => Decoded::Secret(secret_data(&value)),
+            Reading::Secret => Decoded::Secret(secret_data(value())),
             Reading::EndpointSlices => Decoded::Endpoints {
-                service: kube_endpoints::service_of_slice(&value),
-                endpoints: kube_endpoints::from_slice(&value),
+                service: kube_endpoints::service_of_slice(value()),
+                endpoints: kube_endpoints::from_slice(value()),
             },
             Reading::Endpoints => {
-                Decoded::Endpoints { service: obj.id.name.clone(), endpoints: kube_endpoints::from_endpoints(&value) }
+                Decoded::Endpoints { service: obj.id.name.clone(), endpoints: kube_endpoints::from_endpoints(value()) }
             }
-            Reading::Namespace => Decoded::Labels(labels_of(&value)),
+            Reading::Namespace => Decoded::Labels(labels_of(value())),
             Reading::Json => Decoded::Json,
         };
         // Resolvers and exports keep their JSON for their controllers; `--watch` objects
         // are JSON.
-        let raw = matches!(self, Reading::Resolver | Reading::Export | Reading::Json).then(|| Arc::new(value));
+        let raw = matches!(self, Reading::Resolver | Reading::Export | Reading::Json)
+            .then(|| Arc::new(built.into_inner().unwrap_or_else(|| obj.to_value())));
         Stored { raw, decoded }
     }
 
