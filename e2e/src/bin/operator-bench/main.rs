@@ -992,7 +992,7 @@ async fn changes(
     let mut out = Vec::with_capacity(s.changes);
     let mut rss = Vec::new();
     for i in 0..s.changes {
-        let svc = service_name((i * 7919 + offset) % s.services);
+        let svc = picked_service(s, i, offset);
         let node = node_name((i + offset) % s.instances);
         let port = port_base + i as u16;
         while rx.try_recv().is_ok() {}
@@ -1011,10 +1011,15 @@ async fn changes(
     Ok(Latencies(out))
 }
 
-/// The services a series of changes or flips at `offset` changes (as [`changes`] and
-/// [`health_flips`] pick them).
+/// The service the `i`th change or flip of a series at `offset` changes: strided by a
+/// prime, so a series spreads over the services.
+fn picked_service(s: &Settings, i: usize, offset: usize) -> String {
+    service_name((i * 7919 + offset) % s.services)
+}
+
+/// The services a series of changes or flips at `offset` changes.
 fn changed_services(s: &Settings, offset: usize) -> impl Iterator<Item = String> + '_ {
-    (0..s.changes).map(move |i| service_name((i * 7919 + offset) % s.services))
+    (0..s.changes).map(move |i| picked_service(s, i, offset))
 }
 
 /// The simulator's latest request, to count a series' requests from.
@@ -1091,7 +1096,7 @@ async fn health_flips(
 ) -> anyhow::Result<Latencies> {
     let mut out = Vec::with_capacity(2 * s.changes);
     for i in 0..s.changes {
-        let svc = service_name((i * 7919 + offset) % s.services);
+        let svc = picked_service(s, i, offset);
         let node = node_name((i + offset) % s.instances);
         for (status, present) in [("critical", false), ("passing", true)] {
             while rx.try_recv().is_ok() {}
@@ -1119,7 +1124,7 @@ async fn node_flips(
 ) -> anyhow::Result<Latencies> {
     let mut out = Vec::with_capacity(2 * s.node_flips);
     for i in 0..s.node_flips {
-        let svc = service_name((i * 7919 + offset) % s.services);
+        let svc = picked_service(s, i, offset);
         let node = format!("edge-{svc}");
         while rx.try_recv().is_ok() {}
         register(http, base, &svc, &node, 30_000 + (i % 30_000) as u16).await?;
