@@ -303,6 +303,21 @@ impl Reader {
         })
     }
 
+    /// The names of the ConfigMaps of the operator's namespace that start with `prefix`.
+    fn names_starting(&self, prefix: &str) -> Option<Vec<String>> {
+        let url = format!("{}/api/v1/namespaces/{SYSTEM}/configmaps", self.base);
+        let list: Value = self.rt.block_on(async {
+            let resp = self.http.get(&url).bearer_auth(&self.token).send().await.ok()?;
+            if !resp.status().is_success() {
+                return None;
+            }
+            resp.json().await.ok()
+        })?;
+        let items = list["items"].as_array()?;
+        let names = items.iter().filter_map(|i| i["metadata"]["name"].as_str());
+        Some(names.filter(|n| n.starts_with(prefix)).map(str::to_owned).collect())
+    }
+
     /// One read of the ConfigMap `name` and its parts.
     fn read(&self, name: &str, svc: &str, ns: &str) -> Read {
         use consul_resolver_operator::snapshot_configmap as configmap;
@@ -513,21 +528,39 @@ fn sigterm_and_sigkill_during_a_split_publication_never_leave_a_mix() {
     match reader.read(&cm, &svc, &ns) {
         Read::Whole { ports, id, .. } => {
             assert!(ports == state_b, "right after SIGKILL the index names snapshot {id}, not the last whole one");
-            assert!(!part_names(&reader.get(&cm).unwrap()).contains(&orphan), "the index was not switched");
             eprintln!("right after SIGKILL between a part and its index, a reader reads snapshot {id} whole");
         }
         other => panic!("right after SIGKILL between a part and its index: {other:?}"),
     }
+    let named_then = part_names(&reader.get(&cm).unwrap());
+    assert!(!named_then.contains(&orphan), "the index was not switched");
     assert!(reader.get(&orphan).is_some(), "the killed process created part {orphan}");
     // The next process writes the current state whole, and deletes what the killed one
-    // left: its first part (with its snapshot id) is in no index.
+    // left: every part is then named by its index or the one before (state B's, kept for
+    // readers still reading it). Parts are named by their content and only the first
+    // holds the snapshot id: if the killed process's part was another, the next process
+    // writes the same part under the same name, and it is in use, not left over.
     let started = Instant::now();
     let mut op = Operator::start(cluster, &args).unwrap();
     op.wait_ready(T).unwrap();
     in_configmap(&state_c).unwrap_or_else(|e| panic!("{e:#}\n{}", op.logs()));
     eprintln!("republished whole {:?} after the restart", started.elapsed());
-    wait_for("the killed process's orphaned part deleted", T, || reader.get(&orphan).is_none().then_some(()))
-        .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    let mut last = None;
+    let named_now = wait_for("every part named by the new index or the one before it", T, || {
+        let named_now = part_names(&reader.get(&cm)?);
+        let left = reader.names_starting(&part_prefix)?;
+        let unnamed: Vec<String> =
+            left.into_iter().filter(|n| !named_now.contains(n) && !named_then.contains(n)).collect();
+        last = Some(unnamed.clone());
+        unnamed.is_empty().then_some(named_now)
+    })
+    .unwrap_or_else(|e| panic!("{e}: parts no index names: {last:?}\n{}", op.logs()));
+    if named_now.contains(&orphan) {
+        eprintln!("the killed process's part {orphan} is one of the new snapshot's (the same bytes): in use");
+    } else {
+        assert!(reader.get(&orphan).is_none(), "the killed process's part {orphan} is left");
+        eprintln!("the killed process's part {orphan} was deleted");
+    }
     let (whole, raced) = polling.finish();
     eprintln!("the polling reader: {whole} whole snapshots, each a state Consul had; {raced} reads raced a write");
     assert!(whole > 0);
