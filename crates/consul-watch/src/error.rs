@@ -63,7 +63,7 @@ impl QueryError {
     }
 }
 
-/// An error with its sources, which is where reqwest puts the useful part ("connection
+/// An error with its sources, which is where h2 and rustls put the useful part ("connection
 /// refused").
 pub(crate) fn cause_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();

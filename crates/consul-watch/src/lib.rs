@@ -104,7 +104,7 @@ impl Inner {
 /// The socket addresses `address` resolves to; the address itself when it cannot be
 /// resolved in time (its watches then report the failure themselves).
 async fn socket_addresses(address: &str) -> Vec<String> {
-    let Ok(url) = reqwest::Url::parse(address) else { return vec![address.to_owned()] };
+    let Ok(url) = url::Url::parse(address) else { return vec![address.to_owned()] };
     let (Some(host), Some(port)) = (url.host_str(), url.port_or_known_default()) else {
         return vec![address.to_owned()];
     };

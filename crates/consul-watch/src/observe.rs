@@ -44,7 +44,7 @@ impl Query {
 pub(crate) fn outcome<T>(result: &Result<T, QueryError>, took: Duration, limit: Duration) -> &'static str {
     match result {
         Ok(_) => "ok",
-        // reqwest's limit covers the whole exchange: only a timeout takes that long.
+        // The request's limit covers the whole exchange: only a timeout takes that long.
         Err(QueryError::Network { .. }) if took >= limit => "timeout",
         // A failed TLS handshake is a connection that could not be made.
         Err(QueryError::Network { .. } | QueryError::Tls { .. }) => "transport",

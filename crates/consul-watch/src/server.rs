@@ -5,7 +5,7 @@
 //!
 //! Every request holds a permit for its whole life, and the permits of one server add up to
 //! `--consul-max-connections`, so no more requests are in flight than the budget allows
-//! (open connections follow: reqwest reuses an idle connection before opening one):
+//! (open connections follow: the HTTP/1.1 client opens one only when none is idle):
 //! - `reads`, a tenth (at least one): short non-blocking reads (first answers, re-reads of
 //!   fed watches) and probes;
 //! - `lanes`, the rest: the blocking queries of dedicated watches (one each) and of change

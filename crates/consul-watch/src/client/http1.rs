@@ -12,10 +12,10 @@
 //!
 //! And the budget is exact: a connection is opened only by a query that found none idle,
 //! and goes back idle before that query's slot of the budget is given back, so open
-//! connections never outnumber the slots. (hyper's pool races a new connect against a
-//! connection coming free and keeps both: over TLS, where we used it, an HTTP/1.1-only
-//! server saw six connections from a budget of four.) Over TLS the first connection, the
-//! one that learnt from ALPN that the server speaks HTTP/1.1 only, is kept too.
+//! connections never outnumber the slots. (hyper's pool, which served HTTPS before, races
+//! a new connect against a connection coming free and pools both.) Over TLS the first
+//! connection, the one that learnt from ALPN that the server speaks HTTP/1.1 only, is kept
+//! rather than closed.
 //!
 //! What it reads is what Go's `net/http` (Consul's server) writes: a `Content-Length` or
 //! `chunked` body, gzipped when asked, `Connection: close` when the server will close. A

@@ -1,31 +1,34 @@
 //! The HTTP side: one connection pool per Consul address and TLS settings, and the health
 //! query with Consul's parameters and error statuses.
 //!
-//! `parse` reads the bodies; `plain` carries queries over plain HTTP/1.1; over TLS, `tls`
-//! builds the configuration both protocol paths share, `multiplex` carries queries as
-//! HTTP/2 streams and reqwest as HTTP/1.1.
+//! `parse` reads the bodies; `http1` carries queries over HTTP/1.1, plain or TLS; over TLS,
+//! `tls` builds the configuration both protocol paths share, and `multiplex` carries
+//! queries as HTTP/2 streams when the server speaks it.
 //!
 //! The ACL token is a per-request header rather than part of the client, so watches with
 //! different tokens share one connection pool (and one connection budget). It is never put
 //! into an error message: errors name the address, never the request's headers.
 
+pub(crate) mod http1;
 pub(crate) mod multiplex;
 pub(crate) mod parse;
-pub(crate) mod plain;
 pub(crate) mod tls;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use reqwest::StatusCode;
-use reqwest::header::HeaderMap;
+use http::StatusCode;
+use http::header::{AGE, HeaderMap, RETRY_AFTER};
+use rustls::pki_types::ServerName;
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
 
 use crate::error::{QueryError, cause_chain};
 use consul_resolver_core::keys::{Consistency, ConsulKey, Remote, Secret, TlsSettings};
 use consul_resolver_core::model::Endpoint;
-use multiplex::{Multiplexer, Protocol};
-use plain::Plain;
+use http1::{Conn, Http1};
+use multiplex::{Multiplexed, Multiplexer, Protocol};
 
 /// How much longer than its `wait` (plus the server's random extra of up to wait/16) a
 /// request may take before the client gives up on it: a non-blocking read gets this alone.
@@ -42,19 +45,57 @@ const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 const KEEPALIVE_RETRIES: u32 = 3;
 
-/// Turns [`KEEPALIVE_IDLE`] and its kin on for a connection of our own (reqwest's are set
-/// on its builder).
-pub(crate) fn keepalive(tcp: &tokio::net::TcpStream) {
+/// A TCP connection to `host` (looked up afresh) and `port` within [`CONNECT_TIMEOUT`], with
+/// Nagle off and [`KEEPALIVE_IDLE`] and its kin on. `address` names the server in errors.
+pub(crate) async fn connect_tcp(address: &str, host: &str, port: u16) -> Result<TcpStream, QueryError> {
+    let network = |cause: String| QueryError::Network { address: address.to_owned(), cause };
+    let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect((host, port)))
+        .await
+        .map_err(|_| network(format!("no connection within {CONNECT_TIMEOUT:?}")))?
+        .map_err(|e| network(format!("cannot connect: {}", cause_chain(&e))))?;
+    let _ = tcp.set_nodelay(true);
     let ka = socket2::TcpKeepalive::new()
         .with_time(KEEPALIVE_IDLE)
         .with_interval(KEEPALIVE_INTERVAL)
         .with_retries(KEEPALIVE_RETRIES);
-    let _ = socket2::SockRef::from(tcp).set_tcp_keepalive(&ka);
+    let _ = socket2::SockRef::from(&tcp).set_tcp_keepalive(&ka);
+    Ok(tcp)
+}
+
+/// How to make a TLS connection to one server: its configuration (roots, client
+/// certificate, ALPN offer) and the name its certificate must carry, also sent as SNI
+/// (`serverName`, else the address's host).
+pub(crate) struct TlsConnect {
+    connector: tokio_rustls::TlsConnector,
+    server_name: ServerName<'static>,
+}
+
+impl TlsConnect {
+    pub(crate) fn new(address: &str, config: rustls::ClientConfig, server_name: &str) -> Result<TlsConnect, String> {
+        let server_name = ServerName::try_from(server_name.to_owned())
+            .map_err(|_| format!("Consul at {address}: {server_name:?} is not a valid TLS server name"))?;
+        Ok(TlsConnect { connector: tokio_rustls::TlsConnector::from(Arc::new(config)), server_name })
+    }
+
+    /// The TLS handshake over `tcp` within [`CONNECT_TIMEOUT`]; a certificate problem says
+    /// which setting to check (see [`tls::explain`]).
+    pub(crate) async fn handshake(&self, address: &str, tcp: TcpStream) -> Result<TlsStream<TcpStream>, QueryError> {
+        tokio::time::timeout(CONNECT_TIMEOUT, self.connector.connect(self.server_name.clone(), tcp))
+            .await
+            .map_err(|_| QueryError::Network {
+                address: address.to_owned(),
+                cause: format!("no TLS handshake within {CONNECT_TIMEOUT:?}"),
+            })?
+            .map_err(|e| match tls::explain(&e) {
+                Some(cause) => QueryError::Tls { address: address.to_owned(), cause },
+                None => QueryError::Network { address: address.to_owned(), cause: cause_chain(&e) },
+            })
+    }
 }
 
 /// Where an `http(s)://` address connects: its host (an IPv6 address without brackets)
 /// and its port.
-fn host_and_port(address: &str, url: &reqwest::Url) -> Result<(String, u16), String> {
+fn host_and_port(address: &str, url: &url::Url) -> Result<(String, u16), String> {
     let host = url.host_str().ok_or_else(|| format!("Consul address {address} has no host"))?;
     let port = url.port_or_known_default().ok_or_else(|| format!("Consul address {address} has no port"))?;
     Ok((host.trim_start_matches('[').trim_end_matches(']').to_owned(), port))
@@ -104,25 +145,24 @@ pub(crate) struct Heard {
     pub names: BTreeSet<String>,
 }
 
-/// A connection pool to one Consul address: plain HTTP/1.1 connections of our own for
-/// `http://` (see [`plain`]); over TLS, HTTP/2 streams when the server speaks it (see
-/// [`multiplex`]), else reqwest's HTTP/1.1 connections.
+/// A connection pool to one Consul address: HTTP/1.1 connections for `http://` (see
+/// [`http1`]); over TLS, HTTP/2 streams when the server speaks it (see [`multiplex`]), else
+/// HTTP/1.1 connections as over plain TCP.
 pub(crate) struct HttpClient {
     transport: Transport,
     /// Where requests go (`https://<serverName>:port` when SNI is overridden).
     base: String,
     /// The address as configured, for messages.
     address: String,
-    /// Largest answer body accepted, after decompression.
-    max_body: usize,
 }
 
 enum Transport {
-    Plain(Plain),
+    Plain(Http1),
     Tls {
-        http: reqwest::Client,
         /// Tried first, until the server turns out to speak HTTP/1.1 only.
         multiplexer: Arc<Multiplexer>,
+        /// From then on.
+        http1: Http1,
     },
 }
 
@@ -136,11 +176,10 @@ impl HttpClient {
     /// Builds the pool. `max_connections` caps idle connections kept; the caller caps
     /// concurrent requests (and so open connections) with its budget.
     ///
-    /// `serverName` (SNI override): reqwest takes the TLS name from the URL host, so the
-    /// request goes to `https://<serverName>:<port>`, and a resolver of our own answers that
-    /// name with the configured host's addresses, looked up afresh for every new connection
-    /// (a Consul behind a DNS name that moves is followed on reconnect). That sends the
-    /// right SNI and verifies the certificate against `serverName`.
+    /// `serverName` (SNI override): we connect to the configured host (looked up afresh for
+    /// every new connection, so a Consul behind a DNS name that moves is followed on
+    /// reconnect), send `serverName` as SNI and in the `Host` header, and verify the
+    /// certificate against it.
     ///
     /// Redirects are never followed: Consul does not send them, and following one would
     /// hand the ACL token to whatever the `Location` names.
@@ -153,47 +192,33 @@ impl HttpClient {
         max_body: usize,
         budget: Arc<tokio::sync::Semaphore>,
     ) -> Result<Self, String> {
-        let url = reqwest::Url::parse(address).map_err(|e| format!("invalid Consul address {address}: {e}"))?;
+        let url = url::Url::parse(address).map_err(|e| format!("invalid Consul address {address}: {e}"))?;
         let mut base = address.trim_end_matches('/').to_owned();
         let (host, port) = match url.scheme() {
             "http" | "https" => host_and_port(address, &url)?,
             other => return Err(format!("Consul address {address}: scheme {other:?} is not http or https")),
         };
         if url.scheme() == "http" {
-            let transport = Transport::Plain(Plain::new(address, &url, host, port, max_connections, max_body));
-            return Ok(HttpClient { transport, base, address: address.to_owned(), max_body });
+            let transport = Transport::Plain(Http1::new(address, &url, host, port, None, max_connections, max_body));
+            return Ok(HttpClient { transport, base, address: address.to_owned() });
         }
-        let mut builder = reqwest::Client::builder()
-            .pool_max_idle_per_host(max_connections)
-            // Idle connections beyond a blocking query's life are not worth keeping long.
-            .pool_idle_timeout(Duration::from_secs(30))
-            .connect_timeout(CONNECT_TIMEOUT)
-            .redirect(reqwest::redirect::Policy::none())
-            // Consul is reached directly on every path (docs/consul.md, "Plain HTTP/1.1").
-            .no_proxy()
-            .tcp_keepalive(KEEPALIVE_IDLE)
-            .tcp_keepalive_interval(KEEPALIVE_INTERVAL)
-            .tcp_keepalive_retries(KEEPALIVE_RETRIES)
-            .user_agent(USER_AGENT);
         let in_context = |e: String| format!("Consul at {address}: {e}");
         let server_name = tls.and_then(|t| t.server_name.as_deref()).filter(|n| !n.is_empty());
+        let mut shown = url.clone();
         if let Some(name) = server_name {
-            builder = builder
-                .dns_resolver(Arc::new(PinnedName { server_name: name.to_ascii_lowercase(), host: host.clone() }));
             base = format!("https://{name}:{port}");
+            shown = url::Url::parse(&base).map_err(|e| format!("Consul at {address}: tls.serverName {name:?}: {e}"))?;
         }
-        builder = builder.use_preconfigured_tls(tls::client_config(tls, tls::Offer::Http1).map_err(in_context)?);
-        let multiplexer = Multiplexer::new(
-            address,
-            &host,
-            port,
-            server_name.unwrap_or(&host),
-            tls::client_config(tls, tls::Offer::Http2OrHttp1).map_err(in_context)?,
-            budget,
-            max_body,
-        )?;
-        let http = builder.build().map_err(|e| format!("Consul at {address}: cannot build a client: {e}"))?;
-        Ok(HttpClient { transport: Transport::Tls { http, multiplexer }, base, address: address.to_owned(), max_body })
+        let name = server_name.unwrap_or(&host);
+        // A connection opened for HTTP/1.1 offers only that: a server that turned to HTTP/2
+        // since the first connection must not pick it for a connection we speak 1.1 on.
+        let http1_tls =
+            TlsConnect::new(address, tls::client_config(tls, tls::Offer::Http1).map_err(in_context)?, name)?;
+        let http1 = Http1::new(address, &shown, host.clone(), port, Some(http1_tls), max_connections, max_body);
+        let h2_tls =
+            TlsConnect::new(address, tls::client_config(tls, tls::Offer::Http2OrHttp1).map_err(in_context)?, name)?;
+        let multiplexer = Multiplexer::new(address, &host, port, h2_tls, budget, max_body);
+        Ok(HttpClient { transport: Transport::Tls { multiplexer, http1 }, base, address: address.to_owned() })
     }
 
     /// Whether queries are HTTP/2 streams: learnt on the first connection, so `false` until
@@ -326,7 +351,7 @@ impl HttpClient {
         timeout: Duration,
     ) -> Result<Got, QueryError> {
         let address = &self.address;
-        let mut url = reqwest::Url::parse(url)
+        let mut url = url::Url::parse(url)
             .map_err(|e| QueryError::Network { address: address.clone(), cause: format!("bad URL: {e}") })?;
         if !query.is_empty() {
             url.query_pairs_mut().extend_pairs(query);
@@ -344,31 +369,27 @@ impl HttpClient {
             address: address.clone(),
             cause: format!("no complete answer within {timeout:?} (the blocking wait plus a margin)"),
         };
+        let target = || match url.query() {
+            Some(q) => format!("{}?{q}", url.path()),
+            None => url.path().to_owned(),
+        };
         let (status, headers, body) = match &self.transport {
-            Transport::Plain(plain) => {
-                let target = match url.query() {
-                    Some(q) => format!("{}?{q}", url.path()),
-                    None => url.path().to_owned(),
-                };
-                tokio::time::timeout(timeout, plain.get(&target, &headers)).await.map_err(|_| late())??
+            Transport::Plain(http1) => {
+                tokio::time::timeout(timeout, http1.get(&target(), &headers)).await.map_err(|_| late())??
             }
-            Transport::Tls { http, multiplexer } => {
-                let answer = match multiplexer.protocol() {
-                    Protocol::Http1 => None,
-                    _ => {
-                        headers
-                            .insert(reqwest::header::USER_AGENT, reqwest::header::HeaderValue::from_static(USER_AGENT));
-                        tokio::time::timeout(timeout, multiplexer.get(url.as_str(), &headers))
-                            .await
-                            .map_err(|_| late())??
+            Transport::Tls { multiplexer, http1 } => {
+                let exchange = async {
+                    if multiplexer.protocol() != Protocol::Http1 {
+                        match multiplexer.get(url.as_str(), &headers).await? {
+                            Multiplexed::Answer(answer) => return Ok(answer),
+                            // The connection that learnt it carries this query.
+                            Multiplexed::Http1(Some(probe)) => http1.keep(Conn::Tls(probe)),
+                            Multiplexed::Http1(None) => {}
+                        }
                     }
+                    http1.get(&target(), &headers).await
                 };
-                match answer {
-                    Some(a) => a,
-                    None => tokio::time::timeout(timeout, self.get_http1(http, url, headers))
-                        .await
-                        .map_err(|_| late())??,
-                }
+                tokio::time::timeout(timeout, exchange).await.map_err(|_| late())??
             }
         };
         if status.is_success() {
@@ -386,43 +407,6 @@ impl HttpClient {
             s => QueryError::Status { address: address.clone(), status: s.as_u16(), body: text },
         })
     }
-
-    /// HTTP/1.1 over TLS: reqwest, reading at most `max_body` bytes (after decompression,
-    /// so a small gzip bomb is caught too) instead of buffering whatever the peer sends.
-    async fn get_http1(
-        &self,
-        http: &reqwest::Client,
-        url: reqwest::Url,
-        headers: HeaderMap,
-    ) -> Result<multiplex::Response, QueryError> {
-        let address = &self.address;
-        // reqwest errors can include the URL (never headers); the URL holds no secret.
-        let network = |e: reqwest::Error| match tls::explain(&e) {
-            Some(cause) => QueryError::Tls { address: address.clone(), cause },
-            None => QueryError::Network { address: address.clone(), cause: cause_chain(&e) },
-        };
-        let mut resp = http.get(url).headers(headers).send().await.map_err(network)?;
-        let status = resp.status();
-        if status.is_redirection() {
-            return Ok((status, resp.headers().clone(), bytes::Bytes::new()));
-        }
-        let too_large = || QueryError::TooLarge { address: address.clone(), limit: self.max_body };
-        if resp.content_length().is_some_and(|n| n > self.max_body as u64) {
-            return Err(too_large());
-        }
-        let headers = resp.headers().clone();
-        // Room for what is announced (at most the limit, checked above), so that a large
-        // answer (every check, 21 MB at 75,000 instances) is not copied through doubling
-        // buffers whose last one is a third empty.
-        let mut body = bytes::BytesMut::with_capacity(resp.content_length().map_or(0, |n| n as usize));
-        while let Some(chunk) = resp.chunk().await.map_err(network)? {
-            if body.len() + chunk.len() > self.max_body {
-                return Err(too_large());
-            }
-            body.extend_from_slice(&chunk);
-        }
-        Ok((status, headers, body.freeze()))
-    }
 }
 
 const USER_AGENT: &str = concat!("consul-resolver-operator/", env!("CARGO_PKG_VERSION"));
@@ -438,27 +422,6 @@ pub(crate) struct Scope {
 impl Scope {
     pub(crate) fn of(key: &ConsulKey) -> Self {
         Scope { datacenter: key.datacenter.clone(), namespace: key.namespace.clone(), partition: key.partition.clone() }
-    }
-}
-
-/// Resolves `serverName` to the configured host's addresses at each new connection, and any
-/// other name as usual.
-struct PinnedName {
-    server_name: String,
-    host: String,
-}
-
-impl reqwest::dns::Resolve for PinnedName {
-    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
-        let host = if name.as_str().eq_ignore_ascii_case(&self.server_name) {
-            self.host.clone()
-        } else {
-            name.as_str().to_owned()
-        };
-        Box::pin(async move {
-            let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
-            Ok(Box::new(addrs.into_iter()) as reqwest::dns::Addrs)
-        })
     }
 }
 
@@ -495,13 +458,13 @@ fn index_header(headers: &HeaderMap) -> u64 {
 fn cache_age(headers: &HeaderMap) -> Option<Duration> {
     let hit =
         headers.get("x-cache").and_then(|v| v.to_str().ok()).is_some_and(|v| v.trim().eq_ignore_ascii_case("hit"));
-    let age: u64 = headers.get(reqwest::header::AGE)?.to_str().ok()?.trim().parse().ok()?;
+    let age: u64 = headers.get(AGE)?.to_str().ok()?.trim().parse().ok()?;
     (hit && age > 0).then(|| Duration::from_secs(age))
 }
 
 /// `Retry-After` in seconds (the HTTP-date form is not used by Consul).
 fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    let secs: u64 = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim().parse().ok()?;
+    let secs: u64 = headers.get(RETRY_AFTER)?.to_str().ok()?.trim().parse().ok()?;
     Some(Duration::from_secs(secs.min(300)))
 }
 

@@ -8,7 +8,7 @@
 //! see [`Multiplexer::stream`]). A lane that
 //! empties is closed unless it is the last. Which protocol the server speaks is learnt from
 //! ALPN on the first connection: a server that answers `http/1.1` is left to the HTTP/1.1
-//! client for good.
+//! client for good, with that first connection.
 //!
 //! We use the `h2` crate directly rather than reqwest's HTTP/2 because reqwest keeps one
 //! connection per host and does not say how many streams the server allows.
@@ -19,12 +19,12 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue, Request, StatusCode};
-use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio_rustls::client::TlsStream;
 use tokio_util::task::AbortOnDropHandle;
 
-use super::{CONNECT_TIMEOUT, keepalive, tls};
+use super::{CONNECT_TIMEOUT, TlsConnect, USER_AGENT, connect_tcp, tls};
 use crate::error::{QueryError, cause_chain};
 
 /// Streams we put on one connection even when the server allows more (Go's HTTP/2 server,
@@ -47,15 +47,34 @@ pub(crate) enum Protocol {
 /// An answer: status, headers and the whole body.
 pub(crate) type Response = (StatusCode, HeaderMap, Bytes);
 
+/// What [`Multiplexer::get`] did.
+pub(crate) enum Multiplexed {
+    Answer(Response),
+    /// The server speaks HTTP/1.1 only: the query goes over HTTP/1.1. To the query that
+    /// learnt it, the connection that did, still unused.
+    Http1(Option<Box<TlsStream<TcpStream>>>),
+}
+
+/// A query's way to the server.
+enum Claim {
+    Stream(Stream),
+    Http1(Option<Box<TlsStream<TcpStream>>>),
+}
+
+/// What a new connection turned out to be.
+enum Opened {
+    Lane(Lane),
+    Http1(Box<TlsStream<TcpStream>>),
+}
+
 pub(crate) struct Multiplexer {
     /// The address as configured, for messages.
     address: String,
     /// Resolved afresh at each connect (a server behind a moving DNS name is followed).
     host: String,
     port: u16,
-    /// What the certificate must name (`serverName`, else the host), also sent as SNI.
-    server_name: ServerName<'static>,
-    connector: tokio_rustls::TlsConnector,
+    /// Offers `h2` and `http/1.1`.
+    tls: TlsConnect,
     /// The server's connection budget: one permit per open lane.
     budget: Arc<Semaphore>,
     max_body: usize,
@@ -108,40 +127,40 @@ impl Multiplexer {
         address: &str,
         host: &str,
         port: u16,
-        server_name: &str,
-        config: rustls::ClientConfig,
+        tls: TlsConnect,
         budget: Arc<Semaphore>,
         max_body: usize,
-    ) -> Result<Arc<Self>, String> {
-        let server_name = ServerName::try_from(server_name.to_owned())
-            .map_err(|_| format!("Consul at {address}: {server_name:?} is not a valid TLS server name"))?;
-        Ok(Arc::new(Multiplexer {
+    ) -> Arc<Self> {
+        Arc::new(Multiplexer {
             address: address.to_owned(),
             host: host.to_owned(),
             port,
-            server_name,
-            connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
+            tls,
             budget,
             max_body,
             state: Mutex::new(Lanes { protocol: Protocol::Unknown, lanes: Vec::new(), next_id: 0 }),
             freed: Notify::new(),
             connecting: tokio::sync::Mutex::new(()),
-        }))
+        })
     }
 
     pub(crate) fn protocol(&self) -> Protocol {
         self.state.lock().expect("lanes poisoned").protocol
     }
 
-    /// `GET uri` with `headers`. `Ok(None)`: the server does not speak HTTP/2, use HTTP/1.1.
-    /// The caller bounds the whole exchange with its deadline.
-    pub(crate) async fn get(self: &Arc<Self>, uri: &str, headers: &HeaderMap) -> Result<Option<Response>, QueryError> {
+    /// `GET uri` with `headers`, or word that the server speaks HTTP/1.1 only. The caller
+    /// bounds the whole exchange with its deadline.
+    pub(crate) async fn get(self: &Arc<Self>, uri: &str, headers: &HeaderMap) -> Result<Multiplexed, QueryError> {
         // A stream refused before the server read it (a GOAWAY racing our request, or a
         // lane that died idle) is retried once on another lane: routine, not a failure.
         for attempt in 0..2 {
-            let Some(stream) = self.stream().await? else { return Ok(None) };
+            let stream = match self.stream().await? {
+                Claim::Stream(stream) => stream,
+                Claim::Http1(probe) => return Ok(Multiplexed::Http1(probe)),
+            };
             let mut request = Request::get(uri).body(()).map_err(|e| self.network(e.to_string()))?;
             *request.headers_mut() = headers.clone();
+            request.headers_mut().insert(http::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
             let sent = async {
                 let mut send = stream.send.clone().ready().await?;
                 let (response, _) = send.send_request(request, true)?;
@@ -184,7 +203,7 @@ impl Multiplexer {
                 buf.extend_from_slice(&chunk);
             }
             drop(stream);
-            return Ok(Some((parts.status, parts.headers, buf.freeze())));
+            return Ok(Multiplexed::Answer((parts.status, parts.headers, buf.freeze())));
         }
         Err(self.network("the server refused the stream twice".into()))
     }
@@ -198,8 +217,8 @@ impl Multiplexer {
     }
 
     /// A stream on a lane with room, opening a lane if every one is full and the budget
-    /// allows, else waiting for one to come free. `None`: the server speaks HTTP/1.1.
-    async fn stream(self: &Arc<Self>) -> Result<Option<Stream>, QueryError> {
+    /// allows, else waiting for one to come free; or word that the server speaks HTTP/1.1.
+    async fn stream(self: &Arc<Self>) -> Result<Claim, QueryError> {
         loop {
             let freed = self.freed.notified();
             tokio::pin!(freed);
@@ -227,27 +246,36 @@ impl Multiplexer {
             let opened = self.connect(permit).await;
             drop(gate);
             match opened? {
-                Some(lane) => {
+                Opened::Lane(lane) => {
                     let mut st = self.state.lock().expect("lanes poisoned");
                     st.protocol = Protocol::Http2;
                     st.lanes.push(lane);
                 }
-                None => self.state.lock().expect("lanes poisoned").protocol = Protocol::Http1,
+                Opened::Http1(probe) => {
+                    self.state.lock().expect("lanes poisoned").protocol = Protocol::Http1;
+                    self.freed.notify_waiters();
+                    return Ok(Claim::Http1(Some(probe)));
+                }
             }
             self.freed.notify_waiters();
         }
     }
 
-    /// `Some(Some(stream))`: a stream; `Some(None)`: HTTP/1.1 server; `None`: no room.
-    fn take(self: &Arc<Self>) -> Option<Option<Stream>> {
+    /// A stream, or word of an HTTP/1.1 server; `None`: no room.
+    fn take(self: &Arc<Self>) -> Option<Claim> {
         let mut st = self.state.lock().expect("lanes poisoned");
         if st.protocol == Protocol::Http1 {
-            return Some(None);
+            return Some(Claim::Http1(None));
         }
         st.lanes.retain(|l| !l.closed.load(Ordering::Acquire) || l.streams > 0);
         let lane = st.lanes.iter_mut().find(|l| l.room())?;
         lane.streams += 1;
-        Some(Some(Stream { mux: self.clone(), lane: lane.id, send: lane.send.clone(), closed: lane.closed.clone() }))
+        Some(Claim::Stream(Stream {
+            mux: self.clone(),
+            lane: lane.id,
+            send: lane.send.clone(),
+            closed: lane.closed.clone(),
+        }))
     }
 
     fn release(&self, id: u64) {
@@ -264,23 +292,12 @@ impl Multiplexer {
         self.freed.notify_one();
     }
 
-    /// Opens a connection. `Ok(None)`: the server chose HTTP/1.1.
-    async fn connect(self: &Arc<Self>, permit: Option<OwnedSemaphorePermit>) -> Result<Option<Lane>, QueryError> {
-        let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect((self.host.as_str(), self.port)))
-            .await
-            .map_err(|_| self.network(format!("no connection within {CONNECT_TIMEOUT:?}")))?
-            .map_err(|e| self.network(cause_chain(&e)))?;
-        let _ = tcp.set_nodelay(true);
-        keepalive(&tcp);
-        let tls = tokio::time::timeout(CONNECT_TIMEOUT, self.connector.connect(self.server_name.clone(), tcp))
-            .await
-            .map_err(|_| self.network(format!("no TLS handshake within {CONNECT_TIMEOUT:?}")))?
-            .map_err(|e| match tls::explain(&e) {
-                Some(cause) => QueryError::Tls { address: self.address.clone(), cause },
-                None => self.network(cause_chain(&e)),
-            })?;
+    /// Opens a connection, a lane unless the server chose HTTP/1.1.
+    async fn connect(self: &Arc<Self>, permit: Option<OwnedSemaphorePermit>) -> Result<Opened, QueryError> {
+        let tcp = connect_tcp(&self.address, &self.host, self.port).await?;
+        let tls = self.tls.handshake(&self.address, tcp).await?;
         if tls.get_ref().1.alpn_protocol() != Some(b"h2") {
-            return Ok(None);
+            return Ok(Opened::Http1(Box::new(tls)));
         }
         let tls_failure = Arc::new(Mutex::new(None));
         let tls = Recorder { inner: tls, failure: tls_failure.clone() };
@@ -340,7 +357,14 @@ impl Multiplexer {
             max_streams = send.current_max_send_streams(),
             "Consul HTTP/2 connection open"
         );
-        Ok(Some(Lane { id, send, streams: 0, closed, _driver: AbortOnDropHandle::new(driver), _permit: permit }))
+        Ok(Opened::Lane(Lane {
+            id,
+            send,
+            streams: 0,
+            closed,
+            _driver: AbortOnDropHandle::new(driver),
+            _permit: permit,
+        }))
     }
 }
 

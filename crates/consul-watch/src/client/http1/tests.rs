@@ -339,3 +339,133 @@ fn a_forged_gzip_size_does_not_claim_memory() {
     assert!(inflated.is_err());
     assert!(peak < 256 << 10, "{peak} bytes (the inflater itself about 100 KB)");
 }
+
+/// A TLS server on loopback (a certificate for 127.0.0.1 made here) whose `script` gets
+/// each accepted connection, after the handshake, and its number.
+fn serve_tls(
+    script: impl Fn(usize, &mut rustls::StreamOwned<rustls::ServerConnection, StdStream>) + Send + Sync + 'static,
+) -> (Server, Http1) {
+    let rcgen::CertifiedKey { cert, signing_key } =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let key = rustls::pki_types::PrivateKeyDer::try_from(signing_key.serialize_der()).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert.der().clone()], key)
+        .unwrap();
+    let config = Arc::new(config);
+    let script = Arc::new(script);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = url::Url::parse(&format!("https://{}", listener.local_addr().unwrap())).unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counter = accepted.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { return };
+            let n = counter.fetch_add(1, Ordering::SeqCst);
+            let (config, script) = (config.clone(), script.clone());
+            std::thread::spawn(move || {
+                let mut tls = rustls::StreamOwned::new(rustls::ServerConnection::new(config).unwrap(), conn);
+                while tls.conn.is_handshaking() {
+                    if tls.conn.complete_io(&mut tls.sock).is_err() {
+                        return;
+                    }
+                }
+                script(n, &mut tls);
+            });
+        }
+    });
+    let settings = consul_resolver_core::keys::TlsSettings { ca_pem: Some(cert.pem().into()), ..Default::default() };
+    let config = super::super::tls::client_config(Some(&settings), super::super::tls::Offer::Http1).unwrap();
+    let connect = TlsConnect::new(url.as_str(), config, "127.0.0.1").unwrap();
+    let (host, port) = super::super::host_and_port(url.as_str(), &url).unwrap();
+    let client = Http1::new(url.as_str(), &url, host, port, Some(connect), 4, LIMIT);
+    (Server { url, accepted }, client)
+}
+
+/// Reads one request head from a TLS connection; `None` at its end.
+fn tls_request(tls: &mut impl std::io::Read) -> Option<String> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if tls.read(&mut byte).ok()? == 0 {
+            return None;
+        }
+        head.push(byte[0]);
+    }
+    String::from_utf8(head).ok()
+}
+
+/// Over TLS 1.3 the server sends session tickets after the handshake: records that wait on
+/// a connection nobody has read yet, as on the one that learnt the server speaks HTTP/1.1
+/// only (the multiplexer's first). They are no reason to drop it.
+#[tokio::test]
+async fn over_tls_a_fresh_connection_with_session_tickets_waiting_is_used() {
+    let (s, p) = serve_tls(|_, tls| {
+        // The tickets go out as the server reads on after the handshake.
+        while tls_request(tls).is_some() {
+            tls.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]").unwrap();
+            tls.flush().unwrap();
+        }
+    });
+    let tcp = super::super::connect_tcp(s.url.as_str(), "127.0.0.1", s.url.port().unwrap()).await.unwrap();
+    let tls = p.tls.as_ref().unwrap().handshake(s.url.as_str(), tcp).await.unwrap();
+    // Until the tickets are there to be read.
+    tls.get_ref().0.readable().await.unwrap();
+    p.keep(Conn::Tls(Box::new(tls)));
+    for _ in 0..2 {
+        let (status, _, body) = get(&p).await.unwrap();
+        assert_eq!((status, &body[..]), (StatusCode::OK, &b"[]"[..]));
+    }
+    assert_eq!(s.accepted.load(Ordering::SeqCst), 1, "the fresh connection carried both queries");
+    assert_eq!(p.idle(), 1);
+}
+
+/// A TLS server closes an idle connection with an alert (`close_notify`) before its FIN:
+/// the next query goes out on a new connection instead of failing.
+#[tokio::test]
+async fn over_tls_a_connection_the_server_closed_while_idle_is_replaced_not_reported() {
+    let (closed_tx, closed_rx) = std::sync::mpsc::channel();
+    let (s, p) = serve_tls(move |n, tls| {
+        while tls_request(tls).is_some() {
+            tls.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]").unwrap();
+            tls.flush().unwrap();
+            if n == 0 {
+                tls.conn.send_close_notify();
+                tls.conn.complete_io(&mut tls.sock).unwrap();
+                tls.sock.shutdown(std::net::Shutdown::Both).unwrap();
+                closed_tx.send(()).unwrap();
+                return;
+            }
+        }
+    });
+    get(&p).await.unwrap();
+    assert_eq!(p.idle(), 1);
+    closed_rx.recv().unwrap();
+    let (status, _, body) = get(&p).await.unwrap();
+    assert_eq!((status, &body[..]), (StatusCode::OK, &b"[]"[..]));
+    assert_eq!(s.accepted.load(Ordering::SeqCst), 2);
+}
+
+/// Over TLS a head longer than one read (20 KB of headers) and a body in several records are
+/// read whole, and the connection kept.
+#[tokio::test]
+async fn over_tls_a_long_head_and_a_body_in_records_are_read_whole() {
+    let (s, p) = serve_tls(|_, tls| {
+        let head = format!("HTTP/1.1 200 OK\r\nX-Pad: {}\r\nContent-Length: 11\r\n\r\n", "a".repeat(20_000));
+        while tls_request(tls).is_some() {
+            for part in [head.as_bytes(), b"[\"a\",", b"\"bcd\"]"] {
+                tls.write_all(part).unwrap();
+            }
+            tls.flush().unwrap();
+        }
+    });
+    for _ in 0..3 {
+        let answer = tokio::time::timeout(Duration::from_secs(20), get(&p)).await;
+        let (_, headers, body) = answer.expect("an answer within 20 s").unwrap();
+        assert_eq!((headers["x-pad"].len(), &body[..]), (20_000, &br#"["a","bcd"]"#[..]));
+    }
+    assert_eq!(s.accepted.load(Ordering::SeqCst), 1);
+}
