@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use kube::discovery::{self, ApiCapabilities, ApiResource, Scope};
+use kube::discovery::{self, ApiCapabilities, ApiGroup, ApiResource, Scope};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use tokio::time::Instant;
@@ -38,38 +38,41 @@ impl KubeSource {
     }
 }
 
-/// How long a kind's discovery is reused. Thousands of watches of one kind (a Service's
+/// How long a group's discovery is reused. Thousands of watches of one kind (a Service's
 /// endpoints each) then cost one discovery request, not one each; a CRD whose served
 /// versions change is seen within this, or at once by a watch the API server refuses (the
 /// entry is dropped when a watch of its kind fails).
 const DISCOVERY_TTL: Duration = Duration::from_secs(300);
 
-/// A kind as a key names it: group, version (empty: the preferred one), kind.
-type KindId = (String, String, String);
+/// A group as keys name it: the group and the version (empty: the preferred one).
+type GroupId = (String, String);
 
-/// What discovery found for a kind, and when.
-type Found = (Instant, ApiResource, ApiCapabilities);
+/// What discovery found for a group (at that version, or every version served), and when.
+type Found = (Instant, Arc<ApiGroup>);
 
-/// What discovery found, per kind as keys name it, shared by every watch of the source.
-/// Each kind's entry is held across its discovery, so that watches of one kind starting
+/// What discovery found, per group as keys name it, shared by every watch of the source.
+/// Kinds of one group share its discovery: a start-up asks once for `getambassador.io`,
+/// not once for Mappings and again for TCPMappings, and once for our group's two kinds.
+/// Each group's entry is held across its discovery, so that watches of one kind starting
 /// together (a cold start's hundreds) wait for the first one's answer instead of each
-/// asking; other kinds are not held up (each request has the client's deadline).
+/// asking; other groups are not held up (each request has the client's deadline).
 #[derive(Clone, Default)]
-pub(crate) struct Discovered(Arc<std::sync::Mutex<HashMap<KindId, Slot>>>);
+pub(crate) struct Discovered(Arc<std::sync::Mutex<HashMap<GroupId, Slot>>>);
 
-/// One kind's discovery: empty until found, locked while asked.
+/// One group's discovery: empty until found, locked while asked.
 type Slot = Arc<tokio::sync::Mutex<Option<Found>>>;
 
 impl Discovered {
-    fn id(key: &KubeKey) -> KindId {
-        (key.group.clone(), key.version.clone(), key.kind.clone())
+    fn id(key: &KubeKey) -> GroupId {
+        (key.group.clone(), key.version.clone())
     }
 
     fn entry(&self, key: &KubeKey) -> Slot {
         self.0.lock().expect("discovery cache").entry(Self::id(key)).or_default().clone()
     }
 
-    /// The resource of `key`'s kind: reused while fresh, else found by discovery.
+    /// The resource of `key`'s kind: from its group's discovery while fresh, else found by
+    /// asking again. A kind the group lacked is asked for again (its CRD may be new).
     pub(crate) async fn resolve(
         &self,
         client: &Client,
@@ -77,17 +80,21 @@ impl Discovered {
     ) -> Result<(ApiResource, ApiCapabilities), String> {
         let entry = self.entry(key);
         let mut found = entry.lock().await;
-        if let Some((at, resource, caps)) = found.clone()
+        if let Some((at, group)) = found.as_ref()
             && at.elapsed() < DISCOVERY_TTL
+            && let Some(kind) = group.recommended_kind(&key.kind)
         {
-            return Ok((resource, caps));
+            return Ok(kind);
         }
-        let (resource, caps) = resolve(client, key).await?;
-        *found = Some((Instant::now(), resource.clone(), caps.clone()));
-        Ok((resource, caps))
+        let group = Arc::new(discover(client, key).await?);
+        *found = Some((Instant::now(), group.clone()));
+        group
+            .recommended_kind(&key.kind)
+            .ok_or_else(|| format!("the API server does not serve kind {} in group {:?}", key.kind, key.group))
     }
 
-    /// Forgets `key`'s kind: a watch of it was refused, maybe for a version no longer served.
+    /// Forgets `key`'s group: a watch of it was refused, maybe for a version no longer
+    /// served.
     fn forget(&self, key: &KubeKey) {
         self.0.lock().expect("discovery cache").remove(&Self::id(key));
     }
@@ -100,18 +107,16 @@ impl KubeSource {
     }
 }
 
-/// Finds the API resource for a key: the pinned version, or the preferred one.
-async fn resolve(client: &Client, key: &KubeKey) -> Result<(ApiResource, ApiCapabilities), String> {
-    let group = if key.version.is_empty() {
+/// Discovers `key`'s group: at the pinned version, or every version served (the preferred
+/// one is the kind's).
+async fn discover(client: &Client, key: &KubeKey) -> Result<ApiGroup, String> {
+    if key.version.is_empty() {
         discovery::group(client, &key.group).await
     } else {
         let gv = kube::core::GroupVersion { group: key.group.clone(), version: key.version.clone() };
         discovery::pinned_group(client, &gv).await
     }
-    .map_err(|e| format!("discovery of {key} failed: {e}"))?;
-    group
-        .recommended_kind(&key.kind)
-        .ok_or_else(|| format!("the API server does not serve kind {} in group {:?}", key.kind, key.group))
+    .map_err(|e| format!("discovery of {key} failed: {e}"))
 }
 
 /// What a failed watch means: a status the API server gave (4xx other than 410 Gone and
@@ -247,6 +252,41 @@ mod tests {
         discovered.forget(&key);
         discovered.resolve(&api.client, &key).await.unwrap();
         assert_eq!(api.take(), ["GET v1"], "forgotten after a refused watch: discovered again");
+    }
+
+    /// Kinds of one group share its discovery: Mapping and TCPMapping (preferred version)
+    /// cost the group list and the group's version once; a kind the group lacked is asked
+    /// for again, in case its CRD came since.
+    #[tokio::test]
+    async fn kinds_of_one_group_share_its_discovery() {
+        let api = serve(Arc::new(|_: &str, path: &str, _: &[u8]| match path {
+            "/apis" => (
+                200,
+                serde_json::json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+                    {"name": "getambassador.io", "versions": [{"groupVersion": "getambassador.io/v3alpha1", "version": "v3alpha1"}],
+                     "preferredVersion": {"groupVersion": "getambassador.io/v3alpha1", "version": "v3alpha1"}}]}),
+            ),
+            "/apis/getambassador.io/v3alpha1" => (
+                200,
+                serde_json::json!({"kind": "APIResourceList", "groupVersion": "getambassador.io/v3alpha1", "resources": [
+                    {"name": "mappings", "singularName": "mapping", "namespaced": true, "kind": "Mapping",
+                     "verbs": ["list", "watch"]},
+                    {"name": "tcpmappings", "singularName": "tcpmapping", "namespaced": true, "kind": "TCPMapping",
+                     "verbs": ["list", "watch"]}]}),
+            ),
+            _ => crate::test_fixtures::not_found(path),
+        }))
+        .await;
+        let discovered = Discovered::default();
+        for kind in ["Mapping", "TCPMapping", "Mapping"] {
+            let (resource, _) =
+                discovered.resolve(&api.client, &KubeKey::new("getambassador.io", "", kind)).await.unwrap();
+            assert_eq!((resource.kind.as_str(), resource.version.as_str()), (kind, "v3alpha1"));
+        }
+        assert_eq!(api.take(), ["GET apis", "GET v3alpha1"], "two kinds, one discovery");
+        let missing = discovered.resolve(&api.client, &KubeKey::new("getambassador.io", "", "Host")).await;
+        assert!(missing.unwrap_err().contains("does not serve kind Host"));
+        assert_eq!(api.take(), ["GET apis", "GET v3alpha1"], "a kind the group lacked: asked again");
     }
 
     fn status(code: u16, reason: &str) -> Box<Status> {
