@@ -113,6 +113,10 @@ fn a_refused_configmap_holds_back_neither_http_nor_the_hook() {
     )
     .unwrap();
     op.wait_ready(T).unwrap();
+    // The file the hook is given is in a directory of the operator's own: the other tests'
+    // operators, running beside it, write theirs (a shared file once gave this hook another
+    // operator's snapshot).
+    let hook_dir = std::env::temp_dir().join(format!("consul-resolver-operator-{}", op.pid().unwrap()));
     op.wait_snapshot("the instance", T, |s| team.port(s) == Some(vec![22000])).unwrap();
     for port in [22011, 22012, 22013] {
         team.change_is_served_promptly(&op, consul, port);
@@ -164,7 +168,9 @@ fn a_refused_configmap_holds_back_neither_http_nor_the_hook() {
         Some(reasons("Normal", "PublishRecovered")).filter(|v| !v.is_empty())
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert!(hook_dir.join("snapshot.json").exists(), "the hook's file is in {}", hook_dir.display());
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
+    assert!(!hook_dir.exists(), "{} removed at exit", hook_dir.display());
 }
 
 /// `--watch ConfigMap/NS` where the snapshot ConfigMap lives: the operator's own output

@@ -243,9 +243,10 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
     };
 
     let mut local: Vec<Arc<dyn Publisher>> = Vec::new();
-    if let Some(command) = args.on_snapshot.clone() {
-        let dir = std::env::temp_dir().join("consul-resolver-operator");
-        local.push(Arc::new(HookPublisher::new(command, args.on_snapshot_timeout, dir, metrics.publishers.clone())));
+    let hook_dir = args.on_snapshot.is_some().then(hook_dir);
+    if let (Some(command), Some(dir)) = (args.on_snapshot.clone(), &hook_dir) {
+        let publisher = HookPublisher::new(command, args.on_snapshot_timeout, dir.clone(), metrics.publishers.clone());
+        local.push(Arc::new(publisher));
     }
     let configmap = args
         .snapshot_configmap
@@ -333,8 +334,20 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
     }
     drop(watches);
     let _ = server.await;
+    // The hook's copy of the last snapshot goes with the process (it can be tens of MB).
+    if let Some(dir) = hook_dir {
+        let _ = std::fs::remove_dir_all(dir);
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Where the hook's snapshot file is written: a directory of this process's own. Two
+/// operators on one machine (two replicas sharing /tmp, or the e2e suite's) must not write
+/// one file: one's hook could read the other's snapshot, written between its rename and
+/// the hook's read.
+fn hook_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("consul-resolver-operator-{}", std::process::id()))
 }
 
 #[cfg(test)]
