@@ -6,9 +6,10 @@
 //! query, so at a large budget the connections' resting memory is most of the operator's.
 //! Through reqwest and hyper one costs about 40 KB: a task of its own, a dispatch channel,
 //! write and read buffers and the pool's wrappers (docs/benchmarks.md, heaptrack at 1,200
-//! connections). Here a waiting query holds its socket and the few hundred bytes of the
-//! request it sent (kept to send again should the connection turn out closed): the read
-//! buffer is allocated when the answer starts to arrive.
+//! connections). Here a waiting query holds its socket (over TLS, with the TLS session's
+//! state) and the few hundred bytes of the request it sent (kept to send again should the
+//! connection turn out closed): the read buffer is allocated when the answer starts to
+//! arrive.
 //!
 //! And the budget is exact: a connection is opened only by a query that found none idle,
 //! and goes back idle before that query's slot of the budget is given back, so open
