@@ -524,9 +524,11 @@ fn a_leader_frozen_mid_publication_is_outnumbered_and_never_writes_again() {
         };
         a.signal(libc::SIGSTOP).unwrap();
         attempts += 1;
-        // A writes one request at a time: at most one was in flight, and it lands within
-        // this window. Were it the index, this publication was not caught in flight: A
-        // resumes (well within its lease) and the next one is caught instead.
+        // A creates up to four parts at once, then writes its index. What it had handed to
+        // the kernel lands within this window; a part whose body was still partly in A is
+        // cut short when A resumes past its deadline (src/kube_client/fence.rs), so it never
+        // lands. Were the index written in this window, this publication was not caught in
+        // flight: A resumes (well within its lease) and the next one is caught instead.
         let window = Instant::now() + Duration::from_millis(500);
         let mut finished = false;
         while Instant::now() < window && !finished {

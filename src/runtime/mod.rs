@@ -163,8 +163,10 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
     let started = Instant::now();
     let signalled = signalled(&shutdown);
     let identity = identity(&args);
-    let client = crate::kube_client::client(&identity, args.kube_timeout)
+    let kube_config = crate::kube_client::config(&identity)
         .await
+        .context("cannot build a Kubernetes client (KUBECONFIG or in-cluster)")?;
+    let client = crate::kube_client::client(kube_config.clone(), args.kube_timeout)
         .context("cannot build a Kubernetes client (KUBECONFIG or in-cluster)")?;
     let metrics = Metrics::new();
     let store = Arc::new(SnapshotStore::default());
@@ -248,10 +250,16 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         let publisher = HookPublisher::new(command, args.on_snapshot_timeout, dir.clone(), metrics.publishers.clone());
         local.push(Arc::new(publisher));
     }
-    let configmap = args
-        .snapshot_configmap
-        .clone()
-        .map(|t| Arc::new(ConfigMapPublisher::new(client.clone(), t, leadership.clone())));
+    let configmap = match args.snapshot_configmap.clone() {
+        // Its own client: the parts of a split snapshot are large, and their bodies go out
+        // only while leading (kube_client/fence.rs).
+        Some(target) => {
+            let writer = crate::kube_client::fenced(kube_config, args.kube_timeout, leadership.clone())
+                .context("cannot build the snapshot ConfigMap's Kubernetes client")?;
+            Some(Arc::new(ConfigMapPublisher::new(writer, target, leadership.clone())))
+        }
+        None => None,
+    };
     let events = PublisherEvents::new(
         client.clone(),
         crate::kube_client::FIELD_MANAGER,

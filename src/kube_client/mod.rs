@@ -10,6 +10,9 @@
 //!
 //! The client also names this replica in its User-Agent, so the API server's audit log can
 //! tell which replica wrote what.
+//!
+//! The snapshot's writer has a client of its own ([`fenced`]), whose request bodies are sent
+//! only while this replica leads.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -23,6 +26,9 @@ use kube::client::ClientBuilder;
 use tokio::time::{Instant, Sleep};
 use tower_layer::Layer;
 use tower_service::Service;
+
+mod fence;
+pub(crate) use fence::fenced;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -58,14 +64,19 @@ pub(crate) fn error_reason(e: &kube::Error) -> &'static str {
 #[error("no complete response from the API server within {0:?} (--kube-timeout)")]
 pub(crate) struct DeadlineExceeded(pub Duration);
 
-/// The operator's client: the kubeconfig (or in-cluster config), a User-Agent naming
-/// `identity`, and `timeout` on every request that is not a watch.
-pub(crate) async fn client(identity: &str, timeout: Duration) -> anyhow::Result<kube::Client> {
+/// The kubeconfig (or in-cluster config), with a User-Agent naming `identity`.
+pub(crate) async fn config(identity: &str) -> anyhow::Result<kube::Config> {
     let mut config = kube::Config::infer().await?;
     let agent = format!("consul-resolver-operator/{} ({identity})", env!("CARGO_PKG_VERSION"));
     let agent = http::HeaderValue::from_str(&agent)
         .or_else(|_| http::HeaderValue::from_str(concat!("consul-resolver-operator/", env!("CARGO_PKG_VERSION"))))?;
     config.headers.push((http::header::USER_AGENT, agent));
+    Ok(config)
+}
+
+/// The operator's client: `config` ([`config`]), and `timeout` on every request that is not
+/// a watch.
+pub(crate) fn client(config: kube::Config, timeout: Duration) -> anyhow::Result<kube::Client> {
     Ok(ClientBuilder::try_from(config)?.with_layer(&DeadlineLayer { timeout }).build())
 }
 
