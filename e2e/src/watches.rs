@@ -41,6 +41,16 @@ impl Watches {
         }
     }
 
+    /// Dedicated watches read, then wait for [`Watches::release_blocking`] to block (as the
+    /// operator holds them until its first snapshot).
+    pub fn hold_blocking(&self) {
+        self.source.hold_blocking();
+    }
+
+    pub fn release_blocking(&self) {
+        self.source.release_blocking();
+    }
+
     pub fn start(&mut self, key: &ConsulKey) {
         let fut = self.source.watch(key.clone(), self.tx.clone());
         self.tasks.insert(key.clone(), AbortOnDropHandle::new(tokio::spawn(fut)));

@@ -477,6 +477,41 @@ async fn dropping_a_watch_cancels_its_query(config: Config) {
     }
 }
 
+on_both_agents! {
+    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
+async fn a_held_watch_reads_blocks_only_once_released_and_misses_nothing(config: Config) {
+        let env = Env::start(config).await;
+        let sim = env.simulator();
+        let (held_svc, free_svc) = (unique("held"), unique("free"));
+        env.register("n1", &format!("{held_svc}-1"), &held_svc, 1, "passing", &[]).await;
+        env.register("n1", &format!("{free_svc}-1"), &free_svc, 1, "passing", &[]).await;
+        let blocking = |s: &consul_sim::Stats, svc: &str| s.blocking.get(svc).copied().unwrap_or(0);
+        // No pacing: a watch not held blocks the moment it has its first answer.
+        let unpaced = Settings { wait: Duration::from_secs(60), min_interval: Duration::ZERO, ..settings(10) };
+        let mut held = Watches::new(unpaced.clone());
+        held.hold_blocking();
+        let key = env.key(&held_svc);
+        held.start(&key);
+        held.answer(&key, "the held watch's first read", |e| ports(e) == [1]).await;
+        // A watch not held, started after that answer: by the time its blocking query waits
+        // in Consul, the held watch's would have been there long before.
+        let mut free = Watches::new(unpaced);
+        let free_key = env.key(&free_svc);
+        free.start(&free_key);
+        free.answer(&free_key, "the free watch's first read", |e| ports(e) == [1]).await;
+        let (stats, ok) = sim.wait_for_stats(DEADLINE, |s| blocking(s, &free_svc) == 1).await;
+        assert!(ok, "the free watch blocks: {stats:?}");
+        assert_eq!(blocking(&sim.stats(), &held_svc), 0, "the held watch read, and waits to block");
+        // A change while held: seen once released (its blocking query carries its first
+        // read's index, and is answered at once).
+        env.register("n1", &format!("{held_svc}-1"), &held_svc, 2, "passing", &[]).await;
+        held.release_blocking();
+        held.answer(&key, "the change made while held, once released", |e| ports(e) == [2]).await;
+        let (stats, ok) = sim.wait_for_stats(DEADLINE, |s| blocking(s, &held_svc) == 1).await;
+        assert!(ok, "blocking once released: {stats:?}");
+    }
+}
+
 /// Waits (up to the deadline) until no non-blocking health read has arrived for `quiet`.
 async fn wait_until_no_reads_for(sim: &RunningSim, quiet: Duration) {
     let reads = || sim.requests().iter().filter(|r| r.service.is_some() && !r.query.contains("index=")).count();

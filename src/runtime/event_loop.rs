@@ -247,6 +247,7 @@ impl EventLoop {
             metrics.events_coalesced.inc_by(c.events.saturating_sub(1));
         }
         if first {
+            self.watches.first_snapshot_out();
             metrics.bootstrap_seconds.set(secs(self.started.elapsed()));
         } else if let Some(c) = carried {
             // The first publication waited for the world, not for a change: its time is

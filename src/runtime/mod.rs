@@ -223,6 +223,9 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         },
         metrics.sources.consul.clone(),
     );
+    // Until the first snapshot: its reads are what counts, and the blocking queries would
+    // only compete with them (released in the event loop's first publication).
+    consul.hold_blocking();
     let mut watches = Watches::new(
         KubeSource::new(client.clone(), metrics.sources.clone(), discovered),
         consul,

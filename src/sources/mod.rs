@@ -45,6 +45,12 @@ impl Watches {
         Watches { kube, consul, running: BTreeMap::new(), events, metrics }
     }
 
+    /// The first snapshot is out: Consul watches held at their first answer since the start
+    /// ([`ConsulSource::hold_blocking`]) may block now.
+    pub(crate) fn first_snapshot_out(&self) {
+        self.consul.release_blocking();
+    }
+
     /// Starts and stops watches as `diff` says; `consul_resolver_watches{source}` follows,
     /// down to 0 when the last one stops.
     pub(crate) fn apply(&mut self, diff: &Delta<WatchKey>) {

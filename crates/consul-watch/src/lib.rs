@@ -61,6 +61,8 @@ struct Inner {
     servers: Mutex<HashMap<String, Weak<Server>>>,
     /// Where requests, their outcomes and watch errors are counted.
     metrics: Metrics,
+    /// Whether dedicated watches may start their blocking queries ([`ConsulSource::hold_blocking`]).
+    blocking: tokio::sync::watch::Sender<bool>,
 }
 
 /// How long a resolution of a Consul host may take before the address's spelling is used
@@ -70,7 +72,25 @@ const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 impl ConsulSource {
     /// Watches counting into `metrics` (see [`Metrics::register`]).
     pub fn new(settings: Settings, metrics: Metrics) -> Self {
-        ConsulSource { inner: Arc::new(Inner { settings, servers: Mutex::new(HashMap::new()), metrics }) }
+        let (blocking, _) = tokio::sync::watch::channel(true);
+        ConsulSource { inner: Arc::new(Inner { settings, servers: Mutex::new(HashMap::new()), metrics, blocking }) }
+    }
+
+    /// Dedicated watches read their service, then wait for [`ConsulSource::release_blocking`]
+    /// before they block on it. For a cold start: until the first snapshot, what a
+    /// watch's blocking query would bring is not published anyway, and a thousand dedicated
+    /// watches would open a thousand connections while the operator, Consul and the API
+    /// server share the CPU to get it out. Nothing is missed: the blocking query, when it
+    /// starts, carries the index of the first read, and Consul answers at once if the
+    /// service changed since (docs/consul.md, "Cold start").
+    pub fn hold_blocking(&self) {
+        self.inner.blocking.send_replace(false);
+    }
+
+    /// Lets held watches block ([`ConsulSource::hold_blocking`]), and watches started
+    /// from now on block at once.
+    pub fn release_blocking(&self) {
+        self.inner.blocking.send_replace(true);
     }
 
     /// The watch of `key`: runs until dropped, reporting into `events`.
@@ -92,7 +112,7 @@ impl Inner {
         let server = found.unwrap_or_else(|| {
             servers.retain(|_, p| p.strong_count() > 0);
             let s = &self.settings;
-            Server::new(s.clone(), self.metrics.clone())
+            Server::new(s.clone(), self.metrics.clone(), self.blocking.subscribe())
         });
         for a in addresses {
             servers.entry(a.clone()).or_insert_with(|| Arc::downgrade(&server));

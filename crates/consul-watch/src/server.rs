@@ -73,6 +73,8 @@ pub(crate) struct Server {
     pub lanes: Arc<Semaphore>,
     pub reads: Arc<Semaphore>,
     pub reach: Arc<Reachability>,
+    /// Whether dedicated watches may block yet (`ConsulSource::hold_blocking`).
+    pub blocking: watch::Receiver<bool>,
     clients: Mutex<HashMap<ClientKey, Weak<HttpClient>>>,
     seats: Mutex<Seats>,
     replan: Arc<Notify>,
@@ -118,7 +120,7 @@ impl Drop for Seat {
 }
 
 impl Server {
-    pub(crate) fn new(settings: Settings, metrics: Metrics) -> Arc<Server> {
+    pub(crate) fn new(settings: Settings, metrics: Metrics, blocking: watch::Receiver<bool>) -> Arc<Server> {
         let split = Split::of(settings.max_connections);
         let reads = Arc::new(Semaphore::new(split.reads));
         Arc::new_cyclic(|me: &Weak<Server>| {
@@ -128,6 +130,7 @@ impl Server {
                 lanes: Arc::new(Semaphore::new(split.lanes)),
                 reach: Reachability::new(reads.clone(), metrics.clone()),
                 reads,
+                blocking,
                 clients: Mutex::new(HashMap::new()),
                 seats: Mutex::new(Seats {
                     planner: Planner::new(split.lanes),
@@ -291,7 +294,7 @@ mod tests {
     async fn clients_are_shared_and_dropped_with_their_last_user() {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let settings = Settings { max_connections: 10, wait: Duration::from_secs(1), ..Settings::default() };
-        let server = Server::new(settings, Metrics::unregistered());
+        let server = Server::new(settings, Metrics::unregistered(), watch::channel(true).1);
         let a = server.client("http://127.0.0.1:8500", None).unwrap();
         let b = server.client("http://127.0.0.1:8500", None).unwrap();
         assert!(Arc::ptr_eq(&a, &b));
@@ -311,7 +314,7 @@ mod tests {
         let _ = rustls::crypto::ring::default_provider().install_default();
         // A budget of 8: 7 lanes.
         let settings = Settings { max_connections: 8, ..Settings::default() };
-        let server = Server::new(settings, Metrics::unregistered());
+        let server = Server::new(settings, Metrics::unregistered(), watch::channel(true).1);
         let client = server.client("http://127.0.0.1:1", None).unwrap();
         let mut seats: Vec<Seat> = Vec::new();
         for team in ["a", "b"] {

@@ -4,7 +4,9 @@
 //! ([`crate::server`]): a dedicated blocking query, a membership of its group's change feed,
 //! or (when neither fits the budget) the sweep alone. Over HTTP/2 it blocks on its own
 //! stream, outside the plan. It follows its place as the plan changes, and its server's
-//! reachability ([`crate::reach`]): while the server is down it sends nothing.
+//! reachability ([`crate::reach`]): while the server is down it sends nothing. A dedicated
+//! watch's blocking queries wait while the source holds them (`ConsulSource::hold_blocking`:
+//! the operator's cold start).
 
 mod machine;
 
@@ -202,6 +204,14 @@ impl Held {
         // wait for a watch that was just moved to give one back); a read takes one of the
         // read pool's for its own life; an HTTP/2 stream needs none.
         let _read = if machine.holds_lane() {
+            if block.is_some() && !*self.server.blocking.borrow() {
+                let mut blocking = self.server.blocking.clone();
+                tokio::select! {
+                    // Released, or the source is gone (and the watch with it).
+                    _ = blocking.wait_for(|may| *may) => {}
+                    () = changed(&mut self.seat, reach) => return None,
+                }
+            }
             if self.lane.is_none() {
                 let lanes = self.server.lanes.clone();
                 tokio::select! {
