@@ -526,9 +526,11 @@ fn a_leader_frozen_mid_publication_is_outnumbered_and_never_writes_again() {
         attempts += 1;
         // A creates up to four parts at once, then writes its index. What it had handed to
         // the kernel lands within this window; a part whose body was still partly in A is
-        // cut short when A resumes past its deadline (src/kube_client/fence.rs), so it never
-        // lands. Were the index written in this window, this publication was not caught in
-        // flight: A resumes (well within its lease) and the next one is caught instead.
+        // cut short when A resumes past its deadline (src/kube_client/fence.rs), and does not
+        // land unless no more than its last 80 KiB were left in A (docs/reliability.md,
+        // "Leadership at takeover"). Were the index written in this window, this
+        // publication was not caught in flight: A resumes (well within its lease) and the
+        // next one is caught instead.
         let window = Instant::now() + Duration::from_millis(500);
         let mut finished = false;
         while Instant::now() < window && !finished {
