@@ -43,14 +43,14 @@ use super::{BoxError, DeadlineLayer};
 use crate::leadership::Leadership;
 
 /// The most of a body handed to hyper at once.
-pub(crate) const CHUNK: usize = 16 * 1024;
+const CHUNK: usize = 16 * 1024;
 /// hyper's buffer limit on these connections (its floor is 8 KiB; its default about 400 KiB).
-pub(crate) const MAX_BUFFERED: usize = 64 * 1024;
+const MAX_BUFFERED: usize = 64 * 1024;
 
 /// A body's next chunk was due after this replica stopped leading.
 #[derive(Debug, thiserror::Error)]
 #[error("leadership lapsed while the request body was being sent; the rest was not sent")]
-pub(crate) struct Lapsed;
+struct Lapsed;
 
 /// A client whose request bodies are sent only while `leadership` holds, from `config` (see
 /// [`super::config`]). A kubeconfig naming a proxy gets the ordinary client instead, and a
@@ -109,7 +109,7 @@ where
 
 pin_project_lite::pin_project! {
     /// A request body given out [`CHUNK`] bytes at a time, each while leading.
-    pub(crate) struct FencedBody {
+    struct FencedBody {
         #[pin]
         body: kube::client::Body,
         // Taken from `body`, not yet given out.
@@ -174,6 +174,24 @@ mod tests {
         body: usize,
     }
 
+    /// Reads a request's head and returns its Content-Length (0 without one); `None` when
+    /// the connection ends first.
+    async fn read_head(conn: &mut BufReader<tokio::net::TcpStream>) -> Option<usize> {
+        let mut content_length = 0;
+        loop {
+            let mut line = String::new();
+            if conn.read_line(&mut line).await.unwrap_or(0) == 0 {
+                return None;
+            }
+            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                content_length = v.trim().parse().unwrap();
+            }
+            if line == "\r\n" {
+                return Some(content_length);
+            }
+        }
+    }
+
     /// A create whose body is still being sent when leadership lapses: the rest of it is
     /// never sent, and the server sees the connection end short of the Content-Length.
     /// The server reads the first MiB, then nothing until the lapse: what the client could
@@ -191,17 +209,7 @@ mod tests {
         let server = tokio::spawn(async move {
             let (conn, _) = listener.accept().await.unwrap();
             let mut conn = BufReader::new(conn);
-            let mut content_length = 0;
-            loop {
-                let mut line = String::new();
-                conn.read_line(&mut line).await.unwrap();
-                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                    content_length = v.trim().parse().unwrap();
-                }
-                if line == "\r\n" {
-                    break;
-                }
-            }
+            let content_length = read_head(&mut conn).await.expect("a request");
             let mut first = vec![0; 1 << 20];
             conn.read_exact(&mut first).await.unwrap();
             read_first.send(()).unwrap();
@@ -247,20 +255,7 @@ mod tests {
         tokio::spawn(async move {
             let (conn, _) = listener.accept().await.unwrap();
             let mut conn = BufReader::new(conn);
-            loop {
-                let mut content_length = 0;
-                loop {
-                    let mut line = String::new();
-                    if conn.read_line(&mut line).await.unwrap_or(0) == 0 {
-                        return;
-                    }
-                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                        content_length = v.trim().parse().unwrap();
-                    }
-                    if line == "\r\n" {
-                        break;
-                    }
-                }
+            while let Some(content_length) = read_head(&mut conn).await {
                 let mut body = vec![0; content_length];
                 conn.read_exact(&mut body).await.unwrap();
                 let head = format!(
