@@ -339,15 +339,16 @@ pub(crate) struct DeregisterRequest {
     pub check_id: Option<String>,
 }
 
-/// One row of a health answer, before rendering.
+/// One row of a health answer, before rendering: the catalog's own values, shared (a row
+/// is taken under the catalog's lock, so it copies pointers, not strings).
 #[derive(Clone, Debug)]
 pub(crate) struct HealthEntry {
-    pub node: Node,
-    pub service: ServiceInstance,
+    pub node: Arc<Node>,
+    pub service: Arc<ServiceInstance>,
     /// The cluster peer the instance was imported from (`PeerName`); `None` for local ones.
     pub peer: Option<String>,
     /// The node's own checks and the service's checks, together sorted by check ID.
-    pub checks: Vec<Check>,
+    pub checks: Vec<Arc<Check>>,
 }
 
 impl HealthEntry {
@@ -469,7 +470,7 @@ pub(crate) struct Catalog {
     /// Sameness groups by name: their members in order, and the index of the last write.
     sameness_groups: BTreeMap<String, (Vec<SamenessMember>, u64)>,
     raft_index: u64,
-    nodes: BTreeMap<String, Node>,
+    nodes: BTreeMap<String, Arc<Node>>,
     /// Keyed by (node, service ID).
     /// Shared with the answers that show them (`Arc`): a 75,000-check answer takes a
     /// pointer per check under the lock, not copies of every string.
@@ -697,7 +698,7 @@ impl Catalog {
 
     fn health_of(&self, instances: Option<&BTreeSet<(String, String)>>, tags: &[String]) -> Vec<HealthEntry> {
         let mut entries = Vec::new();
-        let instances = instances.into_iter().flatten().filter_map(|k| self.services.get(k)).map(|s| &**s);
+        let instances = instances.into_iter().flatten().filter_map(|k| self.services.get(k));
         for svc in instances {
             let has_all_tags = tags.iter().all(|want| svc.tags.iter().any(|t| t.eq_ignore_ascii_case(want)));
             if !has_all_tags {
@@ -706,8 +707,11 @@ impl Catalog {
             let Some(node) = self.nodes.get(&svc.node) else {
                 continue;
             };
-            let mut checks: Vec<Check> =
-                self.owned_checks(&svc.node, "").chain(self.owned_checks(&svc.node, &svc.id)).cloned().collect();
+            let mut checks: Vec<Arc<Check>> = self
+                .owned_check_arcs(&svc.node, "")
+                .chain(self.owned_check_arcs(&svc.node, &svc.id))
+                .cloned()
+                .collect();
             checks.sort_by(|a, b| a.check_id.cmp(&b.check_id));
             entries.push(HealthEntry {
                 node: node.clone(),
@@ -908,12 +912,12 @@ impl Catalog {
             match self.nodes.get_mut(&node_name) {
                 Some(existing) if existing.same_data(&node) => {}
                 Some(existing) => {
-                    *existing = Node { create_index: existing.create_index, ..node };
+                    *existing = Arc::new(Node { create_index: existing.create_index, ..node });
                     tx.changed = true;
                     self.mark_node_services(&node_name, &mut tx);
                 }
                 None => {
-                    self.nodes.insert(node_name.clone(), node);
+                    self.nodes.insert(node_name.clone(), Arc::new(node));
                     tx.changed = true;
                 }
             }
@@ -1038,6 +1042,7 @@ impl Catalog {
             *i = index;
         }
         for n in self.nodes.values_mut() {
+            let n = Arc::make_mut(n);
             n.create_index = index;
             n.modify_index = index;
         }
@@ -1076,12 +1081,15 @@ impl Catalog {
 
     /// The checks of one instance (`service_id` empty: the node's own checks), by check ID.
     fn owned_checks<'a>(&'a self, node: &'a str, service_id: &str) -> impl Iterator<Item = &'a Check> + 'a {
+        self.owned_check_arcs(node, service_id).map(|c| &**c)
+    }
+
+    fn owned_check_arcs<'a>(&'a self, node: &'a str, service_id: &str) -> impl Iterator<Item = &'a Arc<Check>> + 'a {
         self.checks_by_owner
             .get(&(node.to_owned(), service_id.to_owned()))
             .into_iter()
             .flatten()
             .filter_map(move |id| self.checks.get(&(node.to_owned(), id.clone())))
-            .map(|c| &**c)
     }
 
     /// Inserts or replaces a check, moving it between owners if its service changed.

@@ -389,7 +389,7 @@ mod tests {
 
     fn ids(expression: &str) -> Vec<String> {
         let f = Filter::parse(expression).unwrap_or_else(|e| panic!("{expression}: {e}"));
-        rows().into_iter().filter(|r| f.matches(r)).map(|r| r.service.id).collect()
+        rows().into_iter().filter(|r| f.matches(r)).map(|r| r.service.id.clone()).collect()
     }
 
     #[test]

@@ -605,7 +605,7 @@ async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap, conn
     }
     let legacy = shared.with_faults(|f| f.null_variants);
     let body = render::health(&entries, legacy);
-    let mut resp = ctx.read_ok(&body, index, opts.consistency, acl_filtered);
+    let mut resp = ctx.read_ok_bytes(body, index, opts.consistency, acl_filtered);
     if let Some(age) = age {
         // The background-refreshed cache: a hit, 0 s old while the servers answer.
         resp.headers_mut().insert("x-cache", HeaderValue::from_static("HIT"));
