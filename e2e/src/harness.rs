@@ -231,6 +231,11 @@ impl Cluster {
         std::fs::read_to_string(self.dir.as_ref()?.join("apiserver.pid")).ok()?.trim().parse().ok()
     }
 
+    /// The pid of our etcd, as its pid file says.
+    pub fn etcd_pid(&self) -> Option<i32> {
+        std::fs::read_to_string(self.dir.as_ref()?.join("etcd.pid")).ok()?.trim().parse().ok()
+    }
+
     /// Sends `signal` to our kube-apiserver.
     pub fn signal_apiserver(&self, signal: i32) -> anyhow::Result<()> {
         let pid = self.apiserver_pid().context("no kube-apiserver of ours")?;

@@ -16,6 +16,8 @@
 //!    same Mappings; then the operator (release build, its own process, a fresh simulator
 //!    on the same address) starts, timed from spawn to the first complete snapshot holding
 //!    every Mapping at `GET /snapshot` (polled every 10 ms); its log gives milestones;
+//!    the CPU our kube-apiserver, etcd and this process (the reflector; the simulator and
+//!    the poller) used during each says whose work shared the two cores with it;
 //! 2. with the third operator: Consul changes (one instance of one service moved to a new
 //!    port, through the catalog API), each timed until the snapshot ConfigMap (watched,
 //!    decoded with the operator's own `configmap::decode`) lists that instance (by node) on
@@ -634,6 +636,53 @@ fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
 
 /// The CPU time (user + system) a process has used so far: utime + stime of
 /// /proc/<pid>/stat, in clock ticks.
+/// CPU time (user + system) of what a cold start shares the two cores with: our API server
+/// and etcd (`None` on a cluster this process did not start), and this process: the bare
+/// reflector, or the simulator and the poller of `GET /snapshot`. At the default profile
+/// the API server alone takes about 1.2 s of CPU to list the 10,000 Mappings, so a cold
+/// start's time is mostly whose CPU is spent while it lists: these say whose.
+#[derive(Clone, Copy, Debug, Default)]
+struct Neighbours {
+    apiserver: Option<Duration>,
+    etcd: Option<Duration>,
+    bench: Duration,
+}
+
+impl Neighbours {
+    fn now(cluster: &Cluster) -> anyhow::Result<Self> {
+        let of = |pid: Option<i32>| pid.and_then(|p| cpu_time(p as u32).ok());
+        Ok(Neighbours {
+            apiserver: of(cluster.apiserver_pid()),
+            etcd: of(cluster.etcd_pid()),
+            bench: cpu_time(std::process::id())?,
+        })
+    }
+
+    /// What each used since `before`.
+    fn since(self, before: Neighbours) -> Self {
+        let d = |a: Option<Duration>, b: Option<Duration>| Some(a?.saturating_sub(b?));
+        Neighbours {
+            apiserver: d(self.apiserver, before.apiserver),
+            etcd: d(self.etcd, before.etcd),
+            bench: self.bench.saturating_sub(before.bench),
+        }
+    }
+
+    fn text(&self) -> String {
+        let or_na = |d: Option<Duration>| d.map_or("n/a".into(), ms);
+        format!("kube-apiserver {}, etcd {}, this process {}", or_na(self.apiserver), or_na(self.etcd), ms(self.bench))
+    }
+
+    /// Medians of each.
+    fn median(all: &[Neighbours]) -> String {
+        let of = |f: &dyn Fn(&Neighbours) -> Option<Duration>| {
+            let v: Vec<Duration> = all.iter().filter_map(f).collect();
+            if v.is_empty() { "n/a".into() } else { ms(median(&v)) }
+        };
+        format!("{} / {} / {}", of(&|n| n.apiserver), of(&|n| n.etcd), of(&|n| Some(n.bench)))
+    }
+}
+
 fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // The command (field 2) is in parentheses and may hold spaces: count from the last `)`.
@@ -1159,6 +1208,8 @@ struct Instance {
     memory_first: (u64, u64),
     /// The operator's CPU time (user + system) from spawn to the first snapshot.
     cpu_first: Duration,
+    /// The CPU of the others meanwhile.
+    neighbours: Neighbours,
 }
 
 fn cold_start(
@@ -1185,9 +1236,11 @@ fn cold_start(
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let spawned_at = SystemTime::now();
     let spawned = Instant::now();
+    let before = Neighbours::now(cluster)?;
     let op = Operator::start(cluster, &args)?;
     let pid = op.pid().context("the operator is not running")?;
     let (cold_http, first_id, snapshot) = rt.block_on(first_snapshot(&op, pid, spawned, s.mappings()))?;
+    let neighbours = Neighbours::now(cluster)?.since(before);
     let snapshot_bytes = snapshot.len();
     let cpu_first = cpu_time(pid)?;
     if let Some(dir) = std::env::var_os("BENCH_SAVE_SNAPSHOTS") {
@@ -1210,9 +1263,10 @@ fn cold_start(
         println!("  note: watches restarted during the cold start; log kept at {}", copy.display());
     }
     println!(
-        "  operator pid {pid}: first complete snapshot (id {first_id}, {snapshot_bytes} bytes) at GET /snapshot after {}, CPU {}; {milestones:?}",
+        "  operator pid {pid}: first complete snapshot (id {first_id}, {snapshot_bytes} bytes) at GET /snapshot after {}, CPU {}; meanwhile {}; {milestones:?}",
         ms(cold_http),
-        ms(cpu_first)
+        ms(cpu_first),
+        neighbours.text()
     );
     Ok(Instance {
         op,
@@ -1225,6 +1279,7 @@ fn cold_start(
         bootstrap_services_queried,
         memory_first,
         cpu_first,
+        neighbours,
     })
 }
 
@@ -1248,6 +1303,9 @@ struct Run {
     /// else meanwhile), the operator's to its first snapshot.
     reflector_cpu: Vec<Duration>,
     cold_cpu: Vec<Duration>,
+    /// The others' CPU during each.
+    reflector_neighbours: Vec<Neighbours>,
+    cold_neighbours: Vec<Neighbours>,
     last: Milestones,
     snapshot_bytes: usize,
     /// The first snapshot's document, for the gzip measurement.
@@ -1313,23 +1371,26 @@ fn run_operator(
     let mut reflector = Vec::new();
     let mut cold = Vec::new();
     let (mut reflector_cpu, mut cold_cpu) = (Vec::new(), Vec::new());
+    let (mut reflector_neighbours, mut cold_neighbours) = (Vec::new(), Vec::new());
     let mut instance = None;
     let rounds = if plan == Plan::Compared { 3 } else { 1 };
     for k in 0..rounds {
         if plan == Plan::Compared {
-            let cpu_before = cpu_time(std::process::id())?;
+            let before = Neighbours::now(cluster)?;
             let (t, n) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, &setup.namespaces))?;
-            let cpu = cpu_time(std::process::id())? - cpu_before;
+            let meanwhile = Neighbours::now(cluster)?.since(before);
             ensure!(n == s.mappings(), "the reflector saw {n} Mappings, not {}", s.mappings());
-            println!("  bare reflector: {} ({n} Mappings), CPU {}", ms(t), ms(cpu));
+            println!("  bare reflector: {} ({n} Mappings), CPU {}; {}", ms(t), ms(meanwhile.bench), meanwhile.text());
             reflector.push(t);
-            reflector_cpu.push(cpu);
+            reflector_cpu.push(meanwhile.bench);
+            reflector_neighbours.push(meanwhile);
         }
         sim.take();
         let fresh = sim.insert(fresh_sim(rt, setup.sim_addr, s)?);
         let i = cold_start(rt, cluster, fresh, setup, s, max_connections)?;
         cold.push(i.cold_http);
         cold_cpu.push(i.cpu_first);
+        cold_neighbours.push(i.neighbours);
         if k + 1 < rounds {
             stop(i.op, fresh)?;
         } else {
@@ -1448,6 +1509,8 @@ fn run_operator(
         cold,
         reflector_cpu,
         cold_cpu,
+        reflector_neighbours,
+        cold_neighbours,
         last: milestones(&log, spawned_at),
         snapshot_bytes,
         snapshot,
@@ -1634,6 +1697,11 @@ fn main() -> anyhow::Result<()> {
     row("CPU (user + system) to the end: operator to its first snapshot / bare reflector (medians)", "", &|r| {
         format!("{} / {}", ms(median(&r.cold_cpu)), ms(median(&r.reflector_cpu)))
     });
+    row(
+        "CPU meanwhile, kube-apiserver / etcd / this process (medians): cold start (simulator, poller); bare reflector",
+        "",
+        &|r| format!("{}; {}", Neighbours::median(&r.cold_neighbours), Neighbours::median(&r.reflector_neighbours)),
+    );
     row("cold start / bare reflector (medians)", &target(&[targets.overhead.map(|l| l.text(ratio_x))]), &|r| {
         ratio_x(median(&r.cold).as_secs_f64() / median(&r.reflector).as_secs_f64())
     });
