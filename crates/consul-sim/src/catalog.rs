@@ -1084,6 +1084,7 @@ impl Catalog {
         self.owned_check_arcs(node, service_id).map(|c| &**c)
     }
 
+    /// [`Catalog::owned_checks`] as the catalog holds them, to share.
     fn owned_check_arcs<'a>(&'a self, node: &'a str, service_id: &str) -> impl Iterator<Item = &'a Arc<Check>> + 'a {
         self.checks_by_owner
             .get(&(node.to_owned(), service_id.to_owned()))

@@ -26,11 +26,11 @@ fn tags(tags: &[String], legacy: bool) -> Value {
 /// The body of `GET /v1/health/service/<name>` and `GET /v1/health/connect/<name>`.
 ///
 /// Serialised straight from the catalog's values, as [`checks`] is: a `Value` tree per row
-/// (every string copied, every map a B-tree) was most of a read's time: at the scale
+/// (every string copied, every map a B-tree) was most of a read's time. At the scale
 /// profile's cold start the benchmark's process, three quarters of it in these reads, used
 /// more CPU than the operator (3.7 to 8.8 s in the runs measured, against 3.0 to 3.5 s) on
-/// the two cores they share with the API server. The fields are in the order `health_json` (a `Value`, keys sorted) gives
-/// them; a test holds the two equal.
+/// the two cores they share with the API server. The fields are in the order `health_json`
+/// (a `Value`, keys sorted) gives them; a test holds the two equal.
 pub(crate) fn health(entries: &[HealthEntry], legacy: bool) -> Vec<u8> {
     let rows: Vec<HealthOut<'_>> = entries.iter().map(|e| HealthOut::of(e, legacy)).collect();
     serde_json::to_vec(&rows).expect("health rows serialise")
