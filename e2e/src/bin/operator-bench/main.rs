@@ -634,12 +634,10 @@ fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
     Ok((field("VmHWM:")?, field("VmRSS:")?))
 }
 
-/// The CPU time (user + system) a process has used so far: utime + stime of
-/// /proc/<pid>/stat, in clock ticks.
 /// CPU time (user + system) of what a cold start shares the two cores with: our API server
 /// and etcd (`None` on a cluster this process did not start), and this process: the bare
 /// reflector, or the simulator and the poller of `GET /snapshot`. At the default profile
-/// the API server alone takes about 1.2 s of CPU to list the 10,000 Mappings, so a cold
+/// the API server alone takes 1.1 to 2 s of CPU to list the 10,000 Mappings, so a cold
 /// start's time is mostly whose CPU is spent while it lists: these say whose.
 #[derive(Clone, Copy, Debug, Default)]
 struct Neighbours {
@@ -683,6 +681,8 @@ impl Neighbours {
     }
 }
 
+/// The CPU time (user + system) a process has used so far: utime + stime of
+/// /proc/<pid>/stat, in clock ticks.
 fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // The command (field 2) is in parentheses and may hold spaces: count from the last `)`.
