@@ -12,9 +12,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::catalog::{
-    Check, DEFAULT_SCOPE, HealthEntry, ProxyConfig, ServiceInstance, ServiceKey, StateEntry, TaggedAddress,
-};
+use super::catalog::{Check, HealthEntry, ProxyConfig, ServiceInstance, ServiceKey, StateEntry, TaggedAddress};
 
 fn tags(tags: &[String], legacy: bool) -> Value {
     if tags.is_empty() && legacy {
@@ -50,7 +48,7 @@ impl<'a> HealthOut<'a> {
         let n = &e.node;
         let s = &e.service;
         let modern = !legacy;
-        let scoped = Some(&s.key).filter(|k| k.namespace != DEFAULT_SCOPE || k.partition != DEFAULT_SCOPE);
+        let scoped = Some(&s.key).filter(|k| !k.is_default_scope());
         HealthOut {
             checks: e
                 .checks
@@ -328,7 +326,7 @@ impl<'a> CheckOut<'a> {
     /// `owner`: the key and tags of the check's service instance; `None` for a node check.
     fn new(c: &'a Check, owner: Option<(&'a ServiceKey, &'a [String])>, legacy: bool) -> Self {
         let tags: &[String] = owner.map_or(&[], |(_, tags)| tags);
-        let scoped = owner.map(|(k, _)| k).filter(|k| k.namespace != DEFAULT_SCOPE || k.partition != DEFAULT_SCOPE);
+        let scoped = owner.map(|(k, _)| k).filter(|k| !k.is_default_scope());
         let modern = !legacy;
         CheckOut {
             check_id: &c.check_id,
@@ -434,7 +432,7 @@ mod value_shapes {
 
     /// Enterprise's `Namespace` and `Partition`, shown when not the defaults.
     fn scope(out: &mut Value, key: &ServiceKey) {
-        if key.namespace != DEFAULT_SCOPE || key.partition != DEFAULT_SCOPE {
+        if !key.is_default_scope() {
             merge(out, json!({"Namespace": key.namespace, "Partition": key.partition}));
         }
     }
@@ -590,7 +588,7 @@ mod tests {
     /// set, a connect proxy, a peer, a namespaced instance, node and service checks.
     #[test]
     fn health_serialises_as_its_value_shape() {
-        use crate::catalog::{Catalog, RegisterRequest, connect_key};
+        use crate::catalog::{Catalog, DEFAULT_SCOPE, RegisterRequest, connect_key};
         let mut c = Catalog::new("dc1", 1);
         let mut reg = |v: Value, namespace: Option<&str>| {
             c.register(serde_json::from_value::<RegisterRequest>(v).unwrap(), namespace, None).unwrap();
