@@ -228,12 +228,16 @@ impl Cluster {
 
     /// The pid of our kube-apiserver, as its pid file says.
     pub fn apiserver_pid(&self) -> Option<i32> {
-        std::fs::read_to_string(self.dir.as_ref()?.join("apiserver.pid")).ok()?.trim().parse().ok()
+        self.pid_file("apiserver.pid")
     }
 
     /// The pid of our etcd, as its pid file says.
     pub fn etcd_pid(&self) -> Option<i32> {
-        std::fs::read_to_string(self.dir.as_ref()?.join("etcd.pid")).ok()?.trim().parse().ok()
+        self.pid_file("etcd.pid")
+    }
+
+    fn pid_file(&self, name: &str) -> Option<i32> {
+        std::fs::read_to_string(self.dir.as_ref()?.join(name)).ok()?.trim().parse().ok()
     }
 
     /// Sends `signal` to our kube-apiserver.
