@@ -110,3 +110,20 @@ pub(crate) fn resolver_entry(namespace: &str, name: &str) -> ResolverEntry {
 static ALLOCATOR: heap_peak::Counting = heap_peak::Counting;
 
 pub(crate) use heap_peak::peak_heap;
+
+/// Whether the TCP socket of this process from `local` to `peer` has TCP_NODELAY; `None`
+/// without one. Tests hold both ends of a loopback connection, so either end is found
+/// among the process's own descriptors.
+pub(crate) fn tcp_nodelay(local: std::net::SocketAddr, peer: std::net::SocketAddr) -> Option<bool> {
+    use std::os::fd::BorrowedFd;
+    for entry in std::fs::read_dir("/proc/self/fd").ok()? {
+        let Ok(fd) = entry.ok()?.file_name().to_string_lossy().parse::<i32>() else { continue };
+        // SAFETY: only duplicated; a descriptor closed meanwhile fails to duplicate.
+        let Ok(owned) = unsafe { BorrowedFd::borrow_raw(fd) }.try_clone_to_owned() else { continue };
+        let socket = std::net::TcpStream::from(owned);
+        if socket.local_addr().ok() == Some(local) && socket.peer_addr().ok() == Some(peer) {
+            return socket.nodelay().ok();
+        }
+    }
+    None
+}
