@@ -224,6 +224,26 @@ mod tests {
         .is_ok()
     }
 
+    /// The server's connections have TCP_NODELAY: a snapshot's reader does not wait on
+    /// Nagle for the rest of an answer.
+    #[tokio::test]
+    async fn connections_have_tcp_nodelay() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let shutdown = CancellationToken::new();
+        let (addr, task) =
+            serve("127.0.0.1:0".parse().unwrap(), state(), server::Limits::DEFAULT, shutdown.clone()).await.unwrap();
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.write_all(b"GET /healthz HTTP/1.1\r\nhost: ops\r\n\r\n").await.unwrap();
+        let mut buf = [0u8; 64];
+        let n = stream.read(&mut buf).await.unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", String::from_utf8_lossy(&buf[..n]));
+        // The server's end: from its address to this one.
+        let nodelay = crate::test_fixtures::tcp_nodelay(addr, stream.local_addr().unwrap());
+        assert_eq!(nodelay, Some(true));
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+
     /// More idle connections than the cap: the longest idle are closed to make room, and a
     /// probe that comes after all of them is answered at once.
     #[tokio::test]

@@ -198,6 +198,9 @@ pub(crate) async fn run<H, F>(
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     backoff.succeeded();
+                    // Without it, a response written in two parts (a snapshot's head and
+                    // body) can wait for the reader's delayed ACK, about 40 ms (Nagle).
+                    let _ = stream.set_nodelay(true);
                     stream
                 }
                 Err(e) => {
