@@ -48,25 +48,45 @@ use event_loop::EventLoop;
 use publication::{OutletConfig, Outlets};
 use publisher_events::PublisherEvents;
 
+/// What the start-up discovers before anything is watched: the fixed watches and the
+/// endpoints API served. Every group is asked at once: nothing is watched until all have
+/// answered, and asked one after the other, their round trips would add up on every cold
+/// start.
+async fn start_up_discovery(
+    client: &Client,
+    discovered: &Discovered,
+    args: &RunArgs,
+) -> anyhow::Result<(BTreeSet<WatchKey>, EndpointsApi)> {
+    let (fixed, endpoints_api) = tokio::join!(fixed_keys(client, discovered, args), endpoints_api(client, discovered));
+    Ok((fixed?, endpoints_api))
+}
+
 /// The operator's fixed watches: its own CRD and Ambassador's route kinds (those the API
 /// server serves), per watched namespace, plus the static `--watch` keys.
 async fn fixed_keys(client: &Client, discovered: &Discovered, args: &RunArgs) -> anyhow::Result<BTreeSet<WatchKey>> {
-    let mut kinds = vec![KubeKey::new(resolver::GROUP, resolver::VERSION, resolver::KIND)];
-    discovered
-        .resolve(client, &kinds[0])
-        .await
-        .map_err(anyhow::Error::msg)
-        .context("the ConsulResolver CRD is not installed (kubectl apply -f crds/)")?;
-    for kind in MappingKind::ALL {
-        let key = KubeKey::new(mapping::GROUP, "", kind.kind());
-        match discovered.resolve(client, &key).await {
-            Ok(_) => kinds.push(key),
-            Err(e) => tracing::warn!(kind = kind.kind(), error = %e, "Ambassador kind not served; not watched"),
-        }
-    }
+    let resolvers = KubeKey::new(resolver::GROUP, resolver::VERSION, resolver::KIND);
+    let routes: Vec<KubeKey> =
+        MappingKind::ALL.into_iter().map(|k| KubeKey::new(mapping::GROUP, "", k.kind())).collect();
     // Exports only where their CRD is installed (crds/consulservice.yaml).
     let exports = KubeKey::new(resolver::GROUP, resolver::VERSION, consul_resolver_api::export::KIND);
-    match discovered.resolve(client, &exports).await {
+    // The groups are asked at once ([`start_up_discovery`]). Kinds of one group share its
+    // discovery: the second waits for the first and reads what it found.
+    let (found_resolvers, found_routes, found_exports) = tokio::join!(
+        discovered.resolve(client, &resolvers),
+        futures::future::join_all(routes.iter().map(|key| discovered.resolve(client, key))),
+        discovered.resolve(client, &exports),
+    );
+    found_resolvers
+        .map_err(anyhow::Error::msg)
+        .context("the ConsulResolver CRD is not installed (kubectl apply -f crds/)")?;
+    let mut kinds = vec![resolvers];
+    for (key, found) in routes.into_iter().zip(found_routes) {
+        match found {
+            Ok(_) => kinds.push(key),
+            Err(e) => tracing::warn!(kind = %key.kind, error = %e, "Ambassador kind not served; not watched"),
+        }
+    }
+    match found_exports {
         Ok(_) => kinds.push(exports),
         Err(e) => {
             tracing::warn!(error = %e, "the ConsulService CRD is not installed: no exports (kubectl apply -f crds/)")
@@ -194,11 +214,11 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
     args.watches = args.watches.into_iter().map(without_own_output).collect();
     // Discovery found here for the start-up's checks is reused by the watches of those kinds.
     let discovered = Discovered::default();
-    let fixed = fixed_keys(&client, &discovered, &args).await?;
+    let (fixed, endpoints_api) = start_up_discovery(&client, &discovered, &args).await?;
     let config = assembler::Config {
         ambassador_id: args.ambassador_id.clone(),
         default_resolver: args.default_resolver.clone(),
-        endpoints_api: endpoints_api(&client, &discovered).await,
+        endpoints_api,
         endpoints_namespace_watch_above: args.endpoints_namespace_watch_above,
         // Only the variables an address may name: the rest of the environment may hold
         // secrets, and an expanded address is published.
@@ -380,5 +400,92 @@ mod tests {
         assert_eq!((b.writers_until, b.until), (t0 + s(3), t0 + s(6)));
         // Without leader election, the writers have it all.
         assert_eq!(ShutdownBudget::new(t0, s(20), Duration::ZERO).writers_until, t0 + s(20));
+    }
+    /// The start-up asks every group it needs at once. Each discovery answer is held until
+    /// three requests were in flight together (or two seconds passed): asked one after the
+    /// other, they never overlap and each waits out the two seconds.
+    #[tokio::test]
+    async fn the_start_up_asks_every_group_at_once() {
+        use http_body_util::Full;
+        use hyper::{Request, Response};
+
+        let (most, watch_most) = tokio::sync::watch::channel(0usize);
+        let (most, in_flight) = (Arc::new(most), Arc::new(std::sync::atomic::AtomicUsize::new(0)));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (most2, in_flight2) = (most.clone(), in_flight.clone());
+        let server = tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                let (most, in_flight, watch_most) = (most2.clone(), in_flight2.clone(), most2.subscribe());
+                let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                    let (most, in_flight) = (most.clone(), in_flight.clone());
+                    let mut watch_most = watch_most.clone();
+                    async move {
+                        let now = in_flight.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                        most.send_modify(|m| *m = (*m).max(now));
+                        let _ = tokio::time::timeout(Duration::from_secs(2), watch_most.wait_for(|&m| m >= 3)).await;
+                        in_flight.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                        let body = discovery_answer(req.uri().path());
+                        let code = if body.is_null() { 404 } else { 200 };
+                        let body = Full::new(bytes::Bytes::from(serde_json::to_vec(&body).unwrap()));
+                        Ok::<_, std::convert::Infallible>(Response::builder().status(code).body(body).unwrap())
+                    }
+                });
+                tokio::spawn(async move {
+                    let io = hyper_util::rt::TokioIo::new(stream);
+                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
+                });
+            }
+        });
+        let client = kube::Client::try_from(kube::Config::new(format!("http://{addr}").parse().unwrap())).unwrap();
+        let argv = ["consul-resolver-operator", "run", "--namespace", "shop"];
+        let args = match <crate::cli::Cli as clap::Parser>::try_parse_from(argv).unwrap().command {
+            crate::cli::Command::Run(args) => *args,
+            other => panic!("{other:?}"),
+        };
+
+        let started = Instant::now();
+        let (fixed, endpoints) = start_up_discovery(&client, &Discovered::default(), &args).await.unwrap();
+        let elapsed = started.elapsed();
+        server.abort();
+
+        let kinds: Vec<String> = fixed.iter().map(ToString::to_string).collect();
+        assert_eq!(fixed.len(), 4, "{kinds:?}");
+        for kind in ["ConsulResolver", "ConsulService", "Mapping", "TCPMapping"] {
+            assert!(kinds.iter().any(|k| k.starts_with(&format!("{kind}."))), "{kind} in {kinds:?}");
+        }
+        assert_eq!(endpoints, EndpointsApi::EndpointSlices);
+        assert!(*watch_most.borrow() >= 3, "at most {} discovery requests at once", *watch_most.borrow());
+        assert!(elapsed < Duration::from_secs(2), "discovery took {elapsed:?}");
+    }
+
+    /// The API server's discovery of the groups the start-up asks for.
+    fn discovery_answer(path: &str) -> serde_json::Value {
+        let resources = |gv: &str, kinds: &[(&str, &str)]| {
+            let resources: Vec<_> = kinds
+                .iter()
+                .map(|(kind, plural)| {
+                    serde_json::json!({"name": plural, "singularName": "", "namespaced": true, "kind": kind,
+                        "verbs": ["get", "list", "watch"]})
+                })
+                .collect();
+            serde_json::json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": resources})
+        };
+        match path {
+            "/apis" => serde_json::json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [{
+                "name": "getambassador.io",
+                "versions": [{"groupVersion": "getambassador.io/v2", "version": "v2"}],
+                "preferredVersion": {"groupVersion": "getambassador.io/v2", "version": "v2"}}]}),
+            "/apis/getambassador.io/v2" => {
+                resources("getambassador.io/v2", &[("Mapping", "mappings"), ("TCPMapping", "tcpmappings")])
+            }
+            "/apis/consulresolver.io/v1alpha1" => resources(
+                "consulresolver.io/v1alpha1",
+                &[("ConsulResolver", "consulresolvers"), ("ConsulService", "consulservices")],
+            ),
+            "/apis/discovery.k8s.io/v1" => resources("discovery.k8s.io/v1", &[("EndpointSlice", "endpointslices")]),
+            _ => serde_json::Value::Null,
+        }
     }
 }
