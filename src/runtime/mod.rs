@@ -401,9 +401,10 @@ mod tests {
         // Without leader election, the writers have it all.
         assert_eq!(ShutdownBudget::new(t0, s(20), Duration::ZERO).writers_until, t0 + s(20));
     }
+
     /// The start-up asks every group it needs at once. Each discovery answer is held until
-    /// three requests were in flight together (or two seconds passed): asked one after the
-    /// other, they never overlap and each waits out the two seconds.
+    /// three requests were in flight together (or two seconds passed, so that a start-up
+    /// asking one after the other fails instead of hanging).
     #[tokio::test]
     async fn the_start_up_asks_every_group_at_once() {
         use http_body_util::Full;
@@ -445,9 +446,7 @@ mod tests {
             other => panic!("{other:?}"),
         };
 
-        let started = Instant::now();
         let (fixed, endpoints) = start_up_discovery(&client, &Discovered::default(), &args).await.unwrap();
-        let elapsed = started.elapsed();
         server.abort();
 
         let kinds: Vec<String> = fixed.iter().map(ToString::to_string).collect();
@@ -457,7 +456,6 @@ mod tests {
         }
         assert_eq!(endpoints, EndpointsApi::EndpointSlices);
         assert!(*watch_most.borrow() >= 3, "at most {} discovery requests at once", *watch_most.borrow());
-        assert!(elapsed < Duration::from_secs(2), "discovery took {elapsed:?}");
     }
 
     /// The API server's discovery of the groups the start-up asks for.
