@@ -22,7 +22,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response, Uri};
 use http_body::{Body, Frame, SizeHint};
-use hyper_util::client::legacy::connect::HttpConnector;
 use kube::client::ClientBuilder;
 use tokio::time::{Instant, Sleep};
 use tower_layer::Layer;
@@ -81,21 +80,9 @@ pub(crate) async fn config(identity: &str) -> anyhow::Result<kube::Config> {
 /// kube's own, whose connector lacks TCP_NODELAY: a new connection's first request is
 /// answered about 40 ms late. With the option here too, cold starts were 40 ms shorter, but
 /// the change latency's tail grew (docs/benchmarks.md, "TCP_NODELAY to the API server"), so
-/// only the snapshot writer has it ([`connector`]) until that is understood.
+/// only the snapshot writer has it ([`fenced`]) until that is understood.
 pub(crate) fn client(config: kube::Config, timeout: Duration) -> anyhow::Result<kube::Client> {
     Ok(ClientBuilder::try_from(config)?.with_layer(&DeadlineLayer { timeout }).build())
-}
-
-/// The snapshot writer's TCP connector, with TCP_NODELAY: its bodies go out in small
-/// writes, and without the option each waits for the previous one's ACK (Nagle), which the
-/// receiver delays (delayed ACK, 40 ms at least on Linux). The same stall answers a new
-/// connection's first request about 40 ms late (42 ms after the TLS handshake, against 1 ms
-/// for the next request on the same connection).
-fn connector() -> HttpConnector {
-    let mut tcp = HttpConnector::new();
-    tcp.enforce_http(false);
-    tcp.set_nodelay(true);
-    tcp
 }
 
 /// Puts a deadline on every request that is not a watch.
