@@ -64,14 +64,9 @@ pub(crate) fn fenced(config: kube::Config, timeout: Duration, leadership: Leader
         );
         return super::client(config, timeout);
     }
-    // Bodies go out in small writes: without TCP_NODELAY each would wait for the previous
-    // one's ACK (Nagle), which the receiver delays (delayed ACK, 40 ms at least on Linux).
-    // The same stall answers a new connection's first request about 40 ms late (42 ms after
-    // the TLS handshake, against 1 ms for the next request on the same connection).
-    let mut tcp = hyper_util::client::legacy::connect::HttpConnector::new();
-    tcp.enforce_http(false);
-    tcp.set_nodelay(true);
-    let connector = config.rustls_https_connector_with_connector(tcp)?;
+    // Bodies go out in small writes, each of which would wait for the previous one's ACK
+    // without TCP_NODELAY.
+    let connector = config.rustls_https_connector_with_connector(super::connector())?;
     let hyper = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
         .http1_max_buf_size(MAX_BUFFERED)
         .build(connector);
