@@ -18,7 +18,7 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::client::parse::{self, CheckBytes, CheckRow};
+use crate::client::parse::{self, CheckRow};
 
 /// What to re-read. Service names are lower case: Consul compares them case-insensitively.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -131,26 +131,34 @@ impl ChecksView {
         self.index
     }
 
-    /// Takes a new answer's body; returns what changed since the previous answer. The first
-    /// answer, and one whose index went backwards (a restored or rebuilt cluster), change
-    /// everything. A malformed answer is an error, and the view is left as it was.
-    pub(crate) fn apply<'a>(&mut self, index: u64, body: &'a [u8]) -> Result<Stale, String> {
+    /// Takes a new answer's body, as it is read (see [`parse::StateSplit`]); returns what
+    /// changed since the previous answer. The first answer, and one whose index went
+    /// backwards (a restored or rebuilt cluster), change everything. A malformed answer is
+    /// an error, and the view is left as it was.
+    pub(crate) fn apply(&mut self, index: u64, body: impl std::io::Read) -> Result<Stale, String> {
         let base = self.index.filter(|base| index >= *base);
-        // The checks not known by their bytes, read.
-        let read = |answer: &[CheckBytes<'a>]| -> Result<Vec<(u128, CheckRow<'a>)>, String> {
-            let known = |c: &&CheckBytes<'_>| base.is_some() && self.checks.contains_key(&c.hash);
-            answer.iter().filter(|c| !known(c)).map(|c| Ok((c.hash, c.read()?))).collect()
-        };
-        // Split quickly, as agents write it, unless a piece turns out not to be a check
-        // (see `health_state_quick`): then split properly.
-        let quick = parse::health_state_quick(body).and_then(|answer| Some((read(&answer).ok()?, answer)));
-        let (new, answer) = match quick {
-            Some(split) => split,
-            None => {
-                let answer = parse::health_state(body)?;
-                (read(&answer)?, answer)
+        // This answer's generation, taken even if the answer turns out malformed: the checks
+        // it marked seen before failing then carry a generation that never comes again.
+        self.generation += 1;
+        let seen = self.generation;
+        // The checks not known by their bytes, read; the known ones marked seen.
+        let mut new = Vec::new();
+        let mut split = parse::StateSplit::new(body);
+        while let Some(check) = split.next()? {
+            if base.is_some()
+                && let Some(known) = self.checks.get_mut(&check.hash)
+            {
+                known.seen = seen;
+                continue;
             }
-        };
+            match check.read().map(|row| Known::new(&row, seen)) {
+                Ok(known) => new.push((check.hash, known)),
+                // A quick split's piece that is no check: split again, exactly, from there.
+                Err(e) if !split.split_exactly() => return Err(e),
+                Err(_) => {}
+            }
+        }
+        drop(split);
 
         self.index = Some(index);
         let mut stale = Stale::default();
@@ -159,25 +167,18 @@ impl ChecksView {
             self.writes.clear();
             self.checks.clear();
         }
-        self.generation += 1;
-        let seen = self.generation;
-        for check in &answer {
-            if let Some(known) = self.checks.get_mut(&check.hash) {
-                known.seen = seen;
-            }
-        }
         // A check whose bytes changed comes back under a new hash: its old entry is replaced,
         // not removed.
         let mut rewritten = HashSet::new();
-        for (hash, row) in new {
+        for (hash, known) in new {
             if let Some(base) = base {
-                if row.modify_index > base {
-                    stale.check(&row.node, &row.service);
-                    self.writes.insert(row.modify_index);
+                if known.modify_index > base {
+                    stale.check(known.node(), known.service());
+                    self.writes.insert(known.modify_index);
                 }
-                rewritten.insert((row.node.clone(), row.check_id.clone()));
+                rewritten.insert((Cow::Owned(known.node().to_owned()), Cow::Owned(known.check_id().to_owned())));
             }
-            self.checks.insert(hash, Known::new(&row, seen));
+            self.checks.insert(hash, known);
         }
         let mut removed = false;
         self.checks.retain(|_, k| {
@@ -293,9 +294,9 @@ mod tests {
         CheckRow { node: owned(node), check_id: owned(check), service: owned(service), modify_index }
     }
 
-    /// The answer an agent would send for `rows`, through the feed's reader.
-    fn apply(v: &mut ChecksView, index: u64, rows: &[CheckRow<'_>]) -> Stale {
-        let body = serde_json::to_vec(
+    /// The answer an agent would send for `rows`.
+    fn answer(rows: &[CheckRow<'_>]) -> Vec<u8> {
+        serde_json::to_vec(
             &rows
                 .iter()
                 .map(|r| {
@@ -304,8 +305,12 @@ mod tests {
                 })
                 .collect::<Vec<_>>(),
         )
-        .unwrap();
-        v.apply(index, &body).unwrap()
+        .unwrap()
+    }
+
+    /// That answer, through the feed's reader.
+    fn apply(v: &mut ChecksView, index: u64, rows: &[CheckRow<'_>]) -> Stale {
+        v.apply(index, &answer(rows)[..]).unwrap()
     }
 
     fn names(v: &[&str]) -> BTreeSet<String> {
@@ -367,12 +372,21 @@ mod tests {
         let body = br#"[{"Node":"n1","CheckID":"serfHealth","Name":"n","Status":"passing","ServiceName":"","CreateIndex":1,"ModifyIndex":5},
             {"Node":"n1","CheckID":"svc:web","Name":"n","Status":"passing","ServiceName":"web","CreateIndex":1,"ModifyIndex":6},
             {"Node":7}]"#;
-        assert!(v.apply(9, body).unwrap_err().contains("malformed check"));
+        assert!(v.apply(9, &body[..]).unwrap_err().contains("malformed check"));
         assert_eq!(v.index(), Some(6), "a failed answer changes nothing");
+        // Not even which checks were seen last: after an answer that failed past both known
+        // checks, web's check leaving is a removal still.
+        let mut view = ChecksView::default();
+        apply(&mut view, 6, &base);
+        let mut failing = answer(&base);
+        failing.pop();
+        failing.extend_from_slice(br#",{"Node":7}]"#);
+        assert!(view.apply(9, &failing[..]).is_err());
+        assert_eq!(apply(&mut view, 9, &base[..1]), Stale { services: names(&["web"]), ..Stale::default() });
         // Whitespace around a check is not part of it: an agent's indentation is no change.
         let pretty = br#"[ {"Node":"n1","CheckID":"serfHealth","Name":"n","Status":"passing","ServiceName":"","CreateIndex":1,"ModifyIndex":5} ,
             {"Node":"n1","CheckID":"svc:web","Name":"n","Status":"passing","ServiceName":"web","CreateIndex":1,"ModifyIndex":6} ]"#;
-        assert!(v.apply(7, pretty).unwrap().is_empty());
+        assert!(v.apply(7, &pretty[..]).unwrap().is_empty());
         assert!(!v.accounts_for(6, 7), "index 7 was no check write");
     }
 
@@ -407,7 +421,7 @@ mod tests {
         // Rewritten again with an output that does not move ModifyIndex (not a write Consul
         // would send, but the view must not take it for a removal either).
         let body = br#"[{"Node":"n1","CheckID":"svc:web","Output":"slow","ServiceName":"web","ModifyIndex":8}]"#;
-        assert!(v.apply(9, body).unwrap().is_empty());
+        assert!(v.apply(9, &body[..]).unwrap().is_empty());
         // And web's check is still known: removing it now names web.
         assert_eq!(apply(&mut v, 10, &[]), Stale { services: names(&["web"]), ..Stale::default() });
     }

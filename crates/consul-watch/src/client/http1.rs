@@ -1,6 +1,6 @@
 //! HTTP/1.1 to one Consul server, over plain TCP or TLS, written for how we query Consul:
-//! one GET at a time per connection, the answer read whole, the connection kept alive for
-//! the next.
+//! one GET at a time per connection, the answer read whole (inflated only when the caller
+//! reads it), the connection kept alive for the next.
 //!
 //! Why not reqwest: every dedicated watch holds a connection for the whole of its blocking
 //! query, so at a large budget the connections' resting memory is most of the operator's.
@@ -24,20 +24,20 @@
 //! not reused. Interim `1xx` answers are skipped.
 
 use std::collections::VecDeque;
-use std::io::Read;
 use std::pin::Pin;
 use std::sync::Mutex;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
-use http::header::{CONNECTION, CONTENT_ENCODING, CONTENT_LENGTH, TRANSFER_ENCODING};
+use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_rustls::client::TlsStream;
 
+use super::body::Body;
 use super::multiplex::Response;
 use super::{TlsConnect, connect_tcp};
 use crate::error::QueryError;
@@ -351,17 +351,8 @@ async fn exchange(mut conn: Conn, request: &[u8], max_body: usize) -> Result<(Re
             (rest, false)
         }
     };
-    let body = match head.headers.get(CONTENT_ENCODING).map(|v| v.as_bytes().trim_ascii()) {
-        None => body.freeze(),
-        Some(e) if e.is_empty() || e.eq_ignore_ascii_case(b"identity") => body.freeze(),
-        Some(e) if e.eq_ignore_ascii_case(b"gzip") => gunzip(&body, max_body)?.into(),
-        Some(e) => {
-            return Err(Failure::Malformed(format!(
-                "an answer in an encoding we did not ask for ({})",
-                String::from_utf8_lossy(e)
-            )));
-        }
-    };
+    // Inflated when it is read (see `body`): the change feed streams its largest answer.
+    let body = Body::new(&head.headers, body.freeze(), max_body).map_err(Failure::Malformed)?;
     let keep = (clean && head.keep_alive && framing != Framing::ToClose).then_some(conn);
     Ok(((head.status, head.headers, body), keep))
 }
@@ -549,24 +540,6 @@ fn next_chunk(raw: &[u8]) -> Result<Chunk, Failure> {
         None if after.len() > MAX_HEAD => Err(Failure::Malformed("trailers over 64 KiB".into())),
         None => Ok(Chunk::More),
     }
-}
-
-/// Inflates a gzipped body, at most `max_body` bytes of it.
-fn gunzip(gz: &[u8], max_body: usize) -> Result<Vec<u8>, Failure> {
-    // The gzip trailer's last four bytes are the inflated size (modulo 4 GiB): room for it
-    // at once rather than doubling buffers for a 21 MB answer. Trusted only as far as
-    // deflate can expand (1,032 times), so a small answer cannot claim a large buffer.
-    let announced = gz.len().checked_sub(4).map_or(0, |i| u32::from_le_bytes([gz[i], gz[i + 1], gz[i + 2], gz[i + 3]]));
-    let room = (announced as usize).min(max_body).min(gz.len().saturating_mul(1032));
-    let mut out = Vec::with_capacity(room + 1);
-    flate2::read::GzDecoder::new(gz)
-        .take(max_body as u64 + 1)
-        .read_to_end(&mut out)
-        .map_err(|e| Failure::Malformed(format!("a gzipped answer that does not inflate: {e}")))?;
-    if out.len() > max_body {
-        return Err(Failure::TooLarge);
-    }
-    Ok(out)
 }
 
 #[cfg(test)]

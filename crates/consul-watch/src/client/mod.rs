@@ -9,6 +9,7 @@
 //! different tokens share one connection pool (and one connection budget). It is never put
 //! into an error message: errors name the address, never the request's headers.
 
+pub(crate) mod body;
 pub(crate) mod http1;
 pub(crate) mod multiplex;
 pub(crate) mod parse;
@@ -25,6 +26,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 
 use crate::error::{QueryError, cause_chain};
+use body::{Body, BodyError};
 use consul_resolver_core::keys::{Consistency, ConsulKey, Remote, Secret, TlsSettings};
 use consul_resolver_core::model::Endpoint;
 use http1::{Conn, Http1};
@@ -133,7 +135,7 @@ pub(crate) struct Instances {
 struct Got {
     index: u64,
     cache_age: Option<Duration>,
-    body: bytes::Bytes,
+    body: Body,
 }
 
 /// What a watch asked about, before any filter of ours: every node its service's instances
@@ -154,6 +156,8 @@ pub(crate) struct HttpClient {
     base: String,
     /// The address as configured, for messages.
     address: String,
+    /// The largest answer read, inflated (`--consul-max-response-bytes`).
+    max_body: usize,
 }
 
 enum Transport {
@@ -200,7 +204,7 @@ impl HttpClient {
         };
         if url.scheme() == "http" {
             let transport = Transport::Plain(Http1::new(address, &url, host, port, None, max_connections, max_body));
-            return Ok(HttpClient { transport, base, address: address.to_owned() });
+            return Ok(HttpClient { transport, base, address: address.to_owned(), max_body });
         }
         let in_context = |e: String| format!("Consul at {address}: {e}");
         let server_name = tls.and_then(|t| t.server_name.as_deref()).filter(|n| !n.is_empty());
@@ -218,7 +222,7 @@ impl HttpClient {
         let h2_tls =
             TlsConnect::new(address, tls::client_config(tls, tls::Offer::Http2OrHttp1).map_err(in_context)?, name)?;
         let multiplexer = Multiplexer::new(address, &host, port, h2_tls, budget, max_body);
-        Ok(HttpClient { transport: Transport::Tls { multiplexer, http1 }, base, address: address.to_owned() })
+        Ok(HttpClient { transport: Transport::Tls { multiplexer, http1 }, base, address: address.to_owned(), max_body })
     }
 
     /// Whether queries are HTTP/2 streams: learnt on the first connection, so `false` until
@@ -274,7 +278,7 @@ impl HttpClient {
         }
         push_block(&mut query, block);
         let got = self.get(&url, &query, key.server.token.as_ref(), request_timeout(block)).await?;
-        let (index, body) = (got.index, got.body);
+        let (index, body) = (got.index, self.whole(&got.body)?);
         let (mut endpoints, mut names) =
             parse::health_instances(&body, &q.address).map_err(|cause| self.body_error(cause))?;
         names.insert(key.service.to_ascii_lowercase());
@@ -306,23 +310,28 @@ impl HttpClient {
     ) -> Result<Answer<R>, QueryError> {
         let url = format!("{}/v1/catalog/services", self.base);
         let Got { index, body, .. } = self.scoped_get(&url, scope, token, block).await?;
-        let value = apply(index, &body).map_err(|cause| self.body_error(cause))?;
+        let value = apply(index, &self.whole(&body)?).map_err(|cause| self.body_error(cause))?;
         Ok(Answer { index, value })
     }
 
     /// `GET /v1/health/state/any`: every check of the scope (the change feed). `apply`
-    /// takes the answer's index and its body, and reads what it needs of it (the checks
-    /// it does not know already); its error is a malformed answer.
+    /// takes the answer's index and its body as a stream, inflated as it is read (at the
+    /// scale profile the answer is 21 MB: see [`body`]), and reads what it needs of it (the
+    /// checks it does not know already); its error is a malformed answer.
     pub(crate) async fn health_state<R>(
         &self,
         scope: &Scope,
         token: Option<&Secret>,
         block: Option<(u64, Duration)>,
-        apply: impl FnOnce(u64, &[u8]) -> Result<R, String>,
+        apply: impl FnOnce(u64, &mut dyn std::io::Read) -> Result<R, String>,
     ) -> Result<Answer<R>, QueryError> {
         let url = format!("{}/v1/health/state/any", self.base);
         let Got { index, body, .. } = self.scoped_get(&url, scope, token, block).await?;
-        let value = apply(index, &body).map_err(|cause| self.body_error(cause))?;
+        let mut reader = body.reader();
+        let value = apply(index, &mut reader).map_err(|cause| match reader.too_large() {
+            true => self.body_failure(BodyError::TooLarge),
+            false => self.body_error(cause),
+        })?;
         Ok(Answer { index, value })
     }
 
@@ -341,6 +350,18 @@ impl HttpClient {
 
     fn body_error(&self, cause: String) -> QueryError {
         QueryError::Body { address: self.address.clone(), cause }
+    }
+
+    fn body_failure(&self, e: BodyError) -> QueryError {
+        match e {
+            BodyError::Malformed(cause) => self.body_error(cause),
+            BodyError::TooLarge => QueryError::TooLarge { address: self.address.clone(), limit: self.max_body },
+        }
+    }
+
+    /// The body inflated whole.
+    fn whole(&self, body: &Body) -> Result<bytes::Bytes, QueryError> {
+        body.whole().map_err(|e| self.body_failure(e))
     }
 
     async fn get(
@@ -398,7 +419,9 @@ impl HttpClient {
         if status.is_redirection() {
             return Err(QueryError::Redirect { address: address.clone(), status: status.as_u16() });
         }
-        let text = String::from_utf8_lossy(&body).trim().chars().take(500).collect::<String>();
+        // (An error's text that does not inflate is left out: the status says enough.)
+        let text =
+            String::from_utf8_lossy(&body.whole().unwrap_or_default()).trim().chars().take(500).collect::<String>();
         Err(match status {
             StatusCode::FORBIDDEN => QueryError::Forbidden { address: address.clone(), body: text },
             StatusCode::TOO_MANY_REQUESTS => {
@@ -523,6 +546,70 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
         assert!(err.to_string().contains("no complete answer within 300ms"), "{err}");
         held.abort();
+    }
+
+    /// The change feed's checks answer is inflated as it is read: a 6 MB answer (gzipped, as
+    /// agents send it) is never held inflated. (At 75,000 checks it is 21 MB, which was the
+    /// operator's largest transient at the scale profile.)
+    #[test]
+    fn a_checks_answer_is_read_as_a_stream_never_inflated_whole() {
+        use std::io::{BufRead, Write};
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let checks: Vec<_> = (0..20_000)
+            .map(|i| {
+                serde_json::json!({"Node": format!("node-{i}"), "CheckID": format!("service:web-{i}"), "Name": "web",
+                    "Status": "passing", "Output": "HTTP GET http://10.0.0.1:8080/health: 200 OK Output: ok",
+                    "ServiceID": format!("web-{i}"), "ServiceName": format!("web-{}", i % 1000), "ServiceTags": [],
+                    "Type": "http", "CreateIndex": 10, "ModifyIndex": 10 + i})
+            })
+            .collect();
+        let json = serde_json::to_vec(&checks).unwrap();
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(&json).unwrap();
+        let gz = gz.finish().unwrap();
+        let head = "HTTP/1.1 200 OK\r\nX-Consul-Index: 30000\r\nContent-Encoding: gzip\r\n";
+        let response = [format!("{head}Content-Length: {}\r\n\r\n", gz.len()).as_bytes(), &gz].concat();
+        // The server on threads of its own (one per connection): its allocations are not
+        // the client's.
+        let response = Arc::new(response);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let consul = format!("http://{}", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                let response = response.clone();
+                std::thread::spawn(move || {
+                    let mut reader = std::io::BufReader::new(conn.try_clone().unwrap());
+                    let mut line = String::new();
+                    while reader.read_line(&mut line).is_ok_and(|n| n > 0) {
+                        if line == "\r\n" && conn.write_all(&response).is_err() {
+                            return;
+                        }
+                        line.clear();
+                    }
+                });
+            }
+        });
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let c = HttpClient::new(&consul, None, 4, 64 << 20, budget()).unwrap();
+        let scope = Scope { datacenter: None, namespace: None, partition: None };
+        let mut view = crate::changes::ChecksView::default();
+        let mut read = || {
+            let answer = rt.block_on(c.health_state(&scope, None, None, |index, body| view.apply(index, body)));
+            answer.unwrap().value
+        };
+        assert!(read().everything, "the first answer: every check new to the view");
+        // The same answer again: every check known by its bytes, so what is held is the
+        // answer's reading, not the view's growth.
+        let (again, peak) = heap_peak::peak_heap(&mut read);
+        assert!(again.is_empty());
+        assert!(peak < json.len() / 4, "{peak} bytes held to read a {} byte answer ({} gzipped)", json.len(), gz.len());
+        // Inflated past the limit, the stream is an answer too large, as a whole one is.
+        let small = HttpClient::new(&consul, None, 4, json.len() - 1, budget()).unwrap();
+        let mut view = crate::changes::ChecksView::default();
+        let err = rt.block_on(small.health_state(&scope, None, None, |i, body| view.apply(i, body))).unwrap_err();
+        assert!(matches!(err, QueryError::TooLarge { .. }), "{err}");
+        assert_eq!(view.index(), None, "nothing of it was taken");
     }
 
     /// A one-shot HTTP server answering every connection with `response`; counts connections.

@@ -24,6 +24,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::client::TlsStream;
 use tokio_util::task::AbortOnDropHandle;
 
+use super::body::Body;
 use super::{CONNECT_TIMEOUT, TlsConnect, USER_AGENT, connect_tcp, tls};
 use crate::error::{QueryError, cause_chain};
 
@@ -45,7 +46,7 @@ pub(crate) enum Protocol {
 }
 
 /// An answer: status, headers and the whole body.
-pub(crate) type Response = (StatusCode, HeaderMap, Bytes);
+pub(crate) type Response = (StatusCode, HeaderMap, Body);
 
 /// What [`Multiplexer::get`] did.
 pub(crate) enum Multiplexed {
@@ -203,7 +204,9 @@ impl Multiplexer {
                 buf.extend_from_slice(&chunk);
             }
             drop(stream);
-            return Ok(Multiplexed::Answer((parts.status, parts.headers, buf.freeze())));
+            let body = Body::new(&parts.headers, buf.freeze(), self.max_body)
+                .map_err(|cause| QueryError::Body { address: self.address.clone(), cause })?;
+            return Ok(Multiplexed::Answer((parts.status, parts.headers, body)));
         }
         Err(self.network("the server refused the stream twice".into()))
     }

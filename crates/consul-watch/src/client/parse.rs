@@ -243,129 +243,306 @@ impl<'a> CheckBytes<'a> {
     }
 }
 
-/// `/v1/health/state/any` split at each `},{`, without looking at strings: the answer as
-/// agents write it (compact, `[`, checks joined by commas, `]`), for a reader that knows
-/// most of the checks by their bytes. `None` when the body is not of that form.
+/// How much of a checks answer is asked of its stream at a time.
+const READ_AT_ONCE: usize = 64 * 1024;
+/// How much a quick split holds looking for the end of one check before it splits exactly
+/// instead: an answer not written as agents write it (indented, say) has no `},{` to find,
+/// and would otherwise be held whole.
+const QUICK_PIECE_MAX: usize = 1 << 20;
+
+/// `/v1/health/state/any` split into its checks as it is read from `body`: every check of
+/// the scope, handed out one at a time ([`StateSplit::next`]), not yet read. What is held is
+/// the check being split and at most one read's worth after it, never the answer (21 MB at
+/// 75,000 checks).
 ///
-/// Sound only with [`CheckBytes::read`]: a cut that falls inside a check (a `},{` in a
-/// string or a nested value) leaves a piece before it that ends inside a string or with an
-/// object still open, which is neither a check read before (those were whole values) nor
-/// readable. So when every piece is either known or reads as a check, the cuts are exactly
-/// the array's; when one does not, the reader splits again with [`health_state`]. A
-/// bracket-matching scan of the 21 MB answer at 75,000 checks was a tenth of the
-/// operator's CPU per change; this is a `memmem` of it.
-pub(crate) fn health_state_quick(body: &[u8]) -> Option<Vec<CheckBytes<'_>>> {
-    let start = skip_space(body, 0);
-    let end = body.len() - body.iter().rev().take_while(|b| is_space(**b)).count();
-    let inner = body.get(start..end)?.strip_prefix(b"[")?.strip_suffix(b"]")?;
-    if inner.is_empty() {
-        return Some(Vec::new());
-    }
-    let mut from = 0;
-    let ends = memchr::memmem::find_iter(inner, b"},{").map(|at| at + 1).chain([inner.len()]);
-    Some(
-        ends.map(|end| {
-            let bytes = &inner[from..end];
-            from = end + 1;
-            CheckBytes::of(bytes)
-        })
-        .collect(),
-    )
+/// Two ways to split, the first tried first:
+/// - Quick: at each `},{`, without looking at strings, which is how agents write the
+///   answer (compact, `[`, checks joined by commas, `]`). A bracket-matching scan of the
+///   21 MB answer was a tenth of the operator's CPU per change at 75,000 checks; this is a
+///   `memmem` of it. Sound only with a reader that says when a piece is no check
+///   ([`CheckBytes::read`] and the bytes of checks read before): a cut that falls inside a
+///   check (a `},{` in a string or a nested value) leaves a piece that ends inside a
+///   string or with an object still open, which is neither a check read before (those were
+///   whole values) nor readable. Every piece before it started where a check starts and is
+///   one whole value, so it also ended where that check ends. So when the reader refuses a
+///   piece, [`StateSplit::split_exactly`] splits again from that piece's start, exactly.
+/// - Exact: brackets matched, strings and their escapes skipped, from where the last
+///   accepted piece ended. Each element is only split here, and read (and so validated) by
+///   [`CheckBytes::read`] when its bytes are new to the reader.
+///
+/// The answer must be one JSON array to its end: a malformed or truncated one is an
+/// error, never fewer checks.
+pub(crate) struct StateSplit<R> {
+    body: R,
+    buf: Vec<u8>,
+    /// Where the next thing to split starts in `buf`.
+    at: usize,
+    /// Where the piece last handed out starts in `buf`, for [`StateSplit::split_exactly`].
+    last: usize,
+    phase: Phase,
+    quick: bool,
+    /// In a quick split: how much past `at` holds no `},{` (but for its last two bytes).
+    searched: usize,
+    /// In an exact split: how far the element at `at` is matched.
+    scan: Scan,
+    /// The body has no more.
+    ended: bool,
 }
 
-/// `/v1/health/state/any`: every check of the scope, split but not yet read. The body must
-/// be one JSON array to its end; each element is only bracket-matched here and read (and
-/// so validated) by [`CheckBytes::read`] when its bytes are new to the reader.
-pub(crate) fn health_state(body: &[u8]) -> Result<Vec<CheckBytes<'_>>, String> {
-    let malformed = |what: &str| format!("malformed /v1/health/state body: {what}");
-    let mut checks = Vec::new();
-    let mut at = skip_space(body, 0);
-    if body.get(at) != Some(&b'[') {
-        return Err(malformed("not an array"));
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Before the array's `[`.
+    Open,
+    /// Just after it: `]` or the first element.
+    First,
+    /// At an element.
+    Element,
+    /// Just after an element: `,` or `]`.
+    After,
+    /// After the array: only whitespace may follow.
+    Closed,
+    Done,
+}
+
+impl<R: std::io::Read> StateSplit<R> {
+    pub(crate) fn new(body: R) -> Self {
+        StateSplit {
+            body,
+            buf: Vec::new(),
+            at: 0,
+            last: 0,
+            phase: Phase::Open,
+            quick: true,
+            searched: 0,
+            scan: Scan::default(),
+            ended: false,
+        }
     }
-    at = skip_space(body, at + 1);
-    if body.get(at) == Some(&b']') {
-        at += 1;
-    } else {
+
+    /// A split that is exact from the start.
+    #[cfg(test)]
+    fn exact(body: R) -> Self {
+        StateSplit { quick: false, ..StateSplit::new(body) }
+    }
+
+    /// The next check, not yet read; `None` after the last. Asking for the next accepts the
+    /// one before it as a whole check.
+    pub(crate) fn next(&mut self) -> Result<Option<CheckBytes<'_>>, String> {
+        let malformed = |what: &str| format!("malformed /v1/health/state body: {what}");
         loop {
-            let end = element_end(body, at).ok_or_else(|| malformed("truncated"))?;
-            checks.push(CheckBytes::of(&body[at..end]));
-            at = skip_space(body, end);
-            match body.get(at) {
-                Some(b',') => at = skip_space(body, at + 1),
-                Some(b']') => {
-                    at += 1;
-                    break;
+            match (self.phase, self.peek()?) {
+                (Phase::Open, Some(b'[')) => {
+                    self.at += 1;
+                    self.phase = Phase::First;
                 }
-                Some(_) => return Err(malformed("expected `,` or `]` between checks")),
-                None => return Err(malformed("truncated")),
+                (Phase::Open, _) => return Err(malformed("not an array")),
+                (Phase::First, Some(b']')) | (Phase::After, Some(b']')) => {
+                    self.at += 1;
+                    self.phase = Phase::Closed;
+                }
+                (Phase::After, Some(b',')) => {
+                    self.at += 1;
+                    self.phase = Phase::Element;
+                }
+                (Phase::After, Some(_)) => return Err(malformed("expected `,` or `]` between checks")),
+                (Phase::First | Phase::Element | Phase::After, None) => return Err(malformed("truncated")),
+                (Phase::First | Phase::Element, Some(_)) => {
+                    self.phase = Phase::Element;
+                    let found = if self.quick { self.quick_piece()? } else { self.exact_piece()? };
+                    if let Some((start, end)) = found {
+                        self.last = start;
+                        return Ok(Some(CheckBytes::of(&self.buf[start..end])));
+                    }
+                }
+                (Phase::Closed, None) => {
+                    self.phase = Phase::Done;
+                    return Ok(None);
+                }
+                (Phase::Closed, Some(_)) => return Err(malformed("trailing characters after the array")),
+                (Phase::Done, _) => return Ok(None),
             }
         }
     }
-    if skip_space(body, at) != body.len() {
-        return Err(malformed("trailing characters after the array"));
+
+    /// The piece last handed out is no check: splits again from its start, exactly. `false`
+    /// when the split was exact already, and the piece is a malformed check.
+    pub(crate) fn split_exactly(&mut self) -> bool {
+        if !self.quick {
+            return false;
+        }
+        self.quick = false;
+        self.at = self.last;
+        self.phase = Phase::Element;
+        self.searched = 0;
+        self.scan = Scan::default();
+        true
     }
-    Ok(checks)
+
+    /// The next piece of a quick split, as `(start, end)` in `buf`; `None` when the split
+    /// turned exact (see `QUICK_PIECE_MAX`, and an answer that does not end as agents
+    /// end it).
+    fn quick_piece(&mut self) -> Result<Option<(usize, usize)>, String> {
+        loop {
+            if let Some(i) = memchr::memmem::find(&self.buf[self.at + self.searched..], b"},{") {
+                let (start, end) = (self.at, self.at + self.searched + i + 1);
+                self.at = end + 1;
+                self.searched = 0;
+                return Ok(Some((start, end)));
+            }
+            let held = self.buf.len() - self.at;
+            self.searched = held.saturating_sub(2);
+            if held > QUICK_PIECE_MAX {
+                break;
+            }
+            if !self.fill()? {
+                // The last check and the array's `]`.
+                let inner = self.buf[self.at..].trim_ascii_end().strip_suffix(b"]");
+                let piece = inner.map(<[u8]>::trim_ascii_end).unwrap_or_default();
+                if piece.is_empty() {
+                    break;
+                }
+                let start = self.at;
+                self.at = self.buf.len();
+                self.phase = Phase::Closed;
+                return Ok(Some((start, start + piece.len())));
+            }
+        }
+        self.quick = false;
+        self.searched = 0;
+        Ok(None)
+    }
+
+    /// The next element of an exact split, as `(start, end)` in `buf`.
+    fn exact_piece(&mut self) -> Result<Option<(usize, usize)>, String> {
+        loop {
+            if let Some(len) = self.scan.element_end(&self.buf[self.at..]) {
+                let start = self.at;
+                self.at += len;
+                self.scan = Scan::default();
+                self.phase = Phase::After;
+                return Ok(Some((start, start + len)));
+            }
+            if !self.fill()? {
+                return Err("malformed /v1/health/state body: truncated".into());
+            }
+        }
+    }
+
+    /// The next byte that is not whitespace, reading more as needed; `None` at the end.
+    fn peek(&mut self) -> Result<Option<u8>, String> {
+        loop {
+            while let Some(&b) = self.buf.get(self.at) {
+                if !is_space(b) {
+                    return Ok(Some(b));
+                }
+                self.at += 1;
+            }
+            if !self.fill()? {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Reads more of the body after what `buf` holds, first dropping what was handed out
+    /// (asking for more accepts it); `false` at the end of the body.
+    fn fill(&mut self) -> Result<bool, String> {
+        if self.ended {
+            return Ok(false);
+        }
+        self.buf.drain(..self.at);
+        self.at = 0;
+        let held = self.buf.len();
+        self.buf.resize(held + READ_AT_ONCE, 0);
+        let read = loop {
+            match self.body.read(&mut self.buf[held..]) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                read => break read,
+            }
+        };
+        let n = read.map_err(|e| format!("cannot read the /v1/health/state body: {e}"));
+        self.buf.truncate(held + *n.as_ref().unwrap_or(&0));
+        self.ended = n? == 0;
+        Ok(!self.ended)
+    }
 }
 
-/// Every check of a `/v1/health/state` body, read.
+/// Bracket matching of one array element, resumable as more of it arrives.
+#[derive(Debug, Default, Clone, Copy)]
+struct Scan {
+    /// How far into the element it is matched.
+    at: usize,
+    depth: usize,
+    in_string: bool,
+}
+
+impl Scan {
+    /// The length of the array element at the start of `element` (brackets matched, strings
+    /// and their escapes skipped; whether it is well formed is for the JSON reader to say),
+    /// or `None` when it does not end within `element`. Called again with more of the same
+    /// element, it goes on from where it stopped.
+    fn element_end(&mut self, element: &[u8]) -> Option<usize> {
+        while self.at < element.len() {
+            if self.in_string {
+                let Some(i) = memchr::memchr2(b'"', b'\\', &element[self.at..]) else {
+                    self.at = element.len();
+                    return None;
+                };
+                let found = self.at + i;
+                if element[found] == b'\\' {
+                    if found + 1 == element.len() {
+                        // The escaped byte is not here yet: this backslash is looked at again.
+                        self.at = found;
+                        return None;
+                    }
+                    self.at = found + 2;
+                    continue;
+                }
+                self.in_string = false;
+                self.at = found + 1;
+                if self.depth == 0 {
+                    return Some(self.at);
+                }
+                continue;
+            }
+            match element[self.at] {
+                b'"' => self.in_string = true,
+                b'{' | b'[' => self.depth += 1,
+                b'}' | b']' | b',' if self.depth == 0 => return Some(self.at),
+                b'}' | b']' => {
+                    self.depth -= 1;
+                    if self.depth == 0 {
+                        return Some(self.at + 1);
+                    }
+                }
+                _ => {}
+            }
+            self.at += 1;
+        }
+        None
+    }
+}
+
+/// Every check of a `/v1/health/state` body, read (split exactly).
 #[cfg(test)]
-fn read_all(body: &[u8]) -> Result<Vec<CheckRow<'_>>, String> {
-    health_state(body)?.iter().map(CheckBytes::read).collect()
+fn read_all(body: &[u8]) -> Result<Vec<CheckRow<'static>>, String> {
+    let mut split = StateSplit::exact(body);
+    let mut rows = Vec::new();
+    while let Some(check) = split.next()? {
+        let row = check.read()?;
+        let owned = |s: Cow<'_, str>| Cow::Owned(s.into_owned());
+        rows.push(CheckRow {
+            node: owned(row.node),
+            check_id: owned(row.check_id),
+            service: owned(row.service),
+            ..row
+        });
+    }
+    Ok(rows)
 }
 
 /// JSON's whitespace.
 fn is_space(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | b'\r')
-}
-
-fn skip_space(body: &[u8], mut at: usize) -> usize {
-    while body.get(at).copied().is_some_and(is_space) {
-        at += 1;
-    }
-    at
-}
-
-/// Where the array element starting at `start` ends: its brackets matched, strings (and
-/// their escapes) skipped. `None` when the body ends first. Whether the element is well
-/// formed is for the JSON reader to say.
-fn element_end(body: &[u8], start: usize) -> Option<usize> {
-    let mut depth = 0usize;
-    let mut at = start;
-    while let Some(&b) = body.get(at) {
-        match b {
-            b'"' => {
-                at = string_end(body, at + 1)?;
-                if depth == 0 {
-                    return Some(at);
-                }
-                continue;
-            }
-            b'{' | b'[' => depth += 1,
-            b'}' | b']' if depth == 0 => return Some(at),
-            b'}' | b']' => {
-                depth -= 1;
-                if depth == 0 {
-                    return Some(at + 1);
-                }
-            }
-            b',' if depth == 0 => return Some(at),
-            _ => {}
-        }
-        at += 1;
-    }
-    None
-}
-
-/// Just past the quote closing the string whose contents start at `at`.
-fn string_end(body: &[u8], mut at: usize) -> Option<usize> {
-    loop {
-        let found = at + memchr::memchr2(b'"', b'\\', body.get(at..)?)?;
-        if body[found] == b'"' {
-            return Some(found + 1);
-        }
-        at = found + 2;
-    }
 }
 
 fn endpoint(mut e: Entry, kind: &AddressType) -> Endpoint {
@@ -551,7 +728,9 @@ mod tests {
             CheckRow { node: "n1".into(), check_id: "service:web-1".into(), service: "web".into(), modify_index: 9 }
         );
         assert_eq!(rows[0].service, "", "a node check names no service");
-        assert!(matches!(rows[1].check_id, Cow::Borrowed(_)), "read in place, not copied");
+        let mut split = StateSplit::new(&br#"[{"Node":"n1","CheckID":"service:web-1","ModifyIndex":9}]"#[..]);
+        let check = split.next().unwrap().unwrap().read().unwrap();
+        assert!(matches!(check.check_id, Cow::Borrowed(_)), "read in place, not copied");
         let escaped = read_all(br#"[{"Node":"n1","CheckID":"c","ModifyIndex":1}]"#).unwrap();
         assert_eq!(escaped[0].node, "n1", "an escaped string is unescaped into a copy");
         let nulls = read_all(br#"[{"Node":"n","CheckID":"c","ServiceName":null,"ModifyIndex":1}]"#).unwrap();
@@ -715,6 +894,68 @@ mod proptests {
         }
     }
 
+    /// A body that gives at most `step` bytes a read, as a socket or an inflater may.
+    struct Trickle<'a> {
+        body: &'a [u8],
+        step: usize,
+    }
+
+    impl std::io::Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.step.min(buf.len()).min(self.body.len());
+            buf[..n].copy_from_slice(&self.body[..n]);
+            self.body = &self.body[n..];
+            Ok(n)
+        }
+    }
+
+    #[derive(Debug, Clone, Copy)]
+    enum Split {
+        Exact,
+        /// Quick, every piece taken as a check.
+        QuickTakingAll,
+        /// Quick, every piece that does not read as a check refused (as the feed's view does).
+        Refusing,
+    }
+
+    /// The pieces (bytes and hash) of a checks answer arriving `step` bytes a read.
+    fn pieces(body: &[u8], step: usize, how: Split) -> Result<Vec<(Vec<u8>, u128)>, String> {
+        let trickle = Trickle { body, step };
+        let mut split = match how {
+            Split::Exact => StateSplit::exact(trickle),
+            Split::QuickTakingAll | Split::Refusing => StateSplit::new(trickle),
+        };
+        let mut out = Vec::new();
+        while let Some(check) = split.next()? {
+            if matches!(how, Split::Refusing) && check.read().is_err() {
+                let e = check.read().unwrap_err();
+                if !split.split_exactly() {
+                    return Err(e);
+                }
+                continue;
+            }
+            out.push((check.bytes.to_vec(), check.hash));
+        }
+        Ok(out)
+    }
+
+    /// A checks answer whose node names and outputs may hold brackets, quotes, escapes and
+    /// the quick split's separator, and whose checks may hold a nested value.
+    fn state_body(checks: &[(String, String, u64, Option<Value>)], pretty: bool) -> Vec<u8> {
+        let body: Vec<Value> = checks
+            .iter()
+            .map(|(node, output, index, definition)| {
+                let mut c =
+                    json!({"Node": node, "CheckID": "c", "Output": output, "ServiceName": "", "ModifyIndex": index});
+                if let Some(d) = definition {
+                    c["Definition"] = d.clone();
+                }
+                c
+            })
+            .collect();
+        if pretty { serde_json::to_vec_pretty(&body) } else { serde_json::to_vec(&body) }.unwrap()
+    }
+
     fn config() -> ProptestConfig {
         ProptestConfig { cases: 256, ..ProptestConfig::default() }
     }
@@ -759,8 +1000,9 @@ mod proptests {
             }
             let (_, peak) = peak_heap(|| catalog_services(&body));
             prop_assert!(peak <= heap_bound(&body));
+            // (The split reads its body a buffer at a time.)
             let (_, peak) = peak_heap(|| read_all(&body));
-            prop_assert!(peak <= heap_bound(&body));
+            prop_assert!(peak <= heap_bound(&body) + READ_AT_ONCE);
         }
 
         #[test]
@@ -816,25 +1058,29 @@ mod proptests {
         fn checks_answers_split_into_their_elements_exactly(
             values in prop::collection::vec(any_json(), 0..6),
             pretty in any::<bool>(),
+            step in 1..64usize,
         ) {
             let body = if pretty { serde_json::to_vec_pretty(&values) } else { serde_json::to_vec(&values) }.unwrap();
-            let split = health_state(&body).unwrap();
+            let split = pieces(&body, usize::MAX, Split::Exact).unwrap();
             prop_assert_eq!(split.len(), values.len());
-            for (check, value) in split.iter().zip(&values) {
+            for (piece, value) in split.iter().zip(&values) {
                 // Each element is its value's bytes, whatever strings, escapes and brackets
                 // it holds (compared read back when indented, floats read the same way).
                 let alone = serde_json::to_vec(value).unwrap();
                 if pretty {
                     let read = |b: &[u8]| serde_json::from_slice::<Value>(b).unwrap();
-                    prop_assert_eq!(read(check.bytes), read(&alone));
+                    prop_assert_eq!(read(&piece.0), read(&alone));
                 } else {
-                    prop_assert_eq!(check.bytes, &alone[..]);
-                    prop_assert_eq!(check.hash, xxhash_rust::xxh3::xxh3_128(&alone));
+                    prop_assert_eq!(&piece.0, &alone);
+                    prop_assert_eq!(piece.1, xxhash_rust::xxh3::xxh3_128(&alone));
                 }
             }
+            // The same pieces however the body arrives: a few bytes a read (an escape, a
+            // bracket or a separator cut between reads) or all at once.
+            prop_assert_eq!(pieces(&body, step, Split::Exact).unwrap(), split);
             // A truncated answer is an error from the split alone, never fewer checks.
             for cut in [0, body.len() / 3, body.len() / 2, body.len() - 1] {
-                prop_assert!(health_state(&body[..cut]).is_err(), "prefix of {} bytes", cut);
+                prop_assert!(pieces(&body[..cut], step, Split::Exact).is_err(), "prefix of {} bytes", cut);
             }
         }
 
@@ -844,27 +1090,22 @@ mod proptests {
                 (r#"[},{"\\ a]{0,8}"#, r#"[},{"\\ a]{0,8}"#, any::<u64>(), prop::option::of(any_json())),
                 0..6,
             ),
+            pretty in any::<bool>(),
+            step in 1..64usize,
         ) {
-            let body: Vec<Value> = checks
-                .iter()
-                .map(|(node, output, index, definition)| {
-                    let mut c = json!({"Node": node, "CheckID": "c", "Output": output, "ServiceName": "", "ModifyIndex": index});
-                    if let Some(d) = definition {
-                        c["Definition"] = d.clone();
-                    }
-                    c
-                })
-                .collect();
-            let bytes = serde_json::to_vec(&body).unwrap();
-            let exact: Vec<&[u8]> = health_state(&bytes).unwrap().iter().map(|c| c.bytes).collect();
-            let quick = health_state_quick(&bytes).unwrap();
-            if quick.iter().all(|c| c.read().is_ok()) {
-                prop_assert_eq!(quick.iter().map(|c| c.bytes).collect::<Vec<_>>(), exact);
+            let body = state_body(&checks, pretty);
+            let exact = pieces(&body, step, Split::Exact).unwrap();
+            let quick = pieces(&body, step, Split::QuickTakingAll).unwrap();
+            if quick.iter().all(|(bytes, _)| CheckBytes::of(bytes).read().is_ok()) {
+                prop_assert_eq!(&quick, &exact);
             } else {
-                // A cut inside a check: only where a check holds the separator.
-                let holds = exact.iter().any(|c| memchr::memmem::find(c, b"},{").is_some());
-                prop_assert!(holds, "a piece did not read, but no check holds the separator");
+                // A cut inside a check: only where a check holds the separator (or the
+                // answer is indented, and the quick split finds no separator at all).
+                let holds = exact.iter().any(|(c, _)| memchr::memmem::find(c, b"},{").is_some());
+                prop_assert!(holds || pretty, "a piece did not read, but no check holds the separator");
             }
+            // A reader that refuses what is no check gets the exact split's checks.
+            prop_assert_eq!(pieces(&body, step, Split::Refusing).unwrap(), exact);
         }
 
         #[test]

@@ -69,8 +69,19 @@ fn client(s: &Server) -> Http1 {
     plain(&s.url, 4, LIMIT)
 }
 
-async fn get(p: &Http1) -> Result<Response, QueryError> {
-    p.get("/v1/health/service/web?index=1", &HeaderMap::new()).await
+async fn get(p: &Http1) -> Result<(StatusCode, HeaderMap, bytes::Bytes), QueryError> {
+    inflated(p.get("/v1/health/service/web?index=1", &HeaderMap::new()).await)
+}
+
+/// An answer with its body inflated, as `HttpClient` reads it.
+fn inflated(got: Result<Response, QueryError>) -> Result<(StatusCode, HeaderMap, bytes::Bytes), QueryError> {
+    use super::super::body::BodyError;
+    let (status, headers, body) = got?;
+    let body = body.whole().map_err(|e| match e {
+        BodyError::TooLarge => QueryError::TooLarge { address: String::new(), limit: 0 },
+        BodyError::Malformed(cause) => QueryError::Body { address: String::new(), cause },
+    })?;
+    Ok((status, headers, body))
 }
 
 fn gzip(data: &[u8]) -> Vec<u8> {
@@ -247,7 +258,7 @@ async fn malformed_answers_are_body_errors_that_never_show_the_token() {
         let s = serve(answering(answer));
         let mut headers = HeaderMap::new();
         headers.insert("x-consul-token", super::super::multiplex::sensitive("s3cr3t-token").unwrap());
-        let err = client(&s).get("/v1/status/leader", &headers).await.unwrap_err();
+        let err = inflated(client(&s).get("/v1/status/leader", &headers).await).unwrap_err();
         assert!(matches!(err, QueryError::Body { .. }), "{answer:?}: {err}");
         assert!(!format!("{err} {err:?}").contains("s3cr3t"), "{err:?}");
     }
@@ -325,19 +336,6 @@ async fn a_waiting_query_holds_no_buffers() {
     assert!(held < 1024, "a waiting query holds {held} bytes");
     answer_tx.send(()).unwrap();
     assert_eq!(&waiting.await.unwrap().2[..], b"{}");
-}
-
-/// The gzip trailer's size sets the buffer only as far as deflate can expand: a small answer
-/// that claims 4 GiB does not get a large buffer.
-#[test]
-fn a_forged_gzip_size_does_not_claim_memory() {
-    let mut gz = gzip(b"[]");
-    let n = gz.len();
-    gz[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
-    let (inflated, peak) = heap_peak::peak_heap(|| gunzip(&gz, 1 << 30));
-    // Its checksum of the size fails, but only after the buffer was made.
-    assert!(inflated.is_err());
-    assert!(peak < 256 << 10, "{peak} bytes (the inflater itself about 100 KB)");
 }
 
 /// A TLS server on loopback (a certificate for 127.0.0.1 made here) whose `script` gets
