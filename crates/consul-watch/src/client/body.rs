@@ -1,11 +1,11 @@
 //! An answer's body as it came off the wire, inflated only when it is read: whole, for the
 //! answers read into a value at once, or as a stream, for the change feed's checks answer.
 //!
-//! Why a stream: at 75,000 instances `/v1/health/state/any` is about 21 MB of JSON and
-//! 2-3 MB gzipped. Inflated whole, it was the operator's largest transient at the scale
-//! profile (docs/benchmarks.md, "The scale memory peak"): 20 MB for the few milliseconds
-//! the feed took to split it. Read as a stream, what is held is the gzipped answer and the
-//! check being split.
+//! Why a stream: at 75,000 instances `/v1/health/state/any` is about 21 MB of JSON.
+//! Inflated whole, it was the operator's largest transient at the scale profile: 20 MB for
+//! the few milliseconds the feed took to split it (docs/benchmarks.md, "the change feed's
+//! checks answer read as a stream"). Read as a stream, what is held is the gzipped answer
+//! and the check being split.
 
 use std::io::Read;
 
