@@ -19,3 +19,8 @@ pub mod world;
 
 #[cfg(test)]
 mod tests;
+
+/// The unit tests' allocator counts heap bytes (memory bounds are tested).
+#[cfg(test)]
+#[global_allocator]
+static ALLOCATOR: heap_peak::Counting = heap_peak::Counting;

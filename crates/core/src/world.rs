@@ -34,7 +34,9 @@ pub struct KubeStore {
     pub added_at: Instant,
     reading: Reading,
     pub objects: BTreeMap<ObjectId, Stored>,
-    relisting: Option<BTreeMap<ObjectId, Stored>>,
+    /// A list after the first (a watch that had to start again: 410 Gone, an API server
+    /// restart), while it comes.
+    relisting: Option<Relist>,
     /// Its first list is folded in as it comes (see [`World::track_fixed`]).
     as_it_comes: bool,
     /// During a first list folded in as it comes: the objects it has brought so far.
@@ -42,6 +44,22 @@ pub struct KubeStore {
     pub listed: bool,
     /// The last failure, cleared by the next success.
     pub failure: Option<WatchFailure>,
+}
+
+/// What a relist has brought so far, against the objects stored. The stored objects stay
+/// as they are until it is done, and what it brings unchanged is held by its id only: at
+/// the scale profile a namespace holds 11,000 Mappings, and a complete second copy of them
+/// for the length of a list is memory no steady state needs.
+#[derive(Debug, Clone, Default)]
+struct Relist {
+    /// The objects it brought that are new or differ from the stored ones, and those whose
+    /// JSON is kept (a resolver's status is current even when what is read of it is not
+    /// new).
+    fresh: BTreeMap<ObjectId, Stored>,
+    /// Which of `fresh` are new or differ.
+    changed: BTreeSet<ObjectId>,
+    /// The ones it brought as stored.
+    unchanged: BTreeSet<ObjectId>,
 }
 
 impl KubeStore {
@@ -99,7 +117,8 @@ impl ConsulStore {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Changes {
     /// Kubernetes keys whose store changed, with the objects that did; `None`: all of them
-    /// (the key was added or removed, relisted, or its rejection came or went).
+    /// (the key was added or removed, listed for the first time, or its rejection came or
+    /// went). A relist names the objects it changed.
     pub kube: BTreeMap<KubeKey, Option<BTreeSet<ObjectId>>>,
     /// Consul keys whose answer, error or presence changed.
     pub consul: BTreeSet<ConsulKey>,
@@ -350,7 +369,7 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
             KubeChange::None
         }
         KubeEvent::ListStarted => {
-            store.relisting = Some(BTreeMap::new());
+            store.relisting = Some(Relist::default());
             KubeChange::None
         }
         KubeEvent::Listed(obj) if store.seen.is_some() => {
@@ -360,7 +379,16 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
         }
         KubeEvent::Listed(obj) => {
             let stored = reading.decode(&obj);
-            store.relisting.get_or_insert_with(BTreeMap::new).insert(obj.id, stored);
+            let same = store.objects.get(&obj.id).is_some_and(|old| reading.same(old, &stored));
+            let relist = store.relisting.get_or_insert_default();
+            if same {
+                relist.unchanged.insert(obj.id.clone());
+            } else {
+                relist.changed.insert(obj.id.clone());
+            }
+            if !same || stored.raw.is_some() {
+                relist.fresh.insert(obj.id, stored);
+            }
             KubeChange::None
         }
         KubeEvent::ListDone if store.seen.is_some() => {
@@ -381,14 +409,26 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
             }
         }
         KubeEvent::ListDone => {
-            let fresh = store.relisting.take().unwrap_or_default();
-            let changed = !store.listed
-                || fresh.len() != store.objects.len()
-                || fresh.iter().any(|(id, o)| store.objects.get(id).is_none_or(|old| !reading.same(old, o)));
-            store.objects = fresh;
+            let Relist { fresh, changed, unchanged } = store.relisting.take().unwrap_or_default();
+            let brought = |id: &ObjectId| unchanged.contains(id) || fresh.contains_key(id);
+            let gone: Vec<ObjectId> = store.objects.keys().filter(|id| !brought(id)).cloned().collect();
+            for id in &gone {
+                store.objects.remove(id);
+            }
+            if store.objects.is_empty() {
+                store.objects = fresh;
+            } else {
+                store.objects.extend(fresh);
+            }
+            let first = !store.listed;
             store.listed = true;
             store.failure = None;
-            changed_if(changed, KubeChange::All)
+            if first {
+                return changed_if(true, KubeChange::All);
+            }
+            // The objects it changed, as a watch would have named them one by one.
+            let named: Vec<ObjectId> = changed.into_iter().chain(gone).collect();
+            changed_if(!named.is_empty(), KubeChange::Objects(named))
         }
         KubeEvent::Applied(obj) => {
             store.failure = None;
@@ -685,6 +725,78 @@ mod tests {
         assert!(w.apply(Event::Kube(mappings(), KubeEvent::Deleted(obj("a", "m1", 2).id)), now));
         assert!(w.kube()[&mappings()].objects.is_empty());
         assert!(w.apply(Event::Kube(mappings(), KubeEvent::Applied(obj("a", "m3", 1))), now));
+    }
+
+    /// A Mapping of `service`.
+    fn mapping(name: &str, service: &str) -> KubeObject {
+        KubeObject::from_value(json!({"apiVersion": "getambassador.io/v3alpha1", "kind": "Mapping",
+            "metadata": {"namespace": "a", "name": name}, "spec": {"prefix": "/", "service": service}}))
+        .unwrap()
+    }
+
+    fn list(w: &mut World, key: &KubeKey, objects: impl IntoIterator<Item = KubeObject>, now: Instant) -> bool {
+        let events = std::iter::once(KubeEvent::ListStarted)
+            .chain(objects.into_iter().map(KubeEvent::Listed))
+            .chain([KubeEvent::ListDone]);
+        events.fold(false, |changed, ev| w.apply(Event::Kube(key.clone(), ev), now) | changed)
+    }
+
+    /// A relist (after 410 Gone, say) names what it changed, as a watch would have, rather
+    /// than the whole key: the assembler reads again a few objects, not 11,000.
+    #[tokio::test(start_paused = true)]
+    async fn a_relist_names_only_what_it_changed() {
+        let now = Instant::now();
+        let mut w = World::new(TIMEOUT);
+        w.track(&mappings().into(), now);
+        list(&mut w, &mappings(), vec![mapping("m1", "s1"), mapping("m2", "s2"), mapping("m3", "s3")], now);
+        assert_eq!(w.take_changes().kube.get(&mappings()), Some(&None), "the first list: all of it");
+        // m1 as it was, m2 changed, m3 gone, m4 new.
+        assert!(list(&mut w, &mappings(), vec![mapping("m1", "s1"), mapping("m2", "s9"), mapping("m4", "s4")], now));
+        let named = w.take_changes().kube[&mappings()].clone().expect("objects, not the whole key");
+        assert_eq!(named.iter().map(|id| id.name.as_str()).collect::<Vec<_>>(), ["m2", "m3", "m4"]);
+        let store = &w.kube()[&mappings()];
+        assert_eq!(store.objects.keys().map(|id| id.name.as_str()).collect::<Vec<_>>(), ["m1", "m2", "m4"]);
+        let m2 = store.objects.values().nth(1).unwrap();
+        assert!(matches!(&m2.decoded, crate::model::Decoded::Mapping(Ok(m)) if m.service == "s9"), "{m2:?}");
+        // A relist that brings everything as it was changes nothing.
+        assert!(!list(&mut w, &mappings(), vec![mapping("m1", "s1"), mapping("m2", "s9"), mapping("m4", "s4")], now));
+        assert!(w.take_changes().is_empty());
+    }
+
+    /// A resolver's status is not what the assembler reads of it, but its controller reads
+    /// the JSON: a relist keeps the JSON it brought even when nothing read changed.
+    #[tokio::test(start_paused = true)]
+    async fn a_relist_keeps_a_resolvers_current_json() {
+        let now = Instant::now();
+        let resolvers = KubeKey::new(consul_resolver_api::resolver::GROUP, "", consul_resolver_api::resolver::KIND);
+        let resolver = |phase: &str| {
+            KubeObject::from_value(json!({"metadata": {"namespace": "a", "name": "r", "generation": 1},
+                "spec": {"address": "http://127.0.0.1:8500"}, "status": {"phase": phase}}))
+            .unwrap()
+        };
+        let mut w = World::new(TIMEOUT);
+        w.track(&resolvers.clone().into(), now);
+        list(&mut w, &resolvers, vec![resolver("Pending")], now);
+        w.take_changes();
+        assert!(!list(&mut w, &resolvers, vec![resolver("Ready")], now), "the spec is the same");
+        let raw = w.kube()[&resolvers].objects.values().next().unwrap().raw.clone().unwrap();
+        assert_eq!(raw["status"]["phase"], "Ready");
+    }
+
+    /// While a relist comes, what it brings unchanged is held by its id, not as a second
+    /// copy of the store.
+    #[tokio::test(start_paused = true)]
+    async fn a_relist_holds_no_second_copy_of_the_store() {
+        let now = Instant::now();
+        // Made one at a time as the list comes, so that what is measured is the world's.
+        let objects = || (0..2_000).map(|i| mapping(&format!("mapping-{i}"), &format!("service-{i}")));
+        let mut w = World::new(TIMEOUT);
+        w.track(&mappings().into(), now);
+        let before = heap_peak::live_heap();
+        list(&mut w, &mappings(), objects(), now);
+        let store = (heap_peak::live_heap() - before) as usize;
+        let (_, peak) = heap_peak::peak_heap(|| list(&mut w, &mappings(), objects(), now));
+        assert!(peak < store / 3, "a relist of {store} bytes of Mappings held {peak} more at its peak");
     }
 
     #[tokio::test(start_paused = true)]
