@@ -379,8 +379,13 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
         }
         KubeEvent::Listed(obj) => {
             let stored = reading.decode(&obj);
-            let same = store.objects.get(&obj.id).is_some_and(|old| reading.same(old, &stored));
             let relist = store.relisting.get_or_insert_default();
+            if !store.listed {
+                // A first list changes all of the key: nothing to compare.
+                relist.fresh.insert(obj.id, stored);
+                return KubeChange::None;
+            }
+            let same = store.objects.get(&obj.id).is_some_and(|old| reading.same(old, &stored));
             if same {
                 relist.unchanged.insert(obj.id.clone());
             } else {
