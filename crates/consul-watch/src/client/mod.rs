@@ -548,7 +548,7 @@ mod tests {
         held.abort();
     }
 
-    /// The change feed's checks answer is inflated as it is read: a 6 MB answer (gzipped, as
+    /// The change feed's checks answer is inflated as it is read: a 5 MB answer (gzipped, as
     /// agents send it) is never held inflated. (At 75,000 checks it is 21 MB, which was the
     /// operator's largest transient at the scale profile.)
     #[test]
