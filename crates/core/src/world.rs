@@ -56,9 +56,7 @@ struct Relist {
     /// JSON is kept (a resolver's status is current even when what is read of it is not
     /// new).
     fresh: BTreeMap<ObjectId, Stored>,
-    /// Which of `fresh` are new or differ.
-    changed: BTreeSet<ObjectId>,
-    /// The ones it brought as stored.
+    /// The ones it brought as stored: those of `fresh` not here are new or differ.
     unchanged: BTreeSet<ObjectId>,
 }
 
@@ -389,7 +387,7 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
             if same {
                 relist.unchanged.insert(obj.id.clone());
             } else {
-                relist.changed.insert(obj.id.clone());
+                relist.unchanged.remove(&obj.id);
             }
             if !same || stored.raw.is_some() {
                 relist.fresh.insert(obj.id, stored);
@@ -398,10 +396,7 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
         }
         KubeEvent::ListDone if store.seen.is_some() => {
             let seen = store.seen.take().unwrap_or_default();
-            let gone: Vec<ObjectId> = store.objects.keys().filter(|id| !seen.contains(id)).cloned().collect();
-            for id in &gone {
-                store.objects.remove(id);
-            }
+            let gone = remove_all_but(&mut store.objects, |id| seen.contains(id));
             let first = !store.listed;
             store.listed = true;
             store.failure = None;
@@ -414,25 +409,24 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
             }
         }
         KubeEvent::ListDone => {
-            let Relist { fresh, changed, unchanged } = store.relisting.take().unwrap_or_default();
-            let brought = |id: &ObjectId| unchanged.contains(id) || fresh.contains_key(id);
-            let gone: Vec<ObjectId> = store.objects.keys().filter(|id| !brought(id)).cloned().collect();
-            for id in &gone {
-                store.objects.remove(id);
-            }
+            let Relist { fresh, unchanged } = store.relisting.take().unwrap_or_default();
+            let gone = remove_all_but(&mut store.objects, |id| unchanged.contains(id) || fresh.contains_key(id));
+            let first = !store.listed;
+            // The objects it changed, as a watch would have named them one by one (a first
+            // list changes all of the key).
+            let mut named: Vec<ObjectId> =
+                if first { Vec::new() } else { fresh.keys().filter(|id| !unchanged.contains(*id)).cloned().collect() };
+            named.extend(gone);
             if store.objects.is_empty() {
                 store.objects = fresh;
             } else {
                 store.objects.extend(fresh);
             }
-            let first = !store.listed;
             store.listed = true;
             store.failure = None;
             if first {
                 return changed_if(true, KubeChange::All);
             }
-            // The objects it changed, as a watch would have named them one by one.
-            let named: Vec<ObjectId> = changed.into_iter().chain(gone).collect();
             changed_if(!named.is_empty(), KubeChange::Objects(named))
         }
         KubeEvent::Applied(obj) => {
@@ -451,6 +445,15 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
             if changed { KubeChange::All } else { KubeChange::None }
         }
     }
+}
+
+/// Removes the objects `kept` does not keep; returns their ids.
+fn remove_all_but(objects: &mut BTreeMap<ObjectId, Stored>, kept: impl Fn(&ObjectId) -> bool) -> Vec<ObjectId> {
+    let gone: Vec<ObjectId> = objects.keys().filter(|id| !kept(id)).cloned().collect();
+    for id in &gone {
+        objects.remove(id);
+    }
+    gone
 }
 
 fn apply_consul(store: &mut ConsulStore, ev: ConsulEvent, now: Instant) -> bool {
