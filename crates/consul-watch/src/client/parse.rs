@@ -281,10 +281,6 @@ pub(crate) struct StateSplit<R> {
     last: usize,
     phase: Phase,
     quick: bool,
-    /// In a quick split: how much past `at` holds no `},{` (but for its last two bytes).
-    searched: usize,
-    /// In an exact split: how far the element at `at` is matched.
-    scan: Scan,
     /// The body has no more.
     ended: bool,
 }
@@ -306,17 +302,7 @@ enum Phase {
 
 impl<R: std::io::Read> StateSplit<R> {
     pub(crate) fn new(body: R) -> Self {
-        StateSplit {
-            body,
-            buf: Vec::new(),
-            at: 0,
-            last: 0,
-            phase: Phase::Open,
-            quick: true,
-            searched: 0,
-            scan: Scan::default(),
-            ended: false,
-        }
+        StateSplit { body, buf: Vec::new(), at: 0, last: 0, phase: Phase::Open, quick: true, ended: false }
     }
 
     /// A split that is exact from the start.
@@ -373,8 +359,6 @@ impl<R: std::io::Read> StateSplit<R> {
         self.quick = false;
         self.at = self.last;
         self.phase = Phase::Element;
-        self.searched = 0;
-        self.scan = Scan::default();
         true
     }
 
@@ -382,15 +366,16 @@ impl<R: std::io::Read> StateSplit<R> {
     /// turned exact (see `QUICK_PIECE_MAX`, and an answer that does not end as agents
     /// end it).
     fn quick_piece(&mut self) -> Result<Option<(usize, usize)>, String> {
+        // How much past `at` holds no `},{` (but for its last two bytes, which more may end).
+        let mut searched = 0;
         loop {
-            if let Some(i) = memchr::memmem::find(&self.buf[self.at + self.searched..], b"},{") {
-                let (start, end) = (self.at, self.at + self.searched + i + 1);
+            if let Some(i) = memchr::memmem::find(&self.buf[self.at + searched..], b"},{") {
+                let (start, end) = (self.at, self.at + searched + i + 1);
                 self.at = end + 1;
-                self.searched = 0;
                 return Ok(Some((start, end)));
             }
             let held = self.buf.len() - self.at;
-            self.searched = held.saturating_sub(2);
+            searched = held.saturating_sub(2);
             if held > QUICK_PIECE_MAX {
                 break;
             }
@@ -408,17 +393,17 @@ impl<R: std::io::Read> StateSplit<R> {
             }
         }
         self.quick = false;
-        self.searched = 0;
         Ok(None)
     }
 
     /// The next element of an exact split, as `(start, end)` in `buf`.
     fn exact_piece(&mut self) -> Result<Option<(usize, usize)>, String> {
+        // Resumed as more of the element arrives (reading more keeps it at `at`).
+        let mut scan = Scan::default();
         loop {
-            if let Some(len) = self.scan.element_end(&self.buf[self.at..]) {
+            if let Some(len) = scan.element_end(&self.buf[self.at..]) {
                 let start = self.at;
                 self.at += len;
-                self.scan = Scan::default();
                 self.phase = Phase::After;
                 return Ok(Some((start, start + len)));
             }
