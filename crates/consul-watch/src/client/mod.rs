@@ -634,7 +634,7 @@ mod tests {
         (format!("http://{addr}"), connections)
     }
 
-    fn key(address: &str, tags: &[&str]) -> ConsulKey {
+    pub(super) fn key(address: &str, tags: &[&str]) -> ConsulKey {
         ConsulKey {
             server: consul_resolver_core::keys::ConsulServer {
                 address: address.into(),

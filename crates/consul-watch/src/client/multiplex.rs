@@ -45,7 +45,7 @@ pub(crate) enum Protocol {
     Http1,
 }
 
-/// An answer: status, headers and the whole body.
+/// An answer: status, headers and the whole body, as it came (gzipped when the server did).
 pub(crate) type Response = (StatusCode, HeaderMap, Body);
 
 /// What [`Multiplexer::get`] did.
@@ -162,6 +162,9 @@ impl Multiplexer {
             let mut request = Request::get(uri).body(()).map_err(|e| self.network(e.to_string()))?;
             *request.headers_mut() = headers.clone();
             request.headers_mut().insert(http::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
+            // As over HTTP/1.1: a large answer comes as a fraction of its JSON, kept so until
+            // it is read (`Body`).
+            request.headers_mut().insert(http::header::ACCEPT_ENCODING, HeaderValue::from_static("gzip"));
             let sent = async {
                 let mut send = stream.send.clone().ready().await?;
                 let (response, _) = send.send_request(request, true)?;
@@ -441,3 +444,6 @@ pub(crate) fn sensitive(value: &str) -> Option<HeaderValue> {
     h.set_sensitive(true);
     Some(h)
 }
+
+#[cfg(test)]
+mod tests;
