@@ -22,7 +22,7 @@ use crate::publishers::gunzip;
 use crate::publishers::http::{Body, KEPT, SnapshotStore};
 use body::ResponseBody;
 use health::{Heartbeat, Vitals};
-use server::ServerMetrics;
+use server::{ServerMetrics, Waiting};
 
 /// The Prometheus text of every metric, at the moment of the scrape.
 pub(crate) type Render = Arc<dyn Fn() -> String + Send + Sync>;
@@ -106,7 +106,61 @@ fn accepts_gzip(req: &Request<Incoming>) -> bool {
         .any(|e| e.trim().split(';').next().is_some_and(|name| name.trim() == "gzip"))
 }
 
-async fn route(state: ServerState, req: Request<Incoming>) -> Response<ResponseBody> {
+/// The longest a reader is held (`?wait=`), as Consul caps its blocking queries: longer asks
+/// are held this long.
+const MAX_WAIT: Duration = Duration::from_secs(300);
+
+/// `?wait=` as a duration: a number and `ms`, `s` or `m` (`500ms`, `30s`, `5m`), at most
+/// [`MAX_WAIT`]. `None` without one.
+fn wait(req: &Request<Incoming>) -> Result<Option<Duration>, String> {
+    let Some(value) = req.uri().query().into_iter().flat_map(|q| q.split('&')).find_map(|p| p.strip_prefix("wait="))
+    else {
+        return Ok(None);
+    };
+    let bad = || format!("wait must be a duration such as 500ms, 30s or 5m, not {value:?}\n");
+    let split = value.find(|c: char| !c.is_ascii_digit() && c != '.').ok_or_else(bad)?;
+    let (number, unit) = value.split_at(split);
+    let number: f64 = number.parse().map_err(|_| bad())?;
+    let seconds = match unit {
+        "ms" => number / 1000.0,
+        "s" => number,
+        "m" => number * 60.0,
+        _ => return Err(bad()),
+    };
+    Ok(Some(Duration::try_from_secs_f64(seconds).map_err(|_| bad())?.min(MAX_WAIT)))
+}
+
+/// `/snapshot`, held with `?wait=` until there is a snapshot the reader does not have (the
+/// first one; one whose content differs from `If-None-Match`) or the wait ends, as a Consul
+/// blocking query is: a reader follows the snapshots with one request per change and sees
+/// each as soon as it is published.
+async fn follow(state: &ServerState, req: &Request<Incoming>, waiting: Waiting) -> Response<ResponseBody> {
+    let until = match wait(req) {
+        Ok(w) => w.map(|w| tokio::time::Instant::now() + w),
+        Err(e) => return respond(StatusCode::BAD_REQUEST, "text/plain", e),
+    };
+    loop {
+        let published = state.store.published();
+        tokio::pin!(published);
+        // Before looking, so that a snapshot pushed in between is not missed.
+        published.as_mut().enable();
+        let snapshot = state.store.latest();
+        let new = snapshot.as_ref().is_some_and(|s| !has_it(req, &entity_tag(s)));
+        let held = until.filter(|_| !new);
+        let timed_out = match held {
+            Some(until) => waiting.idle_while(tokio::time::timeout_at(until, published)).await.is_err(),
+            None => true,
+        };
+        if timed_out {
+            return match state.store.latest() {
+                Some(s) => latest(req, s),
+                None => respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "no snapshot published yet\n"),
+            };
+        }
+    }
+}
+
+async fn route(state: ServerState, req: Request<Incoming>, waiting: Waiting) -> Response<ResponseBody> {
     if req.method() != hyper::Method::GET {
         return respond(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "only GET\n");
     }
@@ -125,10 +179,7 @@ async fn route(state: ServerState, req: Request<Incoming>) -> Response<ResponseB
         }
         "/readyz" => respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "no snapshot published yet\n"),
         "/metrics" => respond(StatusCode::OK, "text/plain; version=0.0.4", (state.render)()),
-        "/snapshot" => match state.store.latest() {
-            Some(s) => latest(&req, s),
-            None => respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "no snapshot published yet\n"),
-        },
+        "/snapshot" => follow(&state, &req, waiting).await,
         _ => match path.strip_prefix("/snapshots/").map(str::parse::<u64>) {
             Some(Ok(id)) => match state.store.get(id) {
                 Some(Body::Latest(s)) => respond_with(StatusCode::OK, "application/json", ResponseBody::document(s)),
@@ -169,7 +220,7 @@ pub(crate) async fn serve(
     let bound = listener.local_addr()?;
     let metrics = state.server_metrics.clone();
     let vitals = state.vitals.clone();
-    let handle = move |req: Request<Incoming>| route(state.clone(), req);
+    let handle = move |req: Request<Incoming>, waiting| route(state.clone(), req, waiting);
     let task = tokio::spawn(vitals.watch("ops server", server::run(listener, limits, metrics, shutdown, handle)));
     Ok((bound, task))
 }
@@ -296,6 +347,110 @@ mod tests {
         let (status, new_tag, body) = get(Some(tag.clone())).await;
         assert_eq!((status, new_tag), (200, Some(format!("W/\"{}\"", third.hash))));
         assert_eq!(Snapshot::parse(&body).unwrap().id, 3);
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+
+    /// Waits until `series` reads `value` in the server's metrics; panics past 5 s.
+    async fn until_metric(state: &ServerState, series: &str, value: f64) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while sample(&(state.render)(), series) != value {
+            assert!(tokio::time::Instant::now() < deadline, "{series} never reached {value}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// `?wait=` holds a reader until there is a snapshot it does not have: the first one,
+    /// then (with `If-None-Match`) a new content, not the same content again; at the wait's
+    /// end it gets what there is (503 before any snapshot, 304 for the content it has).
+    #[tokio::test]
+    async fn a_held_reader_gets_the_next_content_as_it_is_published() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let state = state();
+        let shutdown = CancellationToken::new();
+        let (addr, task) =
+            serve("127.0.0.1:0".parse().unwrap(), state.clone(), server::Limits::DEFAULT, shutdown.clone())
+                .await
+                .unwrap();
+        let get = |query: &str, if_none_match: Option<&str>| {
+            let mut req = reqwest::Client::new().get(format!("http://{addr}/snapshot?{query}"));
+            if let Some(tag) = if_none_match {
+                req = req.header("if-none-match", tag);
+            }
+            async move {
+                let resp = req.send().await.unwrap();
+                let (status, tag) = (resp.status().as_u16(), resp.headers().get("etag").cloned());
+                (status, tag.map(|t| t.to_str().unwrap().to_owned()), resp.bytes().await.unwrap())
+            }
+        };
+        let waiting = "consul_resolver_ops_requests_waiting ";
+        assert_eq!(get("wait=50ms", None).await.0, 503, "no snapshot within the wait");
+        let (status, _, body) = get("wait=5x", None).await;
+        assert_eq!(status, 400);
+        assert!(String::from_utf8_lossy(&body).contains("such as 500ms, 30s or 5m"), "{body:?}");
+
+        // Held for the first snapshot.
+        let first = tokio::spawn(get("wait=60s", None));
+        until_metric(&state, waiting, 1.0).await;
+        state.store.push(&Arc::new(crate::test_fixtures::content(vec![]).into_snapshot(1)));
+        let (status, tag, body) = first.await.unwrap();
+        assert_eq!((status, Snapshot::parse(&body).unwrap().id), (200, 1));
+        let tag = tag.unwrap();
+        until_metric(&state, waiting, 0.0).await;
+
+        // Held past a snapshot of the same content, answered by the next new one.
+        let next = tokio::spawn(get("wait=60s", Some(&tag)));
+        until_metric(&state, waiting, 1.0).await;
+        state.store.push(&Arc::new(crate::test_fixtures::content(vec![]).into_snapshot(2)));
+        let mut changed = crate::test_fixtures::content(vec![]);
+        changed.bootstrap.complete = false;
+        // Still held after the same content (the waiter is woken and looks again): no
+        // answer within a while.
+        let mut next = next;
+        let early = tokio::time::timeout(Duration::from_millis(300), &mut next).await;
+        assert!(early.is_err(), "answered for a content the reader has: {early:?}");
+        state.store.push(&Arc::new(changed.into_snapshot(3)));
+        let (status, new_tag, body) = next.await.unwrap();
+        assert_eq!((status, Snapshot::parse(&body).unwrap().id), (200, 3));
+        assert_ne!(new_tag.as_deref(), Some(tag.as_str()));
+
+        // The wait ends with nothing new: 304, no body.
+        let (status, _, body) = get("wait=50ms", new_tag.as_deref()).await;
+        assert_eq!((status, body.len()), (304, 0));
+        shutdown.cancel();
+        task.await.unwrap();
+    }
+
+    /// Held readers never keep a probe out: a held request's connection counts as idle, so
+    /// with every connection held, a probe closes the one held longest and is answered.
+    #[tokio::test]
+    async fn held_readers_make_room_for_probes() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let state = state();
+        let limits = server::Limits { max_connections: 4, header_timeout: Duration::from_secs(600) };
+        let shutdown = CancellationToken::new();
+        let (addr, task) =
+            serve("127.0.0.1:0".parse().unwrap(), state.clone(), limits, shutdown.clone()).await.unwrap();
+        let held: Vec<_> = (0..4)
+            .map(|_| {
+                tokio::spawn(async move {
+                    let client = reqwest::Client::new();
+                    client.get(format!("http://{addr}/snapshot?wait=60s")).send().await.map(|r| r.status().as_u16())
+                })
+            })
+            .collect();
+        until_metric(&state, "consul_resolver_ops_requests_waiting ", 4.0).await;
+        let answered = tokio::time::timeout(Duration::from_secs(5), get(addr, "/healthz")).await;
+        assert_eq!(answered.expect("a probe is answered behind four held readers").0, 200);
+        let mut closed = 0;
+        for h in held {
+            if let Ok(Ok(Err(_))) = tokio::time::timeout(Duration::from_millis(200), h).await {
+                closed += 1;
+            }
+        }
+        assert_eq!(closed, 1, "one held reader made room");
+        let text = (state.render)();
+        assert_eq!(sample(&text, "consul_resolver_ops_connections_closed_total{reason=\"evicted\"}"), 1.0, "{text}");
         shutdown.cancel();
         task.await.unwrap();
     }

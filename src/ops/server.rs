@@ -53,6 +53,8 @@ pub(crate) struct ServerMetrics {
     connections: IntGauge,
     /// `ops_connections_closed_total{reason}`: connections the server closed itself.
     closed: IntCounterVec,
+    /// `ops_requests_waiting`: requests held until the next snapshot ([`Waiting`]).
+    waiting: IntGauge,
 }
 
 /// Why the server closed a connection.
@@ -69,6 +71,10 @@ impl ServerMetrics {
                 "Connections the ops server closed itself: evicted (idle longest when the cap was reached), full (every connection busy), header_timeout",
                 &["reason"],
             ),
+            waiting: int_gauge(
+                "ops_requests_waiting",
+                "Requests to the ops server held until the next snapshot (/snapshot?wait=)",
+            ),
         }
     }
 
@@ -83,7 +89,7 @@ impl ServerMetrics {
 
     /// What [`ServerMetrics::register`] registers.
     pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
-        vec![Box::new(self.connections.clone()), Box::new(self.closed.clone())]
+        vec![Box::new(self.connections.clone()), Box::new(self.closed.clone()), Box::new(self.waiting.clone())]
     }
 }
 
@@ -137,22 +143,59 @@ impl Table {
     }
 }
 
-/// Marks a connection busy while a request is answered (and active when it ends).
+/// Marks a connection busy while a request is answered (and active when it ends): adds
+/// `-count` to its requests in flight when dropped.
 struct InFlight {
     table: Arc<Mutex<Table>>,
     id: u64,
+    count: isize,
 }
 
 impl InFlight {
     fn start(table: &Arc<Mutex<Table>>, id: u64) -> InFlight {
         table.lock().expect("connection table poisoned").touch(id, 1, Instant::now());
-        InFlight { table: table.clone(), id }
+        InFlight { table: table.clone(), id, count: 1 }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        self.table.lock().expect("connection table poisoned").touch(self.id, -self.count, Instant::now());
+    }
+}
+
+/// A request's word to the cap that it is only waiting (a reader held until the next
+/// snapshot): while it waits, its connection may be closed to make room, as an idle one
+/// may, so that held readers never keep a probe out.
+pub(crate) struct Waiting {
+    table: Arc<Mutex<Table>>,
+    id: u64,
+    metrics: ServerMetrics,
+}
+
+impl Waiting {
+    /// Runs `wait` with the connection counted as idle, busy again after (or when dropped).
+    pub(crate) async fn idle_while<T>(&self, wait: impl Future<Output = T>) -> T {
         self.table.lock().expect("connection table poisoned").touch(self.id, -1, Instant::now());
+        let _busy_again = InFlight { table: self.table.clone(), id: self.id, count: -1 };
+        let _counted = Counted::new(&self.metrics.waiting);
+        wait.await
+    }
+}
+
+/// One in a gauge while it lives.
+struct Counted(IntGauge);
+
+impl Counted {
+    fn new(gauge: &IntGauge) -> Counted {
+        gauge.inc();
+        Counted(gauge.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
@@ -187,7 +230,7 @@ pub(crate) async fn run<H, F>(
     shutdown: CancellationToken,
     handle: H,
 ) where
-    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<Incoming>, Waiting) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<super::body::ResponseBody>> + Send + 'static,
 {
     let table = Arc::new(Mutex::new(Table::default()));
@@ -235,10 +278,10 @@ pub(crate) async fn run<H, F>(
         let (table, metrics, handle, shutdown) = (table.clone(), metrics.clone(), handle.clone(), shutdown.clone());
         tokio::spawn(async move {
             let requests = {
-                let table = table.clone();
+                let (table, metrics) = (table.clone(), metrics.clone());
                 hyper::service::service_fn(move |req: Request<Incoming>| {
                     let busy = InFlight::start(&table, id);
-                    let answer = handle(req);
+                    let answer = handle(req, Waiting { table: table.clone(), id, metrics: metrics.clone() });
                     async move {
                         let resp = answer.await;
                         drop(busy);

@@ -18,6 +18,8 @@ pub(crate) const KEPT: usize = 10;
 #[derive(Default)]
 pub(crate) struct SnapshotStore {
     kept: Mutex<Kept>,
+    /// Readers held until the next snapshot (`/snapshot?wait=`).
+    published: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -67,6 +69,13 @@ impl SnapshotStore {
                 kept.older.pop_front();
             }
         }
+        drop(kept);
+        self.published.notify_waiters();
+    }
+
+    /// Completes at the next [`push`](Self::push) after it is enabled (or first polled).
+    pub(crate) fn published(&self) -> tokio::sync::futures::Notified<'_> {
+        self.published.notified()
     }
 
     pub(crate) fn latest(&self) -> Option<Arc<Snapshot>> {
