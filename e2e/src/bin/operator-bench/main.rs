@@ -15,9 +15,9 @@
 //!    operator's kubeconfig, one per namespace like the operator) lists and watches the
 //!    same Mappings; then the operator (release build, its own process, a fresh simulator
 //!    on the same address) starts, timed from spawn to the first complete snapshot holding
-//!    every Mapping at `GET /snapshot` (polled every 10 ms); its log gives milestones;
+//!    every Mapping at `GET /snapshot` (a held request, `?wait=`); its log gives milestones;
 //!    the CPU our kube-apiserver, etcd and this process (the reflector; the simulator and
-//!    the poller) used during each says whose work shared the two cores with it;
+//!    the reader) used during each says whose work shared the two cores with it;
 //! 2. with the third operator: Consul changes (one instance of one service moved to a new
 //!    port, through the catalog API), each timed until the snapshot ConfigMap (watched,
 //!    decoded with the operator's own `configmap::decode`) lists that instance (by node) on
@@ -636,7 +636,7 @@ fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
 
 /// CPU time (user + system) of what a cold start shares the two cores with: our API server
 /// and etcd (`None` on a cluster this process did not start), and this process: the bare
-/// reflector, or the simulator and the poller of `GET /snapshot`. At the default profile
+/// reflector, or the simulator and the reader of `GET /snapshot`. At the default profile
 /// the API server alone takes 1.1 to 2 s of CPU to list the 10,000 Mappings, so a cold
 /// start's time is mostly whose CPU is spent while it lists: these say whose.
 #[derive(Clone, Copy, Debug, Default)]
@@ -699,8 +699,10 @@ fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
     Ok(Duration::from_secs_f64(ticks as f64 / per_second as f64))
 }
 
-/// Polls `GET /snapshot` every 10 ms until it serves a complete snapshot with `mappings`
-/// Mappings; returns the time since `spawned`, its id and bytes.
+/// Waits at `GET /snapshot?wait=` (held until there is a snapshot it does not have, see
+/// docs/snapshot.md) until it serves a complete snapshot with `mappings` Mappings; returns
+/// the time since `spawned`, its id and bytes. A held request answers as the snapshot is
+/// published: no polling interval in the figure, and no polls for the operator to answer.
 async fn first_snapshot(
     op: &Operator,
     pid: u32,
@@ -708,7 +710,9 @@ async fn first_snapshot(
     mappings: usize,
 ) -> anyhow::Result<(Duration, u64, bytes::Bytes)> {
     let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build()?;
-    let url = op.url("/snapshot");
+    let url = op.url("/snapshot?wait=5s");
+    // The tag of an incomplete snapshot already seen: held until another.
+    let mut seen: Option<reqwest::header::HeaderValue> = None;
     loop {
         if spawned.elapsed() > COLD_START_LIMIT {
             bail!("no complete snapshot after {COLD_START_LIMIT:?}\n--- operator log ---\n{}", op.logs());
@@ -716,24 +720,36 @@ async fn first_snapshot(
         if process_exited(pid) {
             bail!("the operator exited\n--- operator log ---\n{}", op.logs());
         }
-        if let Ok(resp) = http.get(&url).send().await
-            && resp.status().is_success()
-        {
-            let at = spawned.elapsed();
-            let body = resp.bytes().await?;
-            let head: Head = serde_json::from_slice(&body)?;
-            if head.bootstrap.complete && head.mappings.len() == mappings {
-                return Ok((at, head.id, body));
-            }
-            println!(
-                "  (snapshot {} at {}: complete={} mappings={}; waiting)",
-                head.id,
-                ms(at),
-                head.bootstrap.complete,
-                head.mappings.len()
-            );
+        let mut request = http.get(&url);
+        if let Some(tag) = &seen {
+            request = request.header(reqwest::header::IF_NONE_MATCH, tag.clone());
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        let resp = match request.send().await {
+            Ok(resp) => resp,
+            // Not listening yet (the first few milliseconds).
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                continue;
+            }
+        };
+        if !resp.status().is_success() {
+            // 503 (no snapshot yet) or 304 (nothing new) at the wait's end: ask again.
+            continue;
+        }
+        let at = spawned.elapsed();
+        seen = resp.headers().get(reqwest::header::ETAG).cloned();
+        let body = resp.bytes().await?;
+        let head: Head = serde_json::from_slice(&body)?;
+        if head.bootstrap.complete && head.mappings.len() == mappings {
+            return Ok((at, head.id, body));
+        }
+        println!(
+            "  (snapshot {} at {}: complete={} mappings={}; waiting)",
+            head.id,
+            ms(at),
+            head.bootstrap.complete,
+            head.mappings.len()
+        );
     }
 }
 
@@ -1699,7 +1715,7 @@ fn main() -> anyhow::Result<()> {
         )
     });
     row(
-        "CPU meanwhile, kube-apiserver / etcd / this process (medians): cold start (simulator, poller); bare reflector",
+        "CPU meanwhile, kube-apiserver / etcd / this process (medians): cold start (simulator, reader); bare reflector",
         "",
         &|r| format!("{}; {}", Neighbours::median(&r.cold_neighbours), Neighbours::median(&r.reflector_neighbours)),
     );
