@@ -142,21 +142,22 @@ async fn follow(state: &ServerState, req: &Request<Incoming>, waiting: Waiting) 
     loop {
         let published = state.store.published();
         tokio::pin!(published);
-        // Before looking, so that a snapshot pushed in between is not missed.
+        // Enabled before the look: a snapshot pushed after it wakes the wait.
         published.as_mut().enable();
         let snapshot = state.store.latest();
         let new = snapshot.as_ref().is_some_and(|s| !has_it(req, &entity_tag(s)));
-        let held = until.filter(|_| !new);
-        let timed_out = match held {
-            Some(until) => waiting.idle_while(tokio::time::timeout_at(until, published)).await.is_err(),
-            None => true,
-        };
-        if timed_out {
-            return match state.store.latest() {
-                Some(s) => latest(req, s),
-                None => respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "no snapshot published yet\n"),
-            };
+        if let Some(until) = until.filter(|_| !new)
+            && waiting.idle_while(tokio::time::timeout_at(until, published)).await.is_ok()
+        {
+            // Published since the look: look again.
+            continue;
         }
+        // Something new, no wait asked, or the wait's end with nothing published since the
+        // look (so what it saw is still the latest).
+        return match snapshot {
+            Some(s) => latest(req, s),
+            None => respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "no snapshot published yet\n"),
+        };
     }
 }
 

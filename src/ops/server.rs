@@ -3,8 +3,9 @@
 //! idle or slow clients never keeps a probe or a scrape out:
 //!
 //! - at most [`Limits::max_connections`] connections; when full, a new connection closes the
-//!   one that has been idle longest (no request in flight), so the newcomer (a probe) gets in
-//!   and the flood pays; only when every connection is busy is the newcomer closed;
+//!   one that has been idle longest (no request in flight, or only one held waiting for the
+//!   next snapshot, see [`Waiting`]), so the newcomer (a probe) gets in and the flood pays;
+//!   only when every connection is busy is the newcomer closed;
 //! - a request's head must arrive within [`Limits::header_timeout`] of the connection's
 //!   start or of the previous response (hyper's header-read timeout, which also bounds how
 //!   long a kept-alive connection may sit idle);
