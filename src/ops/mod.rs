@@ -301,6 +301,17 @@ mod tests {
         line.rsplit(' ').next().unwrap().parse().unwrap()
     }
 
+    /// `GET /snapshot?{query}`, with `If-None-Match` when given: status, ETag and body.
+    async fn snapshot(addr: SocketAddr, query: &str, if_none_match: Option<String>) -> (u16, Option<String>, Bytes) {
+        let mut req = reqwest::Client::new().get(format!("http://{addr}/snapshot?{query}"));
+        if let Some(tag) = if_none_match {
+            req = req.header("if-none-match", tag);
+        }
+        let resp = req.send().await.unwrap();
+        let (status, tag) = (resp.status().as_u16(), resp.headers().get("etag").cloned());
+        (status, tag.map(|t| t.to_str().unwrap().to_owned()), resp.bytes().await.unwrap())
+    }
+
     /// `/snapshot` carries its content hash as a weak entity tag: a reader that has the
     /// content (`If-None-Match`) gets `304` and no body, from a later snapshot of the same
     /// content too; a new content is sent whole, with its own tag.
@@ -313,19 +324,7 @@ mod tests {
             serve("127.0.0.1:0".parse().unwrap(), state.clone(), server::Limits::DEFAULT, shutdown.clone())
                 .await
                 .unwrap();
-        let client = reqwest::Client::new();
-        let get = |if_none_match: Option<String>| {
-            let mut req = client.get(format!("http://{addr}/snapshot"));
-            if let Some(tag) = if_none_match {
-                req = req.header("if-none-match", tag);
-            }
-            async move {
-                let resp = req.send().await.unwrap();
-                let status = resp.status().as_u16();
-                let tag = resp.headers().get("etag").map(|v| v.to_str().unwrap().to_owned());
-                (status, tag, resp.bytes().await.unwrap())
-            }
-        };
+        let get = |if_none_match: Option<String>| snapshot(addr, "", if_none_match);
         let first = Arc::new(crate::test_fixtures::content(vec![]).into_snapshot(1));
         state.store.push(&first);
         let (status, tag, body) = get(None).await;
@@ -373,17 +372,8 @@ mod tests {
             serve("127.0.0.1:0".parse().unwrap(), state.clone(), server::Limits::DEFAULT, shutdown.clone())
                 .await
                 .unwrap();
-        let get = |query: &str, if_none_match: Option<&str>| {
-            let mut req = reqwest::Client::new().get(format!("http://{addr}/snapshot?{query}"));
-            if let Some(tag) = if_none_match {
-                req = req.header("if-none-match", tag);
-            }
-            async move {
-                let resp = req.send().await.unwrap();
-                let (status, tag) = (resp.status().as_u16(), resp.headers().get("etag").cloned());
-                (status, tag.map(|t| t.to_str().unwrap().to_owned()), resp.bytes().await.unwrap())
-            }
-        };
+        let get =
+            |query: &'static str, if_none_match: Option<&str>| snapshot(addr, query, if_none_match.map(str::to_owned));
         let waiting = "consul_resolver_ops_requests_waiting ";
         assert_eq!(get("wait=50ms", None).await.0, 503, "no snapshot within the wait");
         let (status, _, body) = get("wait=5x", None).await;
@@ -400,16 +390,15 @@ mod tests {
         until_metric(&state, waiting, 0.0).await;
 
         // Held past a snapshot of the same content, answered by the next new one.
-        let next = tokio::spawn(get("wait=60s", Some(&tag)));
+        let mut next = tokio::spawn(get("wait=60s", Some(&tag)));
         until_metric(&state, waiting, 1.0).await;
         state.store.push(&Arc::new(crate::test_fixtures::content(vec![]).into_snapshot(2)));
-        let mut changed = crate::test_fixtures::content(vec![]);
-        changed.bootstrap.complete = false;
         // Still held after the same content (the waiter is woken and looks again): no
         // answer within a while.
-        let mut next = next;
         let early = tokio::time::timeout(Duration::from_millis(300), &mut next).await;
         assert!(early.is_err(), "answered for a content the reader has: {early:?}");
+        let mut changed = crate::test_fixtures::content(vec![]);
+        changed.bootstrap.complete = false;
         state.store.push(&Arc::new(changed.into_snapshot(3)));
         let (status, new_tag, body) = next.await.unwrap();
         assert_eq!((status, Snapshot::parse(&body).unwrap().id), (200, 3));

@@ -144,24 +144,25 @@ impl Table {
     }
 }
 
-/// Marks a connection busy while a request is answered (and active when it ends): adds
-/// `-count` to its requests in flight when dropped.
+/// Adds `by` to a connection's requests in flight while it lives, and marks the connection
+/// active at both ends: 1 while a request is answered (busy), -1 while that request only
+/// waits ([`Waiting`]).
 struct InFlight {
     table: Arc<Mutex<Table>>,
     id: u64,
-    count: isize,
+    by: isize,
 }
 
 impl InFlight {
-    fn start(table: &Arc<Mutex<Table>>, id: u64) -> InFlight {
-        table.lock().expect("connection table poisoned").touch(id, 1, Instant::now());
-        InFlight { table: table.clone(), id, count: 1 }
+    fn add(table: &Arc<Mutex<Table>>, id: u64, by: isize) -> InFlight {
+        table.lock().expect("connection table poisoned").touch(id, by, Instant::now());
+        InFlight { table: table.clone(), id, by }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.table.lock().expect("connection table poisoned").touch(self.id, -self.count, Instant::now());
+        self.table.lock().expect("connection table poisoned").touch(self.id, -self.by, Instant::now());
     }
 }
 
@@ -177,8 +178,7 @@ pub(crate) struct Waiting {
 impl Waiting {
     /// Runs `wait` with the connection counted as idle, busy again after (or when dropped).
     pub(crate) async fn idle_while<T>(&self, wait: impl Future<Output = T>) -> T {
-        self.table.lock().expect("connection table poisoned").touch(self.id, -1, Instant::now());
-        let _busy_again = InFlight { table: self.table.clone(), id: self.id, count: -1 };
+        let _idle = InFlight::add(&self.table, self.id, -1);
         let _counted = Counted::new(&self.metrics.waiting);
         wait.await
     }
@@ -281,7 +281,7 @@ pub(crate) async fn run<H, F>(
             let requests = {
                 let (table, metrics) = (table.clone(), metrics.clone());
                 hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let busy = InFlight::start(&table, id);
+                    let busy = InFlight::add(&table, id, 1);
                     let answer = handle(req, Waiting { table: table.clone(), id, metrics: metrics.clone() });
                     async move {
                         let resp = answer.await;

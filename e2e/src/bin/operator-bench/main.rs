@@ -724,6 +724,7 @@ async fn first_snapshot(
         if let Some(tag) = &seen {
             request = request.header(reqwest::header::IF_NONE_MATCH, tag.clone());
         }
+        let asked = Instant::now();
         let resp = match request.send().await {
             Ok(resp) => resp,
             // Not listening yet (the first few milliseconds).
@@ -732,8 +733,14 @@ async fn first_snapshot(
                 continue;
             }
         };
+        // An operator built before 8ac2b4a (a pair against an older build) answers at once
+        // and has no ETag before 0947a3f: it is polled every 10 ms, as it was then.
+        let polled = Duration::from_millis(10);
         if !resp.status().is_success() {
             // 503 (no snapshot yet) or 304 (nothing new) at the wait's end: ask again.
+            if asked.elapsed() < Duration::from_secs(1) {
+                tokio::time::sleep(polled).await;
+            }
             continue;
         }
         let at = spawned.elapsed();
@@ -750,6 +757,9 @@ async fn first_snapshot(
             head.bootstrap.complete,
             head.mappings.len()
         );
+        if seen.is_none() {
+            tokio::time::sleep(polled).await;
+        }
     }
 }
 
