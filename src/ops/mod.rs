@@ -296,6 +296,29 @@ mod tests {
         }
     }
 
+    /// The server on a loopback port of its own, with [`state`], within `limits`.
+    struct Serving {
+        state: ServerState,
+        addr: SocketAddr,
+        shutdown: CancellationToken,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    impl Serving {
+        async fn start(limits: server::Limits) -> Serving {
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            let (state, shutdown) = (state(), CancellationToken::new());
+            let (addr, task) =
+                serve("127.0.0.1:0".parse().unwrap(), state.clone(), limits, shutdown.clone()).await.unwrap();
+            Serving { state, addr, shutdown, task }
+        }
+
+        async fn stop(self) {
+            self.shutdown.cancel();
+            self.task.await.unwrap();
+        }
+    }
+
     fn sample(text: &str, series: &str) -> f64 {
         let line = text.lines().find(|l| l.starts_with(series)).unwrap_or_else(|| panic!("no {series} in {text}"));
         line.rsplit(' ').next().unwrap().parse().unwrap()
@@ -317,13 +340,8 @@ mod tests {
     /// content too; a new content is sent whole, with its own tag.
     #[tokio::test]
     async fn a_reader_that_has_the_content_gets_not_modified() {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let state = state();
-        let shutdown = CancellationToken::new();
-        let (addr, task) =
-            serve("127.0.0.1:0".parse().unwrap(), state.clone(), server::Limits::DEFAULT, shutdown.clone())
-                .await
-                .unwrap();
+        let server = Serving::start(server::Limits::DEFAULT).await;
+        let (state, addr) = (&server.state, server.addr);
         let get = |if_none_match: Option<String>| snapshot(addr, "", if_none_match);
         let first = Arc::new(crate::test_fixtures::content(vec![]).into_snapshot(1));
         state.store.push(&first);
@@ -347,8 +365,7 @@ mod tests {
         let (status, new_tag, body) = get(Some(tag.clone())).await;
         assert_eq!((status, new_tag), (200, Some(format!("W/\"{}\"", third.hash))));
         assert_eq!(Snapshot::parse(&body).unwrap().id, 3);
-        shutdown.cancel();
-        task.await.unwrap();
+        server.stop().await;
     }
 
     /// Waits until `series` reads `value` in the server's metrics; panics past 5 s.
@@ -365,13 +382,8 @@ mod tests {
     /// end it gets what there is (503 before any snapshot, 304 for the content it has).
     #[tokio::test]
     async fn a_held_reader_gets_the_next_content_as_it_is_published() {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let state = state();
-        let shutdown = CancellationToken::new();
-        let (addr, task) =
-            serve("127.0.0.1:0".parse().unwrap(), state.clone(), server::Limits::DEFAULT, shutdown.clone())
-                .await
-                .unwrap();
+        let server = Serving::start(server::Limits::DEFAULT).await;
+        let (state, addr) = (&server.state, server.addr);
         let get =
             |query: &'static str, if_none_match: Option<&str>| snapshot(addr, query, if_none_match.map(str::to_owned));
         let waiting = "consul_resolver_ops_requests_waiting ";
@@ -382,16 +394,16 @@ mod tests {
 
         // Held for the first snapshot.
         let first = tokio::spawn(get("wait=60s", None));
-        until_metric(&state, waiting, 1.0).await;
+        until_metric(state, waiting, 1.0).await;
         state.store.push(&Arc::new(crate::test_fixtures::content(vec![]).into_snapshot(1)));
         let (status, tag, body) = first.await.unwrap();
         assert_eq!((status, Snapshot::parse(&body).unwrap().id), (200, 1));
         let tag = tag.unwrap();
-        until_metric(&state, waiting, 0.0).await;
+        until_metric(state, waiting, 0.0).await;
 
         // Held past a snapshot of the same content, answered by the next new one.
         let mut next = tokio::spawn(get("wait=60s", Some(&tag)));
-        until_metric(&state, waiting, 1.0).await;
+        until_metric(state, waiting, 1.0).await;
         state.store.push(&Arc::new(crate::test_fixtures::content(vec![]).into_snapshot(2)));
         // Still held after the same content (the waiter is woken and looks again): no
         // answer within a while.
@@ -407,20 +419,16 @@ mod tests {
         // The wait ends with nothing new: 304, no body.
         let (status, _, body) = get("wait=50ms", new_tag.as_deref()).await;
         assert_eq!((status, body.len()), (304, 0));
-        shutdown.cancel();
-        task.await.unwrap();
+        server.stop().await;
     }
 
     /// Held readers never keep a probe out: a held request's connection counts as idle, so
     /// with every connection held, a probe closes the one held longest and is answered.
     #[tokio::test]
     async fn held_readers_make_room_for_probes() {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let state = state();
-        let limits = server::Limits { max_connections: 4, header_timeout: Duration::from_secs(600) };
-        let shutdown = CancellationToken::new();
-        let (addr, task) =
-            serve("127.0.0.1:0".parse().unwrap(), state.clone(), limits, shutdown.clone()).await.unwrap();
+        let server =
+            Serving::start(server::Limits { max_connections: 4, header_timeout: Duration::from_secs(600) }).await;
+        let (state, addr) = (&server.state, server.addr);
         let held: Vec<_> = (0..4)
             .map(|_| {
                 tokio::spawn(async move {
@@ -429,7 +437,7 @@ mod tests {
                 })
             })
             .collect();
-        until_metric(&state, "consul_resolver_ops_requests_waiting ", 4.0).await;
+        until_metric(state, "consul_resolver_ops_requests_waiting ", 4.0).await;
         let answered = tokio::time::timeout(Duration::from_secs(5), get(addr, "/healthz")).await;
         assert_eq!(answered.expect("a probe is answered behind four held readers").0, 200);
         let mut closed = 0;
@@ -441,8 +449,7 @@ mod tests {
         assert_eq!(closed, 1, "one held reader made room");
         let text = (state.render)();
         assert_eq!(sample(&text, "consul_resolver_ops_connections_closed_total{reason=\"evicted\"}"), 1.0, "{text}");
-        shutdown.cancel();
-        task.await.unwrap();
+        server.stop().await;
     }
 
     /// Reads until the server closes the connection (EOF or reset); `false` past `within`.
@@ -466,9 +473,8 @@ mod tests {
     #[tokio::test]
     async fn connections_have_tcp_nodelay() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let shutdown = CancellationToken::new();
-        let (addr, task) =
-            serve("127.0.0.1:0".parse().unwrap(), state(), server::Limits::DEFAULT, shutdown.clone()).await.unwrap();
+        let server = Serving::start(server::Limits::DEFAULT).await;
+        let addr = server.addr;
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
         stream.write_all(b"GET /healthz HTTP/1.1\r\nhost: ops\r\n\r\n").await.unwrap();
         let mut buf = [0u8; 64];
@@ -477,19 +483,16 @@ mod tests {
         // The server's end: from its address to this one.
         let nodelay = crate::test_fixtures::tcp_nodelay(addr, stream.local_addr().unwrap());
         assert_eq!(nodelay, Some(true));
-        shutdown.cancel();
-        task.await.unwrap();
+        server.stop().await;
     }
 
     /// More idle connections than the cap: the longest idle are closed to make room, and a
     /// probe that comes after all of them is answered at once.
     #[tokio::test]
     async fn a_flood_of_idle_connections_makes_room_for_probes_by_closing_the_longest_idle() {
-        let state = state();
-        let limits = server::Limits { max_connections: 16, header_timeout: Duration::from_secs(600) };
-        let shutdown = CancellationToken::new();
-        let (addr, task) =
-            serve("127.0.0.1:0".parse().unwrap(), state.clone(), limits, shutdown.clone()).await.unwrap();
+        let server =
+            Serving::start(server::Limits { max_connections: 16, header_timeout: Duration::from_secs(600) }).await;
+        let (state, addr) = (&server.state, server.addr);
         let mut idle = Vec::new();
         for _ in 0..100 {
             idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
@@ -502,8 +505,7 @@ mod tests {
         let text = (state.render)();
         assert!(sample(&text, "consul_resolver_ops_connections ") <= 16.0, "{text}");
         assert!(sample(&text, "consul_resolver_ops_connections_closed_total{reason=\"evicted\"}") >= 84.0, "{text}");
-        shutdown.cancel();
-        task.await.unwrap();
+        server.stop().await;
     }
 
     /// A client that sends its request head a byte at a time is cut off at the header
@@ -511,11 +513,9 @@ mod tests {
     #[tokio::test]
     async fn a_slow_header_client_and_an_idle_kept_alive_connection_are_cut_off() {
         use tokio::io::AsyncWriteExt;
-        let state = state();
-        let limits = server::Limits { max_connections: 16, header_timeout: Duration::from_millis(500) };
-        let shutdown = CancellationToken::new();
-        let (addr, task) =
-            serve("127.0.0.1:0".parse().unwrap(), state.clone(), limits, shutdown.clone()).await.unwrap();
+        let server =
+            Serving::start(server::Limits { max_connections: 16, header_timeout: Duration::from_millis(500) }).await;
+        let (state, addr) = (&server.state, server.addr);
 
         let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
         slow.write_all(b"GET /metrics HTTP/1.1\r\n").await.unwrap();
@@ -540,7 +540,6 @@ mod tests {
             "{text}"
         );
         assert_eq!(get(addr, "/healthz").await.0, 200);
-        shutdown.cancel();
-        task.await.unwrap();
+        server.stop().await;
     }
 }
