@@ -447,12 +447,16 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
     }
 }
 
-/// Removes the objects `kept` does not keep; returns their ids.
+/// Removes the objects `kept` does not keep, in one pass; returns their ids.
 fn remove_all_but(objects: &mut BTreeMap<ObjectId, Stored>, kept: impl Fn(&ObjectId) -> bool) -> Vec<ObjectId> {
-    let gone: Vec<ObjectId> = objects.keys().filter(|id| !kept(id)).cloned().collect();
-    for id in &gone {
-        objects.remove(id);
-    }
+    let mut gone = Vec::new();
+    objects.retain(|id, _| {
+        let keep = kept(id);
+        if !keep {
+            gone.push(id.clone());
+        }
+        keep
+    });
     gone
 }
 
