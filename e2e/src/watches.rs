@@ -14,6 +14,16 @@ use tokio_util::task::AbortOnDropHandle;
 /// How long a wait for an event may take before the test fails.
 pub const DEADLINE: Duration = Duration::from_secs(10);
 
+/// A sweep period no test reaches, for tests that count what the change feed alone makes
+/// a fed watch read, or that a change is seen before any sweep could have caught it.
+///
+/// It is not "a sweep longer than the test": a fed watch's first sweep falls anywhere in
+/// its first period (each watch takes a phase of its own, docs/consul.md), so with a
+/// ten-minute period, one of four fed watches swept within a test's first seconds about
+/// once in eight runs, and a test counting re-reads failed. Ten thousand years: the odds
+/// that any of a thousand watches sweeps within an hour are about one in 90,000.
+pub const NO_SWEEP: Duration = Duration::from_secs(10_000 * 365 * 24 * 3600);
+
 /// Running watches and the events they send.
 pub struct Watches {
     source: ConsulSource,

@@ -17,7 +17,7 @@ use consul_sim::{
     Simulator,
 };
 use consul_watch::Settings;
-use e2e::watches::{DEADLINE, Watches};
+use e2e::watches::{DEADLINE, NO_SWEEP, Watches};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -539,11 +539,8 @@ fn fed_rereads_except(sim: &RunningSim, services: &[String], except: &str) -> Ve
 }
 
 /// How soon a change must arrive on any path (dedicated, fed, multiplexed): a few round
-/// trips. The sweep is ten minutes in these tests, so only the feed can be this prompt.
+/// trips. No sweep comes in these tests ([`NO_SWEEP`]), so only the feed can be this prompt.
 const PROMPT: Duration = Duration::from_secs(3);
-
-/// A sweep no test waits for.
-const NO_SWEEP: Duration = Duration::from_secs(600);
 
 /// Registers one instance of each of `services`, each on a node of its own (`<service>-node`).
 async fn one_instance_each(env: &Env, services: &[String]) {

@@ -14,7 +14,7 @@ use consul_resolver_core::model::Health;
 use consul_sim::tls::{TestPki, TlsConfig};
 use consul_sim::{Config, HEALTH_STATE_LABEL, RunningSim, Simulator};
 use consul_watch::Settings;
-use e2e::watches::{DEADLINE, Watches};
+use e2e::watches::{DEADLINE, NO_SWEEP, Watches};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -76,14 +76,9 @@ impl Env {
     }
 }
 
-/// Watches with a ten-minute sweep: a change seen in time was not swept up.
+/// Watches that never sweep ([`NO_SWEEP`]): a change seen in time was not swept up.
 fn watches(max_connections: usize) -> Watches {
-    Watches::new(Settings {
-        wait: Duration::from_secs(60),
-        max_connections,
-        sweep: Duration::from_secs(600),
-        ..Settings::default()
-    })
+    Watches::new(Settings { wait: Duration::from_secs(60), max_connections, sweep: NO_SWEEP, ..Settings::default() })
 }
 
 /// Forty services, a budget of ten connections and a server allowing ten streams per
