@@ -1674,10 +1674,10 @@ fn main() -> anyhow::Result<()> {
         secs(setup.mappings_created_in)
     );
 
-    // Right after the setup's creates the API server spends more CPU on the same list (up
-    // to 1.5 times), for a minute or so: the first pair measured then came out better or
-    // worse than the rest by 0.1 to 0.25x (docs/benchmarks.md). Lists thrown away let it
-    // settle, and show how much it did.
+    // Right after the setup's creates the API server has spent up to 1.4 times the CPU on
+    // the same list, and the first pair measured came out better or worse than the rest by
+    // 0.1 to 0.25x (docs/benchmarks.md). Lists thrown away let it settle; their lines show
+    // what they cost.
     for _ in 0..s.warm_up {
         let before = Neighbours::now(cluster)?;
         let (t, _) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, &setup.namespaces))?;
