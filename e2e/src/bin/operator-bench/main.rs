@@ -524,6 +524,21 @@ async fn setup(cluster: &Cluster, sim: &RunningSim, s: &Settings, namespaces: Ve
     Ok(Setup { namespaces, sim_addr: sim.addr(), base_url: base, mappings_created_in, audit_offset })
 }
 
+/// One [`reflector_once`] over the setup's Mappings, checked to have seen every one: its
+/// time and what the others used meanwhile.
+fn reflector_run(
+    rt: &Runtime,
+    cluster: &Cluster,
+    setup: &Setup,
+    s: &Settings,
+) -> anyhow::Result<(Duration, Neighbours)> {
+    let before = Neighbours::now(cluster)?;
+    let (t, n) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, &setup.namespaces))?;
+    let meanwhile = Neighbours::now(cluster)?.since(before);
+    ensure!(n == s.mappings(), "the reflector saw {n} Mappings, not {}", s.mappings());
+    Ok((t, meanwhile))
+}
+
 /// A bare kube-runtime reflector on the Mappings, one per namespace as the operator
 /// watches them: time from building the client (kubeconfig, discovery) to every store
 /// ready, and the objects in the stores.
@@ -1406,11 +1421,14 @@ fn run_operator(
     let rounds = if plan == Plan::Compared { 3 } else { 1 };
     for k in 0..rounds {
         if plan == Plan::Compared {
-            let before = Neighbours::now(cluster)?;
-            let (t, n) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, &setup.namespaces))?;
-            let meanwhile = Neighbours::now(cluster)?.since(before);
-            ensure!(n == s.mappings(), "the reflector saw {n} Mappings, not {}", s.mappings());
-            println!("  bare reflector: {} ({n} Mappings), CPU {}; {}", ms(t), ms(meanwhile.bench), meanwhile.text());
+            let (t, meanwhile) = reflector_run(rt, cluster, setup, s)?;
+            println!(
+                "  bare reflector: {} ({} Mappings), CPU {}; {}",
+                ms(t),
+                s.mappings(),
+                ms(meanwhile.bench),
+                meanwhile.text()
+            );
             reflector.push(t);
             reflector_neighbours.push(meanwhile);
         }
@@ -1679,9 +1697,7 @@ fn main() -> anyhow::Result<()> {
     // 0.1 to 0.25x (docs/benchmarks.md). Lists thrown away let it settle; their lines show
     // what they cost.
     for _ in 0..s.warm_up {
-        let before = Neighbours::now(cluster)?;
-        let (t, _) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, &setup.namespaces))?;
-        let meanwhile = Neighbours::now(cluster)?.since(before);
+        let (t, meanwhile) = reflector_run(&rt, cluster, &setup, &s)?;
         println!("warm-up reflector (not counted): {}; {}", ms(t), meanwhile.text());
     }
     let mut runs = Vec::new();
