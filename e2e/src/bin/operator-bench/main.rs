@@ -43,6 +43,10 @@
 //! kind), `BENCH_MODES` (`100,1200`), `BENCH_COALESCE_WINDOW` (`250ms`, passed as
 //! `--coalesce-window`). `BENCH_SAVE_SNAPSHOTS=<dir>` writes each cold start's first
 //! snapshot there (`first-<pid>.json`), to compare two builds' documents.
+//! `BENCH_PIN=1` puts our kube-apiserver and etcd on one CPU, and this process and the
+//! operators on the others, as a real cluster places them (the API server on nodes of its
+//! own): on two shared cores a cold start's ratio measures mostly how much CPU the operator
+//! takes from the API server's lists (docs/benchmarks.md). The output names the placement.
 //!
 //! Targets (the output names the set that applies, and gives met / MISSED for each):
 //! cold start / bare reflector <= 1.2x, spaced change p50 <= 50 ms and p99 <= 100 ms,
@@ -117,6 +121,8 @@ struct Settings {
     modes: Vec<u32>,
     /// Bare reflector lists made and thrown away after the setup (`BENCH_WARM_UP_LISTS`, 2).
     warm_up: usize,
+    /// `BENCH_PIN=1`: the control plane on a CPU of its own ([`place`]).
+    pin: bool,
     window: String,
     /// `BENCH_SIZES`: (services, instances per service) of each row of the cost table;
     /// empty without it.
@@ -145,6 +151,7 @@ impl Settings {
             kube_services: env_usize("BENCH_KUBE_SERVICES", if scale { 5000 } else { 0 }),
             scopes: env_usize("BENCH_SCOPES", 1).max(1),
             warm_up: env_usize("BENCH_WARM_UP_LISTS", 2),
+            pin: env_usize("BENCH_PIN", 0) == 1,
             modes,
             window: std::env::var("BENCH_COALESCE_WINDOW").unwrap_or_else(|_| "250ms".into()),
             sizes: match std::env::var("BENCH_SIZES") {
@@ -522,6 +529,21 @@ async fn setup(cluster: &Cluster, sim: &RunningSim, s: &Settings, namespaces: Ve
     let mappings_created_in = started.elapsed();
     let audit_offset = cluster.audit_log().and_then(|p| std::fs::metadata(p).ok()).map_or(0, |m| m.len());
     Ok(Setup { namespaces, sim_addr: sim.addr(), base_url: base, mappings_created_in, audit_offset })
+}
+
+/// `BENCH_PIN=1`: our kube-apiserver and etcd on the first CPU this process may use, this
+/// process (its threads so far, and what they start: the operators) on the others. Says
+/// where each went.
+fn place(cluster: &Cluster) -> anyhow::Result<String> {
+    let cpus = e2e::bench::allowed_cpus()?;
+    ensure!(cpus.len() >= 2, "BENCH_PIN=1 needs two CPUs at least; this process may use {cpus:?}");
+    let (control, rest) = cpus.split_at(1);
+    for (name, pid) in [("kube-apiserver", cluster.apiserver_pid()), ("etcd", cluster.etcd_pid())] {
+        let pid = pid.with_context(|| format!("BENCH_PIN=1: no pid of our {name} (a cluster we did not start?)"))?;
+        e2e::bench::pin(pid as u32, control).with_context(|| format!("placing {name} (pid {pid})"))?;
+    }
+    e2e::bench::pin(std::process::id(), rest).context("placing this process")?;
+    Ok(format!("pinned: kube-apiserver and etcd on CPU {control:?}, this process and the operators on CPUs {rest:?}"))
 }
 
 /// One [`reflector_once`] over the setup's Mappings, checked to have seen every one: its
@@ -1665,6 +1687,9 @@ fn main() -> anyhow::Result<()> {
     let bin: PathBuf = operator_binary()?;
     println!("operator binary: {}", bin.display());
     let cluster = Cluster::shared();
+    // Before the runtime's threads start, so that they are placed too.
+    let placement = if s.pin { place(cluster)? } else { "shared: every process on every CPU".to_owned() };
+    println!("placement: {placement}");
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     if let Some(soak) = soak::Soak::from_env()? {
         soak::run(&rt, cluster, &s, &soak, &load_start)?;
@@ -1711,7 +1736,7 @@ fn main() -> anyhow::Result<()> {
     println!(
         "{} Consul services x {} instances ({} endpoints), {} Mappings ({} per service) in {} namespaces, \
          {} Kubernetes Services routed to, a ConsulResolver per namespace; --coalesce-window {}; {} changes of each kind; \
-         load average {} at start, {} at end",
+         load average {} at start, {} at end; placement: {placement}",
         s.services,
         s.instances,
         s.endpoints(),
