@@ -25,25 +25,37 @@ pub fn allowed_cpus() -> std::io::Result<Vec<usize>> {
 
 /// Puts every thread of process `pid` on `cpus`. Threads it starts later inherit that (a
 /// thread starts with its creator's affinity), so a Go runtime's later threads follow too.
-/// Returns how many threads were moved; a thread that ended meanwhile is skipped.
+/// A thread started during a pass by one not yet moved is caught by the next: passes repeat
+/// until one finds no thread it had not seen. Returns how many threads were moved; a thread
+/// that ended meanwhile is skipped.
 pub fn pin(pid: u32, cpus: &[usize]) -> std::io::Result<usize> {
     // SAFETY: as above: an empty set, then CPU_SET for indices below CPU_SETSIZE.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     for &c in cpus.iter().filter(|&&c| c < libc::CPU_SETSIZE as usize) {
         unsafe { libc::CPU_SET(c, &mut set) };
     }
+    let mut seen = std::collections::BTreeSet::new();
     let mut moved = 0;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        let Some(tid) = task?.file_name().to_str().and_then(|t| t.parse::<libc::pid_t>().ok()) else { continue };
-        // SAFETY: sched_setaffinity reads the set, of the size given, for one of pid's threads.
-        if unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) } == 0 {
-            moved += 1;
-        } else {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::ESRCH) {
-                return Err(e);
+    loop {
+        let mut new = 0;
+        for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+            let Some(tid) = task?.file_name().to_str().and_then(|t| t.parse::<libc::pid_t>().ok()) else { continue };
+            if !seen.insert(tid) {
+                continue;
+            }
+            new += 1;
+            // SAFETY: sched_setaffinity reads the set, of the size given, for one of pid's threads.
+            if unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) } == 0 {
+                moved += 1;
+            } else {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::ESRCH) {
+                    return Err(e);
+                }
             }
         }
+        if new == 0 {
+            return Ok(moved);
+        }
     }
-    Ok(moved)
 }

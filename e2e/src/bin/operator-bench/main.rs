@@ -540,7 +540,8 @@ fn place(cluster: &Cluster) -> anyhow::Result<String> {
     let (control, rest) = cpus.split_at(1);
     for (name, pid) in [("kube-apiserver", cluster.apiserver_pid()), ("etcd", cluster.etcd_pid())] {
         let pid = pid.with_context(|| format!("BENCH_PIN=1: no pid of our {name} (a cluster we did not start?)"))?;
-        e2e::bench::pin(pid as u32, control).with_context(|| format!("placing {name} (pid {pid})"))?;
+        let moved = e2e::bench::pin(pid as u32, control).with_context(|| format!("placing {name} (pid {pid})"))?;
+        ensure!(moved > 0, "BENCH_PIN=1: no thread of {name} (pid {pid}) to place");
     }
     e2e::bench::pin(std::process::id(), rest).context("placing this process")?;
     Ok(format!("pinned: kube-apiserver and etcd on CPU {control:?}, this process and the operators on CPUs {rest:?}"))
