@@ -1689,7 +1689,7 @@ fn main() -> anyhow::Result<()> {
     println!("operator binary: {}", bin.display());
     let cluster = Cluster::shared();
     // Before the runtime's threads start, so that they are placed too.
-    let placement = if s.pin { place(cluster)? } else { "shared: every process on every CPU".to_owned() };
+    let placement = if s.pin { place(cluster)? } else { "shared: the bench pins nothing".to_owned() };
     println!("placement: {placement}");
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     if let Some(soak) = soak::Soak::from_env()? {
