@@ -3,11 +3,13 @@
 # kube-apiserver built once from Debian's `kubernetes` source package and cached
 # outside the repo. One implementation, used by `make demo`, the e2e harness and CI.
 # The same build also makes kube-proxy (same version), which e2e/tests/kube_proxy.rs
-# runs in iptables mode inside a network namespace of its own.
+# runs in iptables mode inside a network namespace of its own, and kube-controller-manager,
+# which the export tests that need the real garbage collector, namespace and EndpointSlice
+# mirroring controllers run (`controller-manager DIR`).
 #
 #   e2e/cluster.sh deps            install the Debian packages it needs (when missing)
-#   e2e/cluster.sh build           build kube-apiserver and kube-proxy into the cache (when
-#                                  either is missing: one `make` builds both)
+#   e2e/cluster.sh build           build kube-apiserver, kube-proxy and kube-controller-manager
+#                                  into the cache (when any is missing: one `make` builds all)
 #   e2e/cluster.sh up DIR          start etcd + kube-apiserver, state and kubeconfigs in DIR
 #   e2e/cluster.sh down DIR        stop exactly the processes `up` started (by pid)
 #   e2e/cluster.sh env DIR         print the environment a client needs (KUBECONFIG=...)
@@ -17,6 +19,8 @@
 #   e2e/cluster.sh apiserver-path  print the cached kube-apiserver's path
 #   e2e/cluster.sh kube-proxy-path print the cached kube-proxy's path (it may not exist yet:
 #                                  callers test it, `build` makes it)
+#   e2e/cluster.sh controller-manager-path
+#                                  print the cached kube-controller-manager's path (likewise)
 #
 # `up DIR` leaves in DIR (absolute paths; DIR is created if missing):
 #   admin.kubeconfig     user admin (group system:masters), bearer token from tokens.csv
@@ -31,9 +35,10 @@
 #   etcd/ sa.key sa.pub tokens.csv audit-policy.yaml
 # Both kubeconfigs verify TLS against pki/apiserver.crt. `down DIR` keeps the state:
 # `up DIR` again restarts the same cluster (same objects and admin token, same ports
-# when still free). No kube-controller-manager runs: no garbage collection of
-# ownerReferences, no namespace deletion (namespaces stay Terminating), no default
-# ServiceAccounts. The apiserver is 1.20: EndpointSlices are discovery.k8s.io/v1beta1.
+# when still free). No kube-controller-manager runs (tests that need one start their own,
+# `controller-manager-path`): no garbage collection of ownerReferences, no namespace
+# deletion (namespaces stay Terminating), no default ServiceAccounts. The apiserver is
+# 1.20: EndpointSlices are discovery.k8s.io/v1beta1.
 #
 # Environment: CLUSTER_UP_TIMEOUT (s, default 90), CLUSTER_DOWN_TIMEOUT (s, default 20),
 # CLUSTER_APISERVER_BIN / CLUSTER_ETCD_BIN (override the binaries; used by the self-test).
@@ -46,6 +51,8 @@ APISERVER="$CACHE_DIR/kube-apiserver"
 # Its own directory, so the apiserver's path stays what machines already have cached.
 PROXY_CACHE_DIR="$CACHE_ROOT/kube-proxy-$KUBE_VERSION"
 KUBE_PROXY="$PROXY_CACHE_DIR/kube-proxy"
+CM_CACHE_DIR="$CACHE_ROOT/kube-controller-manager-$KUBE_VERSION"
+KUBE_CM="$CM_CACHE_DIR/kube-controller-manager"
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The operator's identity inside the test cluster; manifests/ bind RBAC to it.
 OPERATOR_NS=consul-resolver-system
@@ -82,17 +89,18 @@ ensure_deb_src() {
 }
 
 cmd_build() {
-  if [ -x "$APISERVER" ] && [ -x "$KUBE_PROXY" ]; then
+  if [ -x "$APISERVER" ] && [ -x "$KUBE_PROXY" ] && [ -x "$KUBE_CM" ]; then
     log "kube-apiserver $KUBE_VERSION cached at $APISERVER"
     log "kube-proxy $KUBE_VERSION cached at $KUBE_PROXY"
+    log "kube-controller-manager $KUBE_VERSION cached at $KUBE_CM"
     return 0
   fi
-  # Either missing: build both in one `make`, so the packages they share (client-go,
+  # Any missing: build all in one `make`, so the packages they share (client-go,
   # apimachinery, ...) compile once. The Go cache is deleted after a build, so building
-  # only the missing one would cost about as much; a machine that cached kube-apiserver
-  # before kube-proxy was added pays one full build, once.
-  log "kube-apiserver and kube-proxy $KUBE_VERSION are not both cached: building them once from Debian's source package"
-  log "(about 8-15 minutes on 2 cores; later runs reuse $CACHE_DIR and $PROXY_CACHE_DIR)"
+  # only the missing one would cost about as much; a machine that cached some of them
+  # before the others were added pays one full build, once.
+  log "kube-apiserver, kube-proxy and kube-controller-manager $KUBE_VERSION are not all cached: building them once from Debian's source package"
+  log "(about 10-20 minutes on 2 cores; later runs reuse $CACHE_ROOT)"
   apt_install golang-go rsync dpkg-dev golang-github-modern-go-reflect2-dev
   ensure_deb_src
   local work="$CACHE_ROOT/build-$KUBE_VERSION"
@@ -107,26 +115,32 @@ cmd_build() {
   rm -rf "$src/vendor/github.com/modern-go/reflect2"
   mkdir -p "$src/vendor/github.com/modern-go/reflect2"
   cp -r /usr/share/gocode/src/github.com/modern-go/reflect2/. "$src/vendor/github.com/modern-go/reflect2/"
-  log "building cmd/kube-apiserver and cmd/kube-proxy (make WHAT=\"cmd/kube-apiserver cmd/kube-proxy\", GOPATH mode)"
+  local what="cmd/kube-apiserver cmd/kube-proxy cmd/kube-controller-manager"
+  # providerless: no cloud provider is compiled in (the controller manager's would be
+  # most of its size and build time; none runs on loopback).
+  log "building $what (make WHAT=\"$what\" GOFLAGS=-tags=providerless, GOPATH mode)"
   local start=$SECONDS
   (
     cd "$src"
-    export GO111MODULE=off GOFLAGS=-mod=vendor GOCACHE="$work/gocache" GOPATH="$work/gopath"
+    export GO111MODULE=off GOCACHE="$work/gocache" GOPATH="$work/gopath"
     export KUBE_GIT_VERSION="v$KUBE_VERSION" KUBE_GIT_TREE_STATE=clean
-    unset GOFLAGS
-    make WHAT="cmd/kube-apiserver cmd/kube-proxy" 2>&1 | sed -u 's/^/[cluster:make] /' >&2
+    export GOFLAGS=-tags=providerless
+    make WHAT="$what" 2>&1 | sed -u 's/^/[cluster:make] /' >&2
   )
-  local api_built proxy_built
+  local api_built proxy_built cm_built
   api_built=$(find "$src/_output" -type f -name kube-apiserver -perm -u+x | head -n1)
   proxy_built=$(find "$src/_output" -type f -name kube-proxy -perm -u+x | head -n1)
+  cm_built=$(find "$src/_output" -type f -name kube-controller-manager -perm -u+x | head -n1)
   [ -n "$api_built" ] || die "build finished but no kube-apiserver binary was found under $src/_output"
   [ -n "$proxy_built" ] || die "build finished but no kube-proxy binary was found under $src/_output"
-  mkdir -p "$CACHE_DIR" "$PROXY_CACHE_DIR"
+  [ -n "$cm_built" ] || die "build finished but no kube-controller-manager binary was found under $src/_output"
+  mkdir -p "$CACHE_DIR" "$PROXY_CACHE_DIR" "$CM_CACHE_DIR"
   # Each copied under a temporary name and renamed: a binary in the cache is always complete,
-  # and a kube-apiserver running from the old file keeps it.
+  # and a process running from the old file keeps it.
   cp "$api_built" "$APISERVER.tmp" && mv "$APISERVER.tmp" "$APISERVER"
   cp "$proxy_built" "$KUBE_PROXY.tmp" && mv "$KUBE_PROXY.tmp" "$KUBE_PROXY"
-  log "built in $((SECONDS - start))s: $APISERVER $KUBE_PROXY"
+  cp "$cm_built" "$KUBE_CM.tmp" && mv "$KUBE_CM.tmp" "$KUBE_CM"
+  log "built in $((SECONDS - start))s: $APISERVER $KUBE_PROXY $KUBE_CM"
   rm -rf "$work"
 }
 
@@ -376,6 +390,7 @@ start_apiserver() {
       --audit-log-mode=blocking \
       --endpoint-reconciler-type=none \
       --disable-admission-plugins=ServiceAccount \
+      --enable-admission-plugins=OwnerReferencesPermissionEnforcement \
       --profiling=false
     # Why these:
     #  --insecure-port=0: 1.20 still opens an unauthenticated port (8080) by default.
@@ -384,6 +399,10 @@ start_apiserver() {
     #  --disable-admission-plugins=ServiceAccount: no kube-controller-manager runs, so
     #    no namespace ever gets its "default" ServiceAccount (nor legacy token Secrets)
     #    and this plugin would reject every Pod. Tokens come from the TokenRequest API.
+    #  --enable-admission-plugins=OwnerReferencesPermissionEnforcement: on by default in
+    #    OpenShift and OKD. Setting an owner reference then needs `delete` on the object,
+    #    and `blockOwnerDeletion` needs `update` on the owner's finalizers: the operator's
+    #    writes are tested against what such clusters enforce.
     #  --audit-log-mode=blocking: an event is on disk before the response is sent, so
     #    tests can read the audit log right after a request without racing a buffer.
     rc=0; wait_ready kube-apiserver "$(cat "$dir/apiserver.pid")" "$dir/apiserver.log" \
@@ -480,9 +499,10 @@ case "${1:-}" in
   build) cmd_deps; cmd_build ;;
   apiserver-path) echo "$APISERVER" ;;
   kube-proxy-path) echo "$KUBE_PROXY" ;;
+  controller-manager-path) echo "$KUBE_CM" ;;
   up) shift; cmd_up "$@" ;;
   down) shift; cmd_down "$@" ;;
   env) shift; cmd_env "$@" ;;
   apiserver) shift; cmd_apiserver "$@" ;;
-  *) die "usage: $0 deps|build|up DIR|down DIR|env DIR|apiserver DIR [PORT]|apiserver-path|kube-proxy-path" ;;
+  *) die "usage: $0 deps|build|up DIR|down DIR|env DIR|apiserver DIR [PORT]|apiserver-path|kube-proxy-path|controller-manager-path" ;;
 esac

@@ -408,6 +408,63 @@ pub fn build_command(program: &str) -> Command {
     cmd
 }
 
+/// A real kube-controller-manager (1.20.2, built by `e2e/cluster.sh build`) for the tests
+/// that need the cluster's own controllers: the garbage collector of owner references, the
+/// namespace controller, the EndpointSlice mirroring controller. Only those that ask for
+/// it run one: elsewhere the garbage collector would hide the operator's own deletions,
+/// which clusters without one rely on. Killed (by pid) on drop.
+pub struct ControllerManager {
+    child: Option<Child>,
+    pub log: PathBuf,
+    _logdir: tempfile::TempDir,
+}
+
+impl ControllerManager {
+    /// Starts it against `cluster` (ours: it needs the admin kubeconfig) with
+    /// `--controllers=CONTROLLERS`. The binary missing is an error that says how to build
+    /// it, never a skip.
+    pub fn start(cluster: &Cluster, controllers: &str) -> anyhow::Result<ControllerManager> {
+        let out = Command::new("bash")
+            .arg(repo_root().join("e2e/cluster.sh"))
+            .arg("controller-manager-path")
+            .output()
+            .context("running e2e/cluster.sh controller-manager-path")?;
+        let bin = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if !bin.is_file() {
+            bail!("no kube-controller-manager at {}: run `bash e2e/cluster.sh build`", bin.display());
+        }
+        let logdir = tempfile::Builder::new().prefix("cro-kcm-").tempdir()?;
+        let log = logdir.path().join("kube-controller-manager.log");
+        let logfile = std::fs::File::create(&log)?;
+        let kubeconfig = cluster.admin_kubeconfig.display().to_string();
+        let child = Command::new(bin)
+            .arg(format!("--kubeconfig={kubeconfig}"))
+            .arg(format!("--controllers={controllers}"))
+            // One instance, no serving port: nothing else needs to reach it.
+            .args(["--leader-elect=false", "--port=0", "--secure-port=0", "--use-service-account-credentials=false"])
+            .stdin(Stdio::null())
+            .stdout(logfile.try_clone()?)
+            .stderr(logfile)
+            .spawn()
+            .context("starting kube-controller-manager")?;
+        Ok(ControllerManager { child: Some(child), log, _logdir: logdir })
+    }
+
+    /// Its log so far.
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for ControllerManager {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// The operator, running as its own process. Killed (by pid) on drop if still running.
 pub struct Operator {
     child: Option<Child>,
