@@ -159,6 +159,11 @@ pub struct ExportEntry {
     pub resolver: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub problem: Option<String>,
+    /// `problem` is a resolver that exists but cannot be used now (its spec, a Secret it
+    /// names) and kept nothing: the export's live slices are held, not removed
+    /// (docs/export.md, "Staleness"). Not in the document: the edge's concern.
+    #[serde(skip)]
+    pub resolver_unusable: bool,
     /// The service's entry in the resolver's `services` (shared with it; in the document
     /// only there).
     #[serde(skip)]
@@ -589,6 +594,7 @@ mod tests {
                 service: "svc-00001".into(),
                 resolver: Some("shop/consul".into()),
                 problem: None,
+                resolver_unusable: false,
                 source: None,
             })],
         }

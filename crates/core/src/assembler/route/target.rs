@@ -54,6 +54,7 @@ pub(super) fn route_export(
         service: service.to_owned(),
         resolver,
         problem,
+        resolver_unusable: false,
         source: None,
     };
     let spec = match &e.spec {
@@ -74,15 +75,37 @@ pub(super) fn route_export(
         (None, Some(d)) => Ok(d.clone()),
         (None, None) => Err("spec.resolver is not set and the operator has no --default-resolver".to_owned()),
     };
-    let through =
-        wanted.and_then(|w| through_resolver(inputs, lookup, &id.namespace, &w, &spec.service, "ConsulServices"));
+    let through = wanted
+        .map_err(NoRoute::NoResolver)
+        .and_then(|w| through_resolver(inputs, lookup, &id.namespace, &w, &spec.service, "ConsulServices"));
     let (entry, uses) = match through {
         Ok(resolver) => {
             (entry(&spec.service, Some(resolver.to_string()), None), Uses::Consul(resolver, spec.service.clone()))
         }
-        Err(why) => (entry(&spec.service, None, Some(why)), Uses::Nothing),
+        Err(NoRoute::Unusable(why)) => {
+            (ExportEntry { resolver_unusable: true, ..entry(&spec.service, None, Some(why)) }, Uses::Nothing)
+        }
+        Err(NoRoute::NoResolver(why)) => (entry(&spec.service, None, Some(why)), Uses::Nothing),
     };
     Some(Routed { entry: Some(Entry::Export(entry)), problem: None, uses })
+}
+
+/// Why an object cannot be read through a resolver.
+enum NoRoute {
+    /// No resolver serves it: none of that name, one that does not admit the namespace, an
+    /// ambiguous name, or none named.
+    NoResolver(String),
+    /// Its resolver exists but cannot be used now (its spec, or a Secret it names), and
+    /// nothing obtained through it is kept.
+    Unusable(String),
+}
+
+impl NoRoute {
+    fn message(self) -> String {
+        match self {
+            NoRoute::NoResolver(why) | NoRoute::Unusable(why) => why,
+        }
+    }
 }
 
 /// The resolver `wanted` by an object in `from` (whose kind, plural, is `what`) to read
@@ -94,7 +117,7 @@ fn through_resolver(
     wanted: &ResolverName,
     service: &str,
     what: &str,
-) -> Result<NamespacedName, String> {
+) -> Result<NamespacedName, NoRoute> {
     match lookup.find(inputs.resolvers, from, wanted) {
         Found::One(i) => {
             let r = &inputs.resolvers[i];
@@ -106,25 +129,25 @@ fn through_resolver(
                     if u.reason != UnusableReason::WaitingForSecret
                         && inputs.kept.get(&ServiceOf::new(&resolver, service)).is_none() =>
                 {
-                    Err(format!("resolver {resolver} cannot be used: {}", u.message))
+                    Err(NoRoute::Unusable(format!("resolver {resolver} cannot be used: {}", u.message)))
                 }
                 _ => Ok(resolver),
             }
         }
-        Found::None => Err(format!(
+        Found::None => Err(NoRoute::NoResolver(format!(
             "resolver {:?}: no ConsulResolver of that name in {from} or any other watched namespace",
             wanted.to_string(),
-        )),
-        Found::NotServed(all) => Err(format!(
+        ))),
+        Found::NotServed(all) => Err(NoRoute::NoResolver(format!(
             "resolver {} does not serve {what} from namespace {from}: its spec.allowedNamespaces does not admit it (absent, only its own namespace; `from: All`, or `from: Selector` with the namespace's labels, shares it)",
             all.join(", "),
-        )),
-        Found::Ambiguous(all) => Err(format!(
+        ))),
+        Found::Ambiguous(all) => Err(NoRoute::NoResolver(format!(
             "resolver {:?} is ambiguous: no ConsulResolver of that name in {from}, and several elsewhere ({}); name one in the {} namespace",
             wanted.name,
             all.join(", "),
             if what == "Mappings" { "Mapping's" } else { "export's" },
-        )),
+        ))),
     }
 }
 
@@ -165,6 +188,6 @@ fn target(inputs: &Inputs<'_>, lookup: &Lookup, m: &MappingObject, svc: &Service
             };
             (target, Uses::Consul(resolver, name.clone()), None)
         }
-        Err(why) => unresolved(why),
+        Err(no) => unresolved(no.message()),
     }
 }
