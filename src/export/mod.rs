@@ -80,7 +80,10 @@ impl Published {
 
 /// What every reconcile shares.
 pub(crate) struct Context {
+    /// Reads.
     client: kube::Client,
+    /// Writes: the fenced client, whose request bodies leave only while this replica leads.
+    writer: kube::Client,
     resource: ApiResource,
     services: ApiResource,
     slices: ApiResource,
@@ -114,14 +117,20 @@ async fn reconcile_export(obj: &DynamicObject, ctx: &Context) -> Result<Action, 
     let live_status = obj.data.get("status").cloned().and_then(|s| serde_json::from_value(s).ok());
     let generation = obj.metadata.generation;
     let now = k8s_openapi::jiff::Timestamp::now();
-    // Another operator's export (another Ambassador ID) is not ours to judge either.
+    // Another operator's export (another Ambassador ID): not ours to judge, and whatever we
+    // wrote for it while it was ours goes, so its new operator can take the name.
     if reconcile::parse(obj).is_ok_and(|s| !s.serves_ambassador_id(&ctx.ambassador_id)) {
+        ctx.forget_stale(&namespace, &name);
+        reconcile::remove(ctx, &namespace, &name, &obj.uid().unwrap_or_default(), until).await?;
         return Ok(Action::await_change());
     }
     let spec = match reconcile::validate(obj) {
         Ok(spec) => spec,
         Err(why) => {
-            let s = status::status_for(&name, generation, &status::Outcome::Invalid(why), live_status.as_ref(), now);
+            let held = reconcile::hold_invalid(ctx, obj, &why, until).await?;
+            ctx.set_stale(&namespace, &name, held.as_ref());
+            let s =
+                status::status_for(&name, generation, &status::Outcome::Invalid(why, held), live_status.as_ref(), now);
             reconcile::update_status(ctx, obj, &s, live_status.as_ref(), until).await?;
             return Ok(Action::await_change());
         }
@@ -131,33 +140,39 @@ async fn reconcile_export(obj: &DynamicObject, ctx: &Context) -> Result<Action, 
     else {
         return Ok(Action::await_change());
     };
-    let desired = Desired::of(&spec, entry.source.as_deref());
-    let outcome = reconcile::apply(ctx, obj, &entry, &desired, until).await;
-    match desired.stale.as_ref().and_then(|s| chrono::DateTime::parse_from_rfc3339(&s.since).ok()) {
-        Some(t) => ctx.metrics.stale_since.with_label_values(&[&namespace, &name]).set(t.timestamp() as f64),
-        None => {
-            let _ = ctx.metrics.stale_since.remove_label_values(&[&namespace, &name]);
-        }
-    }
-    let outcome = match outcome {
+    let outcome = match reconcile::apply(ctx, obj, &spec, &entry, until).await {
         Ok(outcome) => outcome,
         Err(e) => {
             // Said on the export (a missing grant reads as "forbidden" there), then retried
             // with backoff; a status write that fails too changes nothing about that.
-            let s = status::status_for(
-                &name,
-                generation,
-                &status::Outcome::Failed(e.to_string()),
-                live_status.as_ref(),
-                now,
-            );
+            let failed = status::Outcome::Failed(e.to_string());
+            let s = status::status_for(&name, generation, &failed, live_status.as_ref(), now);
             let _ = reconcile::update_status(ctx, obj, &s, live_status.as_ref(), until).await;
             return Err(e);
         }
     };
+    let desired = match &outcome {
+        status::Outcome::Exported { desired, .. } | status::Outcome::Held { desired, .. } => Some(desired),
+        _ => None,
+    };
+    ctx.set_stale(&namespace, &name, desired);
     let s = status::status_for(&name, generation, &outcome, live_status.as_ref(), now);
     reconcile::update_status(ctx, obj, &s, live_status.as_ref(), until).await?;
     Ok(Action::requeue(ctx.resync))
+}
+
+impl Context {
+    /// The stale metric of an export, from what it holds (`None`: nothing).
+    fn set_stale(&self, namespace: &str, name: &str, desired: Option<&Desired>) {
+        match desired.and_then(|d| d.stale.as_ref()).and_then(|s| chrono::DateTime::parse_from_rfc3339(&s.since).ok()) {
+            Some(t) => self.metrics.stale_since.with_label_values(&[namespace, name]).set(t.timestamp() as f64),
+            None => self.forget_stale(namespace, name),
+        }
+    }
+
+    fn forget_stale(&self, namespace: &str, name: &str) {
+        let _ = self.metrics.stale_since.remove_label_values(&[namespace, name]);
+    }
 }
 
 fn error_policy(obj: Arc<DynamicObject>, error: &ExportError, ctx: Arc<Context>) -> Action {
@@ -186,8 +201,10 @@ pub(crate) struct ExportConfig {
 }
 
 impl ExportController {
+    /// `writer`: the fenced client (`kube_client::fenced`) for every write.
     pub(crate) fn spawn(
         client: kube::Client,
+        writer: kube::Client,
         leadership: Leadership,
         cfg: ExportConfig,
         vitals: &Arc<Vitals>,
@@ -203,6 +220,7 @@ impl ExportController {
         let (latest, latest_rx) = watch::channel(None);
         let ctx = Arc::new(Context {
             client,
+            writer,
             resource,
             services,
             slices,
@@ -224,7 +242,8 @@ impl ExportController {
     pub(crate) fn sync(&mut self, world: &World) {
         for gone in self.feed.sync(world, GROUP, KIND) {
             let id = (gone.namespace().unwrap_or_default(), gone.name_any());
-            let _ = self.ctx.metrics.stale_since.remove_label_values(&[&id.0, &id.1]);
+            let uid = gone.uid().unwrap_or_default();
+            self.ctx.forget_stale(&id.0, &id.1);
             let at = ObjectRef::from_obj_with(&gone, self.feed.resource().clone());
             self.ctx.backoff.forget(&at);
             self.removals.retain(|t| !t.is_finished());
@@ -233,7 +252,7 @@ impl ExportController {
                 // Only the leader removes; a follower's export deletions are the leader's
                 // to carry out (it sees them too).
                 let Some(until) = ctx.leadership.until() else { return };
-                if let Err(e) = reconcile::remove(&ctx, &id.0, &id.1, until).await {
+                if let Err(e) = reconcile::remove(&ctx, &id.0, &id.1, &uid, until).await {
                     tracing::warn!(export = %format!("{}/{}", id.0, id.1), error = %e,
                         "could not remove a deleted export's Service and slices (owner references remove them where a garbage collector runs)");
                 }

@@ -29,6 +29,10 @@ pub(crate) const INSTANCE: &str = "consulresolver.io/ambassador-id";
 pub(crate) const STALE_SINCE: &str = "consulresolver.io/stale-since";
 pub(crate) const STALE_REASON: &str = "consulresolver.io/stale-reason";
 
+/// Label of a headless Service's slices: kube-proxy's informers skip slices that carry it
+/// (a headless Service has no virtual IP to program), so no node's proxy watches them.
+pub(crate) const HEADLESS: &str = "service.kubernetes.io/headless";
+
 /// Where v1beta1 keeps an endpoint's zone (v1 has a field of its own).
 const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 
@@ -72,8 +76,17 @@ pub(crate) fn service_labels(export: &str, instance: &str) -> BTreeMap<String, S
     ])
 }
 
-/// Labels of an export's slices.
-pub(crate) fn slice_labels(export: &str, instance: &str) -> BTreeMap<String, String> {
+/// Labels of an export's slices (a headless Service's say so).
+pub(crate) fn slice_labels(export: &str, instance: &str, headless: bool) -> BTreeMap<String, String> {
+    let mut labels = ours(export, instance);
+    if headless {
+        labels.insert(HEADLESS.to_owned(), String::new());
+    }
+    labels
+}
+
+/// The labels that make a slice ours: found by these, whatever else it carries.
+fn ours(export: &str, instance: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         (SERVICE_NAME.to_owned(), export.to_owned()),
         (MANAGED_BY.to_owned(), MANAGED_BY_VALUE.to_owned()),
@@ -84,13 +97,22 @@ pub(crate) fn slice_labels(export: &str, instance: &str) -> BTreeMap<String, Str
 
 /// The label selector of an export's slices, ours only.
 pub(crate) fn slice_selector(export: &str, instance: &str) -> String {
-    slice_labels(export, instance).iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+    ours(export, instance).iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
 }
 
-/// An owner reference, as the controller of the object that holds it.
+/// An owner reference, as the controller of the object that holds it. Without
+/// `blockOwnerDeletion`: setting it needs `update` on the owner's `finalizers` wherever the
+/// `OwnerReferencesPermissionEnforcement` admission plugin runs (OpenShift and OKD by
+/// default), a grant per tenant namespace for no gain here. The garbage collector deletes
+/// dependents either way; the flag only makes a foreground deletion of the owner wait for
+/// them, and nobody waits on an export's or Service's foreground deletion.
 pub(crate) fn owner(api_version: &str, kind: &str, name: &str, uid: &str) -> Value {
-    json!({"apiVersion": api_version, "kind": kind, "name": name, "uid": uid,
-           "controller": true, "blockOwnerDeletion": true})
+    json!({"apiVersion": api_version, "kind": kind, "name": name, "uid": uid, "controller": true})
+}
+
+/// The uid of `obj`'s controller owner, if it has one.
+pub(crate) fn controller_uid(obj: &Value) -> Option<&str> {
+    obj["metadata"]["ownerReferences"].as_array()?.iter().find(|r| r["controller"] == true)?["uid"].as_str()
 }
 
 /// A port of the Service or of a slice, as both write it.
@@ -103,7 +125,10 @@ fn port(p: &Port) -> Value {
 }
 
 /// The export's Service: no selector (so no controller of the cluster fills its
-/// endpoints), owned by the export.
+/// endpoints), owned by the export, of one address family, always said: left out, a
+/// dual-stack cluster gives the Service its primary family whatever the slices hold (an
+/// IPv4 export on an IPv6-primary cluster would get an IPv6 ClusterIP and no traffic), and
+/// a selector-less headless Service defaults to `RequireDualStack`.
 pub(crate) fn service(
     namespace: &str,
     name: &str,
@@ -116,9 +141,8 @@ pub(crate) fn service(
     if desired.headless {
         spec["clusterIP"] = json!("None");
     }
-    if desired.family == IpFamily::IPv6 {
-        spec["ipFamilies"] = json!(["IPv6"]);
-    }
+    spec["ipFamilyPolicy"] = json!("SingleStack");
+    spec["ipFamilies"] = json!([desired.family.as_str()]);
     json!({
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": name, "namespace": namespace, "labels": labels, "ownerReferences": [owner]},
@@ -148,11 +172,30 @@ pub(crate) fn service_matches(live: &Value, want: &Value) -> bool {
         |s: &Value| s["spec"]["ports"].as_array().map(|ps| ps.iter().map(port).collect::<Vec<_>>()).unwrap_or_default();
     let selectorless =
         live["spec"].get("selector").is_none_or(|s| s.is_null() || s.as_object().is_some_and(|m| m.is_empty()));
-    labels_ok && owner_ok && selectorless && ports(live) == ports(want) && is_headless(live) == is_headless(want)
+    // A server that does not know the dual-stack fields (1.20 without its feature gate)
+    // drops them: absent is not a difference (it would be written again forever).
+    let policy_ok =
+        live["spec"].get("ipFamilyPolicy").is_none_or(|p| p.is_null() || *p == want["spec"]["ipFamilyPolicy"]);
+    let families_ok = live["spec"].get("ipFamilies").is_none_or(|f| f.is_null() || *f == want["spec"]["ipFamilies"]);
+    labels_ok
+        && owner_ok
+        && selectorless
+        && policy_ok
+        && families_ok
+        && ports(live) == ports(want)
+        && is_headless(live) == is_headless(want)
 }
 
 pub(crate) fn is_headless(service: &Value) -> bool {
     service["spec"]["clusterIP"] == "None"
+}
+
+/// Whether the live Service must be replaced to become `want`: its clusterIP (headless or
+/// not) and its primary address family cannot change in place.
+pub(crate) fn needs_replace(live: &Value, want: &Value) -> bool {
+    let primary = |s: &Value| s["spec"]["ipFamilies"][0].as_str().map(str::to_owned);
+    let family_changed = primary(live).is_some_and(|f| Some(f) != primary(want));
+    is_headless(live) != is_headless(want) || family_changed
 }
 
 /// One slice of the plan, as written.
@@ -292,7 +335,7 @@ mod tests {
     fn a_written_slice_reads_back_as_the_plan_so_it_is_not_written_again() {
         let d = desired();
         let plan = layout::plan("web", &d, &[]);
-        let labels = slice_labels("web", "default");
+        let labels = slice_labels("web", "default", false);
         for version in [SliceVersion::V1, SliceVersion::V1beta1] {
             let written = slice(version, "shop", &plan.slices[0], &d, &labels, owner("v1", "Service", "web", "u-1"));
             assert_eq!(written["addressType"], "IPv4");

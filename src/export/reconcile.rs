@@ -1,11 +1,16 @@
 //! One export's reconcile, in steps with their own errors: validate the spec, build what
-//! it asks for from the published snapshot, apply the Service and the slices that changed,
-//! then the status. Every request is bounded by the leadership deadline, so nothing is
-//! written after this replica may have lost the Lease.
+//! it asks for from the published snapshot (or, while nothing says, hold what the cluster
+//! has), apply the Service and the slices that changed, then the status.
+//!
+//! Every request is bounded by the leadership deadline, and every write goes through the
+//! fenced client (its body leaves only while this replica leads, `kube_client/fence.rs`),
+//! so a deposed leader's late request cannot undo the current one's. Deletes name the uid
+//! they mean (`Preconditions`): an object re-created under the same name meanwhile is not
+//! deleted by a request meant for its predecessor.
 
 use std::future::Future;
 
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, Preconditions};
 use kube::{Resource, ResourceExt};
 use serde_json::Value;
 use tokio::time::Instant;
@@ -14,9 +19,10 @@ use super::objects;
 use super::status::Outcome;
 use super::{Context, ExportError};
 use crate::kube_client::{FIELD_MANAGER, status_code};
-use consul_resolver_api::export::{ConsulService, ConsulServiceSpec};
+use consul_resolver_api::export::{ConsulService, ConsulServiceSpec, IpFamily};
 use consul_resolver_core::assembler::snapshot::ExportEntry;
-use consul_resolver_core::export::{Desired, layout};
+use consul_resolver_core::export::layout::LiveSlice;
+use consul_resolver_core::export::{Desired, held, knows, layout};
 
 /// A request within the leadership deadline.
 async fn within<T>(until: Instant, what: &str, f: impl Future<Output = kube::Result<T>>) -> Result<T, ExportError> {
@@ -26,23 +32,30 @@ async fn within<T>(until: Instant, what: &str, f: impl Future<Output = kube::Res
     }
 }
 
-/// A request within the leadership deadline, to an object that may be gone meanwhile
-/// (`None`: the API server said 404, which for a delete is as good as done).
+/// A request within the leadership deadline, to an object that may be gone or replaced
+/// meanwhile (`None`: the API server said 404, or 409 for a precondition on the uid: for a
+/// delete, as good as done, since the object meant is gone).
 async fn within_unless_gone<T>(
     until: Instant,
     what: &str,
     f: impl Future<Output = kube::Result<T>>,
 ) -> Result<Option<T>, ExportError> {
     match within(until, what, f).await {
-        Err(ExportError::Write(_, e)) if status_code(&e) == Some(404) => Ok(None),
+        Err(ExportError::Write(_, e)) if matches!(status_code(&e), Some(404 | 409)) => Ok(None),
         r => r.map(Some),
     }
 }
 
+/// A delete of exactly the object with `uid`.
+fn delete_exactly(uid: &str) -> DeleteParams {
+    let preconditions = Preconditions { uid: Some(uid.to_owned()), resource_version: None };
+    DeleteParams { preconditions: Some(preconditions), ..DeleteParams::default() }
+}
+
 /// Whether the Service `live` is the one this operator instance keeps for export `name`.
-fn ours(live: &DynamicObject, name: &str, instance: &str) -> bool {
-    live.labels().get(objects::EXPORT).map(String::as_str) == Some(name)
-        && live.labels().get(objects::INSTANCE).map(String::as_str) == Some(instance)
+fn ours(live: &Value, name: &str, instance: &str) -> bool {
+    live["metadata"]["labels"][objects::EXPORT].as_str() == Some(name)
+        && live["metadata"]["labels"][objects::INSTANCE].as_str() == Some(instance)
 }
 
 /// The spec as the export holds it, or why it cannot be read.
@@ -58,113 +71,247 @@ pub(super) fn validate(obj: &DynamicObject) -> Result<ConsulServiceSpec, String>
     Ok(spec)
 }
 
-/// Apply: the Service and the slices, as `desired` says; what happened, for the status.
-pub(super) async fn apply<'a>(
-    ctx: &Context,
-    obj: &DynamicObject,
-    entry: &ExportEntry,
-    desired: &'a Desired,
-    until: Instant,
-) -> Result<Outcome<'a>, ExportError> {
-    let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
-    let services: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), &namespace, &ctx.services);
-    let shown = format!("Service {namespace}/{name}");
-    let live = within(until, &shown, services.get_opt(&name)).await?;
-    if live.as_ref().is_some_and(|s| !ours(s, &name, &ctx.instance)) {
-        remove_slices(ctx, &namespace, &name, until).await?;
-        return Ok(Outcome::Conflict);
-    }
-    if entry.source.is_none()
-        && let Some(why) = &entry.problem
-    {
-        // No resolver, nothing kept: no endpoints. The Service stays (the export does).
-        remove_slices(ctx, &namespace, &name, until).await?;
-        return Ok(Outcome::NoResolver(why.clone()));
-    }
-    if desired.ports.is_empty() && !desired.headless {
-        remove_slices(ctx, &namespace, &name, until).await?;
-        return Ok(Outcome::NoPorts { desired });
-    }
-    let uid = obj.uid().unwrap_or_default();
-    let owner = objects::owner(&ConsulService::api_version(&()), &ConsulService::kind(&()), &name, &uid);
-    let labels = objects::service_labels(&name, &ctx.instance);
-    let want = objects::service(&namespace, &name, desired, &labels, owner);
-    let mut live = live.map(|s| serde_json::to_value(s).unwrap_or_default());
-    // clusterIP cannot change in place: headless and not are different Services.
-    if let Some(l) = &live
-        && objects::is_headless(l) != desired.headless
-    {
-        within(until, &shown, services.delete(&name, &DeleteParams::default())).await?;
-        ctx.metrics.writes.with_label_values(&["service", "delete"]).inc();
-        live = None;
-    }
-    let service_uid = match live.filter(|l| objects::service_matches(l, &want)) {
-        Some(l) => l["metadata"]["uid"].as_str().unwrap_or_default().to_owned(),
-        None => {
-            let params = PatchParams::apply(FIELD_MANAGER).force();
-            let written = within(until, &shown, services.patch(&name, &params, &Patch::Apply(&want))).await?;
-            ctx.metrics.writes.with_label_values(&["service", "apply"]).inc();
-            written.uid().unwrap_or_default()
-        }
-    };
-    let slices = apply_slices(ctx, &namespace, &name, desired, &service_uid, until).await?;
-    Ok(Outcome::Exported { desired, slices, waiting: entry.source.as_ref().is_none_or(|s| !s.synced) })
+/// What the cluster holds for one export: our Service (`None`: absent) and our slices.
+struct Live {
+    service: Option<Value>,
+    slices: Vec<(LiveSlice, String)>,
 }
 
-/// The slices that changed, written; those no longer wanted, deleted. Returns how many
-/// the export has.
-async fn apply_slices(
+impl Live {
+    fn slices(&self) -> Vec<LiveSlice> {
+        self.slices.iter().map(|(s, _)| s.clone()).collect()
+    }
+
+    fn service_uid(&self) -> &str {
+        self.service.as_ref().and_then(|s| s["metadata"]["uid"].as_str()).unwrap_or_default()
+    }
+}
+
+/// The live Service of `name`, any owner's (`None`: absent).
+async fn get_service(ctx: &Context, namespace: &str, name: &str, until: Instant) -> Result<Option<Value>, ExportError> {
+    let services: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), namespace, &ctx.services);
+    let found = within(until, &format!("Service {namespace}/{name}"), services.get_opt(name)).await?;
+    Ok(found.map(|s| serde_json::to_value(s).unwrap_or_default()))
+}
+
+/// Our slices of the Service `name`, read back against the labels and owner they should
+/// have, with their uids.
+async fn list_slices(
     ctx: &Context,
     namespace: &str,
     name: &str,
-    desired: &Desired,
-    service_uid: &str,
+    labels: &std::collections::BTreeMap<String, String>,
+    service_uid: Option<&str>,
     until: Instant,
-) -> Result<usize, ExportError> {
+) -> Result<Vec<(LiveSlice, String)>, ExportError> {
     let api: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), namespace, &ctx.slices);
     let shown = format!("EndpointSlices of {namespace}/{name}");
     let selector = objects::slice_selector(name, &ctx.instance);
     let listed = within(until, &shown, api.list(&ListParams::default().labels(&selector))).await?;
-    let labels = objects::slice_labels(name, &ctx.instance);
-    let live: Vec<_> = listed
+    Ok(listed
         .items
         .iter()
-        .map(|s| objects::live_slice(&serde_json::to_value(s).unwrap_or_default(), &labels, Some(service_uid)))
-        .collect();
-    let plan = layout::plan(name, desired, &live);
+        .map(|s| {
+            let value = serde_json::to_value(s).unwrap_or_default();
+            (objects::live_slice(&value, labels, service_uid), s.uid().unwrap_or_default())
+        })
+        .collect())
+}
+
+/// Apply: the Service and the slices, as the export and its snapshot entry say; what
+/// happened, for the status.
+pub(super) async fn apply(
+    ctx: &Context,
+    obj: &DynamicObject,
+    spec: &ConsulServiceSpec,
+    entry: &ExportEntry,
+    until: Instant,
+) -> Result<Outcome, ExportError> {
+    let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
+    let service = get_service(ctx, &namespace, &name, until).await?;
+    if service.as_ref().is_some_and(|s| !ours(s, &name, &ctx.instance)) {
+        remove_slices(ctx, &namespace, &name, None, until).await?;
+        return Ok(Outcome::Conflict);
+    }
+    if entry.source.is_none()
+        && !entry.resolver_unusable
+        && let Some(why) = &entry.problem
+    {
+        // No resolver serves it: nothing to keep. The Service stays (the export does).
+        remove_slices(ctx, &namespace, &name, None, until).await?;
+        return Ok(Outcome::NoResolver(why.clone()));
+    }
+    let source = entry.source.as_deref();
+    let desired = Desired::of(spec, source);
+    let labels = objects::slice_labels(&name, &ctx.instance, desired.headless);
+    let service_uid = service.as_ref().and_then(|s| s["metadata"]["uid"].as_str());
+    let live = Live { slices: list_slices(ctx, &namespace, &name, &labels, service_uid, until).await?, service };
+    if !knows(source) {
+        let reason = entry
+            .problem
+            .clone()
+            .or_else(|| source.and_then(|s| s.error.clone()))
+            .unwrap_or_else(|| "Consul has not answered for this service since the operator started".to_owned());
+        if let Some(outcome) = hold(ctx, &namespace, &name, &live, desired.family, &reason, until).await? {
+            return Ok(outcome);
+        }
+    }
+    if desired.ports.is_empty() && !desired.headless {
+        remove_slices(ctx, &namespace, &name, None, until).await?;
+        return Ok(Outcome::NoPorts { desired });
+    }
+    let service_uid = apply_service(ctx, obj, &desired, live.service, until).await?;
+    let slices = write_slices(ctx, &namespace, &name, &desired, &live.slices, &service_uid, true, until).await?;
+    Ok(Outcome::Exported { desired, slices, waiting: source.is_none_or(|s| !s.synced) })
+}
+
+/// The Service as `desired` says, written unless it already is; its uid.
+async fn apply_service(
+    ctx: &Context,
+    obj: &DynamicObject,
+    desired: &Desired,
+    live: Option<Value>,
+    until: Instant,
+) -> Result<String, ExportError> {
+    let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
+    let uid = obj.uid().unwrap_or_default();
+    let owner = objects::owner(&ConsulService::api_version(&()), &ConsulService::kind(&()), &name, &uid);
+    let labels = objects::service_labels(&name, &ctx.instance);
+    let want = objects::service(&namespace, &name, desired, &labels, owner);
+    let shown = format!("Service {namespace}/{name}");
+    let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), &namespace, &ctx.services);
+    let mut live = live;
+    if let Some(l) = &live
+        && objects::needs_replace(l, &want)
+    {
+        let live_uid = l["metadata"]["uid"].as_str().unwrap_or_default();
+        if within_unless_gone(until, &shown, writer.delete(&name, &delete_exactly(live_uid))).await?.is_some() {
+            ctx.metrics.writes.with_label_values(&["service", "delete"]).inc();
+        }
+        live = None;
+    }
+    if let Some(l) = live.filter(|l| objects::service_matches(l, &want)) {
+        return Ok(l["metadata"]["uid"].as_str().unwrap_or_default().to_owned());
+    }
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    let written = within(until, &shown, writer.patch(&name, &params, &Patch::Apply(&want))).await?;
+    ctx.metrics.writes.with_label_values(&["service", "apply"]).inc();
+    Ok(written.uid().unwrap_or_default())
+}
+
+/// While nothing says what the export should hold (no answer since this process started,
+/// or its resolver cannot be used now), its live slices are the last known good: kept as
+/// they are, marked stale. The Service is left as it is. `None`: nothing to hold (no
+/// Service of ours, or no live endpoints), so the export is built as usual.
+async fn hold(
+    ctx: &Context,
+    namespace: &str,
+    name: &str,
+    live: &Live,
+    family: IpFamily,
+    reason: &str,
+    until: Instant,
+) -> Result<Option<Outcome>, ExportError> {
+    let Some(service) = &live.service else { return Ok(None) };
+    let now = k8s_openapi::jiff::Timestamp::now();
+    // Whole seconds, as the conditions' times.
+    let now = k8s_openapi::jiff::Timestamp::from_second(now.as_second()).unwrap_or(now);
+    let mut desired = held(&live.slices(), family, reason, &now.to_string());
+    if desired.endpoint_count() == 0 {
+        return Ok(None);
+    }
+    desired.headless = objects::is_headless(service);
+    let kept: Vec<(LiveSlice, String)> =
+        live.slices.iter().filter(|(s, _)| s.family == Some(family) && !s.endpoints.is_empty()).cloned().collect();
+    let slices = write_slices(ctx, namespace, name, &desired, &kept, live.service_uid(), false, until).await?;
+    Ok(Some(Outcome::Held { desired, slices }))
+}
+
+/// The export's spec cannot be used: its live slices are held as they are, marked stale
+/// for `why` (an edit that breaks the spec must not take the traffic away). The export's
+/// status says why; nothing else is written.
+pub(super) async fn hold_invalid(
+    ctx: &Context,
+    obj: &DynamicObject,
+    why: &str,
+    until: Instant,
+) -> Result<Option<Desired>, ExportError> {
+    let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
+    let Some(service) = get_service(ctx, &namespace, &name, until).await?.filter(|s| ours(s, &name, &ctx.instance))
+    else {
+        return Ok(None);
+    };
+    let labels = objects::slice_labels(&name, &ctx.instance, objects::is_headless(&service));
+    let service_uid = service["metadata"]["uid"].as_str();
+    let slices = list_slices(ctx, &namespace, &name, &labels, service_uid, until).await?;
+    let Some(family) = slices.iter().find(|(s, _)| !s.endpoints.is_empty()).and_then(|(s, _)| s.family) else {
+        return Ok(None);
+    };
+    let live = Live { service: Some(service), slices };
+    let reason = format!("the ConsulService's spec cannot be used: {why}");
+    Ok(hold(ctx, &namespace, &name, &live, family, &reason, until).await?.and_then(|o| match o {
+        Outcome::Held { desired, .. } => Some(desired),
+        _ => None,
+    }))
+}
+
+/// Writes the slices of `desired`'s plan against `live` that differ, and (with `delete`)
+/// deletes those it no longer needs. Returns how many the export has.
+#[allow(clippy::too_many_arguments)]
+async fn write_slices(
+    ctx: &Context,
+    namespace: &str,
+    name: &str,
+    desired: &Desired,
+    live: &[(LiveSlice, String)],
+    service_uid: &str,
+    delete: bool,
+    until: Instant,
+) -> Result<usize, ExportError> {
+    let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), namespace, &ctx.slices);
+    let labels = objects::slice_labels(name, &ctx.instance, desired.headless);
+    let live_slices: Vec<LiveSlice> = live.iter().map(|(s, _)| s.clone()).collect();
+    let plan = layout::plan(name, desired, &live_slices);
     let owner = objects::owner("v1", "Service", name, service_uid);
     let params = PatchParams::apply(FIELD_MANAGER).force();
     for slice in plan.slices.iter().filter(|s| plan.write.contains(&s.name)) {
         let body = objects::slice(ctx.version, namespace, slice, desired, &labels, owner.clone());
         let what = format!("EndpointSlice {namespace}/{}", slice.name);
-        within(until, &what, api.patch(&slice.name, &params, &Patch::Apply(&body))).await?;
+        within(until, &what, writer.patch(&slice.name, &params, &Patch::Apply(&body))).await?;
         ctx.metrics.writes.with_label_values(&["endpointslice", "apply"]).inc();
     }
-    for gone in &plan.delete {
-        delete_slice(ctx, &api, namespace, gone, until).await?;
+    if delete {
+        for gone in &plan.delete {
+            if let Some((_, uid)) = live.iter().find(|(s, _)| &s.name == gone) {
+                delete_slice(ctx, namespace, gone, uid, until).await?;
+            }
+        }
     }
     Ok(plan.slices.len())
 }
 
 async fn delete_slice(
     ctx: &Context,
-    api: &Api<DynamicObject>,
     namespace: &str,
     name: &str,
+    uid: &str,
     until: Instant,
 ) -> Result<(), ExportError> {
+    let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), namespace, &ctx.slices);
     let what = format!("EndpointSlice {namespace}/{name}");
-    if within_unless_gone(until, &what, api.delete(name, &DeleteParams::default())).await?.is_some() {
+    if within_unless_gone(until, &what, writer.delete(name, &delete_exactly(uid))).await?.is_some() {
         ctx.metrics.writes.with_label_values(&["endpointslice", "delete"]).inc();
     }
     Ok(())
 }
 
-/// Deletes every slice of ours for the Service `name`.
-pub(super) async fn remove_slices(
+/// Deletes our slices for the Service `name`: all of them, or (`owner`) only those the
+/// Service with that uid owns.
+async fn remove_slices(
     ctx: &Context,
     namespace: &str,
     name: &str,
+    owner: Option<&str>,
     until: Instant,
 ) -> Result<(), ExportError> {
     let api: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), namespace, &ctx.slices);
@@ -172,22 +319,36 @@ pub(super) async fn remove_slices(
     let selector = objects::slice_selector(name, &ctx.instance);
     let listed = within(until, &shown, api.list_metadata(&ListParams::default().labels(&selector))).await?;
     for s in listed.items {
-        delete_slice(ctx, &api, namespace, &s.name_any(), until).await?;
+        let controller = s.metadata.owner_references.iter().flatten().find(|r| r.controller == Some(true));
+        if owner.is_some_and(|uid| controller.is_none_or(|r| r.uid != uid)) {
+            continue;
+        }
+        delete_slice(ctx, namespace, &s.name_any(), &s.uid().unwrap_or_default(), until).await?;
     }
     Ok(())
 }
 
-/// The export is gone: its Service (if ours) and slices go too. Owner references do this
-/// where a garbage collector runs; this also covers clusters without one, and is harmless
-/// where it does.
-pub(super) async fn remove(ctx: &Context, namespace: &str, name: &str, until: Instant) -> Result<(), ExportError> {
-    remove_slices(ctx, namespace, name, until).await?;
-    let services: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), namespace, &ctx.services);
+/// The export with uid `export_uid` is gone, or no longer this operator's (another
+/// Ambassador ID): its Service and slices go too, if ours and owned by that export (never
+/// those of an export re-created under the same name). Owner references do this where a
+/// garbage collector runs; this also covers clusters without one, and is harmless where
+/// it does.
+pub(super) async fn remove(
+    ctx: &Context,
+    namespace: &str,
+    name: &str,
+    export_uid: &str,
+    until: Instant,
+) -> Result<(), ExportError> {
+    let Some(service) = get_service(ctx, namespace, name, until).await? else { return Ok(()) };
+    if !ours(&service, name, &ctx.instance) || objects::controller_uid(&service) != Some(export_uid) {
+        return Ok(());
+    }
+    let service_uid = service["metadata"]["uid"].as_str().unwrap_or_default();
+    remove_slices(ctx, namespace, name, Some(service_uid), until).await?;
+    let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), namespace, &ctx.services);
     let shown = format!("Service {namespace}/{name}");
-    let Some(live) = within(until, &shown, services.get_opt(name)).await? else { return Ok(()) };
-    if ours(&live, name, &ctx.instance)
-        && within_unless_gone(until, &shown, services.delete(name, &DeleteParams::default())).await?.is_some()
-    {
+    if within_unless_gone(until, &shown, writer.delete(name, &delete_exactly(service_uid))).await?.is_some() {
         ctx.metrics.writes.with_label_values(&["service", "delete"]).inc();
     }
     Ok(())
@@ -212,10 +373,13 @@ pub(super) async fn update_status(
         "metadata": {"name": name},
         "status": status,
     });
-    let api: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), &namespace, &ctx.resource);
+    let api: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), &namespace, &ctx.resource);
     let params = PatchParams::apply(FIELD_MANAGER).force();
     let shown = format!("the status of ConsulService {namespace}/{name}");
     // Deleted meanwhile: nothing to say.
     within_unless_gone(until, &shown, api.patch_status(&name, &params, &Patch::Apply(&patch))).await?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

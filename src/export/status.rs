@@ -11,17 +11,21 @@ use consul_resolver_core::export::Desired;
 const MAX_EXCLUDED_LISTED: usize = 20;
 
 /// How a reconcile ended, for the status.
-pub(crate) enum Outcome<'a> {
-    /// The spec cannot be used: nothing was written.
-    Invalid(String),
+pub(crate) enum Outcome {
+    /// The spec cannot be used (why); the live slices, if any, held as they were
+    /// (`held`), marked stale.
+    Invalid(String, Option<Desired>),
     /// A Service of that name exists and is not ours: untouched, our slices removed.
     Conflict,
     /// No resolver can serve it (`why`): its slices were removed.
     NoResolver(String),
     /// Written (or already as wanted): the Service `service` and `slices` slices.
-    Exported { desired: &'a Desired, slices: usize, waiting: bool },
+    Exported { desired: Desired, slices: usize, waiting: bool },
+    /// Nothing says what to hold (no answer yet, or the resolver cannot be used now): the
+    /// live slices are held as they were, marked stale.
+    Held { desired: Desired, slices: usize },
     /// The Service cannot exist yet: no port to expose (no instance, no `spec.ports`).
-    NoPorts { desired: &'a Desired },
+    NoPorts { desired: Desired },
     /// A write failed (`why`: the API server's answer, e.g. forbidden without the export
     /// role in this namespace); retried with backoff.
     Failed(String),
@@ -30,7 +34,7 @@ pub(crate) enum Outcome<'a> {
 pub(crate) fn status_for(
     name: &str,
     generation: Option<i64>,
-    outcome: &Outcome<'_>,
+    outcome: &Outcome,
     previous: Option<&ConsulServiceStatus>,
     now: Timestamp,
 ) -> ConsulServiceStatus {
@@ -38,7 +42,7 @@ pub(crate) fn status_for(
     // Messages are never empty: metav1.Condition requires one (an empty one is sent as null).
     let no_conflict = || ("False", reason::NO_CONFLICT, format!("no Service {name} but ours"));
     let (ready, exported, conflict) = match outcome {
-        Outcome::Invalid(why) => (
+        Outcome::Invalid(why, _) => (
             ("False", reason::INVALID_SPEC, why.clone()),
             ("False", reason::INVALID_SPEC, why.clone()),
             ("Unknown", reason::INVALID_SPEC, "not checked: the spec cannot be used".to_owned()),
@@ -64,6 +68,14 @@ pub(crate) fn status_for(
         Outcome::NoPorts { .. } => {
             let why = "no instance yet, so no port to expose: the Service is created with the first instance (or set spec.ports)".to_owned();
             (("False", reason::WAITING, why.clone()), ("False", reason::WAITING, why), no_conflict())
+        }
+        Outcome::Held { desired, slices } => {
+            let stale = desired.stale.as_ref().map(|s| format!("since {}: {}", s.since, s.reason)).unwrap_or_default();
+            (
+                ("False", reason::STALE, format!("endpoints held from the EndpointSlices, stale {stale}")),
+                ("True", reason::EXPORTED, format!("Service {name} and {slices} EndpointSlices held as last written")),
+                no_conflict(),
+            )
         }
         Outcome::Exported { desired, slices, waiting } => {
             let n = desired.endpoint_count();
@@ -100,12 +112,12 @@ pub(crate) fn status_for(
         .collect();
     let mut status = ConsulServiceStatus { observed_generation: generation, conditions, ..Default::default() };
     let desired = match outcome {
-        Outcome::Exported { desired, slices, .. } => {
+        Outcome::Exported { desired, slices, .. } | Outcome::Held { desired, slices } => {
             status.service = Some(name.to_owned());
             status.slices = Some(u32::try_from(*slices).unwrap_or(u32::MAX));
-            Some(*desired)
+            Some(desired)
         }
-        Outcome::NoPorts { desired } => Some(*desired),
+        Outcome::NoPorts { desired } | Outcome::Invalid(_, Some(desired)) => Some(desired),
         _ => None,
     };
     if let Some(d) = desired {
@@ -138,12 +150,13 @@ mod tests {
         let d = Desired::of(&spec, None);
         let t0 = Timestamp::from_second(1_795_413_600).unwrap();
         let outcomes = [
-            Outcome::Invalid("spec.ports is empty".into()),
+            Outcome::Invalid("spec.ports is empty".into(), None),
             Outcome::Conflict,
             Outcome::NoResolver("no resolver".into()),
-            Outcome::NoPorts { desired: &d },
-            Outcome::Exported { desired: &d, slices: 0, waiting: false },
+            Outcome::NoPorts { desired: d.clone() },
+            Outcome::Exported { desired: d.clone(), slices: 0, waiting: false },
             Outcome::Failed("forbidden".into()),
+            Outcome::Held { desired: d.clone(), slices: 0 },
         ];
         for o in &outcomes {
             let s = status_for("web", Some(2), o, None, t0);

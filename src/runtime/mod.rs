@@ -117,12 +117,45 @@ fn without_own_output(key: KubeKey) -> KubeKey {
     narrowed
 }
 
-/// EndpointSlices where `discovery.k8s.io/v1` is served (1.21+), else core Endpoints.
+/// EndpointSlices where `discovery.k8s.io/v1` is served (1.21+), else core Endpoints
+/// (and v1beta1 slices for exports). The choice holds for the process's life, so only an
+/// authoritative answer selects the fallback: the group version absent (404), or served
+/// without the kind. Anything else (a 429, a 5xx, a timeout) is asked again with backoff,
+/// while `/readyz` is still false: guessed wrong, the process would read the 1,000-address
+/// Endpoints and write slices a 1.25+ server refuses, until restarted.
 async fn endpoints_api(client: &Client, discovered: &Discovered) -> EndpointsApi {
     let key = KubeKey::new("discovery.k8s.io", "v1", "EndpointSlice");
-    match discovered.resolve(client, &key).await {
-        Ok(_) => EndpointsApi::EndpointSlices,
-        Err(_) => EndpointsApi::Endpoints,
+    let mut delay = DISCOVERY_RETRY_FIRST;
+    loop {
+        // Through the discovery cache, which the watches of EndpointSlices then reuse.
+        if discovered.resolve(client, &key).await.is_ok() {
+            return EndpointsApi::EndpointSlices;
+        }
+        match endpoints_api_from(client.list_api_group_resources("discovery.k8s.io/v1").await) {
+            Ok(api) => return api,
+            Err(why) => {
+                tracing::warn!(error = %why, retry_in = ?delay, "cannot tell whether discovery.k8s.io/v1 is served; asking again");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(DISCOVERY_RETRY_MAX);
+            }
+        }
+    }
+}
+
+/// The first wait before discovery is asked again, doubled up to [`DISCOVERY_RETRY_MAX`].
+const DISCOVERY_RETRY_FIRST: Duration = Duration::from_millis(200);
+const DISCOVERY_RETRY_MAX: Duration = Duration::from_secs(10);
+
+/// What an answer to `GET /apis/discovery.k8s.io/v1` says of the endpoints API, or why it
+/// says nothing for sure.
+fn endpoints_api_from(
+    answer: kube::Result<k8s_openapi::apimachinery::pkg::apis::meta::v1::APIResourceList>,
+) -> Result<EndpointsApi, String> {
+    match answer {
+        Ok(list) if list.resources.iter().any(|r| r.kind == "EndpointSlice") => Ok(EndpointsApi::EndpointSlices),
+        Ok(_) => Ok(EndpointsApi::Endpoints),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(EndpointsApi::Endpoints),
+        Err(e) => Err(e.to_string()),
     }
 }
 
@@ -277,7 +310,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         // Its own client: the parts of a split snapshot are large, and their bodies go out
         // only while leading (kube_client/fence.rs).
         Some(target) => {
-            let writer = crate::kube_client::fenced(kube_config, args.kube_timeout, leadership.clone())
+            let writer = crate::kube_client::fenced(kube_config.clone(), args.kube_timeout, leadership.clone())
                 .context("cannot build the snapshot ConfigMap's Kubernetes client")?;
             Some(Arc::new(ConfigMapPublisher::new(writer, target, leadership.clone())))
         }
@@ -321,7 +354,11 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
             resync: args.resync_period,
             metrics: metrics.exports.clone(),
         };
-        Some(ExportController::spawn(client.clone(), leadership.clone(), cfg, &vitals))
+        // Its own fenced client: a deposed leader's late write must not undo the current
+        // leader's (kube_client/fence.rs).
+        let writer = crate::kube_client::fenced(kube_config.clone(), args.kube_timeout, leadership.clone())
+            .context("cannot build the exports' Kubernetes client")?;
+        Some(ExportController::spawn(client.clone(), writer, leadership.clone(), cfg, &vitals))
     } else {
         None
     };
@@ -485,5 +522,37 @@ mod tests {
             "/apis/discovery.k8s.io/v1" => resources("discovery.k8s.io/v1", &[("EndpointSlice", "endpointslices")]),
             _ => serde_json::Value::Null,
         }
+    }
+
+    /// Only an authoritative answer selects the fallback: a 404 at once; a 503 or a 429 is
+    /// asked again until the server says (here, that v1 is served).
+    #[tokio::test]
+    async fn the_endpoints_api_falls_back_only_on_an_authoritative_answer() {
+        use crate::test_fixtures::{self, serve};
+        let v1 = "/apis/discovery.k8s.io/v1";
+        let refusals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = refusals.clone();
+        let flaky = serve(Arc::new(move |_: &str, path: &str, _: &[u8]| {
+            if path != v1 {
+                return test_fixtures::not_found(path);
+            }
+            // Two requests (the cached discovery and the direct one) per attempt.
+            match counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+                0 | 1 => (503, serde_json::json!({"kind": "Status", "code": 503, "reason": "ServiceUnavailable"})),
+                2 | 3 => (429, serde_json::json!({"kind": "Status", "code": 429, "reason": "TooManyRequests"})),
+                _ => (200, discovery_answer(v1)),
+            }
+        }))
+        .await;
+        let api = endpoints_api(&flaky.client, &Discovered::default()).await;
+        assert_eq!(api, EndpointsApi::EndpointSlices, "a 503 and a 429 are not a fallback");
+        assert!(refusals.load(std::sync::atomic::Ordering::SeqCst) >= 5);
+
+        let absent = serve(Arc::new(|_: &str, path: &str, _: &[u8]| test_fixtures::not_found(path))).await;
+        assert_eq!(endpoints_api(&absent.client, &Discovered::default()).await, EndpointsApi::Endpoints);
+        assert!(absent.take().len() <= 3, "asked once: {:?}", absent.take());
+        // Served without the kind: the fallback too.
+        let list = serde_json::from_value(serde_json::json!({"groupVersion": "discovery.k8s.io/v1", "resources": []}));
+        assert_eq!(endpoints_api_from(Ok(list.unwrap())), Ok(EndpointsApi::Endpoints));
     }
 }

@@ -1,0 +1,330 @@
+//! One export's reconcile against a loopback stand-in for the API server: what is sent,
+//! with which bodies, for the cases the end-to-end tests cannot set up (a dual-stack
+//! cluster, a re-created export racing a removal) and the rules every write follows.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use kube::api::{ApiResource, DynamicObject};
+use kube::core::GroupVersionKind;
+use serde_json::{Value, json};
+
+use super::*;
+use crate::controller::feed::Backoff;
+use crate::export::metrics::ExportMetrics;
+use crate::export::{Context, SliceVersion};
+use crate::leadership::Leadership;
+use crate::test_fixtures::{self, FakeApi};
+use consul_resolver_core::assembler::snapshot::{Part, ServiceEntry};
+use consul_resolver_core::model::{Endpoint, Health};
+
+const SERVICES: &str = "/api/v1/namespaces/shop/services";
+const SLICES: &str = "/apis/discovery.k8s.io/v1beta1/namespaces/shop/endpointslices";
+
+/// A request as the stand-in saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: String,
+    path: String,
+    body: Value,
+}
+
+/// The cluster's objects by path, and every request.
+#[derive(Default)]
+struct State {
+    objects: BTreeMap<String, Value>,
+    seen: Vec<Seen>,
+}
+
+fn status(code: u16, reason: &str) -> (u16, Value) {
+    (code, json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code}))
+}
+
+/// The stand-in: GET, list, server-side apply (the body is stored, a new object gets a
+/// uid) and DELETE with a uid precondition, as the API server does them.
+fn handle(state: &Mutex<State>, method: &str, path: &str, body: &[u8]) -> (u16, Value) {
+    let body: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let mut st = state.lock().unwrap();
+    st.seen.push(Seen { method: method.into(), path: path.into(), body: body.clone() });
+    match method {
+        "GET" if path == SLICES => {
+            let items: Vec<Value> =
+                st.objects.iter().filter(|(p, _)| p.starts_with(SLICES)).map(|(_, o)| o.clone()).collect();
+            (200, json!({"kind": "List", "apiVersion": "v1", "metadata": {}, "items": items}))
+        }
+        "GET" => st.objects.get(path).map(|o| (200, o.clone())).unwrap_or_else(|| test_fixtures::not_found(path)),
+        "PATCH" => {
+            let mut obj = body;
+            let uid = st.objects.get(path).and_then(|o| o["metadata"]["uid"].as_str().map(str::to_owned));
+            obj["metadata"]["uid"] = json!(uid.unwrap_or_else(|| format!("uid-{}", st.seen.len())));
+            st.objects.insert(path.into(), obj.clone());
+            (200, obj)
+        }
+        "DELETE" => {
+            let Some(live) = st.objects.get(path) else { return test_fixtures::not_found(path) };
+            if let Some(uid) = body["preconditions"]["uid"].as_str()
+                && live["metadata"]["uid"] != uid
+            {
+                return status(409, "Conflict");
+            }
+            st.objects.remove(path);
+            (200, json!({"kind": "Status", "apiVersion": "v1", "status": "Success"}))
+        }
+        _ => status(405, "MethodNotAllowed"),
+    }
+}
+
+struct Fixture {
+    ctx: Context,
+    state: Arc<Mutex<State>>,
+    _api: FakeApi,
+}
+
+impl Fixture {
+    async fn new(objects: Vec<(String, Value)>) -> Fixture {
+        let state = Arc::new(Mutex::new(State { objects: objects.into_iter().collect(), seen: vec![] }));
+        let s = state.clone();
+        let api = test_fixtures::serve(Arc::new(move |m, p, b| handle(&s, m, p, b))).await;
+        let slices = ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk("discovery.k8s.io", "v1beta1", "EndpointSlice"),
+            "endpointslices",
+        );
+        let ctx = Context {
+            client: api.client.clone(),
+            writer: api.client.clone(),
+            resource: ApiResource::erase::<ConsulService>(&()),
+            services: ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "Service"), "services"),
+            slices,
+            version: SliceVersion::V1beta1,
+            instance: "default".into(),
+            ambassador_id: "default".into(),
+            leadership: Leadership::always(),
+            latest: tokio::sync::watch::channel(None).1,
+            metrics: ExportMetrics::unregistered(),
+            resync: std::time::Duration::from_secs(300),
+            backoff: Backoff::default(),
+        };
+        Fixture { ctx, state, _api: api }
+    }
+
+    /// The writes sent: `METHOD path`.
+    fn writes(&self) -> Vec<String> {
+        let st = self.state.lock().unwrap();
+        st.seen.iter().filter(|s| s.method != "GET").map(|s| format!("{} {}", s.method, s.path)).collect()
+    }
+
+    fn sent(&self, method: &str, path: &str) -> Vec<Value> {
+        let st = self.state.lock().unwrap();
+        st.seen.iter().filter(|s| s.method == method && s.path == path).map(|s| s.body.clone()).collect()
+    }
+
+    fn object(&self, path: &str) -> Option<Value> {
+        self.state.lock().unwrap().objects.get(path).cloned()
+    }
+
+    fn until() -> Instant {
+        Instant::now() + std::time::Duration::from_secs(30)
+    }
+}
+
+fn export(spec: Value) -> DynamicObject {
+    serde_json::from_value(json!({
+        "apiVersion": "consulresolver.io/v1alpha1", "kind": "ConsulService",
+        "metadata": {"name": "web", "namespace": "shop", "uid": "export-1", "generation": 1},
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+fn instance(address: &str, port: u16) -> Endpoint {
+    Endpoint {
+        address: address.into(),
+        port,
+        node: format!("node-{address}-{port}"),
+        service_id: format!("web-{address}-{port}"),
+        tags: vec![],
+        meta: Default::default(),
+        health: Health::Passing,
+        zone: None,
+    }
+}
+
+fn entry(source: Option<ServiceEntry>) -> ExportEntry {
+    ExportEntry {
+        namespace: "shop".into(),
+        name: "web".into(),
+        generation: Some(1),
+        service: "web".into(),
+        resolver: Some("shop/consul".into()),
+        problem: None,
+        resolver_unusable: false,
+        source: source.map(Part::new),
+    }
+}
+
+fn answer(endpoints: Vec<Endpoint>) -> ServiceEntry {
+    ServiceEntry {
+        name: "web".into(),
+        synced: true,
+        index: Some(7),
+        error: None,
+        stale: None,
+        endpoints: endpoints.into(),
+    }
+}
+
+/// Our Service of export `owner`, as the API server holds it.
+fn our_service(uid: &str, owner: &str, families: Option<&str>) -> (String, Value) {
+    let mut spec = json!({"type": "ClusterIP", "clusterIP": "10.0.0.7",
+        "ports": [{"name": "tcp-8080", "port": 8080, "protocol": "TCP"}]});
+    if let Some(f) = families {
+        spec["ipFamilies"] = json!([f]);
+        spec["ipFamilyPolicy"] = json!("SingleStack");
+    }
+    let service = json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "web", "namespace": "shop", "uid": uid,
+            "labels": objects::service_labels("web", "default"),
+            "ownerReferences": [objects::owner("consulresolver.io/v1alpha1", "ConsulService", "web", owner)]},
+        "spec": spec});
+    (format!("{SERVICES}/web"), service)
+}
+
+/// Our slice `name` of the Service `service_uid`, holding `addresses` on port 8080.
+fn our_slice(name: &str, uid: &str, service_uid: &str, addresses: &[&str]) -> (String, Value) {
+    let endpoints: Vec<Value> =
+        addresses.iter().map(|a| json!({"addresses": [a], "conditions": {"ready": true}})).collect();
+    let slice = json!({"apiVersion": "discovery.k8s.io/v1beta1", "kind": "EndpointSlice",
+        "metadata": {"name": name, "namespace": "shop", "uid": uid,
+            "labels": objects::slice_labels("web", "default", false),
+            "ownerReferences": [objects::owner("v1", "Service", "web", service_uid)]},
+        "addressType": "IPv4",
+        "ports": [{"name": "tcp-8080", "port": 8080, "protocol": "TCP"}],
+        "endpoints": endpoints});
+    (format!("{SLICES}/{name}"), slice)
+}
+
+fn spec(v: Value) -> ConsulServiceSpec {
+    serde_json::from_value(v).unwrap()
+}
+
+#[tokio::test]
+async fn the_service_always_names_one_family_and_a_family_change_replaces_it() {
+    // A new export: single-stack of its family, whatever the cluster's default.
+    let f = Fixture::new(vec![]).await;
+    let e = entry(Some(answer(vec![instance("192.0.2.1", 8080)])));
+    let s = spec(json!({"service": "web"}));
+    apply(&f.ctx, &export(json!({"service": "web"})), &s, &e, Fixture::until()).await.unwrap();
+    let service = f.object(&format!("{SERVICES}/web")).unwrap();
+    assert_eq!(service["spec"]["ipFamilyPolicy"], "SingleStack");
+    assert_eq!(service["spec"]["ipFamilies"], json!(["IPv4"]));
+    assert!(service["metadata"]["ownerReferences"][0].get("blockOwnerDeletion").is_none());
+
+    // An IPv6 Service of ours (the export said IPv6 before, or the cluster's primary family
+    // was given): the family cannot change in place, so it is deleted, exactly that one,
+    // and written again.
+    let f = Fixture::new(vec![our_service("svc-old", "export-1", Some("IPv6"))]).await;
+    apply(&f.ctx, &export(json!({"service": "web"})), &s, &e, Fixture::until()).await.unwrap();
+    let deletes = f.sent("DELETE", &format!("{SERVICES}/web"));
+    assert_eq!(deletes.len(), 1, "{:?}", f.writes());
+    assert_eq!(deletes[0]["preconditions"]["uid"], "svc-old");
+    let service = f.object(&format!("{SERVICES}/web")).unwrap();
+    assert_eq!(service["spec"]["ipFamilies"], json!(["IPv4"]));
+    assert_ne!(service["metadata"]["uid"], "svc-old");
+
+    // The same family: nothing written to the Service. A server that drops the dual-stack
+    // fields (1.20 without its gate) is no difference either.
+    for families in [Some("IPv4"), None] {
+        let f = Fixture::new(vec![our_service("svc-1", "export-1", families)]).await;
+        apply(&f.ctx, &export(json!({"service": "web"})), &s, &e, Fixture::until()).await.unwrap();
+        assert!(f.sent("PATCH", &format!("{SERVICES}/web")).is_empty(), "{families:?}: {:?}", f.writes());
+        assert!(f.sent("DELETE", &format!("{SERVICES}/web")).is_empty(), "{families:?}: {:?}", f.writes());
+    }
+}
+
+#[tokio::test]
+async fn dynamic_ports_make_at_most_thirty_two_service_ports() {
+    let f = Fixture::new(vec![]).await;
+    let instances: Vec<Endpoint> = (0..40).map(|i| instance(&format!("192.0.2.{}", i + 1), 20000 + i)).collect();
+    let e = entry(Some(answer(instances)));
+    let s = spec(json!({"service": "web"}));
+    let outcome = apply(&f.ctx, &export(json!({"service": "web"})), &s, &e, Fixture::until()).await.unwrap();
+    let service = f.object(&format!("{SERVICES}/web")).unwrap();
+    assert_eq!(service["spec"]["ports"].as_array().unwrap().len(), 32);
+    let Outcome::Exported { desired, slices, .. } = outcome else { panic!("not exported") };
+    assert_eq!((slices, desired.excluded.len()), (32, 8));
+    assert_eq!(f.sent("PATCH", &format!("{SLICES}/web-31")).len(), 1);
+    assert!(f.sent("PATCH", &format!("{SLICES}/web-32")).is_empty());
+}
+
+#[tokio::test]
+async fn an_operator_without_an_answer_holds_the_live_slices_marked_stale() {
+    let objects = vec![
+        our_service("svc-1", "export-1", Some("IPv4")),
+        our_slice("web-0", "slice-0", "svc-1", &["192.0.2.1", "192.0.2.2"]),
+        our_slice("web-1", "slice-1", "svc-1", &["192.0.2.3"]),
+    ];
+    let s = spec(json!({"service": "web"}));
+    // Nothing answered since the start (Consul down, the token refused), or the resolver
+    // cannot be used (its Secret missing): held, whatever the reason.
+    let unsynced =
+        ServiceEntry { synced: false, index: None, error: Some("connection refused".into()), ..answer(vec![]) };
+    let unusable = ExportEntry {
+        resolver: None,
+        problem: Some("resolver shop/consul cannot be used: Secret shop/token not found".into()),
+        resolver_unusable: true,
+        ..entry(None)
+    };
+    for (e, reason) in [(entry(Some(unsynced)), "connection refused"), (unusable, "Secret shop/token not found")] {
+        let f = Fixture::new(objects.clone()).await;
+        let outcome = apply(&f.ctx, &export(json!({"service": "web"})), &s, &e, Fixture::until()).await.unwrap();
+        let Outcome::Held { desired, slices } = outcome else { panic!("not held: {:?}", f.writes()) };
+        assert_eq!((desired.endpoint_count(), slices), (3, 2));
+        assert!(f.writes().iter().all(|w| w.starts_with("PATCH") && w.contains("endpointslices")), "{:?}", f.writes());
+        for (name, n) in [("web-0", 2), ("web-1", 1)] {
+            let slice = f.object(&format!("{SLICES}/{name}")).unwrap();
+            assert_eq!(slice["endpoints"].as_array().unwrap().len(), n, "{slice}");
+            let marks = &slice["metadata"]["annotations"];
+            assert!(marks[objects::STALE_SINCE].is_string(), "{slice}");
+            assert!(marks[objects::STALE_REASON].as_str().unwrap().contains(reason), "{slice}");
+        }
+    }
+    // The resolver gone (no resolver serves the export): removed, not held.
+    let f = Fixture::new(objects.clone()).await;
+    let gone = ExportEntry { resolver: None, problem: Some("no ConsulResolver".into()), ..entry(None) };
+    let outcome = apply(&f.ctx, &export(json!({"service": "web"})), &s, &gone, Fixture::until()).await.unwrap();
+    assert!(matches!(outcome, Outcome::NoResolver(_)));
+    assert!(f.object(&format!("{SLICES}/web-0")).is_none() && f.object(&format!("{SLICES}/web-1")).is_none());
+    // An answer, even an empty one, is followed.
+    let f = Fixture::new(objects).await;
+    apply(&f.ctx, &export(json!({"service": "web"})), &s, &entry(Some(answer(vec![]))), Fixture::until())
+        .await
+        .unwrap();
+    assert!(f.object(&format!("{SLICES}/web-0")).is_none(), "{:?}", f.writes());
+}
+
+#[tokio::test]
+async fn removals_delete_exactly_the_objects_they_mean() {
+    let objects = vec![
+        our_service("svc-1", "export-1", Some("IPv4")),
+        our_slice("web-0", "slice-0", "svc-1", &["192.0.2.1"]),
+        // Someone else's slice of ours by label, owned by another Service: not this one's.
+        our_slice("web-9", "slice-9", "svc-other", &["192.0.2.9"]),
+    ];
+    let f = Fixture::new(objects.clone()).await;
+    remove(&f.ctx, "shop", "web", "export-1", Fixture::until()).await.unwrap();
+    assert_eq!(f.sent("DELETE", &format!("{SLICES}/web-0"))[0]["preconditions"]["uid"], "slice-0");
+    assert_eq!(f.sent("DELETE", &format!("{SERVICES}/web"))[0]["preconditions"]["uid"], "svc-1");
+    assert!(f.object(&format!("{SLICES}/web-9")).is_some(), "{:?}", f.writes());
+
+    // The export was deleted and created again under the same name: the removal meant for
+    // the old one (export-0) touches nothing of the new one's.
+    let f = Fixture::new(objects.clone()).await;
+    remove(&f.ctx, "shop", "web", "export-0", Fixture::until()).await.unwrap();
+    assert!(f.writes().is_empty(), "{:?}", f.writes());
+
+    // A delete that finds another object under the name (replaced meanwhile) is refused by
+    // the API server, and that is not an error.
+    let f = Fixture::new(objects).await;
+    delete_slice(&f.ctx, "shop", "web-0", "slice-before", Fixture::until()).await.unwrap();
+    assert!(f.object(&format!("{SLICES}/web-0")).is_some());
+}
