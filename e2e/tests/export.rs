@@ -10,10 +10,10 @@
 //! connects to them (e2e/tests/kube_proxy.rs routes real traffic, inside a namespace).
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use e2e::consul::{Consul, Instance};
-use e2e::fixtures::{export_yaml, mapping_yaml, resolver_yaml};
+use e2e::fixtures::{export_yaml, mapping_yaml, resolver_yaml, secret_yaml};
 use e2e::harness::{Cluster, Operator, unique, wait_for};
 use serde_json::Value;
 
@@ -101,6 +101,12 @@ fn an_export_is_a_selectorless_service_and_slices_that_follow_consul_with_few_wr
     cluster.apply(&export_yaml(&ns, "web", &svc, "consul", ports)).unwrap();
     let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
     op.wait_ready(T).unwrap();
+    // As OpenShift and OKD enforce owner references: every write below passes it with the
+    // shipped RBAC.
+    if let Some(pid) = cluster.apiserver_pid() {
+        let cmdline = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        assert!(cmdline.contains("OwnerReferencesPermissionEnforcement"), "the API server enforces owner references");
+    }
 
     let status = wait_for("the export Ready with 250 endpoints in 3 slices", T, || {
         let s = export_status(cluster, &ns, "web")?;
@@ -418,4 +424,207 @@ fn two_operators_with_different_ambassador_ids_never_touch_each_others_exports()
     assert!(cluster.kubectl(&["-n", &ns, "get", "service", "web-b"]).is_ok());
     a.terminate(T).unwrap();
     b.terminate(T).unwrap();
+}
+
+/// All of `slices` carry the stale marks.
+fn all_marked_stale(slices: &BTreeMap<String, Value>) -> bool {
+    !slices.is_empty()
+        && slices.values().all(|s| s["metadata"]["annotations"]["consulresolver.io/stale-since"].is_string())
+}
+
+fn none_marked_stale(slices: &BTreeMap<String, Value>) -> bool {
+    slices.values().all(|s| s["metadata"]["annotations"].get("consulresolver.io/stale-since").is_none())
+}
+
+/// After a restart without an answer of its own: the export held (`addresses` kept, marked
+/// stale, `Ready=False` `Stale` naming `reason`) until `--bootstrap-timeout` (5 s) has long
+/// passed. Checked every half second for 15 s from the restart: holding is a duration, not
+/// a condition to wait for.
+fn held_past_the_bootstrap_timeout(cluster: &Cluster, op: &Operator, ns: &str, want: &[String], reason: &str) {
+    let restarted = Instant::now();
+    let status = wait_for("the export held, marked stale", T, || {
+        let s = export_status(cluster, ns, "web")?;
+        let found = slices(cluster, ns, "web");
+        (all_marked_stale(&found) && condition(&s, "Ready")? == ("False".into(), "Stale".into())).then_some(s)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert!(status["stale"]["reason"].as_str().is_some_and(|r| r.contains(reason)), "{status}");
+    assert_eq!(status["endpoints"], want.len(), "{status}");
+    while restarted.elapsed() < Duration::from_secs(15) {
+        let found = slices(cluster, ns, "web");
+        assert_eq!(addresses(&found), want, "{:?} after the restart\n{}", restarted.elapsed(), op.logs());
+        assert!(all_marked_stale(&found), "{:?} after the restart: {found:?}", restarted.elapsed());
+        std::thread::sleep(Duration::from_millis(500)); // the hold's own length, sampled
+    }
+}
+
+/// The export Ready with exactly `want`, unmarked.
+fn wait_current(cluster: &Cluster, op: &Operator, ns: &str, want: &[String]) {
+    wait_for("the export current, following Consul", T, || {
+        let s = export_status(cluster, ns, "web")?;
+        let found = slices(cluster, ns, "web");
+        (addresses(&found) == want && none_marked_stale(&found) && condition(&s, "Ready")?.0 == "True").then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{:?}\n{}", export_status(cluster, ns, "web"), op.logs()));
+}
+
+/// The operator restarted while Consul is down (a rolling update, a drain or an upgrade
+/// during an incident): the new process has no answer of its own, and the cluster's slices
+/// are the last known good. They are held, marked stale, well past `--bootstrap-timeout`,
+/// and followed again once Consul answers.
+#[test]
+#[cfg_attr(e2e_real_consul, ignore = "stops and replaces Consul: needs the simulator")]
+fn an_operator_restarted_while_consul_is_down_keeps_the_export_then_follows_consul() {
+    let cluster = Cluster::shared();
+    let sim = consul_sim::Simulator::start_background(consul_sim::Config::default()).unwrap();
+    let addr = sim.addr();
+    let mut consul = Consul { base_url: sim.base_url(), token: None, sim: Some(sim) };
+    let ns = team(cluster, &consul, "export-restart");
+    let svc = format!("web{}", unique());
+    let all: Vec<Instance> = (0..4).map(|i| instance(&svc, i, 8080, "passing")).collect();
+    consul.register_many(&all, 4).unwrap();
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", "")).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    let four: Vec<String> = (1..=4).map(|i| format!("192.0.2.{i}")).collect();
+    wait_current(cluster, &op, &ns, &four);
+    op.terminate(T).unwrap();
+
+    drop(consul.sim.take());
+    let mut op = Operator::start(cluster, &["--namespace", &ns, "--bootstrap-timeout", "5s"]).unwrap();
+    held_past_the_bootstrap_timeout(cluster, &op, &ns, &four, "");
+
+    // Back on the same address, with one instance fewer: followed, the marks gone.
+    let back = wait_for("the address to be free again", Duration::from_secs(10), || {
+        consul_sim::Simulator::start_background(consul_sim::Config { listen: addr, ..consul_sim::Config::default() })
+            .ok()
+    })
+    .unwrap();
+    consul.sim = Some(back);
+    consul.register_many(&all[..3], 3).unwrap();
+    wait_current(cluster, &op, &ns, &four[..3]);
+    op.terminate(T).unwrap();
+}
+
+/// The same when Consul answers but refuses the token (revoked, rotated wrongly): a 403 is
+/// a problem of the resolver, not an answer that the service has no instances.
+#[test]
+#[cfg_attr(e2e_consul_without_acls, ignore = "needs a Consul that enforces ACLs (E2E_CONSUL_TOKEN)")]
+fn an_operator_restarted_while_its_token_is_refused_keeps_the_export_then_follows_consul() {
+    let cluster = Cluster::shared();
+    let (consul, reader) = Consul::with_acls().unwrap();
+    let ns = cluster.namespace("export-token").unwrap();
+    cluster.grant_exports(&ns).unwrap();
+    cluster.grant_secrets(&ns).unwrap();
+    cluster.apply(&secret_yaml(&ns, "acl", &reader)).unwrap();
+    let token_ref = "  tokenSecretRef: {name: acl, key: token}\n";
+    cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), token_ref)).unwrap();
+    let svc = format!("web{}", unique());
+    let all: Vec<Instance> = (0..4).map(|i| instance(&svc, i, 8080, "passing")).collect();
+    consul.register_many(&all, 4).unwrap();
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", "")).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    let four: Vec<String> = (1..=4).map(|i| format!("192.0.2.{i}")).collect();
+    wait_current(cluster, &op, &ns, &four);
+    op.terminate(T).unwrap();
+
+    cluster.apply(&secret_yaml(&ns, "acl", &format!("revoked-{}", unique()))).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns, "--bootstrap-timeout", "5s"]).unwrap();
+    held_past_the_bootstrap_timeout(cluster, &op, &ns, &four, "ACL token rejected");
+
+    // Meanwhile one instance left; the token fixed: followed.
+    consul.deregister(&all[3].node, &all[3].id).unwrap();
+    cluster.apply(&secret_yaml(&ns, "acl", &reader)).unwrap();
+    wait_current(cluster, &op, &ns, &four[..3]);
+    op.terminate(T).unwrap();
+}
+
+/// An export moved to another operator (`spec.ambassadorId`): the one that served it
+/// removes its Service and slices, so the new one can take the name (it would otherwise
+/// find a Service that is not its own and leave it alone, frozen).
+#[test]
+fn an_export_moved_to_another_ambassador_id_is_released_and_taken_over() {
+    let (cluster, consul) = (Cluster::shared(), Consul::shared());
+    let ns = cluster.namespace("export-move").unwrap();
+    cluster.grant_exports(&ns).unwrap();
+    let both = "  ambassadorId: [default, b]\n";
+    cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), both)).unwrap();
+    let svc = format!("web{}", unique());
+    consul.register_many(&[instance(&svc, 0, 8080, "passing"), instance(&svc, 1, 8080, "passing")], 2).unwrap();
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", "")).unwrap();
+    let mut a = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    let mut b = Operator::start(cluster, &["--namespace", &ns, "--ambassador-id", "b"]).unwrap();
+    let two = ["192.0.2.1".to_owned(), "192.0.2.2".to_owned()];
+    wait_current(cluster, &a, &ns, &two);
+    let instance_of = |o: &Value| o["metadata"]["labels"]["consulresolver.io/ambassador-id"].as_str().map(str::to_owned);
+    let service = get_json(cluster, &["-n", &ns, "get", "service", "web"]).unwrap();
+    assert_eq!(instance_of(&service).as_deref(), Some("default"));
+
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", "  ambassadorId: [b]\n")).unwrap();
+    wait_for("the export taken over by operator b", T, || {
+        let service = get_json(cluster, &["-n", &ns, "get", "service", "web"])?;
+        let found = slices(cluster, &ns, "web");
+        let all_b = !found.is_empty() && found.values().all(|s| instance_of(s).as_deref() == Some("b"));
+        (instance_of(&service).as_deref() == Some("b") && all_b && addresses(&found) == two).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{:?}\n{}\n{}", export_status(cluster, &ns, "web"), a.logs(), b.logs()));
+    a.terminate(T).unwrap();
+    b.terminate(T).unwrap();
+}
+
+/// An edit that makes the spec unusable (here two ports of one name, which the schema
+/// cannot catch) does not take the traffic away: the status says `InvalidSpec`, the slices
+/// are held and marked stale; fixed, the export follows Consul again.
+#[test]
+fn an_export_whose_spec_becomes_invalid_holds_its_endpoints_marked_stale_and_back() {
+    let (cluster, consul) = (Cluster::shared(), Consul::shared());
+    let ns = team(cluster, consul, "export-invalid");
+    let svc = format!("web{}", unique());
+    consul.register_many(&[instance(&svc, 0, 8080, "passing"), instance(&svc, 1, 8080, "passing")], 2).unwrap();
+    let good = "  ports: [{name: http, port: 80}]\n";
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", good)).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    let two = ["192.0.2.1".to_owned(), "192.0.2.2".to_owned()];
+    wait_current(cluster, &op, &ns, &two);
+
+    let bad = "  ports: [{name: http, port: 80}, {name: http, port: 81}]\n";
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", bad)).unwrap();
+    let status = wait_for("InvalidSpec, the slices held and marked stale", T, || {
+        let s = export_status(cluster, &ns, "web")?;
+        let found = slices(cluster, &ns, "web");
+        (condition(&s, "Ready")?.1 == "InvalidSpec" && all_marked_stale(&found)).then_some(s)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{:?}\n{}", export_status(cluster, &ns, "web"), op.logs()));
+    assert_eq!(addresses(&slices(cluster, &ns, "web")), two, "held, not emptied");
+    assert!(status["stale"]["reason"].as_str().is_some_and(|r| r.contains("spec.ports[1].name")), "{status}");
+
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", good)).unwrap();
+    wait_current(cluster, &op, &ns, &two);
+    op.terminate(T).unwrap();
+}
+
+/// An instance registered without a port (a DNS-only or external service) would put port 0
+/// into the Service, which the API server refuses: the whole export would freeze. It is
+/// left out with a reason, and the rest is exported.
+#[test]
+fn an_instance_without_a_port_is_excluded_and_the_rest_exported() {
+    let (cluster, consul) = (Cluster::shared(), Consul::shared());
+    let ns = team(cluster, consul, "export-portless");
+    let svc = format!("web{}", unique());
+    let all = [instance(&svc, 0, 8080, "passing"), instance(&svc, 1, 8080, "passing"), instance(&svc, 2, 0, "passing")];
+    consul.register_many(&all, 3).unwrap();
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", "")).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    let status = wait_for("exported, one instance excluded", T, || {
+        let s = export_status(cluster, &ns, "web")?;
+        (condition(&s, "Ready")?.0 == "True" && s["excluded"] == 1).then_some(s)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{:?}\n{}", export_status(cluster, &ns, "web"), op.logs()));
+    let excluded = &status["excludedInstances"][0];
+    assert_eq!(excluded["address"], "192.0.2.3", "{status}");
+    assert!(excluded["reason"].as_str().is_some_and(|r| r.starts_with("no port")), "{status}");
+    let service = get_json(cluster, &["-n", &ns, "get", "service", "web"]).unwrap();
+    let ports: Vec<&Value> = service["spec"]["ports"].as_array().unwrap().iter().map(|p| &p["port"]).collect();
+    assert_eq!(ports, [8080], "{service}");
+    assert_eq!(addresses(&slices(cluster, &ns, "web")), ["192.0.2.1", "192.0.2.2"]);
+    op.terminate(T).unwrap();
 }
