@@ -555,7 +555,8 @@ fn an_export_moved_to_another_ambassador_id_is_released_and_taken_over() {
     let mut b = Operator::start(cluster, &["--namespace", &ns, "--ambassador-id", "b"]).unwrap();
     let two = ["192.0.2.1".to_owned(), "192.0.2.2".to_owned()];
     wait_current(cluster, &a, &ns, &two);
-    let instance_of = |o: &Value| o["metadata"]["labels"]["consulresolver.io/ambassador-id"].as_str().map(str::to_owned);
+    let instance_of =
+        |o: &Value| o["metadata"]["labels"]["consulresolver.io/ambassador-id"].as_str().map(str::to_owned);
     let service = get_json(cluster, &["-n", &ns, "get", "service", "web"]).unwrap();
     assert_eq!(instance_of(&service).as_deref(), Some("default"));
 

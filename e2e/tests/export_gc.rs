@@ -91,8 +91,10 @@ fn a_service_deleted_by_hand_takes_its_slices_through_the_garbage_collector() {
     assert_eq!(mirrored(cluster), "", "no Endpoints of ours, so nothing mirrored");
 
     cluster.kubectl(&["-n", &ns, "delete", "service", "web"]).unwrap();
-    wait_for("the slices garbage-collected with their Service", T, || slices(cluster, &ns, "web").is_empty().then_some(()))
-        .unwrap_or_else(|e| panic!("{e}\n{}", kcm.logs()));
+    wait_for("the slices garbage-collected with their Service", T, || {
+        slices(cluster, &ns, "web").is_empty().then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", kcm.logs()));
 }
 
 /// Deleting a namespace with an export, the operator running: the namespace controller

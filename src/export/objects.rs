@@ -384,6 +384,22 @@ mod tests {
     }
 
     #[test]
+    fn a_headless_services_slices_say_so_and_are_still_found_by_our_labels() {
+        let labels = slice_labels("web", "default", true);
+        assert_eq!(labels.get(HEADLESS).map(String::as_str), Some(""));
+        assert!(!slice_labels("web", "default", false).contains_key(HEADLESS));
+        // Listed by the labels every slice of ours has, headless or not.
+        assert!(!slice_selector("web", "default").contains(HEADLESS));
+        // A slice written before the Service became headless lacks the label: not intact,
+        // so it is written again.
+        let d = desired();
+        let plan = layout::plan("web", &d, &[]);
+        let owner = owner("v1", "Service", "web", "u-1");
+        let plain = slice(SliceVersion::V1, "shop", &plan.slices[0], &d, &slice_labels("web", "default", false), owner);
+        assert!(!live_slice(&plain, &labels, Some("u-1")).intact);
+    }
+
+    #[test]
     fn instance_values_are_valid_labels() {
         assert_eq!(instance_value("default"), "default");
         let odd = instance_value("team a/prod");

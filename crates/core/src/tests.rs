@@ -1544,3 +1544,33 @@ async fn an_export_and_a_mapping_of_one_service_share_one_watch_both_ways() {
     );
     assert_eq!(diff.added, [WatchKey::Consul(key)]);
 }
+
+/// An export whose resolver exists but cannot be used now (and kept nothing) says so, apart
+/// from one no resolver serves: the edge holds the first's live slices (a problem) and
+/// removes the second's (a removal).
+#[tokio::test(start_paused = true)]
+async fn an_export_tells_an_unusable_resolver_from_none() {
+    let (mut p, key) = bootstrapped_pipeline();
+    let now = Instant::now();
+    let mut fixed = fixed();
+    fixed.insert(exports_key().into());
+    p.set_fixed(fixed, now);
+    let resolvers = vec![
+        resolver("shop", "consul", json!({"address": "127.0.0.1:8500"})),
+        resolver("shop", "broken", json!({"address": "${NOT_SET}:8500"})),
+    ];
+    p.apply(listed(&resolvers_key(), resolvers), now);
+    let exports = vec![
+        export("shop", "held", json!({"service": "billing", "resolver": "broken"})),
+        export("shop", "lost", json!({"service": "billing", "resolver": "nowhere"})),
+    ];
+    p.apply(listed(&exports_key(), exports), now);
+    p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
+    let snap = publish(&mut p).expect("published");
+    let by_name = |n: &str| snap.content.exports.iter().find(|e| e.name == n).cloned().expect(n);
+    let held = by_name("held");
+    assert!(held.resolver_unusable, "{held:?}");
+    assert!(held.problem.as_deref().is_some_and(|p| p.contains("cannot be used")), "{held:?}");
+    let lost = by_name("lost");
+    assert!(!lost.resolver_unusable && lost.problem.is_some(), "{lost:?}");
+}
