@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Real third-party parts the tests run beside the operator, installed into the user cache
+# (never the system: no apt source added, no service installed), one directory per part
+# and version, each checked against the digest pinned here. `.ci/run` calls it, so a fresh
+# machine gets what a developer's has.
+#
+#   scripts/real-parts.sh consul        Consul 1.8.7, the server binary of Debian bullseye
+#   scripts/real-parts.sh consul-path   print the cached consul's path (it may not exist)
+#
+# A part that cannot be had is said loudly and the script exits non-zero: the tests that
+# need it then report themselves as not run (and fail under CI=true); nothing passes
+# silently without it.
+set -euo pipefail
+
+CACHE_ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/consul-resolver-operator"
+
+log() { printf '[real-parts] %s\n' "$*" >&2; }
+die() { printf '[real-parts] error: %s\n' "$*" >&2; exit 1; }
+
+# Consul: the only Consul server binary in any registry reached here (none in bookworm,
+# trixie, sid, PyPI or npm). Debian's bullseye suite carries 1.8.7.
+CONSUL_VERSION=1.8.7
+CONSUL_DEB=consul_1.8.7+dfsg1-2+b3_amd64.deb
+CONSUL_SHA256=e4e888bba104daba1d9161f49bfc52649a7e4efd45b1a7ead5bc54f2cb9c89d9
+CONSUL_DIR="$CACHE_ROOT/consul-$CONSUL_VERSION"
+CONSUL="$CONSUL_DIR/consul"
+
+# apt with a private configuration naming one suite: the machine's sources, lists and
+# cache are left as they are.
+private_apt() {
+  local suite=$1 dir=$2; shift 2
+  mkdir -p "$dir/lists/partial" "$dir/cache/archives/partial"
+  echo "deb http://deb.debian.org/debian $suite main" >"$dir/sources.list"
+  apt-get -qq -o Dir::Etc::sourcelist="$dir/sources.list" -o Dir::Etc::sourceparts=/dev/null \
+    -o Dir::State::Lists="$dir/lists" -o Dir::Cache="$dir/cache" \
+    -o APT::Get::List-Cleanup=0 -o APT::Sandbox::User=root "$@"
+}
+
+cmd_consul() {
+  if [ -x "$CONSUL" ] && "$CONSUL" version 2>/dev/null | grep -q "Consul v$CONSUL_VERSION"; then
+    log "consul $CONSUL_VERSION cached at $CONSUL"
+    return 0
+  fi
+  command -v apt-get >/dev/null || die "apt-get is required to fetch Consul $CONSUL_VERSION from Debian bullseye"
+  local work="$CACHE_ROOT/consul-download"
+  rm -rf "$work"; mkdir -p "$work"
+  log "fetching consul $CONSUL_VERSION from Debian bullseye (a private apt configuration)"
+  if ! private_apt bullseye "$work/apt" update; then
+    die "Debian bullseye's package lists cannot be read: the real Consul agent is NOT installed, and the tests that need it will say so"
+  fi
+  if ! (cd "$work" && private_apt bullseye "$work/apt" download "consul=$CONSUL_VERSION*"); then
+    die "consul $CONSUL_VERSION is no longer in Debian bullseye: the real Consul agent is NOT installed, and the tests that need it will say so"
+  fi
+  local deb; deb=$(find "$work" -maxdepth 1 -name 'consul_*.deb' | head -n1)
+  [ -n "$deb" ] || die "apt-get download consul left no .deb"
+  local sum; sum=$(sha256sum "$deb" | cut -d' ' -f1)
+  [ "$sum" = "$CONSUL_SHA256" ] || die "$(basename "$deb"): sha256 $sum, expected $CONSUL_SHA256 ($CONSUL_DEB)"
+  dpkg-deb -x "$deb" "$work/root"
+  [ -x "$work/root/usr/bin/consul" ] || die "$(basename "$deb") holds no usr/bin/consul"
+  mkdir -p "$CONSUL_DIR"
+  # Copied under a temporary name and renamed: a binary in the cache is always complete.
+  cp "$work/root/usr/bin/consul" "$CONSUL.tmp" && mv "$CONSUL.tmp" "$CONSUL"
+  "$CONSUL" version | grep -q "Consul v$CONSUL_VERSION" || die "$CONSUL does not say it is Consul v$CONSUL_VERSION"
+  rm -rf "$work"
+  log "consul $CONSUL_VERSION cached at $CONSUL"
+}
+
+case "${1:-}" in
+  consul) cmd_consul ;;
+  consul-path) echo "$CONSUL" ;;
+  *) die "usage: $0 consul|consul-path" ;;
+esac
