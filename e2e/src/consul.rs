@@ -131,6 +131,15 @@ impl Consul {
         Ok(())
     }
 
+    /// Sets a node's own check (`serfHealth`), which counts against every instance on it.
+    pub fn node_check(&self, node: &str, address: &str, status: &str) -> anyhow::Result<()> {
+        self.put(
+            "/v1/catalog/register",
+            &json!({"Node": node, "Address": address,
+                    "Check": {"CheckID": "serfHealth", "Name": "Serf Health Status", "Status": status}}),
+        )
+    }
+
     pub fn deregister(&self, node: &str, id: &str) -> anyhow::Result<()> {
         self.put("/v1/catalog/deregister", &json!({"Node": node, "ServiceID": id}))
     }

@@ -1,6 +1,7 @@
 //! End-to-end support: the Consul API simulator, the Consul test client, and the harness
 //! that runs the operator against a real local control plane.
 
+pub mod agent;
 pub mod bench;
 pub mod consul;
 pub mod fixtures;

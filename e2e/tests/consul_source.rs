@@ -1,5 +1,7 @@
-//! The Consul source against the simulator (or a real agent: set `E2E_CONSUL_ADDR`, and
-//! `E2E_CONSUL_TOKEN` if ACLs are on; fault-injection tests are then compiled as ignored).
+//! The Consul source against the simulator, in a current and an older agent's shapes, and
+//! against a real agent in the same run (`real`: a fresh `consul agent -dev` per test, or
+//! the agent at `E2E_CONSUL_ADDR`, with `E2E_CONSUL_TOKEN` if ACLs are on). Tests that need
+//! the simulator show their `real` variant as ignored, with the reason.
 //!
 //! Each test drives watches directly (no Kubernetes) and waits for conditions with
 //! deadlines; blocking queries use a 1 s wait so that everything finishes in seconds.
@@ -17,16 +19,25 @@ use consul_sim::{
     Simulator,
 };
 use consul_watch::Settings;
+use e2e::agent::RealAgent;
 use e2e::watches::{DEADLINE, NO_SWEEP, Watches};
 use serde_json::json;
 use tokio::time::Instant;
 
-/// Where Consul is: a real agent from the environment, or a fresh simulator.
+tokio::task_local! {
+    /// Set for a test's `real` variant: [`Env::start`] gives it a real agent.
+    static REAL_AGENT: bool;
+}
+
+/// Where Consul is: a fresh simulator, or (in a `real` variant) a real agent: a fresh dev
+/// agent of its own, or the one at `E2E_CONSUL_ADDR`.
 struct Env {
     address: String,
     /// A token allowed to write the catalog (real agent with ACLs, or the simulator's).
     admin_token: Option<String>,
     sim: Option<RunningSim>,
+    /// The dev agent this test started (stopped with the test).
+    _agent: Option<RealAgent>,
     http: reqwest::Client,
 }
 
@@ -34,18 +45,24 @@ impl Env {
     async fn start(config: Config) -> Env {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::new();
-        if let Ok(addr) = std::env::var("E2E_CONSUL_ADDR") {
-            let address = if addr.contains("://") { addr } else { format!("http://{addr}") };
-            return Env { address, admin_token: std::env::var("E2E_CONSUL_TOKEN").ok(), sim: None, http };
+        if REAL_AGENT.try_with(|real| *real).unwrap_or(false) {
+            if let Ok(addr) = std::env::var("E2E_CONSUL_ADDR") {
+                let address = if addr.contains("://") { addr } else { format!("http://{addr}") };
+                let admin_token = std::env::var("E2E_CONSUL_TOKEN").ok();
+                return Env { address, admin_token, sim: None, _agent: None, http };
+            }
+            let agent =
+                tokio::task::spawn_blocking(RealAgent::start).await.unwrap().expect("a real Consul agent starts");
+            return Env { address: agent.base_url.clone(), admin_token: None, sim: None, _agent: Some(agent), http };
         }
         let admin_token = config.acl.as_ref().map(|_| "admin-secret".to_owned());
         let sim = Simulator::start(config).await.expect("simulator starts");
-        Env { address: sim.base_url(), admin_token, sim: Some(sim), http }
+        Env { address: sim.base_url(), admin_token, sim: Some(sim), _agent: None, http }
     }
 
-    /// The simulator, for tests that inject faults or read its request log. Those tests are
-    /// compiled `#[ignore]` against a real agent (`e2e_real_consul`), so they show as
-    /// ignored there, never as passed.
+    /// The simulator, for tests that inject faults or read its request log. Their `real`
+    /// variants are ignored (`simulator_only`), so they show as ignored there, never as
+    /// passed.
     fn simulator(&self) -> &RunningSim {
         self.sim.as_ref().expect("a simulator-only test ran against a real agent")
     }
@@ -124,13 +141,18 @@ fn ports(eps: &[Endpoint]) -> Vec<u16> {
     eps.iter().map(|e| e.port).collect()
 }
 
-/// A test run twice: against a current agent's behaviour and against a 0.9-line agent's
-/// (the simulator's `Config::legacy()`: one index for the whole health table, index 0 when
-/// empty, only the first `tag` applied, no server-side cancel, no connection limit, `null`
-/// shapes). Against a real agent (`E2E_CONSUL_ADDR`) the legacy half is compiled ignored:
-/// that agent is whatever version it is.
+/// A test run three times: against the simulator as a current agent, against the simulator
+/// as a 0.9-line agent (`Config::legacy()`: one index for the whole health table, index 0
+/// when empty, only the first `tag` applied, no server-side cancel, no connection limit,
+/// `null` shapes), and against a real agent (`real`: a fresh `consul agent -dev`, Debian
+/// bullseye's 1.8.7, or the agent at `E2E_CONSUL_ADDR`). A test that needs the simulator
+/// (fault injection, its request log, what 1.8 lacks) says so first:
+/// `simulator_only: "why";`, and its `real` variant shows as ignored with that reason.
 macro_rules! on_both_agents {
-    ($(#[$attr:meta])* async fn $name:ident($config:ident: Config) $body:block) => {
+    (simulator_only: $why:literal; $($rest:tt)*) => {
+        on_both_agents!(@variants [#[ignore = $why]] $($rest)*);
+    };
+    (@variants [$(#[$real:meta])*] $(#[$attr:meta])* async fn $name:ident($config:ident: Config) $body:block) => {
         mod $name {
             use super::*;
 
@@ -143,12 +165,21 @@ macro_rules! on_both_agents {
             }
 
             #[tokio::test]
-            #[cfg_attr(e2e_real_consul, ignore = "the older-agent behaviours are the simulator's")]
             $(#[$attr])*
             async fn legacy() {
                 run(Config::legacy()).await
             }
+
+            #[tokio::test]
+            $(#[$real])*
+            $(#[$attr])*
+            async fn real() {
+                REAL_AGENT.scope(true, run(Config::default())).await
+            }
         }
+    };
+    ($($rest:tt)*) => {
+        on_both_agents!(@variants [#[cfg_attr(e2e_no_real_agent, ignore = "no real Consul agent (bash scripts/real-parts.sh consul)")]] $($rest)*);
     };
 }
 
@@ -231,7 +262,7 @@ on_both_agents! {
 }
 
 on_both_agents! {
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
+    simulator_only: "needs the simulator's fault injection or request log";
 async fn dc_ns_partition_and_tags_are_sent(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
@@ -320,7 +351,7 @@ async fn tokens_accepted_rejected_and_insufficient() {
 }
 
 on_both_agents! {
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
+    simulator_only: "needs the simulator's fault injection or request log";
 async fn index_going_backwards_is_reset(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
@@ -360,7 +391,7 @@ async fn count_requests(sim: &RunningSim, service: &str, period: Duration) -> us
 }
 
 on_both_agents! {
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
+    simulator_only: "needs the simulator's fault injection or request log";
 async fn server_errors_back_off_and_recover(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
@@ -384,7 +415,7 @@ async fn server_errors_back_off_and_recover(config: Config) {
 }
 
 on_both_agents! {
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
+    simulator_only: "needs the simulator's fault injection or request log";
 async fn rate_limits_back_off(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
@@ -453,7 +484,7 @@ on_both_agents! {
 }
 
 on_both_agents! {
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
+    simulator_only: "needs the simulator's fault injection or request log";
 async fn dropping_a_watch_cancels_its_query(config: Config) {
         let server_cancels = !config.no_server_cancel;
         let env = Env::start(config).await;
@@ -479,7 +510,7 @@ async fn dropping_a_watch_cancels_its_query(config: Config) {
 }
 
 on_both_agents! {
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
+    simulator_only: "needs the simulator's fault injection or request log";
 async fn a_held_watch_reads_blocks_only_once_released_and_misses_nothing(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
@@ -631,13 +662,13 @@ on_both_agents! {
 }
 
 on_both_agents! {
+    simulator_only: "needs the simulator's fault injection or request log";
     /// A large catalog's checks answer (every check: tens of megabytes at 75,000 instances)
     /// arrives long after the catalog's small one. A port change rewrites its check, so the
     /// checks view accounts for the catalog's move once its answer is in: only that service
     /// is re-read, not every fed service (at 5,000 services a fixed wait shorter than the
     /// checks answer cost thousands of requests per change). A move no check write explains
     /// (a check-less instance) still re-reads everything, once the wait is over, both ways.
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
     async fn a_slow_checks_answer_still_accounts_for_a_port_change(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
@@ -793,9 +824,9 @@ on_both_agents! {
 }
 
 on_both_agents! {
+    simulator_only: "needs the simulator's fault injection or request log";
     /// A slot that frees goes to a fed watch at once, not at its next wake-up: when the
     /// dedicated watch stops, the fed one is blocking on its own query within a moment.
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
     async fn a_freed_slot_goes_to_a_fed_watch_at_once(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
@@ -842,17 +873,17 @@ on_both_agents! {
 }
 
 on_both_agents! {
+    simulator_only: "needs the simulator's fault injection or request log";
     /// A minute without Consul, then a fresh cluster on the same address (a lower index, new
     /// data). While it is down every watch reports the failure and keeps quiet: at most one
     /// connection attempt a second for the whole server, however many watches (one probe,
     /// not a backoff per watch). When it is back every service converges within 5 s.
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
     async fn a_minute_without_consul_then_a_fresh_cluster(config: Config) {
         const SERVICES: usize = 60;
         let _ = rustls::crypto::ring::default_provider().install_default();
         let mut config = Config { initial_index: 5_000, ..config };
         let sim = Simulator::start(config.clone()).await.expect("simulator starts");
-        let env = Env { address: sim.base_url(), admin_token: None, sim: Some(sim), http: reqwest::Client::new() };
+        let env = Env { address: sim.base_url(), admin_token: None, sim: Some(sim), _agent: None, http: reqwest::Client::new() };
         let svcs: Vec<String> = (0..SERVICES).map(|i| format!("outage-{i}")).collect();
         one_instance_each(&env, &svcs).await;
         // Some dedicated queries, the rest fed.
@@ -894,7 +925,7 @@ on_both_agents! {
         config.listen = addr;
         config.initial_index = 2;
         let sim = Simulator::start(config).await.expect("the simulator starts again on the same address");
-        let env = Env { address: sim.base_url(), admin_token: None, sim: Some(sim), http: reqwest::Client::new() };
+        let env = Env { address: sim.base_url(), admin_token: None, sim: Some(sim), _agent: None, http: reqwest::Client::new() };
         for (i, s) in svcs.iter().enumerate() {
             env.register(&format!("{s}-node"), &format!("{s}-1"), s, 9000 + i as u16, "passing", &[]).await;
         }
@@ -917,10 +948,10 @@ on_both_agents! {
 }
 
 on_both_agents! {
+    simulator_only: "needs the simulator's fault injection or request log";
     /// After a failed request the index is forgotten: a Consul that comes back as a fresh
     /// cluster with lower indexes is followed at once, not after the blocking wait (a
     /// minute here) on the old index.
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
     async fn a_failed_request_forgets_the_index(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
@@ -1026,9 +1057,9 @@ fn request_times(sim: &RunningSim, service: &str) -> Vec<(u64, Option<u16>)> {
 }
 
 on_both_agents! {
+    simulator_only: "needs the simulator's fault injection or request log";
     /// A 429 with `Retry-After` longer than the backoff is honoured: no retry before it has
     /// passed (the backoff alone would retry after 250 ms, then 500 ms). Then the answer.
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
     async fn a_retry_after_longer_than_the_backoff_is_honoured(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
@@ -1061,9 +1092,9 @@ on_both_agents! {
 }
 
 on_both_agents! {
+    simulator_only: "needs the simulator's fault injection or request log";
     /// A 200 whose body is not JSON, or is cut off mid-way, is a failure like any other
     /// (index forgotten, backoff, endpoints kept): never a partial list of endpoints.
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
     async fn unreadable_or_cut_off_answers_are_failures_never_partial_lists(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
@@ -1108,8 +1139,8 @@ on_both_agents! {
 }
 
 on_both_agents! {
+    simulator_only: "needs the simulator's fault injection or request log";
     /// Slow answers (every request held 1.5 s) are answers, not failures.
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
     async fn slow_answers_are_answers(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
@@ -1135,9 +1166,12 @@ on_both_agents! {
 /// against a current agent and against the older agents' indexes and `null` shapes with the
 /// parameters understood, so that their answers are read in both shapes. (An agent that
 /// predates a parameter ignores it, as Go ignores any unknown parameter: docs/consul.md says
-/// which versions a user needs.) Against a real agent the second half is ignored.
+/// which versions a user needs.) And against a real agent, as `on_both_agents!` does.
 macro_rules! on_current_and_older_shapes {
-    ($(#[$attr:meta])* async fn $name:ident($config:ident: Config) $body:block) => {
+    (simulator_only: $why:literal; $($rest:tt)*) => {
+        on_current_and_older_shapes!(@variants [#[ignore = $why]] $($rest)*);
+    };
+    (@variants [$(#[$real:meta])*] $(#[$attr:meta])* async fn $name:ident($config:ident: Config) $body:block) => {
         mod $name {
             use super::*;
 
@@ -1150,12 +1184,21 @@ macro_rules! on_current_and_older_shapes {
             }
 
             #[tokio::test]
-            #[cfg_attr(e2e_real_consul, ignore = "the older-agent behaviours are the simulator's")]
             $(#[$attr])*
             async fn older_shapes() {
                 run(Config { ignores_newer_parameters: false, ..Config::legacy() }).await
             }
+
+            #[tokio::test]
+            $(#[$real])*
+            $(#[$attr])*
+            async fn real() {
+                REAL_AGENT.scope(true, run(Config::default())).await
+            }
         }
+    };
+    ($($rest:tt)*) => {
+        on_current_and_older_shapes!(@variants [#[cfg_attr(e2e_no_real_agent, ignore = "no real Consul agent (bash scripts/real-parts.sh consul)")]] $($rest)*);
     };
 }
 
@@ -1192,7 +1235,7 @@ on_current_and_older_shapes! {
 }
 
 on_current_and_older_shapes! {
-    #[cfg_attr(e2e_real_consul, ignore = "a peer's services are written through the simulator (peering replicates them)")]
+    simulator_only: "a peer's services are written through the simulator (peering replicates them)";
     async fn a_peer_is_read_from_its_own_data_set_both_ways(config: Config) {
         let env = Env::start(config).await;
         env.register("n1", "web-local", "web", 80, "passing", &[]).await;
@@ -1215,7 +1258,7 @@ on_current_and_older_shapes! {
 }
 
 on_current_and_older_shapes! {
-    #[cfg_attr(e2e_real_consul, ignore = "sameness groups are Enterprise, and a peer's services are written through the simulator")]
+    simulator_only: "sameness groups are Enterprise, and a peer's services are written through the simulator";
     async fn a_sameness_group_fails_over_to_the_next_member_and_back(config: Config) {
         let env = Env::start(config).await;
         env.put(
@@ -1243,7 +1286,7 @@ on_current_and_older_shapes! {
 }
 
 on_current_and_older_shapes! {
-    #[cfg_attr(e2e_real_consul, ignore = "needs the simulator's fault injection or request log")]
+    simulator_only: "needs the simulator's fault injection or request log";
     async fn a_cut_off_agent_cache_is_reported_with_its_cut_off_then_fresh_again(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
