@@ -1,14 +1,16 @@
 //! The ops server's response bodies: small ones whole, a snapshot streamed from its
 //! segments, so that serving a 55 MB document costs no copy of it (the document exists
-//! only as its parts' JSON, see docs/snapshot.md).
+//! only as its parts' JSON, see docs/snapshot.md), and an older snapshot, kept gzipped,
+//! inflated as it is sent to a reader that does not take gzip.
 
-use std::convert::Infallible;
+use std::io::Read;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
 use consul_resolver_core::assembler::Snapshot;
 
@@ -18,6 +20,7 @@ const FRAME: usize = 64 * 1024;
 pub(crate) enum ResponseBody {
     Whole(Option<Bytes>),
     Document(Document),
+    Inflating(Inflating),
 }
 
 impl ResponseBody {
@@ -25,6 +28,37 @@ impl ResponseBody {
         let remaining = snapshot.len();
         ResponseBody::Document(Document { snapshot, segment: 0, piece: 0, remaining })
     }
+
+    /// `gzip` inflated a frame at a time on a blocking thread, at most two frames ahead of
+    /// the reader: a reader that does not take gzip never makes the process hold the whole
+    /// document (tens of megabytes at scale, once per request). `permit` is one of the few
+    /// inflations allowed at once, held until the body is sent or dropped.
+    pub(crate) fn inflating(gzip: Bytes, permit: OwnedSemaphorePermit) -> Self {
+        let (tx, chunks) = mpsc::channel(2);
+        tokio::task::spawn_blocking(move || {
+            let mut decoder = flate2::read::GzDecoder::new(&gzip[..]);
+            let mut frame = vec![0u8; FRAME];
+            loop {
+                let next = match decoder.read(&mut frame) {
+                    Ok(0) => return,
+                    Ok(n) => Ok(Bytes::copy_from_slice(&frame[..n])),
+                    Err(e) => Err(e),
+                };
+                let failed = next.is_err();
+                // The reader gone (the receiver dropped): nothing more to inflate.
+                if tx.blocking_send(next).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        ResponseBody::Inflating(Inflating { chunks, _permit: permit })
+    }
+}
+
+/// An older snapshot being inflated as it is sent ([`ResponseBody::inflating`]).
+pub(crate) struct Inflating {
+    chunks: mpsc::Receiver<std::io::Result<Bytes>>,
+    _permit: OwnedSemaphorePermit,
 }
 
 impl From<Bytes> for ResponseBody {
@@ -77,12 +111,17 @@ impl Document {
 
 impl http_body::Body for ResponseBody {
     type Data = Bytes;
-    type Error = Infallible;
+    /// Only an inflation can fail (a stored gzip that does not inflate): the connection is
+    /// then cut, so the reader sees a broken response, never a short document as whole.
+    type Error = std::io::Error;
 
-    fn poll_frame(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let next = match self.get_mut() {
             ResponseBody::Whole(bytes) => bytes.take(),
             ResponseBody::Document(d) => d.next_frame(),
+            ResponseBody::Inflating(i) => {
+                return i.chunks.poll_recv(cx).map(|next| next.map(|chunk| chunk.map(Frame::data)));
+            }
         };
         Poll::Ready(next.map(|b| Ok(Frame::data(b))))
     }
@@ -91,14 +130,16 @@ impl http_body::Body for ResponseBody {
         match self {
             ResponseBody::Whole(bytes) => bytes.is_none(),
             ResponseBody::Document(d) => d.remaining == 0,
+            ResponseBody::Inflating(_) => false,
         }
     }
 
     fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(match self {
-            ResponseBody::Whole(bytes) => bytes.as_ref().map_or(0, Bytes::len) as u64,
-            ResponseBody::Document(d) => d.remaining as u64,
-        })
+        match self {
+            ResponseBody::Whole(bytes) => SizeHint::with_exact(bytes.as_ref().map_or(0, Bytes::len) as u64),
+            ResponseBody::Document(d) => SizeHint::with_exact(d.remaining as u64),
+            ResponseBody::Inflating(_) => SizeHint::default(),
+        }
     }
 }
 

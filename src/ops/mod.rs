@@ -18,7 +18,6 @@ use hyper::{Request, Response, StatusCode};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::publishers::gunzip;
 use crate::publishers::http::{Body, KEPT, SnapshotStore};
 use body::ResponseBody;
 use health::{Heartbeat, Vitals};
@@ -43,7 +42,14 @@ pub(crate) struct ServerState {
     pub heartbeat_timeout: Duration,
     /// The background tasks; `/healthz` fails when one ended before shutdown.
     pub vitals: Arc<Vitals>,
+    /// Older snapshots being inflated for readers that do not take gzip: at most
+    /// [`MAX_INFLATING`] at once (each a CPU for as long as its reader takes).
+    pub inflating: Arc<tokio::sync::Semaphore>,
 }
+
+/// Most older snapshots inflated at once for readers that do not take gzip; the next gets
+/// 503 with `Retry-After`.
+pub(crate) const MAX_INFLATING: usize = 2;
 
 fn respond(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<ResponseBody> {
     respond_with(status, content_type, ResponseBody::from(body.into()))
@@ -197,12 +203,23 @@ async fn route(state: ServerState, req: Request<Incoming>, waiting: Waiting) -> 
                     resp.headers_mut().insert("content-encoding", hyper::header::HeaderValue::from_static("gzip"));
                     resp
                 }
-                // Tens of megabytes at scale: inflated on a blocking thread, never on one
-                // that runs the event loop's tasks.
-                Some(Body::Gzip(gz)) => match tokio::task::spawn_blocking(move || gunzip(&gz.to_bytes())).await {
-                    Ok(Ok(json)) => respond(StatusCode::OK, "application/json", json),
-                    Ok(Err(e)) => respond(StatusCode::INTERNAL_SERVER_ERROR, "text/plain", format!("{e}\n")),
-                    Err(e) => respond(StatusCode::INTERNAL_SERVER_ERROR, "text/plain", format!("{e}\n")),
+                // Tens of megabytes at scale: inflated as it is sent, on a blocking thread,
+                // a few at once; a reader beyond those is told to come back.
+                Some(Body::Gzip(gz)) => match state.inflating.clone().try_acquire_owned() {
+                    Ok(permit) => {
+                        respond_with(StatusCode::OK, "application/json", ResponseBody::inflating(gz.to_bytes(), permit))
+                    }
+                    Err(_) => {
+                        let mut resp = respond(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "text/plain",
+                            format!(
+                                "{MAX_INFLATING} older snapshots are being inflated for readers without gzip: retry, or send Accept-Encoding: gzip\n"
+                            ),
+                        );
+                        resp.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
+                        resp
+                    }
                 },
                 None => respond(
                     StatusCode::NOT_FOUND,
@@ -258,6 +275,7 @@ mod tests {
             heartbeat: heartbeat.clone(),
             heartbeat_timeout: timeout,
             vitals: vitals.clone(),
+            inflating: Arc::new(tokio::sync::Semaphore::new(crate::ops::MAX_INFLATING)),
         };
         let shutdown = CancellationToken::new();
         let (addr, task) =
@@ -300,6 +318,7 @@ mod tests {
             heartbeat: Arc::new(Heartbeat::new(tokio::time::Instant::now())),
             heartbeat_timeout: Duration::from_secs(60),
             vitals: Vitals::new(CancellationToken::new()),
+            inflating: Arc::new(tokio::sync::Semaphore::new(crate::ops::MAX_INFLATING)),
         }
     }
 
@@ -548,5 +567,40 @@ mod tests {
         );
         assert_eq!(get(addr, "/healthz").await.0, 200);
         server.stop().await;
+    }
+
+    /// An older snapshot, kept gzipped, is inflated as it is sent to a reader that does not
+    /// take gzip, at most [`MAX_INFLATING`] at once: the next reader is told to come back
+    /// (503, `Retry-After`), and served once one is done.
+    #[tokio::test]
+    async fn older_snapshots_are_inflated_a_few_at_once() {
+        let serving = Serving::start(server::Limits::DEFAULT).await;
+        let mut big = crate::test_fixtures::content(vec![]);
+        big.problems = (0..2_000)
+            .map(|i| consul_resolver_core::assembler::snapshot::Problem {
+                kind: "Mapping".into(),
+                namespace: "shop".into(),
+                name: format!("m{i:05}"),
+                message: "resolver \"nope\": no ConsulResolver of that name in shop".into(),
+            })
+            .collect();
+        let first = Arc::new(big.clone().into_snapshot(1));
+        serving.state.store.push(&first);
+        serving.state.store.push(&Arc::new(big.into_snapshot(2)));
+        assert!(matches!(serving.state.store.get(1), Some(Body::Gzip(_))), "kept gzipped");
+        let url = format!("http://{}/snapshots/1", serving.addr);
+
+        let busy = serving.state.inflating.clone().acquire_many_owned(MAX_INFLATING as u32).await.unwrap();
+        let resp = reqwest::Client::new().get(&url).send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), 503);
+        assert_eq!(resp.headers().get("retry-after").map(|v| v.to_str().unwrap().to_owned()), Some("1".into()));
+        drop(busy);
+        let resp = reqwest::Client::new().get(&url).send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        assert!(resp.headers().get("content-encoding").is_none());
+        assert_eq!(resp.bytes().await.unwrap(), first.to_json(), "the document, whole");
+        // Its permit went with the body.
+        assert_eq!(serving.state.inflating.available_permits(), MAX_INFLATING);
+        serving.stop().await;
     }
 }

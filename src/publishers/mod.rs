@@ -88,6 +88,7 @@ pub(crate) trait Publisher: Send + Sync + 'static {
     fn forget(&self) {}
 }
 
+#[cfg(test)]
 pub(crate) fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, String> {
     gunzip_limited(bytes, usize::MAX)
 }

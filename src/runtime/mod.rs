@@ -237,6 +237,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         heartbeat: heartbeat.clone(),
         heartbeat_timeout: args.heartbeat_timeout,
         vitals: vitals.clone(),
+        inflating: Arc::new(tokio::sync::Semaphore::new(crate::ops::MAX_INFLATING)),
     };
     let (bound, server) = crate::ops::serve(args.listen, state, crate::ops::server::Limits::DEFAULT, shutdown.clone())
         .await
