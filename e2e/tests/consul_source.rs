@@ -137,6 +137,14 @@ fn settings(max_connections: usize) -> Settings {
     Settings { wait: Duration::from_secs(1), max_connections, ..Settings::default() }
 }
 
+/// The product's defaults (a blocking query's `wait` of 5 minutes) at a budget of
+/// `max_connections`, never swept: anything that would only show at the default `wait` (a
+/// query left blocking on an old index after a change of mode) shows here as a change that
+/// does not arrive within [`PROMPT`].
+fn at_defaults(max_connections: usize) -> Settings {
+    Settings { max_connections, sweep: NO_SWEEP, ..Settings::default() }
+}
+
 fn ports(eps: &[Endpoint]) -> Vec<u16> {
     eps.iter().map(|e| e.port).collect()
 }
@@ -598,7 +606,7 @@ async fn feed_settled(env: &Env) {
 async fn five_mostly_fed(env: &Env, prefix: &str) -> (Vec<String>, Vec<ConsulKey>, Watches) {
     let svcs: Vec<String> = (0..5).map(|i| unique(&format!("{prefix}{i}"))).collect();
     one_instance_each(env, &svcs).await;
-    let mut w = Watches::new(Settings { wait: Duration::from_secs(60), sweep: NO_SWEEP, ..settings(4) });
+    let mut w = Watches::new(at_defaults(4));
     let keys: Vec<ConsulKey> = svcs.iter().map(|s| env.key(s)).collect();
     for k in &keys {
         w.start(k);
@@ -730,7 +738,7 @@ on_both_agents! {
         // A budget of 8: one read and seven lanes for blocking queries, far fewer than the
         // watches. The two spellings of one server share a feed (plain HTTP, one token);
         // the second token needs its own.
-        let mut w = Watches::new(Settings { wait: Duration::from_secs(60), sweep: NO_SWEEP, ..settings(8) });
+        let mut w = Watches::new(at_defaults(8));
         let keys: Vec<Vec<ConsulKey>> =
             scopes.iter().zip(&svcs).map(|(scope, team)| team.iter().map(|s| scoped(scope, s)).collect()).collect();
         for k in keys.iter().flatten() {
@@ -774,7 +782,7 @@ on_both_agents! {
     async fn fed_connect_watches_follow_their_proxies(config: Config) {
         let env = Env::start(config).await;
         // A budget of 4: one dedicated query, which a plain watch started first takes.
-        let mut w = Watches::new(Settings { wait: Duration::from_secs(60), sweep: NO_SWEEP, ..settings(4) });
+        let mut w = Watches::new(at_defaults(4));
         let first = unique("first");
         env.register("first-node", &format!("{first}-1"), &first, 1, "passing", &[]).await;
         let first = env.key(&first);
@@ -835,7 +843,7 @@ on_both_agents! {
         one_instance_each(&env, &[vec![holder.clone()], waiters.clone()].concat()).await;
         // A budget of 4: one read and three lanes for four watches: a feed (two lanes) and
         // one dedicated query, which the first watch holds.
-        let mut w = Watches::new(Settings { wait: Duration::from_secs(60), sweep: NO_SWEEP, ..settings(4) });
+        let mut w = Watches::new(at_defaults(4));
         fn blocking(name: &str) -> impl Fn(&consul_sim::Stats) -> bool + '_ {
             move |s| s.blocking.get(name).copied().unwrap_or(0) >= 1
         }
@@ -1274,14 +1282,15 @@ on_current_and_older_shapes! {
                    "Check": {"CheckID": "service:web-east", "Name": "c", "Status": "passing", "ServiceID": "web-east"}}),
         )
         .await;
-        let mut w = Watches::new(settings(10));
+        // A dedicated watch at the default `wait`: each failover arrives within PROMPT.
+        let mut w = Watches::new(at_defaults(10));
         let key = ConsulKey { remote: Some(Remote::SamenessGroup("web-group".into())), ..env.key("web") };
         w.start(&key);
         w.answer(&key, "the first member's instance", |e| ports(e) == [80]).await;
         env.register("n1", "web-local", "web", 80, "critical", &[]).await;
-        w.answer(&key, "the peer's, the local one failing", |e| ports(e) == [81]).await;
+        w.answer_within(&key, "the peer's, the local one failing", PROMPT, |e| ports(e) == [81]).await;
         env.register("n1", "web-local", "web", 80, "passing", &[]).await;
-        w.answer(&key, "the first member's again", |e| ports(e) == [80]).await;
+        w.answer_within(&key, "the first member's again", PROMPT, |e| ports(e) == [80]).await;
     }
 }
 
