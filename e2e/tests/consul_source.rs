@@ -1295,6 +1295,37 @@ on_current_and_older_shapes! {
 }
 
 on_current_and_older_shapes! {
+    simulator_only: "sameness groups are Enterprise, and a peer's services are written through the simulator";
+    /// A sameness group whose first member has instances, none of them passing, when the
+    /// watch starts. Consul decides the failover on what the query asks for, so the first
+    /// read must ask for passing instances as the blocking queries do: asking for every
+    /// instance, it got the first member's critical ones, filtered them to nothing, and then
+    /// blocked on that index for the whole `wait` while the peer served.
+    async fn a_sameness_groups_first_read_fails_over_as_its_blocking_queries_do(config: Config) {
+        let env = Env::start(config).await;
+        env.put(
+            "/v1/config",
+            json!({"Kind": "sameness-group", "Name": "web-group", "Members": [{"Partition": "default"}, {"Peer": "east"}]}),
+        )
+        .await;
+        env.register("n1", "web-local", "web", 80, "critical", &[]).await;
+        env.put(
+            "/_sim/peers/east/register",
+            json!({"Node": "east-n1", "Address": "127.0.0.2",
+                   "Service": {"ID": "web-east", "Service": "web", "Port": 81},
+                   "Check": {"CheckID": "service:web-east", "Name": "c", "Status": "passing", "ServiceID": "web-east"}}),
+        )
+        .await;
+        let mut w = Watches::new(at_defaults(10));
+        let key = ConsulKey { remote: Some(Remote::SamenessGroup("web-group".into())), ..env.key("web") };
+        w.start(&key);
+        w.answer_within(&key, "the peer's instance, from the first read", PROMPT, |e| ports(e) == [81]).await;
+        env.register("n1", "web-local", "web", 80, "passing", &[]).await;
+        w.answer_within(&key, "the first member's, passing again", PROMPT, |e| ports(e) == [80]).await;
+    }
+}
+
+on_current_and_older_shapes! {
     simulator_only: "needs the simulator's fault injection or request log";
     async fn a_cut_off_agent_cache_is_reported_with_its_cut_off_then_fresh_again(config: Config) {
         let env = Env::start(config).await;

@@ -243,7 +243,10 @@ impl HttpClient {
     /// Only a blocking query lets Consul filter health (`?passing`): a read asks for every
     /// instance and filters here, so that it can say every node and name the service has,
     /// healthy or not. A fed watch must hear of those nodes' checks: a node that comes back
-    /// to passing brings back instances no filtered answer showed.
+    /// to passing brings back instances no filtered answer showed. Except a sameness
+    /// group's read: Consul picks the member that answers from what the query asks for, so
+    /// asked for every instance it answers a member whose instances are all failing rather
+    /// than fail over (and such a watch is never fed: its instances live in other clusters).
     pub(crate) async fn health(
         &self,
         key: &ConsulKey,
@@ -262,7 +265,8 @@ impl HttpClient {
         if let Some(filter) = &q.filter {
             query.push(("filter", filter.to_string()));
         }
-        if q.statuses.only_passing() && block.is_some() {
+        let fails_over = matches!(key.remote, Some(Remote::SamenessGroup(_)));
+        if q.statuses.only_passing() && (block.is_some() || fails_over) {
             query.push(("passing", "1".into()));
         }
         for t in &q.tags {
