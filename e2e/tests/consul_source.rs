@@ -400,6 +400,31 @@ async fn count_requests(sim: &RunningSim, service: &str, period: Duration) -> us
 
 on_both_agents! {
     simulator_only: "needs the simulator's fault injection or request log";
+    /// A proxy that strips `X-Consul-Index`: nothing can block on an answer without it. The
+    /// watch reads at the sweep instead of "blocking" on a made-up index 1, which answered
+    /// at once, seven to ten times a second, with no metric or log. Counted, and the answer
+    /// that came without its index is still published.
+    async fn answers_without_an_index_are_read_at_the_sweep_not_in_a_loop(config: Config) {
+        let env = Env::start(config).await;
+        let sim = env.simulator();
+        let svc = unique("stripped");
+        env.register("n1", &format!("{svc}-1"), &svc, 1, "passing", &[]).await;
+        let mut w = Watches::new(at_defaults(10));
+        let key = env.key(&svc);
+        w.start(&key);
+        w.answer(&key, "the instance", |e| e.len() == 1).await;
+        sim.set_faults(FaultsPatch { strip_index: Some(true), ..Default::default() });
+        // Wakes the blocking query: its answer comes without an index.
+        env.register("n1", &format!("{svc}-1"), &svc, 2, "passing", &[]).await;
+        w.answer_within(&key, "the change, answered without an index", PROMPT, |e| ports(e) == [2]).await;
+        let n = count_requests(sim, &svc, Duration::from_secs(3)).await;
+        assert!(n <= 1, "{n} requests in 3 s without an index to block on");
+        assert!(w.metrics.unindexed("service") >= 1, "counted");
+    }
+}
+
+on_both_agents! {
+    simulator_only: "needs the simulator's fault injection or request log";
 async fn server_errors_back_off_and_recover(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();

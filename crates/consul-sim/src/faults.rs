@@ -99,6 +99,9 @@ pub struct Faults {
     /// servers`, except `?cached` health reads, which the agent's cache answers with what it
     /// held when it was cut off, `X-Cache: HIT` and an `Age` counting the seconds since.
     pub agent_cut_off: bool,
+    /// A proxy between the client and the agent strips `X-Consul-Index` from every answer
+    /// (the blocking still happens: the agent sees the `index` sent).
+    pub strip_index: bool,
     /// Older agents' behaviours ([`Config::single_health_index`] and the fields after it;
     /// [`Config::legacy`] turns them all on): start-up values from the [`Config`], changeable
     /// at run time like any fault. Each applies to requests that arrive after it is set.
@@ -135,6 +138,7 @@ impl Faults {
             null_variants: config.null_variants,
             known_leader: true,
             agent_cut_off: false,
+            strip_index: false,
             single_health_index: config.single_health_index,
             zero_index_when_empty: config.zero_index_when_empty,
             first_tag_only: config.first_tag_only,
@@ -167,6 +171,7 @@ impl Faults {
             null_variants,
             known_leader,
             agent_cut_off,
+            strip_index,
             single_health_index,
             zero_index_when_empty,
             first_tag_only,
@@ -209,6 +214,7 @@ impl Faults {
             (unknown_state_is_empty, &mut self.unknown_state_is_empty),
             (ignores_newer_parameters, &mut self.ignores_newer_parameters),
             (agent_cut_off, &mut self.agent_cut_off),
+            (strip_index, &mut self.strip_index),
         ];
         for (value, field) in switches {
             if let Some(v) = value {
@@ -243,6 +249,8 @@ pub struct FaultsPatch {
     pub known_leader: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_cut_off: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strip_index: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub single_health_index: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -139,6 +139,9 @@
 //! | `GET /_sim/stats` | | [`Stats`]: open and peak connections per client IP and by protocol, the peak streams on one connection, 429 counts, blocking queries per service and those whose client went away (`/v1/catalog/services` under [`CATALOG_SERVICES_LABEL`], `/v1/health/state` under [`HEALTH_STATE_LABEL`], `/v1/health/connect/<name>` under [`HEALTH_CONNECT_LABEL_PREFIX`]`<name>`) |
 //! | `DELETE /_sim/stats` | | [`Stats`] after resetting counters (connection peaks restart from the open counts, the streams peak from 0) |
 //!
+//! `strip_index` (a switch) is a proxy between client and agent that strips
+//! `X-Consul-Index` from every answer: the agent still blocks on the `index` it is sent.
+//!
 //! `agent_cut_off` (a switch) is an agent that lost its servers: every `/v1/` request but
 //! `/v1/agent/self` answers 500 `No known Consul servers`, except `?cached` health reads,
 //! answered from the catalog as it was when the cut-off began, with `X-Cache: HIT` and `Age`

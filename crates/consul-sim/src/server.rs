@@ -445,10 +445,12 @@ impl Ctx<'_> {
     }
 
     fn read_ok_bytes(&self, body: Vec<u8>, index: u64, consistency: &'static str, acl_filtered: bool) -> Resp {
-        let known_leader = self.shared.with_faults(|f| f.known_leader);
+        let (known_leader, strip_index) = self.shared.with_faults(|f| (f.known_leader, f.strip_index));
         let mut resp = json_bytes(body);
         let h = resp.headers_mut();
-        h.insert("x-consul-index", HeaderValue::from(index));
+        if !strip_index {
+            h.insert("x-consul-index", HeaderValue::from(index));
+        }
         h.insert("x-consul-knownleader", HeaderValue::from_static(if known_leader { "true" } else { "false" }));
         h.insert("x-consul-lastcontact", HeaderValue::from_static("0"));
         h.insert("x-consul-effective-consistency", HeaderValue::from_static(consistency));

@@ -232,7 +232,13 @@ impl Ctx<'_> {
                 }
             }
             if let Some(at) = last {
-                let gap = pace(Duration::from_millis(100), &mut rand::rng());
+                // Answers without an index cannot be blocked on: the feed then asks once a
+                // `wait`, as a blocking query that never returned early would.
+                let gap = if state.cannot_block() {
+                    self.env.wait
+                } else {
+                    pace(Duration::from_millis(100), &mut rand::rng())
+                };
                 tokio::time::sleep_until(at + gap).await;
             }
             last = Some(Instant::now());
@@ -250,7 +256,12 @@ impl Ctx<'_> {
             match answered {
                 Ok((index, first)) => {
                     backoff.reset();
+                    let could_block = !state.cannot_block();
                     state.observe(block.map(|b| b.0), index);
+                    if could_block && state.cannot_block() {
+                        tracing::warn!(consul = %self.client.address(), feed = ?q,
+                            "Consul's answers carry no X-Consul-Index (a proxy in between strips it?): the change feed cannot block and asks once a --consul-wait; fed services follow changes only that often");
+                    }
                     if first {
                         let mut b = baselines.lock().expect("baselines poisoned");
                         *b += 1;
@@ -290,9 +301,9 @@ impl Ctx<'_> {
         }
     }
 
-    /// One checks answer: wakes what it names. Returns the index, and whether it was the
-    /// view's first answer.
-    async fn checks(&self, block: Option<(u64, Duration)>) -> Result<(u64, bool), QueryError> {
+    /// One checks answer: wakes what it names. Returns the index (`None`: the answer had
+    /// none), and whether it was the view's first answer.
+    async fn checks(&self, block: Option<(u64, Duration)>) -> Result<(Option<u64>, bool), QueryError> {
         let token = self.key.server.token.as_ref();
         let sent = Instant::now();
         let health_state = self.client.health_state(&self.scope, token, block, |index, body| {
@@ -309,21 +320,26 @@ impl Ctx<'_> {
             // answers this query's can run.
             self.feed.catch_up().observe(sent.elapsed());
         }
+        let index = indexed(&self.env.metrics, "checks", &answer);
         let (stale, first) = answer.value;
         self.feed.checks_index.send_replace(answer.index);
         // A baseline names nothing: the members re-read once both views have one.
         self.wake(&if first { Stale::default() } else { stale });
-        Ok((answer.index, first))
+        Ok((index, first))
     }
 
     /// One catalog answer: wakes the services its body names, and everyone when the move is
     /// not accounted for by check writes.
-    async fn catalog(&self, block: Option<(u64, Duration)>, view: &mut CatalogView) -> Result<(u64, bool), QueryError> {
+    async fn catalog(
+        &self,
+        block: Option<(u64, Duration)>,
+        view: &mut CatalogView,
+    ) -> Result<(Option<u64>, bool), QueryError> {
         let token = self.key.server.token.as_ref();
         let catalog = self.client.catalog_services(&self.scope, token, block, |index, body| view.apply(index, body));
         let answer =
             observe::request(&self.env.metrics, observe::Query::Catalog, Some(&self.key), block, catalog).await?;
-        let index = answer.index;
+        let index = indexed(&self.env.metrics, "catalog", &answer);
         match answer.value {
             CatalogMove::Baseline => {
                 self.wake(&Stale::default());
@@ -349,6 +365,15 @@ impl Ctx<'_> {
         }
         Ok((index, false))
     }
+}
+
+/// An answer's index, `None` when it had none (counted in
+/// `consul_unindexed_answers_total{query}`).
+fn indexed<T>(metrics: &Metrics, query: &str, answer: &crate::client::Answer<T>) -> Option<u64> {
+    if !answer.indexed {
+        metrics.unindexed.with_label_values(&[query]).inc();
+    }
+    answer.indexed.then_some(answer.index)
 }
 
 #[cfg(test)]

@@ -35,6 +35,9 @@ pub struct Metrics {
     pub(crate) feeds: IntGauge,
     /// `consul_unreachable_servers`: servers that do not answer (their watches wait).
     pub(crate) unreachable_servers: IntGauge,
+    /// `consul_unindexed_answers_total{query}`: answers without `X-Consul-Index`, which no
+    /// query can block on.
+    pub(crate) unindexed: IntCounterVec,
     pub(crate) contact: Arc<Contact>,
 }
 
@@ -53,6 +56,7 @@ impl Metrics {
         registry.register(Box::new(m.watches.clone()))?;
         registry.register(Box::new(m.feeds.clone()))?;
         registry.register(Box::new(m.unreachable_servers.clone()))?;
+        registry.register(Box::new(m.unindexed.clone()))?;
         for mode in ["unplaced", "dedicated", "multiplexed", "fed", "swept"] {
             m.watches.with_label_values(&[mode]).set(0);
         }
@@ -63,6 +67,9 @@ impl Metrics {
         }
         for reason in ["error", "index_went_back"] {
             m.restarts.with_label_values(&["consul", reason]);
+        }
+        for query in ["service", "checks", "catalog"] {
+            m.unindexed.with_label_values(&[query]);
         }
         Ok(m)
     }
@@ -107,6 +114,11 @@ impl Metrics {
                 "Consul servers that do not answer: their watches wait while one probe tries",
             )
             .expect("valid metric"),
+            unindexed: counter(
+                "consul_unindexed_answers_total",
+                "Consul answers without X-Consul-Index (stripped on the way?), by query: nothing blocks on them, the watch reads every --consul-sweep",
+                &["query"],
+            ),
             contact: Arc::default(),
         }
     }
@@ -122,6 +134,11 @@ impl Metrics {
     }
 
     /// Change feeds running now.
+    /// `consul_unindexed_answers_total{query}`.
+    pub fn unindexed(&self, query: &str) -> u64 {
+        self.unindexed.with_label_values(&[query]).get()
+    }
+
     pub fn feeds(&self) -> i64 {
         self.feeds.get()
     }

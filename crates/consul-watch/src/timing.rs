@@ -10,6 +10,9 @@ use rand::Rng;
 pub(crate) struct IndexState {
     /// `None` until the first answer, and again after a reset: the next query answers at once.
     index: Option<u64>,
+    /// The last answer had no `X-Consul-Index` (something between us and Consul strips
+    /// it): nothing can block until an answer has one again.
+    unindexed: bool,
 }
 
 impl IndexState {
@@ -30,16 +33,23 @@ impl IndexState {
         self.index = None;
     }
 
-    /// Records an answer to a query that sent `sent` (`None`: non-blocking). An index lower
-    /// than the one sent means the server's history restarted (snapshot restore, new
+    /// Records an answer to a query that sent `sent` (`None`: non-blocking), carrying
+    /// `returned` (`None`: no `X-Consul-Index`, so the next query cannot block). An index
+    /// lower than the one sent means the server's history restarted (snapshot restore, new
     /// cluster): forget ours so the next query re-reads at once instead of blocking on an
     /// index the server may never reach again.
-    pub(crate) fn observe(&mut self, sent: Option<u64>, returned: u64) {
-        if sent.is_some_and(|s| returned < s) {
-            self.index = None;
-        } else {
-            self.index = Some(returned.max(1));
+    pub(crate) fn observe(&mut self, sent: Option<u64>, returned: Option<u64>) {
+        self.unindexed = returned.is_none();
+        match returned {
+            Some(r) if sent.is_none_or(|s| r >= s) => self.index = Some(r.max(1)),
+            _ => self.index = None,
         }
+    }
+
+    /// The last answer had no index: a query cannot block, so it must not be sent as one
+    /// (it would answer at once, in a loop paced only by the minimum interval).
+    pub(crate) fn cannot_block(&self) -> bool {
+        self.unindexed
     }
 }
 
@@ -95,33 +105,46 @@ mod tests {
     #[test]
     fn index_follows_answers_and_never_goes_below_one() {
         let mut s = IndexState::default();
-        s.observe(None, 0);
+        s.observe(None, Some(0));
         assert_eq!(s.block(Duration::from_secs(5)), Some((1, Duration::from_secs(5))));
-        s.observe(Some(1), 10);
+        s.observe(Some(1), Some(10));
         assert_eq!(s.index(), Some(10));
-        s.observe(Some(10), 10); // timeout: same index
+        s.observe(Some(10), Some(10)); // timeout: same index
         assert_eq!(s.index(), Some(10));
     }
 
     #[test]
     fn index_going_backwards_resets() {
         let mut s = IndexState::default();
-        s.observe(None, 100);
-        s.observe(Some(100), 7);
+        s.observe(None, Some(100));
+        s.observe(Some(100), Some(7));
         assert_eq!(s.block(Duration::from_secs(1)), None, "re-read without blocking");
-        s.observe(None, 7);
+        s.observe(None, Some(7));
         assert_eq!(s.index(), Some(7));
         // A non-blocking read reporting a lower index is simply the current one.
-        s.observe(None, 3);
+        s.observe(None, Some(3));
         assert_eq!(s.index(), Some(3));
     }
 
     #[test]
     fn a_failure_forgets_the_index() {
         let mut s = IndexState::default();
-        s.observe(None, 100);
+        s.observe(None, Some(100));
         s.reset();
         assert_eq!(s.block(Duration::from_secs(1)), None, "the next query does not block");
+    }
+
+    #[test]
+    fn an_answer_without_an_index_cannot_be_blocked_on_until_one_has_one() {
+        let mut s = IndexState::default();
+        s.observe(None, Some(100));
+        assert!(!s.cannot_block());
+        s.observe(Some(100), None);
+        assert!(s.cannot_block());
+        assert_eq!(s.block(Duration::from_secs(1)), None, "no index to block on");
+        s.observe(None, Some(120));
+        assert!(!s.cannot_block());
+        assert_eq!(s.block(Duration::from_secs(1)), Some((120, Duration::from_secs(1))));
     }
 
     #[test]

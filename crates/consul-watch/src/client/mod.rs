@@ -115,6 +115,10 @@ pub(crate) fn request_timeout(block: Option<(u64, Duration)>) -> Duration {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Answer<T> {
     pub index: u64,
+    /// Whether the answer carried `X-Consul-Index`. Without it (something between the
+    /// operator and Consul strips the header) no query can block: `index` is then 1, and
+    /// a query blocking on it would answer at once, again and again.
+    pub indexed: bool,
     pub value: T,
 }
 
@@ -134,6 +138,7 @@ pub(crate) struct Instances {
 #[derive(Debug)]
 struct Got {
     index: u64,
+    indexed: bool,
     cache_age: Option<Duration>,
     body: Body,
 }
@@ -282,7 +287,7 @@ impl HttpClient {
         }
         push_block(&mut query, block);
         let got = self.get(&url, &query, key.server.token.as_ref(), request_timeout(block)).await?;
-        let (index, body) = (got.index, self.whole(&got.body)?);
+        let (index, indexed, body) = (got.index, got.indexed, self.whole(&got.body)?);
         let (mut endpoints, mut names) =
             parse::health_instances(&body, &q.address).map_err(|cause| self.body_error(cause))?;
         names.insert(key.service.to_ascii_lowercase());
@@ -293,7 +298,8 @@ impl HttpClient {
                 && q.tags.iter().all(|want| carries(e, want))
                 && !q.excluded_tags.iter().any(|no| carries(e, no))
         });
-        Ok(Answer { index, value: Instances { endpoints, heard: Heard { nodes, names }, cache_age: got.cache_age } })
+        let value = Instances { endpoints, heard: Heard { nodes, names }, cache_age: got.cache_age };
+        Ok(Answer { index, indexed, value })
     }
 
     /// `GET /v1/status/leader`: whether the server answers at all (any HTTP answer is one).
@@ -313,9 +319,9 @@ impl HttpClient {
         apply: impl FnOnce(u64, &[u8]) -> Result<R, String>,
     ) -> Result<Answer<R>, QueryError> {
         let url = format!("{}/v1/catalog/services", self.base);
-        let Got { index, body, .. } = self.scoped_get(&url, scope, token, block).await?;
+        let Got { index, indexed, body, .. } = self.scoped_get(&url, scope, token, block).await?;
         let value = apply(index, &self.whole(&body)?).map_err(|cause| self.body_error(cause))?;
-        Ok(Answer { index, value })
+        Ok(Answer { index, indexed, value })
     }
 
     /// `GET /v1/health/state/any`: every check of the scope (the change feed). `apply`
@@ -330,13 +336,13 @@ impl HttpClient {
         apply: impl FnOnce(u64, &mut dyn std::io::Read) -> Result<R, String>,
     ) -> Result<Answer<R>, QueryError> {
         let url = format!("{}/v1/health/state/any", self.base);
-        let Got { index, body, .. } = self.scoped_get(&url, scope, token, block).await?;
+        let Got { index, indexed, body, .. } = self.scoped_get(&url, scope, token, block).await?;
         let mut reader = body.reader();
         let value = apply(index, &mut reader).map_err(|cause| match reader.too_large() {
             true => self.body_failure(BodyError::TooLarge),
             false => self.body_error(cause),
         })?;
-        Ok(Answer { index, value })
+        Ok(Answer { index, indexed, value })
     }
 
     async fn scoped_get(
@@ -418,7 +424,13 @@ impl HttpClient {
             }
         };
         if status.is_success() {
-            return Ok(Got { index: index_header(&headers), cache_age: cache_age(&headers), body });
+            let index = index_header(&headers);
+            return Ok(Got {
+                index: index.unwrap_or(1),
+                indexed: index.is_some(),
+                cache_age: cache_age(&headers),
+                body,
+            });
         }
         if status.is_redirection() {
             return Err(QueryError::Redirect { address: address.clone(), status: status.as_u16() });
@@ -473,9 +485,10 @@ pub(crate) fn go_duration(d: Duration) -> String {
     if ms.is_multiple_of(1000) { format!("{}s", ms / 1000) } else { format!("{ms}ms") }
 }
 
-/// `X-Consul-Index`; a missing, unparsable or zero value counts as 1 (never block on 0).
-fn index_header(headers: &HeaderMap) -> u64 {
-    headers.get("x-consul-index").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()).unwrap_or(1).max(1)
+/// `X-Consul-Index`; a zero value counts as 1 (never block on 0). `None`: missing or
+/// unparsable, so nothing can block on it.
+fn index_header(headers: &HeaderMap) -> Option<u64> {
+    headers.get("x-consul-index").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok()).map(|i| i.max(1))
 }
 
 /// How long an agent's cache has been without its servers, from a `cached` read's headers:
@@ -763,13 +776,15 @@ mod tests {
     }
 
     #[test]
-    fn index_never_below_one() {
+    fn index_never_below_one_and_none_when_missing() {
         let mut h = HeaderMap::new();
-        assert_eq!(index_header(&h), 1);
+        assert_eq!(index_header(&h), None, "stripped by something in between: nothing to block on");
+        h.insert("x-consul-index", "soon".parse().unwrap());
+        assert_eq!(index_header(&h), None);
         h.insert("x-consul-index", "0".parse().unwrap());
-        assert_eq!(index_header(&h), 1);
+        assert_eq!(index_header(&h), Some(1));
         h.insert("x-consul-index", "42".parse().unwrap());
-        assert_eq!(index_header(&h), 42);
+        assert_eq!(index_header(&h), Some(42));
     }
 
     #[test]

@@ -156,10 +156,12 @@ impl Machine {
         }
         // Which query is due, if any; then no sooner than pacing and backoff allow.
         let query = match self.mode {
-            Mode::Dedicated | Mode::Multiplexed => self.index.block(self.timing.wait),
+            Mode::Dedicated | Mode::Multiplexed if !self.index.cannot_block() => self.index.block(self.timing.wait),
             _ if self.read_due => None,
             Mode::Unplaced => return Next::Idle,
-            Mode::Fed | Mode::Swept => match self.sweep_at {
+            // A query that cannot block (its answers carry no index) would answer at once,
+            // again and again: such a watch reads at the sweep, as a swept one does.
+            Mode::Fed | Mode::Swept | Mode::Dedicated | Mode::Multiplexed => match self.sweep_at {
                 Some(at) if now < at => return Next::Sleep(at),
                 _ => None,
             },
@@ -180,12 +182,13 @@ impl Machine {
         self.not_before = Some(now + pace(self.timing.min_interval, rng));
     }
 
-    /// The answer to a query that sent `sent` (its index; `None` for a read), from an agent
-    /// cache cut off from its servers since `cut_off`, if so.
+    /// The answer to a query that sent `sent` (its index; `None` for a read), carrying
+    /// `index` (`None`: no `X-Consul-Index`), from an agent cache cut off from its servers
+    /// since `cut_off`, if so.
     pub(crate) fn answered(
         &mut self,
         sent: Option<u64>,
-        index: u64,
+        index: Option<u64>,
         endpoints: Vec<Endpoint>,
         cut_off: Option<SystemTime>,
         now: Instant,
@@ -195,13 +198,20 @@ impl Machine {
         self.index.observe(sent, index);
         if sent.is_none() {
             self.read_due = false;
-            // A read the sweep was due for schedules the next one. A read the feed asked
-            // for does not move it: the watch keeps its own phase (see `place`).
-            if matches!(self.mode, Mode::Fed | Mode::Swept) && self.sweep_at.is_none_or(|at| at <= now) {
-                self.sweep_at = Some(self.next_sweep(now, rng));
-            }
         }
-        self.reported.answer(index, endpoints, cut_off)
+        // A read the sweep was due for schedules the next one. A read the feed asked for
+        // does not move it: the watch keeps its own phase (see `place`).
+        let sweeps = matches!(self.mode, Mode::Fed | Mode::Swept) || self.index.cannot_block();
+        if sent.is_none() && sweeps && self.sweep_at.is_none_or(|at| at <= now) {
+            self.sweep_at = Some(self.next_sweep(now, rng));
+        }
+        self.reported.answer(index.unwrap_or(1), endpoints, cut_off)
+    }
+
+    /// Whether the last answer carried no index, so this watch cannot block and reads at
+    /// the sweep whatever its mode.
+    pub(crate) fn cannot_block(&self) -> bool {
+        self.index.cannot_block()
     }
 
     /// The query failed: back off, forget the index (the server may come back as another
@@ -332,7 +342,10 @@ mod tests {
     async fn the_first_query_reads_then_a_dedicated_watch_blocks_on_its_index_paced() {
         let (mut m, mut rng) = machine();
         assert_eq!(send(&mut m, &mut rng), None, "the first query does not block");
-        assert!(m.answered(None, 0, vec![], None, Instant::now(), &mut rng).is_some(), "the first answer, even empty");
+        assert!(
+            m.answered(None, Some(0), vec![], None, Instant::now(), &mut rng).is_some(),
+            "the first answer, even empty"
+        );
         assert_eq!(m.next(Instant::now()), Next::Idle, "unplaced after its read: waits to be placed");
         m.place(Mode::Dedicated, Instant::now(), &mut rng);
         // Paced: 100 ms plus up to half of it after the last query.
@@ -341,24 +354,55 @@ mod tests {
         assert!((MIN..MIN * 3 / 2).contains(&gap), "{gap:?}");
         tokio::time::advance(gap).await;
         assert_eq!(send(&mut m, &mut rng), Some((1, WAIT)), "never below 1, even after index 0");
-        assert!(m.answered(Some(1), 9, vec![], None, Instant::now(), &mut rng).is_none(), "same content: no event");
+        assert!(
+            m.answered(Some(1), Some(9), vec![], None, Instant::now(), &mut rng).is_none(),
+            "same content: no event"
+        );
         tokio::time::advance(MIN * 2).await;
         assert_eq!(send(&mut m, &mut rng), Some((9, WAIT)));
         assert_eq!(m.mode(), Mode::Dedicated);
+    }
+
+    /// Answers without `X-Consul-Index` (a proxy that strips it): a dedicated watch cannot
+    /// block, so it reads at the sweep instead of sending "blocking" queries on index 1 that
+    /// answer at once, ten a second; an answer with an index makes it block again.
+    #[tokio::test(start_paused = true)]
+    async fn without_an_index_a_dedicated_watch_reads_at_the_sweep_not_in_a_loop() {
+        let (mut m, mut rng) = machine();
+        assert_eq!(send(&mut m, &mut rng), None);
+        m.answered(None, None, vec![ep(1)], None, Instant::now(), &mut rng);
+        m.place(Mode::Dedicated, Instant::now(), &mut rng);
+        assert!(m.cannot_block());
+        // Placed dedicated, it reads once (its place reset the sweep), then sleeps a sweep.
+        tokio::time::advance(MIN * 2).await;
+        assert_eq!(send(&mut m, &mut rng), None, "a read, never a query blocking on a made-up index");
+        m.answered(None, None, vec![ep(1)], None, Instant::now(), &mut rng);
+        let Next::Sleep(at) = m.next(Instant::now()) else { panic!("sleeps until the sweep") };
+        assert!(at - Instant::now() >= SWEEP * 9 / 10, "{:?}", at - Instant::now());
+        // In the minute after: no query at all (the loop made hundreds).
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert!(matches!(m.next(Instant::now()), Next::Sleep(_)));
+        // At the sweep it reads; this answer has an index again: it blocks on it.
+        tokio::time::advance(SWEEP).await;
+        assert_eq!(send(&mut m, &mut rng), None);
+        m.answered(None, Some(40), vec![ep(1)], None, Instant::now(), &mut rng);
+        assert!(!m.cannot_block());
+        tokio::time::advance(MIN * 2).await;
+        assert_eq!(send(&mut m, &mut rng), Some((40, WAIT)));
     }
 
     #[tokio::test(start_paused = true)]
     async fn an_index_going_back_or_a_failure_starts_over_from_a_read() {
         let (mut m, mut rng) = machine();
         send(&mut m, &mut rng);
-        m.answered(None, 100, vec![ep(1)], None, Instant::now(), &mut rng);
+        m.answered(None, Some(100), vec![ep(1)], None, Instant::now(), &mut rng);
         m.place(Mode::Dedicated, Instant::now(), &mut rng);
         tokio::time::advance(MIN * 2).await;
         assert_eq!(send(&mut m, &mut rng), Some((100, WAIT)));
-        m.answered(Some(100), 7, vec![ep(1)], None, Instant::now(), &mut rng);
+        m.answered(Some(100), Some(7), vec![ep(1)], None, Instant::now(), &mut rng);
         tokio::time::advance(MIN * 2).await;
         assert_eq!(send(&mut m, &mut rng), None, "the index went back: read without it");
-        m.answered(None, 7, vec![ep(1)], None, Instant::now(), &mut rng);
+        m.answered(None, Some(7), vec![ep(1)], None, Instant::now(), &mut rng);
         tokio::time::advance(MIN * 2).await;
         assert_eq!(send(&mut m, &mut rng), Some((7, WAIT)));
         assert!(m.blocking());
@@ -384,7 +428,7 @@ mod tests {
         assert!((187..=250).contains(&ms[0]) && (375..=500).contains(&ms[1]), "{ms:?}");
         assert!((750..=1000).contains(&ms[2]) && (1500..=2000).contains(&ms[3]), "{ms:?}");
         assert_eq!(send(&mut m, &mut rng), None, "after a failure: a read");
-        let ev = m.answered(None, 3, vec![], None, Instant::now(), &mut rng);
+        let ev = m.answered(None, Some(3), vec![], None, Instant::now(), &mut rng);
         assert!(matches!(ev, Some(ConsulEvent::Answer { .. })), "an answer after an error is sent, so it clears");
         // The backoff starts over.
         tokio::time::advance(MIN * 2).await;
@@ -408,7 +452,7 @@ mod tests {
     async fn a_fed_watch_reads_when_woken_or_at_the_sweep_never_blocks() {
         let (mut m, mut rng) = machine();
         send(&mut m, &mut rng);
-        m.answered(None, 5, vec![ep(1)], None, Instant::now(), &mut rng);
+        m.answered(None, Some(5), vec![ep(1)], None, Instant::now(), &mut rng);
         m.place(Mode::Fed, Instant::now(), &mut rng);
         let Next::Sleep(sweep) = m.next(Instant::now()) else { panic!("waits for its feed or the sweep") };
         assert!(sweep - Instant::now() <= SWEEP, "its first sweep within a period");
@@ -417,12 +461,12 @@ mod tests {
         assert!(Instant::now() < sweep, "this seed's phase leaves room for a woken read");
         m.woken();
         assert_eq!(send(&mut m, &mut rng), None, "a read, never a blocking query");
-        m.answered(None, 6, vec![ep(2)], None, Instant::now(), &mut rng);
+        m.answered(None, Some(6), vec![ep(2)], None, Instant::now(), &mut rng);
         assert_eq!(m.next(Instant::now()), Next::Sleep(sweep), "a read the feed asked for does not move the sweep");
         // Unwoken, the sweep reads anyway; it schedules the next a period later, less a tenth.
         tokio::time::advance(sweep - Instant::now()).await;
         assert_eq!(send(&mut m, &mut rng), None);
-        m.answered(None, 6, vec![ep(2)], None, Instant::now(), &mut rng);
+        m.answered(None, Some(6), vec![ep(2)], None, Instant::now(), &mut rng);
         let Next::Sleep(next) = m.next(Instant::now()) else { panic!("the next sweep") };
         assert!((SWEEP * 9 / 10..=SWEEP).contains(&(next - Instant::now())), "{:?}", next - Instant::now());
         // A failed read is retried after the backoff, without waiting to be woken.
@@ -437,7 +481,7 @@ mod tests {
     async fn promoted_it_blocks_on_the_index_of_its_last_read_demoted_it_reads_when_told() {
         let (mut m, mut rng) = machine();
         send(&mut m, &mut rng);
-        m.answered(None, 42, vec![ep(1)], None, Instant::now(), &mut rng);
+        m.answered(None, Some(42), vec![ep(1)], None, Instant::now(), &mut rng);
         m.place(Mode::Fed, Instant::now(), &mut rng);
         m.place(Mode::Dedicated, Instant::now(), &mut rng);
         assert!(m.holds_lane());
@@ -455,7 +499,7 @@ mod tests {
     async fn while_its_server_is_down_it_sends_nothing_then_resumes_within_a_second() {
         let (mut m, mut rng) = machine();
         send(&mut m, &mut rng);
-        m.answered(None, 9, vec![ep(1)], None, Instant::now(), &mut rng);
+        m.answered(None, Some(9), vec![ep(1)], None, Instant::now(), &mut rng);
         m.place(Mode::Dedicated, Instant::now(), &mut rng);
         let ev = m.server_down("cannot reach Consul at http://127.0.0.1:8500: connection refused".into());
         assert!(matches!(ev, Some(ConsulEvent::Failed(_))), "reported, so its resolver says so at once");
@@ -469,12 +513,12 @@ mod tests {
         assert!(at - Instant::now() < RESUME_SPREAD);
         tokio::time::advance(at - Instant::now()).await;
         assert_eq!(send(&mut m, &mut rng), None, "a read without index: the server may be a new cluster");
-        let ev = m.answered(None, 2, vec![ep(1)], None, Instant::now(), &mut rng);
+        let ev = m.answered(None, Some(2), vec![ep(1)], None, Instant::now(), &mut rng);
         assert!(matches!(ev, Some(ConsulEvent::Answer { .. })), "the answer clears the failure");
         // Fed watches re-read after an outage too.
         let (mut f, mut rng) = machine();
         send(&mut f, &mut rng);
-        f.answered(None, 9, vec![], None, Instant::now(), &mut rng);
+        f.answered(None, Some(9), vec![], None, Instant::now(), &mut rng);
         f.place(Mode::Fed, Instant::now(), &mut rng);
         f.server_down("down".into());
         f.server_up(Instant::now(), &mut rng);
@@ -489,13 +533,17 @@ mod tests {
         let (mut m, mut rng) = machine();
         let t = |s| SystemTime::UNIX_EPOCH + Duration::from_secs(s);
         send(&mut m, &mut rng);
-        assert!(m.answered(None, 5, vec![ep(1)], None, Instant::now(), &mut rng).is_some());
-        let ev = m.answered(None, 5, vec![ep(1)], Some(t(1000)), Instant::now(), &mut rng);
+        assert!(m.answered(None, Some(5), vec![ep(1)], None, Instant::now(), &mut rng).is_some());
+        let ev = m.answered(None, Some(5), vec![ep(1)], Some(t(1000)), Instant::now(), &mut rng);
         assert_eq!(ev, Some(ConsulEvent::Cached { index: 5, endpoints: vec![ep(1)], cut_off_since: t(1000) }));
-        assert_eq!(m.answered(None, 5, vec![ep(1)], Some(t(1001)), Instant::now(), &mut rng), None, "the same cut-off");
-        let ev = m.answered(None, 6, vec![ep(2)], Some(t(1001)), Instant::now(), &mut rng);
+        assert_eq!(
+            m.answered(None, Some(5), vec![ep(1)], Some(t(1001)), Instant::now(), &mut rng),
+            None,
+            "the same cut-off"
+        );
+        let ev = m.answered(None, Some(6), vec![ep(2)], Some(t(1001)), Instant::now(), &mut rng);
         assert_eq!(ev, Some(ConsulEvent::Cached { index: 6, endpoints: vec![ep(2)], cut_off_since: t(1000) }));
-        let ev = m.answered(None, 7, vec![ep(2)], None, Instant::now(), &mut rng);
+        let ev = m.answered(None, Some(7), vec![ep(2)], None, Instant::now(), &mut rng);
         assert_eq!(ev, Some(ConsulEvent::Answer { index: 7, endpoints: vec![ep(2)] }), "back in touch");
     }
 
@@ -509,11 +557,11 @@ mod tests {
             .map(|_| {
                 let mut m = Machine::new(Timing { wait: WAIT, min_interval: MIN, sweep: SWEEP });
                 send(&mut m, &mut rng);
-                m.answered(None, 5, vec![ep(1)], None, t0, &mut rng);
+                m.answered(None, Some(5), vec![ep(1)], None, t0, &mut rng);
                 m.place(Mode::Fed, t0, &mut rng);
                 // The feed's baseline: every member re-reads once.
                 m.woken();
-                m.answered(None, 5, vec![ep(1)], None, t0, &mut rng);
+                m.answered(None, Some(5), vec![ep(1)], None, t0, &mut rng);
                 let Next::Sleep(at) = m.next(t0) else { panic!("waits for the sweep") };
                 at - t0
             })

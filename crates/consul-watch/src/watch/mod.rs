@@ -258,14 +258,22 @@ impl Held {
                     m.saw(&self.heard);
                 }
                 let cut_off = instances.cache_age.map(|age| SystemTime::now() - age);
+                if !answer.indexed {
+                    server.metrics.unindexed.with_label_values(&["service"]).inc();
+                }
+                let could_block = !machine.cannot_block();
                 let event = machine.answered(
                     block.map(|b| b.0),
-                    answer.index,
+                    answer.indexed.then_some(answer.index),
                     instances.endpoints,
                     cut_off,
                     now,
                     &mut rand::rng(),
                 );
+                if could_block && machine.cannot_block() {
+                    tracing::warn!(watch = %self.key,
+                        "Consul's answer carries no X-Consul-Index (a proxy in between strips it?): this watch cannot block and reads every --consul-sweep instead");
+                }
                 if machine.mode() == Mode::Unplaced {
                     self.placed(machine);
                 }
