@@ -140,6 +140,13 @@ impl Vitals {
         if dead.is_empty() { Ok(()) } else { Err(dead.join("; ")) }
     }
 
+    /// Something that keeps failing, that a restart of the process might mend: `/healthz`
+    /// fails with `why` from now on.
+    pub(crate) fn failing(&self, why: String) {
+        tracing::error!("{why}: /healthz fails so the pod restarts");
+        self.dead.lock().expect("vitals poisoned").push(why);
+    }
+
     fn died(&self, name: &str, how: &str) {
         tracing::error!(task = name, "a background task {how} before shutdown: /healthz fails so the pod restarts");
         self.dead.lock().expect("vitals poisoned").push(format!("the {name} task {how}"));

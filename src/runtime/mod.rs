@@ -285,6 +285,7 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         consul,
         tx,
         metrics.sources.clone(),
+        vitals.clone(),
     );
     let clock = WallClock { instant: Instant::now(), wall: SystemTime::now() };
     let (ambassador_id, env) = (config.ambassador_id.clone(), config.env.clone());

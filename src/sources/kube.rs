@@ -24,6 +24,8 @@ use wire::WireObject;
 
 mod wire;
 
+/// Cloning shares the client, metrics and discovery cache.
+#[derive(Clone)]
 pub(crate) struct KubeSource {
     client: Client,
     metrics: SourceMetrics,
@@ -102,7 +104,7 @@ impl Discovered {
 
 impl KubeSource {
     /// The watch of `key`: runs until dropped, reporting into `events`.
-    pub(crate) fn watch(&self, key: KubeKey, events: EventSink) -> impl Future<Output = ()> + Send + 'static {
+    pub(crate) fn watch(&self, key: KubeKey, events: EventSink) -> impl Future<Output = ()> + Send + use<> {
         run(self.client.clone(), key, events, self.metrics.clone(), self.discovered.clone())
     }
 }

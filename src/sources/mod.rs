@@ -9,6 +9,7 @@
 
 pub(crate) mod kube;
 pub(crate) mod metrics;
+mod supervise;
 
 use std::collections::BTreeMap;
 
@@ -19,17 +20,18 @@ use tokio_util::task::AbortOnDropHandle;
 use consul_watch::ConsulSource;
 use kube::KubeSource;
 use metrics::SourceMetrics;
+use supervise::{Supervision, supervise};
 
 /// Where sources send events (the Consul source's type: the core's bounded event channel).
 pub(crate) use consul_watch::EventSink;
 
-/// The running watches, one task per key.
+/// The running watches, one supervised task per key.
 pub(crate) struct Watches {
     kube: KubeSource,
     consul: ConsulSource,
     running: BTreeMap<WatchKey, AbortOnDropHandle<()>>,
-    events: EventSink,
     metrics: SourceMetrics,
+    supervision: Supervision,
 }
 
 /// A source's name, for logs and metrics.
@@ -41,8 +43,16 @@ fn source(key: &WatchKey) -> &'static str {
 }
 
 impl Watches {
-    pub(crate) fn new(kube: KubeSource, consul: ConsulSource, events: EventSink, metrics: SourceMetrics) -> Self {
-        Watches { kube, consul, running: BTreeMap::new(), events, metrics }
+    /// `vitals`: where a watch that keeps ending is reported (`/healthz`).
+    pub(crate) fn new(
+        kube: KubeSource,
+        consul: ConsulSource,
+        events: EventSink,
+        metrics: SourceMetrics,
+        vitals: std::sync::Arc<crate::ops::health::Vitals>,
+    ) -> Self {
+        let supervision = Supervision { events, restarts: metrics.watch_restarts.clone(), vitals };
+        Watches { kube, consul, running: BTreeMap::new(), metrics, supervision }
     }
 
     /// The first snapshot is out: Consul watches held at their first answer since the start
@@ -63,10 +73,16 @@ impl Watches {
         for key in &diff.added {
             tracing::info!(watch = %key, source = source(key), "watch started");
             self.metrics.watch_starts.with_label_values(&[source(key)]).inc();
-            let events = self.events.clone();
+            let (s, events) = (self.supervision.clone(), self.supervision.events.clone());
             let task = match key {
-                WatchKey::Kube(k) => tokio::spawn(self.kube.watch(k.clone(), events)),
-                WatchKey::Consul(k) => tokio::spawn(self.consul.watch(k.clone(), events)),
+                WatchKey::Kube(k) => {
+                    let (source, k) = (self.kube.clone(), k.clone());
+                    tokio::spawn(supervise(key.clone(), move || source.watch(k.clone(), events.clone()), s))
+                }
+                WatchKey::Consul(k) => {
+                    let (source, k) = (self.consul.clone(), k.clone());
+                    tokio::spawn(supervise(key.clone(), move || source.watch(k.clone(), events.clone()), s))
+                }
             };
             self.running.insert(key.clone(), AbortOnDropHandle::new(task));
         }
@@ -109,6 +125,7 @@ mod tests {
             consul,
             tx,
             metrics.clone(),
+            crate::ops::health::Vitals::new(tokio_util::sync::CancellationToken::new()),
         );
         let kube = WatchKey::Kube(KubeKey::new("", "v1", "Secret").in_namespace("a"));
         let consul = WatchKey::Consul(ConsulKey {

@@ -47,7 +47,9 @@ static ALLOCATOR: heap_peak::Counting = heap_peak::Counting;
 /// backpressure to the watches rather than memory.
 pub type EventSink = tokio::sync::mpsc::Sender<Event>;
 
-/// The Consul source: starts watches, and keeps what they share per server.
+/// The Consul source: starts watches, and keeps what they share per server. Cloning shares
+/// it.
+#[derive(Clone)]
 pub struct ConsulSource {
     inner: Arc<Inner>,
 }
@@ -94,7 +96,7 @@ impl ConsulSource {
     }
 
     /// The watch of `key`: runs until dropped, reporting into `events`.
-    pub fn watch(&self, key: ConsulKey, events: EventSink) -> impl Future<Output = ()> + Send + 'static {
+    pub fn watch(&self, key: ConsulKey, events: EventSink) -> impl Future<Output = ()> + Send + use<> {
         let inner = self.inner.clone();
         async move {
             let addresses = socket_addresses(&key.server.address).await;
