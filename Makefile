@@ -1,7 +1,7 @@
 # consul-resolver-operator. `make test` is what CI runs (.ci/run).
 CARGO ?= cargo
 
-.PHONY: build release test check e2e unit cluster-selftest e2e-deps image image-deps crds fmt lint demo bench-operator bench-scale bench-soak bench-cost
+.PHONY: build release test check e2e unit cluster-selftest e2e-deps image image-deps crds fmt lint demo bench-operator bench-scale bench-soak bench-cost bench-peers
 
 build:
 	$(CARGO) build --workspace --all-targets
@@ -49,6 +49,14 @@ bench-scale:
 bench-soak:
 	BENCH_SOAK_SECS=$${BENCH_SOAK_SECS:-600} BENCH_MODES=$${BENCH_MODES:-100} \
 		$(CARGO) run --release -p e2e --bin operator-bench
+
+# A health flip's way to each consumer, the operator beside a peer: a real Consul agent,
+# Traefik's consulCatalog provider (polling, then watch=true), the operator's /snapshot and
+# its export's EndpointSlices; min/median/p90/max per consumer. Results in docs/benchmarks.md.
+bench-peers:
+	bash scripts/real-parts.sh consul
+	bash scripts/real-parts.sh traefik
+	$(CARGO) run --release -p e2e --bin peer-bench
 
 # Cost table: 2,500 / 10,000 / 50,000 Mappings with 1 / 1 / 15 instances per service.
 bench-cost:

