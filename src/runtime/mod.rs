@@ -57,8 +57,9 @@ async fn start_up_discovery(
     discovered: &Discovered,
     args: &RunArgs,
 ) -> anyhow::Result<(BTreeSet<WatchKey>, EndpointsApi)> {
-    let (fixed, endpoints_api) = tokio::join!(fixed_keys(client, discovered, args), endpoints_api(client, discovered));
-    Ok((fixed?, endpoints_api))
+    // The endpoints API is asked until an answer is authoritative; a start-up that fails
+    // meanwhile (the CRD missing, the API server unreachable) ends it.
+    tokio::try_join!(fixed_keys(client, discovered, args), async { Ok(endpoints_api(client, discovered).await) })
 }
 
 /// The operator's fixed watches: its own CRD and Ambassador's route kinds (those the API
@@ -524,6 +525,24 @@ mod tests {
             "/apis/discovery.k8s.io/v1" => resources("discovery.k8s.io/v1", &[("EndpointSlice", "endpointslices")]),
             _ => serde_json::Value::Null,
         }
+    }
+
+    /// The endpoints API is asked until the answer is authoritative, but a start-up that
+    /// fails meanwhile (nothing answers: the API server unreachable) still ends, with its
+    /// error, instead of waiting for that answer forever.
+    #[tokio::test]
+    async fn a_start_up_that_fails_is_not_held_by_the_endpoints_api_retries() {
+        let nothing = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap();
+        let client = kube::Client::try_from(kube::Config::new(format!("http://{nothing}").parse().unwrap())).unwrap();
+        let argv = ["consul-resolver-operator", "run"];
+        let args = match <crate::cli::Cli as clap::Parser>::try_parse_from(argv).unwrap().command {
+            crate::cli::Command::Run(args) => *args,
+            other => panic!("{other:?}"),
+        };
+        let discovered = Discovered::default();
+        let ended = tokio::time::timeout(Duration::from_secs(20), start_up_discovery(&client, &discovered, &args));
+        let result = ended.await.expect("the start-up ends");
+        assert!(result.is_err(), "nothing answers: the start-up fails");
     }
 
     /// Only an authoritative answer selects the fallback: a 404 at once; a 503 or a 429 is
