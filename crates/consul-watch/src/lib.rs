@@ -23,6 +23,7 @@ mod metrics;
 mod observe;
 mod plan;
 mod reach;
+mod restart;
 mod server;
 mod timing;
 mod watch;

@@ -98,7 +98,10 @@ impl Reachability {
         if running || (up && probing.last.is_some_and(|t| t.elapsed() < PROBE_GAP_WHILE_UP)) {
             return;
         }
-        let task = tokio::spawn(probe(Arc::downgrade(self), client.clone()));
+        let (reach, client) = (Arc::downgrade(self), client.clone());
+        let task = crate::restart::spawn_restarting("probe", self.metrics.restarts.clone(), move || {
+            probe(reach.clone(), client.clone())
+        });
         probing.task = Some(AbortOnDropHandle::new(task));
     }
 

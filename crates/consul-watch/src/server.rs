@@ -125,7 +125,10 @@ impl Server {
         let reads = Arc::new(Semaphore::new(split.reads));
         Arc::new_cyclic(|me: &Weak<Server>| {
             let replan = Arc::new(Notify::new());
-            let planner = tokio::spawn(plan_when_told(me.clone(), replan.clone()));
+            let (weak, told) = (me.clone(), replan.clone());
+            let planner = crate::restart::spawn_restarting("planner", metrics.restarts.clone(), move || {
+                plan_when_told(weak.clone(), told.clone())
+            });
             Server {
                 lanes: Arc::new(Semaphore::new(split.lanes)),
                 reach: Reachability::new(reads.clone(), metrics.clone()),
@@ -224,7 +227,10 @@ impl Server {
                 metrics: self.metrics.clone(),
                 wait: self.settings.wait,
             };
-            let task = tokio::spawn(feed.clone().run(seed.client.clone(), seed.key.clone(), env));
+            let (running_feed, client, key) = (feed.clone(), seed.client.clone(), seed.key.clone());
+            let task = crate::restart::spawn_restarting("feed", self.metrics.restarts.clone(), move || {
+                running_feed.clone().run(client.clone(), key.clone(), env.clone())
+            });
             running.insert(g, RunningFeed { feed, _task: AbortOnDropHandle::new(task) });
         }
         self.metrics.feeds.set(i64::try_from(running.len()).unwrap_or(i64::MAX));
