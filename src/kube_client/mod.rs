@@ -112,8 +112,8 @@ pub(crate) fn client(config: kube::Config, timeout: Duration) -> anyhow::Result<
 /// for the next request on the same connection): the request follows the handshake's last
 /// message, and Nagle holds it until that message is acknowledged, which the receiver
 /// delays (delayed ACK, 40 ms at least on Linux). A cold start opens a connection per
-/// concurrent list and waits for them (docs/benchmarks.md, "TCP_NODELAY on the main client
-/// again"); the snapshot writer's bodies go out in small writes, each of which would wait
+/// concurrent list and waits for them (docs/benchmarks.md, "Measured design
+/// choices"); the snapshot writer's bodies go out in small writes, each of which would wait
 /// likewise.
 fn connector() -> HttpConnector {
     let mut tcp = HttpConnector::new();

@@ -3,8 +3,8 @@
 //!
 //! Why a stream: at 75,000 instances `/v1/health/state/any` is about 21 MB of JSON.
 //! Inflated whole, it was the operator's largest transient at the scale profile: 20 MB for
-//! the few milliseconds the feed took to split it (docs/benchmarks.md, "the change feed's
-//! checks answer read as a stream"). Read as a stream, what is held is the gzipped answer
+//! the few milliseconds the feed took to split it (docs/benchmarks.md, "Measured
+//! design choices"). Read as a stream, what is held is the gzipped answer
 //! and the check being split.
 
 use std::io::Read;

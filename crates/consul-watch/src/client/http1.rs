@@ -5,8 +5,8 @@
 //! Why not reqwest: every dedicated watch holds a connection for the whole of its blocking
 //! query, so at a large budget the connections' resting memory is most of the operator's.
 //! Through reqwest and hyper one costs about 40 KB: a task of its own, a dispatch channel,
-//! write and read buffers and the pool's wrappers (docs/benchmarks.md, heaptrack at 1,200
-//! connections). Here a waiting query holds its socket (over TLS, with the TLS session's
+//! write and read buffers and the pool's wrappers (docs/benchmarks.md, "Measured design
+//! choices": heaptrack at 1,200 connections). Here a waiting query holds its socket (over TLS, with the TLS session's
 //! state) and the few hundred bytes of the request it sent (kept to send again should the
 //! connection turn out closed): the read buffer is allocated when the answer starts to
 //! arrive.

@@ -94,7 +94,7 @@ impl Gzipped {
     }
 }
 
-/// The deflate level of snapshots (docs/benchmarks.md, "gzip level"). With zlib-rs (the
+/// The deflate level of snapshots (docs/benchmarks.md, "Snapshot gzip level"). With zlib-rs (the
 /// backend every part of the workspace shares), level 1 is its "quick" strategy, which
 /// trades a third of the compression for speed. Level 2 made the scale profile's 58 MB
 /// snapshot 3.0 MB in 49 ms, where miniz_oxide's level 1 (used before) made a 56 MB one
