@@ -357,7 +357,7 @@ pub fn free_port() -> u16 {
 
 /// Builds the operator binary (a no-op when up to date) and returns its path. The debug
 /// build, unless `E2E_OPERATOR_PROFILE=release` (benchmarks); `E2E_OPERATOR_BIN` names a
-/// binary to use instead (a benchmark of an earlier build, measured in the same session).
+/// binary to use instead (another build, measured beside this one in the same run).
 pub fn operator_binary() -> anyhow::Result<PathBuf> {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     if let Some(b) = BIN.get() {

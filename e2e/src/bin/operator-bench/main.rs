@@ -776,8 +776,8 @@ async fn first_snapshot(
                 continue;
             }
         };
-        // An operator built before 8ac2b4a (a pair against an older build) answers at once
-        // and has no ETag before 0947a3f: it is polled every 10 ms, as it was then.
+        // An older build given as E2E_OPERATOR_BIN may answer at once, without waiting, or
+        // without an ETag: it is polled every 10 ms.
         let polled = Duration::from_millis(10);
         if !resp.status().is_success() {
             // 503 (no snapshot yet) or 304 (nothing new) at the wait's end: ask again.
