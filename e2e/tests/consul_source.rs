@@ -906,6 +906,51 @@ on_both_agents! {
 }
 
 on_both_agents! {
+    simulator_only: "namespaces are Enterprise, and which watch blocks is read from the simulator";
+    /// A swept watch handed a lane that freed blocks on its own query at the default `wait`,
+    /// and a change arrives within PROMPT: one left reading at the sweep, or blocking on an
+    /// index its last read did not give it, would wait minutes.
+    async fn a_swept_watch_given_a_lane_follows_changes_at_the_default_wait(config: Config) {
+        let env = Env::start(config).await;
+        let sim = env.simulator();
+        // Four services, each in a namespace of its own: four groups, no feed can serve two.
+        let svcs: Vec<String> = (0..4).map(|i| unique(&format!("team{i}"))).collect();
+        let register = |i: usize, port: u16| {
+            let s = &svcs[i];
+            json!({"Node": format!("{s}-node"), "Address": "127.0.0.1", "Namespace": format!("team-{i}"),
+                   "Service": {"ID": format!("{s}-1"), "Service": s, "Port": port},
+                   "Check": {"CheckID": format!("service:{s}-1"), "Name": "c", "Status": "passing",
+                             "ServiceID": format!("{s}-1")}})
+        };
+        for i in 0..svcs.len() {
+            env.put("/v1/catalog/register", register(i, 8000)).await;
+        }
+        // A budget of 4: one read and three lanes, so three watches are dedicated and the
+        // fourth is swept.
+        let mut w = Watches::new(at_defaults(4));
+        let keys: Vec<ConsulKey> = (0..svcs.len())
+            .map(|i| ConsulKey { namespace: Some(format!("team-{i}")), ..env.key(&svcs[i]) })
+            .collect();
+        for k in &keys {
+            w.start(k);
+            w.answer(k, "the first answer", |e| e.len() == 1).await;
+        }
+        let blocking = |stats: &consul_sim::Stats, s: &str| stats.blocking.get(s).copied().unwrap_or(0) >= 1;
+        let (stats, ok) = sim.wait_for_stats(DEADLINE, |st| svcs.iter().filter(|s| blocking(st, s)).count() == 3).await;
+        assert!(ok, "three dedicated queries: {stats:?}");
+        assert_eq!(w.metrics.watches("swept"), 1);
+        let swept = svcs.iter().position(|s| !blocking(&stats, s)).expect("one swept");
+        let holder = (swept + 1) % svcs.len();
+        w.stop(&keys[holder]);
+        let (stats, ok) = sim.wait_for_stats(Duration::from_secs(2), |st| blocking(st, &svcs[swept])).await;
+        assert!(ok, "the freed lane went to the swept watch within 2 s: {stats:?}");
+        assert_eq!(w.metrics.watches("swept"), 0);
+        env.put("/v1/catalog/register", register(swept, 9000)).await;
+        w.answer_within(&keys[swept], "a change through its own query", PROMPT, |e| ports(e) == [9000]).await;
+    }
+}
+
+on_both_agents! {
     simulator_only: "needs the simulator's fault injection or request log";
     /// A minute without Consul, then a fresh cluster on the same address (a lower index, new
     /// data). While it is down every watch reports the failure and keeps quiet: at most one
