@@ -158,9 +158,12 @@ fn ports(eps: &[Endpoint]) -> Vec<u16> {
 /// `simulator_only: "why";`, and its `real` variant shows as ignored with that reason.
 macro_rules! on_both_agents {
     (simulator_only: $why:literal; $($rest:tt)*) => {
-        on_both_agents!(@variants [#[ignore = $why]] $($rest)*);
+        on_both_agents!(@variants legacy, Config::legacy(), [#[ignore = $why]] $($rest)*);
     };
-    (@variants [$(#[$real:meta])*] $(#[$attr:meta])* async fn $name:ident($config:ident: Config) $body:block) => {
+    // One generator for both macros: `$older` names the older agent's variant, run with
+    // `$older_config`; `$real` are the attributes of the real agent's.
+    (@variants $older:ident, $older_config:expr, [$(#[$real:meta])*]
+        $(#[$attr:meta])* async fn $name:ident($config:ident: Config) $body:block) => {
         mod $name {
             use super::*;
 
@@ -174,8 +177,8 @@ macro_rules! on_both_agents {
 
             #[tokio::test]
             $(#[$attr])*
-            async fn legacy() {
-                run(Config::legacy()).await
+            async fn $older() {
+                run($older_config).await
             }
 
             #[tokio::test]
@@ -187,7 +190,7 @@ macro_rules! on_both_agents {
         }
     };
     ($($rest:tt)*) => {
-        on_both_agents!(@variants [#[cfg_attr(e2e_no_real_agent, ignore = "no real Consul agent (bash scripts/real-parts.sh consul)")]] $($rest)*);
+        on_both_agents!(@variants legacy, Config::legacy(), [#[cfg_attr(e2e_no_real_agent, ignore = "no real Consul agent (bash scripts/real-parts.sh consul)")]] $($rest)*);
     };
 }
 
@@ -1247,36 +1250,12 @@ on_both_agents! {
 /// which versions a user needs.) And against a real agent, as `on_both_agents!` does.
 macro_rules! on_current_and_older_shapes {
     (simulator_only: $why:literal; $($rest:tt)*) => {
-        on_current_and_older_shapes!(@variants [#[ignore = $why]] $($rest)*);
-    };
-    (@variants [$(#[$real:meta])*] $(#[$attr:meta])* async fn $name:ident($config:ident: Config) $body:block) => {
-        mod $name {
-            use super::*;
-
-            async fn run($config: Config) $body
-
-            #[tokio::test]
-            $(#[$attr])*
-            async fn current() {
-                run(Config::default()).await
-            }
-
-            #[tokio::test]
-            $(#[$attr])*
-            async fn older_shapes() {
-                run(Config { ignores_newer_parameters: false, ..Config::legacy() }).await
-            }
-
-            #[tokio::test]
-            $(#[$real])*
-            $(#[$attr])*
-            async fn real() {
-                REAL_AGENT.scope(true, run(Config::default())).await
-            }
-        }
+        on_both_agents!(@variants older_shapes, Config { ignores_newer_parameters: false, ..Config::legacy() },
+            [#[ignore = $why]] $($rest)*);
     };
     ($($rest:tt)*) => {
-        on_current_and_older_shapes!(@variants [#[cfg_attr(e2e_no_real_agent, ignore = "no real Consul agent (bash scripts/real-parts.sh consul)")]] $($rest)*);
+        on_both_agents!(@variants older_shapes, Config { ignores_newer_parameters: false, ..Config::legacy() },
+            [#[cfg_attr(e2e_no_real_agent, ignore = "no real Consul agent (bash scripts/real-parts.sh consul)")]] $($rest)*);
     };
 }
 
