@@ -190,6 +190,15 @@ pub struct QueryOptions {
     pub filter: Option<Arc<str>>,
 }
 
+/// Summary of an instance's health checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Health {
+    Passing,
+    Warning,
+    Critical,
+}
+
 /// The aggregate check statuses an instance may have to be published. Default: passing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct HealthStatuses {
@@ -213,8 +222,7 @@ impl HealthStatuses {
         *self == HealthStatuses::PASSING
     }
 
-    pub fn admits(&self, health: crate::model::Health) -> bool {
-        use crate::model::Health;
+    pub fn admits(&self, health: Health) -> bool {
         match health {
             Health::Passing => self.passing,
             Health::Warning => self.warning,

@@ -162,14 +162,9 @@ impl MappingObject {
     }
 }
 
-/// Summary of an instance's health checks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Health {
-    Passing,
-    Warning,
-    Critical,
-}
+/// Summary of an instance's health checks (beside the keys, whose query options admit
+/// health statuses).
+pub use crate::keys::Health;
 
 /// A Consul service's endpoints as last answered, shared: the world's store, each
 /// resolver's snapshot entry and its last-known-good copy hold the same list (at 75,000
