@@ -25,6 +25,7 @@ mod plan;
 mod reach;
 mod restart;
 mod server;
+mod settings;
 mod timing;
 mod watch;
 
@@ -37,7 +38,7 @@ use consul_resolver_core::model::Event;
 use server::Server;
 
 pub use metrics::{Contact, LastContact, Metrics, contact_scope};
-pub use watch::Settings;
+pub use settings::Settings;
 
 /// The unit tests' allocator counts heap bytes (the parsers' memory bounds are tested).
 #[cfg(test)]

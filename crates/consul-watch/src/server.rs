@@ -29,7 +29,7 @@ use crate::feed::{Feed, FeedEnv, FeedKey};
 use crate::metrics::Metrics;
 use crate::plan::{Plan, Planner, Role, WatchId};
 use crate::reach::Reachability;
-use crate::watch::Settings;
+use crate::settings::Settings;
 use consul_resolver_core::keys::{ConsulKey, TlsSettings};
 
 /// How the budget is split.

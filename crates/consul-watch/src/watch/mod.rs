@@ -28,34 +28,6 @@ use consul_resolver_core::keys::ConsulKey;
 use consul_resolver_core::model::{ConsulEvent, Event};
 use machine::{Machine, Mode, Next, Timing};
 
-/// Settings shared by every watch.
-#[derive(Debug, Clone)]
-pub struct Settings {
-    /// `wait` of blocking queries.
-    pub wait: Duration,
-    /// Connection budget per Consul server.
-    pub max_connections: usize,
-    /// Least time between two queries of one watch (plus up to half of it at random).
-    pub min_interval: Duration,
-    /// Longest time a fed watch goes without re-reading (a safety net: the change feed
-    /// wakes it when its service changes; see docs/consul.md for what only this catches).
-    pub sweep: Duration,
-    /// Largest answer body accepted from Consul, after decompression.
-    pub max_response_bytes: usize,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
-            wait: Duration::from_secs(300),
-            max_connections: 100,
-            min_interval: Duration::from_millis(100),
-            sweep: Duration::from_secs(300),
-            max_response_bytes: 64 << 20,
-        }
-    }
-}
-
 /// What a watch holds while it runs, besides its machine.
 struct Held {
     server: Arc<Server>,

@@ -1,0 +1,32 @@
+//! What the embedding program sets for the Consul source (a module of its own, so that the
+//! watches and their server both read it without reaching into each other).
+
+use std::time::Duration;
+
+/// Settings shared by every watch.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// `wait` of blocking queries.
+    pub wait: Duration,
+    /// Connection budget per Consul server.
+    pub max_connections: usize,
+    /// Least time between two queries of one watch (plus up to half of it at random).
+    pub min_interval: Duration,
+    /// Longest time a fed watch goes without re-reading (a safety net: the change feed
+    /// wakes it when its service changes; see docs/consul.md for what only this catches).
+    pub sweep: Duration,
+    /// Largest answer body accepted from Consul, after decompression.
+    pub max_response_bytes: usize,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            wait: Duration::from_secs(300),
+            max_connections: 100,
+            min_interval: Duration::from_millis(100),
+            sweep: Duration::from_secs(300),
+            max_response_bytes: 64 << 20,
+        }
+    }
+}
