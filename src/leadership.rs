@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cli::LeaseRef;
 use crate::measure::{counter_vec, int_gauge, register_all};
-use crate::ops::health::Vitals;
+use crate::vitals::Vitals;
 use consul_resolver_core::election::{Action, Election, LeaseRecord};
 
 /// Whether, and until when, this replica may write to the cluster. Cheap to clone.

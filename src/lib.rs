@@ -26,6 +26,7 @@ mod runtime;
 mod sources;
 #[cfg(test)]
 mod test_fixtures;
+mod vitals;
 
 pub use process::main;
 

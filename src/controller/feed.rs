@@ -18,7 +18,7 @@ use kube::runtime::watcher;
 use serde_json::Value;
 use tokio::task::JoinHandle;
 
-use crate::ops::health::Vitals;
+use crate::vitals::Vitals;
 use consul_resolver_core::world::World;
 
 /// Retries of a failing object: doubling from this, capped.

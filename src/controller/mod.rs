@@ -32,7 +32,7 @@ use tokio::sync::watch;
 
 use crate::kube_client::{FIELD_MANAGER, error_reason, status_code};
 use crate::leadership::Leadership;
-use crate::ops::health::Vitals;
+use crate::vitals::Vitals;
 use consul_resolver_api::resolver::ConsulResolver;
 use consul_resolver_api::resolver::{GROUP, KIND};
 use consul_resolver_api::status::ConsulResolverStatus;

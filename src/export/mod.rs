@@ -32,7 +32,7 @@ use tokio::task::JoinHandle;
 use crate::controller::feed::{Backoff, Feed, Running};
 use crate::kube_client::error_reason;
 use crate::leadership::Leadership;
-use crate::ops::health::Vitals;
+use crate::vitals::Vitals;
 use consul_resolver_api::export::{ConsulService, KIND};
 use consul_resolver_api::resolver::GROUP;
 use consul_resolver_core::assembler::Snapshot;

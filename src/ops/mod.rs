@@ -19,8 +19,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::publishers::http::{Body, KEPT, SnapshotStore};
+use crate::vitals::Vitals;
 use body::ResponseBody;
-use health::{Heartbeat, Vitals};
+use health::Heartbeat;
 use server::{ServerMetrics, Waiting};
 
 /// The Prometheus text of every metric, at the moment of the scrape.

@@ -24,10 +24,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::publisher_events::PublisherEvents;
 use crate::leadership::Leadership;
-use crate::ops::health::Vitals;
 use crate::publishers::configmap::{self, ConfigMapPublisher};
 use crate::publishers::metrics::PublisherMetrics;
 use crate::publishers::{PublishError, Publisher};
+use crate::vitals::Vitals;
 use consul_resolver_core::assembler::Snapshot;
 
 /// The first retry after a failure; it doubles up to [`MAX_BACKOFF`].

@@ -49,7 +49,7 @@ impl Watches {
         consul: ConsulSource,
         events: EventSink,
         metrics: SourceMetrics,
-        vitals: std::sync::Arc<crate::ops::health::Vitals>,
+        vitals: std::sync::Arc<crate::vitals::Vitals>,
     ) -> Self {
         let supervision = Supervision { events, restarts: metrics.watch_restarts.clone(), vitals };
         Watches { kube, consul, running: BTreeMap::new(), metrics, supervision }
@@ -125,7 +125,7 @@ mod tests {
             consul,
             tx,
             metrics.clone(),
-            crate::ops::health::Vitals::new(tokio_util::sync::CancellationToken::new()),
+            crate::vitals::Vitals::new(tokio_util::sync::CancellationToken::new()),
         );
         let kube = WatchKey::Kube(KubeKey::new("", "v1", "Secret").in_namespace("a"));
         let consul = WatchKey::Consul(ConsulKey {

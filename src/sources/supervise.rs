@@ -18,7 +18,7 @@ use consul_resolver_core::keys::WatchKey;
 use consul_resolver_core::model::{ConsulEvent, Event, KubeEvent, WatchFailure};
 
 use super::EventSink;
-use crate::ops::health::Vitals;
+use crate::vitals::Vitals;
 
 /// The first wait before a restart, doubled per restart up to [`LONGEST_WAIT`].
 const FIRST_WAIT: Duration = Duration::from_secs(1);
