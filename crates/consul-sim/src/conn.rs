@@ -17,26 +17,10 @@ use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
 use super::server::handle;
-use super::state::{ConnGuard, Shared};
+use super::state::{ConnGuard, Protocol, Shared};
 
 /// How long a client may take to finish its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The negotiated protocol, as counted in `Stats::open_connections_by_protocol`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Protocol {
-    H1,
-    H2,
-}
-
-impl Protocol {
-    pub(crate) fn label(self) -> &'static str {
-        match self {
-            Protocol::H1 => "h1",
-            Protocol::H2 => "h2",
-        }
-    }
-}
 
 /// Accepts connections until `shutdown` flips to true.
 pub(crate) async fn accept_loop(

@@ -16,9 +16,24 @@ use tokio::sync::watch;
 
 use super::Config;
 use super::catalog::{Catalog, ServiceKey, StateEntry};
-use super::conn::Protocol;
 use super::faults::{Faults, FaultsPatch, Outcome, Quirks, RequestRecord, Stats};
 use super::render::{self, CheckJsonCache};
+
+/// The negotiated protocol, as counted in `Stats::open_connections_by_protocol`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Protocol {
+    H1,
+    H2,
+}
+
+impl Protocol {
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Protocol::H1 => "h1",
+            Protocol::H2 => "h2",
+        }
+    }
+}
 
 /// Locks, ignoring poisoning: the protected data stays consistent because no code panics
 /// while holding a lock, and a test tool should keep answering regardless.
