@@ -2,6 +2,8 @@
 //! assembler reads of its kind (see [`Stored`]). The kind comes from the watch key; the
 //! `--watch` keys, whose objects the snapshot copies whole, are kept as JSON.
 
+pub(crate) mod endpoints;
+
 use std::cell::OnceCell;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,7 +16,6 @@ use consul_resolver_api::service::ServiceRef;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::assembler::kube_endpoints;
 use crate::keys::KubeKey;
 use crate::model::{Decoded, ExportObject, KubeObject, MappingObject, ResolverObject, Stored};
 
@@ -62,11 +63,11 @@ impl Reading {
             Reading::Mapping(kind) => Decoded::Mapping(mapping_object(kind, obj)),
             Reading::Secret => Decoded::Secret(secret_data(value())),
             Reading::EndpointSlices => Decoded::Endpoints {
-                service: kube_endpoints::service_of_slice(value()),
-                endpoints: kube_endpoints::from_slice(value()),
+                service: endpoints::service_of_slice(value()),
+                endpoints: endpoints::from_slice(value()),
             },
             Reading::Endpoints => {
-                Decoded::Endpoints { service: obj.id.name.clone(), endpoints: kube_endpoints::from_endpoints(value()) }
+                Decoded::Endpoints { service: obj.id.name.clone(), endpoints: endpoints::from_endpoints(value()) }
             }
             Reading::Namespace => Decoded::Labels(labels_of(value())),
             Reading::Json => Decoded::Json,
