@@ -80,6 +80,19 @@ pub(crate) async fn serve(handler: Arc<Handler>) -> FakeApi {
     FakeApi { client: kube::Client::try_from(config).unwrap(), log, stop }
 }
 
+/// The key of a watch of Consul service `web` at `address`, with the default options.
+pub(crate) fn consul_key(address: &str) -> consul_resolver_core::keys::ConsulKey {
+    consul_resolver_core::keys::ConsulKey {
+        server: consul_resolver_core::keys::ConsulServer { address: address.into(), token: None, tls: None },
+        datacenter: None,
+        namespace: None,
+        partition: None,
+        remote: None,
+        query: Default::default(),
+        service: "web".into(),
+    }
+}
+
 /// Snapshot content with these resolvers and nothing else, bootstrap complete.
 pub(crate) fn content(resolvers: Vec<ResolverEntry>) -> Content {
     Content {

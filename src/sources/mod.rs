@@ -107,8 +107,8 @@ impl Watches {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_fixtures::{not_found, serve};
-    use consul_resolver_core::keys::{ConsulKey, ConsulServer, KubeKey};
+    use crate::test_fixtures::{consul_key, not_found, serve};
+    use consul_resolver_core::keys::KubeKey;
     use std::sync::Arc;
     use tokio::sync::mpsc;
 
@@ -128,16 +128,8 @@ mod tests {
             crate::vitals::Vitals::new(tokio_util::sync::CancellationToken::new()),
         );
         let kube = WatchKey::Kube(KubeKey::new("", "v1", "Secret").in_namespace("a"));
-        let consul = WatchKey::Consul(ConsulKey {
-            // Nothing listens there: the watch only fails, which does not matter here.
-            server: ConsulServer { address: "http://127.0.0.1:1".into(), token: None, tls: None },
-            datacenter: None,
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: Default::default(),
-            service: "web".into(),
-        });
+        // Nothing listens there: the watch only fails, which does not matter here.
+        let consul = WatchKey::Consul(consul_key("http://127.0.0.1:1"));
         let gauge = |source: &str| metrics.watches.with_label_values(&[source]).get();
         w.apply(&Delta { added: vec![kube.clone(), consul.clone()], removed: vec![] });
         assert_eq!((gauge("kubernetes"), gauge("consul")), (1, 1));

@@ -84,21 +84,9 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use consul_resolver_core::keys::{ConsulKey, ConsulServer};
+    use crate::test_fixtures::consul_key;
     use std::sync::atomic::{AtomicU32, Ordering};
     use tokio_util::sync::CancellationToken;
-
-    fn key() -> ConsulKey {
-        ConsulKey {
-            server: ConsulServer { address: "http://127.0.0.1:8500".into(), token: None, tls: None },
-            datacenter: None,
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: Default::default(),
-            service: "web".into(),
-        }
-    }
 
     /// A watch that panics is started again after 1 s, 2 s, 4 s...; each time its key is
     /// reported failed with the reason, and counted; the fifth time in a row fails
@@ -119,7 +107,11 @@ mod tests {
             }
         };
         let t0 = Instant::now();
-        let supervisor = AbortOnDropHandle::new(tokio::spawn(supervise(WatchKey::Consul(key()), start, s)));
+        let supervisor = AbortOnDropHandle::new(tokio::spawn(supervise(
+            WatchKey::Consul(consul_key("http://127.0.0.1:8500")),
+            start,
+            s,
+        )));
         let mut seen = Vec::new();
         for _ in 0..MAX_RESTARTS {
             let Some(Event::Consul(_, ConsulEvent::Failed(m))) = rx.recv().await else { panic!("a failure") };
@@ -147,7 +139,11 @@ mod tests {
         let vitals = Vitals::new(CancellationToken::new());
         let s = Supervision { events: tx, restarts, vitals: vitals.clone() };
         let start = || async { tokio::time::sleep(HEALTHY_RUN).await };
-        let _supervisor = AbortOnDropHandle::new(tokio::spawn(supervise(WatchKey::Consul(key()), start, s)));
+        let _supervisor = AbortOnDropHandle::new(tokio::spawn(supervise(
+            WatchKey::Consul(consul_key("http://127.0.0.1:8500")),
+            start,
+            s,
+        )));
         for _ in 0..MAX_RESTARTS * 2 {
             let Some(Event::Consul(_, ConsulEvent::Failed(m))) = rx.recv().await else { panic!("a failure") };
             assert!(m.contains("restart 1)"), "{m}");
