@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-use crate::harness::{free_port, repo_root};
+use crate::harness::{cached_binary, free_port};
 
 /// How long an agent may take to elect itself.
 const READY_WITHIN: Duration = Duration::from_secs(30);
@@ -33,16 +33,7 @@ impl RealAgent {
     /// The cached binary; an error that says how to install it when missing. (The tests
     /// that run it are compiled ignored without it: e2e/build.rs.)
     pub fn binary() -> anyhow::Result<PathBuf> {
-        let out = Command::new("bash")
-            .arg(repo_root().join("scripts/real-parts.sh"))
-            .arg("consul-path")
-            .output()
-            .context("running scripts/real-parts.sh consul-path")?;
-        let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        if !path.is_file() {
-            bail!("no Consul agent at {}: run `bash scripts/real-parts.sh consul`", path.display());
-        }
-        Ok(path)
+        cached_binary("scripts/real-parts.sh", "consul-path", "scripts/real-parts.sh consul")
     }
 
     /// A fresh dev agent, ready.

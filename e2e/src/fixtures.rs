@@ -48,3 +48,29 @@ pub fn export_yaml(ns: &str, name: &str, service: &str, resolver: &str, extra: &
         "apiVersion: consulresolver.io/v1alpha1\nkind: ConsulService\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  service: \"{service}\"\n  resolver: \"{resolver}\"\n{extra}"
     )
 }
+
+/// The EndpointSlices of Service `service` in `ns` (found by `kubernetes.io/service-name`,
+/// as every consumer finds them), by name; empty when they cannot be read. The test API
+/// server (1.20) serves them as `discovery.k8s.io/v1beta1`.
+pub fn slices(cluster: &crate::harness::Cluster, ns: &str, service: &str) -> std::collections::BTreeMap<String, Value> {
+    let selector = format!("kubernetes.io/service-name={service}");
+    let args = ["-n", ns, "get", "endpointslices.v1beta1.discovery.k8s.io", "-l", &selector, "-o", "json"];
+    let list: Value = cluster.kubectl(&args).ok().and_then(|out| serde_json::from_str(&out).ok()).unwrap_or_default();
+    list["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|s| (s["metadata"]["name"].as_str().unwrap_or_default().to_owned(), s.clone()))
+        .collect()
+}
+
+/// The endpoint addresses of `slices` (each endpoint's first, as kube-proxy reads), sorted.
+pub fn slice_addresses(slices: &std::collections::BTreeMap<String, Value>) -> Vec<String> {
+    let mut all: Vec<String> = slices
+        .values()
+        .flat_map(|s| s["endpoints"].as_array().cloned().unwrap_or_default())
+        .filter_map(|e| e["addresses"][0].as_str().map(str::to_owned))
+        .collect();
+    all.sort();
+    all
+}

@@ -393,6 +393,21 @@ pub fn build_command(program: &str) -> Command {
     cmd
 }
 
+/// A binary the set-up scripts cache outside the repo: the path `bash <script> <query>`
+/// prints, or an error that says to run `bash <install>` when nothing is there.
+pub fn cached_binary(script: &str, query: &str, install: &str) -> anyhow::Result<PathBuf> {
+    let out = Command::new("bash")
+        .arg(repo_root().join(script))
+        .arg(query)
+        .output()
+        .with_context(|| format!("running {script} {query}"))?;
+    let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    if !path.is_file() {
+        bail!("nothing at {}: run `bash {install}`", path.display());
+    }
+    Ok(path)
+}
+
 /// A real kube-controller-manager (1.20.2, built by `e2e/cluster.sh build`) for the tests
 /// that need the cluster's own controllers: the garbage collector of owner references, the
 /// namespace controller, the EndpointSlice mirroring controller. Only those that ask for
@@ -409,15 +424,7 @@ impl ControllerManager {
     /// `--controllers=CONTROLLERS`. The binary missing is an error that says how to build
     /// it, never a skip.
     pub fn start(cluster: &Cluster, controllers: &str) -> anyhow::Result<ControllerManager> {
-        let out = Command::new("bash")
-            .arg(repo_root().join("e2e/cluster.sh"))
-            .arg("controller-manager-path")
-            .output()
-            .context("running e2e/cluster.sh controller-manager-path")?;
-        let bin = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        if !bin.is_file() {
-            bail!("no kube-controller-manager at {}: run `bash e2e/cluster.sh build`", bin.display());
-        }
+        let bin = cached_binary("e2e/cluster.sh", "controller-manager-path", "e2e/cluster.sh build")?;
         let logdir = tempfile::Builder::new().prefix("cro-kcm-").tempdir()?;
         let log = logdir.path().join("kube-controller-manager.log");
         let logfile = std::fs::File::create(&log)?;

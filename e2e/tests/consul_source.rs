@@ -1314,26 +1314,33 @@ on_current_and_older_shapes! {
     }
 }
 
+/// Sameness group `web-group`: the local partition, then peer `east`; each holds an
+/// instance of `web` (the local one on port 80 with its check `local`, the peer's on 81,
+/// passing). The key of a watch of `web` through the group.
+async fn sameness_group_of_web(env: &Env, local: &str) -> ConsulKey {
+    env.put(
+        "/v1/config",
+        json!({"Kind": "sameness-group", "Name": "web-group", "Members": [{"Partition": "default"}, {"Peer": "east"}]}),
+    )
+    .await;
+    env.register("n1", "web-local", "web", 80, local, &[]).await;
+    env.put(
+        "/_sim/peers/east/register",
+        json!({"Node": "east-n1", "Address": "127.0.0.2",
+               "Service": {"ID": "web-east", "Service": "web", "Port": 81},
+               "Check": {"CheckID": "service:web-east", "Name": "c", "Status": "passing", "ServiceID": "web-east"}}),
+    )
+    .await;
+    ConsulKey { remote: Some(Remote::SamenessGroup("web-group".into())), ..env.key("web") }
+}
+
 on_current_and_older_shapes! {
     simulator_only: "sameness groups are Enterprise, and a peer's services are written through the simulator";
     async fn a_sameness_group_fails_over_to_the_next_member_and_back(config: Config) {
         let env = Env::start(config).await;
-        env.put(
-            "/v1/config",
-            json!({"Kind": "sameness-group", "Name": "web-group", "Members": [{"Partition": "default"}, {"Peer": "east"}]}),
-        )
-        .await;
-        env.register("n1", "web-local", "web", 80, "passing", &[]).await;
-        env.put(
-            "/_sim/peers/east/register",
-            json!({"Node": "east-n1", "Address": "127.0.0.2",
-                   "Service": {"ID": "web-east", "Service": "web", "Port": 81},
-                   "Check": {"CheckID": "service:web-east", "Name": "c", "Status": "passing", "ServiceID": "web-east"}}),
-        )
-        .await;
+        let key = sameness_group_of_web(&env, "passing").await;
         // A dedicated watch at the default `wait`: each failover arrives within PROMPT.
         let mut w = Watches::new(at_defaults(10));
-        let key = ConsulKey { remote: Some(Remote::SamenessGroup("web-group".into())), ..env.key("web") };
         w.start(&key);
         w.answer(&key, "the first member's instance", |e| ports(e) == [80]).await;
         env.register("n1", "web-local", "web", 80, "critical", &[]).await;
@@ -1352,21 +1359,8 @@ on_current_and_older_shapes! {
     /// blocked on that index for the whole `wait` while the peer served.
     async fn a_sameness_groups_first_read_fails_over_as_its_blocking_queries_do(config: Config) {
         let env = Env::start(config).await;
-        env.put(
-            "/v1/config",
-            json!({"Kind": "sameness-group", "Name": "web-group", "Members": [{"Partition": "default"}, {"Peer": "east"}]}),
-        )
-        .await;
-        env.register("n1", "web-local", "web", 80, "critical", &[]).await;
-        env.put(
-            "/_sim/peers/east/register",
-            json!({"Node": "east-n1", "Address": "127.0.0.2",
-                   "Service": {"ID": "web-east", "Service": "web", "Port": 81},
-                   "Check": {"CheckID": "service:web-east", "Name": "c", "Status": "passing", "ServiceID": "web-east"}}),
-        )
-        .await;
+        let key = sameness_group_of_web(&env, "critical").await;
         let mut w = Watches::new(at_defaults(10));
-        let key = ConsulKey { remote: Some(Remote::SamenessGroup("web-group".into())), ..env.key("web") };
         w.start(&key);
         w.answer_within(&key, "the peer's instance, from the first read", PROMPT, |e| ports(e) == [81]).await;
         env.register("n1", "web-local", "web", 80, "passing", &[]).await;

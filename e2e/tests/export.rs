@@ -13,12 +13,11 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use e2e::consul::{Consul, Instance};
-use e2e::fixtures::{export_yaml, mapping_yaml, resolver_yaml, secret_yaml};
+use e2e::fixtures::{export_yaml, mapping_yaml, resolver_yaml, secret_yaml, slice_addresses as addresses, slices};
 use e2e::harness::{Cluster, Operator, unique, wait_for};
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(60);
-const SLICES: &str = "endpointslices.v1beta1.discovery.k8s.io";
 
 fn get_json(cluster: &Cluster, args: &[&str]) -> Option<Value> {
     let mut all = args.to_vec();
@@ -33,28 +32,6 @@ fn export_status(cluster: &Cluster, ns: &str, name: &str) -> Option<Value> {
 fn condition(status: &Value, type_: &str) -> Option<(String, String)> {
     let c = status["conditions"].as_array()?.iter().find(|c| c["type"] == type_)?;
     Some((c["status"].as_str()?.to_owned(), c["reason"].as_str()?.to_owned()))
-}
-
-/// Our slices of Service `name`, by name.
-fn slices(cluster: &Cluster, ns: &str, name: &str) -> BTreeMap<String, Value> {
-    let selector = format!("kubernetes.io/service-name={name}");
-    let list = get_json(cluster, &["-n", ns, "get", SLICES, "-l", &selector]).unwrap_or_default();
-    list["items"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|s| (s["metadata"]["name"].as_str().unwrap_or_default().to_owned(), s.clone()))
-        .collect()
-}
-
-fn addresses(slices: &BTreeMap<String, Value>) -> Vec<String> {
-    let mut all: Vec<String> = slices
-        .values()
-        .flat_map(|s| s["endpoints"].as_array().cloned().unwrap_or_default())
-        .filter_map(|e| e["addresses"][0].as_str().map(str::to_owned))
-        .collect();
-    all.sort();
-    all
 }
 
 fn versions(slices: &BTreeMap<String, Value>) -> BTreeMap<String, String> {

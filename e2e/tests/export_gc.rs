@@ -8,29 +8,15 @@
 //! (`OwnerReferencesPermissionEnforcement`): the owner references the garbage collector
 //! follows are the ones the shipped RBAC lets the operator write.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use e2e::consul::{Consul, Instance};
-use e2e::fixtures::{export_yaml, resolver_yaml};
+use e2e::fixtures::{export_yaml, resolver_yaml, slices};
 use e2e::harness::{Cluster, ControllerManager, Operator, unique, wait_for};
-use serde_json::Value;
 
 const T: Duration = Duration::from_secs(60);
 const SLICES: &str = "endpointslices.v1beta1.discovery.k8s.io";
 const CONTROLLERS: &str = "garbagecollector,namespace,endpointslicemirroring";
-
-fn slices(cluster: &Cluster, ns: &str, service: &str) -> BTreeMap<String, Value> {
-    let selector = format!("kubernetes.io/service-name={service}");
-    let out = cluster.kubectl(&["-n", ns, "get", SLICES, "-l", &selector, "-o", "json"]).unwrap_or_default();
-    let list: Value = serde_json::from_str(&out).unwrap_or_default();
-    list["items"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|s| (s["metadata"]["name"].as_str().unwrap_or_default().to_owned(), s.clone()))
-        .collect()
-}
 
 /// A namespace with exports granted, a resolver, and an export `web` of a service with two
 /// instances, exported by `op`.

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use e2e::agent::RealAgent;
 use e2e::consul::Consul;
-use e2e::fixtures::{export_yaml, mapping_yaml, resolver_yaml, service};
+use e2e::fixtures::{export_yaml, mapping_yaml, resolver_yaml, service, slice_addresses, slices};
 use e2e::harness::{Cluster, Operator, unique, wait_for};
 use serde_json::Value;
 
@@ -29,28 +29,7 @@ fn addresses(snapshot: &Value, ns: &str, resolver: &str, svc: &str) -> Option<Ve
 
 /// The addresses of the export's slices, sorted.
 fn exported(cluster: &Cluster, ns: &str) -> Vec<String> {
-    let out = cluster
-        .kubectl(&[
-            "-n",
-            ns,
-            "get",
-            "endpointslices.v1beta1.discovery.k8s.io",
-            "-l",
-            "kubernetes.io/service-name=web",
-            "-o",
-            "json",
-        ])
-        .unwrap_or_default();
-    let list: Value = serde_json::from_str(&out).unwrap_or_default();
-    let mut all: Vec<String> = list["items"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .flat_map(|s| s["endpoints"].as_array().cloned().unwrap_or_default())
-        .filter_map(|e| e["addresses"][0].as_str().map(str::to_owned))
-        .collect();
-    all.sort();
-    all
+    slice_addresses(&slices(cluster, ns, "web"))
 }
 
 #[test]

@@ -24,12 +24,12 @@ use std::collections::BTreeSet;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use e2e::agent::RealAgent;
-use e2e::bench::{env_usize, percentile};
+use e2e::bench::{env_usize, loadavg, percentile};
 use e2e::consul::Consul;
 use e2e::fixtures::{export_yaml, mapping_yaml, resolver_yaml, service};
-use e2e::harness::{Cluster, Operator, free_port, repo_root, wait_for};
+use e2e::harness::{Cluster, Operator, cached_binary, free_port, wait_for};
 use serde_json::Value;
 
 /// Traefik's default `refreshInterval` of the consulCatalog provider.
@@ -51,11 +51,7 @@ struct Traefik {
 
 impl Traefik {
     fn start(consul: &str, watch: bool) -> anyhow::Result<Traefik> {
-        let out = Command::new("bash").arg(repo_root().join("scripts/real-parts.sh")).arg("traefik-path").output()?;
-        let bin = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        if !std::path::Path::new(&bin).is_file() {
-            bail!("no Traefik at {bin}: run `bash scripts/real-parts.sh traefik`");
-        }
+        let bin = cached_binary("scripts/real-parts.sh", "traefik-path", "scripts/real-parts.sh traefik")?;
         let dir = tempfile::Builder::new().prefix("cro-traefik-").tempdir()?;
         let (api, web) = (free_port(), free_port());
         let log = std::fs::File::create(dir.path().join("traefik.log"))?;
@@ -144,15 +140,6 @@ struct Samples {
     name: String,
     taken: Vec<Duration>,
     missed: usize,
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 fn ms(d: Duration) -> String {

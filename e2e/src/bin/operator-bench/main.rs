@@ -81,7 +81,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::{Context, bail, ensure};
 use consul_resolver_operator::snapshot_configmap as configmap;
 use consul_sim::{Config as SimConfig, RunningSim, Simulator};
-use e2e::bench::{env_usize, percentile};
+use e2e::bench::{env_usize, loadavg, percentile};
 use e2e::harness::{Cluster, Operator, metric_sample, operator_binary, unique};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::ConfigMap;
@@ -359,15 +359,6 @@ fn cpu_ms(d: Duration) -> String {
 
 fn secs(d: Duration) -> String {
     format!("{:.2} s", d.as_secs_f64())
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 async fn kube_client(kubeconfig: &Path) -> anyhow::Result<kube::Client> {
