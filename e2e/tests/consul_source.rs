@@ -1369,6 +1369,26 @@ on_current_and_older_shapes! {
 }
 
 on_current_and_older_shapes! {
+    simulator_only: "sameness groups are Enterprise, and the member is picked by the simulator's switch";
+    /// A sameness group whose Consul picks the member before the health filter: the first
+    /// member with any instances answers, filtered to nothing when none passes. The watch
+    /// walks the group's members itself then, so it fails over as when Consul picks after
+    /// the filter, on the first read and on every wake, at the default `wait`.
+    async fn a_sameness_group_picked_before_the_health_filter_still_fails_over(config: Config) {
+        let env = Env::start(config).await;
+        let key = sameness_group_of_web(&env, "critical").await;
+        env.simulator().set_faults(FaultsPatch { sameness_before_health: Some(true), ..FaultsPatch::default() });
+        let mut w = Watches::new(at_defaults(10));
+        w.start(&key);
+        w.answer_within(&key, "the peer's instance, from the first read", PROMPT, |e| ports(e) == [81]).await;
+        env.register("n1", "web-local", "web", 80, "passing", &[]).await;
+        w.answer_within(&key, "the first member's, passing again", PROMPT, |e| ports(e) == [80]).await;
+        env.register("n1", "web-local", "web", 80, "critical", &[]).await;
+        w.answer_within(&key, "the peer's, the local one failing", PROMPT, |e| ports(e) == [81]).await;
+    }
+}
+
+on_current_and_older_shapes! {
     simulator_only: "needs the simulator's fault injection or request log";
     async fn a_cut_off_agent_cache_is_reported_with_its_cut_off_then_fresh_again(config: Config) {
         let env = Env::start(config).await;

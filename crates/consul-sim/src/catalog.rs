@@ -33,7 +33,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The default Consul Enterprise namespace and partition (the only ones in Consul OSS).
 pub(crate) const DEFAULT_SCOPE: &str = "default";
@@ -442,10 +442,12 @@ pub(crate) enum Origin {
 }
 
 /// One member of a sameness group: a partition of this cluster or a cluster peer.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "PascalCase", default)]
 pub(crate) struct SamenessMember {
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub partition: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub peer: String,
 }
 
@@ -618,22 +620,28 @@ impl Catalog {
     }
 
     /// The health rows of `key` from `origin` that `keep` keeps (the read's own filters):
-    /// for a sameness group, those of its first member with any left.
+    /// for a sameness group, those of the first member that has rows `choose` keeps.
     pub(crate) fn origin_health(
         &self,
         origin: &Origin,
         key: &ServiceKey,
         tags: &[String],
+        choose: impl Fn(&HealthEntry) -> bool,
         keep: impl Fn(&HealthEntry) -> bool,
     ) -> Vec<HealthEntry> {
         for (catalog, key) in self.sources(origin, key) {
             let mut entries = catalog.map(|c| c.health(&key, tags)).unwrap_or_default();
-            entries.retain(&keep);
-            if !entries.is_empty() {
+            if entries.iter().any(&choose) {
+                entries.retain(&keep);
                 return entries;
             }
         }
         Vec::new()
+    }
+
+    /// The members of the sameness group `name`, in order, and the index of its last write.
+    pub(crate) fn sameness_group(&self, name: &str) -> Option<(&[SamenessMember], u64)> {
+        self.sameness_groups.get(name).map(|(members, index)| (members.as_slice(), *index))
     }
 
     /// Registers into the services imported from `peer` (created at its first write); the

@@ -102,6 +102,10 @@ pub struct Faults {
     /// A proxy between the client and the agent strips `X-Consul-Index` from every answer
     /// (the blocking still happens: the agent sees the `index` sent).
     pub strip_index: bool,
+    /// A sameness group picks its member before the health filter: the first member with
+    /// any instances (after the read's tags and `filter`) answers, and `?passing` then
+    /// filters its instances, to nothing when none passes, rather than failing over.
+    pub sameness_before_health: bool,
     /// Older agents' behaviours ([`Config::single_health_index`] and the fields after it;
     /// [`Config::legacy`] turns them all on): start-up values from the [`Config`], changeable
     /// at run time like any fault. Each applies to requests that arrive after it is set.
@@ -139,6 +143,7 @@ impl Faults {
             known_leader: true,
             agent_cut_off: false,
             strip_index: false,
+            sameness_before_health: false,
             single_health_index: config.single_health_index,
             zero_index_when_empty: config.zero_index_when_empty,
             first_tag_only: config.first_tag_only,
@@ -172,6 +177,7 @@ impl Faults {
             known_leader,
             agent_cut_off,
             strip_index,
+            sameness_before_health,
             single_health_index,
             zero_index_when_empty,
             first_tag_only,
@@ -215,6 +221,7 @@ impl Faults {
             (ignores_newer_parameters, &mut self.ignores_newer_parameters),
             (agent_cut_off, &mut self.agent_cut_off),
             (strip_index, &mut self.strip_index),
+            (sameness_before_health, &mut self.sameness_before_health),
         ];
         for (value, field) in switches {
             if let Some(v) = value {
@@ -251,6 +258,8 @@ pub struct FaultsPatch {
     pub agent_cut_off: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub strip_index: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sameness_before_health: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub single_health_index: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -67,7 +67,8 @@
 //! - `GET /v1/catalog/datacenters`, `GET /v1/status/leader`.
 //! - `PUT /v1/config` of `{"Kind": "sameness-group", "Name", "Members": [{"Partition"} or
 //!   {"Peer"}, ...]}` (the only config entry kind modelled; Enterprise 1.16+); it needs a
-//!   token allowed to write.
+//!   token allowed to write; `GET /v1/config/sameness-group/<name>` reads it back (any
+//!   token that resolves; 404 for a group that does not exist).
 //! - `GET /v1/agent/self`, reduced to `Config.{Datacenter, NodeName, Version}` and `Member`:
 //!   version `1.21.4`, or `0.9.3` with `ignores_newer_parameters`.
 //!
@@ -141,6 +142,11 @@
 //!
 //! `strip_index` (a switch) is a proxy between client and agent that strips
 //! `X-Consul-Index` from every answer: the agent still blocks on the `index` it is sent.
+//!
+//! `sameness_before_health` (a switch) is a sameness group that picks its member before the
+//! health filter: the first member with any instances answers, and `?passing` filters them,
+//! to nothing when none passes, where the default picks the first member with instances left
+//! after every filter of the read.
 //!
 //! `agent_cut_off` (a switch) is an agent that lost its servers: every `/v1/` request but
 //! `/v1/agent/self` answers 500 `No known Consul servers`, except `?cached` health reads,

@@ -510,6 +510,7 @@ async fn dispatch(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
         ("/v1/catalog/deregister", &Method::PUT) => deregister(ctx, req).await,
         ("/v1/catalog/services", &Method::GET) => catalog_services(ctx, req.headers()).await,
         ("/v1/config", &Method::PUT) => config_entry(ctx, req).await,
+        (path, &Method::GET) if path.starts_with("/v1/config/sameness-group/") => sameness_group(ctx, path),
         ("/v1/agent/self", &Method::GET) => Ok(agent_self(ctx)),
         ("/v1/catalog/datacenters", &Method::GET) => {
             Ok(plain_json(&Value::from(vec![ctx.shared.config.datacenter.clone()])))
@@ -570,7 +571,12 @@ async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap, conn
     if quirks.first_tag_only {
         tags.truncate(1);
     }
-    let keep = |e: &HealthEntry| (!passing || e.all_passing()) && filter.as_ref().is_none_or(|f| f.matches(e));
+    let selected = |e: &HealthEntry| filter.as_ref().is_none_or(|f| f.matches(e));
+    let keep = |e: &HealthEntry| (!passing || e.all_passing()) && selected(e);
+    // Which member of a sameness group answers: the first with instances left after the
+    // read's filters, or (`sameness_before_health`) after its filters but health.
+    let before_health = shared.with_faults(|f| f.sameness_before_health);
+    let choose = |e: &HealthEntry| if before_health { selected(e) } else { keep(e) };
     let (watched, label) = if connect {
         let dest = connect_key(&key.name, &key.namespace, &key.partition);
         (Watched::Connect(dest), format!("{HEALTH_CONNECT_LABEL_PREFIX}{}", key.name))
@@ -583,7 +589,7 @@ async fn health_service(ctx: &Ctx<'_>, raw_name: &str, headers: &HeaderMap, conn
             entries.retain(keep);
             entries
         }
-        _ => c.origin_health(&origin, &key, &tags, keep),
+        _ => c.origin_health(&origin, &key, &tags, choose, keep),
     };
     if cut_off.is_some() {
         wait_while_cut_off(shared, &opts).await;
@@ -811,6 +817,24 @@ async fn config_entry(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
     authorize_write(ctx, None)?;
     ctx.shared.write_catalog(|c| c.set_config_entry(entry)).map_err(ApiError::from)?;
     Ok(plain_json(&Value::Bool(true)))
+}
+
+/// `GET /v1/config/sameness-group/<name>`: the group's entry (`Kind`, `Name`, `Members`
+/// in order, the indexes), 404 for a group that does not exist.
+fn sameness_group(ctx: &Ctx<'_>, path: &str) -> Handled {
+    ctx.identity()?;
+    let raw = path.trim_start_matches("/v1/config/sameness-group/");
+    let name = percent_decode(raw).ok_or_else(|| ApiError::bad_request("Invalid URL path encoding"))?;
+    let catalog = lock(&ctx.shared.catalog);
+    let Some((members, index)) = catalog.sameness_group(&name) else {
+        let message = format!("Config entry not found for \"sameness-group\" / \"{name}\"");
+        return Err(ApiError::new(StatusCode::NOT_FOUND, message).into());
+    };
+    let entry = serde_json::json!({
+        "Kind": "sameness-group", "Name": name, "Members": members,
+        "CreateIndex": index, "ModifyIndex": index,
+    });
+    Ok(plain_json(&entry))
 }
 
 /// `GET /v1/agent/self`, reduced to what clients read: the agent's version and datacenter.

@@ -1740,6 +1740,31 @@ async fn a_sameness_group_answers_from_its_first_member_with_instances() {
     assert_eq!(ids_of(&get(a, q).await), ["remote-1"], "a member without passing instances is passed over");
 }
 
+#[tokio::test]
+async fn a_sameness_group_that_picks_before_the_health_filter_answers_nothing_and_its_entry_names_the_members() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    assert_eq!(get(a, "/v1/config/sameness-group/web-group").await.status, 404);
+    let members = json!([{"Partition": "default"}, {"Peer": "east"}]);
+    let group = json!({"Kind": "sameness-group", "Name": "web-group", "Members": members});
+    assert_eq!(put(a, "/v1/config", &group).await.status, 200);
+    let entry = get(a, "/v1/config/sameness-group/web-group").await;
+    assert_eq!((entry.status, &entry.json()["Members"]), (200, &members));
+    let imported = json!({"Node": "p-n1", "Address": "10.9.0.1",
+        "Service": {"ID": "remote-1", "Service": "web", "Port": 9090},
+        "Check": {"CheckID": "service:remote-1", "Name": "alive", "Status": "passing", "ServiceID": "remote-1"}});
+    assert_eq!(put(a, "/_sim/peers/east/register", &imported).await.status, 200);
+    register(a, "n1", "web", "local-1", "critical", &[]).await;
+    let q = "/v1/health/service/web?sameness-group=web-group&passing";
+    assert_eq!(ids_of(&get(a, q).await), ["remote-1"], "by default the member is picked after the filter");
+    put(a, "/_sim/faults", &json!({"sameness_before_health": true})).await;
+    assert!(ids_of(&get(a, q).await).is_empty(), "picked before it: the local member, filtered to nothing");
+    let member = "/v1/health/service/web?peer=east&passing";
+    assert_eq!(ids_of(&get(a, member).await), ["remote-1"], "a member read on its own still answers");
+    register(a, "n1", "web", "local-1", "passing", &[]).await;
+    assert_eq!(ids_of(&get(a, q).await), ["local-1"]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_off_agent_answers_cached_reads_from_its_cache_with_their_age() {
     let sim = start_default().await;

@@ -13,6 +13,7 @@ pub(crate) mod body;
 pub(crate) mod http1;
 pub(crate) mod multiplex;
 pub(crate) mod parse;
+mod sameness;
 pub(crate) mod tls;
 
 use std::collections::BTreeSet;
@@ -252,7 +253,22 @@ impl HttpClient {
     /// group's read: Consul picks the member that answers from what the query asks for, so
     /// asked for every instance it answers a member whose instances are all failing rather
     /// than fail over (and such a watch is never fed: its instances live in other clusters).
+    /// A sameness group that leaves nothing is walked member by member ([`sameness`]).
     pub(crate) async fn health(
+        &self,
+        key: &ConsulKey,
+        block: Option<(u64, Duration)>,
+    ) -> Result<Answer<Instances>, QueryError> {
+        let answer = self.read_health(key, block).await?;
+        match &key.remote {
+            Some(Remote::SamenessGroup(group)) if answer.value.endpoints.is_empty() => {
+                self.walk_members(key, group, answer).await
+            }
+            _ => Ok(answer),
+        }
+    }
+
+    async fn read_health(
         &self,
         key: &ConsulKey,
         block: Option<(u64, Duration)>,
