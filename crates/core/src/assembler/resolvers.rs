@@ -14,7 +14,7 @@ use crate::keys::{
 use crate::model::Decoded;
 use crate::world::World;
 use consul_resolver_api::names::{self, NamespacedName};
-use consul_resolver_api::resolver::{ConsistencyMode, ConsulResolverSpec, HealthStatus, SecretKeyRef};
+use consul_resolver_api::resolver::{ConsistencyMode, ConsulResolverSpec, ConsulTls, HealthStatus, SecretKeyRef};
 
 pub(crate) use consul_resolver_api::resolver::{GROUP, KIND};
 
@@ -176,50 +176,14 @@ fn settings(
     // First everything the spec alone decides (InvalidSpec), then the Secrets.
     let expanded = expand_env(&spec.address, env).map_err(|e| invalid(format!("spec.address: {e}")))?;
     let address = normalise_address(&expanded).map_err(|e| invalid(format!("spec.address {:?}: {e}", spec.address)))?;
-    let non_empty = |field: &str, v: &Option<String>| match v.as_deref() {
-        Some("") => Err(invalid(format!("spec.{field} must not be empty (omit it instead)"))),
-        other => Ok(other.map(str::to_owned)),
-    };
     let datacenter = non_empty("datacenter", &spec.datacenter)?;
     let consul_ns = non_empty("namespace", &spec.namespace)?;
     let partition = non_empty("partition", &spec.partition)?;
-    // A peer or sameness group is a name Consul checks as a DNS label (the rule of
-    // Kubernetes' RFC 1123 labels); both at once mean two different sources of instances.
-    let label = |field: &str, v: &Option<String>| -> Result<Option<String>, Unusable> {
-        let v = non_empty(field, v)?;
-        if let Some(name) = &v
-            && names::dns1123_label(name).is_err()
-        {
-            return Err(invalid(format!(
-                "spec.{field} {name:?} is not a Consul {field} name (at most 63 lower case letters, digits and -, \
-                 not starting or ending with -)"
-            )));
-        }
-        Ok(v)
-    };
-    let remote = match (label("peer", &spec.peer)?, label("samenessGroup", &spec.sameness_group)?) {
-        (Some(_), Some(_)) => {
-            return Err(invalid(
-                "spec.peer and spec.samenessGroup are both set: a sameness group names its peers".into(),
-            ));
-        }
-        (Some(peer), None) => Some(Remote::Peer(peer)),
-        (None, Some(group)) => Some(Remote::SamenessGroup(group)),
-        (None, None) => None,
-    };
+    let remote = remote(spec)?;
     for (field, r) in refs {
         valid_ref(r).map_err(|e| invalid(format!("{field}: {e}")))?;
     }
-    let server_name = match &spec.tls {
-        Some(_) if !address.starts_with("https://") => {
-            return Err(invalid("spec.tls is set but spec.address is not https://".to_owned()));
-        }
-        Some(t) if t.client_cert_secret_ref.is_some() != t.client_key_secret_ref.is_some() => {
-            return Err(half_identity());
-        }
-        Some(t) => non_empty("tls.serverName", &t.server_name)?,
-        None => None,
-    };
+    let server_name = tls_server_name(spec, &address)?;
     let query = query_options(spec).map_err(invalid)?;
     let token = spec
         .token_secret_ref
@@ -227,32 +191,7 @@ fn settings(
         .map(|r| read_secret(world, namespace, r, "spec.tokenSecretRef"))
         .transpose()?
         .map(|t| Secret::new(t.trim()));
-    let tls = match &spec.tls {
-        None => None,
-        Some(t) => {
-            let ca_pem = t
-                .ca_secret_ref
-                .as_ref()
-                .map(|r| read_secret(world, namespace, r, "spec.tls.caSecretRef"))
-                .transpose()?
-                .map(Arc::<str>::from);
-            let read = |r, field| read_secret(world, namespace, r, field);
-            let client_identity = match (&t.client_cert_secret_ref, &t.client_key_secret_ref) {
-                (None, None) => None,
-                (Some(cert), Some(key)) => Some(ClientIdentity {
-                    cert_pem: Arc::from(read(cert, "spec.tls.clientCertSecretRef")?),
-                    key_pem: Secret::new(read(key, "spec.tls.clientKeySecretRef")?),
-                }),
-                (Some(_), None) | (None, Some(_)) => return Err(half_identity()),
-            };
-            Some(TlsSettings {
-                ca_pem,
-                server_name,
-                insecure_skip_verify: t.insecure_skip_verify.unwrap_or(false),
-                client_identity,
-            })
-        }
-    };
+    let tls = spec.tls.as_ref().map(|t| tls_settings(world, namespace, t, server_name)).transpose()?;
     Ok(Settings {
         template: ConsulKey {
             server: ConsulServer { address, token, tls },
@@ -263,6 +202,79 @@ fn settings(
             query,
             service: String::new(),
         },
+    })
+}
+
+/// An optional string field of the spec, which when present must say something.
+fn non_empty(field: &str, v: &Option<String>) -> Result<Option<String>, Unusable> {
+    match v.as_deref() {
+        Some("") => Err(invalid(format!("spec.{field} must not be empty (omit it instead)"))),
+        other => Ok(other.map(str::to_owned)),
+    }
+}
+
+/// A peer or sameness group name: Consul checks it as a DNS label (the rule of Kubernetes'
+/// RFC 1123 labels).
+fn consul_label(field: &str, v: &Option<String>) -> Result<Option<String>, Unusable> {
+    let v = non_empty(field, v)?;
+    if let Some(name) = &v
+        && names::dns1123_label(name).is_err()
+    {
+        return Err(invalid(format!(
+            "spec.{field} {name:?} is not a Consul {field} name (at most 63 lower case letters, digits and -, \
+             not starting or ending with -)"
+        )));
+    }
+    Ok(v)
+}
+
+/// Where the instances come from when not from the local cluster: a peer or a sameness
+/// group, never both, since both would mean two different sources of instances.
+fn remote(spec: &ConsulResolverSpec) -> Result<Option<Remote>, Unusable> {
+    match (consul_label("peer", &spec.peer)?, consul_label("samenessGroup", &spec.sameness_group)?) {
+        (Some(_), Some(_)) => {
+            Err(invalid("spec.peer and spec.samenessGroup are both set: a sameness group names its peers".into()))
+        }
+        (Some(peer), None) => Ok(Some(Remote::Peer(peer))),
+        (None, Some(group)) => Ok(Some(Remote::SamenessGroup(group))),
+        (None, None) => Ok(None),
+    }
+}
+
+/// The TLS server name the spec asks for, once its TLS block is known to fit the address.
+fn tls_server_name(spec: &ConsulResolverSpec, address: &str) -> Result<Option<String>, Unusable> {
+    match &spec.tls {
+        Some(_) if !address.starts_with("https://") => {
+            Err(invalid("spec.tls is set but spec.address is not https://".to_owned()))
+        }
+        Some(t) if t.client_cert_secret_ref.is_some() != t.client_key_secret_ref.is_some() => Err(half_identity()),
+        Some(t) => non_empty("tls.serverName", &t.server_name),
+        None => Ok(None),
+    }
+}
+
+/// The TLS settings with the CA and client identity read from their Secrets.
+fn tls_settings(
+    world: &World,
+    namespace: &str,
+    t: &ConsulTls,
+    server_name: Option<String>,
+) -> Result<TlsSettings, Unusable> {
+    let read = |r, field| read_secret(world, namespace, r, field);
+    let ca_pem = t.ca_secret_ref.as_ref().map(|r| read(r, "spec.tls.caSecretRef")).transpose()?.map(Arc::<str>::from);
+    let client_identity = match (&t.client_cert_secret_ref, &t.client_key_secret_ref) {
+        (None, None) => None,
+        (Some(cert), Some(key)) => Some(ClientIdentity {
+            cert_pem: Arc::from(read(cert, "spec.tls.clientCertSecretRef")?),
+            key_pem: Secret::new(read(key, "spec.tls.clientKeySecretRef")?),
+        }),
+        (Some(_), None) | (None, Some(_)) => return Err(half_identity()),
+    };
+    Ok(TlsSettings {
+        ca_pem,
+        server_name,
+        insecure_skip_verify: t.insecure_skip_verify.unwrap_or(false),
+        client_identity,
     })
 }
 
