@@ -351,7 +351,6 @@ enum KubeChange {
 }
 
 fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
-    let reading = store.reading;
     // A rejection is content (the snapshot reports it), so its start and end are changes.
     let was_rejected = store.rejection().is_some();
     let changed_if = |changed: bool, what: KubeChange| match (changed, was_rejected) {
@@ -376,59 +375,15 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
             changed_if(store.put(obj), KubeChange::Objects(vec![id]))
         }
         KubeEvent::Listed(obj) => {
-            let stored = reading.decode(&obj);
-            let relist = store.relisting.get_or_insert_default();
-            if !store.listed {
-                // A first list changes all of the key: nothing to compare.
-                relist.fresh.insert(obj.id, stored);
-                return KubeChange::None;
-            }
-            let same = store.objects.get(&obj.id).is_some_and(|old| reading.same(old, &stored));
-            if same {
-                relist.unchanged.insert(obj.id.clone());
-            } else {
-                relist.unchanged.remove(&obj.id);
-            }
-            if !same || stored.raw.is_some() {
-                relist.fresh.insert(obj.id, stored);
-            }
+            hold_relisted(store, obj);
             KubeChange::None
         }
-        KubeEvent::ListDone if store.seen.is_some() => {
-            let seen = store.seen.take().unwrap_or_default();
-            let gone = remove_all_but(&mut store.objects, |id| seen.contains(id));
-            let first = !store.listed;
-            store.listed = true;
-            store.failure = None;
-            match (gone.is_empty(), first) {
-                (false, _) => KubeChange::Objects(gone),
-                // Nothing new in the objects, but the kind is now known whole: what waits
-                // for it (the endpoints watches wait for every route) goes on.
-                (true, true) => KubeChange::Listed,
-                (true, false) => KubeChange::None,
-            }
-        }
-        KubeEvent::ListDone => {
-            let Relist { fresh, unchanged } = store.relisting.take().unwrap_or_default();
-            let gone = remove_all_but(&mut store.objects, |id| unchanged.contains(id) || fresh.contains_key(id));
-            let first = !store.listed;
-            // The objects it changed, as a watch would have named them one by one (a first
-            // list changes all of the key).
-            let mut named: Vec<ObjectId> =
-                if first { Vec::new() } else { fresh.keys().filter(|id| !unchanged.contains(*id)).cloned().collect() };
-            named.extend(gone);
-            if store.objects.is_empty() {
-                store.objects = fresh;
-            } else {
-                store.objects.extend(fresh);
-            }
-            store.listed = true;
-            store.failure = None;
-            if first {
-                return changed_if(true, KubeChange::All);
-            }
-            changed_if(!named.is_empty(), KubeChange::Objects(named))
-        }
+        KubeEvent::ListDone if store.seen.is_some() => finish_list_as_it_came(store),
+        KubeEvent::ListDone => match finish_relist(store) {
+            // A first list changes all of the key.
+            None => changed_if(true, KubeChange::All),
+            Some(named) => changed_if(!named.is_empty(), KubeChange::Objects(named)),
+        },
         KubeEvent::Applied(obj) => {
             store.failure = None;
             let id = obj.id.clone();
@@ -445,6 +400,62 @@ fn apply_kube(store: &mut KubeStore, ev: KubeEvent) -> KubeChange {
             if changed { KubeChange::All } else { KubeChange::None }
         }
     }
+}
+
+/// Holds one object of a list that is not folded in as it comes, until the list is done.
+fn hold_relisted(store: &mut KubeStore, obj: KubeObject) {
+    let reading = store.reading;
+    let stored = reading.decode(&obj);
+    let relist = store.relisting.get_or_insert_default();
+    if !store.listed {
+        // A first list changes all of the key: nothing to compare.
+        relist.fresh.insert(obj.id, stored);
+        return;
+    }
+    let same = store.objects.get(&obj.id).is_some_and(|old| reading.same(old, &stored));
+    if same {
+        relist.unchanged.insert(obj.id.clone());
+    } else {
+        relist.unchanged.remove(&obj.id);
+    }
+    if !same || stored.raw.is_some() {
+        relist.fresh.insert(obj.id, stored);
+    }
+}
+
+/// Ends a list folded in as it came: what it did not bring is gone.
+fn finish_list_as_it_came(store: &mut KubeStore) -> KubeChange {
+    let seen = store.seen.take().unwrap_or_default();
+    let gone = remove_all_but(&mut store.objects, |id| seen.contains(id));
+    let first = !store.listed;
+    store.listed = true;
+    store.failure = None;
+    match (gone.is_empty(), first) {
+        (false, _) => KubeChange::Objects(gone),
+        // Nothing new in the objects, but the kind is now known whole: what waits
+        // for it (the endpoints watches wait for every route) goes on.
+        (true, true) => KubeChange::Listed,
+        (true, false) => KubeChange::None,
+    }
+}
+
+/// Ends a held list by putting what it brought in place of the objects. Returns the objects
+/// it changed, as a watch would have named them one by one, or `None` for a first list.
+fn finish_relist(store: &mut KubeStore) -> Option<Vec<ObjectId>> {
+    let Relist { fresh, unchanged } = store.relisting.take().unwrap_or_default();
+    let gone = remove_all_but(&mut store.objects, |id| unchanged.contains(id) || fresh.contains_key(id));
+    let first = !store.listed;
+    let mut named: Vec<ObjectId> =
+        if first { Vec::new() } else { fresh.keys().filter(|id| !unchanged.contains(*id)).cloned().collect() };
+    named.extend(gone);
+    if store.objects.is_empty() {
+        store.objects = fresh;
+    } else {
+        store.objects.extend(fresh);
+    }
+    store.listed = true;
+    store.failure = None;
+    (!first).then_some(named)
 }
 
 /// Removes the objects `kept` does not keep, in one pass; returns their ids.
