@@ -119,8 +119,14 @@ pub fn plan(service: &str, desired: &Desired, live: &[LiveSlice]) -> Plan {
         slices.push(s);
     }
     slices.sort_by(|a, b| a.name.cmp(&b.name));
+    let write = to_write(&slices, desired, live);
+    Plan { slices, write, delete: delete.into_iter().collect() }
+}
+
+/// The names of the planned `slices` that are new or not as they should be in the cluster.
+fn to_write(slices: &[SlicePlan], desired: &Desired, live: &[LiveSlice]) -> Vec<String> {
     let by_name: BTreeMap<&str, &LiveSlice> = live.iter().map(|l| (l.name.as_str(), l)).collect();
-    let write = slices
+    slices
         .iter()
         .filter(|s| {
             by_name.get(s.name.as_str()).is_none_or(|l| {
@@ -134,8 +140,7 @@ pub fn plan(service: &str, desired: &Desired, live: &[LiveSlice]) -> Plan {
             })
         })
         .map(|s| s.name.clone())
-        .collect();
-    Plan { slices, write, delete: delete.into_iter().collect() }
+        .collect()
 }
 
 #[cfg(test)]
