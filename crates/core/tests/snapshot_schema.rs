@@ -37,29 +37,60 @@ fn listed(key: &KubeKey, objects: Vec<KubeObject>) -> Vec<Event> {
     out
 }
 
+/// The watches every world here starts with.
+struct Fixed {
+    resolvers: KubeKey,
+    mappings: KubeKey,
+    configmaps: KubeKey,
+    exports: KubeKey,
+}
+
+impl Fixed {
+    fn new() -> Self {
+        Fixed {
+            resolvers: KubeKey::new("consulresolver.io", "v1alpha1", "ConsulResolver"),
+            mappings: KubeKey::new("getambassador.io", "v3alpha1", "Mapping"),
+            configmaps: KubeKey::new("", "v1", "ConfigMap").in_namespace("shop"),
+            exports: KubeKey::new("consulresolver.io", "v1alpha1", "ConsulService"),
+        }
+    }
+
+    fn keys(&self) -> BTreeSet<WatchKey> {
+        [self.resolvers.clone(), self.mappings.clone(), self.configmaps.clone(), self.exports.clone()]
+            .into_iter()
+            .map(WatchKey::Kube)
+            .collect()
+    }
+}
+
 /// A world with every shape the snapshot can take, published after the bootstrap timeout.
 async fn realistic_snapshot() -> Snapshot {
-    let resolvers = KubeKey::new("consulresolver.io", "v1alpha1", "ConsulResolver");
-    let mappings = KubeKey::new("getambassador.io", "v3alpha1", "Mapping");
-    let configmaps = KubeKey::new("", "v1", "ConfigMap").in_namespace("shop");
-    let exports = KubeKey::new("consulresolver.io", "v1alpha1", "ConsulService");
+    let fixed = Fixed::new();
     let cfg = Config {
         endpoints_api: EndpointsApi::Endpoints,
-        static_watches: vec![configmaps.clone()],
+        static_watches: vec![fixed.configmaps.clone()],
         ..Config::default()
     };
     let clock =
         WallClock { instant: Instant::now(), wall: SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_413_600) };
     let mut p = Pipeline::new(cfg, BOOTSTRAP, Duration::from_millis(250), clock);
     let now = Instant::now();
-    let fixed: BTreeSet<WatchKey> = [resolvers.clone(), mappings.clone(), configmaps.clone(), exports.clone()]
-        .into_iter()
-        .map(WatchKey::Kube)
-        .collect();
-    p.set_fixed(fixed, now);
+    p.set_fixed(fixed.keys(), now);
+    list_resolvers_and_mappings(&mut p, &fixed, now);
+    list_exports_and_watched(&mut p, &fixed, now);
+    answer_from_consul(&mut p, now);
+    tokio::time::advance(BOOTSTRAP).await;
+    match p.poll(Instant::now()) {
+        Step::Publish(s) => (*s).clone(),
+        other => panic!("expected a publication after the bootstrap timeout, got {other:?}"),
+    }
+}
+
+/// A usable and an invalid resolver, and Mappings of every kind of target through them.
+fn list_resolvers_and_mappings(p: &mut Pipeline, fixed: &Fixed, now: Instant) {
     p.apply(
         listed(
-            &resolvers,
+            &fixed.resolvers,
             vec![
                 object(json!({"metadata": {"namespace": "shop", "name": "consul", "generation": 2},
                               "spec": {"address": "127.0.0.1:8500", "datacenter": "dc1"}})),
@@ -75,7 +106,7 @@ async fn realistic_snapshot() -> Snapshot {
     };
     p.apply(
         listed(
-            &mappings,
+            &fixed.mappings,
             vec![
                 mapping("billing", json!({"service": "billing:8080", "resolver": "consul", "prefix": "/b/"})),
                 mapping("silent", json!({"service": "silent", "resolver": "consul", "prefix": "/s/"})),
@@ -89,9 +120,14 @@ async fn realistic_snapshot() -> Snapshot {
         ),
         now,
     );
+}
+
+/// An export and one whose resolver does not exist, a watched ConfigMap, and the endpoints
+/// of a Kubernetes Service with a ready and a not ready address.
+fn list_exports_and_watched(p: &mut Pipeline, fixed: &Fixed, now: Instant) {
     p.apply(
         listed(
-            &exports,
+            &fixed.exports,
             vec![
                 object(json!({"metadata": {"namespace": "shop", "name": "billing", "generation": 1},
                               "spec": {"service": "billing", "resolver": "consul"}})),
@@ -103,7 +139,7 @@ async fn realistic_snapshot() -> Snapshot {
     );
     p.apply(
         listed(
-            &configmaps,
+            &fixed.configmaps,
             vec![object(json!({"apiVersion": "v1", "kind": "ConfigMap",
                                "metadata": {"namespace": "shop", "name": "extra"}, "data": {"k": "v"}}))],
         ),
@@ -118,6 +154,11 @@ async fn realistic_snapshot() -> Snapshot {
         ),
         now,
     );
+}
+
+/// Consul's answers to every query the world asks for (billing answers, flaky answers then
+/// fails, silent never answers), and a Kubernetes Service the operator may not watch.
+fn answer_from_consul(p: &mut Pipeline, now: Instant) {
     let consul_keys: Vec<_> = p
         .registry()
         .keys()
@@ -136,43 +177,43 @@ async fn realistic_snapshot() -> Snapshot {
     for key in consul_keys {
         if key.service == "flaky" {
             // Answers, then fails: its endpoints are kept, stale.
-            let endpoints = vec![Endpoint {
-                address: "10.0.0.8".into(),
-                port: 9000,
-                node: "node-2".into(),
-                service_id: "flaky-1".into(),
-                tags: vec![],
-                meta: BTreeMap::new(),
-                health: Health::Passing,
-                zone: None,
-            }];
+            let endpoints = vec![flaky_endpoint()];
             p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 7, endpoints })], now);
             p.apply([Event::Consul(key, ConsulEvent::Failed("500 No cluster leader".into()))], now);
             continue;
         }
         let event = if key.service == "billing" {
-            ConsulEvent::Answer {
-                index: 41,
-                endpoints: vec![Endpoint {
-                    address: "10.0.0.7".into(),
-                    port: 8080,
-                    node: "node-1".into(),
-                    service_id: "billing-1".into(),
-                    tags: vec!["blue".into(), "v2".into()],
-                    meta: BTreeMap::from([("version".to_owned(), "2.3.1".to_owned())]),
-                    health: Health::Warning,
-                    zone: None,
-                }],
-            }
+            ConsulEvent::Answer { index: 41, endpoints: vec![billing_endpoint()] }
         } else {
             ConsulEvent::Failed("Get \"http://127.0.0.1:8500/v1/health/service/silent\": connection refused".into())
         };
         p.apply([Event::Consul(key, event)], now);
     }
-    tokio::time::advance(BOOTSTRAP).await;
-    match p.poll(Instant::now()) {
-        Step::Publish(s) => (*s).clone(),
-        other => panic!("expected a publication after the bootstrap timeout, got {other:?}"),
+}
+
+fn flaky_endpoint() -> Endpoint {
+    Endpoint {
+        address: "10.0.0.8".into(),
+        port: 9000,
+        node: "node-2".into(),
+        service_id: "flaky-1".into(),
+        tags: vec![],
+        meta: BTreeMap::new(),
+        health: Health::Passing,
+        zone: None,
+    }
+}
+
+fn billing_endpoint() -> Endpoint {
+    Endpoint {
+        address: "10.0.0.7".into(),
+        port: 8080,
+        node: "node-1".into(),
+        service_id: "billing-1".into(),
+        tags: vec!["blue".into(), "v2".into()],
+        meta: BTreeMap::from([("version".to_owned(), "2.3.1".to_owned())]),
+        health: Health::Warning,
+        zone: None,
     }
 }
 
