@@ -59,57 +59,74 @@ pub(crate) async fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Resp
     }
 }
 
+fn query_param(query: &str, name: &str) -> Option<String> {
+    url::form_urlencoded::parse(query.as_bytes()).find(|(k, _)| k == name).map(|(_, v)| v.into_owned())
+}
+
 async fn route(shared: &Arc<Shared>, req: Request<Incoming>) -> Result<Resp, Resp> {
     let path = req.uri().path().trim_end_matches('/').to_owned();
     let query = req.uri().query().unwrap_or("").to_owned();
-    let method = req.method().clone();
-    let param = |name: &str| {
-        url::form_urlencoded::parse(query.as_bytes()).find(|(k, _)| k == name).map(|(_, v)| v.into_owned())
-    };
 
     if let Some(rest) = path.strip_prefix("/_sim/services/")
         && let Some(name) = rest.strip_suffix("/index")
     {
-        if method != Method::PUT {
-            return Err(text(StatusCode::METHOD_NOT_ALLOWED, "use PUT"));
-        }
-        let name = percent_decode(name).ok_or_else(|| text(StatusCode::BAD_REQUEST, "bad service name"))?;
-        let body: IndexBody = read_json(req, false).await?.unwrap_or_default();
-        let key = ServiceKey::scoped(name, param("ns").as_deref(), param("partition").as_deref());
-        return if shared.set_service_index(&key, body.index) {
-            Ok(json(StatusCode::OK, &serde_json::json!({"service": key.name, "index": body.index})))
-        } else {
-            Err(text(StatusCode::NOT_FOUND, format!("unknown service {:?}", key.name)))
-        };
+        return set_service_index(shared, req, name, &query).await;
     }
-
     if let Some(rest) = path.strip_prefix("/_sim/peers/")
         && let Some((peer, action)) = rest.split_once('/')
     {
-        if method != Method::PUT {
-            return Err(text(StatusCode::METHOD_NOT_ALLOWED, "use PUT"));
-        }
-        let peer = percent_decode(peer)
-            .filter(|p| !p.is_empty())
-            .ok_or_else(|| text(StatusCode::BAD_REQUEST, "bad peer name"))?;
-        let written = match action {
-            "register" => {
-                let body: RegisterRequest = read_json(req, false).await?.unwrap_or_default();
-                shared.write_catalog(|c| c.register_imported(&peer, body))
-            }
-            "deregister" => {
-                let body: DeregisterRequest = read_json(req, false).await?.unwrap_or_default();
-                shared.write_catalog(|c| c.deregister_imported(&peer, body))
-            }
-            _ => return Err(text(StatusCode::NOT_FOUND, "unknown control endpoint")),
-        };
-        return match written {
-            Ok(_) => Ok(json(StatusCode::OK, &true)),
-            Err(e) => Err(text(StatusCode::BAD_REQUEST, e.to_string())),
-        };
+        return write_imported(shared, req, peer, action).await;
     }
+    fixed_endpoint(shared, req, &path, &query).await
+}
 
-    match (method, path.as_str()) {
+/// `PUT /_sim/services/<name>/index`: moves one service's Raft index.
+async fn set_service_index(
+    shared: &Arc<Shared>,
+    req: Request<Incoming>,
+    name: &str,
+    query: &str,
+) -> Result<Resp, Resp> {
+    if req.method() != Method::PUT {
+        return Err(text(StatusCode::METHOD_NOT_ALLOWED, "use PUT"));
+    }
+    let name = percent_decode(name).ok_or_else(|| text(StatusCode::BAD_REQUEST, "bad service name"))?;
+    let body: IndexBody = read_json(req, false).await?.unwrap_or_default();
+    let key = ServiceKey::scoped(name, query_param(query, "ns").as_deref(), query_param(query, "partition").as_deref());
+    if shared.set_service_index(&key, body.index) {
+        Ok(json(StatusCode::OK, &serde_json::json!({"service": key.name, "index": body.index})))
+    } else {
+        Err(text(StatusCode::NOT_FOUND, format!("unknown service {:?}", key.name)))
+    }
+}
+
+/// `PUT /_sim/peers/<peer>/{register,deregister}`: what a peer exports, as this cluster imports it.
+async fn write_imported(shared: &Arc<Shared>, req: Request<Incoming>, peer: &str, action: &str) -> Result<Resp, Resp> {
+    if req.method() != Method::PUT {
+        return Err(text(StatusCode::METHOD_NOT_ALLOWED, "use PUT"));
+    }
+    let peer =
+        percent_decode(peer).filter(|p| !p.is_empty()).ok_or_else(|| text(StatusCode::BAD_REQUEST, "bad peer name"))?;
+    let written = match action {
+        "register" => {
+            let body: RegisterRequest = read_json(req, false).await?.unwrap_or_default();
+            shared.write_catalog(|c| c.register_imported(&peer, body))
+        }
+        "deregister" => {
+            let body: DeregisterRequest = read_json(req, false).await?.unwrap_or_default();
+            shared.write_catalog(|c| c.deregister_imported(&peer, body))
+        }
+        _ => return Err(text(StatusCode::NOT_FOUND, "unknown control endpoint")),
+    };
+    match written {
+        Ok(_) => Ok(json(StatusCode::OK, &true)),
+        Err(e) => Err(text(StatusCode::BAD_REQUEST, e.to_string())),
+    }
+}
+
+/// The control endpoints whose paths carry no name.
+async fn fixed_endpoint(shared: &Arc<Shared>, req: Request<Incoming>, path: &str, query: &str) -> Result<Resp, Resp> {
+    match (req.method().clone(), path) {
         (Method::GET, "/_sim/faults") => Ok(json(StatusCode::OK, &shared.faults())),
         (Method::PUT, "/_sim/faults") => {
             let patch: FaultsPatch = read_json(req, false).await?.unwrap_or_default();
@@ -127,7 +144,7 @@ async fn route(shared: &Arc<Shared>, req: Request<Incoming>) -> Result<Resp, Res
         }
         (Method::GET, "/_sim/requests") => {
             let mut records = shared.requests();
-            if let Some(prefix) = param("path_prefix") {
+            if let Some(prefix) = query_param(query, "path_prefix") {
                 records.retain(|r| r.path.starts_with(&prefix));
             }
             Ok(json(StatusCode::OK, &records))
