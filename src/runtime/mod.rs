@@ -282,6 +282,8 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
     // Until the first snapshot: its reads are what counts, and the blocking queries would
     // only compete with them (released in the event loop's first publication).
     consul.hold_blocking();
+    let health = vitals.clone();
+    consul.on_failing(move |why| health.failing(why));
     let mut watches = Watches::new(
         KubeSource::new(client.clone(), metrics.sources.clone(), discovered),
         consul,

@@ -80,6 +80,13 @@ impl ConsulSource {
         ConsulSource { inner: Arc::new(Inner { settings, servers: Mutex::new(HashMap::new()), metrics, blocking }) }
     }
 
+    /// Where the source reports a task of its own (a server's planner, a change feed, the
+    /// reachability probe) that keeps panicking although restarted: `report` gets why, once
+    /// per run of failures, for the program's health check.
+    pub fn on_failing(&self, report: impl Fn(String) + Send + Sync + 'static) {
+        self.inner.metrics.failing.report_to(report);
+    }
+
     /// Dedicated watches read their service, then wait for [`ConsulSource::release_blocking`]
     /// before they block on it. For a cold start: until the first snapshot, what a
     /// watch's blocking query would bring is not published anyway, and a thousand dedicated

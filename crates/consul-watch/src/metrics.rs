@@ -39,6 +39,9 @@ pub struct Metrics {
     /// query can block on.
     pub(crate) unindexed: IntCounterVec,
     pub(crate) contact: Arc<Contact>,
+    /// Where a task of the source that keeps panicking is reported (not a metric: the
+    /// embedding program's health check), shared as the counters are.
+    pub(crate) failing: crate::restart::Failing,
 }
 
 impl Metrics {
@@ -120,6 +123,7 @@ impl Metrics {
                 &["query"],
             ),
             contact: Arc::default(),
+            failing: crate::restart::Failing::default(),
         }
     }
 

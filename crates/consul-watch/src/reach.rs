@@ -99,9 +99,8 @@ impl Reachability {
             return;
         }
         let (reach, client) = (Arc::downgrade(self), client.clone());
-        let task = crate::restart::spawn_restarting("probe", self.metrics.restarts.clone(), move || {
-            probe(reach.clone(), client.clone())
-        });
+        let task =
+            crate::restart::spawn_restarting("probe", &self.metrics, move || probe(reach.clone(), client.clone()));
         probing.task = Some(AbortOnDropHandle::new(task));
     }
 

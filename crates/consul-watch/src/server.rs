@@ -126,7 +126,7 @@ impl Server {
         Arc::new_cyclic(|me: &Weak<Server>| {
             let replan = Arc::new(Notify::new());
             let (weak, told) = (me.clone(), replan.clone());
-            let planner = crate::restart::spawn_restarting("planner", metrics.restarts.clone(), move || {
+            let planner = crate::restart::spawn_restarting("planner", &metrics, move || {
                 plan_when_told(weak.clone(), told.clone())
             });
             Server {
@@ -228,7 +228,7 @@ impl Server {
                 wait: self.settings.wait,
             };
             let (running_feed, client, key) = (feed.clone(), seed.client.clone(), seed.key.clone());
-            let task = crate::restart::spawn_restarting("feed", self.metrics.restarts.clone(), move || {
+            let task = crate::restart::spawn_restarting("feed", &self.metrics, move || {
                 running_feed.clone().run(client.clone(), key.clone(), env.clone())
             });
             running.insert(g, RunningFeed { feed, _task: AbortOnDropHandle::new(task) });
