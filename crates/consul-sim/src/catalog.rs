@@ -429,6 +429,66 @@ fn non_empty(s: Option<String>) -> Option<String> {
     s.filter(|s| !s.is_empty())
 }
 
+/// The service of a registration on `node_name`, normalised; `scope` is the namespace and
+/// partition of the registration, used when the service does not name its own.
+fn registered_service(
+    s: ServiceRegistration,
+    node_name: &str,
+    (namespace, partition): (Option<&str>, Option<&str>),
+    idx: u64,
+) -> Result<ServiceInstance, CatalogError> {
+    let name = non_empty(s.service).ok_or_else(|| CatalogError::BadRequest("Must provide service name".into()))?;
+    let id = non_empty(s.id).unwrap_or_else(|| name.clone());
+    let ns = non_empty(s.namespace).or_else(|| namespace.map(str::to_owned));
+    let part = non_empty(s.partition).or_else(|| partition.map(str::to_owned));
+    let kind_text = s.kind.unwrap_or_default();
+    let kind = ServiceKind::parse(&kind_text).ok_or_else(|| {
+        CatalogError::BadRequest(format!(
+            "consul-sim: unsupported service Kind {kind_text:?} (only \"\" and \"connect-proxy\")"
+        ))
+    })?;
+    let port = s.port.unwrap_or(0);
+    if kind == ServiceKind::ConnectProxy {
+        validate_connect_proxy(s.proxy.as_ref(), port)?;
+    }
+    Ok(ServiceInstance {
+        node: node_name.to_owned(),
+        id,
+        key: ServiceKey::scoped(name, ns.as_deref(), part.as_deref()),
+        tags: s.tags.unwrap_or_default(),
+        address: s.address.unwrap_or_default(),
+        port,
+        meta: s.meta.unwrap_or_default(),
+        tagged_addresses: s.tagged_addresses.unwrap_or_default(),
+        locality: s.locality,
+        weights: s.weights.unwrap_or_default(),
+        enable_tag_override: s.enable_tag_override,
+        kind,
+        proxy: s.proxy,
+        create_index: idx,
+        modify_index: idx,
+    })
+}
+
+/// Consul's NodeService.Validate for a Connect proxy, answered as 500 like other RPC errors.
+fn validate_connect_proxy(proxy: Option<&ProxyConfig>, port: u16) -> Result<(), CatalogError> {
+    let dest = proxy.map_or("", |p| p.destination_service_name.as_str());
+    if dest.is_empty() {
+        return Err(CatalogError::Internal(
+            "Proxy.DestinationServiceName must be non-empty for Connect proxy services".into(),
+        ));
+    }
+    if dest == "*" {
+        return Err(CatalogError::Internal(
+            "Proxy.DestinationServiceName must not be a wildcard for Connect proxy services".into(),
+        ));
+    }
+    if port == 0 {
+        return Err(CatalogError::Internal("Port must be set for a Connect proxy".into()));
+    }
+    Ok(())
+}
+
 /// Where a health read's instances come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Origin {
@@ -807,105 +867,18 @@ impl Catalog {
         let idx = self.raft_index + 1;
         let top_ns = non_empty(req.namespace).or_else(|| namespace.map(str::to_owned));
         let top_partition = non_empty(req.partition).or_else(|| partition.map(str::to_owned));
+        let scope = (top_ns.as_deref(), top_partition.as_deref());
 
-        // Normalise the service.
-        let service = match req.service {
-            None => None,
-            Some(s) => {
-                let name =
-                    non_empty(s.service).ok_or_else(|| CatalogError::BadRequest("Must provide service name".into()))?;
-                let id = non_empty(s.id).unwrap_or_else(|| name.clone());
-                let ns = non_empty(s.namespace).or_else(|| top_ns.clone());
-                let part = non_empty(s.partition).or_else(|| top_partition.clone());
-                let kind_text = s.kind.unwrap_or_default();
-                let kind = ServiceKind::parse(&kind_text).ok_or_else(|| {
-                    CatalogError::BadRequest(format!(
-                        "consul-sim: unsupported service Kind {kind_text:?} (only \"\" and \"connect-proxy\")"
-                    ))
-                })?;
-                let port = s.port.unwrap_or(0);
-                if kind == ServiceKind::ConnectProxy {
-                    // Consul's NodeService.Validate, answered as 500 like other RPC errors.
-                    let dest = s.proxy.as_ref().map_or("", |p| p.destination_service_name.as_str());
-                    if dest.is_empty() {
-                        return Err(CatalogError::Internal(
-                            "Proxy.DestinationServiceName must be non-empty for Connect proxy services".into(),
-                        ));
-                    }
-                    if dest == "*" {
-                        return Err(CatalogError::Internal(
-                            "Proxy.DestinationServiceName must not be a wildcard for Connect proxy services".into(),
-                        ));
-                    }
-                    if port == 0 {
-                        return Err(CatalogError::Internal("Port must be set for a Connect proxy".into()));
-                    }
-                }
-                Some(ServiceInstance {
-                    node: node_name.clone(),
-                    id,
-                    key: ServiceKey::scoped(name, ns.as_deref(), part.as_deref()),
-                    tags: s.tags.unwrap_or_default(),
-                    address: s.address.unwrap_or_default(),
-                    port,
-                    meta: s.meta.unwrap_or_default(),
-                    tagged_addresses: s.tagged_addresses.unwrap_or_default(),
-                    locality: s.locality,
-                    weights: s.weights.unwrap_or_default(),
-                    enable_tag_override: s.enable_tag_override,
-                    kind,
-                    proxy: s.proxy,
-                    create_index: idx,
-                    modify_index: idx,
-                })
-            }
-        };
-
-        // Normalise the checks, validating everything before touching state.
-        let mut checks = Vec::new();
-        for c in req.check.into_iter().chain(req.checks.into_iter().flatten()) {
-            let name = c.name.unwrap_or_default();
-            let check_id = non_empty(c.check_id)
-                .or_else(|| non_empty(Some(name.clone())))
-                .ok_or_else(|| CatalogError::BadRequest("Must provide check ID or name".into()))?;
-            if let Some(n) = non_empty(c.node)
-                && n != node_name
-            {
-                return Err(CatalogError::BadRequest(format!(
-                    "Check node {n:?} does not match registration node {node_name:?}"
-                )));
-            }
-            let status = match non_empty(c.status) {
-                None => CheckStatus::Critical,
-                Some(s) => CheckStatus::parse(&s)
-                    .ok_or_else(|| CatalogError::BadRequest(format!("Invalid check status: {s:?}")))?,
-            };
-            let service_id = c.service_id.unwrap_or_default();
-            if !service_id.is_empty() {
-                let in_request = service.as_ref().is_some_and(|s| s.id == service_id);
-                let existing = self.services.contains_key(&(node_name.clone(), service_id.clone()));
-                if !in_request && !existing {
-                    return Err(CatalogError::Internal(format!(
-                        "Missing service registration for check {check_id:?} (service ID {service_id:?})"
-                    )));
-                }
-            }
-            checks.push(Check {
-                node: node_name.clone(),
-                check_id,
-                name,
-                status,
-                notes: c.notes.unwrap_or_default(),
-                output: c.output.unwrap_or_default(),
-                service_id,
-                create_index: idx,
-                modify_index: idx,
-            });
-        }
+        // Everything is validated before the state is touched.
+        let service = req.service.map(|s| registered_service(s, &node_name, scope, idx)).transpose()?;
+        let checks = req
+            .check
+            .into_iter()
+            .chain(req.checks.into_iter().flatten())
+            .map(|c| self.registered_check(c, &node_name, service.as_ref(), idx))
+            .collect::<Result<Vec<_>, _>>()?;
 
         let mut tx = Tx::default();
-
-        // The node.
         if !keep_node {
             let node = Node {
                 id: req.id.unwrap_or_default(),
@@ -917,67 +890,128 @@ impl Catalog {
                 create_index: idx,
                 modify_index: idx,
             };
-            match self.nodes.get_mut(&node_name) {
-                Some(existing) if existing.same_data(&node) => {}
-                Some(existing) => {
-                    *existing = Arc::new(Node { create_index: existing.create_index, ..node });
-                    tx.changed = true;
-                    self.mark_node_services(&node_name, &mut tx);
-                }
-                None => {
-                    self.nodes.insert(node_name.clone(), Arc::new(node));
-                    tx.changed = true;
-                }
-            }
+            self.write_node(node, &mut tx);
         }
-
-        // The service.
         if let Some(svc) = service {
-            let k = (node_name.clone(), svc.id.clone());
-            match self.services.get_mut(&k) {
-                Some(existing) if existing.same_data(&svc) => {}
-                Some(existing) => {
-                    tx.mark(existing);
-                    tx.mark(&svc);
-                    let create_index = existing.create_index;
-                    let shown_in_checks_changed = existing.key != svc.key || existing.tags != svc.tags;
-                    // The instance may have moved to another service name (same ID).
-                    self.remove_service_entry(&k);
-                    self.insert_service(ServiceInstance { create_index, ..svc });
-                    tx.changed = true;
-                    tx.services_table_changed = true;
-                    if shown_in_checks_changed {
-                        self.rewrite_owned_checks(&k.0, &k.1, idx, &mut tx);
-                    }
-                }
-                None => {
-                    tx.mark(&svc);
-                    self.insert_service(svc);
-                    tx.changed = true;
-                    tx.services_table_changed = true;
-                }
-            }
+            self.write_service(svc, idx, &mut tx);
         }
-
-        // The checks: all rewritten if anything in the write changed (see the module docs).
-        let any_check_differs = checks.iter().any(|check| {
-            self.checks.get(&(node_name.clone(), check.check_id.clone())).is_none_or(|e| !e.same_data(check))
-        });
-        if tx.changed || any_check_differs {
-            for check in checks {
-                let k = (node_name.clone(), check.check_id.clone());
-                let previous_service = self.checks.get(&k).map(|c| c.service_id.clone());
-                for sid in previous_service.iter().chain(std::iter::once(&check.service_id)) {
-                    self.mark_check_owner(&node_name, sid, &mut tx);
-                }
-                let create_index = self.checks.get(&k).map_or(idx, |c| c.create_index);
-                self.insert_check(Check { create_index, ..check });
-                tx.changed = true;
-                tx.checks_table_changed = true;
-            }
-        }
-
+        self.write_checks(&node_name, checks, idx, &mut tx);
         Ok(self.commit(idx, tx))
+    }
+
+    /// A check of a registration on `node_name`, normalised; the service it names must be in
+    /// the same registration (`service`) or already on the node.
+    fn registered_check(
+        &self,
+        c: CheckRegistration,
+        node_name: &str,
+        service: Option<&ServiceInstance>,
+        idx: u64,
+    ) -> Result<Check, CatalogError> {
+        let name = c.name.unwrap_or_default();
+        let check_id = non_empty(c.check_id)
+            .or_else(|| non_empty(Some(name.clone())))
+            .ok_or_else(|| CatalogError::BadRequest("Must provide check ID or name".into()))?;
+        if let Some(n) = non_empty(c.node)
+            && n != node_name
+        {
+            return Err(CatalogError::BadRequest(format!(
+                "Check node {n:?} does not match registration node {node_name:?}"
+            )));
+        }
+        let status = match non_empty(c.status) {
+            None => CheckStatus::Critical,
+            Some(s) => CheckStatus::parse(&s)
+                .ok_or_else(|| CatalogError::BadRequest(format!("Invalid check status: {s:?}")))?,
+        };
+        let service_id = c.service_id.unwrap_or_default();
+        if !service_id.is_empty() {
+            let in_request = service.is_some_and(|s| s.id == service_id);
+            let existing = self.services.contains_key(&(node_name.to_owned(), service_id.clone()));
+            if !in_request && !existing {
+                return Err(CatalogError::Internal(format!(
+                    "Missing service registration for check {check_id:?} (service ID {service_id:?})"
+                )));
+            }
+        }
+        Ok(Check {
+            node: node_name.to_owned(),
+            check_id,
+            name,
+            status,
+            notes: c.notes.unwrap_or_default(),
+            output: c.output.unwrap_or_default(),
+            service_id,
+            create_index: idx,
+            modify_index: idx,
+        })
+    }
+
+    /// Writes a registration's node, keeping its create index when it exists.
+    fn write_node(&mut self, node: Node, tx: &mut Tx) {
+        let node_name = node.name.clone();
+        match self.nodes.get_mut(&node_name) {
+            Some(existing) if existing.same_data(&node) => {}
+            Some(existing) => {
+                *existing = Arc::new(Node { create_index: existing.create_index, ..node });
+                tx.changed = true;
+                self.mark_node_services(&node_name, tx);
+            }
+            None => {
+                self.nodes.insert(node_name, Arc::new(node));
+                tx.changed = true;
+            }
+        }
+    }
+
+    /// Writes a registration's service instance, keeping its create index when it exists.
+    fn write_service(&mut self, svc: ServiceInstance, idx: u64, tx: &mut Tx) {
+        let k = (svc.node.clone(), svc.id.clone());
+        match self.services.get_mut(&k) {
+            Some(existing) if existing.same_data(&svc) => {}
+            Some(existing) => {
+                tx.mark(existing);
+                tx.mark(&svc);
+                let create_index = existing.create_index;
+                let shown_in_checks_changed = existing.key != svc.key || existing.tags != svc.tags;
+                // The instance may have moved to another service name (same ID).
+                self.remove_service_entry(&k);
+                self.insert_service(ServiceInstance { create_index, ..svc });
+                tx.changed = true;
+                tx.services_table_changed = true;
+                if shown_in_checks_changed {
+                    self.rewrite_owned_checks(&k.0, &k.1, idx, tx);
+                }
+            }
+            None => {
+                tx.mark(&svc);
+                self.insert_service(svc);
+                tx.changed = true;
+                tx.services_table_changed = true;
+            }
+        }
+    }
+
+    /// Writes a registration's checks: all rewritten if anything in the write changed (see
+    /// the module docs).
+    fn write_checks(&mut self, node_name: &str, checks: Vec<Check>, idx: u64, tx: &mut Tx) {
+        let any_check_differs = checks.iter().any(|check| {
+            self.checks.get(&(node_name.to_owned(), check.check_id.clone())).is_none_or(|e| !e.same_data(check))
+        });
+        if !tx.changed && !any_check_differs {
+            return;
+        }
+        for check in checks {
+            let k = (node_name.to_owned(), check.check_id.clone());
+            let previous_service = self.checks.get(&k).map(|c| c.service_id.clone());
+            for sid in previous_service.iter().chain(std::iter::once(&check.service_id)) {
+                self.mark_check_owner(node_name, sid, tx);
+            }
+            let create_index = self.checks.get(&k).map_or(idx, |c| c.create_index);
+            self.insert_check(Check { create_index, ..check });
+            tx.changed = true;
+            tx.checks_table_changed = true;
+        }
     }
 
     /// Applies a deregistration; returns whether anything changed. Deregistering something
