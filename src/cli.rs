@@ -55,12 +55,60 @@ pub(crate) enum CrdKind {
     Consulservice,
 }
 
+/// `run`'s flags, in the groups `--help` shows; each group becomes its subsystem's settings
+/// in one place ([`crate::runtime`]). The flags and their variables are flat on the command line.
 #[derive(Debug, Clone, Args)]
 pub(crate) struct RunArgs {
+    #[command(flatten)]
+    pub kube: KubeArgs,
+    #[command(flatten)]
+    pub resolution: ResolutionArgs,
+    #[command(flatten)]
+    pub consul: ConsulArgs,
+    #[command(flatten)]
+    pub publication: PublicationArgs,
+    #[command(flatten)]
+    pub leadership: LeadershipArgs,
+    #[command(flatten)]
+    pub ops: OpsArgs,
+}
+
+/// What is watched in Kubernetes and how its requests are bounded.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Kubernetes")]
+pub(crate) struct KubeArgs {
     /// Namespace to watch ConsulResolvers and Mappings in; repeat for several. Default: all.
     #[arg(long = "namespace", env = "WATCH_NAMESPACES", value_delimiter = ',', value_parser = parse_namespace)]
     pub namespaces: Vec<String>,
 
+    /// Extra Kubernetes watch, KIND[.GROUP][/NAMESPACE][?LABELSELECTOR]; its objects
+    /// appear in the snapshot. Repeatable.
+    #[arg(long = "watch", env = "STATIC_WATCHES", value_delimiter = ',', value_parser = parse_watch)]
+    pub watches: Vec<KubeKey>,
+
+    /// Past this many Kubernetes Services of one namespace routed to by Mappings, their
+    /// endpoints come from one watch of the namespace's EndpointSlices (or Endpoints)
+    /// instead of one watch each; one each again at half of it. One watch per Service costs
+    /// the API server a list, a watch and a connection each (docs/operations.md).
+    #[arg(long, env = "ENDPOINTS_NAMESPACE_WATCH_ABOVE", default_value_t = assembler::DEFAULT_ENDPOINTS_NAMESPACE_WATCH_ABOVE)]
+    pub endpoints_namespace_watch_above: usize,
+
+    /// Deadline of every Kubernetes request that is not a watch (lists, discovery, the
+    /// ConfigMap, statuses, Events, the Lease): a silent API server fails it instead of
+    /// holding it for minutes.
+    #[arg(long, env = "KUBE_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
+    pub kube_timeout: Duration,
+
+    /// How often the snapshot ConfigMap and each resolver's status are compared with the
+    /// cluster and repaired when deleted or edited.
+    #[arg(long, env = "RESYNC_PERIOD", default_value = "5m", value_parser = parse_positive_duration)]
+    pub resync_period: Duration,
+}
+
+/// Which resolvers and Mappings are read, and what a resolver may name.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Resolution")]
+pub(crate) struct ResolutionArgs {
     /// Only resolvers and Mappings whose ambassador_id contains this are read.
     #[arg(long, env = "AMBASSADOR_ID", default_value = "default", value_parser = parse_ambassador_id)]
     pub ambassador_id: String,
@@ -70,27 +118,17 @@ pub(crate) struct RunArgs {
     #[arg(long, env = "DEFAULT_RESOLVER", value_parser = ResolverName::from_str)]
     pub default_resolver: Option<ResolverName>,
 
-    /// ConfigMap (NAMESPACE/NAME) the snapshot is written to. Default: none.
-    #[arg(long, env = "SNAPSHOT_CONFIGMAP", value_parser = NamespacedName::from_str)]
-    pub snapshot_configmap: Option<NamespacedName>,
+    /// Environment variable a resolver's `address` may name as `${VAR}`; repeatable. Any
+    /// other is refused (InvalidSpec): an expanded address is published in the snapshot and
+    /// statuses, and the operator's environment may hold secrets.
+    #[arg(long = "address-env", env = "ADDRESS_ENV", value_delimiter = ',', default_value = "HOST_IP", value_parser = parse_env_name)]
+    pub address_env: Vec<String>,
+}
 
-    /// Changes within this window after a publication are coalesced into one trailing
-    /// publication (e.g. 250ms, 1s).
-    #[arg(long, env = "COALESCE_WINDOW", default_value = "250ms", value_parser = parse_duration)]
-    pub coalesce_window: Duration,
-
-    /// How long the first snapshot waits for Consul services to answer before it is
-    /// published with the silent ones marked unsynced. Kubernetes kinds always wait.
-    #[arg(long, env = "BOOTSTRAP_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
-    pub bootstrap_timeout: Duration,
-
-    /// Past this many Kubernetes Services of one namespace routed to by Mappings, their
-    /// endpoints come from one watch of the namespace's EndpointSlices (or Endpoints)
-    /// instead of one watch each; one each again at half of it. One watch per Service costs
-    /// the API server a list, a watch and a connection each (docs/operations.md).
-    #[arg(long, env = "ENDPOINTS_NAMESPACE_WATCH_ABOVE", default_value_t = assembler::DEFAULT_ENDPOINTS_NAMESPACE_WATCH_ABOVE)]
-    pub endpoints_namespace_watch_above: usize,
-
+/// How Consul is queried: the consul_watch settings.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Consul")]
+pub(crate) struct ConsulArgs {
     /// Most connections the operator opens to one Consul address (Consul refuses more
     /// than 200 per client by default).
     #[arg(long, env = "CONSUL_MAX_CONNECTIONS", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
@@ -110,6 +148,25 @@ pub(crate) struct RunArgs {
     /// the watch instead of unbounded memory.
     #[arg(long, env = "CONSUL_MAX_RESPONSE_BYTES", default_value_t = 64 << 20, value_parser = clap::value_parser!(u64).range(1024..=(1 << 32)))]
     pub consul_max_response_bytes: u64,
+}
+
+/// Where and how often snapshots are published.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Publication")]
+pub(crate) struct PublicationArgs {
+    /// ConfigMap (NAMESPACE/NAME) the snapshot is written to. Default: none.
+    #[arg(long, env = "SNAPSHOT_CONFIGMAP", value_parser = NamespacedName::from_str)]
+    pub snapshot_configmap: Option<NamespacedName>,
+
+    /// Changes within this window after a publication are coalesced into one trailing
+    /// publication (e.g. 250ms, 1s).
+    #[arg(long, env = "COALESCE_WINDOW", default_value = "250ms", value_parser = parse_duration)]
+    pub coalesce_window: Duration,
+
+    /// How long the first snapshot waits for Consul services to answer before it is
+    /// published with the silent ones marked unsynced. Kubernetes kinds always wait.
+    #[arg(long, env = "BOOTSTRAP_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub bootstrap_timeout: Duration,
 
     /// Command run after each publication, with SNAPSHOT_ID and SNAPSHOT_FILE in its
     /// environment; never two at once.
@@ -120,39 +177,16 @@ pub(crate) struct RunArgs {
     #[arg(long, env = "ON_SNAPSHOT_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub on_snapshot_timeout: Duration,
 
-    /// Deadline of every Kubernetes request that is not a watch (lists, discovery, the
-    /// ConfigMap, statuses, Events, the Lease): a silent API server fails it instead of
-    /// holding it for minutes.
-    #[arg(long, env = "KUBE_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
-    pub kube_timeout: Duration,
-
     /// Deadline of each publisher's part of one publication (the hook has its own,
     /// --on-snapshot-timeout): a hung publisher fails the publication, which is retried.
     #[arg(long, env = "PUBLISH_TIMEOUT", default_value = "60s", value_parser = parse_positive_duration)]
     pub publish_timeout: Duration,
+}
 
-    /// Longest time from SIGTERM to exit; keep it below the pod's
-    /// terminationGracePeriodSeconds. Publications and status writes in flight get what the
-    /// Lease release leaves of it and are cut off past that; the release always has its own
-    /// time at the end, so a slow API server never gets the pod killed before it.
-    #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = parse_positive_duration)]
-    pub shutdown_timeout: Duration,
-
-    /// How often the snapshot ConfigMap and each resolver's status are compared with the
-    /// cluster and repaired when deleted or edited.
-    #[arg(long, env = "RESYNC_PERIOD", default_value = "5m", value_parser = parse_positive_duration)]
-    pub resync_period: Duration,
-
-    /// Address for /metrics, /healthz, /readyz, /snapshot and /snapshots/<id>.
-    #[arg(long, env = "LISTEN", default_value = "0.0.0.0:8080")]
-    pub listen: SocketAddr,
-
-    /// /healthz fails when the event loop has not turned for this long (it turns at least
-    /// every second while idle; its longest legitimate step is a Kubernetes read bounded by
-    /// --kube-timeout). A wedged loop then gets the pod restarted by its liveness probe.
-    #[arg(long, env = "HEARTBEAT_TIMEOUT", default_value = "60s", value_parser = parse_positive_duration)]
-    pub heartbeat_timeout: Duration,
-
+/// Leader election: who writes to the cluster.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Leader election")]
+pub(crate) struct LeadershipArgs {
     /// Lease (NAMESPACE/NAME) for leader election. Every replica watches and serves HTTP;
     /// only the lease holder writes the ConfigMap, statuses and Events. Without it this
     /// process always writes: run a single replica.
@@ -167,17 +201,28 @@ pub(crate) struct RunArgs {
     /// holder stops writing after two thirds of it without a successful renewal.
     #[arg(long, env = "LEADER_ELECTION_DURATION", default_value = "15s", value_parser = parse_lease_duration)]
     pub leader_election_duration: Duration,
+}
 
-    /// Extra Kubernetes watch, KIND[.GROUP][/NAMESPACE][?LABELSELECTOR]; its objects
-    /// appear in the snapshot. Repeatable.
-    #[arg(long = "watch", env = "STATIC_WATCHES", value_delimiter = ',', value_parser = parse_watch)]
-    pub watches: Vec<KubeKey>,
+/// The ops server and the process's lifetime.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Operations")]
+pub(crate) struct OpsArgs {
+    /// Address for /metrics, /healthz, /readyz, /snapshot and /snapshots/<id>.
+    #[arg(long, env = "LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
 
-    /// Environment variable a resolver's `address` may name as `${VAR}`; repeatable. Any
-    /// other is refused (InvalidSpec): an expanded address is published in the snapshot and
-    /// statuses, and the operator's environment may hold secrets.
-    #[arg(long = "address-env", env = "ADDRESS_ENV", value_delimiter = ',', default_value = "HOST_IP", value_parser = parse_env_name)]
-    pub address_env: Vec<String>,
+    /// /healthz fails when the event loop has not turned for this long (it turns at least
+    /// every second while idle; its longest legitimate step is a Kubernetes read bounded by
+    /// --kube-timeout). A wedged loop then gets the pod restarted by its liveness probe.
+    #[arg(long, env = "HEARTBEAT_TIMEOUT", default_value = "60s", value_parser = parse_positive_duration)]
+    pub heartbeat_timeout: Duration,
+
+    /// Longest time from SIGTERM to exit; keep it below the pod's
+    /// terminationGracePeriodSeconds. Publications and status writes in flight get what the
+    /// Lease release leaves of it and are cut off past that; the release always has its own
+    /// time at the end, so a slow API server never gets the pod killed before it.
+    #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = parse_positive_duration)]
+    pub shutdown_timeout: Duration,
 }
 
 /// The leader-election Lease.
@@ -294,16 +339,16 @@ mod tests {
     #[test]
     fn defaults() {
         let r = run(&[]).unwrap();
-        assert_eq!(r.coalesce_window, Duration::from_millis(250));
-        assert_eq!(r.bootstrap_timeout, Duration::from_secs(30));
-        assert_eq!(r.consul_max_connections, 100);
-        assert_eq!(r.endpoints_namespace_watch_above, 100);
-        assert_eq!(r.ambassador_id, "default");
-        assert!(r.namespaces.is_empty() && r.watches.is_empty());
-        assert_eq!((r.kube_timeout, r.publish_timeout), (Duration::from_secs(10), Duration::from_secs(60)));
-        assert_eq!(r.resync_period, Duration::from_secs(300));
-        assert_eq!(r.shutdown_timeout, Duration::from_secs(20));
-        assert_eq!(r.address_env, ["HOST_IP"]);
+        assert_eq!(r.publication.coalesce_window, Duration::from_millis(250));
+        assert_eq!(r.publication.bootstrap_timeout, Duration::from_secs(30));
+        assert_eq!(r.consul.consul_max_connections, 100);
+        assert_eq!(r.kube.endpoints_namespace_watch_above, 100);
+        assert_eq!(r.resolution.ambassador_id, "default");
+        assert!(r.kube.namespaces.is_empty() && r.kube.watches.is_empty());
+        assert_eq!((r.kube.kube_timeout, r.publication.publish_timeout), (Duration::from_secs(10), Duration::from_secs(60)));
+        assert_eq!(r.kube.resync_period, Duration::from_secs(300));
+        assert_eq!(r.ops.shutdown_timeout, Duration::from_secs(20));
+        assert_eq!(r.resolution.address_env, ["HOST_IP"]);
     }
 
     #[test]
@@ -325,14 +370,14 @@ mod tests {
             "Mapping.getambassador.io",
         ])
         .unwrap();
-        assert_eq!(r.namespaces, ["a", "b"]);
-        assert_eq!(r.snapshot_configmap, Some(NamespacedName { namespace: "ops".into(), name: "snap".into() }));
-        assert_eq!(r.coalesce_window, Duration::from_secs(1));
-        assert_eq!(r.default_resolver, Some(ResolverName { namespace: Some("ops".into()), name: "consul".into() }));
-        assert_eq!(r.watches[0], KubeKey::new("", "", "Service").in_namespace("shop").with_labels("app=web"));
-        assert_eq!(r.watches[1], KubeKey::new("getambassador.io", "", "Mapping"));
+        assert_eq!(r.kube.namespaces, ["a", "b"]);
+        assert_eq!(r.publication.snapshot_configmap, Some(NamespacedName { namespace: "ops".into(), name: "snap".into() }));
+        assert_eq!(r.publication.coalesce_window, Duration::from_secs(1));
+        assert_eq!(r.resolution.default_resolver, Some(ResolverName { namespace: Some("ops".into()), name: "consul".into() }));
+        assert_eq!(r.kube.watches[0], KubeKey::new("", "", "Service").in_namespace("shop").with_labels("app=web"));
+        assert_eq!(r.kube.watches[1], KubeKey::new("getambassador.io", "", "Mapping"));
         let r = run(&["--address-env", "HOST_IP,CONSUL_HOST", "--address-env", "_X1"]).unwrap();
-        assert_eq!(r.address_env, ["HOST_IP", "CONSUL_HOST", "_X1"]);
+        assert_eq!(r.resolution.address_env, ["HOST_IP", "CONSUL_HOST", "_X1"]);
     }
 
     #[test]

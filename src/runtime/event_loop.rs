@@ -10,7 +10,6 @@
 //! also refreshes the gauges read from the world), so `/healthz` tells a wedged loop from
 //! an idle one.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
@@ -56,10 +55,10 @@ pub(super) struct EventLoop {
     pub(super) heartbeat: Arc<Heartbeat>,
     /// When the process started, for the bootstrap duration.
     pub(super) started: Instant,
-    /// What the assembler reads resolvers with, to map each to its Consul scope (metrics).
-    pub(super) ambassador_id: String,
-    pub(super) env: BTreeMap<String, String>,
 }
+
+/// What the event loop hands back when it stops, for the shutdown to finish in order.
+pub(super) type Stopped = (ResolverController, Option<ExportController>, Watches, Outlets);
 
 /// Events received and not yet published: since when, and how many.
 #[derive(Debug, Clone, Copy)]
@@ -96,7 +95,7 @@ impl EventLoop {
     pub(super) async fn run(
         mut self,
         shutdown: CancellationToken,
-    ) -> (ResolverController, Option<ExportController>, Watches, Outlets) {
+    ) -> Stopped {
         let leading = self.leadership.is_leading();
         // Said once at start, as every change is after it: whether the ConfigMap and the
         // statuses are written by this replica, or wait for the lease.
@@ -290,7 +289,8 @@ impl EventLoop {
 
     /// Which Consul scope each resolver queries, for its contact timestamps.
     fn show_resolver_scopes(&self) {
-        let scopes = resolvers::read(self.pipeline.world(), &self.ambassador_id, &self.env)
+        let config = self.pipeline.config();
+        let scopes = resolvers::read(self.pipeline.world(), &config.ambassador_id, &config.env)
             .into_iter()
             .filter_map(|r| {
                 let scope = consul_watch::contact_scope(&r.settings.ok()?.key(""));

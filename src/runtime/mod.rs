@@ -12,6 +12,7 @@ mod event_loop;
 pub(crate) mod metrics;
 mod publication;
 mod publisher_events;
+mod settings;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -24,10 +25,10 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::RunArgs;
+use crate::cli::{KubeArgs, RunArgs};
 use crate::controller::ResolverController;
 use crate::export::{ExportConfig, ExportController, SliceVersion};
-use crate::leadership::{Campaign, Leadership, LeaseConfig};
+use crate::leadership::{Campaign, Leadership};
 use crate::metrics::Metrics;
 use crate::ops::ServerState;
 use crate::ops::health::Heartbeat;
@@ -44,7 +45,7 @@ use consul_resolver_core::assembler::{self, EndpointsApi};
 use consul_resolver_core::keys::{KubeKey, WatchKey};
 use consul_resolver_core::model::Event;
 use consul_resolver_core::pipeline::{Pipeline, WallClock};
-use consul_watch::{ConsulSource, Settings as ConsulSettings};
+use consul_watch::ConsulSource;
 use event_loop::EventLoop;
 use publication::{OutletConfig, Outlets};
 use publisher_events::PublisherEvents;
@@ -56,7 +57,7 @@ use publisher_events::PublisherEvents;
 async fn start_up_discovery(
     client: &Client,
     discovered: &Discovered,
-    args: &RunArgs,
+    args: &KubeArgs,
 ) -> anyhow::Result<(BTreeSet<WatchKey>, EndpointsApi)> {
     // The endpoints API is asked until an answer is authoritative; a start-up that fails
     // meanwhile (the CRD missing, the API server unreachable) ends it.
@@ -65,7 +66,7 @@ async fn start_up_discovery(
 
 /// The operator's fixed watches: its own CRD and Ambassador's route kinds (those the API
 /// server serves), per watched namespace, plus the static `--watch` keys.
-async fn fixed_keys(client: &Client, discovered: &Discovered, args: &RunArgs) -> anyhow::Result<BTreeSet<WatchKey>> {
+async fn fixed_keys(client: &Client, discovered: &Discovered, args: &KubeArgs) -> anyhow::Result<BTreeSet<WatchKey>> {
     let resolvers = KubeKey::new(resolver::GROUP, resolver::VERSION, resolver::KIND);
     let routes: Vec<KubeKey> =
         MappingKind::ALL.into_iter().map(|k| KubeKey::new(mapping::GROUP, "", k.kind())).collect();
@@ -161,16 +162,6 @@ fn endpoints_api_from(
     }
 }
 
-/// This replica's name in the lease, in Events' `reportingInstance` and in its
-/// User-Agent.
-fn identity(args: &RunArgs) -> String {
-    args.leader_election_identity.clone().unwrap_or_else(|| {
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-        let host = host.trim();
-        format!("{}-{}", if host.is_empty() { "consul-resolver-operator" } else { host }, std::process::id())
-    })
-}
-
 /// How the time from SIGTERM to exit (`--shutdown-timeout`) is shared (docs/operations.md,
 /// "Shutdown and the grace period"). The pod's terminationGracePeriodSeconds covers all of
 /// it plus a margin: past the grace period the kubelet kills the process, and a leader
@@ -214,183 +205,230 @@ fn signalled(shutdown: &CancellationToken) -> tokio::task::JoinHandle<Instant> {
     })
 }
 
-pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let started = Instant::now();
-    let signalled = signalled(&shutdown);
-    let identity = identity(&args);
-    let kube_config = crate::kube_client::config(&identity)
-        .await
-        .context("cannot build a Kubernetes client (KUBECONFIG or in-cluster)")?;
-    let client = crate::kube_client::client(kube_config.clone(), args.kube_timeout)
-        .context("cannot build a Kubernetes client (KUBECONFIG or in-cluster)")?;
-    let metrics = Metrics::new();
-    let store = Arc::new(SnapshotStore::default());
-    let ready = Arc::new(AtomicBool::new(false));
-    let heartbeat = Arc::new(Heartbeat::new(started));
-    let vitals = Vitals::new(shutdown.clone());
-    let state = ServerState {
-        store: store.clone(),
-        render: {
-            let metrics = metrics.clone();
-            Arc::new(move || metrics.render())
-        },
-        server_metrics: metrics.ops_server.clone(),
-        ready: ready.clone(),
-        heartbeat: heartbeat.clone(),
-        heartbeat_timeout: args.heartbeat_timeout,
-        vitals: vitals.clone(),
-        inflating: Arc::new(tokio::sync::Semaphore::new(crate::ops::MAX_INFLATING)),
-    };
-    let (bound, server) = crate::ops::serve(args.listen, state, crate::ops::server::Limits::DEFAULT, shutdown.clone())
-        .await
-        .with_context(|| format!("--listen {}: cannot bind", args.listen))?;
-    tracing::info!(address = %bound, "serving /metrics /healthz /readyz /snapshot");
+/// What every subsystem is built on: this replica's name, its Kubernetes client (and the
+/// configuration fenced writers are built from), its metrics and vitals.
+struct Base {
+    identity: String,
+    kube_config: kube::Config,
+    client: Client,
+    metrics: Metrics,
+    vitals: Arc<Vitals>,
+}
 
-    let mut args = args;
-    args.watches = args.watches.into_iter().map(without_own_output).collect();
-    // Discovery found here for the start-up's checks is reused by the watches of those kinds.
-    let discovered = Discovered::default();
-    let (fixed, endpoints_api) = start_up_discovery(&client, &discovered, &args).await?;
-    let config = assembler::Config {
-        ambassador_id: args.ambassador_id.clone(),
-        default_resolver: args.default_resolver.clone(),
-        endpoints_api,
-        endpoints_namespace_watch_above: args.endpoints_namespace_watch_above,
-        // Only the variables an address may name: the rest of the environment may hold
-        // secrets, and an expanded address is published.
-        env: std::env::vars().filter(|(name, _)| args.address_env.contains(name)).collect(),
-        static_watches: args.watches.clone(),
-    };
-    tracing::info!(endpoints = ?config.endpoints_api, watches = fixed.len(), %identity, "starting");
-    let exporting = fixed
-        .iter()
-        .any(|k| matches!(k, WatchKey::Kube(k) if k.is(resolver::GROUP, consul_resolver_api::export::KIND)));
-    // Slices of the version the watches read: `discovery.k8s.io/v1` where served (1.21+).
-    let v1 = config.endpoints_api == EndpointsApi::EndpointSlices;
+impl Base {
+    async fn connect(args: &RunArgs, shutdown: &CancellationToken) -> anyhow::Result<Base> {
+        let identity = args.leadership.identity();
+        let context = "cannot build a Kubernetes client (KUBECONFIG or in-cluster)";
+        let kube_config = crate::kube_client::config(&identity).await.context(context)?;
+        let client = crate::kube_client::client(kube_config.clone(), args.kube.kube_timeout).context(context)?;
+        let vitals = Vitals::new(shutdown.clone());
+        Ok(Base { identity, kube_config, client, metrics: Metrics::new(), vitals })
+    }
 
+    /// A client whose requests go out only while leading (kube_client/fence.rs), for
+    /// `what`: a deposed leader's late write must not undo the current leader's.
+    fn fenced(&self, args: &RunArgs, leadership: &Leadership, what: &str) -> anyhow::Result<Client> {
+        crate::kube_client::fenced(self.kube_config.clone(), args.kube.kube_timeout, leadership.clone())
+            .with_context(|| format!("cannot build the {what}' Kubernetes client"))
+    }
+}
+
+/// What the ops server shares with the event loop: the snapshots it serves, readiness and
+/// the heartbeat, and the server's task.
+struct Ops {
+    store: Arc<SnapshotStore>,
+    ready: Arc<AtomicBool>,
+    heartbeat: Arc<Heartbeat>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Ops {
+    async fn serve(args: &RunArgs, base: &Base, started: Instant, shutdown: &CancellationToken) -> anyhow::Result<Ops> {
+        let (store, ready) = (Arc::new(SnapshotStore::default()), Arc::new(AtomicBool::new(false)));
+        let heartbeat = Arc::new(Heartbeat::new(started));
+        let metrics = base.metrics.clone();
+        let state = ServerState {
+            store: store.clone(),
+            render: Arc::new(move || metrics.render()),
+            server_metrics: base.metrics.ops_server.clone(),
+            ready: ready.clone(),
+            heartbeat: heartbeat.clone(),
+            heartbeat_timeout: args.ops.heartbeat_timeout,
+            vitals: base.vitals.clone(),
+            inflating: Arc::new(tokio::sync::Semaphore::new(crate::ops::MAX_INFLATING)),
+        };
+        let listen = args.ops.listen;
+        let limits = crate::ops::server::Limits::DEFAULT;
+        let (bound, server) = crate::ops::serve(listen, state, limits, shutdown.clone())
+            .await
+            .with_context(|| format!("--listen {listen}: cannot bind"))?;
+        tracing::info!(address = %bound, "serving /metrics /healthz /readyz /snapshot");
+        Ok(Ops { store, ready, heartbeat, server })
+    }
+}
+
+/// The sources (Kubernetes and Consul) feeding one event channel, and the pipeline with
+/// the fixed watches applied.
+fn start_sources(
+    args: &RunArgs,
+    base: &Base,
+    discovered: Discovered,
+    fixed: BTreeSet<WatchKey>,
+    config: assembler::Config,
+) -> (Watches, mpsc::Receiver<Event>, Pipeline) {
     let (tx, rx) = mpsc::channel::<Event>(4096);
-    let consul = ConsulSource::new(
-        ConsulSettings {
-            wait: args.consul_wait,
-            max_connections: args.consul_max_connections as usize,
-            sweep: args.consul_sweep,
-            max_response_bytes: usize::try_from(args.consul_max_response_bytes).unwrap_or(usize::MAX),
-            ..ConsulSettings::default()
-        },
-        metrics.sources.consul.clone(),
-    );
+    let consul = ConsulSource::new(args.consul.settings(), base.metrics.sources.consul.clone());
     // Until the first snapshot: its reads are what counts, and the blocking queries would
     // only compete with them (released in the event loop's first publication).
     consul.hold_blocking();
-    let health = vitals.clone();
+    let health = base.vitals.clone();
     consul.on_failing(move |why| health.failing(why));
-    let mut watches = Watches::new(
-        KubeSource::new(client.clone(), metrics.sources.clone(), discovered),
-        consul,
-        tx,
-        metrics.sources.clone(),
-        vitals.clone(),
-    );
+    let kube = KubeSource::new(base.client.clone(), base.metrics.sources.clone(), discovered);
+    let mut watches = Watches::new(kube, consul, tx, base.metrics.sources.clone(), base.vitals.clone());
     let clock = WallClock { instant: Instant::now(), wall: SystemTime::now() };
-    let (ambassador_id, env) = (config.ambassador_id.clone(), config.env.clone());
-    let mut pipeline = Pipeline::new(config, args.bootstrap_timeout, args.coalesce_window, clock);
+    let publication = &args.publication;
+    let mut pipeline = Pipeline::new(config, publication.bootstrap_timeout, publication.coalesce_window, clock);
     watches.apply(&pipeline.set_fixed(fixed, Instant::now()));
+    (watches, rx, pipeline)
+}
 
-    let (leadership, campaign) = match args.leader_election_lease.clone() {
-        Some(lease) => {
-            tracing::info!(%lease, %identity, "campaigning for the leader lease");
-            let config = LeaseConfig { lease, identity: identity.clone(), duration: args.leader_election_duration };
-            let (leadership, campaign) = Campaign::spawn(client.clone(), config, &vitals);
+/// The leader election campaign, or a leadership that always holds without a Lease.
+fn campaign(args: &RunArgs, base: &Base) -> (Leadership, Option<Campaign>) {
+    match args.leadership.lease(&base.identity) {
+        Some(config) => {
+            tracing::info!(lease = %config.lease, identity = %base.identity, "campaigning for the leader lease");
+            let (leadership, campaign) = Campaign::spawn(base.client.clone(), config, &base.vitals);
             (leadership, Some(campaign))
         }
         None => (Leadership::always(), None),
-    };
-
-    let mut local: Vec<Arc<dyn Publisher>> = Vec::new();
-    let hook_dir = args.on_snapshot.is_some().then(hook_dir);
-    if let (Some(command), Some(dir)) = (args.on_snapshot.clone(), &hook_dir) {
-        let publisher = HookPublisher::new(command, args.on_snapshot_timeout, dir.clone(), metrics.publishers.clone());
-        local.push(Arc::new(publisher));
     }
-    let configmap = match args.snapshot_configmap.clone() {
-        // Its own client: the parts of a split snapshot are large, and their bodies go out
-        // only while leading (kube_client/fence.rs).
+}
+
+/// Each publisher's outlet: the hook (every replica), the ConfigMap (while leading), with
+/// the Events that report publications.
+fn start_outlets(
+    args: &RunArgs,
+    base: &Base,
+    leadership: &Leadership,
+    hook_dir: Option<&std::path::PathBuf>,
+) -> anyhow::Result<Outlets> {
+    let publication = &args.publication;
+    let mut local: Vec<Arc<dyn Publisher>> = Vec::new();
+    if let (Some(command), Some(dir)) = (publication.on_snapshot.clone(), hook_dir) {
+        let metrics = base.metrics.publishers.clone();
+        local.push(Arc::new(HookPublisher::new(command, publication.on_snapshot_timeout, dir.clone(), metrics)));
+    }
+    // Its own client: the parts of a split snapshot are large.
+    let configmap = match publication.snapshot_configmap.clone() {
         Some(target) => {
-            let writer = crate::kube_client::fenced(kube_config.clone(), args.kube_timeout, leadership.clone())
-                .context("cannot build the snapshot ConfigMap's Kubernetes client")?;
+            let writer = base.fenced(args, leadership, "snapshot ConfigMap")?;
             Some(Arc::new(ConfigMapPublisher::new(writer, target, leadership.clone())))
         }
         None => None,
     };
     let events = PublisherEvents::new(
-        client.clone(),
+        base.client.clone(),
         crate::kube_client::FIELD_MANAGER,
-        identity.clone(),
+        base.identity.clone(),
         leadership.clone(),
-        args.snapshot_configmap.as_ref(),
-        args.kube_timeout,
-        metrics.controller.event_failures.clone(),
+        publication.snapshot_configmap.as_ref(),
+        args.kube.kube_timeout,
+        base.metrics.controller.event_failures.clone(),
     );
-    // The hook has its own limit, which kills it: give it that, plus a moment to reap.
-    let publish_timeout = args.publish_timeout.max(args.on_snapshot_timeout + Duration::from_secs(5));
-    let outlets = Outlets::start(
-        local,
-        configmap,
-        &leadership,
-        OutletConfig {
-            timeout: publish_timeout,
-            resync_period: args.resync_period,
-            metrics: metrics.publishers.clone(),
-            vitals: vitals.clone(),
-            events: Some(Arc::new(events)),
-        },
-    );
-    let controller = ResolverController::spawn(
-        client.clone(),
-        leadership.clone(),
-        identity.clone(),
-        metrics.controller.clone(),
-        args.resync_period,
-        &vitals,
-    );
-    let exports = if exporting {
-        let cfg = ExportConfig {
-            version: if v1 { SliceVersion::V1 } else { SliceVersion::V1beta1 },
-            ambassador_id: args.ambassador_id.clone(),
-            resync: args.resync_period,
-            metrics: metrics.exports.clone(),
-        };
-        // Its own fenced client: a deposed leader's late write must not undo the current
-        // leader's (kube_client/fence.rs).
-        let writer = crate::kube_client::fenced(kube_config.clone(), args.kube_timeout, leadership.clone())
-            .context("cannot build the exports' Kubernetes client")?;
-        Some(ExportController::spawn(client.clone(), writer, leadership.clone(), cfg, &vitals))
-    } else {
-        None
+    let config = OutletConfig {
+        timeout: publication.publish_timeout(),
+        resync_period: args.kube.resync_period,
+        metrics: base.metrics.publishers.clone(),
+        vitals: base.vitals.clone(),
+        events: Some(Arc::new(events)),
     };
+    Ok(Outlets::start(local, configmap, leadership, config))
+}
 
+/// The export controller, where the ConsulService CRD is installed, writing slices of the
+/// version the watches read (`discovery.k8s.io/v1` where served, 1.21+).
+fn start_exports(
+    args: &RunArgs,
+    base: &Base,
+    leadership: &Leadership,
+    fixed: &BTreeSet<WatchKey>,
+    endpoints_api: EndpointsApi,
+) -> anyhow::Result<Option<ExportController>> {
+    let export_kind = consul_resolver_api::export::KIND;
+    let installed = fixed.iter().any(|k| matches!(k, WatchKey::Kube(k) if k.is(resolver::GROUP, export_kind)));
+    if !installed {
+        return Ok(None);
+    }
+    let v1 = endpoints_api == EndpointsApi::EndpointSlices;
+    let cfg = ExportConfig {
+        version: if v1 { SliceVersion::V1 } else { SliceVersion::V1beta1 },
+        ambassador_id: args.resolution.ambassador_id.clone(),
+        resync: args.kube.resync_period,
+        metrics: base.metrics.exports.clone(),
+    };
+    let writer = base.fenced(args, leadership, "exports")?;
+    Ok(Some(ExportController::spawn(base.client.clone(), writer, leadership.clone(), cfg, &base.vitals)))
+}
+
+pub(crate) async fn run(mut args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let signalled = signalled(&shutdown);
+    let base = Base::connect(&args, &shutdown).await?;
+    let ops = Ops::serve(&args, &base, started, &shutdown).await?;
+    args.kube.watches = std::mem::take(&mut args.kube.watches).into_iter().map(without_own_output).collect();
+    // Discovery found here for the start-up's checks is reused by the watches of those kinds.
+    let discovered = Discovered::default();
+    let (fixed, endpoints_api) = start_up_discovery(&base.client, &discovered, &args.kube).await?;
+    tracing::info!(endpoints = ?endpoints_api, watches = fixed.len(), identity = %base.identity, "starting");
+    let exports_needed = fixed.clone();
+    let config = args.pipeline_config(endpoints_api);
+    let (watches, events, pipeline) = start_sources(&args, &base, discovered, fixed, config);
+    let (leadership, campaign) = campaign(&args, &base);
+    let hook_dir = args.publication.on_snapshot.is_some().then(hook_dir);
+    let outlets = start_outlets(&args, &base, &leadership, hook_dir.as_ref())?;
+    let resync = args.kube.resync_period;
+    let metrics = base.metrics.controller.clone();
+    let (client, identity) = (base.client.clone(), base.identity.clone());
+    let controller = ResolverController::spawn(client, leadership.clone(), identity, metrics, resync, &base.vitals);
+    let exports = start_exports(&args, &base, &leadership, &exports_needed, endpoints_api)?;
     let event_loop = EventLoop {
         pipeline,
         watches,
-        events: rx,
+        events,
         leadership,
-        store,
+        store: ops.store,
         outlets,
         controller,
         exports,
-        metrics,
-        ready,
-        identity,
-        heartbeat,
+        metrics: base.metrics,
+        ready: ops.ready,
+        identity: base.identity,
+        heartbeat: ops.heartbeat,
         started,
-        ambassador_id,
-        env,
     };
-    let (controller, exports, watches, outlets) = event_loop.run(shutdown).await;
+    let stopped = event_loop.run(shutdown).await;
+    shut_down(&args, stopped, campaign, signalled).await;
+    let _ = ops.server.await;
+    // The hook's copy of the last snapshot goes with the process (it can be tens of MB).
+    if let Some(dir) = hook_dir {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// The writers in flight finish or are cut off within the shutdown budget, then the Lease
+/// is released, then the watches stop.
+async fn shut_down(
+    args: &RunArgs,
+    (controller, exports, watches, outlets): event_loop::Stopped,
+    campaign: Option<Campaign>,
+    signalled: tokio::task::JoinHandle<Instant>,
+) {
     let signalled = signalled.await.unwrap_or_else(|_| Instant::now());
     // A Lease request's own limit, within the client's --kube-timeout.
-    let release = campaign.as_ref().map_or(Duration::ZERO, |c| c.release_time().min(args.kube_timeout));
-    let budget = ShutdownBudget::new(signalled, args.shutdown_timeout, release);
+    let release = campaign.as_ref().map_or(Duration::ZERO, |c| c.release_time().min(args.kube.kube_timeout));
+    let budget = ShutdownBudget::new(signalled, args.ops.shutdown_timeout, release);
     let within = budget.writers_until.saturating_duration_since(Instant::now());
     tracing::info!(
         writers_within = ?within,
@@ -407,13 +445,6 @@ pub(crate) async fn run(args: RunArgs, shutdown: CancellationToken) -> anyhow::R
         campaign.release(budget.release_until(Instant::now())).await;
     }
     drop(watches);
-    let _ = server.await;
-    // The hook's copy of the last snapshot goes with the process (it can be tens of MB).
-    if let Some(dir) = hook_dir {
-        let _ = std::fs::remove_dir_all(dir);
-    }
-    tracing::info!("stopped");
-    Ok(())
 }
 
 /// Where the hook's snapshot file is written: a directory of this process's own. Two
@@ -489,7 +520,7 @@ mod tests {
             other => panic!("{other:?}"),
         };
 
-        let (fixed, endpoints) = start_up_discovery(&client, &Discovered::default(), &args).await.unwrap();
+        let (fixed, endpoints) = start_up_discovery(&client, &Discovered::default(), &args.kube).await.unwrap();
         server.abort();
 
         let kinds: Vec<String> = fixed.iter().map(ToString::to_string).collect();
@@ -543,7 +574,7 @@ mod tests {
             other => panic!("{other:?}"),
         };
         let discovered = Discovered::default();
-        let ended = tokio::time::timeout(Duration::from_secs(20), start_up_discovery(&client, &discovered, &args));
+        let ended = tokio::time::timeout(Duration::from_secs(20), start_up_discovery(&client, &discovered, &args.kube));
         let result = ended.await.expect("the start-up ends");
         assert!(result.is_err(), "nothing answers: the start-up fails");
     }

@@ -125,6 +125,11 @@ impl Pipeline {
         &self.world
     }
 
+    /// The operator's configuration of the pipeline.
+    pub fn config(&self) -> &assembler::Config {
+        self.assembler.config()
+    }
+
     pub fn registry(&self) -> &Registry<WatchKey> {
         &self.registry
     }

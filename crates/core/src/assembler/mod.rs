@@ -114,6 +114,11 @@ impl Assembler {
         }
     }
 
+    /// What it was configured with.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
     /// The watches the world implies (besides the operator's fixed ones).
     pub fn desired(&self) -> impl Iterator<Item = &WatchKey> {
         self.desired.keys()
