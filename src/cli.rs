@@ -345,7 +345,10 @@ mod tests {
         assert_eq!(r.kube.endpoints_namespace_watch_above, 100);
         assert_eq!(r.resolution.ambassador_id, "default");
         assert!(r.kube.namespaces.is_empty() && r.kube.watches.is_empty());
-        assert_eq!((r.kube.kube_timeout, r.publication.publish_timeout), (Duration::from_secs(10), Duration::from_secs(60)));
+        assert_eq!(
+            (r.kube.kube_timeout, r.publication.publish_timeout),
+            (Duration::from_secs(10), Duration::from_secs(60))
+        );
         assert_eq!(r.kube.resync_period, Duration::from_secs(300));
         assert_eq!(r.ops.shutdown_timeout, Duration::from_secs(20));
         assert_eq!(r.resolution.address_env, ["HOST_IP"]);
@@ -371,9 +374,15 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(r.kube.namespaces, ["a", "b"]);
-        assert_eq!(r.publication.snapshot_configmap, Some(NamespacedName { namespace: "ops".into(), name: "snap".into() }));
+        assert_eq!(
+            r.publication.snapshot_configmap,
+            Some(NamespacedName { namespace: "ops".into(), name: "snap".into() })
+        );
         assert_eq!(r.publication.coalesce_window, Duration::from_secs(1));
-        assert_eq!(r.resolution.default_resolver, Some(ResolverName { namespace: Some("ops".into()), name: "consul".into() }));
+        assert_eq!(
+            r.resolution.default_resolver,
+            Some(ResolverName { namespace: Some("ops".into()), name: "consul".into() })
+        );
         assert_eq!(r.kube.watches[0], KubeKey::new("", "", "Service").in_namespace("shop").with_labels("app=web"));
         assert_eq!(r.kube.watches[1], KubeKey::new("getambassador.io", "", "Mapping"));
         let r = run(&["--address-env", "HOST_IP,CONSUL_HOST", "--address-env", "_X1"]).unwrap();

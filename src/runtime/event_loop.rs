@@ -92,10 +92,7 @@ struct Turn {
 
 impl EventLoop {
     /// Runs until `shutdown`; the outlets, returned, finish what they deliver.
-    pub(super) async fn run(
-        mut self,
-        shutdown: CancellationToken,
-    ) -> Stopped {
+    pub(super) async fn run(mut self, shutdown: CancellationToken) -> Stopped {
         let leading = self.leadership.is_leading();
         // Said once at start, as every change is after it: whether the ConfigMap and the
         // statuses are written by this replica, or wait for the lease.
