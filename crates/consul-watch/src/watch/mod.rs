@@ -17,7 +17,7 @@ use tokio::sync::{OwnedSemaphorePermit, watch};
 use tokio::time::Instant;
 
 use crate::EventSink;
-use crate::client::{Heard, HttpClient};
+use crate::client::{Answer, Heard, HttpClient, Instances};
 use crate::error::QueryError;
 use crate::feed::Membership;
 use crate::observe::{self, Query};
@@ -172,35 +172,7 @@ impl Held {
         block: Option<(u64, Duration)>,
         reach: &mut watch::Receiver<Reach>,
     ) -> Option<ConsulEvent> {
-        // Permits: a dedicated watch holds its lane for as long as it is dedicated (it may
-        // wait for a watch that was just moved to give one back); a read takes one of the
-        // read pool's for its own life; an HTTP/2 stream needs none.
-        let _read = if machine.holds_lane() {
-            if block.is_some() && !*self.server.blocking.borrow() {
-                let mut blocking = self.server.blocking.clone();
-                tokio::select! {
-                    // Released, or the source is gone (and the watch with it).
-                    _ = blocking.wait_for(|may| *may) => {}
-                    () = changed(&mut self.seat, reach) => return None,
-                }
-            }
-            if self.lane.is_none() {
-                let lanes = self.server.lanes.clone();
-                tokio::select! {
-                    p = lanes.acquire_owned() => self.lane = Some(p.ok()?),
-                    () = changed(&mut self.seat, reach) => return None,
-                }
-            }
-            None
-        } else if machine.mode() == Mode::Multiplexed {
-            None
-        } else {
-            let reads = self.server.reads.clone();
-            tokio::select! {
-                p = reads.acquire_owned() => Some(p.ok()?),
-                () = changed(&mut self.seat, reach) => return None,
-            }
-        };
+        let _read = self.permit(machine, block, reach).await?;
         let now = Instant::now();
         machine.sent(now, &mut rand::rng());
         if block.is_none() {
@@ -217,52 +189,93 @@ impl Held {
             r = request => r,
             () = changed(&mut self.seat, reach) => return None,
         };
-        let now = Instant::now();
         match result {
-            Ok(answer) => {
-                let went_back = block.is_some_and(|(sent, _)| answer.index < sent);
-                if went_back {
-                    restarted(&server, "index_went_back");
-                }
-                let instances = answer.value;
-                self.heard = instances.heard;
-                if let Some(m) = &self.membership {
-                    m.saw(&self.heard);
-                }
-                let cut_off = instances.cache_age.map(|age| SystemTime::now() - age);
-                if !answer.indexed {
-                    server.metrics.unindexed.with_label_values(&["service"]).inc();
-                }
-                let could_block = !machine.cannot_block();
-                let event = machine.answered(
-                    block.map(|b| b.0),
-                    answer.indexed.then_some(answer.index),
-                    instances.endpoints,
-                    cut_off,
-                    now,
-                    &mut rand::rng(),
-                );
-                if could_block && machine.cannot_block() {
-                    tracing::warn!(watch = %self.key,
-                        "Consul's answer carries no X-Consul-Index (a proxy in between strips it?): this watch cannot block and reads every --consul-sweep instead");
-                }
-                if machine.mode() == Mode::Unplaced {
-                    self.placed(machine);
-                }
-                event
-            }
+            Ok(answer) => self.answered(machine, block, answer),
             Err(e) => {
                 if machine.blocking() {
                     restarted(&server, "error");
                 }
                 server.reach.suspect(&self.client, &e);
-                let event = machine.failed(&e, now, &mut rand::rng());
+                let event = machine.failed(&e, Instant::now(), &mut rand::rng());
                 if event.is_some() {
                     tracing::warn!(watch = %self.key, error = %e, "Consul query failed; keeping the last endpoints");
                 }
                 event
             }
         }
+    }
+
+    /// What the query may be sent with: `Some(None)` when it needs no read permit (a
+    /// dedicated watch holds its lane for as long as it is dedicated, and may wait for a
+    /// watch that was just moved to give one back; an HTTP/2 stream needs none), a read
+    /// permit for its own life otherwise; `None` when the watch's place changed meanwhile.
+    async fn permit(
+        &mut self,
+        machine: &Machine,
+        block: Option<(u64, Duration)>,
+        reach: &mut watch::Receiver<Reach>,
+    ) -> Option<Option<OwnedSemaphorePermit>> {
+        if machine.holds_lane() {
+            if block.is_some() && !*self.server.blocking.borrow() {
+                let mut blocking = self.server.blocking.clone();
+                tokio::select! {
+                    // Released, or the source is gone (and the watch with it).
+                    _ = blocking.wait_for(|may| *may) => {}
+                    () = changed(&mut self.seat, reach) => return None,
+                }
+            }
+            if self.lane.is_none() {
+                let lanes = self.server.lanes.clone();
+                tokio::select! {
+                    p = lanes.acquire_owned() => self.lane = Some(p.ok()?),
+                    () = changed(&mut self.seat, reach) => return None,
+                }
+            }
+            return Some(None);
+        }
+        if machine.mode() == Mode::Multiplexed {
+            return Some(None);
+        }
+        let reads = self.server.reads.clone();
+        tokio::select! {
+            p = reads.acquire_owned() => Some(Some(p.ok()?)),
+            () = changed(&mut self.seat, reach) => None,
+        }
+    }
+
+    /// An answer, fed to the machine: the index checked, what was heard shared with the
+    /// change feed, an answer without index counted (and said once: the watch cannot block).
+    fn answered(
+        &mut self,
+        machine: &mut Machine,
+        block: Option<(u64, Duration)>,
+        answer: Answer<Instances>,
+    ) -> Option<ConsulEvent> {
+        let server = self.server.clone();
+        if block.is_some_and(|(sent, _)| answer.index < sent) {
+            restarted(&server, "index_went_back");
+        }
+        let instances = answer.value;
+        self.heard = instances.heard;
+        if let Some(m) = &self.membership {
+            m.saw(&self.heard);
+        }
+        let cut_off = instances.cache_age.map(|age| SystemTime::now() - age);
+        if !answer.indexed {
+            server.metrics.unindexed.with_label_values(&["service"]).inc();
+        }
+        let could_block = !machine.cannot_block();
+        let index = answer.indexed.then_some(answer.index);
+        let event =
+            machine.answered(block.map(|b| b.0), index, instances.endpoints, cut_off, Instant::now(), &mut rand::rng());
+        if could_block && machine.cannot_block() {
+            tracing::warn!(watch = %self.key,
+                "Consul's answer carries no X-Consul-Index (a proxy in between strips it?): this watch cannot block and reads every --consul-sweep instead");
+        }
+        if machine.mode() == Mode::Unplaced {
+            self.placed(machine);
+        }
+        event
     }
 
     /// After its first answer: over HTTP/2 the watch blocks on its own stream; otherwise it
