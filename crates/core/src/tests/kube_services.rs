@@ -1,0 +1,222 @@
+//! Kubernetes Services as targets: the endpoints watches they imply and what they report.
+
+use std::collections::BTreeSet;
+
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::assembler::{Config, EndpointsApi};
+use crate::keys::WatchKey;
+use crate::model::{Event, KubeEvent, KubeObject, WatchFailure};
+use crate::pipeline::{Pipeline, Step};
+
+use super::fixtures::{
+    BOOTSTRAP, WINDOW, fixed, listed, mapping, mappings_key, next_publication, object, pipeline, publish, resolvers_key,
+};
+
+#[tokio::test(start_paused = true)]
+async fn kubernetes_services_watch_only_their_own_endpoints() {
+    let cfg = Config { endpoints_api: EndpointsApi::Endpoints, ..Config::default() };
+    let mut p = pipeline(cfg);
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![]), now);
+    p.apply(
+        listed(
+            &mappings_key(),
+            vec![
+                mapping("shop", "a", json!({"service": "web:80"})),
+                mapping("shop", "b", json!({"service": "api.backend:9000"})),
+            ],
+        ),
+        now,
+    );
+    let kube: Vec<String> = p
+        .registry()
+        .keys()
+        .filter(|k| matches!(k, WatchKey::Kube(k) if k.kind == "Endpoints"))
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        kube,
+        ["Endpoints/v1 in backend fields metadata.name=api", "Endpoints/v1 in shop fields metadata.name=web"]
+    );
+    assert_eq!(p.poll(now), Step::WaitUntil(now + BOOTSTRAP), "their endpoints have not listed yet");
+    let web = EndpointsApi::Endpoints.key("shop", "web");
+    let api = EndpointsApi::Endpoints.key("backend", "api");
+    p.apply(
+        listed(
+            &web,
+            vec![object(json!({"metadata": {"namespace": "shop", "name": "web"},
+        "subsets": [{"addresses": [{"ip": "10.1.0.1"}], "ports": [{"port": 80}]}]}))],
+        ),
+        now,
+    );
+    p.apply(listed(&api, vec![]), now);
+    let snap = publish(&mut p).unwrap();
+    let svcs: Vec<_> = snap
+        .content
+        .kubernetes_services
+        .iter()
+        .map(|s| (s.namespace.as_str(), s.name.as_str(), s.endpoints.len()))
+        .collect();
+    assert_eq!(svcs, [("backend", "api", 0), ("shop", "web", 1)]);
+}
+
+fn slice(ns: &str, service: &str, suffix: &str, ip: &str) -> KubeObject {
+    object(json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                  "metadata": {"namespace": ns, "name": format!("{service}-{suffix}"),
+                               "labels": {"kubernetes.io/service-name": service}},
+                  "endpoints": [{"addresses": [ip]}], "ports": [{"port": 80}]}))
+}
+
+fn slice_keys(p: &Pipeline) -> Vec<String> {
+    p.registry()
+        .keys()
+        .filter(|k| matches!(k, WatchKey::Kube(k) if k.kind == "EndpointSlice"))
+        .map(ToString::to_string)
+        .collect()
+}
+
+/// Kubernetes Services in the content: (name, synced, addresses).
+fn kube_services(p: &Pipeline) -> Vec<(String, bool, Vec<String>)> {
+    p.assembler()
+        .content(p.world())
+        .kubernetes_services
+        .iter()
+        .map(|s| (s.name.clone(), s.synced, s.endpoints.iter().map(|e| e.address.clone()).collect()))
+        .collect()
+}
+
+/// A pipeline whose namespaces share one endpoints watch past three Services, with the
+/// resolvers listed (none).
+fn namespace_watch_above_three() -> (Pipeline, Instant) {
+    let mut p = pipeline(Config { endpoints_namespace_watch_above: 3, ..Config::default() });
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![]), now);
+    (p, now)
+}
+
+/// Mapping `shop/m<i>` to Kubernetes Service `s<i>`.
+fn shop_route(i: usize) -> KubeObject {
+    mapping("shop", &format!("m{i}"), json!({"service": format!("s{i}:80")}))
+}
+
+/// Past the threshold of routed-to Services in a namespace, one watch of the namespace's
+/// EndpointSlices serves them all (each Service reading only its own slices); back at half
+/// of it, one watch each again. Both moves keep what the old watch said until the new one
+/// has listed: no Service is ever published empty in between.
+#[tokio::test(start_paused = true)]
+async fn many_services_of_a_namespace_share_one_endpoints_watch_and_back() {
+    let (mut p, now) = namespace_watch_above_three();
+    p.apply(listed(&mappings_key(), (0..4).map(shop_route).collect()), now);
+    let wide = EndpointsApi::EndpointSlices.namespace_key("shop");
+    assert_eq!(slice_keys(&p), [wide.to_string()], "four Services, one watch of the namespace");
+    assert_eq!(wide.label_selector.as_deref(), Some("kubernetes.io/service-name"));
+    let mut objects: Vec<KubeObject> =
+        (0..4).map(|i| slice("shop", &format!("s{i}"), "a", &format!("10.0.0.{i}"))).collect();
+    objects.push(slice("shop", "s1", "b", "10.0.1.1"));
+    objects.push(slice("shop", "unrouted", "a", "10.9.9.9"));
+    p.apply(listed(&wide, objects), now);
+    let addrs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        kube_services(&p),
+        [
+            ("s0".into(), true, addrs(&["10.0.0.0"])),
+            ("s1".into(), true, addrs(&["10.0.0.1", "10.0.1.1"])),
+            ("s2".into(), true, addrs(&["10.0.0.2"])),
+            ("s3".into(), true, addrs(&["10.0.0.3"])),
+        ],
+        "each Service its own slices, the unrouted one nowhere"
+    );
+    p.apply([Event::Kube(wide.clone(), KubeEvent::Applied(slice("shop", "s2", "a", "10.0.2.2")))], now);
+    assert_eq!(kube_services(&p)[2], ("s2".into(), true, addrs(&["10.0.2.2"])), "a change through the shared watch");
+
+    // Down to two: above half the threshold, still shared (no flapping at the threshold).
+    for i in [3, 2] {
+        p.apply([Event::Kube(mappings_key(), KubeEvent::Deleted(shop_route(i).id))], now);
+    }
+    assert_eq!(slice_keys(&p), [wide.to_string()]);
+    // Down to one: a watch of its own, and until it lists, what the shared one said.
+    p.apply([Event::Kube(mappings_key(), KubeEvent::Deleted(shop_route(1).id))], now);
+    let own = EndpointsApi::EndpointSlices.key("shop", "s0");
+    assert_eq!(slice_keys(&p), [own.to_string()]);
+    assert_eq!(kube_services(&p), [("s0".into(), true, addrs(&["10.0.0.0"]))], "never empty while it lists");
+    p.apply(listed(&own, vec![slice("shop", "s0", "a", "10.0.3.0")]), now);
+    assert_eq!(kube_services(&p), [("s0".into(), true, addrs(&["10.0.3.0"]))]);
+
+    // Back up to four: shared again, the old answers standing until it has listed.
+    p.apply((1..4).map(|i| Event::Kube(mappings_key(), KubeEvent::Applied(shop_route(i)))).collect::<Vec<_>>(), now);
+    assert_eq!(slice_keys(&p), [wide.to_string()]);
+    let pending = kube_services(&p);
+    assert_eq!(pending[0], ("s0".into(), true, addrs(&["10.0.3.0"])), "s0 keeps its own watch's answer meanwhile");
+    p.apply(listed(&wide, (0..4).map(|i| slice("shop", &format!("s{i}"), "c", &format!("10.0.4.{i}"))).collect()), now);
+    let all = kube_services(&p);
+    assert_eq!(all.len(), 4);
+    for (i, (name, synced, a)) in all.iter().enumerate() {
+        assert_eq!(
+            (name.as_str(), *synced, a.clone()),
+            (format!("s{i}").as_str(), true, addrs(&[&format!("10.0.4.{i}")]))
+        );
+    }
+    // The incremental watches agree with a full re-read.
+    let desired: BTreeSet<WatchKey> = p.assembler().desired().cloned().collect();
+    assert_eq!(desired.iter().filter(|k| matches!(k, WatchKey::Kube(k) if k.kind == "EndpointSlice")).count(), 1);
+}
+
+/// A cold start's Mappings come page by page: no Service's own endpoints watch starts
+/// before every route is known, so a namespace past the threshold never starts (then
+/// stops) a watch per Service of its first pages.
+#[tokio::test(start_paused = true)]
+async fn endpoints_watches_wait_for_every_route() {
+    let (mut p, now) = namespace_watch_above_three();
+    let page =
+        |from: usize, to: usize| (from..to).map(|i| Event::Kube(mappings_key(), KubeEvent::Listed(shop_route(i))));
+    let first: Vec<Event> =
+        std::iter::once(Event::Kube(mappings_key(), KubeEvent::ListStarted)).chain(page(0, 2)).collect();
+    let diff = p.apply(first, now);
+    assert!(slice_keys(&p).is_empty() && diff.added.is_empty(), "a first page starts no endpoints watch: {diff:?}");
+    p.apply(page(2, 5).collect::<Vec<_>>(), now);
+    assert!(slice_keys(&p).is_empty());
+    p.apply([Event::Kube(mappings_key(), KubeEvent::ListDone)], now);
+    assert_eq!(slice_keys(&p), [EndpointsApi::EndpointSlices.namespace_key("shop").to_string()]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_watch_the_api_server_rejects_is_a_problem_on_its_mappings_and_holds_nothing_back() {
+    let cfg = Config { endpoints_api: EndpointsApi::Endpoints, ..Config::default() };
+    let mut p = pipeline(cfg);
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![]), now);
+    p.apply(listed(&mappings_key(), vec![mapping("shop", "web", json!({"service": "web:80"}))]), now);
+    let web = EndpointsApi::Endpoints.key("shop", "web");
+    p.apply(listed(&web, vec![]), now);
+    publish(&mut p).expect("first snapshot");
+    tokio::time::advance(WINDOW).await;
+    // A Mapping to a Service in a namespace the operator may not read.
+    p.apply(
+        [Event::Kube(mappings_key(), KubeEvent::Applied(mapping("shop", "vault", json!({"service": "vault.locked"}))))],
+        Instant::now(),
+    );
+    let locked = EndpointsApi::Endpoints.key("locked", "vault");
+    let forbidden = "the API server answered 403 Forbidden: endpoints is forbidden";
+    p.apply([Event::Kube(locked.clone(), KubeEvent::Failed(WatchFailure::rejected(forbidden)))], Instant::now());
+    let snap = next_publication(&mut p).await;
+    let entry = snap.content.kubernetes_services.iter().find(|s| s.namespace == "locked").unwrap();
+    assert_eq!((entry.synced, entry.error.as_deref()), (false, Some(forbidden)));
+    let problem = snap.content.problems.iter().find(|p| p.name == "vault").expect("a problem on the Mapping");
+    assert_eq!(
+        problem.message,
+        format!("cannot watch the endpoints of Service locked/vault: {forbidden}"),
+        "names what and where"
+    );
+    assert!(snap.content.problems.iter().all(|p| p.name == "vault"), "nobody else is affected");
+    // The watch is still wanted (the source retries it with backoff); once it lists, the
+    // problem goes.
+    assert!(p.registry().contains(&WatchKey::Kube(locked.clone())));
+    p.apply(listed(&locked, vec![]), Instant::now());
+    let snap = next_publication(&mut p).await;
+    assert!(snap.content.problems.is_empty(), "{:?}", snap.content.problems);
+}
