@@ -18,7 +18,6 @@ mod export;
 mod kube_client;
 mod leadership;
 mod measure;
-mod metrics;
 mod ops;
 mod process;
 mod publishers;

@@ -19,11 +19,11 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use super::publication::Outlets;
+use super::registry::Metrics;
 use crate::controller::ResolverController;
 use crate::export::ExportController;
 use crate::leadership::Leadership;
 use crate::measure::unix_seconds;
-use crate::metrics::Metrics;
 use crate::ops::health::{BEAT_EVERY, Heartbeat};
 use crate::publishers::http::SnapshotStore;
 use crate::sources::Watches;

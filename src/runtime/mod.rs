@@ -12,6 +12,7 @@ mod event_loop;
 pub(crate) mod metrics;
 mod publication;
 mod publisher_events;
+mod registry;
 mod settings;
 
 use std::collections::BTreeSet;
@@ -29,7 +30,6 @@ use crate::cli::{KubeArgs, RunArgs};
 use crate::controller::ResolverController;
 use crate::export::{ExportConfig, ExportController, SliceVersion};
 use crate::leadership::{Campaign, Leadership};
-use crate::metrics::Metrics;
 use crate::ops::ServerState;
 use crate::ops::health::Heartbeat;
 use crate::publishers::Publisher;
@@ -49,6 +49,7 @@ use consul_watch::ConsulSource;
 use event_loop::EventLoop;
 use publication::{OutletConfig, Outlets};
 use publisher_events::PublisherEvents;
+use registry::Metrics;
 
 /// What the start-up discovers before anything is watched: the fixed watches and the
 /// endpoints API served. Every group is asked at once: nothing is watched until all have

@@ -10,10 +10,12 @@
 //! (`sources::metrics`, `runtime::metrics`, `publishers::metrics`, `controller::metrics`,
 //! `leadership::LeadershipMetrics`, `health::LivenessMetrics`, `server::ServerMetrics`);
 //! [`Metrics`] holds one of each in one registry, and renders them for `/metrics` (the ops
-//! server gets only the rendering, so `ops` depends on no subsystem).
+//! server gets only the rendering, so `ops` depends on no subsystem). It lives with the
+//! runtime, which builds every subsystem: the groups are below it, never the other way.
 
 use prometheus::{Encoder, Registry, TextEncoder};
 
+use super::metrics::PipelineMetrics;
 use crate::controller::metrics::ControllerMetrics;
 use crate::export::metrics::ExportMetrics;
 use crate::leadership::LeadershipMetrics;
@@ -21,7 +23,6 @@ use crate::measure::int_gauge_vec;
 use crate::ops::health::LivenessMetrics;
 use crate::ops::server::ServerMetrics;
 use crate::publishers::metrics::PublisherMetrics;
-use crate::runtime::metrics::PipelineMetrics;
 use crate::sources::metrics::SourceMetrics;
 
 /// Every group of metrics, registered in one registry. Cloning shares them.
