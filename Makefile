@@ -83,7 +83,8 @@ fmt:
 	$(CARGO) fmt --all
 
 # Lints are errors (unreachable_pub and dead_code included, see Cargo.toml), and the core's
-# dependency list is its boundary: no Kubernetes client, HTTP or network crate.
+# dependency list is its boundary: no Kubernetes client, HTTP or network crate. No crate's
+# top-level modules import each other in a cycle (scripts/module-cycles.py).
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
