@@ -122,18 +122,57 @@ impl EndpointsRequests {
         }
         by
     }
+
+    /// How many field-selected lists there were: one per watch of a single Service.
+    fn per_service_lists(&self) -> usize {
+        self.lists.iter().filter(|(s, _)| s.is_some()).map(|(_, n)| n).sum()
+    }
+
+    #[track_caller]
+    fn assert_never_the_namespace(&self) {
+        assert!(self.unselected.is_empty(), "never all Endpoints of the namespace: {:?}", self.unselected);
+    }
+
+    #[track_caller]
+    fn assert_never_the_cluster(&self) {
+        assert!(self.cluster_wide.is_empty(), "never all Endpoints of the cluster: {:?}", self.cluster_wide);
+    }
 }
 
-/// Whether the cluster has an audit log (it does not under `E2E_KUBECONFIG`, and then the
-/// counts are not checked, visibly), and a reader of the operator's requests on endpoints
-/// in `ns` from it.
-fn endpoints_audit<'a>(cluster: &'a Cluster, ns: &'a str) -> (bool, impl Fn() -> EndpointsRequests + 'a) {
-    let has_audit = cluster.audit_log().is_some();
-    if !has_audit {
-        eprintln!("no audit log (E2E_KUBECONFIG): the watch counts are not checked, only the snapshot");
+/// The operator's requests on endpoints in one namespace, from the audit log. The cluster
+/// may have none (under `E2E_KUBECONFIG`): then the counts are not checked, visibly.
+struct EndpointsAudit<'a> {
+    cluster: &'a Cluster,
+    ns: &'a str,
+    /// The operator's user name; `None` without an audit log.
+    user: Option<String>,
+}
+
+impl<'a> EndpointsAudit<'a> {
+    fn new(cluster: &'a Cluster, ns: &'a str) -> Self {
+        let has_audit = cluster.audit_log().is_some();
+        if !has_audit {
+            eprintln!("no audit log (E2E_KUBECONFIG): the watch counts are not checked, only the snapshot");
+        }
+        let user = has_audit.then(|| cluster.operator_username().unwrap());
+        EndpointsAudit { cluster, ns, user }
     }
-    let user = if has_audit { cluster.operator_username().unwrap() } else { String::new() };
-    (has_audit, move || EndpointsRequests::read(&cluster.audit_events().unwrap().unwrap_or_default(), &user, ns))
+
+    fn enabled(&self) -> bool {
+        self.user.is_some()
+    }
+
+    fn read(&self) -> EndpointsRequests {
+        let events = self.cluster.audit_events().unwrap().unwrap_or_default();
+        EndpointsRequests::read(&events, self.user.as_deref().unwrap_or_default(), self.ns)
+    }
+
+    /// The requests once they satisfy `cond`; on a timeout, the last reading and the
+    /// operator's log say why.
+    fn wait(&self, what: &str, op: &Operator, cond: impl Fn(&EndpointsRequests) -> bool) -> EndpointsRequests {
+        wait_for(what, T, || Some(self.read()).filter(|r| cond(r)))
+            .unwrap_or_else(|e| panic!("{e}\nlast reading: {:#?}\n--- operator log ---\n{}", self.read(), op.logs()))
+    }
 }
 
 /// `{Some("metadata.name=svc-I"): 1}` for each of `services`.
@@ -147,34 +186,81 @@ fn endpoints_yaml(ns: &str, i: usize, ip: &str) -> String {
     )
 }
 
+/// The address Endpoints `svc-I` starts with: TEST-NET-1, data only (the API server refuses
+/// loopback).
+fn address(i: usize) -> String {
+    format!("192.0.2.{}", i + 1)
+}
+
+/// Endpoints `svc-0` to `svc-{n-1}`, each at its `address`.
+fn numbered_endpoints(ns: &str, n: usize) -> String {
+    (0..n).map(|i| endpoints_yaml(ns, i, &address(i))).collect()
+}
+
+/// Mappings `m-I` to `svc-I:8080` for each of `services`.
+fn mappings_yaml(ns: &str, services: std::ops::Range<usize>) -> String {
+    services.map(|i| format!("---\n{}", mapping_yaml(ns, &format!("m-{i}"), &format!("svc-{i}:8080"), None))).collect()
+}
+
+/// What the snapshot holds for Services `svc-0` to `svc-{n-1}`: each at its `address`, but
+/// those `changed` to another.
+fn expected_endpoints(n: usize, changed: &[(usize, &str)]) -> BTreeMap<String, Vec<String>> {
+    (0..n)
+        .map(|i| {
+            let ip = changed.iter().find(|(c, _)| *c == i).map_or_else(|| address(i), |(_, ip)| (*ip).to_owned());
+            (format!("svc-{i}"), vec![ip])
+        })
+        .collect()
+}
+
+/// Over the operator's life (it has exited): one watch per Service ever referenced, no
+/// re-list, never a whole namespace or the cluster, and discovery of the core group once
+/// for all those watches.
+fn assert_one_watch_per_service_ever(cluster: &Cluster, audit: &EndpointsAudit, op: &Operator, referenced: &[usize]) {
+    // The operator is gone: every watch it had has ended and is in the log.
+    let reqs = audit.wait("every watch to end with the operator", op, |r| r.watches.len() >= referenced.len());
+    eprintln!(
+        "over the operator's life: {} endpoints watches {:?}, lists {:?}, logged as {:?}",
+        reqs.watches.len(),
+        reqs.watches_by_selector(),
+        reqs.lists,
+        reqs.logged_as
+    );
+    assert_eq!(reqs.watches_by_selector(), once_each(referenced), "one watch per service ever referenced: {reqs:#?}");
+    assert_eq!(reqs.lists, once_each(referenced), "and no re-lists: {reqs:#?}");
+    reqs.assert_never_the_namespace();
+    reqs.assert_never_the_cluster();
+    // Discovery of the core group once for all those watches, not once per watch (it
+    // was 4 for these 4 before; at start, choosing between Endpoints and EndpointSlices
+    // asks discovery.k8s.io, not /api/v1).
+    let user = cluster.operator_username().unwrap();
+    let events = cluster.audit_events().unwrap().unwrap_or_default();
+    let discovery =
+        events.iter().filter(|e| e["user"]["username"] == user.as_str() && e["requestURI"] == "/api/v1").count();
+    eprintln!("core discovery requests over the operator's life: {discovery}, for {} watches", referenced.len());
+    assert!(discovery <= 1, "{discovery} discoveries of /api/v1 for {} endpoints watches", referenced.len());
+}
+
 #[test]
 fn endpoint_watches_are_proportional_to_referenced_services_not_to_objects() {
     let cluster = Cluster::shared();
     let ns = cluster.namespace("epw").unwrap();
-    // 40 Endpoints; TEST-NET-1 addresses are data only (the API server refuses loopback).
     const OBJECTS: usize = 40;
-    let all: String = (0..OBJECTS).map(|i| endpoints_yaml(&ns, i, &format!("192.0.2.{}", i + 1))).collect();
-    cluster.apply(&all).unwrap();
+    cluster.apply(&numbered_endpoints(&ns, OBJECTS)).unwrap();
     let mut referenced = vec![3, 17, 29];
     for i in &referenced {
         cluster.apply(&mapping_yaml(&ns, &format!("m-{i}"), &format!("svc-{i}:8080"), None)).unwrap();
     }
     let mut expected: BTreeMap<String, Vec<String>> =
-        referenced.iter().map(|i| (format!("svc-{i}"), vec![format!("192.0.2.{}", i + 1)])).collect();
+        referenced.iter().map(|&i| (format!("svc-{i}"), vec![address(i)])).collect();
 
     let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
     op.wait_ready(T).unwrap();
     op.wait_snapshot("the three referenced services' endpoints", T, |s| kube_services(s, &ns) == expected).unwrap();
 
-    let (has_audit, read) = endpoints_audit(cluster, &ns);
-    let audit = |what: &str, logs: &dyn Fn() -> String, cond: &dyn Fn(&EndpointsRequests) -> bool| {
-        wait_for(what, T, || Some(read()).filter(|r| cond(r)))
-            .unwrap_or_else(|e| panic!("{e}\nlast reading: {:#?}\n--- operator log ---\n{}", read(), logs()))
-    };
-
-    if has_audit {
-        let reqs =
-            audit("a field-selected Endpoints list per referenced service", &|| op.logs(), &|r| r.lists.len() >= 3);
+    let audit = EndpointsAudit::new(cluster, &ns);
+    if audit.enabled() {
+        let reqs = audit.wait("a field-selected Endpoints list per referenced service", &op, |r| r.lists.len() >= 3);
         eprintln!(
             "{OBJECTS} Endpoints objects, 3 referenced: endpoints lists by selector {:?}, watches ended {:?}",
             reqs.lists,
@@ -182,8 +268,8 @@ fn endpoint_watches_are_proportional_to_referenced_services_not_to_objects() {
         );
         assert_eq!(reqs.lists, once_each(&referenced), "one list+watch per referenced service: {reqs:#?}");
         assert!(reqs.watches.is_empty(), "no watch has ended: {reqs:#?}");
-        assert!(reqs.unselected.is_empty(), "never all Endpoints of the namespace: {:?}", reqs.unselected);
-        assert!(reqs.cluster_wide.is_empty(), "never all Endpoints of the cluster: {:?}", reqs.cluster_wide);
+        reqs.assert_never_the_namespace();
+        reqs.assert_never_the_cluster();
     }
 
     // The field-selected watches deliver changes: they are watches, not one-off lists.
@@ -196,10 +282,10 @@ fn endpoint_watches_are_proportional_to_referenced_services_not_to_objects() {
     // A fourth Mapping: a fourth watch.
     cluster.apply(&mapping_yaml(&ns, "m-35", "svc-35:8080", None)).unwrap();
     referenced.push(35);
-    expected.insert("svc-35".into(), vec!["192.0.2.36".into()]);
+    expected.insert("svc-35".into(), vec![address(35)]);
     op.wait_snapshot("the fourth service's endpoints", T, |s| kube_services(s, &ns) == expected).unwrap();
-    if has_audit {
-        let reqs = audit("a fourth field-selected list", &|| op.logs(), &|r| r.lists.len() >= 4);
+    if audit.enabled() {
+        let reqs = audit.wait("a fourth field-selected list", &op, |r| r.lists.len() >= 4);
         eprintln!("after a fourth Mapping: endpoints lists by selector {:?}", reqs.lists);
         assert_eq!(reqs.lists, once_each(&referenced), "{reqs:#?}");
         assert!(reqs.watches.is_empty(), "no watch has ended: {reqs:#?}");
@@ -212,42 +298,47 @@ fn endpoint_watches_are_proportional_to_referenced_services_not_to_objects() {
         kube_services(s, &ns) == expected && mapping(s, &ns, "m-17").is_none()
     })
     .unwrap();
-    if has_audit {
-        let reqs = audit("the svc-17 watch to end", &|| op.logs(), &|r| !r.watches.is_empty());
+    if audit.enabled() {
+        let reqs = audit.wait("the svc-17 watch to end", &op, |r| !r.watches.is_empty());
         eprintln!("after deleting m-17: watches ended {:?}", reqs.watches_by_selector());
         assert_eq!(reqs.watches_by_selector(), once_each(&[17]), "only svc-17's watch ended: {reqs:#?}");
     }
 
     let status = op.terminate(T).unwrap();
     assert!(status.success(), "{status}\n{}", op.logs());
-    if has_audit {
-        // The operator is gone: every watch it had has ended and is in the log.
-        let reqs = audit("every watch to end with the operator", &|| op.logs(), &|r| r.watches.len() >= 4);
-        eprintln!(
-            "over the operator's life: {} endpoints watches {:?}, lists {:?}, logged as {:?}",
-            reqs.watches.len(),
-            reqs.watches_by_selector(),
-            reqs.lists,
-            reqs.logged_as
-        );
-        assert_eq!(
-            reqs.watches_by_selector(),
-            once_each(&referenced),
-            "one watch per service ever referenced: {reqs:#?}"
-        );
-        assert_eq!(reqs.lists, once_each(&referenced), "and no re-lists: {reqs:#?}");
-        assert!(reqs.unselected.is_empty(), "never all Endpoints of the namespace: {:?}", reqs.unselected);
-        assert!(reqs.cluster_wide.is_empty(), "never all Endpoints of the cluster: {:?}", reqs.cluster_wide);
-        // Discovery of the core group once for all those watches, not once per watch (it
-        // was 4 for these 4 before; at start, choosing between Endpoints and EndpointSlices
-        // asks discovery.k8s.io, not /api/v1).
-        let user = cluster.operator_username().unwrap();
-        let events = cluster.audit_events().unwrap().unwrap_or_default();
-        let discovery =
-            events.iter().filter(|e| e["user"]["username"] == user.as_str() && e["requestURI"] == "/api/v1").count();
-        eprintln!("core discovery requests over the operator's life: {discovery}, for {} watches", referenced.len());
-        assert!(discovery <= 1, "{discovery} discoveries of /api/v1 for {} endpoints watches", referenced.len());
+    if audit.enabled() {
+        assert_one_watch_per_service_ever(cluster, &audit, &op, &referenced);
     }
+}
+
+/// The operator's Kubernetes watches now (its gauge): the audit log shows a watch only
+/// once it ends, and a watch stopped right after its list never sends its watch request.
+fn kube_watches(op: &Operator) -> i64 {
+    op.metric("consul_resolver_watches{source=\"kubernetes\"}").unwrap_or(-1.0) as i64
+}
+
+/// Waits until the operator runs `n` endpoints watches besides its `fixed` other ones.
+fn wait_endpoints_watches(op: &Operator, what: &str, fixed: i64, n: i64) {
+    wait_for(what, T, || (kube_watches(op) == fixed + n).then_some(()))
+        .unwrap_or_else(|e| panic!("{e}: {} Kubernetes watches\n{}", kube_watches(op), op.logs()));
+}
+
+/// Down to `few` Services routed to, from past a hundred: a list of its own for each, and
+/// the namespace's watch ended. Returns how many per-service lists it took.
+fn assert_a_list_each_after_the_namespace(audit: &EndpointsAudit, op: &Operator, few: usize) -> usize {
+    let reqs = audit.wait(&format!("{few} lists of their own, the namespace's watch ended"), op, |r| {
+        r.per_service_lists() >= few && r.watches_by_selector().contains_key(&None)
+    });
+    let down = reqs.per_service_lists();
+    eprintln!("down to {few}: {down} per-service lists, watches ended {}", reqs.watches.len());
+    for i in 0..few {
+        let selector = Some(format!("metadata.name=svc-{i}"));
+        assert_eq!(reqs.lists.get(&selector), Some(&1), "one list for svc-{i}: {reqs:#?}");
+    }
+    // The deletes arrive one by one: the move happens when 50 are left, and the ten
+    // deleted after it had a watch of their own for a moment.
+    assert!(down <= 50, "{down} per-service lists on the way down: {reqs:#?}");
+    down
 }
 
 /// Past 100 Services of one namespace routed to (the default of
@@ -259,60 +350,31 @@ fn endpoint_watches_are_proportional_to_referenced_services_not_to_objects() {
 fn past_a_hundred_services_one_watch_serves_the_namespace_and_back() {
     let cluster = Cluster::shared();
     let ns = cluster.namespace("epwide").unwrap();
-    // 130 Endpoints, 110 routed to; TEST-NET-1 addresses are data only.
+    // 130 Endpoints, 110 routed to.
     const OBJECTS: usize = 130;
     const ROUTED: usize = 110;
     const FEW: usize = 40;
-    let all: String = (0..OBJECTS).map(|i| endpoints_yaml(&ns, i, &format!("192.0.2.{}", i + 1))).collect();
-    cluster.apply(&all).unwrap();
-    let mappings = |range: std::ops::Range<usize>| -> String {
-        range
-            .map(|i| format!("---\n{}", mapping_yaml(&ns, &format!("m-{i}"), &format!("svc-{i}:8080"), None)))
-            .collect()
-    };
-    cluster.apply(&mappings(0..ROUTED)).unwrap();
-    let expected_of = |n: usize, changed: Option<(usize, &str)>| -> BTreeMap<String, Vec<String>> {
-        (0..n)
-            .map(|i| {
-                let ip = match changed {
-                    Some((c, ip)) if c == i => ip.to_owned(),
-                    _ => format!("192.0.2.{}", i + 1),
-                };
-                (format!("svc-{i}"), vec![ip])
-            })
-            .collect()
-    };
+    cluster.apply(&numbered_endpoints(&ns, OBJECTS)).unwrap();
+    cluster.apply(&mappings_yaml(&ns, 0..ROUTED)).unwrap();
 
     let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
     op.wait_ready(T).unwrap();
-    op.wait_snapshot("110 services' endpoints", T, |s| kube_services(s, &ns) == expected_of(ROUTED, None)).unwrap();
-    let (has_audit, read) = endpoints_audit(cluster, &ns);
-    let audit = |what: &str, logs: &dyn Fn() -> String, cond: &dyn Fn(&EndpointsRequests) -> bool| {
-        wait_for(what, T, || Some(read()).filter(|r| cond(r)))
-            .unwrap_or_else(|e| panic!("{e}\nlast reading: {:#?}\n--- operator log ---\n{}", read(), logs()))
-    };
-    // The operator's Kubernetes watches now (its gauge): the audit log shows a watch only
-    // once it ends, and a watch stopped right after its list never sends its watch request.
-    let kube_watches = || op.metric("consul_resolver_watches{source=\"kubernetes\"}").unwrap_or(-1.0) as i64;
+    op.wait_snapshot("110 services' endpoints", T, |s| kube_services(s, &ns) == expected_endpoints(ROUTED, &[]))
+        .unwrap();
+    let audit = EndpointsAudit::new(cluster, &ns);
     // Right now one of them is of endpoints (the audit below shows the one list); the
     // rest are the operator's fixed watches (resolvers, Mapping kinds).
-    let fixed = kube_watches() - 1;
-    let started_each =
-        |r: &EndpointsRequests| -> usize { r.lists.iter().filter(|(s, _)| s.is_some()).map(|(_, n)| n).sum() };
-    let watching = |what: &str, n: i64| {
-        wait_for(what, T, || (kube_watches() == fixed + n).then_some(()))
-            .unwrap_or_else(|e| panic!("{e}: {} Kubernetes watches\n{}", kube_watches(), op.logs()))
-    };
-    if has_audit {
-        let reqs = audit("the namespace's Endpoints listed", &|| op.logs(), &|r| !r.lists.is_empty());
+    let fixed = kube_watches(&op) - 1;
+    if audit.enabled() {
+        let reqs = audit.wait("the namespace's Endpoints listed", &op, |r| !r.lists.is_empty());
         eprintln!("{ROUTED} services routed to: endpoints lists by selector {:?}", reqs.lists);
         assert_eq!(reqs.lists, BTreeMap::from([(None, 1)]), "one list of the namespace, none per service: {reqs:#?}");
-        assert!(reqs.cluster_wide.is_empty(), "never all Endpoints of the cluster: {:?}", reqs.cluster_wide);
+        reqs.assert_never_the_cluster();
     }
     // The shared watch delivers changes.
     cluster.apply(&endpoints_yaml(&ns, 5, "192.0.2.200")).unwrap();
     op.wait_snapshot("a change through the namespace's watch", T, |s| {
-        kube_services(s, &ns) == expected_of(ROUTED, Some((5, "192.0.2.200")))
+        kube_services(s, &ns) == expected_endpoints(ROUTED, &[(5, "192.0.2.200")])
     })
     .unwrap();
 
@@ -321,52 +383,37 @@ fn past_a_hundred_services_one_watch_serves_the_namespace_and_back() {
     let mut delete = vec!["-n", &ns, "delete", "mappings.getambassador.io"];
     delete.extend(names.iter().map(String::as_str));
     cluster.kubectl(&delete).unwrap();
-    op.wait_snapshot("the 40 left", T, |s| kube_services(s, &ns) == expected_of(FEW, Some((5, "192.0.2.200"))))
+    op.wait_snapshot("the 40 left", T, |s| kube_services(s, &ns) == expected_endpoints(FEW, &[(5, "192.0.2.200")]))
         .unwrap();
-    watching("40 endpoints watches", FEW as i64);
-    let mut down = 0;
-    if has_audit {
-        let reqs = audit("40 lists of their own, the namespace's watch ended", &|| op.logs(), &|r| {
-            started_each(r) >= FEW && r.watches_by_selector().contains_key(&None)
-        });
-        down = started_each(&reqs);
-        eprintln!("down to {FEW}: {down} per-service lists, watches ended {}", reqs.watches.len());
-        for i in 0..FEW {
-            let selector = Some(format!("metadata.name=svc-{i}"));
-            assert_eq!(reqs.lists.get(&selector), Some(&1), "one list for svc-{i}: {reqs:#?}");
-        }
-        // The deletes arrive one by one: the move happens when 50 are left, and the ten
-        // deleted after it had a watch of their own for a moment.
-        assert!(down <= 50, "{down} per-service lists on the way down: {reqs:#?}");
-    }
+    wait_endpoints_watches(&op, "40 endpoints watches", fixed, FEW as i64);
+    let down = if audit.enabled() { assert_a_list_each_after_the_namespace(&audit, &op, FEW) } else { 0 };
     cluster.apply(&endpoints_yaml(&ns, 7, "192.0.2.201")).unwrap();
-    let mut expected = expected_of(FEW, Some((5, "192.0.2.200")));
-    expected.insert("svc-7".into(), vec!["192.0.2.201".into()]);
+    let changed = [(5, "192.0.2.200"), (7, "192.0.2.201")];
+    let expected = expected_endpoints(FEW, &changed);
     op.wait_snapshot("a change through a service's own watch", T, |s| kube_services(s, &ns) == expected).unwrap();
 
     // Up again, one by one: a watch each up to 100, then the namespace's, and theirs end.
-    cluster.apply(&mappings(FEW..ROUTED)).unwrap();
-    let mut expected = expected_of(ROUTED, Some((5, "192.0.2.200")));
-    expected.insert("svc-7".into(), vec!["192.0.2.201".into()]);
+    cluster.apply(&mappings_yaml(&ns, FEW..ROUTED)).unwrap();
+    let expected = expected_endpoints(ROUTED, &changed);
     op.wait_snapshot("110 again", T, |s| kube_services(s, &ns) == expected).unwrap();
-    watching("one endpoints watch", 1);
-    if has_audit {
-        let reqs = audit("the namespace's second list", &|| op.logs(), &|r| r.lists.get(&None) == Some(&2));
-        let up = started_each(&reqs) - down;
+    wait_endpoints_watches(&op, "one endpoints watch", fixed, 1);
+    if audit.enabled() {
+        let reqs = audit.wait("the namespace's second list", &op, |r| r.lists.get(&None) == Some(&2));
+        let up = reqs.per_service_lists() - down;
         eprintln!("up to {ROUTED} again: {up} more per-service lists, namespace lists {:?}", reqs.lists.get(&None));
         assert_eq!(reqs.lists.get(&None), Some(&2), "{reqs:#?}");
         assert!(up <= 100 - FEW, "{up} per-service lists on the way up, at most one each for 41..=100: {reqs:#?}");
     }
     let status = op.terminate(T).unwrap();
     assert!(status.success(), "{status}\n{}", op.logs());
-    if has_audit {
-        let reqs = read();
+    if audit.enabled() {
+        let reqs = audit.read();
         eprintln!(
             "over the operator's life: {} endpoints watches, {} of them per service",
             reqs.watches.len(),
-            started_each(&reqs)
+            reqs.per_service_lists()
         );
-        assert!(reqs.cluster_wide.is_empty(), "never all Endpoints of the cluster: {:?}", reqs.cluster_wide);
+        reqs.assert_never_the_cluster();
     }
 }
 
@@ -419,22 +466,14 @@ fn read_split(cluster: &Cluster, name: &str) -> Option<(Value, Value, Vec<Value>
     Some((main, index, parts))
 }
 
-#[test]
-fn a_snapshot_well_over_one_mebibyte_reaches_the_configmap_whole() {
-    let cluster = Cluster::shared();
-    let consul = Consul::shared();
-    let ns = cluster.namespace("bigsnap").unwrap();
-    let svc = format!("big{}", unique());
-
-    // Random hex meta defeats gzip (about 4 bits of entropy per character): 3000 instances
-    // with 1 KiB of it each make ~3.6 MiB of JSON whose gzip is well over the 900 KiB
-    // budget of one ConfigMap. Meta values stay within Consul's 512 characters.
-    const INSTANCES: usize = 3000;
-    let instances: Vec<Instance> = (0..INSTANCES)
+/// `n` instances of `svc` with 1 KiB of random hex meta each, which defeats gzip (about 4
+/// bits of entropy per character). Meta values stay within Consul's 512 characters.
+fn incompressible_instances(svc: &str, n: usize) -> Vec<Instance> {
+    (0..n)
         .map(|i| Instance {
             node: format!("{svc}-node-{}", i % 50),
             address: "127.0.0.1".into(),
-            service: svc.clone(),
+            service: svc.to_owned(),
             id: format!("{svc}-{i}"),
             port: 20_000 + i as u16,
             status: "passing".into(),
@@ -442,7 +481,44 @@ fn a_snapshot_well_over_one_mebibyte_reaches_the_configmap_whole() {
             meta: BTreeMap::from([("build".into(), random_hex(256)), ("commit".into(), random_hex(256))]),
             zone: None,
         })
-        .collect();
+        .collect()
+}
+
+/// The gzip the parts of split snapshot `cm` hold, and the JSON it unzips to, decoded
+/// independently of the operator's code: base64, sha256 per part and of the whole, gunzip.
+/// Checks each part against its entry in the index on the way.
+fn decode_independently(cm: &str, index: &Value, parts: &[Value]) -> (Vec<u8>, Vec<u8>) {
+    let mut gz = Vec::new();
+    for (r, part) in index["parts"].as_array().unwrap().iter().zip(parts) {
+        assert_eq!(part["metadata"]["name"], r["name"]);
+        assert_eq!(part["metadata"]["labels"][configmap::LABEL_PART_OF], cm);
+        let bytes = base64_decode(part["binaryData"][configmap::KEY_PART].as_str().expect("binaryData part")).unwrap();
+        assert_eq!(sha256sum(&bytes), r["sha256"].as_str().unwrap(), "part {}", r["name"]);
+        // Named by its content, and never written again.
+        let hex = sha256sum(&bytes).trim_start_matches("sha256:").to_owned();
+        assert_eq!(r["name"].as_str().unwrap(), format!("{cm}-{}", &hex[..16]));
+        assert_eq!(part["immutable"], true, "part {}", r["name"]);
+        assert_eq!(Some(bytes.len() as u64), r["size"].as_u64(), "part {}", r["name"]);
+        gz.extend_from_slice(&bytes);
+    }
+    assert_eq!(sha256sum(&gz), index["sha256"].as_str().unwrap(), "sha256 of the whole");
+    assert_eq!(Some(gz.len() as u64), index["size"].as_u64());
+    let mut json = Vec::new();
+    flate2::read::GzDecoder::new(gz.as_slice()).read_to_end(&mut json).expect("the parts are one gzip stream");
+    (gz, json)
+}
+
+#[test]
+fn a_snapshot_well_over_one_mebibyte_reaches_the_configmap_whole() {
+    let cluster = Cluster::shared();
+    let consul = Consul::shared();
+    let ns = cluster.namespace("bigsnap").unwrap();
+    let svc = format!("big{}", unique());
+
+    // 3000 instances with 1 KiB of random meta each make ~3.6 MiB of JSON whose gzip is
+    // well over the 900 KiB budget of one ConfigMap.
+    const INSTANCES: usize = 3000;
+    let instances = incompressible_instances(&svc, INSTANCES);
     let started = Instant::now();
     consul.register_many(&instances, 16).unwrap();
     eprintln!("registered {INSTANCES} instances over Consul's HTTP API in {:?}", started.elapsed());
@@ -468,25 +544,7 @@ fn a_snapshot_well_over_one_mebibyte_reaches_the_configmap_whole() {
     let id = index["snapshotId"].as_u64().expect("the index names its snapshot id");
     assert_eq!(main["metadata"]["annotations"][configmap::ANNOTATION_ID], id.to_string());
     assert_eq!(main["metadata"]["annotations"][configmap::ANNOTATION_HASH], index["snapshotHash"]);
-
-    // Independently of the operator's code: base64, sha256 per part and of the whole, gunzip.
-    let mut gz = Vec::new();
-    for (r, part) in index["parts"].as_array().unwrap().iter().zip(&parts) {
-        assert_eq!(part["metadata"]["name"], r["name"]);
-        assert_eq!(part["metadata"]["labels"][configmap::LABEL_PART_OF], cm.as_str());
-        let bytes = base64_decode(part["binaryData"][configmap::KEY_PART].as_str().expect("binaryData part")).unwrap();
-        assert_eq!(sha256sum(&bytes), r["sha256"].as_str().unwrap(), "part {}", r["name"]);
-        // Named by its content, and never written again.
-        let hex = sha256sum(&bytes).trim_start_matches("sha256:").to_owned();
-        assert_eq!(r["name"].as_str().unwrap(), format!("{cm}-{}", &hex[..16]));
-        assert_eq!(part["immutable"], true, "part {}", r["name"]);
-        assert_eq!(Some(bytes.len() as u64), r["size"].as_u64(), "part {}", r["name"]);
-        gz.extend_from_slice(&bytes);
-    }
-    assert_eq!(sha256sum(&gz), index["sha256"].as_str().unwrap(), "sha256 of the whole");
-    assert_eq!(Some(gz.len() as u64), index["size"].as_u64());
-    let mut json = Vec::new();
-    flate2::read::GzDecoder::new(gz.as_slice()).read_to_end(&mut json).expect("the parts are one gzip stream");
+    let (gz, json) = decode_independently(&cm, &index, &parts);
 
     // The crate's own reader agrees.
     let main_cm = serde_json::from_value(main.clone()).unwrap();
@@ -608,137 +666,173 @@ fn changing_a_mappings_resolver_moves_its_watch() {
 // ---------------------------------------------------------------------------------------
 // 4. Resolver lookup across namespaces
 
+/// What a Mapping whose resolver was not found (or refused it) targets.
+fn unresolved() -> Value {
+    serde_json::json!({"type": "unresolved"})
+}
+
+/// The target of Mapping `ns/name` in `snapshot`.
+fn target_of(snapshot: &Value, ns: &str, name: &str) -> Option<Value> {
+    mapping(snapshot, ns, name).map(|m| m["target"].clone())
+}
+
+/// The namespaces of the lookup test: Mappings in `home`, resolvers named alike in the
+/// watched `x` and `y` and in `unwatched`; all for one Consul service.
+struct Lookup {
+    home: String,
+    x: String,
+    y: String,
+    svc: String,
+}
+
+impl Lookup {
+    /// `shared` in x and y, none in home; `solo` in y only among the watched namespaces; all
+    /// shared with every namespace. `private` in y is not shared (the default). A Mapping for
+    /// each way a name is looked up.
+    fn create(cluster: &Cluster, addr: &str) -> Lookup {
+        let home = cluster.namespace("lookup-home").unwrap();
+        let (x, y) = (cluster.namespace("lookup-x").unwrap(), cluster.namespace("lookup-y").unwrap());
+        // Not watched: its resolvers must not count.
+        let unwatched = cluster.namespace("lookup-z").unwrap();
+        let svc = format!("lk{}", unique());
+        let all = "  allowedNamespaces: {from: All}\n";
+        for (ns, name) in [(&x, "shared"), (&y, "shared"), (&y, "solo"), (&unwatched, "solo"), (&unwatched, "only-z")] {
+            cluster.apply(&resolver_yaml(ns, name, addr, all)).unwrap();
+        }
+        cluster.apply(&resolver_yaml(&y, "private", addr, "")).unwrap();
+        cluster.apply(&mapping_yaml(&home, "private", &svc, Some("private"))).unwrap();
+        cluster.apply(&mapping_yaml(&home, "amb", &svc, Some("shared"))).unwrap();
+        cluster.apply(&mapping_yaml(&home, "solo", &svc, Some("solo"))).unwrap();
+        cluster.apply(&mapping_yaml(&home, "unwatched", &svc, Some("only-z"))).unwrap();
+        // The same name from a namespace that has one: that one, however many exist elsewhere.
+        cluster.apply(&mapping_yaml(&y, "local", &svc, Some("shared"))).unwrap();
+        // No resolver named: `--default-resolver x/shared`, the explicit NAMESPACE/NAME form.
+        cluster.apply(&mapping_yaml(&home, "default", &svc, None)).unwrap();
+        // NAMESPACE/NAME in a Mapping's `resolver` is not a documented form: whatever it does,
+        // it never silently picks another resolver.
+        cluster.apply(&mapping_yaml(&home, "qualified", &svc, Some(&format!("{y}/shared")))).unwrap();
+        Lookup { home, x, y, svc }
+    }
+
+    /// The target of a Mapping resolved through resolver `resolver_ns/resolver`.
+    fn consul(&self, resolver_ns: &str, resolver: &str) -> Value {
+        serde_json::json!({"type": "consul", "resolverNamespace": resolver_ns, "resolverName": resolver, "service": self.svc})
+    }
+
+    /// The target of Mapping `home/name`.
+    fn home_target(&self, snapshot: &Value, name: &str) -> Option<Value> {
+        target_of(snapshot, &self.home, name)
+    }
+
+    /// Each Mapping's lookup, as first published.
+    fn assert_first_lookups(&self, snap: &Value) {
+        let (home, x, y, svc) = (&self.home, &self.x, &self.y, &self.svc);
+        // Ambiguous: reported with both candidates, not resolved to either.
+        assert_eq!(self.home_target(snap, "amb"), Some(unresolved()));
+        let amb = problems_of(snap, "Mapping", home, "amb");
+        assert!(
+            amb.iter().any(|p| p.contains("ambiguous")
+                && p.contains(&format!("{x}/shared"))
+                && p.contains(&format!("{y}/shared"))),
+            "the problem names the ambiguity and both candidates: {amb:?}"
+        );
+        // The single one of that name in another watched namespace.
+        assert_eq!(self.home_target(snap, "solo"), Some(self.consul(y, "solo")), "{snap}");
+        assert!(problems_of(snap, "Mapping", home, "solo").is_empty());
+        // Resolvers in namespaces that are not watched do not exist for the lookup.
+        assert_eq!(self.home_target(snap, "unwatched"), Some(unresolved()));
+        let missing = problems_of(snap, "Mapping", home, "unwatched");
+        assert!(missing.iter().any(|p| p.contains("no ConsulResolver")), "{missing:?}");
+        // Same namespace first.
+        assert_eq!(target_of(snap, y, "local"), Some(self.consul(y, "shared")), "{snap}");
+        // The explicit NAMESPACE/NAME of --default-resolver.
+        assert_eq!(self.home_target(snap, "default"), Some(self.consul(x, "shared")), "{snap}");
+        // Reported or resolved to exactly the resolver it names, never guessed.
+        let qualified = self.home_target(snap, "qualified").unwrap();
+        let qualified_problems = problems_of(snap, "Mapping", home, "qualified");
+        eprintln!("Mapping resolver \"{y}/shared\": target {qualified}, problems {qualified_problems:?}");
+        if qualified["type"] == "unresolved" {
+            assert!(!qualified_problems.is_empty(), "an unresolved Mapping has a problem");
+        } else {
+            assert_eq!(qualified, self.consul(y, "shared"));
+        }
+        // Only resolvers that some Mapping uses have services watched.
+        assert_eq!(ports(snap, x, "shared", svc), Some(vec![]));
+        assert_eq!(ports(snap, y, "solo", svc), Some(vec![]));
+        // A resolver that does not share itself: a problem naming why, and no watch for it.
+        assert_eq!(self.home_target(snap, "private"), Some(unresolved()));
+        let refused = problems_of(snap, "Mapping", home, "private");
+        assert!(
+            refused.iter().any(|p| p.contains(&format!("{y}/private does not serve Mappings from namespace {home}"))
+                && p.contains("allowedNamespaces")),
+            "{refused:?}"
+        );
+        assert_eq!(ports(snap, y, "private", svc), None, "nothing watched through it: {snap}");
+    }
+
+    /// `private` shared, then private again, then shared by a namespace selector: Mapping
+    /// `home/private` follows each way.
+    fn private_follows_its_sharing(&self, cluster: &Cluster, op: &Operator) {
+        let (home, y) = (&self.home, &self.y);
+        let patch_private = |patch: &str| {
+            cluster.kubectl(&["-n", y, "patch", "cres", "private", "--type", "merge", "-p", patch]).unwrap();
+        };
+        let share =
+            |from: &str| patch_private(&format!("{{\"spec\":{{\"allowedNamespaces\":{{\"from\":\"{from}\"}}}}}}"));
+        let served = |s: &Value| self.home_target(s, "private") == Some(self.consul(y, "private"));
+        let refused = |s: &Value| self.home_target(s, "private") == Some(unresolved());
+        share("All");
+        op.wait_snapshot("the shared resolver used", T, served).unwrap();
+        share("Same");
+        let snap = op.wait_snapshot("the resolver private again", T, refused).unwrap();
+        assert_eq!(ports(&snap, y, "private", &self.svc), None, "its watch stopped: {snap}");
+        // Shared by a namespace selector: the Mapping follows its namespace's labels.
+        patch_private(
+            "{\"spec\":{\"allowedNamespaces\":{\"from\":\"Selector\",\"selector\":{\"matchLabels\":{\"consul-access\":\"lookup\"}}}}}",
+        );
+        cluster.kubectl(&["label", "namespace", home, "consul-access=lookup"]).unwrap();
+        op.wait_snapshot("served once the namespace is labelled", T, served).unwrap();
+        cluster.kubectl(&["label", "namespace", home, "consul-access-"]).unwrap();
+        op.wait_snapshot("refused once the label is gone", T, refused).unwrap();
+    }
+}
+
 #[test]
 fn resolver_lookup_across_namespaces_and_ambiguous_names_are_reported() {
     let cluster = Cluster::shared();
     let consul = Consul::shared();
-    let addr = consul.address();
-    let home = cluster.namespace("lookup-home").unwrap();
-    let (x, y) = (cluster.namespace("lookup-x").unwrap(), cluster.namespace("lookup-y").unwrap());
-    // Not watched: its resolvers must not count.
-    let unwatched = cluster.namespace("lookup-z").unwrap();
-    let svc = format!("lk{}", unique());
-
-    // `shared` in x and y, none in home; `solo` in y only among the watched namespaces; all
-    // shared with every namespace. `private` in y is not shared (the default).
-    let all = "  allowedNamespaces: {from: All}\n";
-    for (ns, name) in [(&x, "shared"), (&y, "shared"), (&y, "solo"), (&unwatched, "solo"), (&unwatched, "only-z")] {
-        cluster.apply(&resolver_yaml(ns, name, &addr, all)).unwrap();
-    }
-    cluster.apply(&resolver_yaml(&y, "private", &addr, "")).unwrap();
-    cluster.apply(&mapping_yaml(&home, "private", &svc, Some("private"))).unwrap();
-    cluster.apply(&mapping_yaml(&home, "amb", &svc, Some("shared"))).unwrap();
-    cluster.apply(&mapping_yaml(&home, "solo", &svc, Some("solo"))).unwrap();
-    cluster.apply(&mapping_yaml(&home, "unwatched", &svc, Some("only-z"))).unwrap();
-    // The same name from a namespace that has one: that one, however many exist elsewhere.
-    cluster.apply(&mapping_yaml(&y, "local", &svc, Some("shared"))).unwrap();
-    // No resolver named: `--default-resolver x/shared`, the explicit NAMESPACE/NAME form.
-    cluster.apply(&mapping_yaml(&home, "default", &svc, None)).unwrap();
-    // NAMESPACE/NAME in a Mapping's `resolver` is not a documented form: whatever it does,
-    // it never silently picks another resolver.
-    cluster.apply(&mapping_yaml(&home, "qualified", &svc, Some(&format!("{y}/shared")))).unwrap();
+    let lookup = Lookup::create(cluster, &consul.address());
+    let Lookup { home, x, y, .. } = &lookup;
 
     let default_resolver = format!("{x}/shared");
     let mut op = Operator::start(
         cluster,
-        &["--namespace", &home, "--namespace", &x, "--namespace", &y, "--default-resolver", &default_resolver],
+        &["--namespace", home, "--namespace", x, "--namespace", y, "--default-resolver", &default_resolver],
     )
     .unwrap();
     op.wait_ready(T).unwrap();
-    let target = |s: &Value, ns: &str, name: &str| mapping(s, ns, name).map(|m| m["target"].clone());
-    let consul_target = |resolver_ns: &str, resolver: &str| serde_json::json!({"type": "consul", "resolverNamespace": resolver_ns, "resolverName": resolver, "service": svc});
     let snap = op
         .wait_snapshot("all six Mappings", T, |s| {
             ["amb", "solo", "unwatched", "default", "qualified", "private"]
                 .iter()
-                .all(|m| mapping(s, &home, m).is_some())
-                && mapping(s, &y, "local").is_some()
+                .all(|m| mapping(s, home, m).is_some())
+                && mapping(s, y, "local").is_some()
         })
         .unwrap();
-
-    // Ambiguous: reported with both candidates, not resolved to either.
-    assert_eq!(target(&snap, &home, "amb"), Some(serde_json::json!({"type": "unresolved"})));
-    let amb = problems_of(&snap, "Mapping", &home, "amb");
-    assert!(
-        amb.iter().any(|p| p.contains("ambiguous")
-            && p.contains(&format!("{x}/shared"))
-            && p.contains(&format!("{y}/shared"))),
-        "the problem names the ambiguity and both candidates: {amb:?}"
-    );
-    // The single one of that name in another watched namespace.
-    assert_eq!(target(&snap, &home, "solo"), Some(consul_target(&y, "solo")), "{snap}");
-    assert!(problems_of(&snap, "Mapping", &home, "solo").is_empty());
-    // Resolvers in namespaces that are not watched do not exist for the lookup.
-    assert_eq!(target(&snap, &home, "unwatched"), Some(serde_json::json!({"type": "unresolved"})));
-    let missing = problems_of(&snap, "Mapping", &home, "unwatched");
-    assert!(missing.iter().any(|p| p.contains("no ConsulResolver")), "{missing:?}");
-    // Same namespace first.
-    assert_eq!(target(&snap, &y, "local"), Some(consul_target(&y, "shared")), "{snap}");
-    // The explicit NAMESPACE/NAME of --default-resolver.
-    assert_eq!(target(&snap, &home, "default"), Some(consul_target(&x, "shared")), "{snap}");
-    // Reported or resolved to exactly the resolver it names, never guessed.
-    let qualified = target(&snap, &home, "qualified").unwrap();
-    let qualified_problems = problems_of(&snap, "Mapping", &home, "qualified");
-    eprintln!("Mapping resolver \"{y}/shared\": target {qualified}, problems {qualified_problems:?}");
-    if qualified["type"] == "unresolved" {
-        assert!(!qualified_problems.is_empty(), "an unresolved Mapping has a problem");
-    } else {
-        assert_eq!(qualified, consul_target(&y, "shared"));
-    }
-    // Only resolvers that some Mapping uses have services watched.
-    assert_eq!(ports(&snap, &x, "shared", &svc), Some(vec![]));
-    assert_eq!(ports(&snap, &y, "solo", &svc), Some(vec![]));
-    // A resolver that does not share itself: a problem naming why, and no watch for it.
-    assert_eq!(target(&snap, &home, "private"), Some(serde_json::json!({"type": "unresolved"})));
-    let refused = problems_of(&snap, "Mapping", &home, "private");
-    assert!(
-        refused.iter().any(|p| p.contains(&format!("{y}/private does not serve Mappings from namespace {home}"))
-            && p.contains("allowedNamespaces")),
-        "{refused:?}"
-    );
-    assert_eq!(ports(&snap, &y, "private", &svc), None, "nothing watched through it: {snap}");
-    // Shared, then private again: the Mapping follows both ways.
-    let share = |from: &str| {
-        let patch = format!("{{\"spec\":{{\"allowedNamespaces\":{{\"from\":\"{from}\"}}}}}}");
-        cluster.kubectl(&["-n", &y, "patch", "cres", "private", "--type", "merge", "-p", &patch]).unwrap();
-    };
-    share("All");
-    op.wait_snapshot("the shared resolver used", T, |s| {
-        target(s, &home, "private") == Some(consul_target(&y, "private"))
-    })
-    .unwrap();
-    share("Same");
-    let snap = op
-        .wait_snapshot("the resolver private again", T, |s| {
-            target(s, &home, "private") == Some(serde_json::json!({"type": "unresolved"}))
-        })
-        .unwrap();
-    assert_eq!(ports(&snap, &y, "private", &svc), None, "its watch stopped: {snap}");
-    // Shared by a namespace selector: the Mapping follows its namespace's labels.
-    let selector = "{\"spec\":{\"allowedNamespaces\":{\"from\":\"Selector\",\"selector\":{\"matchLabels\":{\"consul-access\":\"lookup\"}}}}}";
-    cluster.kubectl(&["-n", &y, "patch", "cres", "private", "--type", "merge", "-p", selector]).unwrap();
-    cluster.kubectl(&["label", "namespace", &home, "consul-access=lookup"]).unwrap();
-    op.wait_snapshot("served once the namespace is labelled", T, |s| {
-        target(s, &home, "private") == Some(consul_target(&y, "private"))
-    })
-    .unwrap();
-    cluster.kubectl(&["label", "namespace", &home, "consul-access-"]).unwrap();
-    op.wait_snapshot("refused once the label is gone", T, |s| {
-        target(s, &home, "private") == Some(serde_json::json!({"type": "unresolved"}))
-    })
-    .unwrap();
+    lookup.assert_first_lookups(&snap);
+    lookup.private_follows_its_sharing(cluster, &op);
 
     // Once only one `shared` is left, the ambiguous Mapping resolves to it.
-    cluster.kubectl(&["-n", &x, "delete", "consulresolvers.consulresolver.io", "shared"]).unwrap();
+    cluster.kubectl(&["-n", x, "delete", "consulresolvers.consulresolver.io", "shared"]).unwrap();
     let snap = op
         .wait_snapshot("the ambiguity gone with one `shared` left", T, |s| {
-            target(s, &home, "amb") == Some(consul_target(&y, "shared"))
+            lookup.home_target(s, "amb") == Some(lookup.consul(y, "shared"))
         })
         .unwrap();
-    assert!(problems_of(&snap, "Mapping", &home, "amb").is_empty(), "{snap}");
+    assert!(problems_of(&snap, "Mapping", home, "amb").is_empty(), "{snap}");
     // And the default resolver is gone: reported, not replaced by the other `shared`.
-    assert_eq!(target(&snap, &home, "default"), Some(serde_json::json!({"type": "unresolved"})), "{snap}");
-    assert!(!problems_of(&snap, "Mapping", &home, "default").is_empty(), "{snap}");
+    assert_eq!(lookup.home_target(&snap, "default"), Some(unresolved()), "{snap}");
+    assert!(!problems_of(&snap, "Mapping", home, "default").is_empty(), "{snap}");
     let status = op.terminate(T).unwrap();
     assert!(status.success(), "{status}\n{}", op.logs());
 }

@@ -314,13 +314,60 @@ fn read_snapshot(cluster: &Cluster, cm: &str) -> Option<Value> {
     serde_json::from_slice(&json).ok()
 }
 
-/// The number of endpoints of the service in `snapshot`, and the port of its instance 0.
-fn endpoints(snapshot: &Value, svc: &str) -> Option<(usize, u64)> {
+/// The endpoints of the service `svc` in `snapshot`.
+fn endpoints_of<'a>(snapshot: &'a Value, svc: &str) -> Option<&'a Vec<Value>> {
     let services = snapshot["resolvers"].as_array()?.iter().flat_map(|r| r["services"].as_array()).flatten();
     let service = services.into_iter().find(|s| s["name"] == svc)?;
-    let endpoints = service["endpoints"].as_array()?;
+    service["endpoints"].as_array()
+}
+
+/// The number of endpoints of the service in `snapshot`, and the port of its instance 0.
+fn endpoints(snapshot: &Value, svc: &str) -> Option<(usize, u64)> {
+    let endpoints = endpoints_of(snapshot, svc)?;
     let first = endpoints.iter().find(|e| e["serviceId"] == format!("{svc}-0").as_str())?;
     Some((endpoints.len(), first["port"].as_u64()?))
+}
+
+/// Whether `snapshot` holds all `n` endpoints of `svc`, its instance `i` on `port`.
+fn holds_instance_at(snapshot: &Value, svc: &str, n: usize, i: usize, port: u16) -> bool {
+    let id = format!("{svc}-{i}");
+    endpoints_of(snapshot, svc).is_some_and(|endpoints| {
+        endpoints.len() == n && endpoints.iter().any(|e| e["serviceId"] == id.as_str() && e["port"] == port)
+    })
+}
+
+/// Another writer takes the name `name`: a ConfigMap of its own, not labelled as the
+/// operator's.
+fn hold_as_another_writer(cluster: &Cluster, name: &str) {
+    cluster.kubectl(&["-n", SYSTEM, "delete", "configmap", name]).unwrap();
+    cluster
+        .apply(&format!(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: {name}, namespace: {SYSTEM}}}\ndata: {{written-by: someone-else}}\n"
+        ))
+        .unwrap();
+}
+
+/// The operator's requests on ConfigMaps in the audit log, from event `from` on.
+fn configmap_requests<'a>(events: &'a [Value], user: &'a str, from: usize) -> impl Iterator<Item = &'a Value> {
+    events[from..].iter().filter(move |e| e["user"]["username"] == user && e["objectRef"]["resource"] == "configmaps")
+}
+
+/// The operator's requests on ConfigMap `name` from audit event `from` on, as "verb code".
+fn requests_on(events: &[Value], user: &str, from: usize, name: &str) -> Vec<String> {
+    configmap_requests(events, user, from)
+        .filter(|e| e["objectRef"]["name"] == name)
+        .map(|e| format!("{} {}", e["verb"].as_str().unwrap_or("?"), e["responseStatus"]["code"]))
+        .collect()
+}
+
+/// The operator's writes over a part of `cm` (a patch or an update) from audit event `from` on.
+fn parts_written_over(events: &[Value], user: &str, from: usize, cm: &str) -> Vec<String> {
+    let prefix = format!("{cm}-");
+    configmap_requests(events, user, from)
+        .filter(|e| e["objectRef"]["name"].as_str().is_some_and(|n| n.starts_with(&prefix)))
+        .filter(|e| matches!(e["verb"].as_str(), Some("patch" | "update")))
+        .map(|e| format!("{} {}", e["verb"], e["objectRef"]["name"]))
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------
@@ -355,12 +402,7 @@ fn parts_are_created_once_and_a_name_another_writer_holds_is_read_before_it_is_r
     let publish = |i: usize, port: u16| -> Vec<(String, u64)> {
         consul.register_many(&[Instance { port, ..all[i].clone() }], 1).unwrap();
         wait_for("the change in the ConfigMaps", T, || {
-            let snapshot = read_snapshot(cluster, &cm)?;
-            let services = snapshot["resolvers"].as_array()?.iter().flat_map(|r| r["services"].as_array()).flatten();
-            let service = services.into_iter().find(|s| s["name"] == svc.as_str())?;
-            let endpoints = service["endpoints"].as_array()?;
-            let id = format!("{svc}-{i}");
-            (endpoints.len() == N && endpoints.iter().any(|e| e["serviceId"] == id.as_str() && e["port"] == port))
+            holds_instance_at(&read_snapshot(cluster, &cm)?, &svc, N, i, port)
                 .then(|| index_sizes(&get_configmap(cluster, &cm).unwrap()))
         })
         .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()))
@@ -389,17 +431,12 @@ fn parts_are_created_once_and_a_name_another_writer_holds_is_read_before_it_is_r
     wait_for("the first index's own parts deleted", T, || get_configmap(cluster, before[0]).is_none().then_some(()))
         .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
     // The operator stops; another writer takes the name of a part the index names (a
-    // segment no change touched), not labelled as ours. The next process publishes the same
-    // content, so it needs that name for the very same bytes.
+    // segment no change touched). The next process publishes the same content, so it needs
+    // that name for the very same bytes.
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
     let taken = p3[1..p3.len() - 1].iter().find(|p| p1.contains(p)).expect("a part no change touched").clone();
     let audit_taken = cluster.audit_events().unwrap().unwrap().len();
-    cluster.kubectl(&["-n", SYSTEM, "delete", "configmap", &taken]).unwrap();
-    cluster
-        .apply(&format!(
-            "apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: {taken}, namespace: {SYSTEM}}}\ndata: {{written-by: someone-else}}\n"
-        ))
-        .unwrap();
+    hold_as_another_writer(cluster, &taken);
     let mut op = start(cluster, &operator_args(&ns, &cm, None));
     let p4 = wait_for("the next process's snapshot in the ConfigMaps", T, || {
         let parts = index_parts(&get_configmap(cluster, &cm)?);
@@ -411,114 +448,73 @@ fn parts_are_created_once_and_a_name_another_writer_holds_is_read_before_it_is_r
     assert!(held["data"]["written-by"].is_null() && held["binaryData"]["part"].is_string(), "replaced: {held}");
 
     let events = cluster.audit_events().unwrap().unwrap();
-    let ours = |e: &&Value| e["user"]["username"] == user.as_str() && e["objectRef"]["resource"] == "configmaps";
-    let requests = |from: usize, name: &str| -> Vec<String> {
-        events[from..]
-            .iter()
-            .filter(ours)
-            .filter(|e| e["objectRef"]["name"] == name)
-            .map(|e| format!("{} {}", e["verb"].as_str().unwrap_or("?"), e["responseStatus"]["code"]))
-            .collect()
-    };
-    let on_taken = requests(audit_taken, &taken);
+    let on_taken = requests_on(&events, &user, audit_taken, &taken);
     eprintln!("the operator's requests on {taken}, another writer's: {on_taken:?}");
     assert_eq!(on_taken, ["create 409", "get 200", "delete 200", "create 201"], "read before it was replaced");
     // Never a part written over: parts are only created, read, listed and deleted.
-    let prefix = format!("{cm}-");
-    let writes: Vec<String> = events[audit_from..]
-        .iter()
-        .filter(ours)
-        .filter(|e| e["objectRef"]["name"].as_str().is_some_and(|n| n.starts_with(&prefix)))
-        .filter(|e| matches!(e["verb"].as_str(), Some("patch" | "update")))
-        .map(|e| format!("{} {}", e["verb"], e["objectRef"]["name"]))
-        .collect();
+    let writes = parts_written_over(&events, &user, audit_from, &cm);
     assert!(writes.is_empty(), "parts written over: {writes:?}");
     // Each part of the second index that the first did not name was created exactly once.
     for name in &created {
-        let creates = requests(audit_from, name).iter().filter(|r| r.starts_with("create 201")).count();
-        assert_eq!(creates, 1, "{name}: {:?}", requests(audit_from, name));
+        let creates =
+            requests_on(&events, &user, audit_from, name).iter().filter(|r| r.starts_with("create 201")).count();
+        assert_eq!(creates, 1, "{name}: {:?}", requests_on(&events, &user, audit_from, name));
     }
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
 }
 
-/// A leader frozen between the parts and the index of a publication, past its lease: the
-/// other replica takes over and writes the current snapshot, with the latest change, under
-/// an id above every id the frozen one wrote (its unfinished parts included); the frozen
-/// one, woken, never writes again.
-#[test]
-#[cfg_attr(e2e_external_cluster, ignore = "reads the API server's audit log")]
-fn a_leader_frozen_mid_publication_is_outnumbered_and_never_writes_again() {
-    let _serial = serial();
-    let cluster = Cluster::shared();
-    let consul = Consul::shared();
-    let ns = cluster.namespace("takeover").unwrap();
-    let svc = format!("to{}", unique());
-    // About four parts per snapshot: a publication is five writes of up to 900 KiB.
-    let all = instances(&svc, 0..1000);
-    consul.register_many(&all, 16).unwrap();
-    let move_first = |port: u16| consul.register_many(&[Instance { port, ..all[0].clone() }], 1).unwrap();
-    cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), "")).unwrap();
-    cluster.apply(&mapping_yaml(&ns, "big", &svc, Some("consul"))).unwrap();
-    let (lease, cm) = (format!("lease-{}", unique()), format!("to-{}", unique()));
+/// Whether `event` is replica-a's successful write of ConfigMap `name`.
+fn a_wrote(event: &Value, name: &str) -> bool {
+    replica(event) == Some("replica-a") && is_write(event) && succeeded(event) && event["objectRef"]["name"] == name
+}
 
-    let mut a = start(cluster, &operator_args(&ns, &cm, Some((&lease, "replica-a"))));
-    wait_for("replica-a to hold the lease", T, || (holder(cluster, &lease)? == "replica-a").then_some(())).unwrap();
-    let parts = wait_for("a split snapshot in the ConfigMaps", T, || {
-        Some(index_parts(&get_configmap(cluster, &cm)?).len()).filter(|n| *n > 0)
-    })
-    .unwrap_or_else(|e| panic!("{e}\n{}", a.logs()));
-    assert!(parts >= 3, "split over {parts} parts");
-    // A's ids run ahead of B's (B starts later): numbering after its own last id would not
-    // be enough for B.
-    for port in 30_001..30_006 {
-        let id = a.metric("consul_resolver_snapshot_id").unwrap_or(0.0);
-        move_first(port);
-        wait_for("replica-a to publish the change", T, || {
-            (a.metric("consul_resolver_snapshot_id")? > id).then_some(())
-        })
-        .unwrap();
-    }
-    let mut b = start(cluster, &operator_args(&ns, &cm, Some((&lease, "replica-b"))));
-    assert_eq!(b.metric("consul_resolver_leader"), Some(0.0), "{}", b.logs());
+/// Whether `event` is replica-a's successful create of a part of `cm`.
+fn a_created_part(event: &Value, cm: &str) -> bool {
+    replica(event) == Some("replica-a")
+        && event["verb"] == "create"
+        && succeeded(event)
+        && event["objectRef"]["name"].as_str().is_some_and(|n| n.strip_prefix(cm).is_some_and(|r| r.starts_with('-')))
+}
 
-    // Changes keep A publishing; A is frozen as the API server applies the first part of a
-    // new snapshot, with the rest of its parts and its index to come.
-    let recorder = Recorder::start(cluster, &cm, &lease);
-    let mut audit = AuditTail::from_end(cluster);
-    let churning = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let churn = {
-        let (churning, first) = (churning.clone(), all[0].clone());
-        std::thread::spawn(move || {
+/// Changes to instance 0 of a service every 100 ms, from a thread of its own: they keep
+/// the leader publishing.
+struct Churn {
+    churning: Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Churn {
+    fn start(first: Instance) -> Churn {
+        let churning = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let running = churning.clone();
+        let thread = std::thread::spawn(move || {
             let mut port = 31_000;
-            while churning.load(std::sync::atomic::Ordering::Relaxed) {
+            while running.load(std::sync::atomic::Ordering::Relaxed) {
                 port += 1;
                 Consul::shared().register_many(&[Instance { port, ..first.clone() }], 1).unwrap();
                 std::thread::sleep(Duration::from_millis(100)); // the churn's own pace
             }
-        })
-    };
-    // Frozen on the audit log's record of A's first part of a new snapshot (parts are
-    // created, named by their content, before the index): written before the API server
-    // answers (blocking mode), so A is stopped before (or just as) it sends its next part,
-    // well before its index.
-    let part_prefix = format!("{cm}-");
-    let a_wrote = |e: &Value, names: &[String]| {
-        replica(e) == Some("replica-a")
-            && is_write(e)
-            && succeeded(e)
-            && names.iter().any(|n| e["objectRef"]["name"] == n.as_str())
-    };
-    let a_created_part = |e: &Value| {
-        replica(e) == Some("replica-a")
-            && e["verb"] == "create"
-            && succeeded(e)
-            && e["objectRef"]["name"].as_str().is_some_and(|n| n.starts_with(&part_prefix))
-    };
+        });
+        Churn { churning, thread }
+    }
+
+    fn stop(self) {
+        self.churning.store(false, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap();
+    }
+}
+
+/// Freezes replica-a (SIGSTOP) on the audit log's record of its first part of a new
+/// snapshot of `cm` (parts are created, named by their content, before the index): written
+/// before the API server answers (blocking mode), so A is stopped before (or just as) it
+/// sends its next part, well before its index. Returns that part's name and the attempts
+/// it took.
+fn freeze_mid_publication(a: &Operator, audit: &mut AuditTail, cm: &str) -> (String, usize) {
     let deadline = Instant::now() + T;
     let mut attempts = 0;
-    let frozen_at = loop {
+    loop {
         assert!(Instant::now() < deadline, "replica-a was never frozen mid-publication\n{}", a.logs());
-        let Some(started) = audit.next_events().into_iter().find(|e| a_created_part(e)) else {
+        let Some(started) = audit.next_events().into_iter().find(|e| a_created_part(e, cm)) else {
             std::thread::sleep(Duration::from_millis(2)); // the audit log's polling pace
             continue;
         };
@@ -534,47 +530,20 @@ fn a_leader_frozen_mid_publication_is_outnumbered_and_never_writes_again() {
         let window = Instant::now() + Duration::from_millis(500);
         let mut finished = false;
         while Instant::now() < window && !finished {
-            finished = audit.next_events().iter().any(|e| a_wrote(e, std::slice::from_ref(&cm)));
+            finished = audit.next_events().iter().any(|e| a_wrote(e, cm));
             std::thread::sleep(Duration::from_millis(2));
         }
         if !finished {
-            break started["objectRef"]["name"].as_str().unwrap_or_default().to_owned();
+            return (started["objectRef"]["name"].as_str().unwrap_or_default().to_owned(), attempts);
         }
         a.signal(libc::SIGCONT).unwrap();
-    };
-    let frozen = Instant::now();
-    churning.store(false, std::sync::atomic::Ordering::Relaxed);
-    churn.join().unwrap();
-    // The latest change: what the new leader must write.
-    move_first(39_999);
-    eprintln!("replica-a frozen as {frozen_at} of a new snapshot was written (attempt {attempts})");
+    }
+}
 
-    let taken = wait_for("replica-b to take over", T, || (holder(cluster, &lease)? == "replica-b").then_some(()));
-    let written = taken.and_then(|()| {
-        wait_for("the latest change in the ConfigMaps, from replica-b", T, || {
-            (endpoints(&recorder.snapshot(&cm)?, &svc)?.1 == 39_999).then_some(())
-        })
-    });
-    a.signal(libc::SIGCONT).unwrap();
-    written.unwrap_or_else(|e| panic!("{e}\n--- b ---\n{}", b.logs()));
-    eprintln!("replica-b took over and wrote the latest change {:?} after the freeze", frozen.elapsed());
-    // A wakes: whatever it would still send, it sends now. It follows, and serves the next
-    // change; the next change reaches the ConfigMaps from B.
-    wait_for("the woken replica to follow", T, || (a.metric("consul_resolver_leader")? == 0.0).then_some(()))
-        .unwrap_or_else(|e| panic!("{e}\n{}", a.logs()));
-    move_first(39_998);
-    a.wait_snapshot("the woken replica to see the next change", T, |s| {
-        endpoints(s, &svc).is_some_and(|e| e.1 == 39_998)
-    })
-    .unwrap();
-    wait_for("the next change in the ConfigMaps", T, || {
-        (endpoints(&recorder.snapshot(&cm)?, &svc)?.1 == 39_998).then_some(())
-    })
-    .unwrap_or_else(|e| panic!("{e}\n--- b ---\n{}", b.logs()));
-    let final_snapshot = recorder.snapshot(&cm).unwrap();
-    let seen = recorder.finish();
-
-    // Who wrote what, by etcd's order: B's first Lease write splits A's versions from B's.
+/// Who wrote what, by etcd's order: B's first Lease write splits A's versions from B's. A
+/// had written parts of a snapshot whose index it never wrote, and B numbered every write
+/// above every id A wrote, as is the current snapshot.
+fn assert_numbered_above_the_frozen_leader(seen: &[Version], cm: &str, final_snapshot: &Value) {
     let took_over = seen
         .iter()
         .filter(|v| v.configmap.is_none() && v.holder.as_deref() == Some("replica-b"))
@@ -585,7 +554,7 @@ fn a_leader_frozen_mid_publication_is_outnumbered_and_never_writes_again() {
     let by_a: Vec<&Version> = configmaps().filter(|v| v.resource_version < took_over && !v.deleted).collect();
     let by_b: Vec<&Version> = configmaps().filter(|v| v.resource_version > took_over && !v.deleted).collect();
     let a_highest = by_a.iter().filter_map(|v| v.id).max().expect("A's writes");
-    let a_index = by_a.iter().filter(|v| v.configmap.as_deref() == Some(&cm)).filter_map(|v| v.id).max();
+    let a_index = by_a.iter().filter(|v| v.configmap.as_deref() == Some(cm)).filter_map(|v| v.id).max();
     let summary = |vs: &[&Version]| {
         vs.iter()
             .map(|v| format!("{}@{}={:?}", v.configmap.as_deref().unwrap(), v.resource_version, v.id))
@@ -615,8 +584,10 @@ fn a_leader_frozen_mid_publication_is_outnumbered_and_never_writes_again() {
     }
     let final_id = final_snapshot["id"].as_u64().unwrap();
     assert!(final_id > a_highest, "the current snapshot is numbered {final_id}, after replica-a's {a_highest}");
+}
 
-    // The old leader never wrote after losing the lease, by the API server's own record.
+/// The old leader never wrote after losing `lease`, by the API server's own record.
+fn assert_no_write_after_losing_the_lease(cluster: &Cluster, lease: &str) {
     let events = cluster.audit_events().unwrap().expect("our own cluster has an audit log");
     let lease_taken = events
         .iter()
@@ -625,7 +596,7 @@ fn a_leader_frozen_mid_publication_is_outnumbered_and_never_writes_again() {
                 && is_write(e)
                 && succeeded(e)
                 && e["objectRef"]["resource"] == "leases"
-                && e["objectRef"]["name"] == lease.as_str()
+                && e["objectRef"]["name"] == lease
         })
         .expect("replica-b's Lease write in the audit log");
     let late: Vec<String> = events[lease_taken..]
@@ -638,6 +609,85 @@ fn a_leader_frozen_mid_publication_is_outnumbered_and_never_writes_again() {
         late.iter().all(|r| !r.ends_with(" 200") && !r.ends_with(" 201")),
         "replica-a wrote after losing the lease: {late:?}"
     );
+}
+
+/// A leader frozen between the parts and the index of a publication, past its lease: the
+/// other replica takes over and writes the current snapshot, with the latest change, under
+/// an id above every id the frozen one wrote (its unfinished parts included); the frozen
+/// one, woken, never writes again.
+#[test]
+#[cfg_attr(e2e_external_cluster, ignore = "reads the API server's audit log")]
+fn a_leader_frozen_mid_publication_is_outnumbered_and_never_writes_again() {
+    let _serial = serial();
+    let cluster = Cluster::shared();
+    let consul = Consul::shared();
+    let ns = cluster.namespace("takeover").unwrap();
+    let svc = format!("to{}", unique());
+    // About four parts per snapshot: a publication is five writes of up to 900 KiB.
+    let all = instances(&svc, 0..1000);
+    consul.register_many(&all, 16).unwrap();
+    let move_first = |port: u16| consul.register_many(&[Instance { port, ..all[0].clone() }], 1).unwrap();
+    cluster.apply(&resolver_yaml(&ns, "consul", &consul.address(), "")).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "big", &svc, Some("consul"))).unwrap();
+    let (lease, cm) = (format!("lease-{}", unique()), format!("to-{}", unique()));
+    let holds_lease = |who: &str| (holder(cluster, &lease)? == who).then_some(());
+
+    let mut a = start(cluster, &operator_args(&ns, &cm, Some((&lease, "replica-a"))));
+    wait_for("replica-a to hold the lease", T, || holds_lease("replica-a")).unwrap();
+    let parts = wait_for("a split snapshot in the ConfigMaps", T, || {
+        Some(index_parts(&get_configmap(cluster, &cm)?).len()).filter(|n| *n > 0)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", a.logs()));
+    assert!(parts >= 3, "split over {parts} parts");
+    // A's ids run ahead of B's (B starts later): numbering after its own last id would not
+    // be enough for B.
+    for port in 30_001..30_006 {
+        let id = a.metric("consul_resolver_snapshot_id").unwrap_or(0.0);
+        move_first(port);
+        wait_for("replica-a to publish the change", T, || {
+            (a.metric("consul_resolver_snapshot_id")? > id).then_some(())
+        })
+        .unwrap();
+    }
+    let mut b = start(cluster, &operator_args(&ns, &cm, Some((&lease, "replica-b"))));
+    assert_eq!(b.metric("consul_resolver_leader"), Some(0.0), "{}", b.logs());
+
+    // Changes keep A publishing; A is frozen as the API server applies the first part of a
+    // new snapshot, with the rest of its parts and its index to come.
+    let recorder = Recorder::start(cluster, &cm, &lease);
+    let mut audit = AuditTail::from_end(cluster);
+    let churn = Churn::start(all[0].clone());
+    let (frozen_at, attempts) = freeze_mid_publication(&a, &mut audit, &cm);
+    let frozen = Instant::now();
+    churn.stop();
+    // The latest change: what the new leader must write.
+    move_first(39_999);
+    eprintln!("replica-a frozen as {frozen_at} of a new snapshot was written (attempt {attempts})");
+
+    let port_in_configmaps = |port: u64| (endpoints(&recorder.snapshot(&cm)?, &svc)?.1 == port).then_some(());
+    let taken = wait_for("replica-b to take over", T, || holds_lease("replica-b"));
+    let written = taken.and_then(|()| {
+        wait_for("the latest change in the ConfigMaps, from replica-b", T, || port_in_configmaps(39_999))
+    });
+    a.signal(libc::SIGCONT).unwrap();
+    written.unwrap_or_else(|e| panic!("{e}\n--- b ---\n{}", b.logs()));
+    eprintln!("replica-b took over and wrote the latest change {:?} after the freeze", frozen.elapsed());
+    // A wakes: whatever it would still send, it sends now. It follows, and serves the next
+    // change; the next change reaches the ConfigMaps from B.
+    wait_for("the woken replica to follow", T, || (a.metric("consul_resolver_leader")? == 0.0).then_some(()))
+        .unwrap_or_else(|e| panic!("{e}\n{}", a.logs()));
+    move_first(39_998);
+    a.wait_snapshot("the woken replica to see the next change", T, |s| {
+        endpoints(s, &svc).is_some_and(|e| e.1 == 39_998)
+    })
+    .unwrap();
+    wait_for("the next change in the ConfigMaps", T, || port_in_configmaps(39_998))
+        .unwrap_or_else(|e| panic!("{e}\n--- b ---\n{}", b.logs()));
+    let final_snapshot = recorder.snapshot(&cm).unwrap();
+    let seen = recorder.finish();
+
+    assert_numbered_above_the_frozen_leader(&seen, &cm, &final_snapshot);
+    assert_no_write_after_losing_the_lease(cluster, &lease);
     for op in [&mut a, &mut b] {
         assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
     }
