@@ -144,22 +144,16 @@ fn problem(snapshot: &Value, kind: &str, ns: &str, name: &str) -> Option<String>
         .and_then(|p| p["message"].as_str().map(str::to_owned))
 }
 
-#[test]
-fn what_the_schema_cannot_judge_is_reported_on_the_object_naming_the_field() {
-    let cluster = Cluster::shared();
-    let consul = Consul::shared();
-    let ns = cluster.namespace("badin").unwrap();
-    let twin = cluster.namespace("badin-twin").unwrap();
-    cluster.grant_secrets(&ns).unwrap();
-    let svc = format!("bi{}", unique());
-    consul.register("node-bi", "127.0.0.1", &svc, &format!("{svc}-1"), 24001, "passing").unwrap();
-    let addr = consul.address();
+/// A resolver the schema accepts and the operator cannot use: (name, address, more spec,
+/// condition reason, what the message must contain).
+type BadResolver = (&'static str, String, String, &'static str, &'static str);
 
-    create(cluster, &secret(&ns, "acl", "token", b"anonymous-is-fine")).unwrap();
-    create(cluster, &secret(&ns, "binary", "token", &[0xff, 0xfe, 0x00, 0x80])).unwrap();
+/// The bad resolvers; the good address is `addr`, and the Secrets they name hold `acl`
+/// (a token under `token`) and `binary` (bytes that are not UTF-8 under `token`).
+fn bad_resolvers(addr: &str) -> [BadResolver; 9] {
     let token = |name: &str, key: &str| format!("  tokenSecretRef: {{name: {name}, key: {key}}}\n");
-    // (resolver, address, more spec, condition reason, what the message must contain)
-    let resolvers = [
+    let addr = addr.to_owned();
+    [
         ("unset-var", "${NOT_SET_ANYWHERE}:8500".to_owned(), String::new(), reason::INVALID_SPEC, "spec.address"),
         ("port-too-big", "127.0.0.1:99999".into(), String::new(), reason::INVALID_SPEC, "spec.address"),
         ("unclosed-v6", "http://[::1".into(), String::new(), reason::INVALID_SPEC, "spec.address"),
@@ -180,21 +174,14 @@ fn what_the_schema_cannot_judge_is_reported_on_the_object_naming_the_field() {
         ),
         ("no-secret", addr.clone(), token("nope", "token"), reason::SECRET_UNAVAILABLE, "spec.tokenSecretRef: Secret"),
         ("wrong-key", addr.clone(), token("acl", "nokey"), reason::SECRET_UNAVAILABLE, "has no key \"nokey\""),
-        ("not-utf8", addr.clone(), token("binary", "token"), reason::SECRET_UNAVAILABLE, "is not UTF-8"),
-    ];
-    for (name, address, extra, _, _) in &resolvers {
-        cluster.apply(&resolver_yaml(&ns, name, address, extra)).unwrap();
-        cluster.apply(&mapping_yaml(&ns, &format!("via-{name}"), &svc, Some(name))).unwrap();
-    }
-    // The healthy one, and its twin of the same name in another namespace, each with a
-    // Mapping of the same name.
-    for n in [&ns, &twin] {
-        cluster.apply(&resolver_yaml(n, "consul", &addr, "")).unwrap();
-        cluster.apply(&mapping_yaml(n, "m", &svc, Some("consul"))).unwrap();
-    }
-    // Mappings with a bad `service` (the Mapping CRD keeps any spec: Ambassador's own
-    // schema is not the operator's to rely on).
-    let mappings: [(&str, Value, &str); 6] = [
+        ("not-utf8", addr, token("binary", "token"), reason::SECRET_UNAVAILABLE, "is not UTF-8"),
+    ]
+}
+
+/// Mappings with a bad `service`: (name, spec, what the problem must say). The Mapping CRD
+/// keeps any spec: Ambassador's own schema is not the operator's to rely on.
+fn bad_mappings() -> [(&'static str, Value, &'static str); 6] {
+    [
         ("no-service", json!({"prefix": "/a/", "resolver": "consul"}), "spec.service: service is empty"),
         ("a-number", json!({"prefix": "/b/", "service": 42, "resolver": "consul"}), "spec is not valid"),
         (
@@ -213,12 +200,88 @@ fn what_the_schema_cannot_judge_is_reported_on_the_object_naming_the_field() {
             "spec.service: service \"w$b\" has an invalid name",
         ),
         ("ids-not-strings", json!({"service": "web", "ambassador_id": [1, 2]}), "spec is not valid"),
-    ];
-    for (name, spec, _) in &mappings {
+    ]
+}
+
+/// In `ns`: the Secrets the bad resolvers name, each bad resolver with a Mapping of `svc`
+/// through it, and the bad Mappings. In `ns` and `twin`: the healthy resolver `consul` at
+/// `addr`, each with a Mapping `m` of `svc`, of the same names.
+fn apply_the_bad_and_the_healthy(
+    cluster: &Cluster,
+    (ns, twin): (&str, &str),
+    (addr, svc): (&str, &str),
+    resolvers: &[BadResolver],
+    mappings: &[(&str, Value, &str)],
+) {
+    create(cluster, &secret(ns, "acl", "token", b"anonymous-is-fine")).unwrap();
+    create(cluster, &secret(ns, "binary", "token", &[0xff, 0xfe, 0x00, 0x80])).unwrap();
+    for (name, address, extra, _, _) in resolvers {
+        cluster.apply(&resolver_yaml(ns, name, address, extra)).unwrap();
+        cluster.apply(&mapping_yaml(ns, &format!("via-{name}"), svc, Some(name))).unwrap();
+    }
+    for n in [ns, twin] {
+        cluster.apply(&resolver_yaml(n, "consul", addr, "")).unwrap();
+        cluster.apply(&mapping_yaml(n, "m", svc, Some("consul"))).unwrap();
+    }
+    for (name, spec, _) in mappings {
         let object = json!({"apiVersion": "getambassador.io/v3alpha1", "kind": "Mapping",
                             "metadata": {"name": name, "namespace": ns}, "spec": spec});
         create(cluster, &object).unwrap();
     }
+}
+
+/// Each bad Mapping's problem in `snap` says what is wrong, and the same-named Mappings of
+/// the two namespaces each route to their own namespace's resolver.
+fn assert_the_mappings_reported_and_kept_apart(
+    snap: &Value,
+    (ns, twin): (&str, &str),
+    mappings: &[(&str, Value, &str)],
+) {
+    for (name, _, says) in mappings {
+        let message = problem(snap, "Mapping", ns, name).unwrap();
+        assert!(message.contains(says), "Mapping {name}: {message:?} should say {says:?}");
+    }
+    for n in [ns, twin] {
+        let m = snap["mappings"].as_array().unwrap().iter().find(|m| m["namespace"] == n && m["name"] == "m");
+        assert_eq!(m.map(|m| &m["target"]["resolverNamespace"]), Some(&json!(n)), "{m:?}");
+    }
+}
+
+/// The resolver `ns/name` is Ready=False for `reason`, and a Warning Event says so; both
+/// messages contain `says`.
+fn assert_reported_on_the_resolver(
+    cluster: &Cluster,
+    op: &Operator,
+    ns: &str,
+    (name, reason, says): (&str, &str, &str),
+) {
+    let ready = wait_for(&format!("{name}: Ready=False/{reason}"), T, || {
+        cluster
+            .resolver_condition(ns, name, condition::READY)
+            .filter(|c| c["status"] == "False" && c["reason"] == reason)
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:?}\n{}", cluster.resolver_condition(ns, name, condition::READY), op.logs()));
+    let message = ready["message"].as_str().unwrap_or_default();
+    assert!(message.contains(says), "{name}: {message:?} should say {says:?}");
+    let event = wait_for(&format!("a {reason} Event on {name}"), T, || {
+        cluster.events_about(ns, name).into_iter().find(|e| e["reason"] == reason && e["type"] == "Warning")
+    })
+    .unwrap();
+    assert!(event["message"].as_str().unwrap_or_default().contains(says), "{name}: {event}");
+}
+
+#[test]
+fn what_the_schema_cannot_judge_is_reported_on_the_object_naming_the_field() {
+    let cluster = Cluster::shared();
+    let consul = Consul::shared();
+    let ns = cluster.namespace("badin").unwrap();
+    let twin = cluster.namespace("badin-twin").unwrap();
+    cluster.grant_secrets(&ns).unwrap();
+    let svc = format!("bi{}", unique());
+    consul.register("node-bi", "127.0.0.1", &svc, &format!("{svc}-1"), 24001, "passing").unwrap();
+    let addr = consul.address();
+    let (resolvers, mappings) = (bad_resolvers(&addr), bad_mappings());
+    apply_the_bad_and_the_healthy(cluster, (&ns, &twin), (&addr, &svc), &resolvers, &mappings);
 
     let mut op =
         Operator::start(cluster, &["--namespace", &ns, "--namespace", &twin, "--bootstrap-timeout", "2s"]).unwrap();
@@ -230,31 +293,9 @@ fn what_the_schema_cannot_judge_is_reported_on_the_object_naming_the_field() {
                 && mappings.iter().all(|(name, _, _)| problem(s, "Mapping", &ns, name).is_some())
         })
         .unwrap();
-    for (name, _, says) in &mappings {
-        let message = problem(&snap, "Mapping", &ns, name).unwrap();
-        assert!(message.contains(says), "Mapping {name}: {message:?} should say {says:?}");
-    }
-    // Same names, two namespaces: each Mapping routes to its own namespace's resolver.
-    for n in [&ns, &twin] {
-        let m = snap["mappings"].as_array().unwrap().iter().find(|m| m["namespace"] == n.as_str() && m["name"] == "m");
-        assert_eq!(m.map(|m| &m["target"]["resolverNamespace"]), Some(&json!(n)), "{m:?}");
-    }
+    assert_the_mappings_reported_and_kept_apart(&snap, (&ns, &twin), &mappings);
     for (name, _, _, reason, says) in &resolvers {
-        let ready = wait_for(&format!("{name}: Ready=False/{reason}"), T, || {
-            cluster
-                .resolver_condition(&ns, name, condition::READY)
-                .filter(|c| c["status"] == "False" && c["reason"] == *reason)
-        })
-        .unwrap_or_else(|e| {
-            panic!("{e}: {:?}\n{}", cluster.resolver_condition(&ns, name, condition::READY), op.logs())
-        });
-        let message = ready["message"].as_str().unwrap_or_default();
-        assert!(message.contains(says), "{name}: {message:?} should say {says:?}");
-        let event = wait_for(&format!("a {reason} Event on {name}"), T, || {
-            cluster.events_about(&ns, name).into_iter().find(|e| e["reason"] == *reason && e["type"] == "Warning")
-        })
-        .unwrap();
-        assert!(event["message"].as_str().unwrap_or_default().contains(says), "{name}: {event}");
+        assert_reported_on_the_resolver(cluster, &op, &ns, (name, reason, says));
     }
 
     // Nobody else is harmed: the healthy resolver follows Consul, in both namespaces.

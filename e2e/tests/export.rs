@@ -61,32 +61,38 @@ fn team(cluster: &Cluster, consul: &Consul, prefix: &str) -> String {
     ns
 }
 
-#[test]
-fn an_export_is_a_selectorless_service_and_slices_that_follow_consul_with_few_writes() {
-    let (cluster, consul) = (Cluster::shared(), Consul::shared());
-    let ns = team(cluster, consul, "export");
-    let svc = format!("web{}", unique());
-    let mut all: Vec<Instance> = (0..250).map(|i| instance(&svc, i, 8080, "passing")).collect();
+/// The slices of `after` whose resourceVersion is not the one in `before`: written since.
+fn written_since(before: &BTreeMap<String, String>, after: &BTreeMap<String, Value>) -> Vec<(String, String)> {
+    versions(after).into_iter().filter(|(n, v)| before.get(n) != Some(v)).collect()
+}
+
+/// 250 passing instances of `svc`, the first with a Consul locality, then the bad input:
+/// a loopback node (agentless Consul), a hostname, an IPv6 address. Returns the 250.
+fn register_250_and_three_unusable(consul: &Consul, svc: &str) -> Vec<Instance> {
+    let mut all: Vec<Instance> = (0..250).map(|i| instance(svc, i, 8080, "passing")).collect();
     // One with a Consul locality: its endpoint carries the zone.
     all[0].zone = Some("zone-a".into());
     consul.register_many(&all, 16).unwrap();
-    // Bad input: a loopback node (agentless Consul), a hostname, an IPv6 address.
     for (id, address) in [("lo", "127.0.0.1"), ("host", "db.node.consul"), ("v6", "2001:db8::5")] {
-        consul.register(&format!("node-{svc}-{id}"), address, &svc, &format!("{svc}-{id}"), 8080, "passing").unwrap();
+        consul.register(&format!("node-{svc}-{id}"), address, svc, &format!("{svc}-{id}"), 8080, "passing").unwrap();
     }
-    let ports = "  ports: [{name: http, port: 80, appProtocol: http}]\n";
-    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", ports)).unwrap();
-    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
-    op.wait_ready(T).unwrap();
-    // As OpenShift and OKD enforce owner references: every write below passes it with the
-    // shipped RBAC.
+    all
+}
+
+/// As OpenShift and OKD enforce owner references: every write the operator makes passes
+/// it with the shipped RBAC.
+fn assert_the_apiserver_enforces_owner_references(cluster: &Cluster) {
     if let Some(pid) = cluster.apiserver_pid() {
         let cmdline = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         assert!(cmdline.contains("OwnerReferencesPermissionEnforcement"), "the API server enforces owner references");
     }
+}
 
+/// The export `web` Ready with the 250 in 3 slices, the three unusable ones excluded with
+/// their reasons, as its status and `kubectl get csvc -A` show.
+fn assert_exported_with_the_unusable_excluded(cluster: &Cluster, op: &Operator, ns: &str, svc: &str) {
     let status = wait_for("the export Ready with 250 endpoints in 3 slices", T, || {
-        let s = export_status(cluster, &ns, "web")?;
+        let s = export_status(cluster, ns, "web")?;
         (condition(&s, "Ready")? == ("True".into(), "Exported".into()) && s["endpoints"] == 250 && s["slices"] == 3)
             .then_some(s)
     })
@@ -104,11 +110,13 @@ fn an_export_is_a_selectorless_service_and_slices_that_follow_consul_with_few_wr
     assert_eq!(header, ["NAMESPACE", "NAME", "READY", "CONSUL", "ENDPOINTS", "EXCLUDED", "SLICES", "AGE"], "{table}");
     let row = table.lines().find(|l| l.starts_with(&format!("{ns} "))).unwrap_or_else(|| panic!("{table}"));
     let row: Vec<&str> = row.split_whitespace().collect();
-    assert_eq!(row[1..7], ["web", "True", svc.as_str(), "250", "3", "3"], "{table}");
+    assert_eq!(row[1..7], ["web", "True", svc, "250", "3", "3"], "{table}");
+}
 
-    // The Service: ours, without a selector, owned by the export.
-    let export = get_json(cluster, &["-n", &ns, "get", "consulservice", "web"]).unwrap();
-    let service = get_json(cluster, &["-n", &ns, "get", "service", "web"]).unwrap();
+/// The Service: ours, without a selector, owned by the export. Returns it.
+fn assert_a_selectorless_service_owned_by_the_export(cluster: &Cluster, ns: &str) -> Value {
+    let export = get_json(cluster, &["-n", ns, "get", "consulservice", "web"]).unwrap();
+    let service = get_json(cluster, &["-n", ns, "get", "service", "web"]).unwrap();
     assert!(service["spec"].get("selector").is_none(), "{service}");
     assert_eq!(service["spec"]["ports"][0]["name"], "http");
     assert_eq!(service["spec"]["ports"][0]["port"], 80);
@@ -117,9 +125,12 @@ fn an_export_is_a_selectorless_service_and_slices_that_follow_consul_with_few_wr
         (owner["kind"].as_str(), owner["uid"].as_str()),
         (Some("ConsulService"), export["metadata"]["uid"].as_str())
     );
+    service
+}
 
-    // The slices: the rules consumers depend on.
-    let found = slices(cluster, &ns, "web");
+/// The slices: the rules consumers depend on. At most 100 endpoints each, ours, owned by
+/// `service`, one IPv4 address an endpoint, ready, the zone only where Consul has one.
+fn assert_the_slices_keep_the_rules(found: &BTreeMap<String, Value>, service: &Value) {
     let mut sizes: Vec<usize> = found.values().map(|s| s["endpoints"].as_array().unwrap().len()).collect();
     sizes.sort();
     assert_eq!(sizes, [50, 100, 100]);
@@ -151,38 +162,49 @@ fn an_export_is_a_selectorless_service_and_slices_that_follow_consul_with_few_wr
             );
         }
     }
-    assert_eq!(addresses(&found).len(), 250);
+    assert_eq!(addresses(found).len(), 250);
+}
 
-    // One instance turns critical: out, and only its slice is written. Then back.
-    let before = versions(&found);
+/// One instance turns critical: out, and only its slice of `found` is written. Then back,
+/// writing only that slice again.
+fn flip_one_instance_and_back(
+    cluster: &Cluster,
+    consul: &Consul,
+    ns: &str,
+    found: &BTreeMap<String, Value>,
+    all: &mut [Instance],
+) {
+    let before = versions(found);
     let flipped = "192.0.2.8".to_owned();
     all[7].status = "critical".into();
     consul.register_many(&all[7..8], 1).unwrap();
     let after = wait_for("the critical instance out of the slices", T, || {
-        let now = slices(cluster, &ns, "web");
+        let now = slices(cluster, ns, "web");
         (addresses(&now).len() == 249 && !addresses(&now).contains(&flipped)).then_some(now)
     })
     .unwrap();
-    let changed: Vec<_> = versions(&after).into_iter().filter(|(n, v)| before.get(n) != Some(v)).collect();
+    let changed = written_since(&before, &after);
     assert_eq!(changed.len(), 1, "one slice written for one instance: {changed:?}");
     all[7].status = "passing".into();
     consul.register_many(&all[7..8], 1).unwrap();
     let back = wait_for("the instance back", T, || {
-        let now = slices(cluster, &ns, "web");
+        let now = slices(cluster, ns, "web");
         addresses(&now).contains(&flipped).then_some(now)
     })
     .unwrap();
-    let changed: Vec<_> = versions(&back).into_iter().filter(|(n, v)| versions(&after).get(n) != Some(v)).collect();
+    let changed = written_since(&versions(&after), &back);
     assert_eq!(changed.len(), 1, "one slice written for one instance: {changed:?}");
+}
 
-    // Ten instances move to another port: a slice of their own (all of a slice's
-    // endpoints share its ports), under the same Service port name. And back.
+/// Ten instances move to another port: a slice of their own (all of a slice's endpoints
+/// share its ports), under the same Service port name. And back.
+fn move_ten_to_another_port_and_back(cluster: &Cluster, consul: &Consul, ns: &str, all: &mut [Instance]) {
     for i in all.iter_mut().take(10) {
         i.port = 9090;
     }
     consul.register_many(&all[..10], 4).unwrap();
     wait_for("a slice of the ten on port 9090", T, || {
-        let now = slices(cluster, &ns, "web");
+        let now = slices(cluster, ns, "web");
         let moved = now.values().find(|s| s["ports"][0]["port"] == 9090)?;
         (moved["endpoints"].as_array()?.len() == 10
             && moved["ports"][0]["name"] == "http"
@@ -195,10 +217,57 @@ fn an_export_is_a_selectorless_service_and_slices_that_follow_consul_with_few_wr
     }
     consul.register_many(&all[..10], 4).unwrap();
     wait_for("the ten back among the others, their slice gone", T, || {
-        let now = slices(cluster, &ns, "web");
+        let now = slices(cluster, ns, "web");
         (now.values().all(|s| s["ports"][0]["port"] == 8080) && addresses(&now).len() == 250).then_some(())
     })
     .unwrap();
+}
+
+/// What the operator sent for the export: only the verbs of the export role, never a
+/// watch of Services or slices, and never an update (writes are server-side apply).
+fn assert_only_the_export_roles_verbs_were_sent(cluster: &Cluster, ns: &str) {
+    let (Some(events), Ok(user)) = (cluster.audit_events().unwrap(), cluster.operator_username()) else { return };
+    let verbs: std::collections::BTreeSet<(String, String)> = events
+        .iter()
+        .filter(|e| e["user"]["username"] == user.as_str() && e["objectRef"]["namespace"] == ns)
+        .filter(|e| matches!(e["objectRef"]["resource"].as_str(), Some("services" | "endpointslices")))
+        .map(|e| (e["objectRef"]["resource"].as_str().unwrap().to_owned(), e["verb"].as_str().unwrap().to_owned()))
+        .collect();
+    let allowed = [
+        ("services", "get"),
+        ("services", "patch"),
+        ("services", "delete"),
+        ("endpointslices", "list"),
+        ("endpointslices", "patch"),
+        ("endpointslices", "delete"),
+    ];
+    for (resource, verb) in &verbs {
+        assert!(
+            allowed.contains(&(resource.as_str(), verb.as_str())),
+            "the operator sent {verb} {resource}: {verbs:?}"
+        );
+    }
+    assert!(verbs.contains(&("endpointslices".into(), "patch".into())), "{verbs:?}");
+}
+
+#[test]
+fn an_export_is_a_selectorless_service_and_slices_that_follow_consul_with_few_writes() {
+    let (cluster, consul) = (Cluster::shared(), Consul::shared());
+    let ns = team(cluster, consul, "export");
+    let svc = format!("web{}", unique());
+    let mut all = register_250_and_three_unusable(consul, &svc);
+    let ports = "  ports: [{name: http, port: 80, appProtocol: http}]\n";
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", ports)).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    op.wait_ready(T).unwrap();
+    assert_the_apiserver_enforces_owner_references(cluster);
+
+    assert_exported_with_the_unusable_excluded(cluster, &op, &ns, &svc);
+    let service = assert_a_selectorless_service_owned_by_the_export(cluster, &ns);
+    let found = slices(cluster, &ns, "web");
+    assert_the_slices_keep_the_rules(&found, &service);
+    flip_one_instance_and_back(cluster, consul, &ns, &found, &mut all);
+    move_ten_to_another_port_and_back(cluster, consul, &ns, &mut all);
 
     // The export deleted: its Service and slices go (this test cluster runs no garbage
     // collector; the operator removes them itself).
@@ -209,32 +278,7 @@ fn an_export_is_a_selectorless_service_and_slices_that_follow_consul_with_few_wr
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
     op.terminate(T).unwrap();
-
-    // What the operator sent for it: only the verbs of the export role, never a watch of
-    // Services or slices, and never an update (writes are server-side apply).
-    if let (Some(events), Ok(user)) = (cluster.audit_events().unwrap(), cluster.operator_username()) {
-        let verbs: std::collections::BTreeSet<(String, String)> = events
-            .iter()
-            .filter(|e| e["user"]["username"] == user.as_str() && e["objectRef"]["namespace"] == ns.as_str())
-            .filter(|e| matches!(e["objectRef"]["resource"].as_str(), Some("services" | "endpointslices")))
-            .map(|e| (e["objectRef"]["resource"].as_str().unwrap().to_owned(), e["verb"].as_str().unwrap().to_owned()))
-            .collect();
-        let allowed = [
-            ("services", "get"),
-            ("services", "patch"),
-            ("services", "delete"),
-            ("endpointslices", "list"),
-            ("endpointslices", "patch"),
-            ("endpointslices", "delete"),
-        ];
-        for (resource, verb) in &verbs {
-            assert!(
-                allowed.contains(&(resource.as_str(), verb.as_str())),
-                "the operator sent {verb} {resource}: {verbs:?}"
-            );
-        }
-        assert!(verbs.contains(&("endpointslices".into(), "patch".into())), "{verbs:?}");
-    }
+    assert_only_the_export_roles_verbs_were_sent(cluster, &ns);
 }
 
 #[test]

@@ -70,17 +70,12 @@ fn containerfile_user() -> (u64, u64) {
     (uid.parse().unwrap(), gid.parse().unwrap())
 }
 
-#[test]
-fn the_kustomization_renders_the_whole_install_consistently() {
-    let objects = render();
-    let got: BTreeSet<(String, String, String, String)> = objects
-        .iter()
-        .map(|o| {
-            let s = |v: &Value| v.as_str().unwrap_or_default().to_owned();
-            (s(&o["apiVersion"]), s(&o["kind"]), s(&o["metadata"]["namespace"]), s(&o["metadata"]["name"]))
-        })
-        .collect();
-    let want: BTreeSet<(String, String, String, String)> = [
+/// An object by what identifies it: (apiVersion, kind, namespace, name).
+type ObjectId = (String, String, String, String);
+
+/// What docs/operations.md lists as the install.
+fn documented_objects() -> BTreeSet<ObjectId> {
+    [
         ("apiextensions.k8s.io/v1", "CustomResourceDefinition", "", "consulresolvers.consulresolver.io"),
         ("apiextensions.k8s.io/v1", "CustomResourceDefinition", "", "consulservices.consulresolver.io"),
         ("v1", "Namespace", "", NS),
@@ -97,19 +92,36 @@ fn the_kustomization_renders_the_whole_install_consistently() {
     ]
     .into_iter()
     .map(|(a, b, c, d)| (a.to_owned(), b.to_owned(), c.to_owned(), d.to_owned()))
-    .collect();
+    .collect()
+}
+
+fn assert_renders_exactly_the_documented_objects(objects: &[Value]) {
+    let got: BTreeSet<ObjectId> = objects
+        .iter()
+        .map(|o| {
+            let s = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+            (s(&o["apiVersion"]), s(&o["kind"]), s(&o["metadata"]["namespace"]), s(&o["metadata"]["name"]))
+        })
+        .collect();
+    let want = documented_objects();
     assert_eq!(got, want, "the objects `kubectl apply -k manifests/` installs");
     assert_eq!(objects.len(), want.len(), "no object twice");
-    // The CRD is the generated one, unchanged (kustomize writes `0.0` as `0`).
+}
+
+/// The CRD is the generated one, unchanged (kustomize writes `0.0` as `0`).
+fn assert_the_crd_is_the_generated_one(objects: &[Value]) {
     let crd_file =
         yaml_documents(&std::fs::read_to_string(repo_root().join("crds/consulresolver.yaml")).unwrap()).unwrap();
-    let crd = find(&objects, "CustomResourceDefinition", "consulresolvers.consulresolver.io");
+    let crd = find(objects, "CustomResourceDefinition", "consulresolvers.consulresolver.io");
     assert!(
         numbers_as_f64(crd.clone()) == numbers_as_f64(crd_file[0].clone()),
         "the CRD differs from crds/consulresolver.yaml"
     );
+}
 
-    let deploy = find(&objects, "Deployment", NAME);
+/// Two replicas of the image `make image` builds, rolled without dropping below two, run
+/// as the image's non-root user, read-only, and spread over nodes and zones.
+fn assert_the_deployment_runs_two_locked_down_spread_replicas(deploy: &Value) {
     let pod = &deploy["spec"]["template"];
     let labels = &pod["metadata"]["labels"];
     assert_eq!(deploy["spec"]["replicas"], 2, "two replicas on a Lease");
@@ -143,9 +155,15 @@ fn the_kustomization_renders_the_whole_install_consistently() {
         assert_eq!(c["whenUnsatisfiable"], "ScheduleAnyway", "{c}");
         assert_eq!(c["labelSelector"]["matchLabels"], *labels, "{c}");
     }
+}
 
+/// The Service and the PodDisruptionBudget select the Deployment's pods.
+fn assert_the_service_and_the_budget_select_the_pods(objects: &[Value], deploy: &Value) {
+    let pod = &deploy["spec"]["template"];
+    let labels = &pod["metadata"]["labels"];
+    let container = &pod["spec"]["containers"][0];
     // The Service reaches the pods' HTTP port (/metrics, /snapshot).
-    let svc = find(&objects, "Service", NAME);
+    let svc = find(objects, "Service", NAME);
     assert_eq!(svc["spec"]["selector"], *labels);
     let port = &svc["spec"]["ports"][0];
     let container_port = container["ports"].as_array().unwrap().iter().find(|p| p["name"] == port["targetPort"]);
@@ -157,17 +175,30 @@ fn the_kustomization_renders_the_whole_install_consistently() {
     assert!(container["args"].as_array().unwrap().iter().any(|a| *a == format!("--listen=0.0.0.0:{}", port["port"])));
 
     // One voluntary eviction at a time, of these pods.
-    let pdb = find(&objects, "PodDisruptionBudget", NAME);
+    let pdb = find(objects, "PodDisruptionBudget", NAME);
     assert_eq!(pdb["spec"]["maxUnavailable"], 1);
     assert_eq!(pdb["spec"]["selector"]["matchLabels"], *labels);
+}
 
-    // Secrets are granted nowhere by default: the only RoleBinding binds the own-namespace
-    // Role, and the secrets ClusterRole is bound by no binding here.
+/// Secrets are granted nowhere by default: the only RoleBinding binds the own-namespace
+/// Role, and the secrets ClusterRole is bound by no binding here.
+fn assert_no_binding_grants_secrets_or_exports(objects: &[Value]) {
     for b in objects.iter().filter(|o| o["kind"].as_str().is_some_and(|k| k.ends_with("Binding"))) {
         assert_ne!(b["roleRef"]["name"], "consul-resolver-operator-secrets", "{b}");
         assert_ne!(b["roleRef"]["name"], "consul-resolver-operator-exports", "{b}");
         assert_eq!(b["subjects"], serde_json::json!([{"kind": "ServiceAccount", "name": NAME, "namespace": NS}]));
     }
+}
+
+#[test]
+fn the_kustomization_renders_the_whole_install_consistently() {
+    let objects = render();
+    assert_renders_exactly_the_documented_objects(&objects);
+    assert_the_crd_is_the_generated_one(&objects);
+    let deploy = find(&objects, "Deployment", NAME);
+    assert_the_deployment_runs_two_locked_down_spread_replicas(deploy);
+    assert_the_service_and_the_budget_select_the_pods(&objects, deploy);
+    assert_no_binding_grants_secrets_or_exports(&objects);
 }
 
 /// `kubectl apply -k DIR`, returning its output lines.
@@ -381,52 +412,68 @@ fn rules_review(cluster: &Cluster, namespace: &str) -> anyhow::Result<BTreeSet<G
     Ok(set)
 }
 
-#[test]
-#[cfg_attr(
-    e2e_external_cluster,
-    ignore = "with E2E_KUBECONFIG the operator's kubeconfig is that one, not the ServiceAccount's"
-)]
-fn the_service_account_may_do_exactly_what_the_code_does() {
-    let cluster = Cluster::shared();
-    let granted = cluster.namespace("install-granted").unwrap();
-    let other = cluster.namespace("install-other").unwrap();
-    // The documented way to let the operator read one namespace's Secrets.
-    cluster.grant_secrets(&granted).unwrap();
-    let exporting = cluster.namespace("install-exporting").unwrap();
-    cluster.grant_exports(&exporting).unwrap();
+/// The namespaces the least-privilege test asks about, each granted as documented.
+struct Namespaces {
+    /// Bound to consul-resolver-operator-secrets: the operator may read its Secrets.
+    granted: String,
+    /// Without any grant.
+    other: String,
+    /// Bound to consul-resolver-operator-exports.
+    exporting: String,
+}
 
-    // The whole rule set, per namespace: nothing beyond what the code uses.
-    let everywhere = grants(&[CLUSTER_WIDE]);
-    assert_eq!(rules_review(cluster, &other).unwrap(), everywhere, "rules in a namespace without a grant");
+impl Namespaces {
+    fn create(cluster: &Cluster) -> Namespaces {
+        let granted = cluster.namespace("install-granted").unwrap();
+        let other = cluster.namespace("install-other").unwrap();
+        // The documented way to let the operator read one namespace's Secrets.
+        cluster.grant_secrets(&granted).unwrap();
+        let exporting = cluster.namespace("install-exporting").unwrap();
+        cluster.grant_exports(&exporting).unwrap();
+        Namespaces { granted, other, exporting }
+    }
+}
+
+/// The whole rule set, per namespace: nothing beyond what the code uses.
+fn assert_the_rules_are_what_the_code_uses(cluster: &Cluster, ns: &Namespaces) {
+    let Namespaces { granted, other, exporting } = ns;
+    assert_eq!(rules_review(cluster, other).unwrap(), grants(&[CLUSTER_WIDE]), "rules in a namespace without a grant");
     assert_eq!(rules_review(cluster, NS).unwrap(), grants(&[CLUSTER_WIDE, OWN_NAMESPACE]), "rules in {NS}");
     assert_eq!(
-        rules_review(cluster, &granted).unwrap(),
+        rules_review(cluster, granted).unwrap(),
         grants(&[CLUSTER_WIDE, GRANTED_NAMESPACE]),
         "rules in {granted}"
     );
     assert_eq!(
-        rules_review(cluster, &exporting).unwrap(),
+        rules_review(cluster, exporting).unwrap(),
         grants(&[CLUSTER_WIDE, EXPORTING_NAMESPACE]),
         "rules in {exporting}"
     );
+}
 
-    // The same, as `kubectl auth can-i` answers it: every verb on each resource the
-    // operator touches, where it is granted (so each refused verb is refused there, not
-    // just elsewhere), and the namespaced ones also where they are not.
+/// One `kubectl auth can-i` question: (verb, API group, resource, namespace (`None`:
+/// cluster-wide), the answer expected).
+type CanI<'a> = (&'a str, &'a str, &'a str, Option<&'a str>, bool);
+
+/// Every verb on each resource the operator touches, where it is granted (so each refused
+/// verb is refused there, not just elsewhere), and the namespaced ones also where they are
+/// not; and a few things an operator has no business doing anywhere.
+fn can_i_questions(ns: &Namespaces) -> Vec<CanI<'_>> {
     let resources = |list: &[(&'static str, &'static str, &'static str)]| -> BTreeSet<(&'static str, &'static str)> {
         list.iter().map(|(g, r, _)| (*g, *r)).collect()
     };
     let own_and_secrets: BTreeSet<_> = resources(OWN_NAMESPACE).union(&resources(GRANTED_NAMESPACE)).copied().collect();
+    let everywhere = grants(&[CLUSTER_WIDE]);
     let questions: Vec<Question> = vec![
         (None, resources(CLUSTER_WIDE), everywhere.clone()),
         (Some(NS), resources(OWN_NAMESPACE), grants(&[OWN_NAMESPACE])),
-        (Some(granted.as_str()), resources(GRANTED_NAMESPACE), grants(&[GRANTED_NAMESPACE])),
+        (Some(ns.granted.as_str()), resources(GRANTED_NAMESPACE), grants(&[GRANTED_NAMESPACE])),
         // EndpointSlices are also listed and watched cluster-wide (the Mappings' targets).
-        (Some(exporting.as_str()), resources(EXPORTING_NAMESPACE), grants(&[EXPORTING_NAMESPACE, CLUSTER_WIDE])),
-        (Some(other.as_str()), resources(EXPORTING_NAMESPACE), everywhere.clone()),
-        (Some(other.as_str()), own_and_secrets, BTreeSet::new()),
+        (Some(ns.exporting.as_str()), resources(EXPORTING_NAMESPACE), grants(&[EXPORTING_NAMESPACE, CLUSTER_WIDE])),
+        (Some(ns.other.as_str()), resources(EXPORTING_NAMESPACE), everywhere),
+        (Some(ns.other.as_str()), own_and_secrets, BTreeSet::new()),
     ];
-    let mut asked: Vec<(&str, &str, &str, Option<&str>, bool)> = Vec::new();
+    let mut asked: Vec<CanI> = Vec::new();
     for (scope, resources, allowed) in &questions {
         for (group, resource) in resources {
             for verb in VERBS {
@@ -435,7 +482,6 @@ fn the_service_account_may_do_exactly_what_the_code_does() {
             }
         }
     }
-    // And a few things an operator has no business doing anywhere.
     for (verb, group, resource) in [
         ("get", "", "pods"),
         ("create", "apps", "deployments"),
@@ -448,8 +494,13 @@ fn the_service_account_may_do_exactly_what_the_code_does() {
     ] {
         asked.push((verb, group, resource, Some(NS), false));
     }
+    asked
+}
+
+/// The questions `kubectl auth can-i` answers otherwise than expected, described.
+fn can_i_disagreements(cluster: &Cluster, asked: &[CanI]) -> Vec<String> {
     // Four kubectl processes at a time: each answer is one request, the time is kubectl's.
-    let wrong: Vec<String> = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let workers: Vec<_> = asked
             .chunks(asked.len().div_ceil(4))
             .map(|chunk| {
@@ -467,12 +518,13 @@ fn the_service_account_may_do_exactly_what_the_code_does() {
             })
             .collect();
         workers.into_iter().flat_map(|w| w.join().unwrap()).collect()
-    });
-    eprintln!("asked `kubectl auth can-i` {} questions as {SA_USER}", asked.len());
-    assert!(wrong.is_empty(), "`kubectl auth can-i` as the operator disagrees:\n{}", wrong.join("\n"));
+    })
+}
 
-    // Real requests: reading Secrets is a list (watched by name), and only where granted.
-    let (ok, _, err) = as_operator(cluster, &["-n", &granted, "get", "secrets"]);
+/// Real requests: reading Secrets is a list (watched by name), and only where granted.
+fn assert_real_requests_stay_within_the_grants(cluster: &Cluster, ns: &Namespaces) {
+    let Namespaces { granted, other, .. } = ns;
+    let (ok, _, err) = as_operator(cluster, &["-n", granted, "get", "secrets"]);
     assert!(ok, "list Secrets where granted: {err}");
     for (args, what) in [
         (vec!["-n", granted.as_str(), "get", "secret", "any"], "get a Secret by name"),
@@ -485,4 +537,23 @@ fn the_service_account_may_do_exactly_what_the_code_does() {
         assert!(!ok, "the operator may {what}");
         assert!(err.contains("Forbidden") && err.contains(SA_USER), "{what}: {err}");
     }
+}
+
+#[test]
+#[cfg_attr(
+    e2e_external_cluster,
+    ignore = "with E2E_KUBECONFIG the operator's kubeconfig is that one, not the ServiceAccount's"
+)]
+fn the_service_account_may_do_exactly_what_the_code_does() {
+    let cluster = Cluster::shared();
+    let ns = Namespaces::create(cluster);
+    assert_the_rules_are_what_the_code_uses(cluster, &ns);
+
+    // The same, as `kubectl auth can-i` answers it.
+    let asked = can_i_questions(&ns);
+    let wrong = can_i_disagreements(cluster, &asked);
+    eprintln!("asked `kubectl auth can-i` {} questions as {SA_USER}", asked.len());
+    assert!(wrong.is_empty(), "`kubectl auth can-i` as the operator disagrees:\n{}", wrong.join("\n"));
+
+    assert_real_requests_stay_within_the_grants(cluster, &ns);
 }

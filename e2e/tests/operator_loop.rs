@@ -17,6 +17,51 @@ fn blocking(consul: &Consul, service: &str) -> Option<usize> {
     consul.sim.as_ref().map(|s| s.stats().blocking.get(service).copied().unwrap_or(0))
 }
 
+/// The same snapshot reaches the ConfigMap `cm` and the resolver's status in `ns`
+/// (`kubectl get cres`).
+fn assert_published_to_the_configmap_and_the_status(cluster: &Cluster, ns: &str, cm: &str, snap: &Value) {
+    wait_for("the snapshot in the ConfigMap", T, || {
+        let data = cluster
+            .kubectl(&[
+                "-n",
+                "consul-resolver-system",
+                "get",
+                "configmap",
+                cm,
+                "-o",
+                "jsonpath={.data.snapshot\\.json}",
+            ])
+            .ok()?;
+        let published: Value = serde_json::from_str(&data).ok()?;
+        (published["id"].as_u64()? >= snap["id"].as_u64()?).then_some(())
+    })
+    .unwrap();
+    let row = wait_for("Ready=True with counts in kubectl get cres", T, || {
+        let out = cluster.kubectl(&["-n", ns, "get", "cres", "consul", "--no-headers"]).ok()?;
+        let cols: Vec<String> = out.split_whitespace().map(str::to_owned).collect();
+        (cols.get(1).map(String::as_str) == Some("True") && cols.get(2).map(String::as_str) == Some("1"))
+            .then_some(cols)
+    })
+    .unwrap();
+    assert_eq!(row[3], "1", "one endpoint: {row:?}");
+}
+
+/// The service's instances come, turn critical, pass again and go: the snapshot of `ns`
+/// follows each step.
+fn assert_the_catalog_is_followed(consul: &Consul, op: &Operator, ns: &str, svc: &str) {
+    consul.register("node-2", "127.0.0.1", svc, &format!("{svc}-2"), 21002, "passing").unwrap();
+    op.wait_snapshot("a second instance", T, |s| ports(s, ns, "consul", svc) == Some(vec![21001, 21002])).unwrap();
+    consul.register("node-2", "127.0.0.1", svc, &format!("{svc}-2"), 21002, "critical").unwrap();
+    op.wait_snapshot("the critical instance filtered out", T, |s| ports(s, ns, "consul", svc) == Some(vec![21001]))
+        .unwrap();
+    consul.register("node-2", "127.0.0.1", svc, &format!("{svc}-2"), 21002, "passing").unwrap();
+    op.wait_snapshot("the instance back once passing", T, |s| ports(s, ns, "consul", svc) == Some(vec![21001, 21002]))
+        .unwrap();
+    consul.deregister("node-1", &format!("{svc}-1")).unwrap();
+    op.wait_snapshot("the deregistered instance gone", T, |s| ports(s, ns, "consul", svc) == Some(vec![21002]))
+        .unwrap();
+}
+
 #[test]
 fn consul_endpoints_follow_the_catalog_and_shared_services_are_queried_once() {
     let cluster = Cluster::shared();
@@ -44,32 +89,7 @@ fn consul_endpoints_follow_the_catalog_and_shared_services_are_queried_once() {
             ports(s, &a, "consul", &svc) == Some(vec![21001]) && ports(s, &b, "consul", &svc) == Some(vec![21001])
         })
         .unwrap();
-
-    // The same snapshot reaches the ConfigMap and the resolver's status (`kubectl get cres`).
-    wait_for("the snapshot in the ConfigMap", T, || {
-        let data = cluster
-            .kubectl(&[
-                "-n",
-                "consul-resolver-system",
-                "get",
-                "configmap",
-                &cm,
-                "-o",
-                "jsonpath={.data.snapshot\\.json}",
-            ])
-            .ok()?;
-        let published: Value = serde_json::from_str(&data).ok()?;
-        (published["id"].as_u64()? >= snap["id"].as_u64()?).then_some(())
-    })
-    .unwrap();
-    let row = wait_for("Ready=True with counts in kubectl get cres", T, || {
-        let out = cluster.kubectl(&["-n", &a, "get", "cres", "consul", "--no-headers"]).ok()?;
-        let cols: Vec<String> = out.split_whitespace().map(str::to_owned).collect();
-        (cols.get(1).map(String::as_str) == Some("True") && cols.get(2).map(String::as_str) == Some("1"))
-            .then_some(cols)
-    })
-    .unwrap();
-    assert_eq!(row[3], "1", "one endpoint: {row:?}");
+    assert_published_to_the_configmap_and_the_status(cluster, &a, &cm, &snap);
     if let Some(sim) = &consul.sim {
         // Three Mappings, two resolvers: one blocking query for the service.
         wait_for("exactly one blocking query for the shared service", T, || {
@@ -80,18 +100,7 @@ fn consul_endpoints_follow_the_catalog_and_shared_services_are_queried_once() {
             sim.requests().iter().any(|r| r.service.as_deref() == Some(svc.as_str()) && r.query.contains("dc=dc1"));
         assert!(dc_sent, "the datacenter is sent as ?dc=");
     }
-
-    consul.register("node-2", "127.0.0.1", &svc, &format!("{svc}-2"), 21002, "passing").unwrap();
-    op.wait_snapshot("a second instance", T, |s| ports(s, &a, "consul", &svc) == Some(vec![21001, 21002])).unwrap();
-    consul.register("node-2", "127.0.0.1", &svc, &format!("{svc}-2"), 21002, "critical").unwrap();
-    op.wait_snapshot("the critical instance filtered out", T, |s| ports(s, &a, "consul", &svc) == Some(vec![21001]))
-        .unwrap();
-    consul.register("node-2", "127.0.0.1", &svc, &format!("{svc}-2"), 21002, "passing").unwrap();
-    op.wait_snapshot("the instance back once passing", T, |s| ports(s, &a, "consul", &svc) == Some(vec![21001, 21002]))
-        .unwrap();
-    consul.deregister("node-1", &format!("{svc}-1")).unwrap();
-    op.wait_snapshot("the deregistered instance gone", T, |s| ports(s, &a, "consul", &svc) == Some(vec![21002]))
-        .unwrap();
+    assert_the_catalog_is_followed(consul, &op, &a, &svc);
 
     // Every Mapping moves to another service: the old watch stops, the new one starts.
     consul.register("node-3", "127.0.0.1", &svc2, &format!("{svc2}-1"), 21003, "passing").unwrap();

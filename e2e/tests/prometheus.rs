@@ -13,6 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use consul_sim::RunningSim;
 use e2e::consul::Consul;
 use e2e::fixtures::{mapping_yaml, ports, resolver_yaml};
 use e2e::harness::{Cluster, Operator, free_port, http_client, repo_root, unique, wait_for};
@@ -225,17 +226,10 @@ fn flaky_hook(dir: &Path) -> PathBuf {
     path
 }
 
-/// The series move as the world changes, through a real Prometheus: watches come and go,
-/// Consul requests and contact are counted per outcome and per resolver, a failing hook
-/// and a dead Consul show, a change is published and timed, the alert rules evaluate on
-/// the real series, and every dashboard query parses and returns data.
-#[test]
-#[cfg_attr(e2e_no_prometheus, ignore = "needs prometheus (Debian's prometheus package; .ci/run installs it)")]
-#[cfg_attr(e2e_real_consul, ignore = "moves the Consul index back (the simulator's /_sim/reset-index)")]
-fn a_real_prometheus_sees_the_series_move_and_answers_every_dashboard_query() {
-    let cluster = Cluster::shared();
-    let consul = Consul::shared();
-    let sim = consul.sim.as_ref().expect("the simulator");
+/// In a namespace of its own: a resolver `consul` of the shared Consul behind Mapping
+/// `web`, its service with two passing instances, and a resolver `dead` nobody answers
+/// for behind Mapping `ghost`. Returns the namespace and the service.
+fn a_live_and_a_dead_resolver(cluster: &Cluster, consul: &Consul) -> (String, String) {
     let ns = cluster.namespace("prom").unwrap();
     let svc = format!("web{}", unique());
     consul.register("node-1", "127.0.0.1", &svc, &format!("{svc}-1"), 22001, "passing").unwrap();
@@ -245,20 +239,23 @@ fn a_real_prometheus_sees_the_series_move_and_answers_every_dashboard_query() {
     cluster.apply(&resolver_yaml(&ns, "dead", &format!("127.0.0.1:{}", free_port()), "")).unwrap();
     cluster.apply(&mapping_yaml(&ns, "web", &svc, Some("consul"))).unwrap();
     cluster.apply(&mapping_yaml(&ns, "ghost", "ghost", Some("dead"))).unwrap();
+    (ns, svc)
+}
 
-    let hooks = tempfile::tempdir().unwrap();
-    let hook = flaky_hook(hooks.path()).display().to_string();
+/// The operator for `ns`, with a ConfigMap and a lease of its own and `hook` run on every
+/// snapshot.
+fn start_operator(cluster: &Cluster, ns: &str, hook: &str) -> Operator {
     let (cm, lease) =
         (format!("consul-resolver-system/prom-{}", unique()), format!("consul-resolver-system/prom-{}", unique()));
     let args = [
         "--namespace",
-        &ns,
+        ns,
         "--snapshot-configmap",
         &cm,
         "--leader-election-lease",
         &lease,
         "--on-snapshot",
-        &hook,
+        hook,
         "--bootstrap-timeout",
         "2s",
         "--coalesce-window",
@@ -268,11 +265,12 @@ fn a_real_prometheus_sees_the_series_move_and_answers_every_dashboard_query() {
         "--consul-wait",
         "2s",
     ];
-    let mut op = Operator::start(cluster, &args).unwrap();
-    let prom = Prometheus::start(&format!("127.0.0.1:{}", op.port), rules_file).unwrap();
-    op.wait_ready(T).unwrap();
-    op.wait_snapshot("both instances", T, |s| ports(s, &ns, "consul", &svc) == Some(vec![22001, 22002])).unwrap();
+    Operator::start(cluster, &args).unwrap()
+}
 
+/// Scraped, leading, watching both resolvers: Consul's answers and the dead one's failures
+/// counted and timed per resolver, and the alert rule pending for the dead one only.
+fn assert_the_watches_and_contact_series(prom: &Prometheus, ns: &str) {
     let up = r#"up{job="consul-resolver-operator"}"#;
     prom.wait("the operator scraped", up, |v| v == 1.0);
     prom.wait("bootstrapped", "consul_resolver_bootstrapped", |v| v == 1.0);
@@ -308,6 +306,10 @@ fn a_real_prometheus_sees_the_series_move_and_answers_every_dashboard_query() {
         (names == ["dead"]).then_some(())
     })
     .unwrap_or_else(|e| panic!("{e}: {:?}", prom.query(pending)));
+}
+
+/// The failed first hook run counted, the snapshot measured, everything published.
+fn assert_the_publication_series(prom: &Prometheus) {
     prom.wait("the first hook run failed", r#"consul_resolver_hook_failures_total{reason="hook_exit"}"#, |v| v >= 1.0);
     prom.wait(
         "... and failed that publication",
@@ -318,12 +320,14 @@ fn a_real_prometheus_sees_the_series_move_and_answers_every_dashboard_query() {
     prom.wait("the snapshot's size", "consul_resolver_snapshot_bytes", |v| v > 100.0);
     prom.wait("the process metrics", r#"process_resident_memory_bytes{job="consul-resolver-operator"}"#, |v| v > 0.0);
     prom.wait("nothing left unpublished", "consul_resolver_unpublished_change_timestamp_seconds", |v| v == 0.0);
+}
 
-    // A change (a health check flips): published, counted and timed.
+/// A change (a health check flips): published, counted and timed.
+fn assert_a_change_is_published_and_timed(consul: &Consul, op: &Operator, prom: &Prometheus, ns: &str, svc: &str) {
     let published = prom.value("consul_resolver_snapshots_published_total").unwrap();
     let timed = prom.value("consul_resolver_publication_latency_seconds_count").unwrap();
-    consul.register("node-2", "127.0.0.1", &svc, &format!("{svc}-2"), 22002, "critical").unwrap();
-    op.wait_snapshot("the critical instance gone", T, |s| ports(s, &ns, "consul", &svc) == Some(vec![22001])).unwrap();
+    consul.register("node-2", "127.0.0.1", svc, &format!("{svc}-2"), 22002, "critical").unwrap();
+    op.wait_snapshot("the critical instance gone", T, |s| ports(s, ns, "consul", svc) == Some(vec![22001])).unwrap();
     prom.wait("one more publication", "consul_resolver_snapshots_published_total", |v| v > published);
     prom.wait("its latency observed", "consul_resolver_publication_latency_seconds_count", |v| v > timed);
     prom.wait(
@@ -331,8 +335,10 @@ fn a_real_prometheus_sees_the_series_move_and_answers_every_dashboard_query() {
         "consul_resolver_publication_latency_seconds_sum / consul_resolver_publication_latency_seconds_count",
         |v| v < 10.0,
     );
+}
 
-    // Consul's index goes back (a restored snapshot): the blocking watch starts over.
+/// Consul's index goes back (a restored snapshot): the blocking watch starts over.
+fn assert_an_index_gone_back_restarts_the_watch(sim: &RunningSim, prom: &Prometheus) {
     let reset = format!("{}/_sim/reset-index", sim.base_url());
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let status = rt.block_on(async { http_client().post(&reset).send().await.map(|r| r.status().as_u16()) }).unwrap();
@@ -342,8 +348,10 @@ fn a_real_prometheus_sees_the_series_move_and_answers_every_dashboard_query() {
         r#"consul_resolver_watch_restarts_total{source="consul",reason="index_went_back"}"#,
         |v| v >= 1.0,
     );
+}
 
-    // Every dashboard query parses and returns data, with Grafana's variables replaced.
+/// Every dashboard query parses and returns data, with Grafana's variables replaced.
+fn assert_every_dashboard_query_answers(prom: &Prometheus) {
     let dashboard: Value =
         serde_json::from_str(&std::fs::read_to_string(monitoring("dashboard.json")).unwrap()).unwrap();
     let exprs: Vec<String> = dashboard["panels"]
@@ -364,6 +372,31 @@ fn a_real_prometheus_sees_the_series_move_and_answers_every_dashboard_query() {
         }
     }
     assert!(empty.is_empty(), "dashboard queries without data: {empty:#?}");
+}
+
+/// The series move as the world changes, through a real Prometheus: watches come and go,
+/// Consul requests and contact are counted per outcome and per resolver, a failing hook
+/// and a dead Consul show, a change is published and timed, the alert rules evaluate on
+/// the real series, and every dashboard query parses and returns data.
+#[test]
+#[cfg_attr(e2e_no_prometheus, ignore = "needs prometheus (Debian's prometheus package; .ci/run installs it)")]
+#[cfg_attr(e2e_real_consul, ignore = "moves the Consul index back (the simulator's /_sim/reset-index)")]
+fn a_real_prometheus_sees_the_series_move_and_answers_every_dashboard_query() {
+    let cluster = Cluster::shared();
+    let consul = Consul::shared();
+    let sim = consul.sim.as_ref().expect("the simulator");
+    let (ns, svc) = a_live_and_a_dead_resolver(cluster, consul);
+    let hooks = tempfile::tempdir().unwrap();
+    let mut op = start_operator(cluster, &ns, &flaky_hook(hooks.path()).display().to_string());
+    let prom = Prometheus::start(&format!("127.0.0.1:{}", op.port), rules_file).unwrap();
+    op.wait_ready(T).unwrap();
+    op.wait_snapshot("both instances", T, |s| ports(s, &ns, "consul", &svc) == Some(vec![22001, 22002])).unwrap();
+
+    assert_the_watches_and_contact_series(&prom, &ns);
+    assert_the_publication_series(&prom);
+    assert_a_change_is_published_and_timed(consul, &op, &prom, &ns, &svc);
+    assert_an_index_gone_back_restarts_the_watch(sim, &prom);
+    assert_every_dashboard_query_answers(&prom);
 
     // An idle loop still beats every second, so an idle operator is alive.
     prom.wait("the heartbeat moving while idle", "changes(consul_resolver_heartbeat_timestamp_seconds[10s])", |v| {
