@@ -14,7 +14,6 @@
 mod cli;
 mod controller;
 mod crdgen;
-mod export;
 mod kube_client;
 mod leadership;
 mod measure;
@@ -27,6 +26,9 @@ mod sources;
 mod test_fixtures;
 mod vitals;
 
+// Where the runtime's wiring and its metrics registry name the export controller.
+use controller::export;
+
 pub use process::main;
 
 /// The snapshot ConfigMap format (docs/snapshot.md), for readers of it.
@@ -37,8 +39,8 @@ pub mod snapshot_configmap {
     };
 }
 
-/// The README's Layout names what exists: every crate under `crates/` and every folder of
-/// `src/`, and nothing that does not.
+/// The README's Layout names what exists: every crate under `crates/`, every folder of
+/// `src/` and of `src/controller/`, and nothing that does not.
 #[cfg(test)]
 mod layout {
     use std::collections::BTreeSet;
@@ -61,19 +63,37 @@ mod layout {
             .collect()
     }
 
+    /// The folders the Layout names under `src/`, as paths: a folder indented two more
+    /// than the one above it is inside it (`controller/resolver`).
+    fn named_under_src(layout: &str) -> BTreeSet<String> {
+        let mut path: Vec<(usize, String)> = Vec::new();
+        let mut named = BTreeSet::new();
+        for line in layout.lines().skip_while(|l| !l.starts_with("src/")).skip(1) {
+            let indent = line.len() - line.trim_start().len();
+            if indent == 0 && !line.is_empty() {
+                break;
+            }
+            let Some(folder) = line.split_whitespace().next().and_then(|w| w.strip_suffix('/')) else { continue };
+            path.retain(|(at, _)| *at < indent);
+            path.push((indent, folder.to_owned()));
+            named.insert(path.iter().map(|(_, f)| f.as_str()).collect::<Vec<_>>().join("/"));
+        }
+        named
+    }
+
     #[test]
     fn the_readme_layout_names_every_crate_and_source_folder_and_nothing_else() {
         let layout = readme_layout();
-        let named = |prefix: &str| -> BTreeSet<String> {
-            layout
-                .lines()
-                .filter_map(|l| l.split_whitespace().next().filter(|_| l.starts_with(prefix)))
-                .filter_map(|w| w.strip_prefix(prefix.trim_start()).and_then(|r| r.strip_suffix('/')))
-                .filter(|n| !n.is_empty() && !n.contains('/'))
-                .map(str::to_owned)
-                .collect()
-        };
-        assert_eq!(named("crates/"), folders("crates"), "crates/ in the README's Layout");
-        assert_eq!(named("  "), folders("src"), "the folders of src/ in the README's Layout");
+        let crates: BTreeSet<String> = layout
+            .lines()
+            .filter(|l| l.starts_with("crates/"))
+            .filter_map(|l| l.split_whitespace().next()?.strip_prefix("crates/")?.strip_suffix('/'))
+            .filter(|n| !n.is_empty() && !n.contains('/'))
+            .map(str::to_owned)
+            .collect();
+        assert_eq!(crates, folders("crates"), "crates/ in the README's Layout");
+        let mut source = folders("src");
+        source.extend(folders("src/controller").into_iter().map(|f| format!("controller/{f}")));
+        assert_eq!(named_under_src(&layout), source, "the folders of src/ and src/controller/ in the README's Layout");
     }
 }

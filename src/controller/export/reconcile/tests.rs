@@ -10,9 +10,9 @@ use kube::core::GroupVersionKind;
 use serde_json::{Value, json};
 
 use super::*;
+use crate::controller::export::metrics::ExportMetrics;
+use crate::controller::export::{Context, SliceVersion};
 use crate::controller::feed::Backoff;
-use crate::export::metrics::ExportMetrics;
-use crate::export::{Context, SliceVersion};
 use crate::leadership::Leadership;
 use crate::test_fixtures::{self, FakeApi};
 use consul_resolver_core::assembler::snapshot::{Part, ServiceEntry};
