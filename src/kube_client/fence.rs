@@ -1,7 +1,7 @@
 //! The snapshot writer's client: a request body goes out only while this replica leads.
 //!
 //! The ConfigMap publisher checks its leadership deadline before each request
-//! (`Writer::may_write` in publishers/configmap.rs). For a large body that is not enough: a
+//! (`Writer::may_write` in publishers/configmap/mod.rs). For a large body that is not enough: a
 //! part of a split snapshot is up to 900 KiB, and while the API server reads it slowly the
 //! rest waits in this process. A process stopped then (SIGSTOP, a paused VM, a starved CPU)
 //! sends the rest when it resumes, past its deadline, and the API server creates the part
