@@ -2,6 +2,7 @@
 //! (`resolver`), and ConsulService exports (`export`). Neither lists or watches: their
 //! stores are fed from the world (`feed`), which already watches both kinds.
 
+pub(crate) mod conditions;
 pub(crate) mod export;
 pub(crate) mod feed;
 pub(crate) mod resolver;

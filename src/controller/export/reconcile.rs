@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use super::objects;
 use super::status::Outcome;
 use super::{Context, ExportError};
+use crate::controller::conditions::whole_seconds;
 use crate::kube_client::{FIELD_MANAGER, status_code};
 use consul_resolver_api::export::{ConsulService, ConsulServiceSpec, IpFamily};
 use consul_resolver_core::assembler::snapshot::ExportEntry;
@@ -213,9 +214,8 @@ async fn hold(
     until: Instant,
 ) -> Result<Option<Outcome>, ExportError> {
     let Some(service) = &live.service else { return Ok(None) };
-    let now = k8s_openapi::jiff::Timestamp::now();
     // Whole seconds, as the conditions' times.
-    let now = k8s_openapi::jiff::Timestamp::from_second(now.as_second()).unwrap_or(now);
+    let now = whole_seconds(k8s_openapi::jiff::Timestamp::now());
     let mut desired = held(&live.slices(), family, reason, &now.to_string());
     if desired.endpoint_count() == 0 {
         return Ok(None);

@@ -1,8 +1,9 @@
 //! An export's status from what its reconcile found and did. Pure.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
+use crate::controller::conditions::ConditionStatus::{False, True, Unknown};
+use crate::controller::conditions::{Said, conditions};
 use consul_resolver_api::status::export::{self as cond, reason};
 use consul_resolver_api::status::{ConsulServiceStatus, ExcludedInstance, StaleStatus};
 use consul_resolver_core::export::Desired;
@@ -31,6 +32,8 @@ pub(crate) enum Outcome {
     Failed(String),
 }
 
+/// The status of export `name` after `outcome`. `previous` (the live status) keeps each
+/// condition's `lastTransitionTime` unless that condition's status flipped.
 pub(crate) fn status_for(
     name: &str,
     generation: Option<i64>,
@@ -38,78 +41,9 @@ pub(crate) fn status_for(
     previous: Option<&ConsulServiceStatus>,
     now: Timestamp,
 ) -> ConsulServiceStatus {
-    let now = Timestamp::from_second(now.as_second()).unwrap_or(now);
-    // Messages are never empty: metav1.Condition requires one (an empty one is sent as null).
-    let no_conflict = || ("False", reason::NO_CONFLICT, format!("no Service {name} but ours"));
-    let (ready, exported, conflict) = match outcome {
-        Outcome::Invalid(why, _) => (
-            ("False", reason::INVALID_SPEC, why.clone()),
-            ("False", reason::INVALID_SPEC, why.clone()),
-            ("Unknown", reason::INVALID_SPEC, "not checked: the spec cannot be used".to_owned()),
-        ),
-        Outcome::Conflict => {
-            let why = format!("Service {name} exists and is not managed by this export: it is left alone");
-            (
-                ("False", reason::SERVICE_EXISTS, why.clone()),
-                ("False", reason::SERVICE_EXISTS, why.clone()),
-                ("True", reason::SERVICE_EXISTS, why),
-            )
-        }
-        Outcome::Failed(why) => (
-            ("False", reason::WRITE_FAILED, why.clone()),
-            ("False", reason::WRITE_FAILED, why.clone()),
-            ("Unknown", reason::WRITE_FAILED, "not known: the Service could not be read or written".to_owned()),
-        ),
-        Outcome::NoResolver(why) => (
-            ("False", reason::RESOLVER_UNAVAILABLE, why.clone()),
-            ("False", reason::RESOLVER_UNAVAILABLE, why.clone()),
-            no_conflict(),
-        ),
-        Outcome::NoPorts { .. } => {
-            let why = "no instance yet, so no port to expose: the Service is created with the first instance (or set spec.ports)".to_owned();
-            (("False", reason::WAITING, why.clone()), ("False", reason::WAITING, why), no_conflict())
-        }
-        Outcome::Held { desired, slices } => {
-            let stale = desired.stale.as_ref().map(|s| format!("since {}: {}", s.since, s.reason)).unwrap_or_default();
-            (
-                ("False", reason::STALE, format!("endpoints held from the EndpointSlices, stale {stale}")),
-                ("True", reason::EXPORTED, format!("Service {name} and {slices} EndpointSlices held as last written")),
-                no_conflict(),
-            )
-        }
-        Outcome::Exported { desired, slices, waiting } => {
-            let n = desired.endpoint_count();
-            let ready = match (&desired.stale, waiting) {
-                (Some(s), _) => {
-                    ("False", reason::STALE, format!("endpoints last obtained, stale since {}: {}", s.since, s.reason))
-                }
-                (None, true) => ("False", reason::WAITING, "Consul has not answered for this service yet".to_owned()),
-                (None, false) => ("True", reason::EXPORTED, format!("{n} endpoints in {slices} slices")),
-            };
-            (
-                ready,
-                ("True", reason::EXPORTED, format!("Service {name} and {slices} EndpointSlices written")),
-                no_conflict(),
-            )
-        }
-    };
-    let conditions = [(cond::READY, ready), (cond::EXPORTED, exported), (cond::CONFLICT, conflict)]
-        .into_iter()
-        .map(|(type_, (status, reason, message))| {
-            let kept = previous
-                .and_then(|p| p.conditions.iter().find(|c| c.type_ == type_))
-                .filter(|c| c.status == status)
-                .map(|c| c.last_transition_time.clone());
-            Condition {
-                type_: type_.into(),
-                status: status.into(),
-                reason: reason.into(),
-                message,
-                observed_generation: generation,
-                last_transition_time: kept.unwrap_or(Time(now)),
-            }
-        })
-        .collect();
+    let [ready, exported, conflict] = said(name, outcome);
+    let said = [(cond::READY, ready), (cond::EXPORTED, exported), (cond::CONFLICT, conflict)];
+    let conditions = conditions(said, generation, previous.map_or(&[], |p| &p.conditions), now);
     let mut status = ConsulServiceStatus { observed_generation: generation, conditions, ..Default::default() };
     let desired = match outcome {
         Outcome::Exported { desired, slices, .. } | Outcome::Held { desired, slices } => {
@@ -121,22 +55,107 @@ pub(crate) fn status_for(
         _ => None,
     };
     if let Some(d) = desired {
-        status.endpoints = Some(u32::try_from(d.endpoint_count()).unwrap_or(u32::MAX));
-        status.excluded = Some(u32::try_from(d.excluded.len()).unwrap_or(u32::MAX));
-        status.excluded_instances = d
-            .excluded
-            .iter()
-            .take(MAX_EXCLUDED_LISTED)
-            .map(|x| ExcludedInstance {
-                node: x.node.clone(),
-                service_id: x.service_id.clone(),
-                address: x.address.clone(),
-                reason: x.reason.clone(),
-            })
-            .collect();
-        status.stale = d.stale.as_ref().map(|s| StaleStatus { since: s.since.clone(), reason: s.reason.clone() });
+        held_endpoints(&mut status, d);
     }
     status
+}
+
+/// What Ready, Exported and Conflict say after `outcome`, in that order.
+fn said(name: &str, outcome: &Outcome) -> [Said; 3] {
+    match outcome {
+        Outcome::Invalid(why, _) => invalid(why),
+        Outcome::Conflict => conflict(name),
+        Outcome::Failed(why) => failed(why),
+        Outcome::NoResolver(why) => no_resolver(name, why),
+        Outcome::NoPorts { .. } => no_ports(name),
+        Outcome::Held { desired, slices } => held(name, desired, *slices),
+        Outcome::Exported { desired, slices, waiting } => exported(name, desired, *slices, *waiting),
+    }
+}
+
+/// Conflict when the Service is ours.
+fn no_conflict(name: &str) -> Said {
+    Said::new(False, reason::NO_CONFLICT, format!("no Service {name} but ours"))
+}
+
+fn invalid(why: &str) -> [Said; 3] {
+    [
+        Said::new(False, reason::INVALID_SPEC, why),
+        Said::new(False, reason::INVALID_SPEC, why),
+        Said::new(Unknown, reason::INVALID_SPEC, "not checked: the spec cannot be used"),
+    ]
+}
+
+fn conflict(name: &str) -> [Said; 3] {
+    let why = format!("Service {name} exists and is not managed by this export: it is left alone");
+    [
+        Said::new(False, reason::SERVICE_EXISTS, why.clone()),
+        Said::new(False, reason::SERVICE_EXISTS, why.clone()),
+        Said::new(True, reason::SERVICE_EXISTS, why),
+    ]
+}
+
+fn failed(why: &str) -> [Said; 3] {
+    [
+        Said::new(False, reason::WRITE_FAILED, why),
+        Said::new(False, reason::WRITE_FAILED, why),
+        Said::new(Unknown, reason::WRITE_FAILED, "not known: the Service could not be read or written"),
+    ]
+}
+
+fn no_resolver(name: &str, why: &str) -> [Said; 3] {
+    [
+        Said::new(False, reason::RESOLVER_UNAVAILABLE, why),
+        Said::new(False, reason::RESOLVER_UNAVAILABLE, why),
+        no_conflict(name),
+    ]
+}
+
+fn no_ports(name: &str) -> [Said; 3] {
+    let why = "no instance yet, so no port to expose: the Service is created with the first instance (or set \
+               spec.ports)";
+    [Said::new(False, reason::WAITING, why), Said::new(False, reason::WAITING, why), no_conflict(name)]
+}
+
+fn held(name: &str, desired: &Desired, slices: usize) -> [Said; 3] {
+    let stale = desired.stale.as_ref().map(|s| format!("since {}: {}", s.since, s.reason)).unwrap_or_default();
+    [
+        Said::new(False, reason::STALE, format!("endpoints held from the EndpointSlices, stale {stale}")),
+        Said::new(True, reason::EXPORTED, format!("Service {name} and {slices} EndpointSlices held as last written")),
+        no_conflict(name),
+    ]
+}
+
+fn exported(name: &str, desired: &Desired, slices: usize, waiting: bool) -> [Said; 3] {
+    let ready = match (&desired.stale, waiting) {
+        (Some(s), _) => {
+            Said::new(False, reason::STALE, format!("endpoints last obtained, stale since {}: {}", s.since, s.reason))
+        }
+        (None, true) => Said::new(False, reason::WAITING, "Consul has not answered for this service yet"),
+        (None, false) => {
+            Said::new(True, reason::EXPORTED, format!("{} endpoints in {slices} slices", desired.endpoint_count()))
+        }
+    };
+    let written = format!("Service {name} and {slices} EndpointSlices written");
+    [ready, Said::new(True, reason::EXPORTED, written), no_conflict(name)]
+}
+
+/// The endpoints `desired` holds, the instances it leaves out and since when it is stale.
+fn held_endpoints(status: &mut ConsulServiceStatus, desired: &Desired) {
+    status.endpoints = Some(u32::try_from(desired.endpoint_count()).unwrap_or(u32::MAX));
+    status.excluded = Some(u32::try_from(desired.excluded.len()).unwrap_or(u32::MAX));
+    status.excluded_instances = desired
+        .excluded
+        .iter()
+        .take(MAX_EXCLUDED_LISTED)
+        .map(|x| ExcludedInstance {
+            node: x.node.clone(),
+            service_id: x.service_id.clone(),
+            address: x.address.clone(),
+            reason: x.reason.clone(),
+        })
+        .collect();
+    status.stale = desired.stale.as_ref().map(|s| StaleStatus { since: s.since.clone(), reason: s.reason.clone() });
 }
 
 #[cfg(test)]
@@ -170,6 +189,6 @@ mod tests {
         assert_eq!(again, first, "nothing changed: the same status, so nothing is written");
         let conflict = status_for("web", Some(2), &outcomes[1], Some(&first), later);
         let ready = conflict.conditions.iter().find(|c| c.type_ == cond::READY).unwrap();
-        assert_eq!((ready.status.as_str(), ready.last_transition_time.0), ("False", later));
+        assert_eq!((ready.status.as_str(), ready.last_transition_time.0), (False.as_str(), later));
     }
 }

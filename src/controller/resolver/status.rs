@@ -5,9 +5,10 @@
 //! rewrite every resolver's status, even those the change was not about. It names the
 //! snapshot in which the status last changed.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
+use crate::controller::conditions::ConditionStatus::{False, True, Unknown};
+use crate::controller::conditions::{Said, conditions, whole_seconds};
 use consul_resolver_api::status::{ConsulResolverStatus, ServiceStatus, SnapshotRef, StaleStatus, condition, reason};
 use consul_resolver_core::assembler::snapshot::{Part, ResolverEntry, ServiceEntry, Stale, UnusableReason};
 
@@ -15,10 +16,6 @@ use consul_resolver_core::assembler::snapshot::{Part, ResolverEntry, ServiceEntr
 pub(crate) const MAX_SERVICE_DETAILS: usize = 50;
 /// Most services named in one condition message.
 const MAX_NAMED: usize = 5;
-
-fn truncate_to_seconds(t: Timestamp) -> Timestamp {
-    Timestamp::from_second(t.as_second()).unwrap_or(t)
-}
 
 /// `a, b, c and 4 more`.
 fn name_some<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
@@ -41,14 +38,6 @@ pub(crate) fn unusable_reason(r: UnusableReason) -> &'static str {
     }
 }
 
-/// A condition before it gets its generation and transition time.
-struct Cond {
-    type_: &'static str,
-    status: &'static str,
-    reason: &'static str,
-    message: String,
-}
-
 /// The status `entry` gives its resolver in snapshot `snapshot_id` published at `now`.
 /// `previous` (the status on the object, or the one last written) keeps each condition's
 /// `lastTransitionTime` unless that condition's status flipped.
@@ -58,7 +47,7 @@ pub(crate) fn status_for(
     now: Timestamp,
     previous: Option<&ConsulResolverStatus>,
 ) -> ConsulResolverStatus {
-    let now = truncate_to_seconds(now);
+    let now = whole_seconds(now);
     let services = &entry.services;
     let endpoints: usize = services.iter().map(|s| s.endpoints.len()).sum();
     let unsynced: Vec<&str> = services.iter().filter(|s| !s.synced).map(|s| s.name.as_str()).collect();
@@ -67,10 +56,9 @@ pub(crate) fn status_for(
     let bootstrapped = bootstrapped_condition(entry, &unsynced);
     // Ready summarises the other two, so it is built from them.
     let ready = ready_condition(entry, &reachable, &bootstrapped, endpoints);
-    let conditions = [ready, reachable, bootstrapped]
-        .into_iter()
-        .map(|c| with_transition_time(c, entry.generation, previous, now))
-        .collect();
+    let said =
+        [(condition::READY, ready), (condition::CONSUL_REACHABLE, reachable), (condition::BOOTSTRAPPED, bootstrapped)];
+    let conditions = conditions(said, entry.generation, previous.map_or(&[], |p| &p.conditions), now);
     let (service_details, services_truncated) = service_details(services, previous, now);
 
     ConsulResolverStatus {
@@ -86,34 +74,34 @@ pub(crate) fn status_for(
 
 /// `ConsulReachable`: the first of an unusable resolver (nothing was queried), a failed
 /// query, no services, services not answered yet, or all answered.
-fn consul_reachable_condition(entry: &ResolverEntry, unsynced: &[&str]) -> Cond {
+fn consul_reachable_condition(entry: &ResolverEntry, unsynced: &[&str]) -> Said {
     let services = &entry.services;
     let failing: Vec<&ServiceEntry> = services.iter().map(|s| &**s).filter(|s| s.error.is_some()).collect();
     let (status, reason, message) = match &entry.unusable {
         // A Secret that cannot be read stops every query: Consul is as good as unreachable.
         Some(u) if u.reason == UnusableReason::SecretUnavailable => {
-            ("False", unusable_reason(u.reason), format!("cannot query Consul at {}: {}", entry.address, u.message))
+            (False, unusable_reason(u.reason), format!("cannot query Consul at {}: {}", entry.address, u.message))
         }
         // A spec in error (or a Secret not read yet) says nothing about Consul.
-        Some(u) => ("Unknown", unusable_reason(u.reason), format!("not queried: {}", u.message)),
-        None if !failing.is_empty() => ("False", reason::QUERY_FAILED, query_failed_message(entry, &failing)),
+        Some(u) => (Unknown, unusable_reason(u.reason), format!("not queried: {}", u.message)),
+        None if !failing.is_empty() => (False, reason::QUERY_FAILED, query_failed_message(entry, &failing)),
         None if services.is_empty() => (
-            "Unknown",
+            Unknown,
             reason::NO_SERVICES,
             "no Mapping uses this resolver and spec.services is empty: nothing to query".into(),
         ),
         None if !unsynced.is_empty() => (
-            "Unknown",
+            Unknown,
             reason::WAITING,
             format!("waiting for Consul at {} to answer for {}", entry.address, name_some(unsynced.iter().copied())),
         ),
         None => (
-            "True",
+            True,
             reason::QUERIES_SUCCEEDED,
             format!("Consul at {} answered for all {} services", entry.address, services.len()),
         ),
     };
-    Cond { type_: condition::CONSUL_REACHABLE, status, reason, message }
+    Said::new(status, reason, message)
 }
 
 /// Names the address, the first failing service and its error, and how many others fail.
@@ -133,19 +121,19 @@ fn query_failed_message(entry: &ResolverEntry, failing: &[&ServiceEntry]) -> Str
 }
 
 /// `Bootstrapped`: whether every service has answered at least once.
-fn bootstrapped_condition(entry: &ResolverEntry, unsynced: &[&str]) -> Cond {
+fn bootstrapped_condition(entry: &ResolverEntry, unsynced: &[&str]) -> Said {
     let services = &entry.services;
     let (status, reason, message) = if let Some(u) = &entry.unusable {
         (
-            "False",
+            False,
             unusable_reason(u.reason),
             "nothing is queried until the resolver is usable (see the Ready condition)".into(),
         )
     } else if unsynced.is_empty() {
-        ("True", reason::ALL_SERVICES_ANSWERED, "every service of this resolver has answered at least once".into())
+        (True, reason::ALL_SERVICES_ANSWERED, "every service of this resolver has answered at least once".into())
     } else {
         (
-            "False",
+            False,
             reason::SERVICES_UNSYNCED,
             format!(
                 "{} of {} services have not answered yet ({}); the snapshot was published without their current endpoints",
@@ -155,29 +143,25 @@ fn bootstrapped_condition(entry: &ResolverEntry, unsynced: &[&str]) -> Cond {
             ),
         )
     };
-    Cond { type_: condition::BOOTSTRAPPED, status, reason, message }
+    Said::new(status, reason, message)
 }
 
 /// `Ready`: false for the first problem among an unusable spec, `reachable` false and
 /// `bootstrapped` false, with that problem's message and the endpoints still published
 /// from before; true otherwise, with the counts.
-fn ready_condition(entry: &ResolverEntry, reachable: &Cond, bootstrapped: &Cond, endpoints: usize) -> Cond {
+fn ready_condition(entry: &ResolverEntry, reachable: &Said, bootstrapped: &Said, endpoints: usize) -> Said {
     let services = &entry.services;
     let kept = kept_endpoints(services);
     let (status, reason, message) = if let Some(u) = &entry.unusable {
-        ("False", unusable_reason(u.reason), format!("{}{kept}", u.message))
-    } else if reachable.status == "False" {
-        ("False", reason::CONSUL_UNREACHABLE, format!("{}{kept}", reachable.message))
-    } else if bootstrapped.status == "False" {
-        ("False", reason::BOOTSTRAP_INCOMPLETE, format!("{}{kept}", bootstrapped.message))
+        (False, unusable_reason(u.reason), format!("{}{kept}", u.message))
+    } else if reachable.status == False {
+        (False, reason::CONSUL_UNREACHABLE, format!("{}{kept}", reachable.message))
+    } else if bootstrapped.status == False {
+        (False, reason::BOOTSTRAP_INCOMPLETE, format!("{}{kept}", bootstrapped.message))
     } else {
-        (
-            "True",
-            reason::PUBLISHED,
-            format!("{} services with {endpoints} endpoints are in the snapshot", services.len()),
-        )
+        (True, reason::PUBLISHED, format!("{} services with {endpoints} endpoints are in the snapshot", services.len()))
     };
-    Cond { type_: condition::READY, status, reason, message }
+    Said::new(status, reason, message)
 }
 
 /// What Ready says about endpoints kept from before: empty when none are.
@@ -191,28 +175,6 @@ fn kept_endpoints(services: &[Part<ServiceEntry>]) -> String {
             name_some(stale.iter().map(|(name, _)| *name)),
             first.since
         ),
-    }
-}
-
-/// The metav1.Condition for `c`. Its `lastTransitionTime` is `previous`'s for the same
-/// type unless the status flipped (or there was none): `now`.
-fn with_transition_time(
-    c: Cond,
-    generation: Option<i64>,
-    previous: Option<&ConsulResolverStatus>,
-    now: Timestamp,
-) -> Condition {
-    let kept = previous
-        .and_then(|p| p.conditions.iter().find(|old| old.type_ == c.type_))
-        .filter(|old| old.status == c.status)
-        .map(|old| old.last_transition_time.clone());
-    Condition {
-        type_: c.type_.into(),
-        status: c.status.into(),
-        reason: c.reason.into(),
-        message: c.message,
-        observed_generation: generation,
-        last_transition_time: kept.unwrap_or(Time(now)),
     }
 }
 
@@ -266,6 +228,7 @@ mod tests {
     use consul_resolver_core::assembler::snapshot::Part;
     use consul_resolver_core::assembler::snapshot::{ServiceEntry, Unusable};
     use consul_resolver_core::model::{Endpoint, Health};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
     use std::collections::BTreeSet;
 
     fn ep(i: usize) -> Endpoint {
@@ -307,7 +270,7 @@ mod tests {
         assert_eq!((s.services, s.endpoints), (Some(2), Some(3)));
         assert_eq!(s.last_snapshot, Some(SnapshotRef { id: 9, time: "2023-11-14T22:13:20Z".into() }));
         for c in [condition::READY, condition::CONSUL_REACHABLE, condition::BOOTSTRAPPED] {
-            assert_eq!(cond(&s, c).status, "True", "{c}");
+            assert_eq!(cond(&s, c).status, True.as_str(), "{c}");
             assert_eq!(cond(&s, c).observed_generation, Some(3));
         }
         let names: Vec<_> = s.service_details.iter().map(|d| (d.name.as_str(), d.endpoints)).collect();
@@ -324,9 +287,9 @@ mod tests {
         });
         let s = status_for(&e, 1, t(0), None);
         let ready = cond(&s, condition::READY);
-        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", reason::INVALID_SPEC));
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), (False.as_str(), reason::INVALID_SPEC));
         assert_eq!(ready.message, "spec.address: \"::\" is not host:port");
-        assert_eq!(cond(&s, condition::CONSUL_REACHABLE).status, "Unknown");
+        assert_eq!(cond(&s, condition::CONSUL_REACHABLE).status, Unknown.as_str());
     }
 
     #[test]
@@ -336,7 +299,7 @@ mod tests {
         down.error = Some("connect 127.0.0.1:8500: connection refused".into());
         let s = status_for(&entry(vec![down, service("api", 1)]), 1, t(0), None);
         let c = cond(&s, condition::CONSUL_REACHABLE);
-        assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", reason::QUERY_FAILED));
+        assert_eq!((c.status.as_str(), c.reason.as_str()), (False.as_str(), reason::QUERY_FAILED));
         assert!(
             c.message.contains("http://127.0.0.1:8500") && c.message.contains("connection refused"),
             "{}",
@@ -354,10 +317,10 @@ mod tests {
         silent.index = None;
         let s = status_for(&entry(vec![silent, service("api", 1)]), 1, t(0), None);
         let b = cond(&s, condition::BOOTSTRAPPED);
-        assert_eq!((b.status.as_str(), b.reason.as_str()), ("False", reason::SERVICES_UNSYNCED));
+        assert_eq!((b.status.as_str(), b.reason.as_str()), (False.as_str(), reason::SERVICES_UNSYNCED));
         assert!(b.message.contains("1 of 2") && b.message.contains("web"), "{}", b.message);
         assert_eq!(cond(&s, condition::READY).reason, reason::BOOTSTRAP_INCOMPLETE);
-        assert_eq!(cond(&s, condition::CONSUL_REACHABLE).status, "Unknown");
+        assert_eq!(cond(&s, condition::CONSUL_REACHABLE).status, Unknown.as_str());
     }
 
     #[test]
@@ -409,7 +372,7 @@ mod tests {
     #[test]
     fn no_services_is_ready_with_nothing_to_query() {
         let s = status_for(&entry(vec![]), 1, t(0), None);
-        assert_eq!(cond(&s, condition::READY).status, "True");
+        assert_eq!(cond(&s, condition::READY).status, True.as_str());
         assert_eq!(cond(&s, condition::CONSUL_REACHABLE).reason, reason::NO_SERVICES);
     }
 
@@ -480,7 +443,7 @@ mod tests {
         let rows: BTreeSet<&str> =
             troubleshooting.lines().filter_map(|l| l.strip_prefix("| `")?.split('`').next()).collect();
         for (type_, status, r) in every_condition_said() {
-            if type_ == condition::READY && status == "False" {
+            if type_ == condition::READY && status == False.as_str() {
                 assert!(rows.contains(r.as_str()), "docs/operations.md explains Ready=False/{r}");
             }
         }
@@ -494,6 +457,7 @@ mod stale_tests {
     use consul_resolver_core::assembler::snapshot::Part;
     use consul_resolver_core::assembler::snapshot::{ServiceEntry, Stale, Unusable};
     use consul_resolver_core::model::{Endpoint, Health};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
     fn kept(name: &str, reason: &str) -> ServiceEntry {
         let ep = Endpoint {
@@ -528,10 +492,13 @@ mod stale_tests {
         e.services = vec![Part::new(kept("web", message))];
         let s = status_for(&e, 1, Timestamp::from_second(1_800_000_000).unwrap(), None);
         let reachable = cond(&s, condition::CONSUL_REACHABLE);
-        assert_eq!((reachable.status.as_str(), reachable.reason.as_str()), ("False", reason::SECRET_UNAVAILABLE));
+        assert_eq!(
+            (reachable.status.as_str(), reachable.reason.as_str()),
+            (False.as_str(), reason::SECRET_UNAVAILABLE)
+        );
         assert!(reachable.message.contains("Secret shop/acl not found"), "{}", reachable.message);
         let ready = cond(&s, condition::READY);
-        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", reason::SECRET_UNAVAILABLE));
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), (False.as_str(), reason::SECRET_UNAVAILABLE));
         assert!(
             ready.message.contains("still published for web (stale since 2026-11-23T06:00:00Z)"),
             "{}",
@@ -552,7 +519,7 @@ mod stale_tests {
         e.services = vec![Part::new(web)];
         let s = status_for(&e, 1, Timestamp::from_second(1_800_000_000).unwrap(), None);
         let reachable = cond(&s, condition::CONSUL_REACHABLE);
-        assert_eq!((reachable.status.as_str(), reachable.reason.as_str()), ("False", reason::QUERY_FAILED));
+        assert_eq!((reachable.status.as_str(), reachable.reason.as_str()), (False.as_str(), reason::QUERY_FAILED));
         assert!(reachable.message.contains("ACL token rejected"), "{}", reachable.message);
         assert_eq!(cond(&s, condition::READY).reason, reason::CONSUL_UNREACHABLE);
     }
