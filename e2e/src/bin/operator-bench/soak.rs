@@ -26,16 +26,22 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use e2e::harness::metric_sample;
+use consul_resolver_operator::snapshot_configmap as configmap;
+use consul_sim::RunningSim;
+use e2e::bench::loadavg;
+use e2e::harness::{Cluster, Operator, metric_sample};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams};
 use serde_json::{Value, json};
 use tokio::runtime::Runtime;
 
-use super::{
-    Cluster, OPERATOR_NS, Settings, cold_start, configmap, cpu_time, fresh_sim, kube_client, loadavg, mapping_resource,
-    memory_kib, mib, node_name, process_exited, register, registered_port, secs, service_name, set_check, setup,
-    start_sim, stop,
+use crate::cold_start::{cold_start, stop};
+use crate::procfs::{cpu_time, memory_kib, process_exited};
+use crate::profile::Settings;
+use crate::report::{mib, secs};
+use crate::setup::{
+    OPERATOR_NS, Setup, fresh_sim, kube_client, mapping_resource, namespaces, node_name, placeholder_sim, register,
+    registered_port, service_name, set_check, setup,
 };
 
 /// Services only the churned Mappings name.
@@ -108,6 +114,18 @@ struct Model {
     churned: Vec<(String, String)>,
 }
 
+impl Model {
+    /// The world as the setup made it: every instance on its registered port, passing.
+    fn new(s: &Settings) -> Model {
+        Model {
+            port: (0..s.services).map(|i| registered_port(s, i, 0)).collect(),
+            passing: vec![true; s.services],
+            live: BTreeMap::new(),
+            churned: Vec::new(),
+        }
+    }
+}
+
 #[derive(Default)]
 struct Counts {
     port_changes: usize,
@@ -155,32 +173,6 @@ fn threads(pid: u32) -> anyhow::Result<u64> {
         .find_map(|l| l.strip_prefix("Threads:"))
         .and_then(|v| v.trim().parse().ok())
         .with_context(|| format!("no Threads in /proc/{pid}/status"))
-}
-
-async fn sample(
-    http: &reqwest::Client,
-    metrics_url: &str,
-    pid: u32,
-    sim: &consul_sim::RunningSim,
-    at: Duration,
-) -> anyhow::Result<Sample> {
-    ensure!(!process_exited(pid), "the operator exited {} into the soak", secs(at));
-    let text = http.get(metrics_url).send().await?.text().await?;
-    let (hwm_kib, rss_kib) = memory_kib(pid)?;
-    let (fds, sockets) = fds(pid)?;
-    Ok(Sample {
-        at,
-        rss_kib,
-        hwm_kib,
-        fds,
-        sockets,
-        threads: threads(pid)?,
-        tasks: metric_sample(&text, "consul_resolver_runtime_tasks"),
-        consul_watches: metric_sample(&text, "consul_resolver_watches{source=\"consul\"}"),
-        kube_watches: metric_sample(&text, "consul_resolver_watches{source=\"kubernetes\"}"),
-        sim_connections: sim.stats().open_connections_total,
-        cpu: cpu_time(pid)?,
-    })
 }
 
 /// The bounds the samples after the warm-up are held to, fixed before the first run. A
@@ -287,63 +279,6 @@ fn differences(snapshot: &Value, model: &Model, s: &Settings, namespaces: &[Stri
     out
 }
 
-/// The driver: makes change `k` (of the kind `k % 3`) and records it in the model.
-async fn change(
-    k: usize,
-    http: &reqwest::Client,
-    base: &str,
-    mappings: &(kube::Client, Vec<String>),
-    s: &Settings,
-    model: &mut Model,
-    counts: &mut Counts,
-) -> anyhow::Result<()> {
-    let round = k / 3;
-    match k % 3 {
-        0 => {
-            let i = (round * 7919) % s.services;
-            let port = 20_000 + (round % 40_000) as u16;
-            register(http, base, &service_name(i), &node_name(0), port).await?;
-            model.port[i] = port;
-            model.passing[i] = true; // registration writes the check passing
-            counts.port_changes += 1;
-        }
-        1 => {
-            let i = (round * 104_729 + 17) % s.services;
-            let passing = !model.passing[i];
-            set_check(http, base, &service_name(i), &node_name(0), if passing { "passing" } else { "critical" })
-                .await?;
-            model.passing[i] = passing;
-            counts.flips += 1;
-        }
-        _ => {
-            let (client, namespaces) = mappings;
-            let mr = mapping_resource();
-            let ns = &namespaces[round % namespaces.len()];
-            let name = format!("soak-{round}");
-            let j = round % CHURN_SERVICES;
-            let mut o = DynamicObject::new(&name, &mr).within(ns);
-            o.data = json!({"spec": {"prefix": format!("/{name}/"), "service": format!("{}:8080", churn_service(j)), "resolver": "consul"}});
-            Api::<DynamicObject>::namespaced_with(client.clone(), ns, &mr)
-                .create(&PostParams::default(), &o)
-                .await
-                .with_context(|| format!("creating Mapping {ns}/{name}"))?;
-            model.live.insert((ns.clone(), name.clone()), j);
-            model.churned.push((ns.clone(), name));
-            counts.created += 1;
-            if round >= CHURN_LIVE {
-                let (ns, name) = model.churned[round - CHURN_LIVE].clone();
-                Api::<DynamicObject>::namespaced_with(client.clone(), &ns, &mr)
-                    .delete(&name, &DeleteParams::default())
-                    .await
-                    .with_context(|| format!("deleting Mapping {ns}/{name}"))?;
-                model.live.remove(&(ns, name));
-                counts.deleted += 1;
-            }
-        }
-    }
-    Ok(())
-}
-
 /// The soak, start to end; prints its figures as markdown for docs/benchmarks.md.
 pub(crate) fn run(rt: &Runtime, cluster: &Cluster, s: &Settings, soak: &Soak, load_start: &str) -> anyhow::Result<()> {
     let mode = s.modes[0];
@@ -357,51 +292,77 @@ pub(crate) fn run(rt: &Runtime, cluster: &Cluster, s: &Settings, soak: &Soak, lo
         secs(soak.duration),
         secs(soak.warmup)
     );
-    let placeholder = start_sim(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))?;
-    let namespaces = (0..s.namespaces).map(|_| cluster.namespace("soak")).collect::<anyhow::Result<Vec<_>>>()?;
-    let setup = rt.block_on(setup(cluster, &placeholder, s, namespaces))?;
-    drop(placeholder);
-    println!("  setup: Mappings created in {}", secs(setup.mappings_created_in));
-    let sim = fresh_sim(rt, setup.sim_addr, s)?;
-    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build()?;
-    rt.block_on(async {
-        for j in 0..CHURN_SERVICES {
-            register(&http, &setup.base_url, &churn_service(j), &node_name(0), churn_port(j)).await?;
-        }
-        anyhow::Ok(())
-    })?;
-    let instance = cold_start(rt, cluster, &sim, &setup, s, mode)?;
-    let (op, pid, cm) = (instance.op, instance.pid, instance.cm);
-    let admin = rt.block_on(kube_client(&cluster.admin_kubeconfig))?;
-    let mut model = Model {
-        port: (0..s.services).map(|i| registered_port(s, i, 0)).collect(),
-        passing: vec![true; s.services],
-        live: BTreeMap::new(),
-        churned: Vec::new(),
-    };
-    let mut counts = Counts::default();
-    let mut samples = Vec::new();
-    let metrics_url = op.url("/metrics");
-    let requests_before = sim.stats().requests_total;
-    let published_before = op.metric(PUBLISHED);
+    let rig = Rig::start(rt, cluster, s, mode)?;
+    let mut model = Model::new(s);
+    let requests_before = rig.sim.stats().requests_total;
+    let published_before = rig.op.metric(PUBLISHED);
     let started = Instant::now();
-    rt.block_on(async {
+    let (counts, samples) = rt.block_on(rig.drive(soak, started, &mut model))?;
+    let changed_for = started.elapsed();
+    let (converged, left) = rt.block_on(rig.converge(&model, Instant::now()));
+    let end = rt.block_on(rig.sample(started.elapsed()))?;
+    let requests = rig.sim.stats().requests_total - requests_before;
+    let published = rig.op.metric(PUBLISHED).zip(published_before).map(|(a, b)| a - b);
+    let exit = stop(rig.op, &rig.sim)?;
+    let outcome = Outcome { counts, samples, end, changed_for, converged, left, requests, published, exit };
+    report(s, soak, mode, load_start, &outcome)
+}
+
+/// The soak's world with its operator running: what the driver writes to and samples.
+struct Rig<'a> {
+    s: &'a Settings,
+    setup: Setup,
+    sim: RunningSim,
+    http: reqwest::Client,
+    admin: kube::Client,
+    op: Operator,
+    pid: u32,
+    /// The snapshot ConfigMap's name.
+    cm: String,
+    metrics_url: String,
+}
+
+impl<'a> Rig<'a> {
+    /// The benchmark's world plus the churn services, and an operator started on it with
+    /// budget `mode`.
+    fn start(rt: &Runtime, cluster: &Cluster, s: &'a Settings, mode: u32) -> anyhow::Result<Rig<'a>> {
+        let placeholder = placeholder_sim()?;
+        let namespaces = namespaces(cluster, s, "soak")?;
+        let setup = rt.block_on(setup(cluster, &placeholder, s, namespaces))?;
+        drop(placeholder);
+        println!("  setup: Mappings created in {}", secs(setup.mappings_created_in));
+        let sim = fresh_sim(rt, setup.sim_addr, s)?;
+        let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build()?;
+        rt.block_on(async {
+            for j in 0..CHURN_SERVICES {
+                register(&http, &setup.base_url, &churn_service(j), &node_name(0), churn_port(j)).await?;
+            }
+            anyhow::Ok(())
+        })?;
+        let instance = cold_start(rt, cluster, &sim, &setup, s, mode)?;
+        let admin = rt.block_on(kube_client(&cluster.admin_kubeconfig))?;
+        let metrics_url = instance.op.url("/metrics");
+        Ok(Rig { s, setup, sim, http, admin, op: instance.op, pid: instance.pid, cm: instance.cm, metrics_url })
+    }
+
+    /// `soak.rate` changes a second for `soak.duration`, recorded in `model`, sampling the
+    /// operator every `soak.sample_every`.
+    async fn drive(&self, soak: &Soak, started: Instant, model: &mut Model) -> anyhow::Result<(Counts, Vec<Sample>)> {
+        let mut counts = Counts::default();
+        let mut samples = Vec::new();
         let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / soak.rate));
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut next_sample = Duration::ZERO;
-        let mut k = 0;
         let target = (soak.duration.as_secs_f64() * soak.rate) as usize;
-        let churn = (admin.clone(), setup.namespaces.clone());
-        while k < target {
+        for k in 0..target {
             let tick = ticks.tick().await;
             if tick.elapsed() > Duration::from_secs_f64(1.0 / soak.rate) {
                 counts.late += 1;
             }
-            change(k, &http, &setup.base_url, &churn, s, &mut model, &mut counts).await?;
-            k += 1;
+            self.change(k, model, &mut counts).await?;
             let at = started.elapsed();
             if at >= next_sample {
-                let one = sample(&http, &metrics_url, pid, &sim, at).await?;
+                let one = self.sample(at).await?;
                 if samples.len() % 6 == 0 {
                     println!(
                         "  {:>5}: VmRSS {}, fds {} ({} sockets), threads {}, tasks {:?}, watches consul {:?} kube {:?}, sim connections {}",
@@ -420,16 +381,92 @@ pub(crate) fn run(rt: &Runtime, cluster: &Cluster, s: &Settings, soak: &Soak, lo
                 next_sample += soak.sample_every;
             }
         }
-        anyhow::Ok(())
-    })?;
-    let changed_for = started.elapsed();
-    let last_change = Instant::now();
+        Ok((counts, samples))
+    }
 
-    // The final state: the ConfigMap must come to hold it, every change reflected.
-    let (converged, left) = rt.block_on(async {
+    /// Makes change `k` (of the kind `k % 3`) and records it in the model.
+    async fn change(&self, k: usize, model: &mut Model, counts: &mut Counts) -> anyhow::Result<()> {
+        let (s, base) = (self.s, &self.setup.base_url);
+        let round = k / 3;
+        match k % 3 {
+            0 => {
+                let i = (round * 7919) % s.services;
+                let port = 20_000 + (round % 40_000) as u16;
+                register(&self.http, base, &service_name(i), &node_name(0), port).await?;
+                model.port[i] = port;
+                model.passing[i] = true; // registration writes the check passing
+                counts.port_changes += 1;
+            }
+            1 => {
+                let i = (round * 104_729 + 17) % s.services;
+                let passing = !model.passing[i];
+                let status = if passing { "passing" } else { "critical" };
+                set_check(&self.http, base, &service_name(i), &node_name(0), status).await?;
+                model.passing[i] = passing;
+                counts.flips += 1;
+            }
+            _ => self.churn(round, model, counts).await?,
+        }
+        Ok(())
+    }
+
+    /// A Mapping churn: a new Mapping naming a churn service, and the one made
+    /// `CHURN_LIVE` churns earlier deleted.
+    async fn churn(&self, round: usize, model: &mut Model, counts: &mut Counts) -> anyhow::Result<()> {
+        let namespaces = &self.setup.namespaces;
+        let mr = mapping_resource();
+        let ns = &namespaces[round % namespaces.len()];
+        let name = format!("soak-{round}");
+        let j = round % CHURN_SERVICES;
+        let mut o = DynamicObject::new(&name, &mr).within(ns);
+        o.data = json!({"spec": {"prefix": format!("/{name}/"), "service": format!("{}:8080", churn_service(j)), "resolver": "consul"}});
+        Api::<DynamicObject>::namespaced_with(self.admin.clone(), ns, &mr)
+            .create(&PostParams::default(), &o)
+            .await
+            .with_context(|| format!("creating Mapping {ns}/{name}"))?;
+        model.live.insert((ns.clone(), name.clone()), j);
+        model.churned.push((ns.clone(), name));
+        counts.created += 1;
+        if round >= CHURN_LIVE {
+            let (ns, name) = model.churned[round - CHURN_LIVE].clone();
+            Api::<DynamicObject>::namespaced_with(self.admin.clone(), &ns, &mr)
+                .delete(&name, &DeleteParams::default())
+                .await
+                .with_context(|| format!("deleting Mapping {ns}/{name}"))?;
+            model.live.remove(&(ns, name));
+            counts.deleted += 1;
+        }
+        Ok(())
+    }
+
+    async fn sample(&self, at: Duration) -> anyhow::Result<Sample> {
+        let pid = self.pid;
+        ensure!(!process_exited(pid), "the operator exited {} into the soak", secs(at));
+        let text = self.http.get(&self.metrics_url).send().await?.text().await?;
+        let (hwm_kib, rss_kib) = memory_kib(pid)?;
+        let (fds, sockets) = fds(pid)?;
+        Ok(Sample {
+            at,
+            rss_kib,
+            hwm_kib,
+            fds,
+            sockets,
+            threads: threads(pid)?,
+            tasks: metric_sample(&text, "consul_resolver_runtime_tasks"),
+            consul_watches: metric_sample(&text, "consul_resolver_watches{source=\"consul\"}"),
+            kube_watches: metric_sample(&text, "consul_resolver_watches{source=\"kubernetes\"}"),
+            sim_connections: self.sim.stats().open_connections_total,
+            cpu: cpu_time(pid)?,
+        })
+    }
+
+    /// Waits for the ConfigMap to hold the model's final state, every change reflected:
+    /// how long after `last_change` it did (`None` past `CONVERGE_LIMIT`), and the
+    /// differences left.
+    async fn converge(&self, model: &Model, last_change: Instant) -> (Option<Duration>, Vec<String>) {
         loop {
-            let left = match configmap_snapshot(&admin, &cm).await {
-                Ok(snapshot) => differences(&snapshot, &model, s, &setup.namespaces),
+            let left = match configmap_snapshot(&self.admin, &self.cm).await {
+                Ok(snapshot) => differences(&snapshot, model, self.s, &self.setup.namespaces),
                 Err(e) => vec![format!("ConfigMap not readable: {e:#}")],
             };
             if left.is_empty() || last_change.elapsed() > CONVERGE_LIMIT {
@@ -437,35 +474,36 @@ pub(crate) fn run(rt: &Runtime, cluster: &Cluster, s: &Settings, soak: &Soak, lo
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
-    });
-    let end = rt.block_on(sample(&http, &metrics_url, pid, &sim, started.elapsed()))?;
-    let requests = sim.stats().requests_total - requests_before;
-    let published = op.metric(PUBLISHED).zip(published_before).map(|(a, b)| a - b);
-    let exit = stop(op, &sim)?;
+    }
+}
 
-    // Report.
-    let after: Vec<&Sample> = samples.iter().filter(|x| x.at >= soak.warmup).collect();
+/// What the soak found, for the report.
+struct Outcome {
+    counts: Counts,
+    samples: Vec<Sample>,
+    /// The sample after the final state was reached (or given up on).
+    end: Sample,
+    /// How long the changes went on.
+    changed_for: Duration,
+    /// How long after the last change the ConfigMap held every change.
+    converged: Option<Duration>,
+    /// The differences left between the final snapshot and the model.
+    left: Vec<String>,
+    requests: u64,
+    published: Option<f64>,
+    exit: String,
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "met" } else { "MISSED" }
+}
+
+/// The soak's figures as markdown; an error when the final snapshot missed a change.
+fn report(s: &Settings, soak: &Soak, mode: u32, load_start: &str, o: &Outcome) -> anyhow::Result<()> {
+    let after: Vec<&Sample> = o.samples.iter().filter(|x| x.at >= soak.warmup).collect();
     ensure!(after.len() >= 4, "only {} samples after the warm-up", after.len());
-    let first = after[0];
-    let rss: Vec<u64> = after.iter().map(|x| x.rss_kib).collect();
-    let fifth = (after.len() / 5).max(1);
-    let trend = median_kib(&rss[rss.len() - fifth..]) as f64 / median_kib(&rss[..fifth]) as f64;
-    let (rss_min, rss_med, rss_max) = min_med_max(&rss);
-    let spread_ok = (rss_max as f64) <= first.rss_kib as f64 * (1.0 + Bounds::RSS_SPREAD)
-        && (rss_min as f64) >= first.rss_kib as f64 * (1.0 - Bounds::RSS_SPREAD);
-    let socks: Vec<usize> = after.iter().map(|x| x.sockets).collect();
-    let conns: Vec<usize> = after.iter().map(|x| x.sim_connections).collect();
-    let fdv: Vec<usize> = after.iter().map(|x| x.fds).collect();
-    let thr: Vec<u64> = after.iter().map(|x| x.threads).collect();
     let tasks: Vec<f64> = after.iter().filter_map(|x| x.tasks).collect();
     ensure!(tasks.len() == after.len(), "consul_resolver_runtime_tasks missing from /metrics");
-    let cw: Vec<f64> = after.iter().filter_map(|x| x.consul_watches).collect();
-    let range = |v: (usize, usize, usize)| v.2 - v.0;
-    let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
-    let cpu = end.cpu.saturating_sub(first.cpu);
-    let cpu_share = cpu.as_secs_f64() / end.at.saturating_sub(first.at).as_secs_f64();
-    let total = counts.port_changes + counts.flips + counts.created + counts.deleted;
-
     println!();
     println!(
         "Soak: {} Consul services + {CHURN_SERVICES} churn services, {} Mappings in {} namespaces, --consul-max-connections {mode}, \
@@ -476,9 +514,9 @@ pub(crate) fn run(rt: &Runtime, cluster: &Cluster, s: &Settings, soak: &Soak, lo
         s.namespaces,
         s.window,
         soak.rate,
-        secs(changed_for),
-        (counts.port_changes + counts.flips + counts.created) as f64 / changed_for.as_secs_f64(),
-        counts.late,
+        secs(o.changed_for),
+        (o.counts.port_changes + o.counts.flips + o.counts.created) as f64 / o.changed_for.as_secs_f64(),
+        o.counts.late,
         secs(soak.warmup),
         secs(soak.sample_every),
         loadavg()
@@ -489,6 +527,34 @@ pub(crate) fn run(rt: &Runtime, cluster: &Cluster, s: &Settings, soak: &Soak, lo
         after.len()
     );
     println!("|---|---|---|---|");
+    memory_rows(&after, &o.end);
+    resource_rows(&after, &o.end, &tasks);
+    println!(
+        "| every change in the final snapshot ConfigMap | within {} of the last change | {} | {} |",
+        secs(CONVERGE_LIMIT),
+        o.converged.map_or_else(|| format!("{} differences left", o.left.len()), |d| format!("after {}", secs(d))),
+        verdict(o.converged.is_some())
+    );
+    println!();
+    changes_line(o, after[0]);
+    for d in o.left.iter().take(10) {
+        println!("  not in the final snapshot: {d}");
+    }
+    if o.converged.is_none() {
+        bail!("{} differences between the final snapshot and the changes made", o.left.len());
+    }
+    Ok(())
+}
+
+/// VmRSS against its bounds, and VmHWM.
+fn memory_rows(after: &[&Sample], end: &Sample) {
+    let first = after[0];
+    let rss: Vec<u64> = after.iter().map(|x| x.rss_kib).collect();
+    let fifth = (after.len() / 5).max(1);
+    let trend = median_kib(&rss[rss.len() - fifth..]) as f64 / median_kib(&rss[..fifth]) as f64;
+    let (rss_min, rss_med, rss_max) = min_med_max(&rss);
+    let spread_ok = (rss_max as f64) <= first.rss_kib as f64 * (1.0 + Bounds::RSS_SPREAD)
+        && (rss_min as f64) >= first.rss_kib as f64 * (1.0 - Bounds::RSS_SPREAD);
     println!(
         "| VmRSS | within ±{:.0}% of the first | {} / {} / {} / {} / {} | {} |",
         Bounds::RSS_SPREAD * 100.0,
@@ -505,6 +571,10 @@ pub(crate) fn run(rt: &Runtime, cluster: &Cluster, s: &Settings, soak: &Soak, lo
         verdict(trend <= Bounds::RSS_TREND)
     );
     println!("| VmHWM (peak) | | {} at the first sample, {} at the end | |", mib(first.hwm_kib), mib(end.hwm_kib));
+}
+
+/// Sockets, connections, descriptors, tasks, threads and watches against their bounds.
+fn resource_rows(after: &[&Sample], end: &Sample, tasks: &[f64]) {
     let row = |name: &str, bound: usize, v: &[usize], end: usize| {
         let m = min_med_max(v);
         println!(
@@ -513,14 +583,17 @@ pub(crate) fn run(rt: &Runtime, cluster: &Cluster, s: &Settings, soak: &Soak, lo
             m.0,
             m.1,
             m.2,
-            verdict(range(m) <= bound)
+            verdict(m.2 - m.0 <= bound)
         );
     };
+    let socks: Vec<usize> = after.iter().map(|x| x.sockets).collect();
+    let conns: Vec<usize> = after.iter().map(|x| x.sim_connections).collect();
     row("operator sockets (open socket fds)", Bounds::CONNECTIONS, &socks, end.sockets);
     row("simulator's open connections", Bounds::CONNECTIONS, &conns, end.sim_connections);
+    let fdv: Vec<usize> = after.iter().map(|x| x.fds).collect();
     let fd_m = min_med_max(&fdv);
     println!("| operator fds, all | | {} / {} / {} / {} / {} | |", fdv[0], fd_m.0, fd_m.1, fd_m.2, end.fds);
-    let t = min_med_max(&tasks);
+    let t = min_med_max(tasks);
     println!(
         "| runtime tasks (`consul_resolver_runtime_tasks`) | max - min <= {} | {} / {} / {} / {} / {} | {} |",
         Bounds::TASKS,
@@ -531,6 +604,7 @@ pub(crate) fn run(rt: &Runtime, cluster: &Cluster, s: &Settings, soak: &Soak, lo
         end.tasks.unwrap_or(f64::NAN),
         verdict(t.2 - t.0 <= Bounds::TASKS)
     );
+    let thr: Vec<u64> = after.iter().map(|x| x.threads).collect();
     let th = min_med_max(&thr);
     println!(
         "| OS threads | max - min <= {} | {} / {} / {} / {} / {} | {} |",
@@ -542,35 +616,33 @@ pub(crate) fn run(rt: &Runtime, cluster: &Cluster, s: &Settings, soak: &Soak, lo
         end.threads,
         verdict((th.2 - th.0) as f64 <= Bounds::TASKS)
     );
+    let cw: Vec<f64> = after.iter().filter_map(|x| x.consul_watches).collect();
     if !cw.is_empty() {
         let w = min_med_max(&cw);
         let end = end.consul_watches.map_or_else(|| "n/a".to_owned(), |n| n.to_string());
         println!("| Consul watches | | {} / {} / {} / {} / {end} | |", cw[0], w.0, w.1, w.2);
     }
-    println!(
-        "| every change in the final snapshot ConfigMap | within {} of the last change | {} | {} |",
-        secs(CONVERGE_LIMIT),
-        converged.map_or_else(|| format!("{} differences left", left.len()), |d| format!("after {}", secs(d))),
-        verdict(converged.is_some())
-    );
-    println!();
+}
+
+/// The changes made, publications, Consul requests and the operator's CPU after the
+/// warm-up (from the `first` sample after it).
+fn changes_line(o: &Outcome, first: &Sample) {
+    let c = &o.counts;
+    let total = c.port_changes + c.flips + c.created + c.deleted;
+    let cpu = o.end.cpu.saturating_sub(first.cpu);
+    let cpu_share = cpu.as_secs_f64() / o.end.at.saturating_sub(first.at).as_secs_f64();
     println!(
         "Changes: {total} ({} port changes, {} health flips, {} Mappings created and {} deleted); {} publications; \
-         {requests} Consul requests ({:.1} a change); operator CPU after the warm-up {} ({:.1}% of a core); {exit}",
-        counts.port_changes,
-        counts.flips,
-        counts.created,
-        counts.deleted,
-        published.map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
-        requests as f64 / total.max(1) as f64,
+         {} Consul requests ({:.1} a change); operator CPU after the warm-up {} ({:.1}% of a core); {}",
+        c.port_changes,
+        c.flips,
+        c.created,
+        c.deleted,
+        o.published.map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
+        o.requests,
+        o.requests as f64 / total.max(1) as f64,
         secs(cpu),
-        cpu_share * 100.0
+        cpu_share * 100.0,
+        o.exit
     );
-    for d in left.iter().take(10) {
-        println!("  not in the final snapshot: {d}");
-    }
-    if converged.is_none() {
-        bail!("{} differences between the final snapshot and the changes made", left.len());
-    }
-    Ok(())
 }

@@ -1,0 +1,588 @@
+//! Consul changes made to a running operator, each timed until the snapshot ConfigMap
+//! (watched, decoded with the operator's own `configmap::decode`) shows it: port changes
+//! spaced and back to back, health flips and node check flips; with the operator's CPU per
+//! change and the Consul requests they cost.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure};
+use consul_resolver_operator::snapshot_configmap as configmap;
+use consul_sim::RunningSim;
+use e2e::bench::percentile;
+use e2e::harness::{Cluster, Operator, metric_sample};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::Api;
+use kube::runtime::watcher;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::runtime::Runtime;
+use tokio::sync::mpsc;
+
+use crate::cold_start::Instance;
+use crate::procfs::{cpu_time, memory_kib};
+use crate::profile::Settings;
+use crate::report::{cpu_ms, ms};
+use crate::setup::{OPERATOR_NS, Setup, kube_client, node_name, register, service_name, set_check};
+
+const CHANGE_LIMIT: Duration = Duration::from_secs(60);
+
+/// What the changes of one run measured.
+pub(crate) struct Changes {
+    /// How the snapshot ConfigMap holds the document.
+    pub(crate) encoding: String,
+    pub(crate) spaced: Latencies,
+    pub(crate) back_to_back: Latencies,
+    /// The operator's CPU time over each series of changes, per change.
+    pub(crate) cpu_spaced: Duration,
+    pub(crate) cpu_back_to_back: Duration,
+    pub(crate) change_requests: SeriesRequests,
+    /// Health flips (critical, then passing again), spaced, and the Consul requests of them.
+    pub(crate) flips: Latencies,
+    pub(crate) flip_requests: SeriesRequests,
+    /// Node check flips (critical, then passing again) of a node holding one instance.
+    pub(crate) node_flips: Latencies,
+    /// Mean publication during the changes.
+    pub(crate) publish_mean: Option<Duration>,
+}
+
+/// Every series of changes, made to the running `instance`.
+pub(crate) fn measure(
+    rt: &Runtime,
+    cluster: &Cluster,
+    sim: &RunningSim,
+    setup: &Setup,
+    s: &Settings,
+    instance: &Instance,
+) -> anyhow::Result<Changes> {
+    let admin = rt.block_on(kube_client(&cluster.admin_kubeconfig))?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let churn = Arc::new(Mutex::new(PartChurn::default()));
+    let watch = rt.spawn(watch_configmap(admin.clone(), instance.cm.clone(), tx, churn.clone()));
+    let encoding = rt.block_on(encoding(admin, &instance.cm))?;
+    let http = reqwest::Client::builder().no_proxy().build()?;
+    let mut driver = Driver { http, base: &setup.base_url, rx, s, pid: instance.pid };
+    let publish_before = rt.block_on(publish_seconds(&instance.op));
+    let PortChanges { spaced, back_to_back, cpu_spaced, cpu_back_to_back, change_requests } =
+        driver.port_changes(rt, sim, &instance.op)?;
+    println!("  ConfigMap parts during the changes: {}", churn.lock().unwrap().summary());
+    let (flips, flip_requests) = rt.block_on(driver.health_flip_series(sim))?;
+    let node_flips = if s.node_flips > 0 {
+        let n = rt.block_on(driver.node_flips(31))?;
+        println!("  node check flips: {}", n.summary());
+        n
+    } else {
+        Latencies(Vec::new())
+    };
+    let publish_mean = match (publish_before, rt.block_on(publish_seconds(&instance.op))) {
+        (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some(Duration::from_secs_f64((s1 - s0) / (n1 - n0) as f64)),
+        _ => None,
+    };
+    watch.abort();
+    Ok(Changes {
+        encoding,
+        spaced,
+        back_to_back,
+        cpu_spaced,
+        cpu_back_to_back,
+        change_requests,
+        flips,
+        flip_requests,
+        node_flips,
+        publish_mean,
+    })
+}
+
+/// How the snapshot ConfigMap `cm` holds the document: inline, gzipped, or split.
+async fn encoding(admin: kube::Client, cm: &str) -> anyhow::Result<String> {
+    let api = Api::<ConfigMap>::namespaced(admin, OPERATOR_NS);
+    let main = api.get(cm).await?;
+    let how = if main.data.as_ref().is_some_and(|d| d.contains_key(configmap::KEY_JSON)) {
+        "data[snapshot.json]".to_owned()
+    } else if main.binary_data.as_ref().is_some_and(|d| d.contains_key(configmap::KEY_GZIP)) {
+        let gz = main.binary_data.as_ref().and_then(|d| d.get(configmap::KEY_GZIP)).map_or(0, |b| b.0.len());
+        format!("binaryData[snapshot.json.gz], {gz} bytes")
+    } else {
+        let parts = configmap::index_of(&main).map_err(anyhow::Error::msg)?.map_or(0, |i| i.parts.len());
+        format!("split into {parts} parts")
+    };
+    Ok(how)
+}
+
+/// The part of a snapshot the change measurement reads.
+#[derive(Deserialize)]
+struct Ports {
+    resolvers: Vec<PortsResolver>,
+}
+
+#[derive(Deserialize)]
+struct PortsResolver {
+    #[serde(default)]
+    services: Vec<PortsService>,
+}
+
+#[derive(Deserialize)]
+struct PortsService {
+    name: String,
+    #[serde(default)]
+    endpoints: Vec<PortsEndpoint>,
+}
+
+#[derive(Deserialize)]
+struct PortsEndpoint {
+    port: u16,
+    #[serde(default)]
+    node: String,
+}
+
+impl Ports {
+    /// Whether every resolver listing `service` lists its `instances` endpoints, the one on
+    /// `node` on `port` (the instance that moved, not just any of them).
+    fn has(&self, service: &str, instances: usize, node: &str, port: u16) -> bool {
+        let mut seen = false;
+        for r in &self.resolvers {
+            if let Some(s) = r.services.iter().find(|s| s.name == service) {
+                seen = true;
+                if s.endpoints.len() != instances || !s.endpoints.iter().any(|e| e.node == node && e.port == port) {
+                    return false;
+                }
+            }
+        }
+        seen
+    }
+
+    /// Whether every resolver listing `service` lists (`present`) or leaves out an endpoint
+    /// on `node`.
+    fn node_is(&self, service: &str, node: &str, present: bool) -> bool {
+        let mut seen = false;
+        for r in &self.resolvers {
+            if let Some(s) = r.services.iter().find(|s| s.name == service) {
+                seen = true;
+                if s.endpoints.iter().any(|e| e.node == node) != present {
+                    return false;
+                }
+            }
+        }
+        seen
+    }
+}
+
+/// What the split snapshot's indexes named anew, from the second index seen on: the bytes
+/// a reader that keeps the parts it has read must fetch (and the operator wrote).
+#[derive(Default)]
+struct PartChurn {
+    /// The names of the last index seen.
+    last: Option<BTreeSet<String>>,
+    indexes: u64,
+    new_parts: u64,
+    new_bytes: u64,
+    parts: u64,
+    bytes: u64,
+}
+
+impl PartChurn {
+    fn saw(&mut self, index: &configmap::Index) {
+        let names: BTreeSet<String> = index.parts.iter().map(|p| p.name.clone()).collect();
+        if let Some(last) = &self.last {
+            let new: BTreeMap<&str, usize> =
+                index.parts.iter().filter(|p| !last.contains(&p.name)).map(|p| (p.name.as_str(), p.size)).collect();
+            self.indexes += 1;
+            self.new_parts += new.len() as u64;
+            self.new_bytes += new.values().sum::<usize>() as u64;
+            self.parts += names.len() as u64;
+            self.bytes += index.size as u64;
+        }
+        self.last = Some(names);
+    }
+
+    fn summary(&self) -> String {
+        if self.indexes == 0 {
+            return "not split".into();
+        }
+        let n = self.indexes as f64;
+        format!(
+            "{:.1} new parts of {:.1}, {:.0} KB of {:.0} KB, per index ({} indexes)",
+            self.new_parts as f64 / n,
+            self.parts as f64 / n,
+            self.new_bytes as f64 / n / 1000.0,
+            self.bytes as f64 / n / 1000.0,
+            self.indexes
+        )
+    }
+}
+
+/// A version of the snapshot ConfigMap: when it arrived (before decoding), and its ports.
+type Seen = (Instant, anyhow::Result<Ports>);
+
+/// Watches the operator's namespace's snapshot ConfigMaps and sends, for each version of
+/// `name`, the time it arrived (before decoding) and its ports; counts in `churn` what each
+/// index names anew.
+async fn watch_configmap(
+    client: kube::Client,
+    name: String,
+    tx: mpsc::UnboundedSender<Seen>,
+    churn: Arc<Mutex<PartChurn>>,
+) {
+    let api = Api::<ConfigMap>::namespaced(client, OPERATOR_NS);
+    let config = watcher::Config::default().labels("app.kubernetes.io/managed-by=consul-resolver-operator");
+    let mut parts: BTreeMap<String, ConfigMap> = BTreeMap::new();
+    let mut stream = watcher(api, config).boxed();
+    while let Some(ev) = stream.next().await {
+        let at = Instant::now();
+        let cm = match ev {
+            Ok(watcher::Event::Apply(cm) | watcher::Event::InitApply(cm)) => cm,
+            // Parts are named by their content and never change: the ones kept are a cache
+            // a reader only adds the new ones to; deleted ones leave it.
+            Ok(watcher::Event::Delete(cm)) => {
+                parts.remove(cm.metadata.name.as_deref().unwrap_or_default());
+                continue;
+            }
+            Ok(_) => continue,
+            Err(e) => {
+                eprintln!("  ConfigMap watch: {e}");
+                continue;
+            }
+        };
+        let cm_name = cm.metadata.name.clone().unwrap_or_default();
+        if cm_name != name {
+            parts.insert(cm_name, cm);
+            continue;
+        }
+        if let Ok(Some(index)) = configmap::index_of(&cm) {
+            churn.lock().unwrap().saw(&index);
+        }
+        let parts: Vec<ConfigMap> = parts.values().cloned().collect();
+        let decoded = configmap::decode(&cm, &parts)
+            .map_err(anyhow::Error::msg)
+            .and_then(|json| Ok(serde_json::from_slice::<Ports>(&json)?));
+        if tx.send((at, decoded)).is_err() {
+            return;
+        }
+    }
+}
+
+/// The operator's `/metrics` page.
+async fn metrics_text(op: &Operator) -> Option<String> {
+    let resp = reqwest::Client::builder().no_proxy().build().ok()?.get(op.url("/metrics")).send().await.ok()?;
+    resp.text().await.ok()
+}
+
+/// The operator's `publish_duration_seconds` histogram: (sum, count).
+async fn publish_seconds(op: &Operator) -> Option<(f64, u64)> {
+    let text = metrics_text(op).await?;
+    Some((
+        metric_sample(&text, "consul_resolver_publish_duration_seconds_sum")?,
+        metric_sample(&text, "consul_resolver_publish_duration_seconds_count")? as u64,
+    ))
+}
+
+/// The histograms that say where a change's time goes: the publication's latency from its
+/// first event, the assembler's stages, each publisher, and the feed's Consul requests.
+const BREAKDOWN: [&str; 4] = [
+    "consul_resolver_publication_latency_seconds",
+    "consul_resolver_assemble_duration_seconds",
+    "consul_resolver_publisher_duration_seconds",
+    "consul_resolver_consul_request_duration_seconds",
+];
+
+/// The `_sum` and `_count` of every series of the [`BREAKDOWN`] histograms, by the series'
+/// name and labels.
+async fn breakdown(op: &Operator) -> Option<BTreeMap<String, (f64, f64)>> {
+    let text = metrics_text(op).await?;
+    let mut out: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    for line in text.lines() {
+        let Some((series, value)) = line.rsplit_once(' ') else { continue };
+        let Ok(value) = value.parse::<f64>() else { continue };
+        for family in BREAKDOWN {
+            let Some(rest) = series.strip_prefix(family) else { continue };
+            let (sum, labels) = match (rest.strip_prefix("_sum"), rest.strip_prefix("_count")) {
+                (Some(labels), _) => (true, labels),
+                (_, Some(labels)) => (false, labels),
+                _ => continue,
+            };
+            let name = format!("{}{labels}", family.trim_start_matches("consul_resolver_"));
+            let entry = out.entry(name).or_default();
+            if sum {
+                entry.0 = value;
+            } else {
+                entry.1 = value;
+            }
+        }
+    }
+    Some(out)
+}
+
+/// The mean of each [`BREAKDOWN`] series observed between two scrapes, in ms.
+fn breakdown_means(before: &BTreeMap<String, (f64, f64)>, after: &BTreeMap<String, (f64, f64)>) -> String {
+    after
+        .iter()
+        .filter_map(|(name, (sum, count))| {
+            let (s0, n0) = before.get(name).copied().unwrap_or_default();
+            (count > &n0).then(|| format!("{name} {:.1} ms x{}", (sum - s0) / (count - n0) * 1000.0, count - n0))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+pub(crate) struct Latencies(pub(crate) Vec<Duration>);
+
+impl Latencies {
+    pub(crate) fn summary(&self) -> String {
+        let mut v = self.0.clone();
+        v.sort();
+        if v.is_empty() {
+            return "n/a".into();
+        }
+        format!(
+            "p50 {}, p99 {}, max {}",
+            ms(percentile(&v, 0.5)),
+            ms(percentile(&v, 0.99)),
+            ms(*v.last().expect("not empty"))
+        )
+    }
+
+    pub(crate) fn percentile(&self, p: f64) -> Duration {
+        let mut v = self.0.clone();
+        v.sort();
+        percentile(&v, p)
+    }
+}
+
+/// The service the `i`th change or flip of a series at `offset` changes: strided by a
+/// prime, so a series spreads over the services.
+fn picked_service(s: &Settings, i: usize, offset: usize) -> String {
+    service_name((i * 7919 + offset) % s.services)
+}
+
+/// The services a series of changes or flips at `offset` changes.
+fn changed_services(s: &Settings, offset: usize) -> impl Iterator<Item = String> + '_ {
+    (0..s.changes).map(move |i| picked_service(s, i, offset))
+}
+
+/// The simulator's latest request, to count a series' requests from.
+fn last_request(sim: &RunningSim) -> u64 {
+    sim.requests().last().map_or(0, |r| r.seq)
+}
+
+/// The Consul requests of a series, split: those it caused (queries of the services it
+/// changed, and the change feed's own queries), and queries of every other service. The
+/// latter are the background: the sweep (each fed service once per `--consul-sweep`,
+/// spread over it: about 16 a second at 4,900 fed services and 5 minutes) and dedicated
+/// blocking queries timing out; or a wake-up of every fed service, which a rate well
+/// above the sweep's would show.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SeriesRequests {
+    caused: u64,
+    others: u64,
+    over: Duration,
+}
+
+impl SeriesRequests {
+    pub(crate) fn summary(&self, changes: usize) -> String {
+        format!(
+            "{:.1}; {} of other services in {:.0} s ({:.1}/s)",
+            self.caused as f64 / changes.max(1) as f64,
+            self.others,
+            self.over.as_secs_f64(),
+            self.others as f64 / self.over.as_secs_f64().max(1e-3)
+        )
+    }
+}
+
+fn series_requests(sim: &RunningSim, after: u64, changed: &HashSet<String>, over: Duration) -> SeriesRequests {
+    let mut r = SeriesRequests { over, ..SeriesRequests::default() };
+    for req in sim.requests().iter().filter(|q| q.seq > after) {
+        match &req.service {
+            Some(name) if !changed.contains(name) => r.others += 1,
+            _ => r.caused += 1,
+        }
+    }
+    r
+}
+
+/// The port changes' figures: both series, the operator's CPU per change of each, and the
+/// Consul requests of both.
+struct PortChanges {
+    spaced: Latencies,
+    back_to_back: Latencies,
+    cpu_spaced: Duration,
+    cpu_back_to_back: Duration,
+    change_requests: SeriesRequests,
+}
+
+/// What makes the changes and watches them reach the ConfigMap.
+struct Driver<'a> {
+    http: reqwest::Client,
+    /// The simulator's base URL.
+    base: &'a str,
+    rx: mpsc::UnboundedReceiver<Seen>,
+    s: &'a Settings,
+    /// The operator's.
+    pid: u32,
+}
+
+impl Driver<'_> {
+    /// The spaced series, then the back-to-back one, each with the operator's CPU per
+    /// change; then the Consul requests of both.
+    fn port_changes(&mut self, rt: &Runtime, sim: &RunningSim, op: &Operator) -> anyhow::Result<PortChanges> {
+        let (s, pid) = (self.s, self.pid);
+        let before_changes = last_request(sim);
+        let changes_started = Instant::now();
+        // CPU per change: the operator's whole CPU time over a series (the quiet windows of
+        // the spaced one included: work a change leaves for after its publication counts
+        // too), divided by the changes. Clock ticks, so 10 ms steps over the series at
+        // USER_HZ 100.
+        let cpu_before = cpu_time(pid)?;
+        let breakdown_before = rt.block_on(breakdown(op));
+        let spaced = rt.block_on(self.changes(20_000, 0, true))?;
+        let cpu_spaced = (cpu_time(pid)? - cpu_before) / s.changes as u32;
+        println!("  spaced changes: {}; operator CPU per change {}", spaced.summary(), cpu_ms(cpu_spaced));
+        if let (Some(before), Some(after)) = (breakdown_before, rt.block_on(breakdown(op))) {
+            println!(
+                "  where the spaced changes' time went (mean per observation): {}",
+                breakdown_means(&before, &after)
+            );
+        }
+        let cpu_before = cpu_time(pid)?;
+        let back_to_back = rt.block_on(self.changes(20_000 + s.changes as u16, 13, false))?;
+        let cpu_back_to_back = (cpu_time(pid)? - cpu_before) / s.changes as u32;
+        println!(
+            "  back-to-back changes: {}; operator CPU per change {}",
+            back_to_back.summary(),
+            cpu_ms(cpu_back_to_back)
+        );
+        let changed: HashSet<String> = [0, 13].iter().flat_map(|&offset| changed_services(s, offset)).collect();
+        let change_requests = series_requests(sim, before_changes, &changed, changes_started.elapsed());
+        println!("  Consul requests during the changes: {}", change_requests.summary(2 * s.changes));
+        Ok(PortChanges { spaced, back_to_back, cpu_spaced, cpu_back_to_back, change_requests })
+    }
+
+    /// Moves one instance of one service to a new port per step and times each until the
+    /// ConfigMap holds it.
+    /// `spaced`: wait a quiet window after each, so each change is a leading edge. The
+    /// operator's VmRSS is printed every 50 changes (does memory level off?).
+    async fn changes(&mut self, port_base: u16, offset: usize, spaced: bool) -> anyhow::Result<Latencies> {
+        let s = self.s;
+        let mut out = Vec::with_capacity(s.changes);
+        let mut rss = Vec::new();
+        for i in 0..s.changes {
+            let svc = picked_service(s, i, offset);
+            let node = node_name((i + offset) % s.instances);
+            let port = port_base + i as u16;
+            self.drain();
+            let t0 = Instant::now();
+            register(&self.http, self.base, &svc, &node, port).await?;
+            let what = || format!("change {i} ({svc} on {node} -> port {port})");
+            out.push(self.until_configmap(t0, what, |p| p.has(&svc, s.instances, &node, port)).await?);
+            if spaced {
+                self.quiet().await;
+            }
+            if (i + 1) % 50 == 0 {
+                rss.push(format!("{}: {} MiB", i + 1, memory_kib(self.pid)?.1 / 1024));
+            }
+        }
+        println!("  operator VmRSS after n changes: {}", rss.join(", "));
+        Ok(Latencies(out))
+    }
+
+    /// The health flips and the Consul requests they caused.
+    async fn health_flip_series(&mut self, sim: &RunningSim) -> anyhow::Result<(Latencies, SeriesRequests)> {
+        let (before_flips, flips_started) = (last_request(sim), Instant::now());
+        let flips = self.health_flips(29).await?;
+        let flipped: HashSet<String> = changed_services(self.s, 29).collect();
+        let flip_requests = series_requests(sim, before_flips, &flipped, flips_started.elapsed());
+        println!("  health flips: {}; Consul requests: {}", flips.summary(), flip_requests.summary(flips.0.len()));
+        Ok((flips, flip_requests))
+    }
+
+    /// Health flips, spaced: one instance's check goes critical (the resolvers publish
+    /// passing instances only, so it leaves the snapshot), then passing again (it comes
+    /// back), each timed until the ConfigMap shows it. Fed services included: at the
+    /// default budget most services have no blocking query of their own.
+    async fn health_flips(&mut self, offset: usize) -> anyhow::Result<Latencies> {
+        let s = self.s;
+        let mut out = Vec::with_capacity(2 * s.changes);
+        for i in 0..s.changes {
+            let svc = picked_service(s, i, offset);
+            let node = node_name((i + offset) % s.instances);
+            for (status, present) in [("critical", false), ("passing", true)] {
+                self.drain();
+                let t0 = Instant::now();
+                set_check(&self.http, self.base, &svc, &node, status).await?;
+                let what = || format!("flip {i} ({svc} on {node} -> {status})");
+                out.push(self.until_configmap(t0, what, |p| p.node_is(&svc, &node, present)).await?);
+                self.quiet().await;
+            }
+        }
+        Ok(Latencies(out))
+    }
+
+    /// Node check flips, spaced: a service gets an instance on a node of its own (untimed),
+    /// then that node's `serfHealth` goes critical (the instance leaves the snapshot: the
+    /// resolvers publish passing instances only) and passing again (it must come back: a
+    /// fed watch hears of the node because it asked about it, not because its last,
+    /// filtered, answer showed it), each timed until the ConfigMap shows it.
+    async fn node_flips(&mut self, offset: usize) -> anyhow::Result<Latencies> {
+        let s = self.s;
+        let mut out = Vec::with_capacity(2 * s.node_flips);
+        for i in 0..s.node_flips {
+            let svc = picked_service(s, i, offset);
+            let node = format!("edge-{svc}");
+            self.drain();
+            register(&self.http, self.base, &svc, &node, 30_000 + (i % 30_000) as u16).await?;
+            self.until_configmap(Instant::now(), || format!("{svc} on {node}"), |p| p.node_is(&svc, &node, true))
+                .await?;
+            self.quiet().await;
+            for (status, present) in [("critical", false), ("passing", true)] {
+                self.drain();
+                let t0 = Instant::now();
+                self.set_node_check(&node, status).await?;
+                let what = || format!("node flip {i} ({node} -> {status})");
+                out.push(self.until_configmap(t0, what, |p| p.node_is(&svc, &node, present)).await?);
+                self.quiet().await;
+            }
+        }
+        Ok(Latencies(out))
+    }
+
+    /// `node`'s `serfHealth` check set to `status`.
+    async fn set_node_check(&self, node: &str, status: &str) -> anyhow::Result<()> {
+        let body = json!({"Node": node, "Address": "127.0.0.1",
+            "Check": {"CheckID": "serfHealth", "Name": "Serf Health Status", "Status": status}});
+        let r = self.http.put(format!("{}/v1/catalog/register", self.base)).json(&body).send().await?;
+        ensure!(r.status().is_success(), "node check of {node}: {}", r.status());
+        Ok(())
+    }
+
+    /// Drops the ConfigMap versions seen so far, so the next one awaited follows the change.
+    fn drain(&mut self) {
+        while self.rx.try_recv().is_ok() {}
+    }
+
+    /// A quiet coalescing window, so the next change is a leading edge.
+    async fn quiet(&self) {
+        tokio::time::sleep(self.s.window() + Duration::from_millis(50)).await;
+    }
+
+    /// How long after `t0` the ConfigMap first satisfied `shows`; an error after
+    /// `CHANGE_LIMIT` naming `what`.
+    async fn until_configmap(
+        &mut self,
+        t0: Instant,
+        what: impl Fn() -> String,
+        shows: impl Fn(&Ports) -> bool,
+    ) -> anyhow::Result<Duration> {
+        loop {
+            let left = CHANGE_LIMIT.saturating_sub(t0.elapsed());
+            match tokio::time::timeout(left, self.rx.recv()).await {
+                Err(_) => bail!("{} not in the ConfigMap after {CHANGE_LIMIT:?}", what()),
+                Ok(None) => bail!("the ConfigMap watch ended"),
+                Ok(Some((_, Err(e)))) => eprintln!("  ConfigMap not decodable (retrying): {e:#}"),
+                Ok(Some((at, Ok(p)))) if shows(&p) => return Ok(at.duration_since(t0)),
+                Ok(Some(_)) => {}
+            }
+        }
+    }
+}

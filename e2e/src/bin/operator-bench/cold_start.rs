@@ -1,0 +1,450 @@
+//! Cold starts: the operator from spawn to its first complete snapshot, and the bare
+//! kube-runtime reflector it is compared with, each with the CPU the others used meanwhile.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{Context, bail, ensure};
+use consul_sim::RunningSim;
+use e2e::harness::{Cluster, Operator, unique};
+use futures::StreamExt;
+use kube::api::{Api, DynamicObject};
+use kube::runtime::{reflector, watcher};
+use serde::Deserialize;
+use serde::de::IgnoredAny;
+use tokio::runtime::Runtime;
+
+use crate::procfs::{cpu_time, memory_kib, process_exited};
+use crate::profile::Settings;
+use crate::report::{median, ms};
+use crate::setup::{OPERATOR_NS, Setup, fresh_sim, kube_client};
+
+const COLD_START_LIMIT: Duration = Duration::from_secs(120);
+
+/// CPU time (user + system) of what a cold start shares the two cores with: our API server
+/// and etcd (`None` on a cluster this process did not start), and this process: the bare
+/// reflector, or the simulator and the reader of `GET /snapshot`. At the default profile
+/// the API server alone takes 1.1 to 2 s of CPU to list the 10,000 Mappings, so a cold
+/// start's time is mostly whose CPU is spent while it lists: these say whose.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Neighbours {
+    apiserver: Option<Duration>,
+    etcd: Option<Duration>,
+    pub(crate) bench: Duration,
+}
+
+impl Neighbours {
+    fn now(cluster: &Cluster) -> anyhow::Result<Self> {
+        let of = |pid: Option<i32>| pid.and_then(|p| cpu_time(p as u32).ok());
+        Ok(Neighbours {
+            apiserver: of(cluster.apiserver_pid()),
+            etcd: of(cluster.etcd_pid()),
+            bench: cpu_time(std::process::id())?,
+        })
+    }
+
+    /// What each used since `before`.
+    fn since(self, before: Neighbours) -> Self {
+        let d = |a: Option<Duration>, b: Option<Duration>| Some(a?.saturating_sub(b?));
+        Neighbours {
+            apiserver: d(self.apiserver, before.apiserver),
+            etcd: d(self.etcd, before.etcd),
+            bench: self.bench.saturating_sub(before.bench),
+        }
+    }
+
+    pub(crate) fn text(&self) -> String {
+        let or_na = |d: Option<Duration>| d.map_or("n/a".into(), ms);
+        format!("kube-apiserver {}, etcd {}, this process {}", or_na(self.apiserver), or_na(self.etcd), ms(self.bench))
+    }
+
+    /// Medians of each.
+    pub(crate) fn median(all: &[Neighbours]) -> String {
+        let of = |f: &dyn Fn(&Neighbours) -> Option<Duration>| {
+            let v: Vec<Duration> = all.iter().filter_map(f).collect();
+            if v.is_empty() { "n/a".into() } else { ms(median(&v)) }
+        };
+        format!("{} / {} / {}", of(&|n| n.apiserver), of(&|n| n.etcd), of(&|n| Some(n.bench)))
+    }
+}
+
+/// Right after the setup's creates the API server has spent up to 1.4 times the CPU on
+/// the same list, and the first pair measured came out better or worse than the rest by
+/// 0.1 to 0.25x (docs/benchmarks.md). `BENCH_WARM_UP_LISTS` lists thrown away let it
+/// settle; their lines show what they cost.
+pub(crate) fn warm_up(rt: &Runtime, cluster: &Cluster, setup: &Setup, s: &Settings) -> anyhow::Result<()> {
+    for _ in 0..s.warm_up {
+        let (t, meanwhile) = reflector_run(rt, cluster, setup, s)?;
+        println!("warm-up reflector (not counted): {}; {}", ms(t), meanwhile.text());
+    }
+    Ok(())
+}
+
+/// One [`reflector_once`] over the setup's Mappings, checked to have seen every one: its
+/// time and what the others used meanwhile.
+fn reflector_run(
+    rt: &Runtime,
+    cluster: &Cluster,
+    setup: &Setup,
+    s: &Settings,
+) -> anyhow::Result<(Duration, Neighbours)> {
+    let before = Neighbours::now(cluster)?;
+    let (t, n) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, &setup.namespaces))?;
+    let meanwhile = Neighbours::now(cluster)?.since(before);
+    ensure!(n == s.mappings(), "the reflector saw {n} Mappings, not {}", s.mappings());
+    Ok((t, meanwhile))
+}
+
+/// A bare kube-runtime reflector on the Mappings, one per namespace as the operator
+/// watches them: time from building the client (kubeconfig, discovery) to every store
+/// ready, and the objects in the stores.
+async fn reflector_once(kubeconfig: &Path, namespaces: &[String]) -> anyhow::Result<(Duration, usize)> {
+    let started = Instant::now();
+    let client = kube_client(kubeconfig).await?;
+    let group = kube::discovery::group(&client, "getambassador.io").await?;
+    let (resource, _) = group.recommended_kind("Mapping").context("Mapping is not served")?;
+    let mut stores = Vec::new();
+    let mut tasks = Vec::new();
+    for ns in namespaces {
+        let api = Api::<DynamicObject>::namespaced_with(client.clone(), ns, &resource);
+        let writer = reflector::store::Writer::new(resource.clone());
+        stores.push(writer.as_reader());
+        let stream = reflector::reflector(writer, watcher(api, watcher::Config::default()));
+        tasks.push(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(stream.for_each(|_| async {}))));
+    }
+    for store in &stores {
+        tokio::time::timeout(COLD_START_LIMIT, store.wait_until_ready()).await??;
+    }
+    let elapsed = started.elapsed();
+    Ok((elapsed, stores.iter().map(|s| s.len()).sum()))
+}
+
+/// The cold starts of one run.
+#[derive(Clone, Copy, PartialEq)]
+pub(crate) enum Plan {
+    /// Three, each after a bare reflector run (the overhead ratio).
+    Compared,
+    /// One (a row of the cost table).
+    Once,
+}
+
+/// The figures of a run's cold starts and of the reflector runs before them.
+pub(crate) struct ColdStarts {
+    pub(crate) reflector: Vec<Duration>,
+    pub(crate) cold: Vec<Duration>,
+    /// The operator's CPU time to its first snapshot, each.
+    pub(crate) cold_cpu: Vec<Duration>,
+    /// The others' CPU during each; for the reflector, `bench` is the reflector's own (the
+    /// bench process does nothing else meanwhile).
+    pub(crate) reflector_neighbours: Vec<Neighbours>,
+    pub(crate) cold_neighbours: Vec<Neighbours>,
+}
+
+/// The cold starts of `plan`, each operator on a fresh simulator (left in `sim`); the last
+/// operator is returned running, for the change measurements.
+pub(crate) fn cold_starts(
+    rt: &Runtime,
+    cluster: &Cluster,
+    sim: &mut Option<RunningSim>,
+    setup: &Setup,
+    s: &Settings,
+    max_connections: u32,
+    plan: Plan,
+) -> anyhow::Result<(ColdStarts, Instance)> {
+    let mut starts = ColdStarts {
+        reflector: Vec::new(),
+        cold: Vec::new(),
+        cold_cpu: Vec::new(),
+        reflector_neighbours: Vec::new(),
+        cold_neighbours: Vec::new(),
+    };
+    let rounds = if plan == Plan::Compared { 3 } else { 1 };
+    loop {
+        if plan == Plan::Compared {
+            let (t, meanwhile) = reflector_run(rt, cluster, setup, s)?;
+            println!(
+                "  bare reflector: {} ({} Mappings), CPU {}; {}",
+                ms(t),
+                s.mappings(),
+                ms(meanwhile.bench),
+                meanwhile.text()
+            );
+            starts.reflector.push(t);
+            starts.reflector_neighbours.push(meanwhile);
+        }
+        sim.take();
+        let fresh = sim.insert(fresh_sim(rt, setup.sim_addr, s)?);
+        let i = cold_start(rt, cluster, fresh, setup, s, max_connections)?;
+        starts.cold.push(i.cold_http);
+        starts.cold_cpu.push(i.cpu_first);
+        starts.cold_neighbours.push(i.neighbours);
+        if starts.cold.len() == rounds {
+            return Ok((starts, i));
+        }
+        stop(i.op, fresh)?;
+    }
+}
+
+/// One operator process, from spawn to its first complete snapshot.
+pub(crate) struct Instance {
+    pub(crate) op: Operator,
+    pub(crate) pid: u32,
+    pub(crate) spawned_at: SystemTime,
+    pub(crate) cm: String,
+    cold_http: Duration,
+    pub(crate) snapshot: bytes::Bytes,
+    pub(crate) bootstrap_requests: u64,
+    pub(crate) bootstrap_services_queried: usize,
+    /// VmHWM, VmRSS (KiB) right after the first snapshot.
+    pub(crate) memory_first: (u64, u64),
+    /// The operator's CPU time (user + system) from spawn to the first snapshot.
+    cpu_first: Duration,
+    /// The CPU of the others meanwhile.
+    neighbours: Neighbours,
+}
+
+/// The operator's arguments: the setup's namespaces, a snapshot ConfigMap `cm` of its own,
+/// the profile's window and the budget.
+fn operator_args(setup: &Setup, s: &Settings, cm: &str, max_connections: u32) -> Vec<String> {
+    let mut args: Vec<String> = Vec::new();
+    for ns in &setup.namespaces {
+        args.extend(["--namespace".into(), ns.clone()]);
+    }
+    args.extend([
+        "--snapshot-configmap".into(),
+        format!("{OPERATOR_NS}/{cm}"),
+        "--coalesce-window".into(),
+        s.window.clone(),
+        "--consul-max-connections".into(),
+        max_connections.to_string(),
+    ]);
+    args
+}
+
+/// Spawns an operator and times it to its first complete snapshot.
+pub(crate) fn cold_start(
+    rt: &Runtime,
+    cluster: &Cluster,
+    sim: &RunningSim,
+    setup: &Setup,
+    s: &Settings,
+    max_connections: u32,
+) -> anyhow::Result<Instance> {
+    let cm = format!("bench-snap-{}", unique());
+    let args = operator_args(setup, s, &cm, max_connections);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let spawned_at = SystemTime::now();
+    let spawned = Instant::now();
+    let before = Neighbours::now(cluster)?;
+    let op = Operator::start(cluster, &args)?;
+    let pid = op.pid().context("the operator is not running")?;
+    let (cold_http, first_id, snapshot) = rt.block_on(first_snapshot(&op, pid, spawned, s.mappings()))?;
+    let neighbours = Neighbours::now(cluster)?.since(before);
+    let snapshot_bytes = snapshot.len();
+    let cpu_first = cpu_time(pid)?;
+    if let Some(dir) = std::env::var_os("BENCH_SAVE_SNAPSHOTS") {
+        std::fs::write(Path::new(&dir).join(format!("first-{pid}.json")), &snapshot)?;
+    }
+    let memory_first = memory_kib(pid)?;
+    let bootstrap_requests = sim.stats().requests_total;
+    let bootstrap_services_queried: usize =
+        sim.requests().iter().filter_map(|r| r.service.clone()).collect::<HashSet<_>>().len();
+    let milestones = published_milestones(&op, pid, spawned_at, s)?;
+    println!(
+        "  operator pid {pid}: first complete snapshot (id {first_id}, {snapshot_bytes} bytes) at GET /snapshot after {}, CPU {}; meanwhile {}; {milestones:?}",
+        ms(cold_http),
+        ms(cpu_first),
+        neighbours.text()
+    );
+    Ok(Instance {
+        op,
+        pid,
+        spawned_at,
+        cm,
+        cold_http,
+        snapshot,
+        bootstrap_requests,
+        bootstrap_services_queried,
+        memory_first,
+        cpu_first,
+        neighbours,
+    })
+}
+
+/// The milestones of the operator's log once it holds the "snapshot published" line
+/// (which follows the ConfigMap and status writes, so comes after `GET /snapshot` serves
+/// the snapshot), or after 30 s. A log with restarted watches is kept for a look.
+fn published_milestones(op: &Operator, pid: u32, spawned_at: SystemTime, s: &Settings) -> anyhow::Result<Milestones> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut m = milestones(&op.logs(), spawned_at);
+    while m.published.is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+        m = milestones(&op.logs(), spawned_at);
+    }
+    if m.watches_stopped > 0 || m.consul_watches != s.services {
+        let copy = std::env::temp_dir().join(format!("operator-bench-{pid}.log"));
+        std::fs::copy(&op.log, &copy)?;
+        println!("  note: watches restarted during the cold start; log kept at {}", copy.display());
+    }
+    Ok(m)
+}
+
+#[derive(Deserialize)]
+struct Head {
+    id: u64,
+    bootstrap: Boot,
+    mappings: Vec<IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct Boot {
+    complete: bool,
+}
+
+/// Waits at `GET /snapshot?wait=` (held until there is a snapshot it does not have, see
+/// docs/snapshot.md) until it serves a complete snapshot with `mappings` Mappings; returns
+/// the time since `spawned`, its id and bytes. A held request answers as the snapshot is
+/// published: no polling interval in the figure, and no polls for the operator to answer.
+async fn first_snapshot(
+    op: &Operator,
+    pid: u32,
+    spawned: Instant,
+    mappings: usize,
+) -> anyhow::Result<(Duration, u64, bytes::Bytes)> {
+    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build()?;
+    let url = op.url("/snapshot?wait=5s");
+    // The tag of an incomplete snapshot already seen: held until another.
+    let mut seen: Option<reqwest::header::HeaderValue> = None;
+    loop {
+        if spawned.elapsed() > COLD_START_LIMIT {
+            bail!("no complete snapshot after {COLD_START_LIMIT:?}\n--- operator log ---\n{}", op.logs());
+        }
+        if process_exited(pid) {
+            bail!("the operator exited\n--- operator log ---\n{}", op.logs());
+        }
+        let mut request = http.get(&url);
+        if let Some(tag) = &seen {
+            request = request.header(reqwest::header::IF_NONE_MATCH, tag.clone());
+        }
+        let asked = Instant::now();
+        let resp = match request.send().await {
+            Ok(resp) => resp,
+            // Not listening yet (the first few milliseconds).
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                continue;
+            }
+        };
+        // An older build given as E2E_OPERATOR_BIN may answer at once, without waiting, or
+        // without an ETag: it is polled every 10 ms.
+        let polled = Duration::from_millis(10);
+        if !resp.status().is_success() {
+            // 503 (no snapshot yet) or 304 (nothing new) at the wait's end: ask again.
+            if asked.elapsed() < Duration::from_secs(1) {
+                tokio::time::sleep(polled).await;
+            }
+            continue;
+        }
+        let at = spawned.elapsed();
+        seen = resp.headers().get(reqwest::header::ETAG).cloned();
+        let body = resp.bytes().await?;
+        let head: Head = serde_json::from_slice(&body)?;
+        if head.bootstrap.complete && head.mappings.len() == mappings {
+            return Ok((at, head.id, body));
+        }
+        println!(
+            "  (snapshot {} at {}: complete={} mappings={}; waiting)",
+            head.id,
+            ms(at),
+            head.bootstrap.complete,
+            head.mappings.len()
+        );
+        if seen.is_none() {
+            tokio::time::sleep(polled).await;
+        }
+    }
+}
+
+/// SIGTERM, and what the simulator still counts once the operator is gone.
+pub(crate) fn stop(mut op: Operator, sim: &RunningSim) -> anyhow::Result<String> {
+    let status = op.terminate(Duration::from_secs(30))?;
+    std::thread::sleep(Duration::from_secs(2));
+    let after = sim.stats();
+    println!(
+        "  operator exited ({status}); 2 s later the simulator counts {} open connections, {} blocking queries",
+        after.open_connections_total, after.blocking_total
+    );
+    Ok(status.to_string())
+}
+
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// A `key=value` field of a text log line.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let at = line.find(&format!(" {key}="))? + key.len() + 2;
+    line[at..].split_whitespace().next().map(|v| v.trim_matches('"'))
+}
+
+/// Milestones of the operator's log, as offsets from `spawned_at`.
+#[derive(Default, Debug)]
+pub(crate) struct Milestones {
+    first_line: Option<Duration>,
+    pub(crate) starting: Option<Duration>,
+    pub(crate) first_consul_watch: Option<Duration>,
+    pub(crate) last_consul_watch: Option<Duration>,
+    consul_watches: usize,
+    kube_watches: usize,
+    watches_stopped: usize,
+    pub(crate) published: Option<Duration>,
+    pub(crate) warnings: usize,
+}
+
+pub(crate) fn milestones(log: &str, spawned_at: SystemTime) -> Milestones {
+    let mut m = Milestones::default();
+    for line in log.lines().map(strip_ansi) {
+        let Some(at) = line
+            .split_whitespace()
+            .next()
+            .and_then(|t| humantime::parse_rfc3339_weak(t).ok())
+            .map(|t| t.duration_since(spawned_at).unwrap_or_default())
+        else {
+            continue;
+        };
+        m.first_line.get_or_insert(at);
+        if line.contains(" WARN ") || line.contains(" ERROR ") {
+            m.warnings += 1;
+        }
+        if line.contains(": starting ") {
+            m.starting.get_or_insert(at);
+        } else if line.contains(": watch started ") {
+            if field(&line, "source") == Some("consul") {
+                m.consul_watches += 1;
+                m.first_consul_watch.get_or_insert(at);
+                m.last_consul_watch = Some(at);
+            } else {
+                m.kube_watches += 1;
+            }
+        } else if line.contains(": watch stopped ") {
+            m.watches_stopped += 1;
+        } else if line.contains(": snapshot published ") && m.published.is_none() {
+            m.published = Some(at);
+        }
+    }
+    m
+}

@@ -1,0 +1,133 @@
+//! The run's profile: its sizes and knobs, read from the environment (`BENCH_*`, see the
+//! crate's documentation). `BENCH_PROFILE` gives the defaults; each variable set overrides
+//! its own.
+
+use std::time::Duration;
+
+use anyhow::{Context, bail, ensure};
+use e2e::bench::env_usize;
+
+#[derive(Clone)]
+pub(crate) struct Settings {
+    /// `BENCH_PROFILE=scale`: larger defaults and the scale targets (see `Targets`).
+    pub(crate) scale: bool,
+    pub(crate) services: usize,
+    /// Consul instances per service (`BENCH_INSTANCES_PER_SERVICE`).
+    pub(crate) instances: usize,
+    pub(crate) per_service: usize,
+    pub(crate) namespaces: usize,
+    pub(crate) changes: usize,
+    /// Node check flips (`BENCH_NODE_FLIPS`, 50).
+    pub(crate) node_flips: usize,
+    /// Kubernetes Services routed to (`BENCH_KUBE_SERVICES`: 5,000 at scale, else 0): each
+    /// an Endpoints object with three addresses and one Mapping, spread over the namespaces.
+    pub(crate) kube_services: usize,
+    /// Consul scopes (`BENCH_SCOPES`, 1): with 2, the resolvers of every other namespace
+    /// name a token (a Secret), which is another scope with a change feed of its own.
+    pub(crate) scopes: usize,
+    pub(crate) modes: Vec<u32>,
+    /// Bare reflector lists made and thrown away after the setup (`BENCH_WARM_UP_LISTS`, 2).
+    pub(crate) warm_up: usize,
+    /// `BENCH_PIN=1`: the control plane on a CPU of its own (`setup::place`).
+    pub(crate) pin: bool,
+    pub(crate) window: String,
+    /// `BENCH_SIZES`: (services, instances per service) of each row of the cost table;
+    /// empty without it.
+    pub(crate) sizes: Vec<(usize, usize)>,
+}
+
+impl Settings {
+    /// The profile gives the defaults; each variable set overrides its own.
+    pub(crate) fn from_env() -> anyhow::Result<Settings> {
+        let scale = scale_profile()?;
+        let s = Settings {
+            scale,
+            // Scale: 75,000 endpoints and 50,000 Mappings.
+            services: env_usize("BENCH_SERVICES", if scale { 5000 } else { 1000 }),
+            instances: env_usize("BENCH_INSTANCES_PER_SERVICE", if scale { 15 } else { 1 }),
+            per_service: env_usize("BENCH_MAPPINGS_PER_SERVICE", 10),
+            namespaces: env_usize("BENCH_NAMESPACES", 5),
+            changes: env_usize("BENCH_CHANGES", 200),
+            node_flips: env_usize("BENCH_NODE_FLIPS", 50),
+            kube_services: env_usize("BENCH_KUBE_SERVICES", if scale { 5000 } else { 0 }),
+            scopes: env_usize("BENCH_SCOPES", 1).max(1),
+            warm_up: env_usize("BENCH_WARM_UP_LISTS", 2),
+            pin: env_usize("BENCH_PIN", 0) == 1,
+            modes: modes(scale)?,
+            window: std::env::var("BENCH_COALESCE_WINDOW").unwrap_or_else(|_| "250ms".into()),
+            sizes: sizes()?,
+        };
+        ensure!(!s.modes.is_empty(), "BENCH_MODES is empty");
+        s.check()?;
+        for &(services, instances) in &s.sizes {
+            let size = Settings { services, instances, ..s.clone() };
+            size.check().with_context(|| format!("BENCH_SIZES: {services}x{instances}"))?;
+        }
+        humantime::parse_duration(&s.window).context("BENCH_COALESCE_WINDOW")?;
+        Ok(s)
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        let s = self;
+        ensure!(s.services > 0 && s.services <= 50_000, "BENCH_SERVICES must be 1..50000");
+        // Registered ports are 10000-19999, distinct within a service.
+        ensure!(s.instances > 0 && s.instances <= 10_000, "BENCH_INSTANCES_PER_SERVICE must be 1..10000");
+        ensure!(s.per_service > 0 && s.namespaces > 0, "BENCH_MAPPINGS_PER_SERVICE and BENCH_NAMESPACES must be > 0");
+        // Changes take ports from 20000 up, a fresh one each, both series together.
+        ensure!(s.changes > 0 && 20_000 + 2 * s.changes <= 65_535, "BENCH_CHANGES must be 1..22767");
+        ensure!(s.kube_services <= 40_000, "BENCH_KUBE_SERVICES must be at most 40000");
+        Ok(())
+    }
+
+    /// Every Mapping: those to Consul services and one per Kubernetes Service.
+    pub(crate) fn mappings(&self) -> usize {
+        self.services * self.per_service + self.kube_services
+    }
+
+    pub(crate) fn endpoints(&self) -> usize {
+        self.services * self.instances
+    }
+
+    pub(crate) fn window(&self) -> Duration {
+        humantime::parse_duration(&self.window).expect("checked in from_env")
+    }
+
+    /// One row of the cost table: these settings at another size.
+    pub(crate) fn at_size(&self, services: usize, instances: usize) -> Settings {
+        Settings { services, instances, sizes: Vec::new(), ..self.clone() }
+    }
+}
+
+/// `BENCH_PROFILE`: whether the scale profile's defaults and targets apply.
+fn scale_profile() -> anyhow::Result<bool> {
+    match std::env::var("BENCH_PROFILE").as_deref() {
+        Ok("scale") => Ok(true),
+        Ok("" | "default") | Err(_) => Ok(false),
+        Ok(other) => bail!("BENCH_PROFILE={other}: the profiles are `default` and `scale`"),
+    }
+}
+
+/// `BENCH_MODES`: the `--consul-max-connections` budgets, one operator run each.
+fn modes(scale: bool) -> anyhow::Result<Vec<u32>> {
+    let modes = std::env::var("BENCH_MODES").unwrap_or_else(|_| (if scale { "100" } else { "100,1200" }).into());
+    Ok(modes.split(',').map(|m| m.trim().parse::<u32>()).collect::<Result<Vec<_>, _>>()?)
+}
+
+/// `BENCH_SIZES`: `SERVICESxINSTANCES,...`, empty when unset or blank.
+fn sizes() -> anyhow::Result<Vec<(usize, usize)>> {
+    let sizes = match std::env::var("BENCH_SIZES") {
+        Ok(sizes) if !sizes.trim().is_empty() => sizes,
+        _ => return Ok(Vec::new()),
+    };
+    sizes
+        .split(',')
+        .map(|size| {
+            let (services, instances) = size
+                .trim()
+                .split_once('x')
+                .with_context(|| format!("BENCH_SIZES: {size:?} is not SERVICESxINSTANCES"))?;
+            let number = |n: &str| n.trim().parse::<usize>().with_context(|| format!("BENCH_SIZES: {size:?}"));
+            Ok((number(services)?, number(instances)?))
+        })
+        .collect()
+}

@@ -1,0 +1,441 @@
+//! The report: the tables docs/benchmarks.md quotes, the targets a run is held to and
+//! their verdicts (met / MISSED), and the figures' formats.
+
+use std::time::{Duration, Instant};
+
+use e2e::bench::loadavg;
+
+use crate::cold_start::Neighbours;
+use crate::profile::Settings;
+use crate::run::Run;
+
+/// A ceiling on a measure: `<=` when `inclusive`, else `<`.
+#[derive(Clone, Copy)]
+struct Limit<T> {
+    max: T,
+    inclusive: bool,
+}
+
+impl<T: PartialOrd + Copy> Limit<T> {
+    fn at_most(max: T) -> Limit<T> {
+        Limit { max, inclusive: true }
+    }
+
+    fn below(max: T) -> Limit<T> {
+        Limit { max, inclusive: false }
+    }
+
+    fn holds(&self, value: T) -> bool {
+        if self.inclusive { value <= self.max } else { value < self.max }
+    }
+
+    fn text(&self, show: impl Fn(T) -> String) -> String {
+        format!("{} {}", if self.inclusive { "<=" } else { "<" }, show(self.max))
+    }
+}
+
+/// The targets a run is held to: the default profile's, or the scale profile's. They go
+/// with the profile, not with the sizes: a scale run made smaller is still held to the
+/// scale targets, which is why the output names the set.
+pub(crate) struct Targets {
+    pub(crate) name: &'static str,
+    /// Median of the cold starts.
+    cold_start: Option<Limit<Duration>>,
+    /// Median cold start / median bare reflector.
+    overhead: Option<Limit<f64>>,
+    spaced_p50: Option<Limit<Duration>>,
+    spaced_p99: Option<Limit<Duration>>,
+    back_to_back_p99: Option<Limit<Duration>>,
+    /// A health flip of any service, fed or not, to the ConfigMap.
+    flip_p99: Limit<Duration>,
+    /// VmHWM at the end, in KiB.
+    peak_rss_kib: Limit<u64>,
+}
+
+impl Targets {
+    pub(crate) fn of(s: &Settings) -> Targets {
+        let window = s.window();
+        if s.scale {
+            let change = Limit::below(window + Duration::from_millis(250));
+            Targets {
+                name: "the scale profile's (BENCH_PROFILE=scale)",
+                cold_start: Some(Limit::below(Duration::from_secs(10))),
+                overhead: None,
+                spaced_p50: None,
+                spaced_p99: Some(change),
+                back_to_back_p99: Some(change),
+                flip_p99: Limit::at_most(window + Duration::from_millis(250)),
+                peak_rss_kib: Limit::below(400 * 1024),
+            }
+        } else {
+            Targets {
+                name: "the default profile's (BENCH_PROFILE unset)",
+                cold_start: None,
+                overhead: Some(Limit::at_most(1.2)),
+                spaced_p50: Some(Limit::at_most(Duration::from_millis(50))),
+                spaced_p99: Some(Limit::at_most(Duration::from_millis(100))),
+                back_to_back_p99: Some(Limit::at_most(window + Duration::from_millis(100))),
+                flip_p99: Limit::at_most(window + Duration::from_millis(250)),
+                peak_rss_kib: Limit::at_most(100 * 1024),
+            }
+        }
+    }
+
+    /// Every target that applies: what it is about, the target, the run's value, met.
+    fn verdicts(&self, r: &Run) -> Vec<(&'static str, String, String, bool)> {
+        let mut out = Vec::new();
+        let mut duration = |what, limit: Option<Limit<Duration>>, value: Duration| {
+            if let Some(l) = limit {
+                out.push((what, l.text(ms_or_secs), ms_or_secs(value), l.holds(value)));
+            }
+        };
+        let c = &r.changes;
+        duration("cold start (median)", self.cold_start, median(&r.starts.cold));
+        duration("spaced change p50", self.spaced_p50, c.spaced.percentile(0.5));
+        duration("spaced change p99", self.spaced_p99, c.spaced.percentile(0.99));
+        duration("back-to-back change p99", self.back_to_back_p99, c.back_to_back.percentile(0.99));
+        duration("health flip p99", Some(self.flip_p99), c.flips.percentile(0.99));
+        if !c.node_flips.0.is_empty() {
+            duration("node check flip p99", Some(self.flip_p99), c.node_flips.percentile(0.99));
+        }
+        if let Some(l) = self.overhead {
+            let ratio = overhead(r);
+            out.push(("cold start / bare reflector", l.text(ratio_x), ratio_x(ratio), l.holds(ratio)));
+        }
+        let rss = r.memory_end.0;
+        out.push(("peak RSS (VmHWM)", self.peak_rss_kib.text(mib), mib(rss), self.peak_rss_kib.holds(rss)));
+        out
+    }
+}
+
+/// The targets line the run starts with: the profile's set, or none for the cost table.
+pub(crate) fn targets_line(s: &Settings) {
+    if s.sizes.is_empty() {
+        println!("Targets: {}.", Targets::of(s).name);
+    } else {
+        println!("Targets: none (BENCH_SIZES: the cost table).");
+    }
+}
+
+/// Median cold start / median bare reflector.
+fn overhead(r: &Run) -> f64 {
+    median(&r.starts.cold).as_secs_f64() / median(&r.starts.reflector).as_secs_f64()
+}
+
+pub(crate) fn ms(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn ms_f(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
+/// Seconds from 10 s up (a cold-start target), else milliseconds.
+fn ms_or_secs(d: Duration) -> String {
+    if d >= Duration::from_secs(10) { secs(d) } else { ms(d) }
+}
+
+/// With thousands separators: 50,000.
+fn count(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn ratio_x(r: f64) -> String {
+    format!("{r:.2}x")
+}
+
+pub(crate) fn mib(kib: u64) -> String {
+    format!("{:.0} MiB", kib as f64 / 1024.0)
+}
+
+/// CPU time, to a tenth of a millisecond (per change, it is a mean).
+pub(crate) fn cpu_ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
+pub(crate) fn secs(d: Duration) -> String {
+    format!("{:.2} s", d.as_secs_f64())
+}
+
+pub(crate) fn median(v: &[Duration]) -> Duration {
+    let mut v = v.to_vec();
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn min_med_max(v: &[Duration], f: fn(Duration) -> String) -> String {
+    let mut v = v.to_vec();
+    v.sort();
+    format!("{} / {} / {}", f(v[0]), f(v[v.len() / 2]), f(v[v.len() - 1]))
+}
+
+/// The table of the compared runs (one column per budget), the verdicts of each against
+/// the profile's targets, and gzip on the first run's snapshot.
+pub(crate) fn compared(s: &Settings, runs: &[Run], load_start: &str, load_end: &str, placement: &str) {
+    let targets = Targets::of(s);
+    println!();
+    println!(
+        "{} Consul services x {} instances ({} endpoints), {} Mappings ({} per service) in {} namespaces, \
+         {} Kubernetes Services routed to, a ConsulResolver per namespace; --coalesce-window {}; {} changes of each kind; \
+         load average {} at start, {} at end; placement: {placement}",
+        s.services,
+        s.instances,
+        s.endpoints(),
+        s.mappings(),
+        s.per_service,
+        s.namespaces,
+        s.kube_services,
+        s.window,
+        s.changes,
+        load_start,
+        load_end
+    );
+    println!("Targets: {}.", targets.name);
+    println!();
+    let table = Table { runs };
+    table.header();
+    cold_start_rows(&table, &targets);
+    change_rows(&table, &targets);
+    cost_rows(&table, &targets, s);
+    println!();
+    println!("Against {} targets:", targets.name);
+    for r in runs {
+        let verdicts = targets
+            .verdicts(r)
+            .into_iter()
+            .map(|(what, target, value, met)| {
+                format!("{what} {value} ({target}) {}", if met { "met" } else { "MISSED" })
+            })
+            .collect::<Vec<_>>();
+        println!("--consul-max-connections {}: {}", r.max_connections, verdicts.join(", "));
+    }
+    if let Some(r) = runs.first() {
+        println!();
+        println!("{}", gzip_levels(&r.snapshot));
+    }
+}
+
+/// A markdown table with a row per measure and a column per run.
+struct Table<'a> {
+    runs: &'a [Run],
+}
+
+impl Table<'_> {
+    fn header(&self) {
+        let mut header = "| measure | target |".to_owned();
+        let mut sep = "|---|---|".to_owned();
+        for r in self.runs {
+            header += &format!(" --consul-max-connections {} |", r.max_connections);
+            sep += "---|";
+        }
+        println!("{header}\n{sep}");
+    }
+
+    fn row(&self, name: &str, target: &str, f: impl Fn(&Run) -> String) {
+        let mut line = format!("| {name} | {target} |");
+        for r in self.runs {
+            line += &format!(" {} |", f(r));
+        }
+        println!("{line}");
+    }
+}
+
+/// The targets of a row that apply, joined.
+fn target(parts: &[Option<String>]) -> String {
+    parts.iter().flatten().cloned().collect::<Vec<_>>().join(", ")
+}
+
+/// A percentile's target: `p99 <= 100 ms`.
+fn p(name: &str, l: Limit<Duration>) -> String {
+    format!("{name} {}", l.text(ms))
+}
+
+fn cold_start_rows(table: &Table<'_>, targets: &Targets) {
+    let median_of = |l: Limit<Duration>| format!("median {}", l.text(ms_or_secs));
+    table.row(
+        "cold start: spawn -> complete snapshot at GET /snapshot (min / median / max of 3)",
+        &target(&[targets.cold_start.map(median_of)]),
+        |r| min_med_max(&r.starts.cold, secs),
+    );
+    table.row("bare reflector on the same Mappings (min / median / max of 3)", "", |r| {
+        min_med_max(&r.starts.reflector, secs)
+    });
+    table.row("CPU (user + system) to the end: operator to its first snapshot / bare reflector (medians)", "", |r| {
+        let reflector: Vec<Duration> = r.starts.reflector_neighbours.iter().map(|n| n.bench).collect();
+        format!("{} / {}", ms(median(&r.starts.cold_cpu)), ms(median(&reflector)))
+    });
+    table.row(
+        "CPU meanwhile, kube-apiserver / etcd / this process (medians): cold start (simulator, reader); bare reflector",
+        "",
+        |r| {
+            let (cold, reflector) = (&r.starts.cold_neighbours, &r.starts.reflector_neighbours);
+            format!("{}; {}", Neighbours::median(cold), Neighbours::median(reflector))
+        },
+    );
+    table.row("cold start / bare reflector (medians)", &target(&[targets.overhead.map(|l| l.text(ratio_x))]), |r| {
+        ratio_x(overhead(r))
+    });
+    let or_na = |d: Option<Duration>| d.map_or("n/a".into(), ms);
+    table.row("last cold start: spawn -> `starting` (client, discovery)", "", |r| or_na(r.last.starting));
+    table.row("last cold start: spawn -> first / last Consul watch started (Mappings listed)", "", |r| {
+        format!("{} / {}", or_na(r.last.first_consul_watch), or_na(r.last.last_consul_watch))
+    });
+    table.row("last cold start: spawn -> `snapshot published` (HTTP + ConfigMap + statuses)", "", |r| {
+        or_na(r.last.published)
+    });
+    table.row("snapshot size; ConfigMap encoding", "", |r| {
+        format!("{} bytes; {}", r.snapshot.len(), r.changes.encoding)
+    });
+}
+
+fn change_rows(table: &Table<'_>, targets: &Targets) {
+    table.row(
+        "Consul change -> ConfigMap, spaced (leading edge)",
+        &target(&[targets.spaced_p50.map(|l| p("p50", l)), targets.spaced_p99.map(|l| p("p99", l))]),
+        |r| r.changes.spaced.summary(),
+    );
+    table.row(
+        "Consul change -> ConfigMap, back to back (inside the window)",
+        &target(&[targets.back_to_back_p99.map(|l| p("p99", l))]),
+        |r| r.changes.back_to_back.summary(),
+    );
+    table.row(
+        "Consul health flip -> ConfigMap, spaced (critical and back; fed services included)",
+        &p("p99", targets.flip_p99),
+        |r| {
+            let c = &r.changes;
+            format!("{}; Consul requests per flip {}", c.flips.summary(), c.flip_requests.summary(c.flips.0.len()))
+        },
+    );
+    table.row(
+        "Consul node check flip -> ConfigMap, spaced (critical and back; fed services included)",
+        &p("p99", targets.flip_p99),
+        |r| {
+            let n = &r.changes.node_flips;
+            if n.0.is_empty() { "not run (BENCH_NODE_FLIPS=0)".into() } else { n.summary() }
+        },
+    );
+}
+
+/// What a run cost: Kubernetes and Consul requests, CPU, connections, memory.
+fn cost_rows(table: &Table<'_>, targets: &Targets, s: &Settings) {
+    table.row("Kubernetes watches opened (audit log, verb watch)", "one per key", |r| match &r.audit {
+        Some(a) => format!(
+            "{} for {} keys (max {} per key)",
+            a.watches.values().sum::<usize>(),
+            a.watches.len(),
+            a.watches.values().max().unwrap_or(&0)
+        ),
+        None => "n/a (no audit log)".into(),
+    });
+    table.row("Kubernetes requests by the operator, by verb", "", |r| match &r.audit {
+        Some(a) => a.verbs.iter().map(|(v, n)| format!("{v} {n}")).collect::<Vec<_>>().join(", "),
+        None => "n/a".into(),
+    });
+    table.row("Consul blocking queries held after start", "one per key", |r| {
+        let h = &r.held;
+        format!(
+            "{} services (max {} per service) + {} on /v1/catalog/services",
+            h.services, h.max_per_service, h.catalog
+        )
+    });
+    table.row("Consul requests to the first snapshot (services queried)", "", |r| {
+        format!("{} ({})", r.bootstrap_requests, r.bootstrap_services_queried)
+    });
+    table.row(
+        "Consul requests per change (of the changed services, and the feed's); of other services (the sweep)",
+        "",
+        |r| r.changes.change_requests.summary(2 * s.changes),
+    );
+    table.row("operator CPU per change (utime + stime over the series / changes): spaced; back to back", "", |r| {
+        format!("{}; {}", cpu_ms(r.changes.cpu_spaced), cpu_ms(r.changes.cpu_back_to_back))
+    });
+    table.row("mean publication (HTTP + ConfigMap + statuses) during the changes", "", |r| {
+        r.changes.publish_mean.map_or("n/a".into(), ms)
+    });
+    table.row("peak connections to the simulator: to the first snapshot + 2 s; whole run", "", |r| {
+        format!("{}; {}", r.held.peak_sim_connections_start, r.peak_sim_connections)
+    });
+    table.row("operator peak RSS (VmHWM) at the end", &targets.peak_rss_kib.text(mib), |r| mib(r.memory_end.0));
+    table.row("operator VmHWM / VmRSS at the first snapshot; VmRSS at the end", "", |r| {
+        format!("{} / {}; {}", mib(r.memory_first.0), mib(r.memory_first.1), mib(r.memory_end.1))
+    });
+    table.row("warnings in the operator log; exit", "", |r| format!("{}; {}", r.last.warnings, r.exit));
+}
+
+/// The cost table (`BENCH_SIZES`) as markdown: a row per size, then gzip on each size's
+/// snapshot.
+pub(crate) fn cost_table(s: &Settings, rows: &[(Settings, Run)], load_start: &str) {
+    println!();
+    println!(
+        "Cost by size: --consul-max-connections {} (the first of BENCH_MODES); {} Mappings per service over \
+         {} namespaces, a ConsulResolver per namespace; --coalesce-window {}; {} changes of each kind; one operator \
+         (one cold start) per size, each with fresh namespaces and simulator; load average {} at start, {} at end",
+        s.modes[0],
+        s.per_service,
+        s.namespaces,
+        s.window,
+        s.changes,
+        load_start,
+        loadavg()
+    );
+    println!();
+    println!(
+        "| Mappings | services | endpoints | snapshot bytes | cold start | spaced p50 / p99 | \
+         CPU per spaced change | CPU per back-to-back change | peak RSS (VmHWM) |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (size, r) in rows {
+        println!(
+            "| {} | {} | {} | {} | {} | {} / {} | {} | {} | {} |",
+            count(size.mappings()),
+            count(size.services),
+            count(size.endpoints()),
+            count(r.snapshot.len()),
+            secs(r.starts.cold[0]),
+            ms(r.changes.spaced.percentile(0.5)),
+            ms(r.changes.spaced.percentile(0.99)),
+            cpu_ms(r.changes.cpu_spaced),
+            cpu_ms(r.changes.cpu_back_to_back),
+            mib(r.memory_end.0)
+        );
+    }
+    println!();
+    for (size, r) in rows {
+        println!("{} Mappings: {}", count(size.mappings()), gzip_levels(&r.snapshot));
+    }
+}
+
+/// What gzip costs on the real snapshot at the level the operator uses, at level 1 and at
+/// the library's default (6): size, and min / median / max time of 20 runs in this process
+/// (the operator is stopped by now, so the machine's other load is what the run records).
+fn gzip_levels(json: &[u8]) -> String {
+    use consul_resolver_core::assembler::gzip::LEVEL;
+    use std::io::Write;
+    let mut out = format!("gzip of the first snapshot ({} bytes), 20 runs each:", count(json.len()));
+    let mut levels = vec![(LEVEL, format!("level {LEVEL} (the operator's)")), (6, "level 6 (the default)".to_owned())];
+    if LEVEL != 1 {
+        levels.insert(0, (1, "level 1".to_owned()));
+    }
+    for (level, what) in levels {
+        let mut times = Vec::new();
+        let mut size = 0;
+        for _ in 0..20 {
+            let started = Instant::now();
+            let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::new(level));
+            enc.write_all(json).expect("gzip into memory");
+            size = enc.finish().expect("gzip into memory").len();
+            times.push(started.elapsed());
+        }
+        out += &format!(" {what}: {} bytes in {};", count(size), min_med_max(&times, ms_f));
+    }
+    out
+}
