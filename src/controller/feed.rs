@@ -1,7 +1,6 @@
-//! What the controllers of resolvers and of exports share: a kube-runtime Controller whose
-//! store is fed from the world instead of a watch of its own (the world already watches the
-//! kind, so neither adds a list or watch), run until shut down, and each object's own
-//! backoff. Each keeps its own reconcile, errors and context.
+//! The driver's kube-runtime side: a Controller whose store is fed from the world instead
+//! of a watch of its own (the world already watches the kind, so no controller adds a list
+//! or watch), run until shut down, and each object's own backoff.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;

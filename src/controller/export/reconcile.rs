@@ -10,28 +10,21 @@
 
 use std::future::Future;
 
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, Preconditions};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, Preconditions};
 use kube::{Resource, ResourceExt};
 use serde_json::Value;
 use tokio::time::Instant;
 
-use super::objects;
-use super::status::Outcome;
-use super::{Context, ExportError};
+use super::status::{self, Outcome};
+use super::{Exports, objects};
 use crate::controller::conditions::whole_seconds;
+use crate::controller::{Job, Next, ReconcileError, within};
 use crate::kube_client::{FIELD_MANAGER, status_code};
 use consul_resolver_api::export::{ConsulService, ConsulServiceSpec, IpFamily};
+use consul_resolver_api::status::ConsulServiceStatus;
 use consul_resolver_core::assembler::snapshot::ExportEntry;
 use consul_resolver_core::export::layout::LiveSlice;
 use consul_resolver_core::export::{Desired, held, knows, layout};
-
-/// A request within the leadership deadline.
-async fn within<T>(until: Instant, what: &str, f: impl Future<Output = kube::Result<T>>) -> Result<T, ExportError> {
-    match tokio::time::timeout_at(until, f).await {
-        Err(_) => Err(ExportError::LeadershipLapsed(what.to_owned())),
-        Ok(r) => r.map_err(|e| ExportError::Write(what.to_owned(), e)),
-    }
-}
 
 /// A request within the leadership deadline, to an object that may be gone or replaced
 /// meanwhile (`None`: the API server said 404, or 409 for a precondition on the uid: for a
@@ -40,9 +33,9 @@ async fn within_unless_gone<T>(
     until: Instant,
     what: &str,
     f: impl Future<Output = kube::Result<T>>,
-) -> Result<Option<T>, ExportError> {
+) -> Result<Option<T>, ReconcileError> {
     match within(until, what, f).await {
-        Err(ExportError::Write(_, e)) if matches!(status_code(&e), Some(404 | 409)) => Ok(None),
+        Err(ReconcileError::Write(_, e)) if matches!(status_code(&e), Some(404 | 409)) => Ok(None),
         r => r.map(Some),
     }
 }
@@ -59,14 +52,64 @@ fn ours(live: &Value, name: &str, instance: &str) -> bool {
         && live["metadata"]["labels"][objects::INSTANCE].as_str() == Some(instance)
 }
 
+/// One export's reconcile, while leading: an export of another operator is let go; an
+/// invalid spec holds the live slices; otherwise the export is applied as its snapshot
+/// entry says. The status follows each.
+pub(super) async fn reconcile(
+    ctx: &Exports,
+    obj: &DynamicObject,
+    job: Job<ExportEntry>,
+) -> Result<Next, ReconcileError> {
+    let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
+    let live_status = obj.data.get("status").cloned().and_then(|s| serde_json::from_value(s).ok());
+    let generation = obj.metadata.generation;
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let status_after = |outcome: &Outcome| status::status_for(&name, generation, outcome, live_status.as_ref(), now);
+    // Another operator's export (another Ambassador ID): not ours to judge, and whatever we
+    // wrote for it while it was ours goes, so its new operator can take the name.
+    if parse(obj).is_ok_and(|s| !s.serves_ambassador_id(&ctx.ambassador_id)) {
+        ctx.forget_stale(&namespace, &name);
+        remove(ctx, &namespace, &name, &obj.uid().unwrap_or_default(), job.until).await?;
+        return Ok(Next::OnChange);
+    }
+    let spec = match validate(obj) {
+        Ok(spec) => spec,
+        Err(why) => {
+            let held = hold_invalid(ctx, obj, &why, job.until).await?;
+            ctx.set_stale(&namespace, &name, held.as_ref());
+            let s = status_after(&Outcome::Invalid(why, held));
+            update_status(ctx, obj, &s, live_status.as_ref(), job.until).await?;
+            return Ok(Next::OnChange);
+        }
+    };
+    let Some((_, entry)) = job.entry(&namespace, &name) else { return Ok(Next::OnChange) };
+    let outcome = match apply(ctx, obj, &spec, entry, job.until).await {
+        Ok(outcome) => outcome,
+        Err(e) => {
+            // Said on the export (a missing grant reads as "forbidden" there), then retried
+            // with backoff; a status write that fails too changes nothing about that.
+            let s = status_after(&Outcome::Failed(e.to_string()));
+            let _ = update_status(ctx, obj, &s, live_status.as_ref(), job.until).await;
+            return Err(e);
+        }
+    };
+    let desired = match &outcome {
+        Outcome::Exported { desired, .. } | Outcome::Held { desired, .. } => Some(desired),
+        _ => None,
+    };
+    ctx.set_stale(&namespace, &name, desired);
+    update_status(ctx, obj, &status_after(&outcome), live_status.as_ref(), job.until).await?;
+    Ok(Next::Resync)
+}
+
 /// The spec as the export holds it, or why it cannot be read.
-pub(super) fn parse(obj: &DynamicObject) -> Result<ConsulServiceSpec, String> {
+fn parse(obj: &DynamicObject) -> Result<ConsulServiceSpec, String> {
     let spec = obj.data.get("spec").ok_or("spec is missing")?;
     serde_json::from_value(spec.clone()).map_err(|e| format!("spec is not valid: {e}"))
 }
 
 /// Validate: the spec, or why it cannot be used.
-pub(super) fn validate(obj: &DynamicObject) -> Result<ConsulServiceSpec, String> {
+fn validate(obj: &DynamicObject) -> Result<ConsulServiceSpec, String> {
     let spec = parse(obj)?;
     spec.validate(&obj.name_any())?;
     Ok(spec)
@@ -89,7 +132,12 @@ impl Live {
 }
 
 /// The live Service of `name`, any owner's (`None`: absent).
-async fn get_service(ctx: &Context, namespace: &str, name: &str, until: Instant) -> Result<Option<Value>, ExportError> {
+async fn get_service(
+    ctx: &Exports,
+    namespace: &str,
+    name: &str,
+    until: Instant,
+) -> Result<Option<Value>, ReconcileError> {
     let services: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), namespace, &ctx.services);
     let found = within(until, &format!("Service {namespace}/{name}"), services.get_opt(name)).await?;
     Ok(found.map(|s| serde_json::to_value(s).unwrap_or_default()))
@@ -98,13 +146,13 @@ async fn get_service(ctx: &Context, namespace: &str, name: &str, until: Instant)
 /// Our slices of the Service `name`, read back against the labels and owner they should
 /// have, with their uids.
 async fn list_slices(
-    ctx: &Context,
+    ctx: &Exports,
     namespace: &str,
     name: &str,
     labels: &std::collections::BTreeMap<String, String>,
     service_uid: Option<&str>,
     until: Instant,
-) -> Result<Vec<(LiveSlice, String)>, ExportError> {
+) -> Result<Vec<(LiveSlice, String)>, ReconcileError> {
     let api: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), namespace, &ctx.slices);
     let shown = format!("EndpointSlices of {namespace}/{name}");
     let selector = objects::slice_selector(name, &ctx.instance);
@@ -121,13 +169,13 @@ async fn list_slices(
 
 /// Apply: the Service and the slices, as the export and its snapshot entry say; what
 /// happened, for the status.
-pub(super) async fn apply(
-    ctx: &Context,
+async fn apply(
+    ctx: &Exports,
     obj: &DynamicObject,
     spec: &ConsulServiceSpec,
     entry: &ExportEntry,
     until: Instant,
-) -> Result<Outcome, ExportError> {
+) -> Result<Outcome, ReconcileError> {
     let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
     let service = get_service(ctx, &namespace, &name, until).await?;
     if service.as_ref().is_some_and(|s| !ours(s, &name, &ctx.instance)) {
@@ -168,12 +216,12 @@ pub(super) async fn apply(
 
 /// The Service as `desired` says, written unless it already is; its uid.
 async fn apply_service(
-    ctx: &Context,
+    ctx: &Exports,
     obj: &DynamicObject,
     desired: &Desired,
     live: Option<Value>,
     until: Instant,
-) -> Result<String, ExportError> {
+) -> Result<String, ReconcileError> {
     let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
     let uid = obj.uid().unwrap_or_default();
     let owner = objects::owner(&ConsulService::api_version(&()), &ConsulService::kind(&()), &name, &uid);
@@ -205,14 +253,14 @@ async fn apply_service(
 /// they are, marked stale. The Service is left as it is. `None`: nothing to hold (no
 /// Service of ours, or no live endpoints), so the export is built as usual.
 async fn hold(
-    ctx: &Context,
+    ctx: &Exports,
     namespace: &str,
     name: &str,
     live: &Live,
     family: IpFamily,
     reason: &str,
     until: Instant,
-) -> Result<Option<Outcome>, ExportError> {
+) -> Result<Option<Outcome>, ReconcileError> {
     let Some(service) = &live.service else { return Ok(None) };
     // Whole seconds, as the conditions' times.
     let now = whole_seconds(k8s_openapi::jiff::Timestamp::now());
@@ -230,12 +278,12 @@ async fn hold(
 /// The export's spec cannot be used: its live slices are held as they are, marked stale
 /// for `why` (an edit that breaks the spec must not take the traffic away). The export's
 /// status says why; nothing else is written.
-pub(super) async fn hold_invalid(
-    ctx: &Context,
+async fn hold_invalid(
+    ctx: &Exports,
     obj: &DynamicObject,
     why: &str,
     until: Instant,
-) -> Result<Option<Desired>, ExportError> {
+) -> Result<Option<Desired>, ReconcileError> {
     let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
     let Some(service) = get_service(ctx, &namespace, &name, until).await?.filter(|s| ours(s, &name, &ctx.instance))
     else {
@@ -259,7 +307,7 @@ pub(super) async fn hold_invalid(
 /// deletes those it no longer needs. Returns how many the export has.
 #[allow(clippy::too_many_arguments)]
 async fn write_slices(
-    ctx: &Context,
+    ctx: &Exports,
     namespace: &str,
     name: &str,
     desired: &Desired,
@@ -267,7 +315,7 @@ async fn write_slices(
     service_uid: &str,
     delete: bool,
     until: Instant,
-) -> Result<usize, ExportError> {
+) -> Result<usize, ReconcileError> {
     let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), namespace, &ctx.slices);
     let labels = objects::slice_labels(name, &ctx.instance, desired.headless);
     let live_slices: Vec<LiveSlice> = live.iter().map(|(s, _)| s.clone()).collect();
@@ -291,12 +339,12 @@ async fn write_slices(
 }
 
 async fn delete_slice(
-    ctx: &Context,
+    ctx: &Exports,
     namespace: &str,
     name: &str,
     uid: &str,
     until: Instant,
-) -> Result<(), ExportError> {
+) -> Result<(), ReconcileError> {
     let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), namespace, &ctx.slices);
     let what = format!("EndpointSlice {namespace}/{name}");
     if within_unless_gone(until, &what, writer.delete(name, &delete_exactly(uid))).await?.is_some() {
@@ -308,12 +356,12 @@ async fn delete_slice(
 /// Deletes our slices for the Service `name`: all of them, or (`owner`) only those the
 /// Service with that uid owns.
 async fn remove_slices(
-    ctx: &Context,
+    ctx: &Exports,
     namespace: &str,
     name: &str,
     owner: Option<&str>,
     until: Instant,
-) -> Result<(), ExportError> {
+) -> Result<(), ReconcileError> {
     let api: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), namespace, &ctx.slices);
     let shown = format!("EndpointSlices of {namespace}/{name}");
     let selector = objects::slice_selector(name, &ctx.instance);
@@ -334,12 +382,12 @@ async fn remove_slices(
 /// garbage collector runs; this also covers clusters without one, and is harmless where
 /// it does.
 pub(super) async fn remove(
-    ctx: &Context,
+    ctx: &Exports,
     namespace: &str,
     name: &str,
     export_uid: &str,
     until: Instant,
-) -> Result<(), ExportError> {
+) -> Result<(), ReconcileError> {
     let Some(service) = get_service(ctx, namespace, name, until).await? else { return Ok(()) };
     if !ours(&service, name, &ctx.instance) || objects::controller_uid(&service) != Some(export_uid) {
         return Ok(());
@@ -356,13 +404,13 @@ pub(super) async fn remove(
 
 /// The status written (server-side apply on the status subresource), unless the live one
 /// already says the same.
-pub(super) async fn update_status(
-    ctx: &Context,
+async fn update_status(
+    ctx: &Exports,
     obj: &DynamicObject,
-    status: &consul_resolver_api::status::ConsulServiceStatus,
-    live: Option<&consul_resolver_api::status::ConsulServiceStatus>,
+    status: &ConsulServiceStatus,
+    live: Option<&ConsulServiceStatus>,
     until: Instant,
-) -> Result<(), ExportError> {
+) -> Result<(), ReconcileError> {
     if live == Some(status) {
         return Ok(());
     }
@@ -373,7 +421,8 @@ pub(super) async fn update_status(
         "metadata": {"name": name},
         "status": status,
     });
-    let api: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), &namespace, &ctx.resource);
+    let resource = ApiResource::erase::<ConsulService>(&());
+    let api: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), &namespace, &resource);
     let params = PatchParams::apply(FIELD_MANAGER).force();
     let shown = format!("the status of ConsulService {namespace}/{name}");
     // Deleted meanwhile: nothing to say.

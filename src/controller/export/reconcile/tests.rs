@@ -11,9 +11,7 @@ use serde_json::{Value, json};
 
 use super::*;
 use crate::controller::export::metrics::ExportMetrics;
-use crate::controller::export::{Context, SliceVersion};
-use crate::controller::feed::Backoff;
-use crate::leadership::Leadership;
+use crate::controller::export::{Exports, SliceVersion};
 use crate::test_fixtures::{self, FakeApi};
 use consul_resolver_core::assembler::snapshot::{Part, ServiceEntry};
 use consul_resolver_core::model::{Endpoint, Health};
@@ -75,7 +73,7 @@ fn handle(state: &Mutex<State>, method: &str, path: &str, body: &[u8]) -> (u16, 
 }
 
 struct Fixture {
-    ctx: Context,
+    ctx: Exports,
     state: Arc<Mutex<State>>,
     _api: FakeApi,
 }
@@ -89,20 +87,16 @@ impl Fixture {
             &GroupVersionKind::gvk("discovery.k8s.io", "v1beta1", "EndpointSlice"),
             "endpointslices",
         );
-        let ctx = Context {
+        let ctx = Exports {
             client: api.client.clone(),
             writer: api.client.clone(),
-            resource: ApiResource::erase::<ConsulService>(&()),
             services: ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "Service"), "services"),
             slices,
             version: SliceVersion::V1beta1,
             instance: "default".into(),
             ambassador_id: "default".into(),
-            leadership: Leadership::always(),
-            latest: tokio::sync::watch::channel(None).1,
             metrics: ExportMetrics::unregistered(),
-            resync: std::time::Duration::from_secs(300),
-            backoff: Backoff::default(),
+            removals: Mutex::default(),
         };
         Fixture { ctx, state, _api: api }
     }
