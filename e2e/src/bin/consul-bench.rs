@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use consul_resolver_core::keys::{ConsulKey, ConsulServer, QueryOptions, Secret, TlsSettings};
 use consul_resolver_core::model::{ConsulEvent, Event, Health};
 use consul_sim::tls::TestPki;
-use consul_sim::{Config, Simulator};
+use consul_sim::{Config, RunningSim, Simulator, Stats};
 use consul_watch::{ConsulSource, Metrics, Settings};
 use e2e::bench::{env_usize, percentile};
 use serde_json::json;
@@ -38,72 +38,146 @@ use tokio_util::task::AbortOnDropHandle;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let services = env_usize("BENCH_SERVICES", 1000);
-    let changes = env_usize("BENCH_CHANGES", 100);
-    let flips = env_usize("BENCH_FLIPS", 1000);
-    let node_flips = env_usize("BENCH_NODE_FLIPS", 200);
-    let scopes = env_usize("BENCH_SCOPES", 2).max(1);
-    let idle_secs = env_usize("BENCH_IDLE_SECS", 60) as u64;
-    let outage_secs = env_usize("BENCH_OUTAGE_SECS", 30) as u64;
+    let k = Knobs::from_env();
     let settings = Settings::default();
     let pki = std::env::var("BENCH_TLS").is_ok_and(|v| v == "1").then(TestPki::generate).transpose()?;
     let sim_config = Config { tls: pki.as_ref().map(TestPki::server_tls), ..Config::default() };
     // Its own thread and runtime, so the simulator's work does not share ours.
     let sim = Simulator::start_background(sim_config.clone())?;
-    let base = sim.base_url();
-    let http = match &pki {
-        Some(pki) => reqwest::Client::builder().use_preconfigured_tls(pki.client_config(false)?).build()?,
-        None => reqwest::Client::new(),
-    };
+    let catalog = Catalog::new(sim.base_url(), pki.as_ref())?;
+    let names: Vec<String> = (0..k.services).map(|i| format!("svc-{i}")).collect();
+    for n in &names {
+        catalog.register(n, 1, Some("passing")).await?;
+        catalog.node_check(n, "passing").await?;
+    }
+    let metrics = Metrics::unregistered();
+    let source = ConsulSource::new(settings.clone(), metrics.clone());
+    let (tx, mut rx) = mpsc::channel(100_000);
     let tls = pki.as_ref().map(|p| TlsSettings { ca_pem: Some(p.ca_cert_pem.as_str().into()), ..Default::default() });
-    let put = |path: &'static str, body: serde_json::Value| {
-        let http = http.clone();
-        let url = format!("{base}{path}");
-        async move {
-            let r = http.put(url).json(&body).send().await?;
-            anyhow::ensure!(r.status().is_success(), "{path}: {}", r.status());
-            anyhow::Ok(())
+    let keys = keys(&names, &sim.base_url(), tls.as_ref(), k.scopes);
+    sim.reset_stats();
+    let started = Instant::now();
+    let _tasks: Vec<_> =
+        keys.iter().map(|key| AbortOnDropHandle::new(tokio::spawn(source.watch(key.clone(), tx.clone())))).collect();
+    answered(&mut rx, k.services).await;
+    let bootstrap = started.elapsed();
+    let idle = idle(&sim, &k).await;
+    let mut series = changes(&sim, &catalog, &names, &idle.dedicated, &mut rx, &k).await?;
+    let stats = sim.stats();
+    println!(
+        "services watched:           {} in {} scope(s) ({} with a blocking query of their own)",
+        k.services,
+        k.scopes,
+        idle.dedicated.len()
+    );
+    println!("connection budget:          {}", settings.max_connections);
+    println!("change feeds:               {}", metrics.feeds());
+    println!("bootstrap (all answered):   {bootstrap:?}");
+    println!(
+        "idle requests:              {} in {:?} = {:.3} per service per minute (extrapolated)",
+        idle.requests, idle.over, idle.per_service_minute
+    );
+    for s in &mut series {
+        s.print();
+    }
+    println!("peak connections:           {} (429s: {})", stats.peak_connections_total, stats.total_429);
+    if pki.is_some() {
+        println!(
+            "TLS, while idle:            connections by protocol {:?}, most streams on one connection {}",
+            idle.stats.open_connections_by_protocol, idle.stats.peak_streams_per_connection
+        );
+    }
+    if k.outage_secs > 0 {
+        outage(sim, sim_config, &catalog, &names, &metrics, &mut rx, k.outage_secs).await?;
+    }
+    Ok(())
+}
+
+/// The run's sizes, from the environment (see the crate's documentation).
+struct Knobs {
+    services: usize,
+    changes: usize,
+    flips: usize,
+    node_flips: usize,
+    scopes: usize,
+    idle_secs: u64,
+    outage_secs: u64,
+}
+
+impl Knobs {
+    fn from_env() -> Knobs {
+        Knobs {
+            services: env_usize("BENCH_SERVICES", 1000),
+            changes: env_usize("BENCH_CHANGES", 100),
+            flips: env_usize("BENCH_FLIPS", 1000),
+            node_flips: env_usize("BENCH_NODE_FLIPS", 200),
+            scopes: env_usize("BENCH_SCOPES", 2).max(1),
+            idle_secs: env_usize("BENCH_IDLE_SECS", 60) as u64,
+            outage_secs: env_usize("BENCH_OUTAGE_SECS", 30) as u64,
         }
-    };
-    // Each service on a node of its own, so a node check concerns one service. `status:
-    // None` writes the service alone, leaving its check as it is: a catalog move the checks
-    // cannot account for (as on agents that do not rewrite an unchanged check).
-    let register = |name: String, port: u16, status: Option<&'static str>| {
+    }
+}
+
+/// Catalog writes through Consul's HTTP API.
+struct Catalog {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl Catalog {
+    fn new(base: String, pki: Option<&TestPki>) -> anyhow::Result<Catalog> {
+        let http = match pki {
+            Some(pki) => reqwest::Client::builder().use_preconfigured_tls(pki.client_config(false)?).build()?,
+            None => reqwest::Client::new(),
+        };
+        Ok(Catalog { http, base })
+    }
+
+    async fn put(&self, path: &'static str, body: serde_json::Value) -> anyhow::Result<()> {
+        let r = self.http.put(format!("{}{path}", self.base)).json(&body).send().await?;
+        anyhow::ensure!(r.status().is_success(), "{path}: {}", r.status());
+        Ok(())
+    }
+
+    /// Each service on a node of its own, so a node check concerns one service. `status:
+    /// None` writes the service alone, leaving its check as it is: a catalog move the checks
+    /// cannot account for (as on agents that do not rewrite an unchanged check).
+    async fn register(&self, name: &str, port: u16, status: Option<&'static str>) -> anyhow::Result<()> {
         let mut body = json!({"Node": format!("{name}-node"), "Address": "127.0.0.1",
             "Service": {"ID": name, "Service": name, "Port": port}});
         if let Some(status) = status {
             body["Check"] =
                 json!({"CheckID": format!("service:{name}"), "Name": "c", "Status": status, "ServiceID": name});
         }
-        put("/v1/catalog/register", body)
-    };
-    let node_check = |name: &str, status: &'static str| {
-        put(
+        self.put("/v1/catalog/register", body).await
+    }
+
+    async fn node_check(&self, name: &str, status: &'static str) -> anyhow::Result<()> {
+        self.put(
             "/v1/catalog/register",
             json!({"Node": format!("{name}-node"), "Address": "127.0.0.1",
                    "Check": {"CheckID": "serfHealth", "Name": "Serf Health Status", "Status": status}}),
         )
-    };
-    let names: Vec<String> = (0..services).map(|i| format!("svc-{i}")).collect();
-    for n in &names {
-        register(n.clone(), 1, Some("passing")).await?;
-        node_check(n, "passing").await?;
+        .await
     }
+}
 
-    let metrics = Metrics::unregistered();
-    let source = ConsulSource::new(settings.clone(), metrics.clone());
-    let (tx, mut rx) = mpsc::channel(100_000);
-    // The product's default options (healthStatuses: [passing]); services spread over
-    // `scopes` tokens (no ACLs here: a token is another scope, with a feed of its own).
-    let scope_of = |i: usize| i % scopes;
-    let keys: Vec<ConsulKey> = names
+/// The scope (token) of service `i`: services spread over `scopes` tokens (no ACLs here: a
+/// token is another scope, with a feed of its own).
+fn scope_of(i: usize, scopes: usize) -> usize {
+    i % scopes
+}
+
+/// A watch key per service, with the product's default options (healthStatuses: [passing]).
+fn keys(names: &[String], base: &str, tls: Option<&TlsSettings>, scopes: usize) -> Vec<ConsulKey> {
+    names
         .iter()
         .enumerate()
         .map(|(i, n)| ConsulKey {
             server: ConsulServer {
-                address: base.clone(),
-                token: (scope_of(i) > 0).then(|| Secret::new(format!("team-{}", scope_of(i)))),
-                tls: tls.clone(),
+                address: base.to_owned(),
+                token: (scope_of(i, scopes) > 0).then(|| Secret::new(format!("team-{}", scope_of(i, scopes)))),
+                tls: tls.cloned(),
             },
             datacenter: None,
             namespace: None,
@@ -112,167 +186,209 @@ async fn main() -> anyhow::Result<()> {
             query: QueryOptions::default(),
             service: n.clone(),
         })
-        .collect();
-    sim.reset_stats();
-    let started = Instant::now();
-    let _tasks: Vec<_> =
-        keys.iter().map(|k| AbortOnDropHandle::new(tokio::spawn(source.watch(k.clone(), tx.clone())))).collect();
+        .collect()
+}
+
+/// Waits until every one of `services` watches has answered once.
+async fn answered(rx: &mut mpsc::Receiver<Event>, services: usize) {
     let mut answered = HashSet::new();
     while answered.len() < services {
         if let Some(Event::Consul(k, ConsulEvent::Answer { .. })) = rx.recv().await {
             answered.insert(k.service);
         }
     }
-    let bootstrap = started.elapsed();
+}
 
-    // Idle: nothing changes; count requests.
+/// What the watches cost while nothing changes.
+struct Idle {
+    requests: usize,
+    over: Duration,
+    per_service_minute: f64,
+    stats: Stats,
+    /// The services holding a blocking query of their own.
+    dedicated: HashSet<String>,
+}
+
+/// Nothing changes for `BENCH_IDLE_SECS`: the requests meanwhile, and the services holding
+/// a blocking query of their own and the connections they use.
+async fn idle(sim: &RunningSim, k: &Knobs) -> Idle {
     tokio::time::sleep(Duration::from_secs(2)).await;
     sim.clear_requests();
-    let idle = Duration::from_secs(idle_secs);
-    tokio::time::sleep(idle).await;
-    let idle_requests = sim.requests().len();
-    let per_service_minute = idle_requests as f64 / services as f64 * (60.0 / idle.as_secs_f64());
-    // The services holding a blocking query of their own, and the connections they use.
-    let idle_stats = sim.stats();
-    let dedicated: HashSet<String> = idle_stats.blocking.keys().filter(|k| k.starts_with("svc-")).cloned().collect();
+    let over = Duration::from_secs(k.idle_secs);
+    tokio::time::sleep(over).await;
+    let requests = sim.requests().len();
+    let per_service_minute = requests as f64 / k.services as f64 * (60.0 / over.as_secs_f64());
+    let stats = sim.stats();
+    let dedicated = stats.blocking.keys().filter(|k| k.starts_with("svc-")).cloned().collect();
+    Idle { requests, over, per_service_minute, stats, dedicated }
+}
 
-    // One change at a time, spread over the services; each timed from the write to the
-    // event, and the Consul requests it caused counted (the log is cleared before each).
-    let series = |label: &'static str, n: usize| Series { label, n, scopes, ..Series::default() };
-    let mut flips_seen = series("health flip (service check, critical and back)", flips);
-    let mut node_flips_seen = series("node check flip (critical and back)", node_flips);
-    let mut moves_seen = series("port change, with its check", changes);
-    let mut bare_moves_seen = series("port change, service alone", changes);
-    let mut ports = vec![1u16; services];
-    let mut critical = vec![false; services];
-    let mut node_critical = vec![false; services];
-    #[derive(Clone, Copy, PartialEq)]
-    enum Change {
-        Flip,
-        NodeFlip,
-        Move,
-        BareMove,
-    }
-    let all = (0..flips).map(|i| (i, Change::Flip));
-    let all = all
-        .chain((0..node_flips).map(|i| (i, Change::NodeFlip)))
-        .chain((0..changes).map(|i| (i, Change::Move)))
-        .chain((0..changes).map(|i| (i + changes, Change::BareMove)));
-    for (i, kind) in all {
+#[derive(Clone, Copy, PartialEq)]
+enum Change {
+    Flip,
+    NodeFlip,
+    Move,
+    BareMove,
+}
+
+/// What the changes have made of each service so far.
+struct State {
+    ports: Vec<u16>,
+    critical: Vec<bool>,
+    node_critical: Vec<bool>,
+}
+
+/// One change at a time, spread over the services; each timed from the write to the
+/// event, and the Consul requests it caused counted (the log is cleared before each).
+/// Returns the series: health flips, node check flips, port changes with their check, and
+/// port changes of the service alone.
+async fn changes(
+    sim: &RunningSim,
+    catalog: &Catalog,
+    names: &[String],
+    dedicated: &HashSet<String>,
+    rx: &mut mpsc::Receiver<Event>,
+    k: &Knobs,
+) -> anyhow::Result<[Series; 4]> {
+    let series = |label: &'static str, n: usize| Series { label, n, scopes: k.scopes, ..Series::default() };
+    let mut all = [
+        series("health flip (service check, critical and back)", k.flips),
+        series("node check flip (critical and back)", k.node_flips),
+        series("port change, with its check", k.changes),
+        series("port change, service alone", k.changes),
+    ];
+    let mut state = State {
+        ports: vec![1u16; k.services],
+        critical: vec![false; k.services],
+        node_critical: vec![false; k.services],
+    };
+    let order = (0..k.flips)
+        .map(|i| (i, Change::Flip))
+        .chain((0..k.node_flips).map(|i| (i, Change::NodeFlip)))
+        .chain((0..k.changes).map(|i| (i, Change::Move)))
+        .chain((0..k.changes).map(|i| (i + k.changes, Change::BareMove)));
+    for (i, kind) in order {
         while rx.try_recv().is_ok() {}
         // Flips go critical and back on one service, two at a time.
         let s = match kind {
-            Change::Flip | Change::NodeFlip => ((i / 2) * 7919) % services,
-            _ => (i * 7919) % services,
+            Change::Flip | Change::NodeFlip => ((i / 2) * 7919) % k.services,
+            _ => (i * 7919) % k.services,
         };
-        let name = names[s].clone();
         sim.clear_requests();
         let t0 = Instant::now();
-        match kind {
-            Change::Flip => critical[s] = !critical[s],
-            Change::NodeFlip => node_critical[s] = !node_critical[s],
-            Change::Move | Change::BareMove => ports[s] = 2000 + (i % 60000) as u16,
-        }
-        let (port, status) = (ports[s], if critical[s] { "critical" } else { "passing" });
-        match kind {
-            Change::NodeFlip => node_check(&name, if node_critical[s] { "critical" } else { "passing" }).await?,
-            _ => register(name.clone(), port, (kind != Change::BareMove).then_some(status)).await?,
-        }
-        // Passing only: a critical instance (or one on a critical node) is left out.
-        let published = !critical[s] && !node_critical[s];
-        loop {
-            match rx.recv().await {
-                Some(Event::Consul(k, ConsulEvent::Answer { endpoints, .. }))
-                    if k.service == name
-                        && (endpoints.iter().any(|e| e.port == port) == published)
-                        && (!published || endpoints.iter().all(|e| e.health == Health::Passing)) =>
-                {
-                    break;
-                }
-                Some(_) => {}
-                None => anyhow::bail!("event channel closed"),
-            }
-        }
+        change(catalog, &names[s], s, i, kind, &mut state, rx).await?;
         let took = t0.elapsed();
-        // Requests the change caused: counted once the re-reads it set off have settled
-        // (no new request for 200 ms).
-        let count = || sim.requests().iter().filter(|r| !r.path.starts_with("/v1/catalog/register")).count();
-        let (mut requests, mut since) = (count(), Instant::now());
-        while since.elapsed() < Duration::from_millis(200) {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            let now = count();
-            if now != requests {
-                (requests, since) = (now, Instant::now());
-            }
-        }
+        let requests = settled_requests(sim).await;
+        let [flips, node_flips, moves, bare_moves] = &mut all;
         let seen = match kind {
-            Change::Flip => &mut flips_seen,
-            Change::NodeFlip => &mut node_flips_seen,
-            Change::Move => &mut moves_seen,
-            Change::BareMove => &mut bare_moves_seen,
+            Change::Flip => flips,
+            Change::NodeFlip => node_flips,
+            Change::Move => moves,
+            Change::BareMove => bare_moves,
         };
-        seen.add(dedicated.contains(&name), scope_of(s), took, requests);
+        seen.add(dedicated.contains(&names[s]), scope_of(s, k.scopes), took, requests);
     }
-    let stats = sim.stats();
-    println!(
-        "services watched:           {services} in {scopes} scope(s) ({} with a blocking query of their own)",
-        dedicated.len()
-    );
-    println!("connection budget:          {}", settings.max_connections);
-    println!("change feeds:               {}", metrics.feeds());
-    println!("bootstrap (all answered):   {bootstrap:?}");
-    println!(
-        "idle requests:              {idle_requests} in {idle:?} = {per_service_minute:.3} per service per minute (extrapolated)"
-    );
-    flips_seen.print();
-    node_flips_seen.print();
-    moves_seen.print();
-    bare_moves_seen.print();
-    println!("peak connections:           {} (429s: {})", stats.peak_connections_total, stats.total_429);
-    if pki.is_some() {
-        println!(
-            "TLS, while idle:            connections by protocol {:?}, most streams on one connection {}",
-            idle_stats.open_connections_by_protocol, idle_stats.peak_streams_per_connection
-        );
-    }
+    Ok(all)
+}
 
-    // An outage: Consul stops (every connection closed, new ones refused) for a while, then
-    // a fresh cluster answers on the same address, every service on a new port. Requests
-    // while down, and how long until every service's new port is seen.
-    if outage_secs > 0 {
-        let addr = sim.addr();
-        drop(sim);
-        let down = Instant::now();
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let before = metrics.requests_total();
-        tokio::time::sleep_until((down + Duration::from_secs(outage_secs)).into()).await;
-        let while_down = metrics.requests_total() - before;
-        let sim = Simulator::start_background(Config { listen: addr, initial_index: 2, ..sim_config })?;
-        for n in &names {
-            register(n.clone(), 4000, Some("passing")).await?;
-        }
-        let back = Instant::now();
-        let mut converged = HashSet::new();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-        while converged.len() < services {
-            match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(Event::Consul(k, ConsulEvent::Answer { endpoints, .. })))
-                    if endpoints.iter().any(|e| e.port == 4000) =>
-                {
-                    converged.insert(k.service);
-                }
-                Ok(Some(_)) => {}
-                _ => anyhow::bail!("only {} of {services} converged after the outage", converged.len()),
-            }
-        }
-        println!(
-            "outage of {outage_secs} s:            {while_down} requests in its last {} s; every service converged {:?} after Consul came back (all registered again in {:?})",
-            outage_secs - 2,
-            back.elapsed(),
-            back - down - Duration::from_secs(outage_secs),
-        );
-        drop(sim);
+/// Makes change `i` of `kind` to service `s` (`name`) and waits for its event.
+async fn change(
+    catalog: &Catalog,
+    name: &str,
+    s: usize,
+    i: usize,
+    kind: Change,
+    state: &mut State,
+    rx: &mut mpsc::Receiver<Event>,
+) -> anyhow::Result<()> {
+    match kind {
+        Change::Flip => state.critical[s] = !state.critical[s],
+        Change::NodeFlip => state.node_critical[s] = !state.node_critical[s],
+        Change::Move | Change::BareMove => state.ports[s] = 2000 + (i % 60000) as u16,
     }
+    let (port, status) = (state.ports[s], if state.critical[s] { "critical" } else { "passing" });
+    match kind {
+        Change::NodeFlip => {
+            catalog.node_check(name, if state.node_critical[s] { "critical" } else { "passing" }).await?;
+        }
+        _ => catalog.register(name, port, (kind != Change::BareMove).then_some(status)).await?,
+    }
+    // Passing only: a critical instance (or one on a critical node) is left out.
+    let published = !state.critical[s] && !state.node_critical[s];
+    loop {
+        match rx.recv().await {
+            Some(Event::Consul(k, ConsulEvent::Answer { endpoints, .. }))
+                if k.service == name
+                    && (endpoints.iter().any(|e| e.port == port) == published)
+                    && (!published || endpoints.iter().all(|e| e.health == Health::Passing)) =>
+            {
+                return Ok(());
+            }
+            Some(_) => {}
+            None => anyhow::bail!("event channel closed"),
+        }
+    }
+}
+
+/// Requests a change caused: counted once the re-reads it set off have settled (no new
+/// request for 200 ms).
+async fn settled_requests(sim: &RunningSim) -> usize {
+    let count = || sim.requests().iter().filter(|r| !r.path.starts_with("/v1/catalog/register")).count();
+    let (mut requests, mut since) = (count(), Instant::now());
+    while since.elapsed() < Duration::from_millis(200) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let now = count();
+        if now != requests {
+            (requests, since) = (now, Instant::now());
+        }
+    }
+    requests
+}
+
+/// An outage: Consul stops (every connection closed, new ones refused) for `secs`, then a
+/// fresh cluster answers on the same address, every service on a new port. Requests while
+/// down, and how long until every service's new port is seen.
+async fn outage(
+    sim: RunningSim,
+    sim_config: Config,
+    catalog: &Catalog,
+    names: &[String],
+    metrics: &Metrics,
+    rx: &mut mpsc::Receiver<Event>,
+    secs: u64,
+) -> anyhow::Result<()> {
+    let addr = sim.addr();
+    drop(sim);
+    let down = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = metrics.requests_total();
+    tokio::time::sleep_until((down + Duration::from_secs(secs)).into()).await;
+    let while_down = metrics.requests_total() - before;
+    let sim = Simulator::start_background(Config { listen: addr, initial_index: 2, ..sim_config })?;
+    for n in names {
+        catalog.register(n, 4000, Some("passing")).await?;
+    }
+    let back = Instant::now();
+    let mut converged = HashSet::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while converged.len() < names.len() {
+        match tokio::time::timeout_at(deadline, rx.recv()).await {
+            Ok(Some(Event::Consul(k, ConsulEvent::Answer { endpoints, .. })))
+                if endpoints.iter().any(|e| e.port == 4000) =>
+            {
+                converged.insert(k.service);
+            }
+            Ok(Some(_)) => {}
+            _ => anyhow::bail!("only {} of {} converged after the outage", converged.len(), names.len()),
+        }
+    }
+    println!(
+        "outage of {secs} s:            {while_down} requests in its last {} s; every service converged {:?} after Consul came back (all registered again in {:?})",
+        secs - 2,
+        back.elapsed(),
+        back - down - Duration::from_secs(secs),
+    );
+    drop(sim);
     Ok(())
 }
 
