@@ -142,6 +142,12 @@ struct Samples {
     missed: usize,
 }
 
+impl Samples {
+    fn new(name: &str) -> Samples {
+        Samples { name: name.into(), taken: vec![], missed: 0 }
+    }
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.0}", d.as_secs_f64() * 1000.0)
 }
@@ -152,76 +158,122 @@ fn main() -> anyhow::Result<()> {
         unsafe { std::env::set_var("E2E_OPERATOR_PROFILE", "release") };
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let flips = env_usize("BENCH_FLIPS", 20);
-    let poll = Duration::from_millis(env_usize("BENCH_POLL_MS", 10) as u64);
-    let spacing = Duration::from_millis(env_usize("BENCH_SPACING_MS", 2_500) as u64);
+    let knobs = Knobs::from_env();
     let load_start = loadavg();
     let cluster = Cluster::shared();
     let agent = RealAgent::start()?;
     let consul = Consul { base_url: agent.base_url.clone(), token: None, sim: None };
     let ns = cluster.namespace("peers")?;
-    cluster.grant_exports(&ns)?;
-    cluster.apply(&resolver_yaml(&ns, "consul", &agent.address(), ""))?;
-    cluster.apply(&mapping_yaml(&ns, "m", "web", Some("consul")))?;
-    cluster.apply(&export_yaml(&ns, "web", "web", "consul", ""))?;
-    let register = |address: &str, status: &str| {
-        let node = format!("node-{address}");
-        consul.register(&node, address, "web", &format!("web-{address}"), 8080, status)
-    };
-    register(A, "passing")?;
-    register(B, "passing")?;
-    let mut op = Operator::start(cluster, &["--namespace", &ns])?;
-    op.wait_ready(Duration::from_secs(120))?;
+    let mut op = start_operator(cluster, &agent, &consul, &ns)?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let http = reqwest::Client::new();
-    let kube = rt.block_on(async {
-        let kc = kube::config::Kubeconfig::read_from(&cluster.admin_kubeconfig)?;
-        let config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
-        anyhow::Ok(kube::Client::try_from(config)?)
-    })?;
-    let resource = kube::api::ApiResource::from_gvk_with_plural(
-        &kube::api::GroupVersionKind::gvk("discovery.k8s.io", "v1beta1", "EndpointSlice"),
-        "endpointslices",
-    );
-    let slices: kube::Api<kube::api::DynamicObject> = kube::Api::namespaced_with(kube, &ns, &resource);
-    let snapshot_url = op.url("/snapshot");
-    let both: BTreeSet<String> = [A, B].map(str::to_owned).into();
-    let one: BTreeSet<String> = [A].map(str::to_owned).into();
+    let slices = rt.block_on(slices_api(cluster, &ns))?;
+    let views = Views { http: reqwest::Client::new(), snapshot_url: op.url("/snapshot"), ns, slices };
     let profile = std::env::var("E2E_OPERATOR_PROFILE").unwrap_or_default();
     println!(
         "peer bench: Consul 1.8.7 (real agent), Traefik 3.7.15 consulCatalog, the operator ({profile} build, defaults)"
     );
+    let Knobs { flips, poll, spacing } = knobs;
     println!(
         "{flips} flips (critical and back) per Traefik setting, {spacing:?} apart after all have seen each; poll {poll:?}"
     );
-
+    let bench = Bench { rt, consul, agent_address: agent.address(), views, knobs };
     let mut results: Vec<Samples> = Vec::new();
-    let mut ours = [
-        Samples { name: "operator /snapshot".into(), taken: vec![], missed: 0 },
-        Samples { name: "operator EndpointSlice".into(), taken: vec![], missed: 0 },
-    ];
+    let mut ours = [Samples::new("operator /snapshot"), Samples::new("operator EndpointSlice")];
     for (watch, label) in
         [(false, "Traefik consulCatalog, polling (15 s)"), (true, "Traefik consulCatalog, watch=true")]
     {
-        let traefik = Traefik::start(&agent.address(), watch)?;
+        results.push(bench.traefik_round(watch, label, &mut ours)?);
+    }
+    results.extend(ours);
+    report(&results, poll, &load_start);
+    op.terminate(Duration::from_secs(30))?;
+    Ok(())
+}
+
+/// The run's knobs, from the environment (see the crate's documentation).
+#[derive(Clone, Copy)]
+struct Knobs {
+    flips: usize,
+    poll: Duration,
+    spacing: Duration,
+}
+
+impl Knobs {
+    fn from_env() -> Knobs {
+        Knobs {
+            flips: env_usize("BENCH_FLIPS", 20),
+            poll: Duration::from_millis(env_usize("BENCH_POLL_MS", 10) as u64),
+            spacing: Duration::from_millis(env_usize("BENCH_SPACING_MS", 2_500) as u64),
+        }
+    }
+}
+
+/// Instance `address` of `web`, on a node of its own, with its check at `status`.
+fn register(consul: &Consul, address: &str, status: &str) -> anyhow::Result<()> {
+    let node = format!("node-{address}");
+    consul.register(&node, address, "web", &format!("web-{address}"), 8080, status)
+}
+
+/// A resolver on the agent, a Mapping and an export of `web` in `ns`, both instances
+/// passing; then the operator, ready.
+fn start_operator(cluster: &Cluster, agent: &RealAgent, consul: &Consul, ns: &str) -> anyhow::Result<Operator> {
+    cluster.grant_exports(ns)?;
+    cluster.apply(&resolver_yaml(ns, "consul", &agent.address(), ""))?;
+    cluster.apply(&mapping_yaml(ns, "m", "web", Some("consul")))?;
+    cluster.apply(&export_yaml(ns, "web", "web", "consul", ""))?;
+    register(consul, A, "passing")?;
+    register(consul, B, "passing")?;
+    let mut op = Operator::start(cluster, &["--namespace", ns])?;
+    op.wait_ready(Duration::from_secs(120))?;
+    Ok(op)
+}
+
+/// The EndpointSlices of `ns`, as the API server serves them.
+async fn slices_api(cluster: &Cluster, ns: &str) -> anyhow::Result<kube::Api<kube::api::DynamicObject>> {
+    let kc = kube::config::Kubeconfig::read_from(&cluster.admin_kubeconfig)?;
+    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
+    let kube = kube::Client::try_from(config)?;
+    let resource = kube::api::ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk("discovery.k8s.io", "v1beta1", "EndpointSlice"),
+        "endpointslices",
+    );
+    Ok(kube::Api::namespaced_with(kube, ns, &resource))
+}
+
+/// How the consumers' views of `web` are read: Traefik's API and the operator's `/snapshot`
+/// over `http`, the export's EndpointSlices from the API server.
+struct Views {
+    http: reqwest::Client,
+    snapshot_url: String,
+    ns: String,
+    slices: kube::Api<kube::api::DynamicObject>,
+}
+
+/// The run once the agent and the operator are up: what each Traefik round uses.
+struct Bench {
+    rt: tokio::runtime::Runtime,
+    consul: Consul,
+    agent_address: String,
+    views: Views,
+    knobs: Knobs,
+}
+
+impl Bench {
+    /// A Traefik with `watch` reading the agent, and the flips, each timed at Traefik (the
+    /// samples returned) and at the operator's two views (added to `ours`).
+    fn traefik_round(&self, watch: bool, label: &str, ours: &mut [Samples; 2]) -> anyhow::Result<Samples> {
+        let both: BTreeSet<String> = [A, B].map(str::to_owned).into();
+        let one: BTreeSet<String> = [A].map(str::to_owned).into();
+        let traefik = Traefik::start(&self.agent_address, watch)?;
         wait_for(&format!("{label}: both instances"), Duration::from_secs(60), || {
-            rt.block_on(traefik_view(&http, traefik.api)).filter(|v| *v == both).map(|_| ())
+            self.rt.block_on(traefik_view(&self.views.http, traefik.api)).filter(|v| *v == both).map(|_| ())
         })?;
-        let mut theirs = Samples { name: label.into(), taken: vec![], missed: 0 };
-        for i in 0..flips * 2 {
+        let mut theirs = Samples::new(label);
+        for i in 0..self.knobs.flips * 2 {
             let (status, want) = if i % 2 == 0 { ("critical", &one) } else { ("passing", &both) };
-            let sent = Instant::now();
-            register(B, status)?;
-            let deadline = Duration::from_secs(60);
-            let (t, s, e) = rt.block_on(async {
-                tokio::join!(
-                    observe(sent, want, poll, deadline, async || traefik_view(&http, traefik.api).await),
-                    observe(sent, want, poll, deadline, async || snapshot_view(&http, &snapshot_url, &ns).await),
-                    observe(sent, want, poll, deadline, async || slices_view(&slices).await),
-                )
-            });
-            let [snapshot, slices_seen] = &mut ours;
-            for (samples, took) in [(&mut theirs, t), (snapshot, s), (slices_seen, e)] {
+            let [snapshot, slices_seen] = ours;
+            let seen = self.flip(&traefik, status, want)?;
+            for (samples, took) in [&mut theirs, snapshot, slices_seen].into_iter().zip(seen) {
                 match took {
                     Some(d) => samples.taken.push(d),
                     None => samples.missed += 1,
@@ -230,14 +282,28 @@ fn main() -> anyhow::Result<()> {
             // The spacing between changes, beyond Traefik's throttle; polling, plus a random
             // phase of its cycle.
             let phase = if watch { Duration::ZERO } else { REFRESH.mul_f64(rand::random::<f64>()) };
-            std::thread::sleep(spacing + phase);
+            std::thread::sleep(self.knobs.spacing + phase);
         }
-        results.push(theirs);
+        Ok(theirs)
     }
-    results.extend(ours);
-    report(&results, poll, &load_start);
-    op.terminate(Duration::from_secs(30))?;
-    Ok(())
+
+    /// Instance B's check set to `status`: how long until Traefik, the operator's
+    /// `/snapshot` and its EndpointSlices show `want`.
+    fn flip(&self, traefik: &Traefik, status: &str, want: &BTreeSet<String>) -> anyhow::Result<[Option<Duration>; 3]> {
+        let (http, poll) = (&self.views.http, self.knobs.poll);
+        let (url, ns, slices) = (&self.views.snapshot_url, &self.views.ns, &self.views.slices);
+        let sent = Instant::now();
+        register(&self.consul, B, status)?;
+        let deadline = Duration::from_secs(60);
+        let (t, s, e) = self.rt.block_on(async {
+            tokio::join!(
+                observe(sent, want, poll, deadline, async || traefik_view(http, traefik.api).await),
+                observe(sent, want, poll, deadline, async || snapshot_view(http, url, ns).await),
+                observe(sent, want, poll, deadline, async || slices_view(slices).await),
+            )
+        });
+        Ok([t, s, e])
+    }
 }
 
 fn report(results: &[Samples], poll: Duration, load_start: &str) {
