@@ -82,15 +82,7 @@ pub(crate) async fn serve(handler: Arc<Handler>) -> FakeApi {
 
 /// The key of a watch of Consul service `web` at `address`, with the default options.
 pub(crate) fn consul_key(address: &str) -> consul_resolver_core::keys::ConsulKey {
-    consul_resolver_core::keys::ConsulKey {
-        server: consul_resolver_core::keys::ConsulServer { address: address.into(), token: None, tls: None },
-        datacenter: None,
-        namespace: None,
-        partition: None,
-        remote: None,
-        query: Default::default(),
-        service: "web".into(),
-    }
+    consul_resolver_core::test_support::consul_key(address, "web")
 }
 
 /// Snapshot content with these resolvers and nothing else, bootstrap complete.

@@ -167,24 +167,15 @@ impl ConsulContact {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use consul_resolver_core::keys::{ConsulServer, QueryOptions, Secret};
+    use consul_resolver_core::keys::{QueryOptions, Secret};
     use consul_watch::contact_scope;
     use std::time::{Duration, UNIX_EPOCH};
 
     fn key(token: &str, service: &str) -> ConsulKey {
-        ConsulKey {
-            server: ConsulServer {
-                address: "http://127.0.0.1:8500".into(),
-                token: Some(Secret::new(token)),
-                tls: None,
-            },
-            datacenter: Some("dc1".into()),
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: QueryOptions { cached: true, ..QueryOptions::default() },
-            service: service.into(),
-        }
+        let mut key = consul_resolver_core::test_support::consul_key("http://127.0.0.1:8500", service);
+        key.server.token = Some(Secret::new(token));
+        key.query = QueryOptions { cached: true, ..QueryOptions::default() };
+        ConsulKey { datacenter: Some("dc1".into()), ..key }
     }
 
     /// The exposition of `registry` after a refresh, as a scrape sees it.

@@ -452,15 +452,10 @@ mod tests {
 
     #[test]
     fn plain_http_spellings_share_a_feed_and_tls_ones_do_not() {
-        use consul_resolver_core::keys::ConsulServer;
-        let key = |address: &str, token: Option<&str>| ConsulKey {
-            server: ConsulServer { address: address.into(), token: token.map(Secret::new), tls: None },
-            datacenter: None,
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: Default::default(),
-            service: "web".into(),
+        let key = |address: &str, token: Option<&str>| {
+            let mut key = consul_resolver_core::test_support::consul_key(address, "web");
+            key.server.token = token.map(Secret::new);
+            key
         };
         assert_eq!(FeedKey::of(&key("http://127.0.0.1:8500", None)), FeedKey::of(&key("http://localhost:8500", None)));
         let peered = ConsulKey {

@@ -154,20 +154,14 @@ async fn socket_addresses(address: &str) -> Vec<String> {
 /// What the crate's unit tests share.
 #[cfg(test)]
 mod test_support {
-    use consul_resolver_core::keys::{ConsulKey, ConsulServer, Secret};
+    use consul_resolver_core::keys::{ConsulKey, Secret};
 
     /// A watch of `service` on a plain-HTTP agent at 127.0.0.1:8500 (nothing is expected
     /// to listen there), with `token` if any and the default query options.
     pub(crate) fn key(service: &str, token: Option<&str>) -> ConsulKey {
-        ConsulKey {
-            server: ConsulServer { address: "http://127.0.0.1:8500".into(), token: token.map(Secret::new), tls: None },
-            datacenter: None,
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: Default::default(),
-            service: service.into(),
-        }
+        let mut key = consul_resolver_core::test_support::consul_key("http://127.0.0.1:8500", service);
+        key.server.token = token.map(Secret::new);
+        key
     }
 }
 

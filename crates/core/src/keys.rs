@@ -357,15 +357,9 @@ mod tests {
     use super::*;
 
     fn consul(service: &str, token: Option<&str>) -> ConsulKey {
-        ConsulKey {
-            server: ConsulServer { address: "http://127.0.0.1:8500".into(), token: token.map(Secret::new), tls: None },
-            datacenter: Some("dc1".into()),
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: QueryOptions::default(),
-            service: service.into(),
-        }
+        let mut key = crate::test_support::consul_key("http://127.0.0.1:8500", service);
+        key.server.token = token.map(Secret::new);
+        ConsulKey { datacenter: Some("dc1".into()), ..key }
     }
 
     #[test]

@@ -15,6 +15,8 @@ pub mod limiter;
 pub mod model;
 pub mod pipeline;
 pub mod registry;
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_support;
 pub mod world;
 
 #[cfg(test)]

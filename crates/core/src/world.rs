@@ -516,8 +516,7 @@ fn record_error(store: &mut ConsulStore, error: String, refused: bool) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::keys::{ConsulServer, Secret};
-    use crate::model::Health;
+    use crate::keys::Secret;
     use serde_json::json;
     use std::collections::BTreeSet;
 
@@ -528,15 +527,9 @@ mod tests {
     }
 
     fn consul(service: &str) -> ConsulKey {
-        ConsulKey {
-            server: ConsulServer { address: "http://127.0.0.1:8500".into(), token: Some(Secret::new("t")), tls: None },
-            datacenter: None,
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: Default::default(),
-            service: service.into(),
-        }
+        let mut key = crate::test_support::consul_key("http://127.0.0.1:8500", service);
+        key.server.token = Some(Secret::new("t"));
+        key
     }
 
     fn obj(ns: &str, name: &str, v: i64) -> KubeObject {
@@ -544,16 +537,7 @@ mod tests {
     }
 
     fn ep(addr: &str) -> Endpoint {
-        Endpoint {
-            address: addr.into(),
-            port: 80,
-            node: "n1".into(),
-            service_id: format!("svc-{addr}"),
-            tags: vec![],
-            meta: Default::default(),
-            health: Health::Passing,
-            zone: None,
-        }
+        Endpoint { node: "n1".into(), service_id: format!("svc-{addr}"), ..crate::test_support::endpoint(addr, 80) }
     }
 
     const TIMEOUT: Duration = Duration::from_secs(30);

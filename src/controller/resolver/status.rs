@@ -227,21 +227,12 @@ mod tests {
     use crate::test_fixtures::resolver_entry;
     use consul_resolver_core::assembler::snapshot::Part;
     use consul_resolver_core::assembler::snapshot::{ServiceEntry, Unusable};
-    use consul_resolver_core::model::{Endpoint, Health};
+    use consul_resolver_core::model::Endpoint;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
     use std::collections::BTreeSet;
 
     fn ep(i: usize) -> Endpoint {
-        Endpoint {
-            address: format!("10.0.0.{i}"),
-            port: 80,
-            node: "n".into(),
-            service_id: format!("s{i}"),
-            tags: vec![],
-            meta: Default::default(),
-            health: Health::Passing,
-            zone: None,
-        }
+        consul_resolver_core::test_support::endpoint(&format!("10.0.0.{i}"), 80)
     }
     fn service(name: &str, endpoints: usize) -> ServiceEntry {
         ServiceEntry {

@@ -359,20 +359,7 @@ pub(super) mod tests {
         NamespacedName { namespace: "ops".into(), name: "snap".into() }
     }
 
-    /// xorshift64*: deterministic, dependency-free, and incompressible enough for gzip.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-        fn token(&mut self, len: usize) -> String {
-            const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-            (0..len).map(|_| ALPHABET[(self.next() % 64) as usize] as char).collect()
-        }
-    }
+    use consul_resolver_core::test_support::Rng;
 
     /// A snapshot with `n` endpoints, each with `meta_len` random bytes of meta.
     pub(crate) fn snapshot(n: usize, meta_len: usize) -> Snapshot {

@@ -667,25 +667,17 @@ mod tests {
         (format!("http://{addr}"), connections)
     }
 
+    /// A watch of `web` at `address` with a token, any health, and `tags` (`!tag`: excluded).
     pub(super) fn key(address: &str, tags: &[&str]) -> ConsulKey {
-        ConsulKey {
-            server: consul_resolver_core::keys::ConsulServer {
-                address: address.into(),
-                token: Some(Secret::new("s3cret")),
-                tls: None,
-            },
-            datacenter: None,
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: consul_resolver_core::keys::QueryOptions {
-                statuses: consul_resolver_core::keys::HealthStatuses::ANY,
-                tags: tags.iter().filter(|t| !t.starts_with('!')).map(|t| t.to_string()).collect(),
-                excluded_tags: tags.iter().filter_map(|t| t.strip_prefix('!')).map(str::to_owned).collect(),
-                ..Default::default()
-            },
-            service: "web".into(),
-        }
+        let mut key = consul_resolver_core::test_support::consul_key(address, "web");
+        key.server.token = Some(Secret::new("s3cret"));
+        key.query = consul_resolver_core::keys::QueryOptions {
+            statuses: consul_resolver_core::keys::HealthStatuses::ANY,
+            tags: tags.iter().filter(|t| !t.starts_with('!')).map(|t| t.to_string()).collect(),
+            excluded_tags: tags.iter().filter_map(|t| t.strip_prefix('!')).map(str::to_owned).collect(),
+            ..Default::default()
+        };
+        key
     }
 
     #[tokio::test]

@@ -280,7 +280,6 @@ impl Machine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use consul_resolver_core::model::Health;
     use rand::SeedableRng;
     use rand::rngs::StdRng;
 
@@ -293,16 +292,7 @@ mod tests {
     }
 
     fn ep(port: u16) -> Endpoint {
-        Endpoint {
-            address: "10.0.0.1".into(),
-            port,
-            node: "n".into(),
-            service_id: "s".into(),
-            tags: vec![],
-            meta: Default::default(),
-            health: Health::Passing,
-            zone: None,
-        }
+        consul_resolver_core::test_support::endpoint("10.0.0.1", port)
     }
 
     #[test]

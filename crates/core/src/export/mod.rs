@@ -233,19 +233,11 @@ pub fn held(live: &[LiveSlice], family: IpFamily, reason: &str, now: &str) -> De
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Health;
 
+    /// An instance on a node of its own (slices name the node).
     pub(crate) fn endpoint(address: &str, port: u16) -> Endpoint {
-        Endpoint {
-            address: address.into(),
-            port,
-            node: format!("node-{address}"),
-            service_id: format!("web-{address}-{port}"),
-            tags: vec![],
-            meta: Default::default(),
-            health: Health::Passing,
-            zone: None,
-        }
+        let node = format!("node-{address}");
+        Endpoint { node, service_id: format!("web-{address}-{port}"), ..crate::test_support::endpoint(address, port) }
     }
 
     pub(crate) fn entry(endpoints: Vec<Endpoint>) -> ServiceEntry {

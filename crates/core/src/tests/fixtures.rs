@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use crate::assembler::{self, Config};
 use crate::keys::{ConsulKey, KubeKey, WatchKey};
-use crate::model::{ConsulEvent, Endpoint, Event, Health, KubeEvent, KubeObject};
+use crate::model::{ConsulEvent, Endpoint, Event, KubeEvent, KubeObject};
 use crate::pipeline::{Pipeline, Step, WallClock};
 
 pub(super) const WINDOW: Duration = Duration::from_millis(250);
@@ -35,9 +35,7 @@ pub(super) fn fixed() -> BTreeSet<WatchKey> {
     [resolvers_key().into(), mappings_key().into()].into_iter().collect()
 }
 
-pub(super) fn object(v: Value) -> KubeObject {
-    KubeObject::from_value(v).unwrap()
-}
+pub(super) use crate::test_support::{endpoint as ep, kube_object as object};
 
 pub(super) fn resolver(ns: &str, name: &str, spec: Value) -> KubeObject {
     object(json!({"apiVersion": "consulresolver.io/v1alpha1", "kind": "ConsulResolver",
@@ -54,19 +52,6 @@ pub(super) fn listed(key: &KubeKey, objects: Vec<KubeObject>) -> Vec<Event> {
     out.extend(objects.into_iter().map(|o| Event::Kube(key.clone(), KubeEvent::Listed(o))));
     out.push(Event::Kube(key.clone(), KubeEvent::ListDone));
     out
-}
-
-pub(super) fn ep(addr: &str, port: u16) -> Endpoint {
-    Endpoint {
-        address: addr.into(),
-        port,
-        node: "node-1".into(),
-        service_id: format!("{addr}:{port}"),
-        tags: vec![],
-        meta: Default::default(),
-        health: Health::Passing,
-        zone: None,
-    }
 }
 
 pub(super) fn consul_keys(p: &Pipeline) -> Vec<ConsulKey> {

@@ -12,22 +12,7 @@ use crate::model::{ConsulEvent, Event, KubeEvent};
 use super::fixtures::{BOOTSTRAP, WALL_START, ep, fixed, mapping, mappings_key, object, resolver, resolvers_key};
 
 /// xorshift64*: a deterministic stream of choices.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
-}
+use crate::test_support::Rng;
 
 /// A random change to the world, among the keys it tracks.
 fn random_event(rng: &mut Rng, world: &crate::world::World) -> Option<Event> {
@@ -82,7 +67,7 @@ fn random_event(rng: &mut Rng, world: &crate::world::World) -> Option<Event> {
                 Event::Consul(key, ConsulEvent::Failed(rng.pick(&["refused", "403 ACL not found"]).to_string()))
             } else {
                 let port = 80 + rng.below(20) as u16;
-                Event::Consul(key, ConsulEvent::Answer { index: rng.next() % 100 + 1, endpoints: vec![ep("10.0.0.9", port)] })
+                Event::Consul(key, ConsulEvent::Answer { index: rng.next_u64() % 100 + 1, endpoints: vec![ep("10.0.0.9", port)] })
             }
         }
         _ => {
