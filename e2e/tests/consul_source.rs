@@ -9,11 +9,10 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use consul_resolver_core::keys::{
-    AddressType, Consistency, ConsulKey, ConsulServer, HealthStatuses, QueryOptions, Remote, Secret,
-};
+use consul_resolver_core::keys::{AddressType, Consistency, ConsulKey, HealthStatuses, QueryOptions, Remote, Secret};
 use consul_resolver_core::model::{ConsulEvent, Event};
 use consul_resolver_core::model::{Endpoint, Health};
+use consul_resolver_core::test_support::consul_key;
 use consul_sim::{
     AclConfig, AclToken, Budget, Config, FaultsPatch, HEALTH_CONNECT_LABEL_PREFIX, HEALTH_STATE_LABEL, RunningSim,
     Simulator,
@@ -69,19 +68,9 @@ impl Env {
 
     /// A key with the product's default options (`healthStatuses: [passing]`), as users run.
     fn key(&self, service: &str) -> ConsulKey {
-        ConsulKey {
-            server: ConsulServer {
-                address: self.address.clone(),
-                token: self.admin_token.clone().map(Secret::new),
-                tls: None,
-            },
-            datacenter: None,
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: QueryOptions::default(),
-            service: service.to_owned(),
-        }
+        let mut key = consul_key(&self.address, service);
+        key.server.token = self.admin_token.clone().map(Secret::new);
+        key
     }
 
     /// A key that publishes every instance whatever its health, to see health change.

@@ -7,10 +7,9 @@
 
 use std::time::Duration;
 
-use consul_resolver_core::keys::{
-    ClientIdentity, ConsulKey, ConsulServer, HealthStatuses, QueryOptions, Secret, TlsSettings,
-};
+use consul_resolver_core::keys::{ClientIdentity, ConsulKey, HealthStatuses, QueryOptions, Secret, TlsSettings};
 use consul_resolver_core::model::Health;
+use consul_resolver_core::test_support::consul_key;
 use consul_sim::tls::{TestPki, TlsConfig};
 use consul_sim::{Config, HEALTH_STATE_LABEL, RunningSim, Simulator};
 use consul_watch::Settings;
@@ -46,15 +45,10 @@ impl Env {
     }
 
     fn key_with(&self, service: &str, tls: TlsSettings) -> ConsulKey {
-        ConsulKey {
-            server: ConsulServer { address: self.sim.base_url(), token: None, tls: Some(tls) },
-            datacenter: None,
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: QueryOptions { statuses: HealthStatuses::ANY, ..QueryOptions::default() },
-            service: service.to_owned(),
-        }
+        let mut key = consul_key(&self.sim.base_url(), service);
+        key.server.tls = Some(tls);
+        key.query = QueryOptions { statuses: HealthStatuses::ANY, ..QueryOptions::default() };
+        key
     }
 
     fn identity(&self) -> ClientIdentity {

@@ -25,8 +25,9 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use consul_resolver_core::keys::{ConsulKey, ConsulServer, QueryOptions, Secret, TlsSettings};
+use consul_resolver_core::keys::{ConsulKey, Secret, TlsSettings};
 use consul_resolver_core::model::{ConsulEvent, Event, Health};
+use consul_resolver_core::test_support::consul_key;
 use consul_sim::tls::TestPki;
 use consul_sim::{Config, RunningSim, Simulator, Stats};
 use consul_watch::{ConsulSource, Metrics, Settings};
@@ -173,18 +174,11 @@ fn keys(names: &[String], base: &str, tls: Option<&TlsSettings>, scopes: usize) 
     names
         .iter()
         .enumerate()
-        .map(|(i, n)| ConsulKey {
-            server: ConsulServer {
-                address: base.to_owned(),
-                token: (scope_of(i, scopes) > 0).then(|| Secret::new(format!("team-{}", scope_of(i, scopes)))),
-                tls: tls.cloned(),
-            },
-            datacenter: None,
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: QueryOptions::default(),
-            service: n.clone(),
+        .map(|(i, n)| {
+            let mut key = consul_key(base, n);
+            key.server.token = (scope_of(i, scopes) > 0).then(|| Secret::new(format!("team-{}", scope_of(i, scopes))));
+            key.server.tls = tls.cloned();
+            key
         })
         .collect()
 }
