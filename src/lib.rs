@@ -27,7 +27,6 @@ mod test_fixtures;
 mod vitals;
 
 // Where the runtime's wiring and its metrics registry name the export controller.
-use controller::export;
 
 pub use process::main;
 

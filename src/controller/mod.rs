@@ -38,9 +38,6 @@ use consul_resolver_core::assembler::snapshot::Part;
 use consul_resolver_core::world::World;
 use feed::{Backoff, Feed, Ref, Running};
 
-// The names the rest of the crate reaches the resolver controller by.
-pub(crate) use resolver::{ResolverController, events, metrics};
-
 /// Why a reconcile failed; the object is retried alone, with its own backoff.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ReconcileError {

@@ -20,8 +20,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::publication::Outlets;
 use super::registry::Metrics;
-use crate::controller::ResolverController;
 use crate::controller::export::ExportController;
+use crate::controller::resolver::ResolverController;
 use crate::leadership::Leadership;
 use crate::measure::unix_seconds;
 use crate::ops::health::{BEAT_EVERY, Heartbeat};

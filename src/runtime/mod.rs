@@ -27,8 +27,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::{KubeArgs, RunArgs};
-use crate::controller::ResolverController;
-use crate::export::{ExportConfig, ExportController, SliceVersion};
+use crate::controller::export::{ExportConfig, ExportController, SliceVersion};
+use crate::controller::resolver::ResolverController;
 use crate::leadership::{Campaign, Leadership};
 use crate::ops::ServerState;
 use crate::ops::health::Heartbeat;

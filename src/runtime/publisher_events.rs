@@ -16,7 +16,7 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use prometheus::IntCounter;
 use tokio::time::Instant;
 
-use crate::controller::events::{MAX_NOTE, truncate};
+use crate::controller::resolver::events::{MAX_NOTE, truncate};
 use crate::leadership::Leadership;
 use consul_resolver_api::names::NamespacedName;
 

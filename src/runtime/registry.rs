@@ -16,8 +16,8 @@
 use prometheus::{Encoder, Registry, TextEncoder};
 
 use super::metrics::PipelineMetrics;
-use crate::controller::metrics::ControllerMetrics;
-use crate::export::metrics::ExportMetrics;
+use crate::controller::export::metrics::ExportMetrics;
+use crate::controller::resolver::metrics::ControllerMetrics;
 use crate::leadership::LeadershipMetrics;
 use crate::measure::int_gauge_vec;
 use crate::ops::health::LivenessMetrics;

@@ -1,5 +1,5 @@
 //! Exports: what a `ConsulService` asks the cluster to hold, from the Consul service's
-//! entry in the snapshot. Pure: the edge (`src/export/`) reads the live Service and slices,
+//! entry in the snapshot. Pure: the edge (`src/controller/export/`) reads the live Service and slices,
 //! asks [`layout::plan`] what to write, and writes only that.
 //!
 //! docs/export.md gives the rules consumers depend on and why; the ones decided here:
