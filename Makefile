@@ -74,10 +74,13 @@ image:
 image-deps:
 	bash image/build.sh deps
 
-# Regenerate the committed CRD from the Rust types (a unit test fails on drift).
+# Regenerate the committed CRDs from the Rust types (a unit test fails on drift): crds/ with
+# the CEL validation rules (Kubernetes 1.25+), crds/pre-1.25/ without them (older servers).
 crds:
 	$(CARGO) run --quiet --bin consul-resolver-operator -- crd consulresolver > crds/consulresolver.yaml
 	$(CARGO) run --quiet --bin consul-resolver-operator -- crd consulservice > crds/consulservice.yaml
+	$(CARGO) run --quiet --bin consul-resolver-operator -- crd consulresolver --without-validation-rules > crds/pre-1.25/consulresolver.yaml
+	$(CARGO) run --quiet --bin consul-resolver-operator -- crd consulservice --without-validation-rules > crds/pre-1.25/consulservice.yaml
 
 fmt:
 	$(CARGO) fmt --all

@@ -41,8 +41,8 @@ pub(crate) enum Command {
     Run(Box<RunArgs>),
     /// Print a CRD as YAML: `consulresolver` (the default) or `consulservice`.
     Crd {
-        #[arg(value_enum, default_value_t = CrdKind::Consulresolver)]
-        kind: CrdKind,
+        #[command(flatten)]
+        kind: CrdChoice,
     },
     /// Print the version.
     Version,
@@ -53,6 +53,19 @@ pub(crate) enum Command {
 pub(crate) enum CrdKind {
     Consulresolver,
     Consulservice,
+}
+
+/// Which CRD to print, and for which API servers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Args)]
+pub(crate) struct CrdChoice {
+    #[arg(value_enum, default_value_t = CrdKind::Consulresolver)]
+    pub kind: CrdKind,
+    /// Leave out the CEL validation rules (`x-kubernetes-validations`), for API servers
+    /// before Kubernetes 1.25: before 1.23 kubectl refuses the unknown field, and 1.23-1.24
+    /// do not enforce it. Without the rules the operator still reports a bad spec in its
+    /// status (`InvalidSpec`).
+    #[arg(long)]
+    pub without_validation_rules: bool,
 }
 
 /// `run`'s flags, in the groups `--help` shows; each group becomes its subsystem's settings
