@@ -75,6 +75,26 @@ mod tests {
         serde_yaml::from_str(yaml).expect("the generated CRD is YAML")
     }
 
+    /// Where in `v` CEL rules are, sorted.
+    fn rule_places(v: &serde_json::Value) -> Vec<String> {
+        fn walk(v: &serde_json::Value, path: &str, found: &mut Vec<String>) {
+            match v {
+                serde_json::Value::Object(m) => {
+                    if m.contains_key(RULES_FIELD) {
+                        found.push(path.to_owned());
+                    }
+                    m.iter().for_each(|(k, v)| walk(v, &format!("{path}.{k}"), found));
+                }
+                serde_json::Value::Array(a) => a.iter().for_each(|v| walk(v, path, found)),
+                _ => {}
+            }
+        }
+        let mut found = Vec::new();
+        walk(v, "", &mut found);
+        found.sort();
+        found
+    }
+
     /// `v` without its CEL rules (written apart from [`remove_rules`], which it checks).
     fn without_rules(v: &serde_json::Value) -> serde_json::Value {
         match v {
@@ -91,8 +111,18 @@ mod tests {
         for (kind, file) in KINDS {
             let (with, without) = (crd_yaml(choice(kind, false)), crd_yaml(choice(kind, true)));
             assert!(!without.contains(RULES_FIELD), "pre-1.25/{file} holds CEL rules");
+            assert!(!rule_places(&parsed(&with)).is_empty(), "{file} has CEL rules");
             assert_eq!(parsed(&without), without_rules(&parsed(&with)), "pre-1.25/{file} is {file} without its rules");
         }
+    }
+
+    /// Where the rules are is also what an overlay for older servers removes.
+    #[test]
+    fn the_rules_sit_on_the_objects_whose_fields_they_relate() {
+        let places = |kind| rule_places(&parsed(&crd_yaml(choice(kind, false))));
+        let spec = ".spec.versions.schema.openAPIV3Schema.properties.spec";
+        assert_eq!(places(CrdKind::Consulresolver), [spec.to_owned(), format!("{spec}.properties.tls")]);
+        assert_eq!(places(CrdKind::Consulservice), [format!("{spec}.properties.ports")]);
     }
 
     #[test]

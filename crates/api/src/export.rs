@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::names;
 use crate::resolver::NonEmpty;
+use crate::rules::CelRule;
 
 /// The custom resource's kind (its group and version are the resolver's).
 pub const KIND: &str = "ConsulService";
@@ -65,7 +66,7 @@ pub struct ConsulServiceSpec {
     /// The Service's ports. Absent: one port per distinct instance port, named
     /// `tcp-<port>`, each forwarding to the instances registered with that port.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 32)))]
+    #[cfg_attr(feature = "crd", schemars(length(min = 1, max = 32), transform = ports_rules))]
     pub ports: Option<Vec<ExportPort>>,
 
     /// A headless Service (`clusterIP: None`): DNS answers with the endpoints' addresses,
@@ -85,6 +86,26 @@ pub struct ConsulServiceSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "crd", schemars(length(max = 64)))]
     pub ambassador_id: Option<Vec<NonEmpty>>,
+}
+
+/// How the ports of `spec.ports` must relate, as the API server checks it from Kubernetes
+/// 1.25 ([`crate::rules`]); the operator reports the same as `InvalidSpec`. Each port is
+/// its own only once in the list; a port without a protocol is TCP, as the Service's.
+pub const PORTS_RULES: [CelRule; 2] = [
+    CelRule {
+        rule: "self.all(p, self.exists_one(q, q.name == p.name))",
+        message: "spec.ports: two ports have the same name",
+    },
+    CelRule {
+        rule: "self.all(p, self.exists_one(q, q.port == p.port \
+               && (has(q.protocol) ? q.protocol : 'TCP') == (has(p.protocol) ? p.protocol : 'TCP')))",
+        message: "spec.ports: two ports have the same port and protocol (TCP when not set)",
+    },
+];
+
+#[cfg(feature = "crd")]
+fn ports_rules(schema: &mut schemars::Schema) {
+    crate::rules::add(schema, &PORTS_RULES);
 }
 
 /// One port of the exported Service.
@@ -157,7 +178,8 @@ impl IpFamily {
 }
 
 // Optional enums: the derived schema lists `null` among the values, which the API server
-// refuses in a CRD ("unknown object type nil"), as for the resolver's `consistency`.
+// refuses in a CRD ("unknown object type nil"), as for the resolver's `consistency`. A
+// protocol's `maxLength` (the longest value's) bounds the cost of the rule that reads it.
 #[cfg(feature = "crd")]
 fn ip_family_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({
@@ -173,6 +195,7 @@ fn protocol_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({
         "type": "string",
         "enum": ["TCP", "UDP", "SCTP"],
+        "maxLength": 4,
         "nullable": true,
         "description": "`TCP` (default), `UDP` or `SCTP`."
     })

@@ -11,6 +11,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+use crate::rules::CelRule;
 #[cfg(feature = "crd")]
 use crate::status::ConsulResolverStatus;
 
@@ -44,6 +45,7 @@ pub const KIND: &str = "ConsulResolver";
         printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
     )
 )]
+#[cfg_attr(feature = "crd", schemars(transform = spec_rules))]
 #[serde(rename_all = "camelCase")]
 pub struct ConsulResolverSpec {
     /// Consul HTTP address: `host:port` or `http(s)://host:port`. `${VAR}` is expanded from
@@ -166,6 +168,41 @@ pub struct ConsulResolverSpec {
     /// resolver's namespace. A Mapping elsewhere that names it gets a problem, and no watch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allowed_namespaces: Option<AllowedNamespaces>,
+}
+
+/// How the fields of a spec must relate, as the API server checks it from Kubernetes 1.25
+/// ([`crate::rules`]); the operator reports the same as `InvalidSpec`, with these messages.
+pub const SPEC_RULES: [CelRule; 5] = [
+    CelRule {
+        rule: "!has(self.healthStatuses) || !has(self.onlyPassing)",
+        message: "spec.healthStatuses and spec.onlyPassing are both set: keep healthStatuses",
+    },
+    // Required tags never start with `!`; an excluded one is the rest of a `!tag`. Compared
+    // case-insensitively (ASCII), as Consul and the operator compare tags.
+    CelRule {
+        rule: "!has(self.tags) || !self.tags.exists(x, x.startsWith('!') \
+               && self.tags.exists(t, !t.startsWith('!') && t.lowerAscii() == x.substring(1).lowerAscii()))",
+        message: "spec.tags both requires and excludes a tag (`tag` and `!tag`, in any case): no instance could match",
+    },
+    CelRule {
+        rule: "!has(self.cached) || !self.cached || !has(self.consistency) || self.consistency != 'consistent'",
+        message: "spec.cached cannot be combined with consistency: consistent (the agent's cache is not)",
+    },
+    CelRule {
+        rule: "!has(self.peer) || !has(self.samenessGroup)",
+        message: "spec.peer and spec.samenessGroup are both set: a sameness group names its peers",
+    },
+    // A `${VAR}` may expand to the scheme, and only the operator knows its value: such an
+    // address is left to the operator's check.
+    CelRule {
+        rule: "!has(self.tls) || self.address.lowerAscii().startsWith('https://') || self.address.contains('${')",
+        message: "spec.tls is set but spec.address is not https://",
+    },
+];
+
+#[cfg(feature = "crd")]
+fn spec_rules(schema: &mut schemars::Schema) {
+    crate::rules::add(schema, &SPEC_RULES);
 }
 
 /// Which namespaces' Mappings may use a resolver.
@@ -325,12 +362,14 @@ pub enum ConsistencyMode {
 }
 
 /// The schema of an optional `consistency`: the derived one lists `null` among the enum's
-/// values, which the API server refuses in a CRD ("unknown object type nil").
+/// values, which the API server refuses in a CRD ("unknown object type nil"). `maxLength`
+/// (the longest value's) bounds the cost of the rule that reads it ([`SPEC_RULES`]).
 #[cfg(feature = "crd")]
 fn consistency_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({
         "type": "string",
         "enum": ["default", "stale", "consistent"],
+        "maxLength": 10,
         "nullable": true,
         "description": "Read consistency: `default` (the leader answers), `stale` (any server, possibly behind; spreads the load) or `consistent` (the leader confirms it still leads)."
     })
@@ -355,9 +394,21 @@ pub struct SecretKeyRef {
     pub key: String,
 }
 
+/// How the fields of `spec.tls` must relate ([`SPEC_RULES`] for the rest of the spec).
+pub const TLS_RULES: [CelRule; 1] = [CelRule {
+    rule: "has(self.clientCertSecretRef) == has(self.clientKeySecretRef)",
+    message: "spec.tls.clientCertSecretRef and spec.tls.clientKeySecretRef go together: set both or neither",
+}];
+
+#[cfg(feature = "crd")]
+fn tls_rules(schema: &mut schemars::Schema) {
+    crate::rules::add(schema, &TLS_RULES);
+}
+
 /// TLS to Consul.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "crd", derive(JsonSchema))]
+#[cfg_attr(feature = "crd", schemars(transform = tls_rules))]
 #[serde(rename_all = "camelCase")]
 pub struct ConsulTls {
     /// Secret key holding the PEM CA bundle that signs Consul's certificate. Absent means
