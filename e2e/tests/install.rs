@@ -32,8 +32,11 @@ fn yaml_documents(text: &str) -> anyhow::Result<Vec<Value>> {
 
 /// `kubectl kustomize manifests/`: what `kubectl apply -k manifests/` sends.
 fn render() -> Vec<Value> {
-    let dir = repo_root().join("manifests");
-    let out = Command::new("kubectl").arg("kustomize").arg(&dir).output().expect("kubectl is required");
+    render_dir(&repo_root().join("manifests"))
+}
+
+fn render_dir(dir: &Path) -> Vec<Value> {
+    let out = Command::new("kubectl").arg("kustomize").arg(dir).output().expect("kubectl is required");
     assert!(out.status.success(), "kubectl kustomize {}: {}", dir.display(), String::from_utf8_lossy(&out.stderr));
     yaml_documents(&String::from_utf8_lossy(&out.stdout)).unwrap()
 }
@@ -207,25 +210,77 @@ fn apply_k(cluster: &Cluster, dir: &Path) -> Vec<String> {
     out.lines().map(str::to_owned).collect()
 }
 
-/// The directory to `kubectl apply -k`: manifests/ itself where the API server serves
-/// policy/v1 (1.21+), else a kustomization over it that serves the PodDisruptionBudget as
-/// policy/v1beta1 (same fields), for this 1.20 API server.
+/// The directory to `kubectl apply -k`: manifests/ itself on a server from 1.25, else a
+/// kustomization over it that serves the PodDisruptionBudget as policy/v1beta1 (same
+/// fields) where the server lacks policy/v1 (before 1.21), and removes the CRDs' CEL rules
+/// (before 1.25), for this 1.20 API server.
 fn install_dir(cluster: &Cluster, tmp: &Path) -> std::path::PathBuf {
     let versions = cluster.kubectl(&["api-versions"]).unwrap();
-    if versions.lines().any(|v| v == "policy/v1") {
+    let mut patches = String::new();
+    if !versions.lines().any(|v| v == "policy/v1") {
+        assert!(versions.lines().any(|v| v == "policy/v1beta1"), "no PodDisruptionBudget API: {versions}");
+        eprintln!("note: this API server has no policy/v1; applying the PodDisruptionBudget as policy/v1beta1");
+        patches.push_str(PDB_AS_V1BETA1);
+    }
+    if server_minor(cluster) < 25 {
+        // What README gives users of older servers: the CRDs without their CEL rules, as
+        // crds/pre-1.25/ holds them ([`assert_the_crds_are_the_pre_1_25_set`]).
+        eprintln!("note: this API server predates CRD validation rules; removing them as README says");
+        patches.push_str(WITHOUT_VALIDATION_RULES);
+    }
+    if patches.is_empty() {
         return repo_root().join("manifests");
     }
-    assert!(versions.lines().any(|v| v == "policy/v1beta1"), "no PodDisruptionBudget API: {versions}");
-    eprintln!("note: this API server has no policy/v1; applying the PodDisruptionBudget as policy/v1beta1");
     // kustomize takes no absolute path in `resources`: up to / from the overlay, then down.
     let manifests = repo_root().join("manifests");
     let up = "../".repeat(tmp.components().count() - 1);
     let relative = format!("{up}{}", manifests.strip_prefix("/").unwrap().display());
     let overlay = format!(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {relative}\npatches:\n  - target: {{kind: PodDisruptionBudget}}\n    patch: |-\n      - op: replace\n        path: /apiVersion\n        value: policy/v1beta1\n"
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {relative}\npatches:\n{patches}"
     );
     std::fs::write(tmp.join("kustomization.yaml"), overlay).unwrap();
     tmp.to_path_buf()
+}
+
+const PDB_AS_V1BETA1: &str = "  - target: {kind: PodDisruptionBudget}\n    patch: |-\n      - op: replace\n        path: /apiVersion\n        value: policy/v1beta1\n";
+
+/// The kustomize patches that remove every CEL rule of the CRDs (README's recipe for
+/// servers before 1.25).
+const WITHOUT_VALIDATION_RULES: &str =
+    "  - target: {kind: CustomResourceDefinition, name: consulresolvers.consulresolver.io}
+    patch: |-
+      - op: remove
+        path: /spec/versions/0/schema/openAPIV3Schema/properties/spec/x-kubernetes-validations
+      - op: remove
+        path: /spec/versions/0/schema/openAPIV3Schema/properties/spec/properties/tls/x-kubernetes-validations
+  - target: {kind: CustomResourceDefinition, name: consulservices.consulresolver.io}
+    patch: |-
+      - op: remove
+        path: /spec/versions/0/schema/openAPIV3Schema/properties/spec/properties/ports/x-kubernetes-validations
+";
+
+/// The overlay for an older server installs exactly crds/pre-1.25/.
+fn assert_the_crds_are_the_pre_1_25_set(dir: &Path) {
+    let objects = render_dir(dir);
+    for (name, file) in [
+        ("consulresolvers.consulresolver.io", "consulresolver.yaml"),
+        ("consulservices.consulresolver.io", "consulservice.yaml"),
+    ] {
+        let text = std::fs::read_to_string(repo_root().join("crds/pre-1.25").join(file)).unwrap();
+        let expected = yaml_documents(&text).unwrap();
+        let crd = find(&objects, "CustomResourceDefinition", name);
+        assert!(
+            numbers_as_f64(crd.clone()) == numbers_as_f64(expected[0].clone()),
+            "{name} differs from crds/pre-1.25/{file}"
+        );
+    }
+}
+
+/// The API server's minor version (`1.20.2` -> 20).
+fn server_minor(cluster: &Cluster) -> u32 {
+    let version: Value = serde_json::from_str(&cluster.kubectl(&["version", "-o", "json"]).unwrap()).unwrap();
+    let minor = version["serverVersion"]["minor"].as_str().expect("serverVersion.minor");
+    minor.trim_end_matches('+').parse().expect("a number")
 }
 
 #[test]
@@ -234,6 +289,9 @@ fn apply_k_installs_everything_and_a_second_apply_changes_nothing() {
     let cluster = Cluster::shared();
     let tmp = tempfile::tempdir().unwrap();
     let dir = install_dir(cluster, tmp.path());
+    if server_minor(cluster) < 25 {
+        assert_the_crds_are_the_pre_1_25_set(&dir);
+    }
 
     let first = apply_k(cluster, &dir);
     assert_eq!(first.len(), 13, "one line per object: {first:#?}");
