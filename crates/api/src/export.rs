@@ -81,6 +81,16 @@ pub struct ConsulServiceSpec {
     #[cfg_attr(feature = "crd", schemars(schema_with = "ip_family_schema"))]
     pub ip_family: Option<IpFamily>,
 
+    /// Also write a core `Endpoints` object of the Service's name, for consumers that read
+    /// Endpoints rather than EndpointSlices (Emissary's KubernetesEndpointResolver,
+    /// Prometheus `role: endpoints`, Traefik before 3.1); without it they see the Service as
+    /// empty. At most 1,000 addresses (ready first, then by address), annotated
+    /// `endpoints.kubernetes.io/over-capacity: truncated` when cut. Off by default:
+    /// Endpoints are deprecated from Kubernetes 1.33, and every change is written twice.
+    /// Turning it off deletes the Endpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoints: Option<bool>,
+
     /// Ambassador IDs this export belongs to, as a resolver's: ignored unless the list
     /// contains the operator's `--ambassador-id`. Empty or absent means `["default"]`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

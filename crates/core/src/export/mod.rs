@@ -10,9 +10,12 @@
 //! - `zone` is the instance's Consul locality zone; `nodeName` is never set (a Consul node
 //!   is not a Kubernetes Node);
 //! - every instance in the entry was admitted by the resolver's health statuses (the query
-//!   asks Consul only for those), so each is ready and serving; the others are left out.
+//!   asks Consul only for those), so each is ready and serving; the others are left out;
+//! - with `spec.endpoints`, a core `Endpoints` object holding what the slices hold, capped
+//!   at 1,000 addresses ([`endpoints`]).
 
 pub mod address;
+pub mod endpoints;
 pub mod layout;
 
 use std::collections::{BTreeMap, BTreeSet};
