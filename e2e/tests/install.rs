@@ -381,6 +381,10 @@ const EXPORTING_NAMESPACE: &[(&str, &str, &str)] = &[
     ("discovery.k8s.io", "endpointslices", "create"),
     ("discovery.k8s.io", "endpointslices", "patch"),
     ("discovery.k8s.io", "endpointslices", "delete"),
+    ("", "endpoints", "get"),
+    ("", "endpoints", "create"),
+    ("", "endpoints", "patch"),
+    ("", "endpoints", "delete"),
 ];
 
 type Grant = (String, String, String);

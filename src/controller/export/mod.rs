@@ -1,8 +1,9 @@
 //! The ConsulService controller: exports Consul services as Kubernetes Services without a
-//! selector and their EndpointSlices (docs/export.md), one export at a time, only while
-//! this replica leads, on the driver both controllers share (`controller`). An export is
-//! reconciled when its object changes, when its part of a snapshot changes (its routing,
-//! or the Consul service's entry it reads), on gaining leadership and every resync period.
+//! selector, their EndpointSlices and, where asked, core Endpoints (docs/export.md), one
+//! export at a time, only while this replica leads, on the driver both controllers share
+//! (`controller`). An export is reconciled when its object changes, when its part of a
+//! snapshot changes (its routing, or the Consul service's entry it reads), on gaining
+//! leadership and every resync period.
 //!
 //! The routing (which resolver, with the same namespace rules as a Mapping's) and the
 //! watch are the core's: an export is a consumer of the shared watch registry, so a Consul
@@ -45,6 +46,8 @@ pub(crate) struct Exports {
     writer: kube::Client,
     services: ApiResource,
     slices: ApiResource,
+    /// Core Endpoints, for the exports that ask for them (`spec.endpoints`).
+    endpoints: ApiResource,
     version: SliceVersion,
     /// The instance label's value (from `--ambassador-id`).
     instance: String,
@@ -95,7 +98,7 @@ impl Reconciler for Exports {
         self.metrics.reconciles.with_label_values(&[result]).inc();
     }
 
-    /// An export gone has its Service and slices removed.
+    /// An export gone has its Service, slices and Endpoints removed.
     fn gone(self: &Arc<Self>, gone: &DynamicObject, _: &Ref, leadership: &Leadership) {
         let (namespace, name) = (gone.namespace().unwrap_or_default(), gone.name_any());
         let uid = gone.uid().unwrap_or_default();
@@ -145,11 +148,13 @@ impl ExportController {
             &GroupVersionKind::gvk(group, version, "EndpointSlice"),
             "endpointslices",
         );
+        let endpoints = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "Endpoints"), "endpoints");
         let own = Exports {
             client,
             writer,
             services,
             slices,
+            endpoints,
             version: cfg.version,
             instance: objects::instance_value(&cfg.ambassador_id),
             ambassador_id: cfg.ambassador_id,

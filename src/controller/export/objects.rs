@@ -1,7 +1,7 @@
-//! The Service and EndpointSlices of an export as the API server holds them: written from
-//! the core's plan, and read back into it. `discovery.k8s.io/v1` where served (1.21+),
-//! `v1beta1` where only that is (1.20, which has `topology` instead of `zone` and drops
-//! the `serving`/`terminating` conditions unless a feature gate is on: read back, an
+//! The Service, EndpointSlices and Endpoints of an export as the API server holds them:
+//! written from the core's plan, and read back into it. `discovery.k8s.io/v1` where served
+//! (1.21+), `v1beta1` where only that is (1.20, which has `topology` instead of `zone` and
+//! drops the `serving`/`terminating` conditions unless a feature gate is on: read back, an
 //! absent condition is its API default, so a server that drops it is not rewritten
 //! forever).
 
@@ -11,6 +11,7 @@ use serde_json::{Value, json};
 
 use consul_resolver_api::export::IpFamily;
 use consul_resolver_core::assembler::snapshot::Stale;
+use consul_resolver_core::export::endpoints::{EndpointsPlan, Subset};
 use consul_resolver_core::export::layout::{LiveSlice, SlicePlan};
 use consul_resolver_core::export::{Desired, Port, SliceEndpoint};
 
@@ -32,6 +33,14 @@ pub(crate) const STALE_REASON: &str = "consulresolver.io/stale-reason";
 /// Label of a headless Service's slices: kube-proxy's informers skip slices that carry it
 /// (a headless Service has no virtual IP to program), so no node's proxy watches them.
 pub(crate) const HEADLESS: &str = "service.kubernetes.io/headless";
+
+/// Label of the export's Endpoints: kube-controller-manager's EndpointSlice mirroring
+/// controller copies the Endpoints of every selector-less Service into slices of its own,
+/// which would give consumers every address twice; with it, the Endpoints are left alone.
+pub(crate) const SKIP_MIRROR: &str = "endpointslice.kubernetes.io/skip-mirror";
+/// Annotation of Endpoints cut to `endpoints::MAX_ADDRESSES`, as the control plane's controllers
+/// write it.
+pub(crate) const OVER_CAPACITY: &str = "endpoints.kubernetes.io/over-capacity";
 
 /// Where v1beta1 keeps an endpoint's zone (v1 has a field of its own).
 const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
@@ -98,6 +107,13 @@ fn ours(export: &str, instance: &str) -> BTreeMap<String, String> {
 /// The label selector of an export's slices, ours only.
 pub(crate) fn slice_selector(export: &str, instance: &str) -> String {
     ours(export, instance).iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+}
+
+/// Labels of an export's Endpoints: the Service's, and not to be mirrored.
+pub(crate) fn endpoints_labels(export: &str, instance: &str) -> BTreeMap<String, String> {
+    let mut labels = service_labels(export, instance);
+    labels.insert(SKIP_MIRROR.to_owned(), "true".to_owned());
+    labels
 }
 
 /// An owner reference, as the controller of the object that holds it. Without
@@ -238,15 +254,85 @@ pub(crate) fn slice(
     })
 }
 
-/// A live slice in the plan's terms; `intact` when its labels and owner are ours as
-/// [`slice`] writes them.
-pub(crate) fn live_slice(obj: &Value, labels: &BTreeMap<String, String>, owner_uid: Option<&str>) -> LiveSlice {
-    let family = match obj["addressType"].as_str() {
-        Some("IPv4") => Some(IpFamily::IPv4),
-        Some("IPv6") => Some(IpFamily::IPv6),
+/// The export's Endpoints (named as its Service), as the plan says; owned by the export
+/// as the Service is.
+pub(crate) fn endpoints(
+    namespace: &str,
+    name: &str,
+    plan: &EndpointsPlan,
+    labels: &BTreeMap<String, String>,
+    owner: Value,
+) -> Value {
+    let mut annotations = serde_json::Map::new();
+    if plan.truncated {
+        annotations.insert(OVER_CAPACITY.into(), json!("truncated"));
+    }
+    if let Some(s) = &plan.stale {
+        annotations.insert(STALE_SINCE.into(), json!(s.since));
+        annotations.insert(STALE_REASON.into(), json!(s.reason));
+    }
+    let ips = |list: &[String]| list.iter().map(|a| json!({"ip": a})).collect::<Vec<_>>();
+    let subsets: Vec<Value> = plan
+        .subsets
+        .iter()
+        .map(|s| {
+            let mut subset = json!({"ports": s.ports.iter().map(port).collect::<Vec<_>>()});
+            if !s.ready.is_empty() {
+                subset["addresses"] = json!(ips(&s.ready));
+            }
+            if !s.not_ready.is_empty() {
+                subset["notReadyAddresses"] = json!(ips(&s.not_ready));
+            }
+            subset
+        })
+        .collect();
+    json!({
+        "apiVersion": "v1", "kind": "Endpoints",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels,
+                     "annotations": annotations, "ownerReferences": [owner]},
+        "subsets": subsets,
+    })
+}
+
+/// Live Endpoints in the plan's terms (the order of each list not kept).
+pub(crate) fn live_endpoints(obj: &Value) -> EndpointsPlan {
+    let ips = |list: &Value| -> Vec<String> {
+        list.as_array().into_iter().flatten().filter_map(|a| a["ip"].as_str().map(str::to_owned)).collect()
+    };
+    let subsets = obj["subsets"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|s| Subset {
+            ports: read_ports(&s["ports"]),
+            ready: ips(&s["addresses"]),
+            not_ready: ips(&s["notReadyAddresses"]),
+        })
+        .collect();
+    let annotation = |k: &str| obj["metadata"]["annotations"][k].as_str().map(str::to_owned);
+    let stale = match (annotation(STALE_SINCE), annotation(STALE_REASON)) {
+        (Some(since), Some(reason)) => Some(Stale { since, reason }),
         _ => None,
     };
-    let ports = obj["ports"]
+    let truncated = annotation(OVER_CAPACITY).is_some();
+    EndpointsPlan { subsets, truncated, stale }.normalized()
+}
+
+/// Whether the live Endpoints already are what [`endpoints`] would write for `plan` (so
+/// nothing is sent): the same content, our labels, owned by the export `owner_uid`.
+pub(crate) fn endpoints_match(
+    live: &Value,
+    plan: &EndpointsPlan,
+    labels: &BTreeMap<String, String>,
+    owner_uid: &str,
+) -> bool {
+    let labels_ok = labels.iter().all(|(k, v)| live["metadata"]["labels"][k].as_str() == Some(v.as_str()));
+    labels_ok && controller_uid(live) == Some(owner_uid) && live_endpoints(live) == plan.normalized()
+}
+
+/// Ports as the Service, a slice and a subset write them, read back.
+fn read_ports(ports: &Value) -> Vec<Port> {
+    ports
         .as_array()
         .into_iter()
         .flatten()
@@ -260,7 +346,18 @@ pub(crate) fn live_slice(obj: &Value, labels: &BTreeMap<String, String>, owner_u
             },
             app_protocol: p["appProtocol"].as_str().map(str::to_owned),
         })
-        .collect();
+        .collect()
+}
+
+/// A live slice in the plan's terms; `intact` when its labels and owner are ours as
+/// [`slice`] writes them.
+pub(crate) fn live_slice(obj: &Value, labels: &BTreeMap<String, String>, owner_uid: Option<&str>) -> LiveSlice {
+    let family = match obj["addressType"].as_str() {
+        Some("IPv4") => Some(IpFamily::IPv4),
+        Some("IPv6") => Some(IpFamily::IPv6),
+        _ => None,
+    };
+    let ports = read_ports(&obj["ports"]);
     let endpoints = obj["endpoints"]
         .as_array()
         .into_iter()
@@ -303,7 +400,7 @@ mod tests {
     use super::*;
     use consul_resolver_api::export::ConsulServiceSpec;
     use consul_resolver_core::assembler::snapshot::ServiceEntry;
-    use consul_resolver_core::export::layout;
+    use consul_resolver_core::export::{endpoints, layout};
     use consul_resolver_core::model::{Endpoint, Health};
 
     fn desired() -> Desired {
@@ -397,6 +494,41 @@ mod tests {
         let owner = owner("v1", "Service", "web", "u-1");
         let plain = slice(SliceVersion::V1, "shop", &plan.slices[0], &d, &slice_labels("web", "default", false), owner);
         assert!(!live_slice(&plain, &labels, Some("u-1")).intact);
+    }
+
+    #[test]
+    fn written_endpoints_read_back_as_the_plan_and_say_when_they_are_truncated() {
+        let d = desired();
+        let labels = endpoints_labels("web", "default");
+        assert_eq!(labels.get(SKIP_MIRROR).map(String::as_str), Some("true"));
+        let owner = || owner("consulresolver.io/v1alpha1", "ConsulService", "web", "u-1");
+        let mut plan = endpoints::plan(&d);
+        plan.subsets[0].not_ready = vec!["10.0.0.9".into()];
+        let written = endpoints("shop", "web", &plan, &labels, owner());
+        assert_eq!(written["subsets"][0]["addresses"], json!([{"ip": "10.0.0.1"}, {"ip": "10.0.0.2"}]));
+        assert_eq!(written["subsets"][0]["notReadyAddresses"], json!([{"ip": "10.0.0.9"}]));
+        assert_eq!(
+            written["subsets"][0]["ports"][0],
+            json!({"name": "http", "port": 8080, "protocol": "TCP", "appProtocol": "http"})
+        );
+        assert!(written["metadata"]["annotations"].get(OVER_CAPACITY).is_none());
+        assert!(written["metadata"]["annotations"][STALE_SINCE].is_string(), "held as the slices are");
+        assert!(endpoints_match(&written, &plan, &labels, "u-1"));
+        // Another owner, a label gone, or the content changed: written again.
+        assert!(!endpoints_match(&written, &plan, &labels, "u-2"));
+        let mut unlabelled = written.clone();
+        unlabelled["metadata"]["labels"].as_object_mut().unwrap().remove(SKIP_MIRROR);
+        assert!(!endpoints_match(&unlabelled, &plan, &labels, "u-1"));
+        let mut cut = plan.clone();
+        cut.truncated = true;
+        assert!(!endpoints_match(&written, &cut, &labels, "u-1"));
+        let truncated = endpoints("shop", "web", &cut, &labels, owner());
+        assert_eq!(truncated["metadata"]["annotations"][OVER_CAPACITY], "truncated");
+        assert!(endpoints_match(&truncated, &cut, &labels, "u-1"));
+        // The same addresses in another order are no difference.
+        let mut reordered = written.clone();
+        reordered["subsets"][0]["addresses"] = json!([{"ip": "10.0.0.2"}, {"ip": "10.0.0.1"}]);
+        assert!(endpoints_match(&reordered, &plan, &labels, "u-1"));
     }
 
     #[test]

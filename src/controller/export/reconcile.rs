@@ -24,7 +24,7 @@ use consul_resolver_api::export::{ConsulService, ConsulServiceSpec, IpFamily};
 use consul_resolver_api::status::ConsulServiceStatus;
 use consul_resolver_core::assembler::snapshot::ExportEntry;
 use consul_resolver_core::export::layout::LiveSlice;
-use consul_resolver_core::export::{Desired, held, knows, layout};
+use consul_resolver_core::export::{Desired, endpoints, held, knows, layout};
 
 /// A request within the leadership deadline, to an object that may be gone or replaced
 /// meanwhile (`None`: the API server said 404, or 409 for a precondition on the uid: for a
@@ -46,7 +46,8 @@ fn delete_exactly(uid: &str) -> DeleteParams {
     DeleteParams { preconditions: Some(preconditions), ..DeleteParams::default() }
 }
 
-/// Whether the Service `live` is the one this operator instance keeps for export `name`.
+/// Whether the Service (or Endpoints) `live` is the one this operator instance keeps for
+/// export `name`.
 fn ours(live: &Value, name: &str, instance: &str) -> bool {
     live["metadata"]["labels"][objects::EXPORT].as_str() == Some(name)
         && live["metadata"]["labels"][objects::INSTANCE].as_str() == Some(instance)
@@ -76,6 +77,11 @@ pub(super) async fn reconcile(
         Ok(spec) => spec,
         Err(why) => {
             let held = hold_invalid(ctx, obj, &why, job.until).await?;
+            // The Endpoints are held with the slices; a spec that cannot even be read
+            // leaves them as they are.
+            if let (Some(d), Ok(spec)) = (&held, parse(obj)) {
+                sync_endpoints(ctx, obj, spec.endpoints.unwrap_or(false), Some(d), job.until).await?;
+            }
             ctx.set_stale(&namespace, &name, held.as_ref());
             let s = status_after(&Outcome::Invalid(why, held));
             update_status(ctx, obj, &s, live_status.as_ref(), job.until).await?;
@@ -167,9 +173,27 @@ async fn list_slices(
         .collect())
 }
 
-/// Apply: the Service and the slices, as the export and its snapshot entry say; what
-/// happened, for the status.
+/// Apply: the Service, the slices and (with `spec.endpoints`) the Endpoints, as the export
+/// and its snapshot entry say; what happened, for the status.
 async fn apply(
+    ctx: &Exports,
+    obj: &DynamicObject,
+    spec: &ConsulServiceSpec,
+    entry: &ExportEntry,
+    until: Instant,
+) -> Result<Outcome, ReconcileError> {
+    let outcome = apply_service_and_slices(ctx, obj, spec, entry, until).await?;
+    // The Endpoints hold what the slices hold, and only while they hold something.
+    let desired = match &outcome {
+        Outcome::Exported { desired, .. } | Outcome::Held { desired, .. } => Some(desired),
+        _ => None,
+    };
+    sync_endpoints(ctx, obj, spec.endpoints.unwrap_or(false), desired, until).await?;
+    Ok(outcome)
+}
+
+/// The Service and the slices, as the export and its snapshot entry say.
+async fn apply_service_and_slices(
     ctx: &Exports,
     obj: &DynamicObject,
     spec: &ConsulServiceSpec,
@@ -246,6 +270,69 @@ async fn apply_service(
     let written = within(until, &shown, writer.patch(&name, &params, &Patch::Apply(&want))).await?;
     ctx.metrics.writes.with_label_values(&["service", "apply"]).inc();
     Ok(written.uid().unwrap_or_default())
+}
+
+/// The export's Endpoints: with `on` and something to hold (`desired`), written unless
+/// they already are as planned; otherwise deleted, if ours. Named as the Service and owned
+/// by the export as it is, and never mirrored into slices (the skip-mirror label). When
+/// off, the read is what finds one written while it was on.
+async fn sync_endpoints(
+    ctx: &Exports,
+    obj: &DynamicObject,
+    on: bool,
+    desired: Option<&Desired>,
+    until: Instant,
+) -> Result<(), ReconcileError> {
+    let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
+    let live = get_endpoints(ctx, &namespace, &name, until).await?;
+    let Some(desired) = desired.filter(|_| on) else {
+        if let Some(live) = live.filter(|l| ours(l, &name, &ctx.instance)) {
+            let uid = live["metadata"]["uid"].as_str().unwrap_or_default();
+            delete_endpoints(ctx, &namespace, &name, uid, until).await?;
+        }
+        return Ok(());
+    };
+    let export_uid = obj.uid().unwrap_or_default();
+    let labels = objects::endpoints_labels(&name, &ctx.instance);
+    let plan = endpoints::plan(desired);
+    if live.as_ref().is_some_and(|l| objects::endpoints_match(l, &plan, &labels, &export_uid)) {
+        return Ok(());
+    }
+    let owner = objects::owner(&ConsulService::api_version(&()), &ConsulService::kind(&()), &name, &export_uid);
+    let body = objects::endpoints(&namespace, &name, &plan, &labels, owner);
+    let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), &namespace, &ctx.endpoints);
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    let shown = format!("Endpoints {namespace}/{name}");
+    within(until, &shown, writer.patch(&name, &params, &Patch::Apply(&body))).await?;
+    ctx.metrics.writes.with_label_values(&["endpoints", "apply"]).inc();
+    Ok(())
+}
+
+/// The live Endpoints of `name`, anyone's (`None`: absent).
+async fn get_endpoints(
+    ctx: &Exports,
+    namespace: &str,
+    name: &str,
+    until: Instant,
+) -> Result<Option<Value>, ReconcileError> {
+    let api: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), namespace, &ctx.endpoints);
+    let found = within(until, &format!("Endpoints {namespace}/{name}"), api.get_opt(name)).await?;
+    Ok(found.map(|e| serde_json::to_value(e).unwrap_or_default()))
+}
+
+async fn delete_endpoints(
+    ctx: &Exports,
+    namespace: &str,
+    name: &str,
+    uid: &str,
+    until: Instant,
+) -> Result<(), ReconcileError> {
+    let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), namespace, &ctx.endpoints);
+    let shown = format!("Endpoints {namespace}/{name}");
+    if within_unless_gone(until, &shown, writer.delete(name, &delete_exactly(uid))).await?.is_some() {
+        ctx.metrics.writes.with_label_values(&["endpoints", "delete"]).inc();
+    }
+    Ok(())
 }
 
 /// While nothing says what the export should hold (no answer since this process started,
@@ -377,7 +464,7 @@ async fn remove_slices(
 }
 
 /// The export with uid `export_uid` is gone, or no longer this operator's (another
-/// Ambassador ID): its Service and slices go too, if ours and owned by that export (never
+/// Ambassador ID): its Service, slices and Endpoints go too, if ours and owned by that export (never
 /// those of an export re-created under the same name). Owner references do this where a
 /// garbage collector runs; this also covers clusters without one, and is harmless where
 /// it does.
@@ -388,6 +475,14 @@ pub(super) async fn remove(
     export_uid: &str,
     until: Instant,
 ) -> Result<(), ReconcileError> {
+    // The Endpoints first: they are the export's own, whether or not its Service is left.
+    if let Some(live) = get_endpoints(ctx, namespace, name, until).await?
+        && ours(&live, name, &ctx.instance)
+        && objects::controller_uid(&live) == Some(export_uid)
+    {
+        let uid = live["metadata"]["uid"].as_str().unwrap_or_default();
+        delete_endpoints(ctx, namespace, name, uid, until).await?;
+    }
     let Some(service) = get_service(ctx, namespace, name, until).await? else { return Ok(()) };
     if !ours(&service, name, &ctx.instance) || objects::controller_uid(&service) != Some(export_uid) {
         return Ok(());

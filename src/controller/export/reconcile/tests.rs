@@ -92,6 +92,7 @@ impl Fixture {
             writer: api.client.clone(),
             services: ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "Service"), "services"),
             slices,
+            endpoints: ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "Endpoints"), "endpoints"),
             version: SliceVersion::V1beta1,
             instance: "default".into(),
             ambassador_id: "default".into(),
@@ -321,4 +322,102 @@ async fn removals_delete_exactly_the_objects_they_mean() {
     let f = Fixture::new(objects).await;
     delete_slice(&f.ctx, "shop", "web-0", "slice-before", Fixture::until()).await.unwrap();
     assert!(f.object(&format!("{SLICES}/web-0")).is_some());
+}
+
+const ENDPOINTS: &str = "/api/v1/namespaces/shop/endpoints/web";
+
+/// Our Endpoints of export `owner`, as the API server holds them.
+fn our_endpoints(uid: &str, owner: &str) -> (String, Value) {
+    let endpoints = json!({"apiVersion": "v1", "kind": "Endpoints",
+        "metadata": {"name": "web", "namespace": "shop", "uid": uid,
+            "labels": objects::endpoints_labels("web", "default"),
+            "ownerReferences": [objects::owner("consulresolver.io/v1alpha1", "ConsulService", "web", owner)]},
+        "subsets": [{"addresses": [{"ip": "192.0.2.1"}], "ports": [{"name": "tcp-8080", "port": 8080, "protocol": "TCP"}]}]});
+    (ENDPOINTS.to_owned(), endpoints)
+}
+
+#[tokio::test]
+async fn endpoints_are_written_only_when_asked_and_not_again_when_unchanged() {
+    let e = entry(Some(answer(vec![instance("192.0.2.2", 8080), instance("192.0.2.1", 8080)])));
+    // Off (the default): never written.
+    let f = Fixture::new(vec![]).await;
+    let s = spec(json!({"service": "web"}));
+    apply(&f.ctx, &export(json!({"service": "web"})), &s, &e, Fixture::until()).await.unwrap();
+    assert!(f.object(ENDPOINTS).is_none() && f.sent("PATCH", ENDPOINTS).is_empty(), "{:?}", f.writes());
+
+    // On: named as the Service, owned by the export as it is, labelled ours and not to be
+    // mirrored, both instances ready.
+    let on = json!({"service": "web", "endpoints": true});
+    apply(&f.ctx, &export(on.clone()), &spec(on.clone()), &e, Fixture::until()).await.unwrap();
+    let written = f.object(ENDPOINTS).unwrap();
+    let labels = &written["metadata"]["labels"];
+    assert_eq!(labels[objects::SKIP_MIRROR], "true");
+    assert_eq!((labels[objects::EXPORT].as_str(), labels[objects::INSTANCE].as_str()), (Some("web"), Some("default")));
+    let owner = &written["metadata"]["ownerReferences"][0];
+    assert_eq!((owner["kind"].as_str(), owner["uid"].as_str()), (Some("ConsulService"), Some("export-1")));
+    assert_eq!(owner["controller"], true);
+    assert!(owner.get("blockOwnerDeletion").is_none());
+    assert_eq!(written["subsets"][0]["addresses"], json!([{"ip": "192.0.2.1"}, {"ip": "192.0.2.2"}]));
+    assert_eq!(written["subsets"][0]["ports"], json!([{"name": "tcp-8080", "port": 8080, "protocol": "TCP"}]));
+    assert!(written["metadata"]["annotations"].get(objects::OVER_CAPACITY).is_none());
+
+    // The same again: nothing sent.
+    apply(&f.ctx, &export(on.clone()), &spec(on), &e, Fixture::until()).await.unwrap();
+    assert_eq!(f.sent("PATCH", ENDPOINTS).len(), 1, "{:?}", f.writes());
+
+    // Off again: deleted, exactly the one read.
+    let uid = f.object(ENDPOINTS).unwrap()["metadata"]["uid"].as_str().unwrap().to_owned();
+    apply(&f.ctx, &export(json!({"service": "web"})), &s, &e, Fixture::until()).await.unwrap();
+    assert_eq!(f.sent("DELETE", ENDPOINTS)[0]["preconditions"]["uid"], uid.as_str());
+    assert!(f.object(ENDPOINTS).is_none());
+}
+
+#[tokio::test]
+async fn endpoints_are_held_with_the_slices_and_removed_with_the_export() {
+    let objects = vec![
+        our_service("svc-1", "export-1", Some("IPv4")),
+        our_slice("web-0", "slice-0", "svc-1", &["192.0.2.1", "192.0.2.2"]),
+        our_endpoints("ep-1", "export-1"),
+    ];
+    let on = json!({"service": "web", "endpoints": true});
+    let unsynced =
+        ServiceEntry { synced: false, index: None, error: Some("connection refused".into()), ..answer(vec![]) };
+    let f = Fixture::new(objects.clone()).await;
+    let outcome =
+        apply(&f.ctx, &export(on.clone()), &spec(on.clone()), &entry(Some(unsynced)), Fixture::until()).await.unwrap();
+    assert!(matches!(outcome, Outcome::Held { .. }));
+    let held = f.object(ENDPOINTS).unwrap();
+    assert_eq!(held["subsets"][0]["addresses"], json!([{"ip": "192.0.2.1"}, {"ip": "192.0.2.2"}]));
+    assert!(held["metadata"]["annotations"][objects::STALE_REASON].as_str().unwrap().contains("connection refused"));
+
+    // No resolver: removed with the slices.
+    let f = Fixture::new(objects.clone()).await;
+    let gone = ExportEntry { resolver: None, problem: Some("no ConsulResolver".into()), ..entry(None) };
+    apply(&f.ctx, &export(on.clone()), &spec(on), &gone, Fixture::until()).await.unwrap();
+    assert_eq!(f.sent("DELETE", ENDPOINTS)[0]["preconditions"]["uid"], "ep-1");
+
+    // The export gone: its Endpoints go, by uid; those of another incarnation stay.
+    let f = Fixture::new(objects.clone()).await;
+    remove(&f.ctx, "shop", "web", "export-1", Fixture::until()).await.unwrap();
+    assert_eq!(f.sent("DELETE", ENDPOINTS)[0]["preconditions"]["uid"], "ep-1");
+    let f = Fixture::new(objects).await;
+    remove(&f.ctx, "shop", "web", "export-0", Fixture::until()).await.unwrap();
+    assert!(f.object(ENDPOINTS).is_some(), "{:?}", f.writes());
+}
+
+#[tokio::test]
+async fn someone_elses_endpoints_are_never_deleted() {
+    // The Service and its Endpoints are someone else's (a Service with a selector, whose
+    // Endpoints the control plane writes): a conflict, and nothing of theirs is touched.
+    let (path, mut theirs) = our_endpoints("ep-theirs", "other");
+    theirs["metadata"]["labels"] = json!({"app": "web"});
+    let service = json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "web", "namespace": "shop", "uid": "svc-theirs"},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}});
+    let f = Fixture::new(vec![(format!("{SERVICES}/web"), service), (path, theirs)]).await;
+    let on = json!({"service": "web", "endpoints": true});
+    let e = entry(Some(answer(vec![instance("192.0.2.1", 8080)])));
+    let outcome = apply(&f.ctx, &export(on.clone()), &spec(on), &e, Fixture::until()).await.unwrap();
+    assert!(matches!(outcome, Outcome::Conflict));
+    assert!(f.writes().is_empty(), "{:?}", f.writes());
 }
