@@ -4,17 +4,19 @@
 //! (docs/export.md): a Service without a selector, slices found by
 //! `kubernetes.io/service-name` and managed by us, owned by the Service, at most 100
 //! endpoints each, grouped by port set, canonical IPv4 addresses only, ready from Consul
-//! health; few writes; a conflict, a lost resolver and a deleted export handled.
+//! health; few writes; a conflict, a lost resolver and a deleted export handled; and, asked
+//! for, an Endpoints object that kube-controller-manager's mirroring controller leaves alone.
 //!
-//! Addresses are from the documentation ranges (RFC 5737): they are data here, nothing
-//! connects to them (e2e/tests/kube_proxy.rs routes real traffic, inside a namespace).
+//! Addresses are from the documentation ranges (RFC 5737), and from 10.42.0.0/16 where
+//! more than 254 are needed: they are data here, nothing connects to them
+//! (e2e/tests/kube_proxy.rs routes real traffic, inside a namespace).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use e2e::consul::{Consul, Instance};
 use e2e::fixtures::{export_yaml, mapping_yaml, resolver_yaml, secret_yaml, slice_addresses as addresses, slices};
-use e2e::harness::{Cluster, Operator, unique, wait_for};
+use e2e::harness::{Cluster, ControllerManager, Operator, unique, wait_for};
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(60);
@@ -648,5 +650,150 @@ fn an_instance_without_a_port_is_excluded_and_the_rest_exported() {
     let ports: Vec<&Value> = service["spec"]["ports"].as_array().unwrap().iter().map(|p| &p["port"]).collect();
     assert_eq!(ports, [8080], "{service}");
     assert_eq!(addresses(&slices(cluster, &ns, "web")), ["192.0.2.1", "192.0.2.2"]);
+    op.terminate(T).unwrap();
+}
+
+/// The export's Endpoints (`None`: absent).
+fn endpoints_of(cluster: &Cluster, ns: &str, name: &str) -> Option<Value> {
+    get_json(cluster, &["-n", ns, "get", "endpoints", name])
+}
+
+/// The addresses of `endpoints` under `field` (`addresses` or `notReadyAddresses`), over
+/// all subsets, sorted.
+fn endpoint_ips(endpoints: &Value, field: &str) -> Vec<String> {
+    let mut ips: Vec<String> = endpoints["subsets"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|s| s[field].as_array().cloned().unwrap_or_default())
+        .filter_map(|a| a["ip"].as_str().map(str::to_owned))
+        .collect();
+    ips.sort();
+    ips
+}
+
+fn over_capacity(endpoints: &Value) -> Option<&str> {
+    endpoints["metadata"]["annotations"]["endpoints.kubernetes.io/over-capacity"].as_str()
+}
+
+/// Waits until the export's Endpoints hold exactly `ready` (sorted) as ready addresses;
+/// returns them.
+fn wait_endpoints(cluster: &Cluster, op: &Operator, ns: &str, what: &str, ready: &[String]) -> Value {
+    wait_for(what, T, || {
+        let e = endpoints_of(cluster, ns, "web")?;
+        (endpoint_ips(&e, "addresses") == ready).then_some(e)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{:?}\n{}", endpoints_of(cluster, ns, "web"), op.logs()))
+}
+
+/// The Endpoints as consumers and the control plane need them: owned by the export as its
+/// Service is, ours, not to be mirrored, with the Service's port names.
+fn assert_the_endpoints_keep_the_rules(cluster: &Cluster, ns: &str, endpoints: &Value) {
+    let export = get_json(cluster, &["-n", ns, "get", "consulservice", "web"]).unwrap();
+    let owner = &endpoints["metadata"]["ownerReferences"][0];
+    assert_eq!(
+        (owner["kind"].as_str(), owner["uid"].as_str(), owner["controller"].as_bool()),
+        (Some("ConsulService"), export["metadata"]["uid"].as_str(), Some(true)),
+        "{endpoints}"
+    );
+    let labels = &endpoints["metadata"]["labels"];
+    assert_eq!(labels["endpointslice.kubernetes.io/skip-mirror"], "true", "{endpoints}");
+    assert_eq!(labels["consulresolver.io/export"], "web", "{endpoints}");
+    assert_eq!(labels["app.kubernetes.io/managed-by"], "consul-resolver-operator", "{endpoints}");
+    assert_eq!(
+        endpoints["subsets"][0]["ports"],
+        serde_json::json!([{"name": "http", "port": 8080, "protocol": "TCP"}]),
+        "{endpoints}"
+    );
+    assert!(over_capacity(endpoints).is_none(), "{endpoints}");
+    assert!(endpoint_ips(endpoints, "notReadyAddresses").is_empty(), "{endpoints}");
+}
+
+/// No slice of the Service `web` is anyone's but the export's: the mirroring controller
+/// (running) left its Endpoints alone. Checked for a few seconds: it acts on its own time.
+fn assert_nothing_mirrored(cluster: &Cluster, kcm: &ControllerManager, ns: &str) {
+    for _ in 0..10 {
+        let found = slices(cluster, ns, "web");
+        let foreign: Vec<&String> = found
+            .iter()
+            .filter(|(_, s)| {
+                s["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"]
+                    != "consul-resolver-operator.consulresolver.io"
+            })
+            .map(|(n, _)| n)
+            .collect();
+        assert!(foreign.is_empty(), "slices of web not ours (mirrored?): {foreign:?}\n{}", kcm.logs());
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// `n` passing instances of `svc` on port 8080 at 10.42.0.1 upwards (below 192.0.2.x in
+/// numeric order, so the cap cuts the 192.0.2.x ones first).
+fn many(svc: &str, n: usize) -> Vec<Instance> {
+    (0..n)
+        .map(|i| Instance {
+            address: format!("10.42.{}.{}", i / 250, i % 250 + 1),
+            node: format!("node-{svc}-many-{i}"),
+            id: format!("{svc}-many-{i}"),
+            ..instance(svc, 0, 8080, "passing")
+        })
+        .collect()
+}
+
+/// `spec.endpoints: true`: an Endpoints object of the Service's name follows the instances
+/// and their health, is cut to 1,000 addresses (annotated, and not when back under), is not
+/// mirrored by kube-controller-manager's mirroring controller, and goes when turned off.
+#[test]
+#[cfg_attr(e2e_external_cluster, ignore = "starts a kube-controller-manager: needs the cluster the tests start")]
+fn an_export_asked_for_endpoints_writes_them_capped_unmirrored_and_deletes_them_when_off() {
+    let (cluster, consul) = (Cluster::shared(), Consul::shared());
+    // Only the mirroring controller: a garbage collector would hide the operator's own
+    // deletions, which the other tests here check.
+    let kcm = ControllerManager::start(cluster, "endpointslicemirroring").unwrap();
+    let ns = team(cluster, consul, "export-endpoints");
+    let svc = format!("web{}", unique());
+    let mut three: Vec<Instance> = (0..3).map(|i| instance(&svc, i, 8080, "passing")).collect();
+    consul.register_many(&three, 3).unwrap();
+    let on = "  ports: [{name: http, port: 80}]\n  endpoints: true\n";
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", on)).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    let first: Vec<String> = (1..=3).map(|i| format!("192.0.2.{i}")).collect();
+    let found = wait_endpoints(cluster, &op, &ns, "the Endpoints with the three", &first);
+    assert_the_endpoints_keep_the_rules(cluster, &ns, &found);
+
+    // A health flip, both ways: the critical instance leaves (the query admits passing
+    // only), and comes back.
+    three[1].status = "critical".into();
+    consul.register_many(&three[1..2], 1).unwrap();
+    let two = [first[0].clone(), first[2].clone()];
+    wait_endpoints(cluster, &op, &ns, "the critical instance out of the Endpoints", &two);
+    three[1].status = "passing".into();
+    consul.register_many(&three[1..2], 1).unwrap();
+    wait_endpoints(cluster, &op, &ns, "the instance back in the Endpoints", &first);
+    assert_nothing_mirrored(cluster, &kcm, &ns);
+
+    // 1,001 instances: 1,000 addresses, the highest cut, annotated; the slices hold all.
+    let more = many(&svc, 998);
+    consul.register_many(&more, 16).unwrap();
+    let mut kept: Vec<String> = more.iter().map(|i| i.address.clone()).chain(first[..2].iter().cloned()).collect();
+    kept.sort();
+    let cut = wait_endpoints(cluster, &op, &ns, "1,000 of 1,001 in the Endpoints", &kept);
+    assert_eq!(over_capacity(&cut), Some("truncated"));
+    wait_for("all 1,001 in the slices", T, || (addresses(&slices(cluster, &ns, "web")).len() == 1001).then_some(()))
+        .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    // Back to 1,000: all of them, and the annotation gone.
+    consul.deregister(&more[997].node, &more[997].id).unwrap();
+    let mut all: Vec<String> = more[..997].iter().map(|i| i.address.clone()).chain(first.iter().cloned()).collect();
+    all.sort();
+    let whole = wait_endpoints(cluster, &op, &ns, "all 1,000 in the Endpoints", &all);
+    assert!(over_capacity(&whole).is_none(), "{:?}", whole["metadata"]["annotations"]);
+    assert_nothing_mirrored(cluster, &kcm, &ns);
+
+    // Off: the Endpoints go; the Service and slices stay.
+    let off = "  ports: [{name: http, port: 80}]\n";
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", off)).unwrap();
+    wait_for("the Endpoints deleted", T, || endpoints_of(cluster, &ns, "web").is_none().then_some(()))
+        .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    assert_eq!(addresses(&slices(cluster, &ns, "web")).len(), 1000);
     op.terminate(T).unwrap();
 }
