@@ -284,14 +284,15 @@ async fn sync_endpoints(
     until: Instant,
 ) -> Result<(), ReconcileError> {
     let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
-    let live = get_endpoints(ctx, &namespace, &name, until).await?;
     let Some(desired) = desired.filter(|_| on) else {
+        let live = leftover_endpoints(ctx, &namespace, &name, until).await?;
         if let Some(live) = live.filter(|l| ours(l, &name, &ctx.instance)) {
             let uid = live["metadata"]["uid"].as_str().unwrap_or_default();
             delete_endpoints(ctx, &namespace, &name, uid, until).await?;
         }
         return Ok(());
     };
+    let live = get_endpoints(ctx, &namespace, &name, until).await?;
     let export_uid = obj.uid().unwrap_or_default();
     let labels = objects::endpoints_labels(&name, &ctx.instance);
     let plan = endpoints::plan(desired);
@@ -318,6 +319,24 @@ async fn get_endpoints(
     let api: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), namespace, &ctx.endpoints);
     let found = within(until, &format!("Endpoints {namespace}/{name}"), api.get_opt(name)).await?;
     Ok(found.map(|e| serde_json::to_value(e).unwrap_or_default()))
+}
+
+/// The live Endpoints of `name` where no export asks for them: one left from when the
+/// option was on. An operator whose role predates the option may not read Endpoints (403):
+/// then there can be none of ours to clean up, and exports without the option go on.
+async fn leftover_endpoints(
+    ctx: &Exports,
+    namespace: &str,
+    name: &str,
+    until: Instant,
+) -> Result<Option<Value>, ReconcileError> {
+    match get_endpoints(ctx, namespace, name, until).await {
+        Err(ReconcileError::Write(_, e)) if status_code(&e) == Some(403) => {
+            tracing::debug!(export = %format!("{namespace}/{name}"), "may not read Endpoints: none to clean up");
+            Ok(None)
+        }
+        other => other,
+    }
 }
 
 async fn delete_endpoints(
@@ -476,7 +495,7 @@ pub(super) async fn remove(
     until: Instant,
 ) -> Result<(), ReconcileError> {
     // The Endpoints first: they are the export's own, whether or not its Service is left.
-    if let Some(live) = get_endpoints(ctx, namespace, name, until).await?
+    if let Some(live) = leftover_endpoints(ctx, namespace, name, until).await?
         && ours(&live, name, &ctx.instance)
         && objects::controller_uid(&live) == Some(export_uid)
     {

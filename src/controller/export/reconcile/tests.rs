@@ -32,6 +32,8 @@ struct Seen {
 struct State {
     objects: BTreeMap<String, Value>,
     seen: Vec<Seen>,
+    /// A path the operator's role may not touch: every request to it answers 403.
+    forbidden: Option<String>,
 }
 
 fn status(code: u16, reason: &str) -> (u16, Value) {
@@ -44,6 +46,9 @@ fn handle(state: &Mutex<State>, method: &str, path: &str, body: &[u8]) -> (u16, 
     let body: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     let mut st = state.lock().unwrap();
     st.seen.push(Seen { method: method.into(), path: path.into(), body: body.clone() });
+    if st.forbidden.as_deref() == Some(path) {
+        return status(403, "Forbidden");
+    }
     match method {
         "GET" if path == SLICES => {
             let items: Vec<Value> =
@@ -80,7 +85,8 @@ struct Fixture {
 
 impl Fixture {
     async fn new(objects: Vec<(String, Value)>) -> Fixture {
-        let state = Arc::new(Mutex::new(State { objects: objects.into_iter().collect(), seen: vec![] }));
+        let state =
+            Arc::new(Mutex::new(State { objects: objects.into_iter().collect(), seen: vec![], forbidden: None }));
         let s = state.clone();
         let api = test_fixtures::serve(Arc::new(move |m, p, b| handle(&s, m, p, b))).await;
         let slices = ApiResource::from_gvk_with_plural(
@@ -420,4 +426,24 @@ async fn someone_elses_endpoints_are_never_deleted() {
     let outcome = apply(&f.ctx, &export(on.clone()), &spec(on), &e, Fixture::until()).await.unwrap();
     assert!(matches!(outcome, Outcome::Conflict));
     assert!(f.writes().is_empty(), "{:?}", f.writes());
+}
+
+/// An operator whose role predates `spec.endpoints` may not read Endpoints: exports that do
+/// not ask for them are written and removed as before; one that asks fails, naming them.
+#[tokio::test]
+async fn exports_without_endpoints_need_no_grant_on_endpoints() {
+    let e = entry(Some(answer(vec![instance("192.0.2.1", 8080)])));
+    let f = Fixture::new(vec![]).await;
+    f.state.lock().unwrap().forbidden = Some(ENDPOINTS.into());
+    let off = json!({"service": "web"});
+    apply(&f.ctx, &export(off.clone()), &spec(off), &e, Fixture::until()).await.unwrap();
+    assert!(f.writes().iter().any(|w| w.starts_with("PATCH /apis/discovery.k8s.io")), "{:?}", f.writes());
+    let on = json!({"service": "web", "endpoints": true});
+    let Err(refused) = apply(&f.ctx, &export(on.clone()), &spec(on), &e, Fixture::until()).await else {
+        panic!("written without a grant on Endpoints");
+    };
+    assert!(refused.to_string().contains("Endpoints shop/web"), "{refused}");
+    let service_uid = f.object(&format!("{SERVICES}/web")).unwrap()["metadata"]["uid"].as_str().unwrap().to_owned();
+    remove(&f.ctx, "shop", "web", "export-1", Fixture::until()).await.unwrap();
+    assert!(f.object(&format!("{SERVICES}/web")).is_none(), "removed, service uid {service_uid}");
 }
