@@ -1,6 +1,6 @@
 //! What the export controller measures: its reconciles, its writes (few writes is a
-//! promise to every node's kube-proxy), and how long each export's endpoints have been
-//! stale.
+//! promise to every node's kube-proxy), how long each export's endpoints have been stale,
+//! and which exports cannot be written.
 
 use prometheus::core::Collector;
 use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
@@ -17,6 +17,10 @@ pub(crate) struct ExportMetrics {
     /// Per export holding endpoints last obtained: since when (Unix seconds). Its age is
     /// `time() - consul_resolver_export_stale_since_timestamp_seconds`.
     pub stale_since: GaugeVec,
+    /// Per export whose last reconcile could not read or write its objects (its status says
+    /// `Exported=False`, `WriteFailed`): 1, absent otherwise. Nothing else says which export
+    /// fails: the reconcile counter has no export label, and the status is not scraped.
+    pub write_failing: GaugeVec,
 }
 
 impl ExportMetrics {
@@ -36,6 +40,14 @@ impl ExportMetrics {
                 &["namespace", "name"],
             )
             .expect("a valid metric"),
+            write_failing: GaugeVec::new(
+                Opts::new(
+                    "export_write_failing",
+                    "1 while an export's objects could not be read or written (status WriteFailed; absent otherwise)",
+                ),
+                &["namespace", "name"],
+            )
+            .expect("a valid metric"),
         }
     }
 
@@ -49,6 +61,11 @@ impl ExportMetrics {
     }
 
     pub(crate) fn collectors(&self) -> Vec<Box<dyn Collector>> {
-        vec![Box::new(self.reconciles.clone()), Box::new(self.writes.clone()), Box::new(self.stale_since.clone())]
+        vec![
+            Box::new(self.reconciles.clone()),
+            Box::new(self.writes.clone()),
+            Box::new(self.stale_since.clone()),
+            Box::new(self.write_failing.clone()),
+        ]
     }
 }

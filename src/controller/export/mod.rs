@@ -69,6 +69,16 @@ impl Exports {
     fn forget_stale(&self, namespace: &str, name: &str) {
         let _ = self.metrics.stale_since.remove_label_values(&[namespace, name]);
     }
+
+    /// The write-failing metric of an export: set while its status says `WriteFailed`,
+    /// absent otherwise (so an export that recovers, turns invalid or goes leaves nothing).
+    fn set_write_failing(&self, namespace: &str, name: &str, failing: bool) {
+        if failing {
+            self.metrics.write_failing.with_label_values(&[namespace, name]).set(1.0);
+        } else {
+            let _ = self.metrics.write_failing.remove_label_values(&[namespace, name]);
+        }
+    }
 }
 
 impl Reconciler for Exports {
@@ -103,6 +113,7 @@ impl Reconciler for Exports {
         let (namespace, name) = (gone.namespace().unwrap_or_default(), gone.name_any());
         let uid = gone.uid().unwrap_or_default();
         self.forget_stale(&namespace, &name);
+        self.set_write_failing(&namespace, &name, false);
         let (ctx, leadership) = (self.clone(), leadership.clone());
         let removal = tokio::spawn(async move {
             // Only the leader removes; a follower's export deletions are the leader's to

@@ -70,6 +70,7 @@ pub(super) async fn reconcile(
     // wrote for it while it was ours goes, so its new operator can take the name.
     if parse(obj).is_ok_and(|s| !s.serves_ambassador_id(&ctx.ambassador_id)) {
         ctx.forget_stale(&namespace, &name);
+        ctx.set_write_failing(&namespace, &name, false);
         remove(ctx, &namespace, &name, &obj.uid().unwrap_or_default(), job.until).await?;
         return Ok(Next::OnChange);
     }
@@ -83,6 +84,7 @@ pub(super) async fn reconcile(
                 sync_endpoints(ctx, obj, spec.endpoints.unwrap_or(false), Some(d), job.until).await?;
             }
             ctx.set_stale(&namespace, &name, held.as_ref());
+            ctx.set_write_failing(&namespace, &name, false);
             let s = status_after(&Outcome::Invalid(why, held));
             update_status(ctx, obj, &s, live_status.as_ref(), job.until).await?;
             return Ok(Next::OnChange);
@@ -93,7 +95,9 @@ pub(super) async fn reconcile(
         Ok(outcome) => outcome,
         Err(e) => {
             // Said on the export (a missing grant reads as "forbidden" there), then retried
-            // with backoff; a status write that fails too changes nothing about that.
+            // with backoff; a status write that fails too changes nothing about that. The
+            // metric says it where alerts can see it.
+            ctx.set_write_failing(&namespace, &name, true);
             let s = status_after(&Outcome::Failed(e.to_string()));
             let _ = update_status(ctx, obj, &s, live_status.as_ref(), job.until).await;
             return Err(e);
@@ -104,6 +108,7 @@ pub(super) async fn reconcile(
         _ => None,
     };
     ctx.set_stale(&namespace, &name, desired);
+    ctx.set_write_failing(&namespace, &name, false);
     update_status(ctx, obj, &status_after(&outcome), live_status.as_ref(), job.until).await?;
     Ok(Next::Resync)
 }

@@ -447,3 +447,40 @@ async fn exports_without_endpoints_need_no_grant_on_endpoints() {
     remove(&f.ctx, "shop", "web", "export-1", Fixture::until()).await.unwrap();
     assert!(f.object(&format!("{SERVICES}/web")).is_none(), "removed, service uid {service_uid}");
 }
+
+/// An export whose objects cannot be written says so on its status (`Exported=False`,
+/// `WriteFailed`) and in the per-export metric the alert reads; both clear once written.
+#[tokio::test]
+async fn a_failing_write_is_measured_per_export_until_it_succeeds() {
+    use crate::controller::Published;
+    use prometheus::core::Collector;
+    let f = Fixture::new(vec![]).await;
+    f.state.lock().unwrap().forbidden = Some(format!("{SERVICES}/web"));
+    let e = entry(Some(answer(vec![instance("192.0.2.1", 8080)])));
+    let published = Arc::new(Published {
+        snapshot_id: 1,
+        entries: BTreeMap::from([(("shop".to_owned(), "web".to_owned()), Part::new(e))]),
+    });
+    let resource = ApiResource::erase::<ConsulService>(&());
+    let job = || Job {
+        at: kube::runtime::reflector::ObjectRef::new_with("web", resource.clone()).within("shop"),
+        until: Fixture::until(),
+        published: Some(published.clone()),
+    };
+    let failing =
+        |f: &Fixture| f.ctx.metrics.write_failing.get_metric_with_label_values(&["shop", "web"]).unwrap().get();
+    let listed = |f: &Fixture| f.ctx.metrics.write_failing.collect()[0].get_metric().len();
+    let obj = export(json!({"service": "web"}));
+    assert!(reconcile(&f.ctx, &obj, job()).await.is_err());
+    assert_eq!((failing(&f), listed(&f)), (1.0, 1));
+    let status_path = "/apis/consulresolver.io/v1alpha1/namespaces/shop/consulservices/web/status";
+    let said = f.sent("PATCH", status_path).pop().unwrap();
+    let exported = said["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Exported").unwrap();
+    assert_eq!((exported["status"].as_str(), exported["reason"].as_str()), (Some("False"), Some("WriteFailed")));
+
+    // The grant is back: written, and the series goes.
+    f.state.lock().unwrap().forbidden = None;
+    reconcile(&f.ctx, &obj, job()).await.unwrap();
+    assert!(f.object(&format!("{SERVICES}/web")).is_some(), "{:?}", f.writes());
+    assert_eq!(listed(&f), 0);
+}
