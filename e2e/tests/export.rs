@@ -626,6 +626,59 @@ fn an_export_whose_spec_becomes_invalid_holds_its_endpoints_marked_stale_and_bac
     op.terminate(T).unwrap();
 }
 
+/// The export's `serviceLabels` and `serviceAnnotations` are on its Service (what a
+/// ServiceMonitor selects by, what external-dns reads), follow a change, and go when dropped
+/// from the export, while a label someone else put on the Service stays. A key of the
+/// operator's own is refused (`InvalidSpec`, naming it), and the Service keeps the
+/// operator's value.
+#[test]
+fn an_exports_labels_and_annotations_are_on_its_service_follow_it_and_go() {
+    let (cluster, consul) = (Cluster::shared(), Consul::shared());
+    let ns = team(cluster, consul, "export-meta");
+    let svc = format!("web{}", unique());
+    consul.register_many(&[instance(&svc, 0, 8080, "passing")], 1).unwrap();
+    let hostname = "external-dns.alpha.kubernetes.io/hostname";
+    let with = |team: &str| {
+        format!("  serviceLabels: {{team: {team}}}\n  serviceAnnotations: {{{hostname}: {team}.example.com}}\n")
+    };
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", &with("shop"))).unwrap();
+    let mut op = Operator::start(cluster, &["--namespace", &ns]).unwrap();
+    let service = || get_json(cluster, &["-n", &ns, "get", "service", "web"]);
+    let has = |team: Option<&str>| {
+        let s = service()?;
+        let (labels, annotations) = (&s["metadata"]["labels"], &s["metadata"]["annotations"]);
+        let host = team.map(|t| format!("{t}.example.com"));
+        (labels["team"].as_str() == team && annotations[hostname].as_str() == host.as_deref()).then_some(s)
+    };
+    let fail = |e: anyhow::Error, op: &Operator| {
+        panic!("{e}\n{:?}\n{:?}\n{}", service(), export_status(cluster, &ns, "web"), op.logs())
+    };
+    wait_for("the label and annotation on the Service", T, || has(Some("shop"))).unwrap_or_else(|e| fail(e, &op));
+    cluster.kubectl(&["-n", &ns, "label", "service", "web", "added-by=hand"]).unwrap();
+
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", &with("cart"))).unwrap();
+    wait_for("the label and annotation changed", T, || has(Some("cart"))).unwrap_or_else(|e| fail(e, &op));
+
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", "")).unwrap();
+    let gone = wait_for("the label and annotation gone", T, || has(None)).unwrap_or_else(|e| fail(e, &op));
+    let labels = &gone["metadata"]["labels"];
+    assert_eq!(labels["consulresolver.io/export"], "web", "{gone}");
+    assert_eq!(labels["added-by"], "hand", "someone else's label stays: {gone}");
+
+    let own = "  serviceLabels: {consulresolver.io/export: other}\n";
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", own)).unwrap();
+    let status = wait_for("InvalidSpec naming the key", T, || {
+        let s = export_status(cluster, &ns, "web")?;
+        (condition(&s, "Ready")?.1 == "InvalidSpec").then_some(s)
+    })
+    .unwrap_or_else(|e| fail(e, &op));
+    let ready = status["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap();
+    let message = ready["message"].as_str().unwrap_or_default();
+    assert!(message.contains(r#"spec.serviceLabels: key "consulresolver.io/export""#), "{status}");
+    assert_eq!(service().unwrap()["metadata"]["labels"]["consulresolver.io/export"], "web");
+    op.terminate(T).unwrap();
+}
+
 /// An instance registered without a port (a DNS-only or external service) would put port 0
 /// into the Service, which the API server refuses: the whole export would freeze. It is
 /// left out with a reason, and the rest is exported.

@@ -6,6 +6,8 @@
 //! The doc comments on the spec fields become the CRD schema's descriptions, so they are
 //! written for `kubectl explain consulservice.spec`.
 
+use std::collections::BTreeMap;
+
 #[cfg(feature = "crd")]
 use kube::CustomResource;
 #[cfg(feature = "crd")]
@@ -21,6 +23,12 @@ pub const KIND: &str = "ConsulService";
 
 /// Most ports a Service may expose here: each is a port of every slice.
 pub const MAX_PORTS: usize = 32;
+
+/// Most labels, and most annotations, an export may put on its Service.
+pub const MAX_SERVICE_METADATA: usize = 64;
+/// Longest annotation value an export may put on its Service: 64 of them, with their keys,
+/// stay well within the API server's 256 KiB for all of an object's annotations.
+pub const MAX_ANNOTATION_VALUE: usize = 2048;
 
 /// Export one Consul service, read through a ConsulResolver, as a Kubernetes Service
 /// without a selector (same name, same namespace) and its EndpointSlices.
@@ -90,6 +98,22 @@ pub struct ConsulServiceSpec {
     /// Turning it off deletes the Endpoints.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoints: Option<bool>,
+
+    /// Labels to put on the Service, for what selects Services by label (a
+    /// ServiceMonitor). Removing one here removes it from the Service. The operator's own
+    /// keys (`app.kubernetes.io/managed-by`, anything under `consulresolver.io/`, and the
+    /// Kubernetes keys it writes on slices and Endpoints) are refused. At most 64.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(schema_with = "service_labels_schema"))]
+    pub service_labels: Option<BTreeMap<String, String>>,
+
+    /// Annotations to put on the Service, for what reads Services' annotations
+    /// (external-dns). Removing one here removes it from the Service. The operator's own
+    /// keys are refused, as for `serviceLabels`. At most 64, each value at most 2048
+    /// characters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(schema_with = "service_annotations_schema"))]
+    pub service_annotations: Option<BTreeMap<String, String>>,
 
     /// Ambassador IDs this export belongs to, as a resolver's: ignored unless the list
     /// contains the operator's `--ambassador-id`. Empty or absent means `["default"]`.
@@ -211,6 +235,29 @@ fn protocol_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     })
 }
 
+// Maps bounded in the schema: the API server refuses an export with too many keys or too
+// long a value, before the operator sees it. Key syntax is the operator's to check (a
+// structural schema cannot constrain a map's keys).
+#[cfg(feature = "crd")]
+fn service_labels_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "additionalProperties": {"type": "string", "maxLength": 63},
+        "maxProperties": MAX_SERVICE_METADATA,
+        "nullable": true
+    })
+}
+
+#[cfg(feature = "crd")]
+fn service_annotations_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "additionalProperties": {"type": "string", "maxLength": MAX_ANNOTATION_VALUE},
+        "maxProperties": MAX_SERVICE_METADATA,
+        "nullable": true
+    })
+}
+
 impl ConsulServiceSpec {
     /// Whether this export belongs to the operator's Ambassador ID.
     pub fn serves_ambassador_id(&self, id: &str) -> bool {
@@ -230,6 +277,7 @@ impl ConsulServiceSpec {
         if let Some(r) = &self.resolver {
             names::dns1123_subdomain(r).map_err(|why| format!("spec.resolver {r:?} is not a valid name: it {why}"))?;
         }
+        self.validate_service_metadata()?;
         let Some(ports) = &self.ports else { return Ok(()) };
         if ports.is_empty() {
             return Err("spec.ports is empty: leave it out to expose the instances' own ports".into());
@@ -254,6 +302,37 @@ impl ConsulServiceSpec {
         }
         Ok(())
     }
+
+    /// The Service's labels and annotations as the API server would take them (it would
+    /// refuse the whole Service otherwise, and the export would fail on every write).
+    fn validate_service_metadata(&self) -> Result<(), String> {
+        let label_value =
+            |v: &str| names::label_value(v).map_err(|why| format!("is not a valid label value: it {why}"));
+        let annotation_value = |v: &str| match v.chars().count() > MAX_ANNOTATION_VALUE {
+            true => Err(format!("is longer than {MAX_ANNOTATION_VALUE} characters")),
+            false => Ok(()),
+        };
+        check_map("spec.serviceLabels", self.service_labels.as_ref(), label_value)?;
+        check_map("spec.serviceAnnotations", self.service_annotations.as_ref(), annotation_value)
+    }
+}
+
+/// A map of keys to values bound for an object's metadata: at most
+/// [`MAX_SERVICE_METADATA`] keys, each a qualified name, each value as `value` says.
+fn check_map(
+    field: &str,
+    map: Option<&BTreeMap<String, String>>,
+    value: impl Fn(&str) -> Result<(), String>,
+) -> Result<(), String> {
+    let Some(map) = map else { return Ok(()) };
+    if map.len() > MAX_SERVICE_METADATA {
+        return Err(format!("{field} has {} keys; at most {MAX_SERVICE_METADATA}", map.len()));
+    }
+    for (key, v) in map {
+        names::qualified_name(key).map_err(|why| format!("{field}: key {key:?} is not a valid key: it {why}"))?;
+        value(v).map_err(|why| format!("{field}[{key:?}]: the value {why}"))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -291,6 +370,34 @@ mod tests {
             let err = s.validate(name).unwrap_err();
             assert!(err.contains(want), "{err:?} should say {want:?}");
         }
+        // The Service's labels and annotations, as the API server takes them.
+        let meta = |labels: serde_json::Value, annotations: serde_json::Value| -> ConsulServiceSpec {
+            serde_json::from_value(serde_json::json!({"service": "web", "serviceLabels": labels,
+                "serviceAnnotations": annotations}))
+            .unwrap()
+        };
+        let ok = meta(
+            serde_json::json!({"team": "shop", "prometheus.io/scrape": ""}),
+            serde_json::json!({"external-dns.alpha.kubernetes.io/hostname": "web.example.com, www.example.com"}),
+        );
+        assert_eq!(ok.validate("web"), Ok(()));
+        let metadata_cases = [
+            (meta(serde_json::json!({"Bad Key": "x"}), serde_json::json!({})), "spec.serviceLabels: key \"Bad Key\""),
+            (meta(serde_json::json!({"team": "a b"}), serde_json::json!({})), "not a valid label value"),
+            (meta(serde_json::json!({}), serde_json::json!({"UPPER.io/x": "y"})), "spec.serviceAnnotations: key"),
+            (
+                meta(serde_json::json!({}), serde_json::json!({"a": "x".repeat(MAX_ANNOTATION_VALUE + 1)})),
+                "longer than 2048",
+            ),
+        ];
+        for (s, want) in metadata_cases {
+            let err = s.validate("web").unwrap_err();
+            assert!(err.contains(want), "{err:?} should say {want:?}");
+        }
+        let many: serde_json::Map<String, serde_json::Value> =
+            (0..=MAX_SERVICE_METADATA).map(|i| (format!("k{i}"), serde_json::json!("v"))).collect();
+        let err = meta(serde_json::Value::Object(many), serde_json::json!({})).validate("web").unwrap_err();
+        assert!(err.contains("65 keys; at most 64"), "{err}");
         // The same port number over two protocols is fine (DNS on 53/TCP and 53/UDP).
         let dns = spec(serde_json::json!([{"name": "a", "port": 53}, {"name": "b", "port": 53, "protocol": "UDP"}]));
         assert_eq!(dns.validate("dns"), Ok(()));

@@ -73,6 +73,41 @@ pub fn data_key(s: &str) -> Result<(), Broken> {
     Ok(())
 }
 
+/// A qualified name's name part, or a non-empty label value:
+/// `[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?`, at most 63 characters.
+fn name_part(s: &str) -> Result<(), Broken> {
+    if s.is_empty() || s.len() > 63 {
+        return Err("must be 1 to 63 characters");
+    }
+    let inner = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if !s.chars().all(inner)
+        || !s.starts_with(|c: char| c.is_ascii_alphanumeric())
+        || !s.ends_with(|c: char| c.is_ascii_alphanumeric())
+    {
+        return Err("must be letters, digits, '-', '_' and '.', starting and ending with a letter or digit");
+    }
+    Ok(())
+}
+
+/// A label or annotation key (`validation.IsQualifiedName`): a name of at most 63
+/// characters, optionally after a DNS-1123 subdomain prefix and `/`.
+pub fn qualified_name(s: &str) -> Result<(), Broken> {
+    let name = match s.split_once('/') {
+        Some((prefix, name)) => {
+            dns1123_subdomain(prefix)
+                .map_err(|_| "must have a prefix that is a DNS subdomain (lowercase, at most 253 characters)")?;
+            name
+        }
+        None => s,
+    };
+    name_part(name)
+}
+
+/// A label value (`validation.IsValidLabelValue`): empty, or as a qualified name's name.
+pub fn label_value(s: &str) -> Result<(), Broken> {
+    if s.is_empty() { Ok(()) } else { name_part(s) }
+}
+
 /// A namespaced object: `namespace/name` on the command line and in messages. Sorts by
 /// namespace, then name (as the snapshot's entries do).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -130,6 +165,22 @@ mod tests {
             assert!(dns1035_label(bad).is_err(), "{bad:?}");
         }
         assert_eq!(dns1123_label("1shop"), Ok(()), "namespaces may start with a digit");
+    }
+
+    #[test]
+    fn label_and_annotation_keys_and_label_values() {
+        for good in ["team", "app.kubernetes.io/name", "a_b.C-1", "example.com/X", &"a".repeat(63)] {
+            assert_eq!(qualified_name(good), Ok(()), "{good:?}");
+        }
+        for bad in ["", "/a", "a/", "a/b/c", "Example.com/a", "-a", "a-", "a b", &"a".repeat(64)] {
+            assert!(qualified_name(bad).is_err(), "{bad:?}");
+        }
+        for good in ["", "shop", "v1.2_x-y", &"a".repeat(63)] {
+            assert_eq!(label_value(good), Ok(()), "{good:?}");
+        }
+        for bad in ["a b", "-a", "a/b", &"a".repeat(64)] {
+            assert!(label_value(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -5,11 +5,12 @@
 //! absent condition is its API default, so a server that drops it is not rewritten
 //! forever).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::{Value, json};
 
-use consul_resolver_api::export::IpFamily;
+use crate::kube_client::FIELD_MANAGER;
+use consul_resolver_api::export::{ConsulServiceSpec, IpFamily};
 use consul_resolver_core::assembler::snapshot::Stale;
 use consul_resolver_core::export::endpoints::{EndpointsPlan, Subset};
 use consul_resolver_core::export::layout::{LiveSlice, SlicePlan};
@@ -76,13 +77,58 @@ pub(crate) fn instance_value(ambassador_id: &str) -> String {
     format!("sha256-{}", &hex::encode(sha2::Sha256::digest(ambassador_id.as_bytes()))[..32])
 }
 
-/// Labels of an export's Service.
+/// Label of the Service and its Endpoints: who manages them, for people and tools.
+pub(crate) const APP_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+/// The operator's own prefix: every key under it (or a subdomain of it) is the operator's.
+pub(crate) const OWN_PREFIX: &str = "consulresolver.io";
+
+/// Whether `key` is one the operator sets itself on an export's objects (or may come to
+/// set: anything under its own prefix). An export may not put such a key on its Service:
+/// it would either be overwritten or, worse, make the Service look like another export's
+/// or another operator's, or hide its slices from their consumers.
+pub(crate) fn is_own_key(key: &str) -> bool {
+    let prefix = key.split_once('/').map(|(p, _)| p);
+    let ours = prefix.is_some_and(|p| p == OWN_PREFIX || p.ends_with(&format!(".{OWN_PREFIX}")));
+    ours || [APP_MANAGED_BY, SERVICE_NAME, MANAGED_BY, HEADLESS, SKIP_MIRROR, OVER_CAPACITY].contains(&key)
+}
+
+/// The export's `serviceLabels` and `serviceAnnotations`, refused when one names a key of
+/// the operator's own (the reconcile reports it as `InvalidSpec`).
+pub(crate) fn refuse_own_keys(spec: &ConsulServiceSpec) -> Result<(), String> {
+    let fields = [("spec.serviceLabels", &spec.service_labels), ("spec.serviceAnnotations", &spec.service_annotations)];
+    for (field, map) in fields {
+        if let Some(key) = map.iter().flatten().map(|(k, _)| k).find(|k| is_own_key(k)) {
+            return Err(format!(
+                "{field}: key {key:?} is the operator's own (it sets it, or it is under {OWN_PREFIX}/): use another key"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The operator's labels of an export's Service (and, with one more, of its Endpoints).
 pub(crate) fn service_labels(export: &str, instance: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
-        ("app.kubernetes.io/managed-by".to_owned(), "consul-resolver-operator".to_owned()),
+        (APP_MANAGED_BY.to_owned(), "consul-resolver-operator".to_owned()),
         (EXPORT.to_owned(), export.to_owned()),
         (INSTANCE.to_owned(), instance.to_owned()),
     ])
+}
+
+/// The labels and annotations of the Service: the export's `serviceLabels` and
+/// `serviceAnnotations`, with the operator's labels (`own`) over them. An export's key of
+/// the operator's own never gets through (such a spec is refused before anything is
+/// written; this is the backstop).
+pub(crate) fn service_metadata(
+    spec: &ConsulServiceSpec,
+    own: BTreeMap<String, String>,
+) -> (BTreeMap<String, String>, BTreeMap<String, String>) {
+    let theirs = |m: &Option<BTreeMap<String, String>>| -> BTreeMap<String, String> {
+        m.iter().flatten().filter(|(k, _)| !is_own_key(k)).map(|(k, v)| (k.clone(), v.clone())).collect()
+    };
+    let mut labels = theirs(&spec.service_labels);
+    labels.extend(own);
+    (labels, theirs(&spec.service_annotations))
 }
 
 /// Labels of an export's slices (a headless Service's say so).
@@ -149,7 +195,7 @@ pub(crate) fn service(
     namespace: &str,
     name: &str,
     desired: &Desired,
-    labels: &BTreeMap<String, String>,
+    (labels, annotations): (&BTreeMap<String, String>, &BTreeMap<String, String>),
     owner: Value,
 ) -> Value {
     let ports: Vec<Value> = desired.ports.iter().map(port).collect();
@@ -159,20 +205,45 @@ pub(crate) fn service(
     }
     spec["ipFamilyPolicy"] = json!("SingleStack");
     spec["ipFamilies"] = json!([desired.family.as_str()]);
-    json!({
+    let mut service = json!({
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": name, "namespace": namespace, "labels": labels, "ownerReferences": [owner]},
         "spec": spec,
+    });
+    if !annotations.is_empty() {
+        service["metadata"]["annotations"] = json!(annotations);
+    }
+    service
+}
+
+/// The keys of `metadata.<field>` (`labels`, `annotations`) the operator's last apply set,
+/// from the object's managed fields (`None`: the API server keeps none for it). A key the
+/// export no longer asks for is still there until the next apply, which removes it: only
+/// this tells such a key from one someone else added.
+fn applied_keys(live: &Value, field: &str) -> Option<BTreeSet<String>> {
+    let entry = live["metadata"]["managedFields"].as_array()?.iter().find(|e| {
+        e["manager"] == FIELD_MANAGER
+            && e["operation"] == "Apply"
+            && e.get("subresource").is_none_or(|s| s.is_null() || s == "")
+    })?;
+    let fields = entry["fieldsV1"]["f:metadata"][format!("f:{field}")].as_object();
+    Some(fields.into_iter().flatten().filter_map(|(k, _)| k.strip_prefix("f:").map(str::to_owned)).collect())
+}
+
+/// Whether the live Service holds every label and annotation of `want`, and the operator's
+/// last apply set no other.
+fn metadata_matches(live: &Value, want: &Value) -> bool {
+    ["labels", "annotations"].iter().all(|field| {
+        let wanted = want["metadata"][field].as_object();
+        let held = wanted.into_iter().flatten().all(|(k, v)| live["metadata"][field][k] == *v);
+        let keys: BTreeSet<String> = wanted.into_iter().flatten().map(|(k, _)| k.clone()).collect();
+        held && applied_keys(live, field).is_none_or(|applied| applied == keys)
     })
 }
 
 /// Whether the live Service already is what [`service`] would write (so nothing is sent).
 pub(crate) fn service_matches(live: &Value, want: &Value) -> bool {
-    let labels_ok = want["metadata"]["labels"]
-        .as_object()
-        .into_iter()
-        .flatten()
-        .all(|(k, v)| live.pointer(&format!("/metadata/labels/{}", k.replace('/', "~1"))) == Some(v));
+    let labels_ok = metadata_matches(live, want);
     let owner_ok = live["metadata"]["ownerReferences"].as_array().is_some_and(|o| {
         o.iter().any(|r| r["uid"] == want["metadata"]["ownerReferences"][0]["uid"] && r["controller"] == true)
     });
@@ -469,8 +540,13 @@ mod tests {
     fn the_service_has_no_selector_and_matches_itself_only() {
         let d = desired();
         let labels = service_labels("web", "default");
-        let want =
-            service("shop", "web", &d, &labels, owner("consulresolver.io/v1alpha1", "ConsulService", "web", "u-1"));
+        let want = service(
+            "shop",
+            "web",
+            &d,
+            (&labels, &BTreeMap::new()),
+            owner("consulresolver.io/v1alpha1", "ConsulService", "web", "u-1"),
+        );
         assert!(want["spec"].get("selector").is_none());
         let mut live = want.clone();
         live["spec"]["clusterIP"] = json!("10.0.0.7");

@@ -123,6 +123,7 @@ fn parse(obj: &DynamicObject) -> Result<ConsulServiceSpec, String> {
 fn validate(obj: &DynamicObject) -> Result<ConsulServiceSpec, String> {
     let spec = parse(obj)?;
     spec.validate(&obj.name_any())?;
+    objects::refuse_own_keys(&spec)?;
     Ok(spec)
 }
 
@@ -238,15 +239,18 @@ async fn apply_service_and_slices(
         remove_slices(ctx, &namespace, &name, None, until).await?;
         return Ok(Outcome::NoPorts { desired });
     }
-    let service_uid = apply_service(ctx, obj, &desired, live.service, until).await?;
+    let service_uid = apply_service(ctx, obj, spec, &desired, live.service, until).await?;
     let slices = write_slices(ctx, &namespace, &name, &desired, &live.slices, &service_uid, true, until).await?;
     Ok(Outcome::Exported { desired, slices, waiting: source.is_none_or(|s| !s.synced) })
 }
 
-/// The Service as `desired` says, written unless it already is; its uid.
+/// The Service as `desired` says, with the labels and annotations `spec` asks for,
+/// written unless it already is; its uid. Server-side apply: a label or annotation the
+/// export no longer asks for is removed by the apply that leaves it out.
 async fn apply_service(
     ctx: &Exports,
     obj: &DynamicObject,
+    spec: &ConsulServiceSpec,
     desired: &Desired,
     live: Option<Value>,
     until: Instant,
@@ -254,8 +258,8 @@ async fn apply_service(
     let (namespace, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
     let uid = obj.uid().unwrap_or_default();
     let owner = objects::owner(&ConsulService::api_version(&()), &ConsulService::kind(&()), &name, &uid);
-    let labels = objects::service_labels(&name, &ctx.instance);
-    let want = objects::service(&namespace, &name, desired, &labels, owner);
+    let (labels, annotations) = objects::service_metadata(spec, objects::service_labels(&name, &ctx.instance));
+    let want = objects::service(&namespace, &name, desired, (&labels, &annotations), owner);
     let shown = format!("Service {namespace}/{name}");
     let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), &namespace, &ctx.services);
     let mut live = live;

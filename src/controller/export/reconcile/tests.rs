@@ -60,6 +60,7 @@ fn handle(state: &Mutex<State>, method: &str, path: &str, body: &[u8]) -> (u16, 
             let mut obj = body;
             let uid = st.objects.get(path).and_then(|o| o["metadata"]["uid"].as_str().map(str::to_owned));
             obj["metadata"]["uid"] = json!(uid.unwrap_or_else(|| format!("uid-{}", st.seen.len())));
+            obj["metadata"]["managedFields"] = applied_fields(&obj);
             st.objects.insert(path.into(), obj.clone());
             (200, obj)
         }
@@ -75,6 +76,16 @@ fn handle(state: &Mutex<State>, method: &str, path: &str, body: &[u8]) -> (u16, 
         }
         _ => status(405, "MethodNotAllowed"),
     }
+}
+
+/// The managed fields an apply of `obj` leaves (its metadata keys only): who set which
+/// label and annotation, as the operator reads them back.
+fn applied_fields(obj: &Value) -> Value {
+    let keys = |field: &str| -> serde_json::Map<String, Value> {
+        obj["metadata"][field].as_object().into_iter().flatten().map(|(k, _)| (format!("f:{k}"), json!({}))).collect()
+    };
+    json!([{"manager": crate::kube_client::FIELD_MANAGER, "operation": "Apply", "apiVersion": "v1",
+        "fieldsV1": {"f:metadata": {"f:labels": keys("labels"), "f:annotations": keys("annotations")}}}])
 }
 
 struct Fixture {
@@ -452,21 +463,11 @@ async fn exports_without_endpoints_need_no_grant_on_endpoints() {
 /// `WriteFailed`) and in the per-export metric the alert reads; both clear once written.
 #[tokio::test]
 async fn a_failing_write_is_measured_per_export_until_it_succeeds() {
-    use crate::controller::Published;
     use prometheus::core::Collector;
     let f = Fixture::new(vec![]).await;
     f.state.lock().unwrap().forbidden = Some(format!("{SERVICES}/web"));
     let e = entry(Some(answer(vec![instance("192.0.2.1", 8080)])));
-    let published = Arc::new(Published {
-        snapshot_id: 1,
-        entries: BTreeMap::from([(("shop".to_owned(), "web".to_owned()), Part::new(e))]),
-    });
-    let resource = ApiResource::erase::<ConsulService>(&());
-    let job = || Job {
-        at: kube::runtime::reflector::ObjectRef::new_with("web", resource.clone()).within("shop"),
-        until: Fixture::until(),
-        published: Some(published.clone()),
-    };
+    let job = || job(e.clone());
     let failing =
         |f: &Fixture| f.ctx.metrics.write_failing.get_metric_with_label_values(&["shop", "web"]).unwrap().get();
     let listed = |f: &Fixture| f.ctx.metrics.write_failing.collect()[0].get_metric().len();
@@ -483,4 +484,95 @@ async fn a_failing_write_is_measured_per_export_until_it_succeeds() {
     reconcile(&f.ctx, &obj, job()).await.unwrap();
     assert!(f.object(&format!("{SERVICES}/web")).is_some(), "{:?}", f.writes());
     assert_eq!(listed(&f), 0);
+}
+
+/// A job for export shop/web whose snapshot entry is `e`.
+fn job(e: ExportEntry) -> Job<ExportEntry> {
+    use crate::controller::Published;
+    let published =
+        Published { snapshot_id: 1, entries: BTreeMap::from([(("shop".to_owned(), "web".to_owned()), Part::new(e))]) };
+    let resource = ApiResource::erase::<ConsulService>(&());
+    Job {
+        at: kube::runtime::reflector::ObjectRef::new_with("web", resource).within("shop"),
+        until: Fixture::until(),
+        published: Some(Arc::new(published)),
+    }
+}
+
+#[tokio::test]
+async fn the_exports_labels_and_annotations_are_on_its_service_and_go_when_dropped() {
+    let f = Fixture::new(vec![]).await;
+    let e = entry(Some(answer(vec![instance("192.0.2.1", 8080)])));
+    let path = format!("{SERVICES}/web");
+    let with = |team: &str| {
+        json!({"service": "web", "serviceLabels": {"team": team},
+            "serviceAnnotations": {"external-dns.alpha.kubernetes.io/hostname": format!("{team}.example.com")}})
+    };
+    reconcile(&f.ctx, &export(with("shop")), job(e.clone())).await.unwrap();
+    let service = f.object(&path).unwrap();
+    let (labels, annotations) = (&service["metadata"]["labels"], &service["metadata"]["annotations"]);
+    assert_eq!(labels["team"], "shop");
+    assert_eq!(annotations["external-dns.alpha.kubernetes.io/hostname"], "shop.example.com");
+    assert_eq!((labels[objects::EXPORT].as_str(), labels[objects::INSTANCE].as_str()), (Some("web"), Some("default")));
+
+    // The same again: nothing written. A label someone else added is none of ours: it is no
+    // reason to write either.
+    f.state.lock().unwrap().objects.get_mut(&path).unwrap()["metadata"]["labels"]["added-by"] = json!("someone");
+    reconcile(&f.ctx, &export(with("shop")), job(e.clone())).await.unwrap();
+    assert_eq!(f.sent("PATCH", &path).len(), 1, "{:?}", f.writes());
+
+    // Changed: written with the new values.
+    reconcile(&f.ctx, &export(with("cart")), job(e.clone())).await.unwrap();
+    let sent = f.sent("PATCH", &path);
+    assert_eq!(sent.len(), 2, "{:?}", f.writes());
+    assert_eq!(sent[1]["metadata"]["labels"]["team"], "cart");
+    assert_eq!(sent[1]["metadata"]["annotations"]["external-dns.alpha.kubernetes.io/hostname"], "cart.example.com");
+
+    // Dropped from the export: applied without them, which is what removes them.
+    reconcile(&f.ctx, &export(json!({"service": "web"})), job(e)).await.unwrap();
+    let sent = f.sent("PATCH", &path);
+    assert_eq!(sent.len(), 3, "{:?}", f.writes());
+    assert!(sent[2]["metadata"]["labels"].get("team").is_none(), "{}", sent[2]);
+    assert!(sent[2]["metadata"].get("annotations").is_none(), "{}", sent[2]);
+    assert_eq!(sent[2]["metadata"]["labels"][objects::EXPORT], "web");
+}
+
+#[tokio::test]
+async fn the_operators_own_keys_are_refused_naming_the_key_and_never_override() {
+    let e = entry(Some(answer(vec![instance("192.0.2.1", 8080)])));
+    let status_path = "/apis/consulresolver.io/v1alpha1/namespaces/shop/consulservices/web/status";
+    let cases = [
+        ("serviceLabels", objects::EXPORT),
+        ("serviceLabels", "app.kubernetes.io/managed-by"),
+        ("serviceLabels", objects::SERVICE_NAME),
+        ("serviceLabels", "team.consulresolver.io/x"),
+        ("serviceAnnotations", objects::STALE_SINCE),
+        ("serviceAnnotations", objects::HEADLESS),
+    ];
+    for (field, key) in cases {
+        let f = Fixture::new(vec![]).await;
+        let spec = json!({"service": "web", field: {key: "x"}});
+        reconcile(&f.ctx, &export(spec), job(e.clone())).await.unwrap();
+        assert!(f.sent("PATCH", &format!("{SERVICES}/web")).is_empty(), "{key}: {:?}", f.writes());
+        let said = f.sent("PATCH", status_path).pop().unwrap();
+        let ready = said["status"]["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap();
+        assert_eq!(ready["reason"], "InvalidSpec", "{key}: {said}");
+        let message = ready["message"].as_str().unwrap();
+        assert!(message.contains(&format!("spec.{field}: key {key:?}")), "{key}: {message}");
+    }
+    // Keys the operator does not set pass, even beside its own domain or in another one.
+    let fine = spec(json!({"service": "web", "serviceLabels": {"consulresolver.io.example/x": "y", "team": "shop"},
+        "serviceAnnotations": {"prometheus.io/scrape": "true"}}));
+    assert_eq!(objects::refuse_own_keys(&fine), Ok(()));
+
+    // The other way: were an own key to get past the refusal, the operator's value wins and
+    // an own annotation is not written at all.
+    let forced = spec(json!({"service": "web",
+        "serviceLabels": {(objects::EXPORT): "other", (objects::INSTANCE): "other", "team": "shop"},
+        "serviceAnnotations": {(objects::STALE_SINCE): "2000-01-01T00:00:00Z"}}));
+    let (labels, annotations) = objects::service_metadata(&forced, objects::service_labels("web", "default"));
+    assert_eq!(labels.get(objects::EXPORT).map(String::as_str), Some("web"));
+    assert_eq!(labels.get(objects::INSTANCE).map(String::as_str), Some("default"));
+    assert_eq!(labels.get("team").map(String::as_str), Some("shop"));
+    assert!(annotations.is_empty(), "{annotations:?}");
 }
