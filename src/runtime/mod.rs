@@ -230,7 +230,7 @@ impl Base {
     /// `what`: a deposed leader's late write must not undo the current leader's.
     fn fenced(&self, args: &RunArgs, leadership: &Leadership, what: &str) -> anyhow::Result<Client> {
         crate::kube_client::fenced(self.kube_config.clone(), args.kube.kube_timeout, leadership.clone())
-            .with_context(|| format!("cannot build the {what}' Kubernetes client"))
+            .with_context(|| format!("cannot build the {what} Kubernetes client"))
     }
 }
 
@@ -322,7 +322,7 @@ fn start_outlets(
     // Its own client: the parts of a split snapshot are large.
     let configmap = match publication.snapshot_configmap.clone() {
         Some(target) => {
-            let writer = base.fenced(args, leadership, "snapshot ConfigMap")?;
+            let writer = base.fenced(args, leadership, "snapshot ConfigMap's")?;
             Some(Arc::new(ConfigMapPublisher::new(writer, target, leadership.clone())))
         }
         None => None,
@@ -346,20 +346,20 @@ fn start_outlets(
     Ok(Outlets::start(local, configmap, leadership, config))
 }
 
-/// The export controller, where the ConsulService CRD is installed, writing slices of the
-/// version the watches read (`discovery.k8s.io/v1` where served, 1.21+).
+/// Whether the ConsulService CRD is installed: its kind is among the fixed watches.
+fn exports_installed(fixed: &BTreeSet<WatchKey>) -> bool {
+    let export_kind = consul_resolver_api::export::KIND;
+    fixed.iter().any(|k| matches!(k, WatchKey::Kube(k) if k.is(resolver::GROUP, export_kind)))
+}
+
+/// The export controller, writing slices of the version the watches read
+/// (`discovery.k8s.io/v1` where served, 1.21+).
 fn start_exports(
     args: &RunArgs,
     base: &Base,
     leadership: &Leadership,
-    fixed: &BTreeSet<WatchKey>,
     endpoints_api: EndpointsApi,
-) -> anyhow::Result<Option<ExportController>> {
-    let export_kind = consul_resolver_api::export::KIND;
-    let installed = fixed.iter().any(|k| matches!(k, WatchKey::Kube(k) if k.is(resolver::GROUP, export_kind)));
-    if !installed {
-        return Ok(None);
-    }
+) -> anyhow::Result<ExportController> {
     let v1 = endpoints_api == EndpointsApi::EndpointSlices;
     let cfg = ExportConfig {
         version: if v1 { SliceVersion::V1 } else { SliceVersion::V1beta1 },
@@ -367,8 +367,8 @@ fn start_exports(
         resync: args.kube.resync_period,
         metrics: base.metrics.exports.clone(),
     };
-    let writer = base.fenced(args, leadership, "exports")?;
-    Ok(Some(ExportController::spawn(base.client.clone(), writer, leadership.clone(), cfg, &base.vitals)))
+    let writer = base.fenced(args, leadership, "exports'")?;
+    Ok(ExportController::spawn(base.client.clone(), writer, leadership.clone(), cfg, &base.vitals))
 }
 
 pub(crate) async fn run(mut args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
@@ -381,7 +381,7 @@ pub(crate) async fn run(mut args: RunArgs, shutdown: CancellationToken) -> anyho
     let discovered = Discovered::default();
     let (fixed, endpoints_api) = start_up_discovery(&base.client, &discovered, &args.kube).await?;
     tracing::info!(endpoints = ?endpoints_api, watches = fixed.len(), identity = %base.identity, "starting");
-    let exports_needed = fixed.clone();
+    let exporting = exports_installed(&fixed);
     let config = args.pipeline_config(endpoints_api);
     let (watches, events, pipeline) = start_sources(&args, &base, discovered, fixed, config);
     let (leadership, campaign) = campaign(&args, &base);
@@ -391,7 +391,7 @@ pub(crate) async fn run(mut args: RunArgs, shutdown: CancellationToken) -> anyho
     let metrics = base.metrics.controller.clone();
     let (client, identity) = (base.client.clone(), base.identity.clone());
     let controller = ResolverController::spawn(client, leadership.clone(), identity, metrics, resync, &base.vitals);
-    let exports = start_exports(&args, &base, &leadership, &exports_needed, endpoints_api)?;
+    let exports = if exporting { Some(start_exports(&args, &base, &leadership, endpoints_api)?) } else { None };
     let event_loop = EventLoop {
         pipeline,
         watches,
