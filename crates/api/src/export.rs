@@ -99,6 +99,16 @@ pub struct ConsulServiceSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoints: Option<bool>,
 
+    /// `PreferClose`: zone-aware routing. Each endpoint's slice entry is hinted for its own
+    /// Consul locality zone (`hints.forZones`), so kube-proxy sends a node's traffic to
+    /// endpoints in the node's zone; no hints at all while any endpoint has no zone. Consul
+    /// zone names must be the nodes' `topology.kubernetes.io/zone` values. Absent: no hints
+    /// ever (kube-proxy follows hints whenever every endpoint has one). Hints need
+    /// Kubernetes 1.21 or later (`discovery.k8s.io/v1`); on 1.20 none are written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "crd", schemars(schema_with = "traffic_distribution_schema"))]
+    pub traffic_distribution: Option<TrafficDistribution>,
+
     /// Labels to put on the Service, for what selects Services by label (a
     /// ServiceMonitor). Removing one here removes it from the Service. The operator's own
     /// keys (`app.kubernetes.io/managed-by`, anything under `consulresolver.io/`, and the
@@ -211,6 +221,14 @@ impl IpFamily {
     }
 }
 
+/// How traffic to the exported Service is spread over its endpoints.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(feature = "crd", derive(JsonSchema))]
+pub enum TrafficDistribution {
+    /// Endpoints in the client's zone first (zone hints on the slices).
+    PreferClose,
+}
+
 // Optional enums: the derived schema lists `null` among the values, which the API server
 // refuses in a CRD ("unknown object type nil"), as for the resolver's `consistency`. A
 // protocol's `maxLength` (the longest value's) bounds the cost of the rule that reads it.
@@ -221,6 +239,16 @@ fn ip_family_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
         "enum": ["IPv4", "IPv6"],
         "nullable": true,
         "description": "The address family of the Service and its slices: `IPv4` (default) or `IPv6`. Instances of the other family are left out and reported in the status."
+    })
+}
+
+#[cfg(feature = "crd")]
+fn traffic_distribution_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "enum": ["PreferClose"],
+        "nullable": true,
+        "description": "`PreferClose`: each endpoint is hinted for its own Consul locality zone (`hints.forZones`), so kube-proxy keeps a node's traffic in its zone; no hints while any endpoint has no zone. Consul zone names must be the nodes' `topology.kubernetes.io/zone` values. Absent: no hints ever. Hints need Kubernetes 1.21 or later; on 1.20 none are written."
     })
 }
 
