@@ -30,6 +30,9 @@ pub(crate) const INSTANCE: &str = "consulresolver.io/ambassador-id";
 /// Annotations of a slice holding endpoints last obtained, not a current answer.
 pub(crate) const STALE_SINCE: &str = "consulresolver.io/stale-since";
 pub(crate) const STALE_REASON: &str = "consulresolver.io/stale-reason";
+/// Annotation of a slice written with zone hints: read back without them, they were
+/// dropped by a server whose feature is off, not left out, so the slice is not rewritten.
+pub(crate) const ZONE_HINTS: &str = "consulresolver.io/zone-hints";
 
 /// Label of a headless Service's slices: kube-proxy's informers skip slices that carry it
 /// (a headless Service has no virtual IP to program), so no node's proxy watches them.
@@ -299,6 +302,12 @@ pub(crate) fn slice(
         annotations.insert(STALE_SINCE.into(), json!(s.since));
         annotations.insert(STALE_REASON.into(), json!(s.reason));
     }
+    // `hints` is in both slice versions from 1.21; v1beta1 is written only to 1.20, which
+    // refuses it under server-side apply.
+    let hints = version == SliceVersion::V1 && plan.hinted();
+    if hints {
+        annotations.insert(ZONE_HINTS.into(), json!("true"));
+    }
     let endpoints: Vec<Value> = plan
         .endpoints
         .iter()
@@ -310,6 +319,9 @@ pub(crate) fn slice(
                     SliceVersion::V1 => endpoint["zone"] = json!(zone),
                     SliceVersion::V1beta1 => endpoint["topology"] = json!({ZONE_LABEL: zone}),
                 }
+            }
+            if let Some(hint) = e.hint.as_ref().filter(|_| hints) {
+                endpoint["hints"] = json!({"forZones": [{"name": hint}]});
             }
             endpoint
         })
@@ -437,11 +449,15 @@ pub(crate) fn live_slice(obj: &Value, labels: &BTreeMap<String, String>, owner_u
             let address = e["addresses"].as_array()?.first()?.as_str()?.to_owned();
             let c = &e["conditions"];
             let zone = e["zone"].as_str().or_else(|| e["topology"][ZONE_LABEL].as_str()).map(str::to_owned);
+            let for_zones: Vec<&str> =
+                e["hints"]["forZones"].as_array().into_iter().flatten().filter_map(|z| z["name"].as_str()).collect();
             Some(SliceEndpoint {
                 address,
                 ready: c["ready"].as_bool().unwrap_or(true),
                 serving: c["serving"].as_bool().unwrap_or(c["ready"].as_bool().unwrap_or(true)),
                 zone,
+                // Never more than one of ours; someone else's list is a difference.
+                hint: (!for_zones.is_empty()).then(|| for_zones.join(",")),
             })
         })
         .collect();
@@ -462,6 +478,7 @@ pub(crate) fn live_slice(obj: &Value, labels: &BTreeMap<String, String>, owner_u
         ports,
         endpoints,
         stale,
+        hinted: annotation(ZONE_HINTS).is_some(),
         intact: labels_ok && owner_ok,
     }
 }
@@ -534,6 +551,44 @@ mod tests {
         assert!(layout::plan("web", &d, &[live_slice(&dropped, &labels, Some("u-1"))]).write.is_empty());
         // Someone else's owner, or a label changed: not intact.
         assert!(!live_slice(&dropped, &labels, Some("u-2")).intact);
+    }
+
+    #[test]
+    fn zone_hints_are_written_to_v1_only_and_dropped_ones_are_not_rewritten() {
+        let spec: ConsulServiceSpec =
+            serde_json::from_value(json!({"service": "web", "trafficDistribution": "PreferClose"})).unwrap();
+        let ep = |a: &str, zone: &str| Endpoint {
+            zone: Some(zone.into()),
+            ..consul_resolver_core::test_support::endpoint(a, 8080)
+        };
+        let entry = ServiceEntry {
+            name: "web".into(),
+            synced: true,
+            index: Some(1),
+            error: None,
+            stale: None,
+            endpoints: vec![ep("10.0.0.1", "zone-a"), ep("10.0.0.2", "zone-b")].into(),
+        };
+        let d = Desired::of(&spec, Some(&entry));
+        let plan = layout::plan("web", &d, &[]);
+        let labels = slice_labels("web", "default", false);
+        let owner = || owner("v1", "Service", "web", "u-1");
+        let written = slice(SliceVersion::V1, "shop", &plan.slices[0], &d, &labels, owner());
+        assert_eq!(written["endpoints"][1]["hints"], json!({"forZones": [{"name": "zone-b"}]}));
+        assert_eq!(written["metadata"]["annotations"][ZONE_HINTS], "true");
+        let live = live_slice(&written, &labels, Some("u-1"));
+        assert!(live.hinted && live.endpoints[0].hint.as_deref() == Some("zone-a"));
+        assert!(layout::plan("web", &d, &[live]).write.is_empty());
+        // A server with the feature off drops them: not written again.
+        let mut dropped = written.clone();
+        for e in dropped["endpoints"].as_array_mut().unwrap() {
+            e.as_object_mut().unwrap().remove("hints");
+        }
+        assert!(layout::plan("web", &d, &[live_slice(&dropped, &labels, Some("u-1"))]).write.is_empty());
+        // v1beta1 (1.20) never carries them.
+        let beta = slice(SliceVersion::V1beta1, "shop", &plan.slices[0], &d, &labels, owner());
+        assert!(beta["endpoints"].as_array().unwrap().iter().all(|e| e.get("hints").is_none()));
+        assert!(beta["metadata"]["annotations"].get(ZONE_HINTS).is_none());
     }
 
     #[test]

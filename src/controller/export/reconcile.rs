@@ -221,7 +221,11 @@ async fn apply_service_and_slices(
         return Ok(Outcome::NoResolver(why.clone()));
     }
     let source = entry.source.as_deref();
-    let desired = Desired::of(spec, source);
+    let mut desired = Desired::of(spec, source);
+    if ctx.version != objects::SliceVersion::V1 {
+        // Only a 1.20 server serves v1beta1 alone, and it has no `hints` field.
+        desired.drop_hints();
+    }
     let labels = objects::slice_labels(&name, &ctx.instance, desired.headless);
     let service_uid = service.as_ref().and_then(|s| s["metadata"]["uid"].as_str());
     let live = Live { slices: list_slices(ctx, &namespace, &name, &labels, service_uid, until).await?, service };

@@ -26,6 +26,9 @@ pub struct LiveSlice {
     pub endpoints: Vec<SliceEndpoint>,
     /// Its stale annotations.
     pub stale: Option<Stale>,
+    /// It was written with zone hints (an annotation says so): hints absent on its
+    /// endpoints were dropped by a server whose feature is off, and are no difference.
+    pub hinted: bool,
     /// Its labels, owner and managed fields are as we write them; if not, it is written
     /// even when its endpoints are right.
     pub intact: bool,
@@ -130,17 +133,36 @@ fn to_write(slices: &[SlicePlan], desired: &Desired, live: &[LiveSlice]) -> Vec<
         .iter()
         .filter(|s| {
             by_name.get(s.name.as_str()).is_none_or(|l| {
-                let mut endpoints = l.endpoints.clone();
-                endpoints.sort();
                 !l.intact
                     || l.family != Some(desired.family)
                     || l.ports != s.ports
-                    || endpoints != s.endpoints
+                    || !same_endpoints(l, &s.endpoints)
+                    || l.hinted != s.hinted()
                     || l.stale != desired.stale
             })
         })
         .map(|s| s.name.clone())
         .collect()
+}
+
+impl SlicePlan {
+    /// Whether any of its endpoints carries a zone hint.
+    pub fn hinted(&self) -> bool {
+        self.endpoints.iter().any(|e| e.hint.is_some())
+    }
+}
+
+/// Whether the live slice holds `planned` (sorted). A hint absent on a slice written with
+/// hints was dropped by the server: rewriting it would be dropped again, on every pass.
+fn same_endpoints(live: &LiveSlice, planned: &[SliceEndpoint]) -> bool {
+    let mut endpoints = live.endpoints.clone();
+    endpoints.sort();
+    endpoints.len() == planned.len()
+        && endpoints.iter().zip(planned).all(|(l, p)| {
+            let dropped = live.hinted && l.hint.is_none();
+            let hint_ok = l.hint == p.hint || dropped;
+            (&l.address, l.ready, l.serving, &l.zone) == (&p.address, p.ready, p.serving, &p.zone) && hint_ok
+        })
 }
 
 #[cfg(test)]
@@ -168,6 +190,7 @@ mod tests {
                 ports: s.ports.clone(),
                 endpoints: s.endpoints.clone(),
                 stale: d.stale.clone(),
+                hinted: s.hinted(),
                 intact: true,
             })
             .collect()
@@ -252,6 +275,31 @@ mod tests {
         live[0].family = None;
         let p = plan("web", &d, &live);
         assert_eq!((p.write.as_slice(), p.delete.as_slice()), (&["web-1".to_owned()][..], &["web-0".to_owned()][..]));
+    }
+
+    #[test]
+    fn hints_dropped_on_read_back_are_no_difference_and_a_real_hint_change_is() {
+        let zoned = |zone: &str| -> Vec<crate::model::Endpoint> {
+            web(3, 80).into_iter().map(|e| crate::model::Endpoint { zone: Some(zone.into()), ..e }).collect()
+        };
+        let asked = serde_json::json!({"service": "web", "trafficDistribution": "PreferClose"});
+        let d = desired(asked.clone(), zoned("a"));
+        let p = plan("web", &d, &[]);
+        assert!(p.slices[0].hinted() && p.write == ["web-0"]);
+        let live = apply(&p, &d);
+        assert!(plan("web", &d, &live).write.is_empty());
+        // A server with the feature off kept the slice but not its hints: as written.
+        let mut dropped = live.clone();
+        dropped[0].endpoints.iter_mut().for_each(|e| e.hint = None);
+        assert!(plan("web", &d, &dropped).write.is_empty(), "no rewrite on every pass");
+        // Hints asked for a slice written without them: written.
+        let mut unhinted = dropped.clone();
+        unhinted[0].hinted = false;
+        assert_eq!(plan("web", &d, &unhinted).write, ["web-0"]);
+        // Another zone: a real change.
+        assert_eq!(plan("web", &desired(asked, zoned("b")), &live).write, ["web-0"]);
+        // No longer asked: the hints go.
+        assert_eq!(plan("web", &desired(serde_json::json!({"service": "web"}), zoned("a")), &live).write, ["web-0"]);
     }
 
     #[test]

@@ -9,6 +9,9 @@
 //! - one address family, canonical addresses, nothing unroutable ([`address`]);
 //! - `zone` is the instance's Consul locality zone; `nodeName` is never set (a Consul node
 //!   is not a Kubernetes Node);
+//! - zone hints only with `spec.trafficDistribution: PreferClose` ([`Desired::of`]):
+//!   kube-proxy follows hints whenever every ready endpoint has one, so they are never
+//!   written unasked;
 //! - every instance in the entry was admitted by the resolver's health statuses (the query
 //!   asks Consul only for those), so each is ready and serving; the others are left out;
 //! - with `spec.endpoints`, a core `Endpoints` object holding what the slices hold, capped
@@ -20,7 +23,7 @@ pub mod layout;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use consul_resolver_api::export::{ConsulServiceSpec, IpFamily};
+use consul_resolver_api::export::{ConsulServiceSpec, IpFamily, TrafficDistribution};
 use layout::LiveSlice;
 
 use crate::assembler::snapshot::{ServiceEntry, Stale};
@@ -55,6 +58,8 @@ pub struct SliceEndpoint {
     pub serving: bool,
     /// The instance's Consul locality zone, for topology-aware consumers.
     pub zone: Option<String>,
+    /// The zone it is hinted for (`hints.forZones`), with `spec.trafficDistribution`.
+    pub hint: Option<String>,
 }
 
 /// An instance the export leaves out, and why.
@@ -122,10 +127,13 @@ impl Desired {
             };
             // The same address twice in a group (two registrations of one process) is one
             // endpoint.
-            groups
-                .entry(slice_ports)
-                .or_default()
-                .insert(address.clone(), SliceEndpoint { address, ready: true, serving: true, zone: e.zone.clone() });
+            groups.entry(slice_ports).or_default().insert(
+                address.clone(),
+                SliceEndpoint { address, ready: true, serving: true, zone: e.zone.clone(), hint: None },
+            );
+        }
+        if spec.traffic_distribution == Some(TrafficDistribution::PreferClose) {
+            hint_own_zones(&mut groups);
         }
         excluded.sort();
         Desired {
@@ -142,6 +150,22 @@ impl Desired {
     pub fn endpoint_count(&self) -> usize {
         self.groups.values().map(BTreeMap::len).sum()
     }
+
+    /// The same without zone hints: where the slices cannot carry them (`v1beta1`, whose
+    /// 1.20 server refuses the field under server-side apply).
+    pub fn drop_hints(&mut self) {
+        self.groups.values_mut().flat_map(BTreeMap::values_mut).for_each(|e| e.hint = None);
+    }
+}
+
+/// Each ready endpoint hinted for its own zone, or none at all when a ready one has no
+/// zone: kube-proxy ignores the hints of a Service unless every ready endpoint has one, and
+/// hinting only some would say something it does not follow.
+fn hint_own_zones(groups: &mut BTreeMap<Vec<Port>, BTreeMap<String, SliceEndpoint>>) {
+    if groups.values().flat_map(BTreeMap::values).any(|e| e.ready && e.zone.is_none()) {
+        return;
+    }
+    groups.values_mut().flat_map(BTreeMap::values_mut).filter(|e| e.ready).for_each(|e| e.hint = e.zone.clone());
 }
 
 /// The instances that can be endpoints, with their canonical address; the others are
@@ -359,6 +383,38 @@ mod tests {
         assert_eq!((d.ports.len(), d.excluded.len()), (32, 0));
     }
 
+    fn in_zone(address: &str, zone: Option<&str>) -> Endpoint {
+        Endpoint { zone: zone.map(str::to_owned), ..endpoint(address, 80) }
+    }
+
+    fn hints(d: &Desired) -> Vec<Option<&str>> {
+        d.groups.values().flat_map(BTreeMap::values).map(|e| e.hint.as_deref()).collect()
+    }
+
+    #[test]
+    fn zone_hints_only_when_asked_and_only_when_every_endpoint_has_a_zone() {
+        let zoned = entry(vec![in_zone("10.0.0.1", Some("a")), in_zone("10.0.0.2", Some("b"))]);
+        let asked = spec(serde_json::json!({"service": "web", "trafficDistribution": "PreferClose"}));
+        let d = Desired::of(&asked, Some(&zoned));
+        assert_eq!(hints(&d), [Some("a"), Some("b")], "each for its own zone");
+        // Not asked: never, even with every zone known.
+        let plain = Desired::of(&spec(serde_json::json!({"service": "web"})), Some(&zoned));
+        assert_eq!(hints(&plain), [None, None]);
+        // One endpoint without a zone: none at all.
+        let partly = entry(vec![in_zone("10.0.0.1", Some("a")), in_zone("10.0.0.2", None)]);
+        assert_eq!(hints(&Desired::of(&asked, Some(&partly))), [None, None]);
+        // Where the slices cannot carry them.
+        let mut d = d;
+        d.drop_hints();
+        assert_eq!(hints(&d), [None, None]);
+        assert!(
+            serde_json::from_value::<ConsulServiceSpec>(
+                serde_json::json!({"service": "web", "trafficDistribution": "PreferAnywhere"})
+            )
+            .is_err()
+        );
+    }
+
     #[test]
     fn an_entry_known_is_an_answer_or_endpoints_kept_and_nothing_else() {
         assert!(!knows(None));
@@ -385,6 +441,7 @@ mod tests {
                 ports: p.ports.clone(),
                 endpoints: p.endpoints.clone(),
                 stale: None,
+                hinted: false,
                 intact: true,
             })
             .collect();
