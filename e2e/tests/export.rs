@@ -158,6 +158,8 @@ fn assert_the_slices_keep_the_rules(found: &BTreeMap<String, Value>, service: &V
             let zone = e["topology"]["topology.kubernetes.io/zone"].as_str();
             assert_eq!(zone.is_some(), e["addresses"][0] == "192.0.2.1", "only the instance with a locality: {e}");
             assert_eq!(e["conditions"]["ready"], true);
+            // kube-proxy would follow hints on its own once every endpoint had one.
+            assert!(e.get("hints").is_none(), "no zone hints unless the export asks: {e}");
             assert!(
                 e.get("nodeName").is_none()
                     && e.get("topology").is_none_or(|t| t.get("kubernetes.io/hostname").is_none())
