@@ -708,6 +708,37 @@ fn an_instance_without_a_port_is_excluded_and_the_rest_exported() {
     op.terminate(T).unwrap();
 }
 
+#[test]
+fn an_export_asking_for_zone_hints_gets_none_on_1_20_and_is_not_rewritten() {
+    let (cluster, consul) = (Cluster::shared(), Consul::shared());
+    let ns = team(cluster, consul, "export-hints");
+    let svc = format!("web{}", unique());
+    let zoned = |i: usize, zone: &str| Instance { zone: Some(zone.into()), ..instance(&svc, i, 8080, "passing") };
+    consul.register_many(&[zoned(0, "zone-a"), zoned(1, "zone-b")], 2).unwrap();
+    cluster.apply(&export_yaml(&ns, "web", &svc, "consul", "  trafficDistribution: PreferClose\n")).unwrap();
+    // Reconciled every second: a plan that differed from what the server keeps would be
+    // written again on each pass.
+    let mut op = Operator::start(cluster, &["--namespace", &ns, "--resync-period", "1s"]).unwrap();
+    wait_for("exported", T, || {
+        let s = export_status(cluster, &ns, "web")?;
+        (condition(&s, "Ready")?.0 == "True" && s["endpoints"] == 2).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{:?}\n{}", export_status(cluster, &ns, "web"), op.logs()));
+    let found = slices(cluster, &ns, "web");
+    // v1beta1 is served alone here (1.20), which has no `hints` field: none are sent.
+    for s in found.values() {
+        assert!(s["metadata"]["annotations"].get("consulresolver.io/zone-hints").is_none(), "{s}");
+        for e in s["endpoints"].as_array().unwrap() {
+            assert!(e.get("hints").is_none(), "{e}");
+            assert!(e["topology"]["topology.kubernetes.io/zone"].is_string(), "{e}");
+        }
+    }
+    // Planned without hints too, so nothing differs on the next passes.
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(written_since(&versions(&found), &slices(cluster, &ns, "web")).is_empty(), "{}", op.logs());
+    op.terminate(T).unwrap();
+}
+
 /// The export's Endpoints (`None`: absent).
 fn endpoints_of(cluster: &Cluster, ns: &str, name: &str) -> Option<Value> {
     get_json(cluster, &["-n", ns, "get", "endpoints", name])
