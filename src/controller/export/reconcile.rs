@@ -46,6 +46,59 @@ fn delete_exactly(uid: &str) -> DeleteParams {
     DeleteParams { preconditions: Some(preconditions), ..DeleteParams::default() }
 }
 
+/// The kinds an export writes besides its status.
+#[derive(Clone, Copy)]
+enum Written {
+    Service,
+    Slice,
+    Endpoints,
+}
+
+impl Written {
+    fn resource(self, ctx: &Exports) -> &ApiResource {
+        match self {
+            Written::Service => &ctx.services,
+            Written::Slice => &ctx.slices,
+            Written::Endpoints => &ctx.endpoints,
+        }
+    }
+
+    /// As errors name it.
+    fn kind(self) -> &'static str {
+        match self {
+            Written::Service => "Service",
+            Written::Slice => "EndpointSlice",
+            Written::Endpoints => "Endpoints",
+        }
+    }
+
+    /// Its `kind` label in the export's write counter.
+    fn label(self) -> &'static str {
+        match self {
+            Written::Service => "service",
+            Written::Slice => "endpointslice",
+            Written::Endpoints => "endpoints",
+        }
+    }
+}
+
+/// Deletes exactly the `written` object `name` with `uid`, counted when it was still there
+/// (gone already, or replaced by another uid, is as good as done).
+async fn delete_one(
+    ctx: &Exports,
+    written: Written,
+    (namespace, name): (&str, &str),
+    uid: &str,
+    until: Instant,
+) -> Result<(), ReconcileError> {
+    let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), namespace, written.resource(ctx));
+    let shown = format!("{} {namespace}/{name}", written.kind());
+    if within_unless_gone(until, &shown, writer.delete(name, &delete_exactly(uid))).await?.is_some() {
+        ctx.metrics.writes.with_label_values(&[written.label(), "delete"]).inc();
+    }
+    Ok(())
+}
+
 /// Whether the Service (or Endpoints) `live` is the one this operator instance keeps for
 /// export `name`.
 fn ours(live: &Value, name: &str, instance: &str) -> bool {
@@ -271,9 +324,7 @@ async fn apply_service(
         && objects::needs_replace(l, &want)
     {
         let live_uid = l["metadata"]["uid"].as_str().unwrap_or_default();
-        if within_unless_gone(until, &shown, writer.delete(&name, &delete_exactly(live_uid))).await?.is_some() {
-            ctx.metrics.writes.with_label_values(&["service", "delete"]).inc();
-        }
+        delete_one(ctx, Written::Service, (&namespace, &name), live_uid, until).await?;
         live = None;
     }
     if let Some(l) = live.filter(|l| objects::service_matches(l, &want)) {
@@ -301,7 +352,7 @@ async fn sync_endpoints(
         let live = leftover_endpoints(ctx, &namespace, &name, until).await?;
         if let Some(live) = live.filter(|l| ours(l, &name, &ctx.instance)) {
             let uid = live["metadata"]["uid"].as_str().unwrap_or_default();
-            delete_endpoints(ctx, &namespace, &name, uid, until).await?;
+            delete_one(ctx, Written::Endpoints, (&namespace, &name), uid, until).await?;
         }
         return Ok(());
     };
@@ -350,21 +401,6 @@ async fn leftover_endpoints(
         }
         other => other,
     }
-}
-
-async fn delete_endpoints(
-    ctx: &Exports,
-    namespace: &str,
-    name: &str,
-    uid: &str,
-    until: Instant,
-) -> Result<(), ReconcileError> {
-    let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), namespace, &ctx.endpoints);
-    let shown = format!("Endpoints {namespace}/{name}");
-    if within_unless_gone(until, &shown, writer.delete(name, &delete_exactly(uid))).await?.is_some() {
-        ctx.metrics.writes.with_label_values(&["endpoints", "delete"]).inc();
-    }
-    Ok(())
 }
 
 /// While nothing says what the export should hold (no answer since this process started,
@@ -450,26 +486,11 @@ async fn write_slices(
     if delete {
         for gone in &plan.delete {
             if let Some((_, uid)) = live.iter().find(|(s, _)| &s.name == gone) {
-                delete_slice(ctx, namespace, gone, uid, until).await?;
+                delete_one(ctx, Written::Slice, (namespace, gone), uid, until).await?;
             }
         }
     }
     Ok(plan.slices.len())
-}
-
-async fn delete_slice(
-    ctx: &Exports,
-    namespace: &str,
-    name: &str,
-    uid: &str,
-    until: Instant,
-) -> Result<(), ReconcileError> {
-    let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), namespace, &ctx.slices);
-    let what = format!("EndpointSlice {namespace}/{name}");
-    if within_unless_gone(until, &what, writer.delete(name, &delete_exactly(uid))).await?.is_some() {
-        ctx.metrics.writes.with_label_values(&["endpointslice", "delete"]).inc();
-    }
-    Ok(())
 }
 
 /// Deletes our slices for the Service `name`: all of them, or (`owner`) only those the
@@ -490,7 +511,7 @@ async fn remove_slices(
         if owner.is_some_and(|uid| controller.is_none_or(|r| r.uid != uid)) {
             continue;
         }
-        delete_slice(ctx, namespace, &s.name_any(), &s.uid().unwrap_or_default(), until).await?;
+        delete_one(ctx, Written::Slice, (namespace, &s.name_any()), &s.uid().unwrap_or_default(), until).await?;
     }
     Ok(())
 }
@@ -513,7 +534,7 @@ pub(super) async fn remove(
         && objects::controller_uid(&live) == Some(export_uid)
     {
         let uid = live["metadata"]["uid"].as_str().unwrap_or_default();
-        delete_endpoints(ctx, namespace, name, uid, until).await?;
+        delete_one(ctx, Written::Endpoints, (namespace, name), uid, until).await?;
     }
     let Some(service) = get_service(ctx, namespace, name, until).await? else { return Ok(()) };
     if !ours(&service, name, &ctx.instance) || objects::controller_uid(&service) != Some(export_uid) {
@@ -521,12 +542,7 @@ pub(super) async fn remove(
     }
     let service_uid = service["metadata"]["uid"].as_str().unwrap_or_default();
     remove_slices(ctx, namespace, name, Some(service_uid), until).await?;
-    let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), namespace, &ctx.services);
-    let shown = format!("Service {namespace}/{name}");
-    if within_unless_gone(until, &shown, writer.delete(name, &delete_exactly(service_uid))).await?.is_some() {
-        ctx.metrics.writes.with_label_values(&["service", "delete"]).inc();
-    }
-    Ok(())
+    delete_one(ctx, Written::Service, (namespace, name), service_uid, until).await
 }
 
 /// The status written (server-side apply on the status subresource), unless the live one

@@ -337,7 +337,7 @@ async fn removals_delete_exactly_the_objects_they_mean() {
     // A delete that finds another object under the name (replaced meanwhile) is refused by
     // the API server, and that is not an error.
     let f = Fixture::new(objects).await;
-    delete_slice(&f.ctx, "shop", "web-0", "slice-before", Fixture::until()).await.unwrap();
+    delete_one(&f.ctx, Written::Slice, ("shop", "web-0"), "slice-before", Fixture::until()).await.unwrap();
     assert!(f.object(&format!("{SLICES}/web-0")).is_some());
 }
 
