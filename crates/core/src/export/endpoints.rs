@@ -107,19 +107,8 @@ pub fn plan(desired: &Desired) -> EndpointsPlan {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{endpoint, entry};
+    use super::super::tests::{desired, endpoint, web};
     use super::*;
-    use consul_resolver_api::export::ConsulServiceSpec;
-
-    fn desired(spec: serde_json::Value, eps: Vec<crate::model::Endpoint>) -> Desired {
-        let spec: ConsulServiceSpec = serde_json::from_value(spec).unwrap();
-        Desired::of(&spec, Some(&entry(eps)))
-    }
-
-    /// `n` instances on `port`, 10.1.0.1 upwards.
-    fn web(n: usize, port: u16) -> Vec<crate::model::Endpoint> {
-        (0..n).map(|i| endpoint(&format!("10.1.{}.{}", i / 250, i % 250 + 1), port)).collect()
-    }
 
     #[test]
     fn one_subset_per_port_set_with_the_slices_ports_and_addresses_in_numeric_order() {

@@ -167,18 +167,8 @@ fn same_endpoints(live: &LiveSlice, planned: &[SliceEndpoint]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{endpoint, entry};
+    use super::super::tests::{desired, endpoint, web};
     use super::*;
-    use consul_resolver_api::export::ConsulServiceSpec;
-
-    fn desired(spec: serde_json::Value, eps: Vec<crate::model::Endpoint>) -> Desired {
-        let spec: ConsulServiceSpec = serde_json::from_value(spec).unwrap();
-        Desired::of(&spec, Some(&entry(eps)))
-    }
-
-    fn web(n: usize, port: u16) -> Vec<crate::model::Endpoint> {
-        (0..n).map(|i| endpoint(&format!("10.1.{}.{}", i / 250, i % 250 + 1), port)).collect()
-    }
 
     /// The cluster after `plan` is carried out on `live`.
     fn apply(plan: &Plan, d: &Desired) -> Vec<LiveSlice> {

@@ -282,6 +282,16 @@ mod tests {
         serde_json::from_value(v).unwrap()
     }
 
+    /// What an export of `spec` should hold while Consul answers `eps`.
+    pub(crate) fn desired(spec_json: serde_json::Value, eps: Vec<Endpoint>) -> Desired {
+        Desired::of(&spec(spec_json), Some(&entry(eps)))
+    }
+
+    /// `n` instances on `port`, 10.1.0.1 upwards.
+    pub(crate) fn web(n: usize, port: u16) -> Vec<Endpoint> {
+        (0..n).map(|i| endpoint(&format!("10.1.{}.{}", i / 250, i % 250 + 1), port)).collect()
+    }
+
     #[test]
     fn without_ports_each_instance_port_is_a_service_port_and_a_group() {
         let e = entry(vec![endpoint("10.0.0.1", 8080), endpoint("10.0.0.2", 8080), endpoint("10.0.0.3", 9090)]);
