@@ -106,6 +106,13 @@ pub(crate) struct KubeArgs {
     #[arg(long, env = "ENDPOINTS_NAMESPACE_WATCH_ABOVE", default_value_t = assembler::DEFAULT_ENDPOINTS_NAMESPACE_WATCH_ABOVE)]
     pub endpoints_namespace_watch_above: usize,
 
+    /// Endpoints watches in total, whatever the namespaces: past it, the namespaces with the
+    /// most Services routed to are watched whole first, then (without --namespace) one watch
+    /// of the cluster serves all; back below three quarters of it (docs/operations.md).
+    #[arg(long, env = "ENDPOINTS_WATCH_BUDGET", default_value_t = assembler::DEFAULT_ENDPOINTS_WATCH_BUDGET,
+        value_parser = parse_watch_budget)]
+    pub endpoints_watch_budget: usize,
+
     /// Deadline of every Kubernetes request that is not a watch (lists, discovery, the
     /// ConfigMap, statuses, Events, the Lease): a silent API server fails it instead of
     /// holding it for minutes.
@@ -269,6 +276,14 @@ fn parse_lease_duration(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+fn parse_watch_budget(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("the budget must allow at least one watch".to_owned()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s:?} is not a number of watches: {e}")),
+    }
+}
+
 fn parse_positive_duration(s: &str) -> Result<Duration, String> {
     match parse_duration(s)? {
         d if d.is_zero() => Err(format!("{s:?} must be more than zero")),
@@ -356,6 +371,7 @@ mod tests {
         assert_eq!(r.publication.bootstrap_timeout, Duration::from_secs(30));
         assert_eq!(r.consul.consul_max_connections, 100);
         assert_eq!(r.kube.endpoints_namespace_watch_above, 100);
+        assert_eq!(r.kube.endpoints_watch_budget, 250);
         assert_eq!(r.resolution.ambassador_id, "default");
         assert!(r.kube.namespaces.is_empty() && r.kube.watches.is_empty());
         assert_eq!(

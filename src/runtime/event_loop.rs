@@ -179,6 +179,7 @@ impl EventLoop {
         let diff = self.pipeline.apply(batch, Instant::now());
         self.metrics.pipeline.assemble_seconds.with_label_values(&["apply"]).observe(secs(received.elapsed()));
         self.watches.apply(&diff);
+        self.report_endpoints_budget();
         self.controller.sync(self.pipeline.world());
         if let Some(exports) = &mut self.exports {
             exports.sync(self.pipeline.world());
@@ -186,6 +187,25 @@ impl EventLoop {
         let watched = diff.added.iter().chain(&diff.removed);
         if resolvers_touched || watched.filter_map(as_kube).any(reads_resolvers) {
             self.show_resolver_scopes();
+        }
+    }
+
+    /// Says when the endpoints watches go over their budget (confined to namespaces, the
+    /// operator cannot watch the cluster whole) and when they fit again.
+    fn report_endpoints_budget(&self) {
+        let over = self.pipeline.endpoints_over_budget();
+        let gauge = &self.metrics.pipeline.endpoints_over_budget;
+        if over.is_some() == (gauge.get() == 1) {
+            return;
+        }
+        gauge.set(i64::from(over.is_some()));
+        match over {
+            Some((namespaces, budget)) => tracing::warn!(
+                namespaces,
+                budget,
+                "the Services routed to span more namespaces than --endpoints-watch-budget allows: one endpoints watch per namespace, over the budget (--namespace rules out one watch of the cluster)"
+            ),
+            None => tracing::info!("the endpoints watches fit within --endpoints-watch-budget again"),
         }
     }
 

@@ -27,6 +27,7 @@ pub(crate) struct PipelineMetrics {
     pub snapshot_bytes: IntGauge,
     pub problems: IntGauge,
     pub publish_seconds: Histogram,
+    pub endpoints_over_budget: IntGauge,
 }
 
 impl PipelineMetrics {
@@ -73,6 +74,10 @@ impl PipelineMetrics {
                 "Time to serve a new snapshot over HTTP and hand it to the other publishers",
                 WORK_BUCKETS,
             ),
+            endpoints_over_budget: int_gauge(
+                "endpoints_watch_budget_exceeded",
+                "1 while --namespace confines the operator and the namespaces of the Services routed to need more endpoints watches than --endpoints-watch-budget",
+            ),
         }
     }
 
@@ -101,6 +106,7 @@ impl PipelineMetrics {
             Box::new(self.snapshot_bytes.clone()),
             Box::new(self.problems.clone()),
             Box::new(self.publish_seconds.clone()),
+            Box::new(self.endpoints_over_budget.clone()),
         ]
     }
 }

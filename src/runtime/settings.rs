@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::cli::{ConsulArgs, LeadershipArgs, PublicationArgs, RunArgs};
 use crate::leadership::LeaseConfig;
-use consul_resolver_core::assembler::{self, EndpointsApi};
+use consul_resolver_core::assembler::{self, EndpointsApi, WatchLimits};
 use consul_watch::Settings as ConsulSettings;
 
 impl ConsulArgs {
@@ -53,7 +53,12 @@ impl RunArgs {
             ambassador_id: self.resolution.ambassador_id.clone(),
             default_resolver: self.resolution.default_resolver.clone(),
             endpoints_api,
-            endpoints_namespace_watch_above: self.kube.endpoints_namespace_watch_above,
+            endpoint_watches: WatchLimits {
+                namespace_above: self.kube.endpoints_namespace_watch_above,
+                budget: self.kube.endpoints_watch_budget,
+                // Confined to namespaces, its RBAC may not reach every namespace's endpoints.
+                cluster_wide: self.kube.namespaces.is_empty(),
+            },
             // Only the variables an address may name: the rest of the environment may hold
             // secrets, and an expanded address is published.
             env: std::env::vars().filter(|(name, _)| address_env.contains(name)).collect(),

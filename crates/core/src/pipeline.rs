@@ -130,6 +130,13 @@ impl Pipeline {
         self.assembler.config()
     }
 
+    /// `Some((namespaces, budget))` while the namespaces of routed-to Services need more
+    /// endpoints watches than the budget and the cluster may not be watched whole
+    /// ([`assembler::WatchLimits`]).
+    pub fn endpoints_over_budget(&self) -> Option<(usize, usize)> {
+        self.assembler.endpoints_over_budget()
+    }
+
     pub fn registry(&self) -> &Registry<WatchKey> {
         &self.registry
     }

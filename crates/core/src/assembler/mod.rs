@@ -44,16 +44,15 @@ use consul_resolver_api::resolver::{GROUP, KIND};
 
 use desired::Desired;
 pub use kept::Kept;
-pub use kube_endpoints::EndpointsApi;
+pub use kube_endpoints::{
+    DEFAULT_ENDPOINTS_NAMESPACE_WATCH_ABOVE, DEFAULT_ENDPOINTS_WATCH_BUDGET, EndpointsApi, WatchLimits,
+};
 use read::{KubeTargets, Services};
 use resolvers::Resolver;
 pub use route::ResolverName;
 use route::Routes;
 use snapshot::{Bootstrap, ExportEntry, Part, Problem, ResolverEntry, UnusableReason, WatchedEntry};
 pub use snapshot::{Content, Snapshot};
-
-/// The default of [`Config::endpoints_namespace_watch_above`].
-pub const DEFAULT_ENDPOINTS_NAMESPACE_WATCH_ABOVE: usize = 100;
 
 /// What the assembler needs besides the world.
 #[derive(Debug, Clone)]
@@ -63,9 +62,8 @@ pub struct Config {
     /// Resolver for Mappings that name none; without it they are Kubernetes services.
     pub default_resolver: Option<ResolverName>,
     pub endpoints_api: EndpointsApi,
-    /// Past this many routed-to Services in one namespace, their endpoints come from one
-    /// watch of the namespace instead of one each ([`kube_endpoints::Scoping`]).
-    pub endpoints_namespace_watch_above: usize,
+    /// How many endpoints watches, and of what breadth ([`kube_endpoints::Scoping`]).
+    pub endpoint_watches: WatchLimits,
     /// The operator's environment, for `${VAR}` in resolver addresses.
     pub env: BTreeMap<String, String>,
     /// Static `--watch` keys, whose objects are copied into the snapshot.
@@ -78,7 +76,7 @@ impl Default for Config {
             ambassador_id: consul_resolver_api::DEFAULT_AMBASSADOR_ID.to_owned(),
             default_resolver: None,
             endpoints_api: EndpointsApi::default(),
-            endpoints_namespace_watch_above: DEFAULT_ENDPOINTS_NAMESPACE_WATCH_ABOVE,
+            endpoint_watches: WatchLimits::default(),
             env: BTreeMap::new(),
             static_watches: Vec::new(),
         }
@@ -122,6 +120,11 @@ impl Assembler {
     /// The watches the world implies (besides the operator's fixed ones).
     pub fn desired(&self) -> impl Iterator<Item = &WatchKey> {
         self.desired.keys()
+    }
+
+    /// See [`crate::pipeline::Pipeline::endpoints_over_budget`].
+    pub(crate) fn endpoints_over_budget(&self) -> Option<(usize, usize)> {
+        self.kube.over_budget()
     }
 
     /// Makes the next update read everything, as a first one does (tests compare the

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::assembler::{Config, EndpointsApi};
+use crate::assembler::{Config, EndpointsApi, WatchLimits};
 use crate::keys::WatchKey;
 use crate::model::{Event, KubeEvent, KubeObject, WatchFailure};
 use crate::pipeline::{Pipeline, Step};
@@ -91,7 +91,8 @@ fn kube_services(p: &Pipeline) -> Vec<(String, bool, Vec<String>)> {
 /// A pipeline whose namespaces share one endpoints watch past three Services, with the
 /// resolvers listed (none).
 fn namespace_watch_above_three() -> (Pipeline, Instant) {
-    let mut p = pipeline(Config { endpoints_namespace_watch_above: 3, ..Config::default() });
+    let endpoint_watches = WatchLimits { namespace_above: 3, ..WatchLimits::default() };
+    let mut p = pipeline(Config { endpoint_watches, ..Config::default() });
     let now = Instant::now();
     p.set_fixed(fixed(), now);
     p.apply(listed(&resolvers_key(), vec![]), now);
@@ -219,4 +220,58 @@ async fn a_watch_the_api_server_rejects_is_a_problem_on_its_mappings_and_holds_n
     p.apply(listed(&locked, vec![]), Instant::now());
     let snap = next_publication(&mut p).await;
     assert!(snap.content.problems.is_empty(), "{:?}", snap.content.problems);
+}
+
+/// Mapping `shop/m-<ns>` to Service `web` of namespace `ns`.
+fn route_to_web_in(ns: &str) -> KubeObject {
+    mapping("shop", &format!("m-{ns}"), json!({"service": format!("web.{ns}:80")}))
+}
+
+/// More namespaces than the budget of endpoints watches: one watch of the cluster's
+/// EndpointSlices serves every Service, each reading the slices of its own namespace (same
+/// names elsewhere are someone else's); back within the budget, one watch each again, never
+/// empty in between. Confined to namespaces, one watch each over the budget, and said.
+#[tokio::test(start_paused = true)]
+async fn more_namespaces_than_the_budget_share_a_watch_of_the_cluster_and_back() {
+    let endpoint_watches = WatchLimits { budget: 2, ..WatchLimits::default() };
+    let mut p = pipeline(Config { endpoint_watches, ..Config::default() });
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![]), now);
+    p.apply(listed(&mappings_key(), ["a", "b", "c"].map(route_to_web_in).to_vec()), now);
+    let cluster = EndpointsApi::EndpointSlices.cluster_key();
+    assert_eq!(slice_keys(&p), [cluster.to_string()], "three namespaces, a budget of two: the cluster's watch");
+    assert_eq!(p.endpoints_over_budget(), None);
+    let objects = ["a", "b", "c", "d"].map(|ns| slice(ns, "web", "x", &format!("10.0.0.{}", ns.as_bytes()[0])));
+    p.apply(listed(&cluster, objects.to_vec()), now);
+    let by_namespace: Vec<(String, Vec<String>)> = p
+        .assembler()
+        .content(p.world())
+        .kubernetes_services
+        .iter()
+        .map(|s| (s.namespace.clone(), s.endpoints.iter().map(|e| e.address.clone()).collect()))
+        .collect();
+    let expect = |ns: &str| (ns.to_owned(), vec![format!("10.0.0.{}", ns.as_bytes()[0])]);
+    assert_eq!(by_namespace, [expect("a"), expect("b"), expect("c")], "each its own namespace's web");
+
+    // Down to one namespace (within three quarters of two): its own watch, and until it
+    // lists, what the cluster's said.
+    for ns in ["b", "c"] {
+        p.apply([Event::Kube(mappings_key(), KubeEvent::Deleted(route_to_web_in(ns).id))], now);
+    }
+    let own = EndpointsApi::EndpointSlices.key("a", "web");
+    assert_eq!(slice_keys(&p), [own.to_string()]);
+    assert_eq!(kube_services(&p), [("web".into(), true, vec!["10.0.0.97".into()])], "never empty while it lists");
+
+    // Confined to namespaces: no watch of the cluster, one each over the budget.
+    let confined = WatchLimits { budget: 2, cluster_wide: false, ..WatchLimits::default() };
+    let mut p = pipeline(Config { endpoint_watches: confined, ..Config::default() });
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![]), now);
+    p.apply(listed(&mappings_key(), ["a", "b", "c"].map(route_to_web_in).to_vec()), now);
+    assert_eq!(slice_keys(&p).len(), 3, "{:?}", slice_keys(&p));
+    assert!(!slice_keys(&p).contains(&cluster.to_string()));
+    assert_eq!(p.endpoints_over_budget(), Some((3, 2)));
+    p.apply([Event::Kube(mappings_key(), KubeEvent::Deleted(route_to_web_in("c").id))], now);
+    assert_eq!(p.endpoints_over_budget(), None);
 }

@@ -46,6 +46,11 @@ impl KubeTargets {
         self.targets.iter().filter_map(|(id, t)| Some((id, t.entry.error.as_deref()?)))
     }
 
+    /// See [`Scoping::over_budget`].
+    pub(crate) fn over_budget(&self) -> Option<(usize, usize)> {
+        self.scoping.over_budget()
+    }
+
     /// Each target's watch: what the desired watches must count for Kubernetes targets
     /// (the test's recount).
     #[cfg(test)]
@@ -80,10 +85,11 @@ impl KubeTargets {
             for target in routes.kube_targets() {
                 *counts.entry(target.namespace.as_str()).or_default() += 1;
             }
-            self.scoping.update(counts.into_iter(), cfg.endpoints_namespace_watch_above);
+            self.scoping.update(&counts, cfg.endpoint_watches);
         }
-        // A namespace's watch holds every Service's objects: grouped once per pass.
-        let mut grouped: BTreeMap<KubeKey, BTreeMap<&str, Vec<&Stored>>> = BTreeMap::new();
+        // A namespace's or the cluster's watch holds every Service's objects: grouped once
+        // per pass.
+        let mut grouped: BTreeMap<KubeKey, Grouped<'_>> = BTreeMap::new();
         let mut targets = BTreeMap::new();
         for id in routes.kube_targets() {
             let (ns, name) = (&id.namespace, &id.name);
@@ -111,12 +117,10 @@ impl KubeTargets {
                         _ => {
                             let endpoints = match store {
                                 None => Vec::new(),
-                                Some(s) if self.scoping.is_wide(ns) => {
+                                Some(s) if self.scoping.is_shared(ns) => {
                                     let by_service = grouped.entry(key.clone()).or_insert_with(|| group(s));
-                                    kube_endpoints::merge(
-                                        name,
-                                        by_service.get(name.as_str()).into_iter().flatten().copied(),
-                                    )
+                                    let objects = by_service.get(&(ns.as_str(), name.as_str()));
+                                    kube_endpoints::merge(name, objects.into_iter().flatten().copied())
                                 }
                                 Some(s) => kube_endpoints::merge(name, s.objects.values()),
                             };
@@ -140,12 +144,15 @@ impl KubeTargets {
     }
 }
 
-/// The objects of a namespace's endpoints watch by the Service they belong to.
-fn group(store: &KubeStore) -> BTreeMap<&str, Vec<&Stored>> {
-    let mut by_service: BTreeMap<&str, Vec<&Stored>> = BTreeMap::new();
-    for obj in store.objects.values() {
-        if let Decoded::Endpoints { service, .. } = &obj.decoded {
-            by_service.entry(service.as_str()).or_default().push(obj);
+/// The objects of a shared endpoints watch by the Service they belong to: (namespace, name).
+type Grouped<'a> = BTreeMap<(&'a str, &'a str), Vec<&'a Stored>>;
+
+/// The objects of a namespace's or the cluster's endpoints watch, by their Service.
+fn group(store: &KubeStore) -> Grouped<'_> {
+    let mut by_service: Grouped<'_> = BTreeMap::new();
+    for (id, obj) in &store.objects {
+        if let (Decoded::Endpoints { service, .. }, Some(ns)) = (&obj.decoded, id.namespace.as_deref()) {
+            by_service.entry((ns, service.as_str())).or_default().push(obj);
         }
     }
     by_service
