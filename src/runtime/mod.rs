@@ -27,7 +27,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::{KubeArgs, RunArgs};
-use crate::controller::export::{ExportConfig, ExportController, SliceVersion};
+use crate::controller::export::{ExportConfig, ExportController, ServerFeatures, SliceVersion};
 use crate::controller::resolver::ResolverController;
 use crate::leadership::{Campaign, Leadership};
 use crate::ops::ServerState;
@@ -353,8 +353,9 @@ fn exports_installed(fixed: &BTreeSet<WatchKey>) -> bool {
 }
 
 /// The export controller, writing slices of the version the watches read
-/// (`discovery.k8s.io/v1` where served, 1.21+).
-fn start_exports(
+/// (`discovery.k8s.io/v1` where served, 1.21+), and the Service's fields the API server's
+/// version has.
+async fn start_exports(
     args: &RunArgs,
     base: &Base,
     leadership: &Leadership,
@@ -363,6 +364,7 @@ fn start_exports(
     let v1 = endpoints_api == EndpointsApi::EndpointSlices;
     let cfg = ExportConfig {
         version: if v1 { SliceVersion::V1 } else { SliceVersion::V1beta1 },
+        features: server_features(&base.client).await,
         ambassador_id: args.resolution.ambassador_id.clone(),
         resync: args.kube.resync_period,
         metrics: base.metrics.exports.clone(),
@@ -370,6 +372,30 @@ fn start_exports(
     let writer = base.fenced(args, leadership, "exports'")?;
     Ok(ExportController::spawn(base.client.clone(), writer, leadership.clone(), cfg, &base.vitals))
 }
+
+/// What the API server's version says it knows, asked a few times: taken as knowing
+/// nothing, the exports' Services would lose the fields the operator set on them until the
+/// next restart. Still unanswered, it is taken so (warned).
+async fn server_features(client: &Client) -> ServerFeatures {
+    let mut delay = DISCOVERY_RETRY_FIRST;
+    for attempt in 1..=VERSION_ATTEMPTS {
+        match client.apiserver_version().await {
+            Ok(info) => return ServerFeatures::of(&info),
+            Err(e) if attempt == VERSION_ATTEMPTS => {
+                tracing::warn!(error = %e, "cannot read the API server's version: the Service's spec.trafficDistribution is not written");
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?delay, "cannot read the API server's version; asking again");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(DISCOVERY_RETRY_MAX);
+            }
+        }
+    }
+    ServerFeatures::default()
+}
+
+/// How many times `/version` is asked at start (0.2 s doubling between: about 6 s in all).
+const VERSION_ATTEMPTS: u32 = 6;
 
 pub(crate) async fn run(mut args: RunArgs, shutdown: CancellationToken) -> anyhow::Result<()> {
     let started = Instant::now();
@@ -391,7 +417,7 @@ pub(crate) async fn run(mut args: RunArgs, shutdown: CancellationToken) -> anyho
     let metrics = base.metrics.controller.clone();
     let (client, identity) = (base.client.clone(), base.identity.clone());
     let controller = ResolverController::spawn(client, leadership.clone(), identity, metrics, resync, &base.vitals);
-    let exports = if exporting { Some(start_exports(&args, &base, &leadership, endpoints_api)?) } else { None };
+    let exports = if exporting { Some(start_exports(&args, &base, &leadership, endpoints_api).await?) } else { None };
     let event_loop = EventLoop {
         pipeline,
         watches,

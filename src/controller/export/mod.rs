@@ -12,6 +12,7 @@
 //! keeps of its own: the fenced writer client, the removals of deleted exports' objects,
 //! and each export's stale metric.
 
+mod features;
 pub(crate) mod metrics;
 mod objects;
 mod reconcile;
@@ -32,6 +33,7 @@ use consul_resolver_api::export::ConsulService;
 use consul_resolver_core::assembler::Snapshot;
 use consul_resolver_core::assembler::snapshot::{ExportEntry, Part};
 use consul_resolver_core::export::Desired;
+pub(crate) use features::ServerFeatures;
 use metrics::ExportMetrics;
 pub(crate) use objects::SliceVersion;
 
@@ -49,6 +51,8 @@ pub(crate) struct Exports {
     /// Core Endpoints, for the exports that ask for them (`spec.endpoints`).
     endpoints: ApiResource,
     version: SliceVersion,
+    /// The fields the API server knows beyond those of every supported version.
+    features: ServerFeatures,
     /// The instance label's value (from `--ambassador-id`).
     instance: String,
     ambassador_id: String,
@@ -139,6 +143,7 @@ impl Reconciler for Exports {
 /// How the controller is set up.
 pub(crate) struct ExportConfig {
     pub(crate) version: SliceVersion,
+    pub(crate) features: ServerFeatures,
     pub(crate) ambassador_id: String,
     pub(crate) resync: Duration,
     pub(crate) metrics: ExportMetrics,
@@ -167,6 +172,7 @@ impl ExportController {
             slices,
             endpoints,
             version: cfg.version,
+            features: cfg.features,
             instance: objects::instance_value(&cfg.ambassador_id),
             ambassador_id: cfg.ambassador_id,
             metrics: cfg.metrics,

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde_json::{Value, json};
 
 use crate::kube_client::FIELD_MANAGER;
-use consul_resolver_api::export::{ConsulServiceSpec, IpFamily};
+use consul_resolver_api::export::{ConsulServiceSpec, IpFamily, TrafficDistribution};
 use consul_resolver_core::assembler::snapshot::Stale;
 use consul_resolver_core::export::endpoints::{EndpointsPlan, Subset};
 use consul_resolver_core::export::layout::{LiveSlice, SlicePlan};
@@ -33,6 +33,10 @@ pub(crate) const STALE_REASON: &str = "consulresolver.io/stale-reason";
 /// Annotation of a slice written with zone hints: read back without them, they were
 /// dropped by a server whose feature is off, not left out, so the slice is not rewritten.
 pub(crate) const ZONE_HINTS: &str = "consulresolver.io/zone-hints";
+/// Annotation of a Service written with `spec.trafficDistribution`, its value: read back
+/// without the field, it was dropped by a server whose feature gate is off (1.31 and 1.32
+/// can turn it off), not left out, so the Service is not rewritten on every pass.
+pub(crate) const TRAFFIC_DISTRIBUTION: &str = "consulresolver.io/traffic-distribution";
 
 /// Label of a headless Service's slices: kube-proxy's informers skip slices that carry it
 /// (a headless Service has no virtual IP to program), so no node's proxy watches them.
@@ -193,12 +197,15 @@ fn port(p: &Port) -> Value {
 /// endpoints), owned by the export, of one address family, always said: left out, a
 /// dual-stack cluster gives the Service its primary family whatever the slices hold (an
 /// IPv4 export on an IPv6-primary cluster would get an IPv6 ClusterIP and no traffic), and
-/// a selector-less headless Service defaults to `RequireDualStack`.
+/// a selector-less headless Service defaults to `RequireDualStack`. `distribution`: its
+/// `spec.trafficDistribution`, only where the server knows the field
+/// ([`super::ServerFeatures::service_traffic_distribution`]).
 pub(crate) fn service(
     namespace: &str,
     name: &str,
     desired: &Desired,
     (labels, annotations): (&BTreeMap<String, String>, &BTreeMap<String, String>),
+    distribution: Option<TrafficDistribution>,
     owner: Value,
 ) -> Value {
     let ports: Vec<Value> = desired.ports.iter().map(port).collect();
@@ -216,6 +223,10 @@ pub(crate) fn service(
     if !annotations.is_empty() {
         service["metadata"]["annotations"] = json!(annotations);
     }
+    if let Some(d) = distribution {
+        service["spec"]["trafficDistribution"] = json!(d);
+        service["metadata"]["annotations"][TRAFFIC_DISTRIBUTION] = json!(d);
+    }
     service
 }
 
@@ -224,13 +235,34 @@ pub(crate) fn service(
 /// export no longer asks for is still there until the next apply, which removes it: only
 /// this tells such a key from one someone else added.
 fn applied_keys(live: &Value, field: &str) -> Option<BTreeSet<String>> {
+    let fields = applied_fields(live)?["f:metadata"][format!("f:{field}")].as_object();
+    Some(fields.into_iter().flatten().filter_map(|(k, _)| k.strip_prefix("f:").map(str::to_owned)).collect())
+}
+
+/// The fields the operator's last apply set (`fieldsV1`), from the object's managed fields
+/// (`None`: the API server keeps none for it).
+fn applied_fields(live: &Value) -> Option<&Value> {
     let entry = live["metadata"]["managedFields"].as_array()?.iter().find(|e| {
         e["manager"] == FIELD_MANAGER
             && e["operation"] == "Apply"
             && e.get("subresource").is_none_or(|s| s.is_null() || s == "")
     })?;
-    let fields = entry["fieldsV1"]["f:metadata"][format!("f:{field}")].as_object();
-    Some(fields.into_iter().flatten().filter_map(|(k, _)| k.strip_prefix("f:").map(str::to_owned)).collect())
+    Some(&entry["fieldsV1"])
+}
+
+/// Whether the live Service's `spec.trafficDistribution` is as `want` has it.
+fn traffic_distribution_matches(live: &Value, want: &Value) -> bool {
+    let (held, wanted) = (&live["spec"]["trafficDistribution"], &want["spec"]["trafficDistribution"]);
+    if !wanted.is_null() {
+        // Written with it and read back without it: dropped by a server with the gate off.
+        let dropped = held.is_null() && live["metadata"]["annotations"][TRAFFIC_DISTRIBUTION] == *wanted;
+        return held == wanted || dropped;
+    }
+    // Not wanted (not asked, or a server without the field, where it is never held): one
+    // the operator's last apply set is removed by the next apply, which leaves it out. One
+    // someone else set is theirs: an apply cannot remove it, so it is no difference.
+    let theirs = applied_fields(live).is_some_and(|f| f["f:spec"].get("f:trafficDistribution").is_none());
+    held.is_null() || theirs
 }
 
 /// Whether the live Service holds every label and annotation of `want`, and the operator's
@@ -272,6 +304,7 @@ pub(crate) fn service_matches(live: &Value, want: &Value) -> bool {
         && selectorless
         && policy_ok
         && families_ok
+        && traffic_distribution_matches(live, want)
         && ports(live) == ports(want)
         && is_headless(live) == is_headless(want)
 }
@@ -486,6 +519,7 @@ pub(crate) fn live_slice(obj: &Value, labels: &BTreeMap<String, String>, owner_u
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::controller::export::ServerFeatures;
     use consul_resolver_api::export::ConsulServiceSpec;
     use consul_resolver_core::assembler::snapshot::ServiceEntry;
     use consul_resolver_core::export::{endpoints, layout};
@@ -600,6 +634,7 @@ mod tests {
             "web",
             &d,
             (&labels, &BTreeMap::new()),
+            None,
             owner("consulresolver.io/v1alpha1", "ConsulService", "web", "u-1"),
         );
         assert!(want["spec"].get("selector").is_none());
@@ -609,6 +644,69 @@ mod tests {
         assert!(service_matches(&live, &want));
         live["spec"]["selector"] = json!({"app": "web"});
         assert!(!service_matches(&live, &want));
+    }
+
+    /// The export's Service for `asked` (its `spec.trafficDistribution`) on a server with
+    /// `features`.
+    fn service_for(features: ServerFeatures, asked: Option<TrafficDistribution>) -> Value {
+        let (d, labels) = (desired(), service_labels("web", "default"));
+        let distribution = features.service_traffic_distribution(asked);
+        let owner = owner("consulresolver.io/v1alpha1", "ConsulService", "web", "u-1");
+        service("shop", "web", &d, (&labels, &BTreeMap::new()), distribution, owner)
+    }
+
+    #[test]
+    fn the_services_traffic_distribution_is_written_only_where_asked_and_known() {
+        let (known, old) = (ServerFeatures { service_traffic_distribution: true }, ServerFeatures::default());
+        let asked = Some(TrafficDistribution::PreferClose);
+        let wanted = service_for(known, asked);
+        assert_eq!(wanted["spec"]["trafficDistribution"], "PreferClose");
+        assert_eq!(wanted["metadata"]["annotations"][TRAFFIC_DISTRIBUTION], "PreferClose");
+        // Asked on a server without the field (1.20), or not asked: neither is written.
+        for unwritten in [service_for(old, asked), service_for(known, None)] {
+            assert!(unwritten["spec"].get("trafficDistribution").is_none(), "{unwritten}");
+            assert!(unwritten["metadata"].get("annotations").is_none(), "{unwritten}");
+        }
+    }
+
+    #[test]
+    fn the_services_traffic_distribution_is_rewritten_both_ways_but_never_for_a_server_without_it() {
+        let known = ServerFeatures { service_traffic_distribution: true };
+        let asked = Some(TrafficDistribution::PreferClose);
+        let (wanted, unasked) = (service_for(known, asked), service_for(known, None));
+        assert!(service_matches(&wanted, &wanted) && service_matches(&unasked, &unasked));
+        // Absent but wanted (written before the export asked): written again.
+        assert!(!service_matches(&unasked, &wanted));
+        // Present but no longer wanted: written again, which removes it.
+        assert!(!service_matches(&wanted, &unasked));
+        // A server without the field (1.20): asked, never written nor held, no difference.
+        let on_old = service_for(ServerFeatures::default(), asked);
+        assert!(service_matches(&on_old, &on_old));
+        // Written with it, read back without it (a 1.31 or 1.32 server with the gate off
+        // drops it): no difference, or it would be written on every pass.
+        let mut dropped = wanted.clone();
+        dropped["spec"].as_object_mut().unwrap().remove("trafficDistribution");
+        assert!(service_matches(&dropped, &wanted));
+    }
+
+    #[test]
+    fn a_traffic_distribution_someone_else_set_is_left_alone() {
+        let known = ServerFeatures { service_traffic_distribution: true };
+        let unasked = service_for(known, None);
+        let mut theirs = unasked.clone();
+        theirs["spec"]["trafficDistribution"] = json!("PreferClose");
+        let labels: serde_json::Map<String, Value> =
+            service_labels("web", "default").into_keys().map(|k| (format!("f:{k}"), json!({}))).collect();
+        let applied = |spec: Value| {
+            json!([{"manager": FIELD_MANAGER, "operation": "Apply", "apiVersion": "v1",
+                "fieldsV1": {"f:metadata": {"f:labels": labels}, "f:spec": spec}}])
+        };
+        // The operator's last apply did not set it: an apply cannot remove it.
+        theirs["metadata"]["managedFields"] = applied(json!({"f:ports": {}}));
+        assert!(service_matches(&theirs, &unasked));
+        // It did: the next apply leaves it out, and so removes it.
+        theirs["metadata"]["managedFields"] = applied(json!({"f:ports": {}, "f:trafficDistribution": {}}));
+        assert!(!service_matches(&theirs, &unasked));
     }
 
     #[test]

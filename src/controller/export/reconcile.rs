@@ -316,7 +316,8 @@ async fn apply_service(
     let uid = obj.uid().unwrap_or_default();
     let owner = objects::owner(&ConsulService::api_version(&()), &ConsulService::kind(&()), &name, &uid);
     let (labels, annotations) = objects::service_metadata(spec, objects::service_labels(&name, &ctx.instance));
-    let want = objects::service(&namespace, &name, desired, (&labels, &annotations), owner);
+    let distribution = ctx.features.service_traffic_distribution(spec.traffic_distribution);
+    let want = objects::service(&namespace, &name, desired, (&labels, &annotations), distribution, owner);
     let shown = format!("Service {namespace}/{name}");
     let writer: Api<DynamicObject> = Api::namespaced_with(ctx.writer.clone(), &namespace, &ctx.services);
     let mut live = live;

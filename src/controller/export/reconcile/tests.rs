@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 
 use super::*;
 use crate::controller::export::metrics::ExportMetrics;
-use crate::controller::export::{Exports, SliceVersion};
+use crate::controller::export::{Exports, ServerFeatures, SliceVersion};
 use crate::test_fixtures::{self, FakeApi};
 use consul_resolver_core::assembler::snapshot::{Part, ServiceEntry};
 use consul_resolver_core::model::{Endpoint, Health};
@@ -111,6 +111,7 @@ impl Fixture {
             slices,
             endpoints: ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "Endpoints"), "endpoints"),
             version: SliceVersion::V1beta1,
+            features: ServerFeatures::default(),
             instance: "default".into(),
             ambassador_id: "default".into(),
             metrics: ExportMetrics::unregistered(),
@@ -250,6 +251,30 @@ async fn the_service_always_names_one_family_and_a_family_change_replaces_it() {
         apply(&f.ctx, &export(json!({"service": "web"})), &s, &e, Fixture::until()).await.unwrap();
         assert!(f.sent("PATCH", &format!("{SERVICES}/web")).is_empty(), "{families:?}: {:?}", f.writes());
         assert!(f.sent("DELETE", &format!("{SERVICES}/web")).is_empty(), "{families:?}: {:?}", f.writes());
+    }
+}
+
+#[tokio::test]
+async fn the_service_carries_the_traffic_distribution_only_where_the_server_knows_it() {
+    let e = entry(Some(answer(vec![instance("192.0.2.1", 8080)])));
+    let (asked, unasked) = (json!({"service": "web", "trafficDistribution": "PreferClose"}), json!({"service": "web"}));
+    for known in [true, false] {
+        let mut f = Fixture::new(vec![]).await;
+        f.ctx.features = ServerFeatures { service_traffic_distribution: known };
+        // Two passes: the second finds it as written, and writes nothing.
+        for _ in 0..2 {
+            apply(&f.ctx, &export(asked.clone()), &spec(asked.clone()), &e, Fixture::until()).await.unwrap();
+        }
+        let service = f.object(&format!("{SERVICES}/web")).unwrap();
+        let held = service["spec"].get("trafficDistribution").cloned();
+        assert_eq!(held, known.then(|| json!("PreferClose")), "{service}");
+        assert_eq!(f.sent("PATCH", &format!("{SERVICES}/web")).len(), 1, "{:?}", f.writes());
+        // No longer asked: written again where it was there, without it.
+        apply(&f.ctx, &export(unasked.clone()), &spec(unasked.clone()), &e, Fixture::until()).await.unwrap();
+        let service = f.object(&format!("{SERVICES}/web")).unwrap();
+        assert!(service["spec"].get("trafficDistribution").is_none(), "{service}");
+        let writes = if known { 2 } else { 1 };
+        assert_eq!(f.sent("PATCH", &format!("{SERVICES}/web")).len(), writes, "{:?}", f.writes());
     }
 }
 
