@@ -104,7 +104,8 @@ pub struct ConsulServiceSpec {
     /// endpoints in the node's zone; no hints at all while any endpoint has no zone. Consul
     /// zone names must be the nodes' `topology.kubernetes.io/zone` values. Absent: no hints
     /// ever (kube-proxy follows hints whenever every endpoint has one). Hints need
-    /// Kubernetes 1.21 or later (`discovery.k8s.io/v1`); on 1.20 none are written.
+    /// Kubernetes 1.21 or later (`discovery.k8s.io/v1`); on 1.20 none are written. From
+    /// 1.31 the Service carries `spec.trafficDistribution: PreferClose` too.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "crd", schemars(schema_with = "traffic_distribution_schema"))]
     pub traffic_distribution: Option<TrafficDistribution>,
@@ -248,7 +249,7 @@ fn traffic_distribution_schema(_: &mut schemars::SchemaGenerator) -> schemars::S
         "type": "string",
         "enum": ["PreferClose"],
         "nullable": true,
-        "description": "`PreferClose`: each endpoint is hinted for its own Consul locality zone (`hints.forZones`), so kube-proxy keeps a node's traffic in its zone; no hints while any endpoint has no zone. Consul zone names must be the nodes' `topology.kubernetes.io/zone` values. Absent: no hints ever. Hints need Kubernetes 1.21 or later; on 1.20 none are written."
+        "description": "`PreferClose`: each endpoint is hinted for its own Consul locality zone (`hints.forZones`), so kube-proxy keeps a node's traffic in its zone; no hints while any endpoint has no zone. Consul zone names must be the nodes' `topology.kubernetes.io/zone` values. Absent: no hints ever. Hints need Kubernetes 1.21 or later; on 1.20 none are written. From 1.31 the Service carries `spec.trafficDistribution: PreferClose` too."
     })
 }
 
