@@ -62,6 +62,19 @@ impl EndpointsApi {
         }
     }
 
+    /// Whether `key` is a watch of this API shared by several Services (a namespace's or the
+    /// cluster's, [`EndpointsApi::namespace_key`], [`EndpointsApi::cluster_key`]), not one
+    /// Service's own.
+    pub(crate) fn is_shared(self, key: &KubeKey) -> bool {
+        let shared_labels = match self {
+            EndpointsApi::EndpointSlices => Some(SERVICE_NAME_LABEL),
+            EndpointsApi::Endpoints => None,
+        };
+        key.is(self.group(), self.kind())
+            && key.field_selector.is_none()
+            && key.label_selector.as_deref() == shared_labels
+    }
+
     /// The one watch that brings the endpoints of every Service of the cluster: used when
     /// even one watch per namespace would exceed [`WatchLimits::budget`].
     pub fn cluster_key(self) -> KubeKey {

@@ -132,6 +132,7 @@ impl Assembler {
     #[cfg(test)]
     pub(crate) fn read_everything_next(&mut self) {
         self.fresh = true;
+        self.kube.read_everything_next();
     }
 
     #[cfg(test)]

@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime};
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::assembler::{self, Config, EndpointsApi};
+use crate::assembler::{self, Config, EndpointsApi, WatchLimits};
 use crate::keys::{ConsulKey, KubeKey, WatchKey};
 use crate::model::{ConsulEvent, Event, KubeEvent};
 
@@ -24,7 +24,8 @@ fn random_event(rng: &mut Rng, world: &crate::world::World) -> Option<Event> {
     Some(match rng.below(12) {
         0 | 1 => {
             let address = *rng.pick(&["127.0.0.1:8500", "127.0.0.2:8500", "${NOPE}:8500"]);
-            let mut spec = json!({"address": address, "services": if rng.below(4) == 0 { json!(["always"]) } else { json!([]) }});
+            let mut spec =
+                json!({"address": address, "services": if rng.below(4) == 0 { json!(["always"]) } else { json!([]) }});
             if rng.below(2) == 0 {
                 spec["tokenSecretRef"] = json!({"name": "t1", "key": "token"});
             }
@@ -40,7 +41,10 @@ fn random_event(rng: &mut Rng, world: &crate::world::World) -> Option<Event> {
         }
         3 if world.kube().contains_key(&secret) => {
             if rng.below(3) == 0 {
-                Event::Kube(secret.clone(), KubeEvent::Deleted(object(json!({"metadata": {"namespace": ns, "name": "t1"}})).id))
+                Event::Kube(
+                    secret.clone(),
+                    KubeEvent::Deleted(object(json!({"metadata": {"namespace": ns, "name": "t1"}})).id),
+                )
             } else {
                 let token = base64::engine::general_purpose::STANDARD.encode(*rng.pick(&["tok-1", "tok-2"]));
                 let obj = object(json!({"metadata": {"namespace": ns, "name": "t1"}, "data": {"token": token}}));
@@ -48,7 +52,8 @@ fn random_event(rng: &mut Rng, world: &crate::world::World) -> Option<Event> {
             }
         }
         4 | 5 => {
-            let service = *rng.pick(&["s1", "s2", "s3:8080", "s4", "web", "always", "api.b:80", "10.0.0.1:80", "-x", ""]);
+            let service =
+                *rng.pick(&["s1", "s2", "s3:8080", "s4", "web", "always", "api.b:80", "10.0.0.1:80", "-x", ""]);
             let mut spec = json!({"service": service});
             if let Some(r) = *rng.pick(&[None, Some("c1"), Some("c2"), Some("nope")]) {
                 spec["resolver"] = json!(r);
@@ -67,24 +72,13 @@ fn random_event(rng: &mut Rng, world: &crate::world::World) -> Option<Event> {
                 Event::Consul(key, ConsulEvent::Failed(rng.pick(&["refused", "403 ACL not found"]).to_string()))
             } else {
                 let port = 80 + rng.below(20) as u16;
-                Event::Consul(key, ConsulEvent::Answer { index: rng.next_u64() % 100 + 1, endpoints: vec![ep("10.0.0.9", port)] })
+                Event::Consul(
+                    key,
+                    ConsulEvent::Answer { index: rng.next_u64() % 100 + 1, endpoints: vec![ep("10.0.0.9", port)] },
+                )
             }
         }
-        _ => {
-            let keys: Vec<&KubeKey> = world.kube().keys().filter(|k| k.kind == "Endpoints").collect();
-            if keys.is_empty() {
-                return None;
-            }
-            let key = (*rng.pick(&keys)).clone();
-            if rng.below(4) == 0 {
-                Event::Kube(key, KubeEvent::Failed(crate::model::WatchFailure::rejected("endpoints is forbidden")))
-            } else {
-                let ep_ns = key.namespace.clone().unwrap_or_default();
-                let obj = object(json!({"metadata": {"namespace": ep_ns, "name": "x"},
-                    "subsets": [{"addresses": [{"ip": format!("10.1.0.{}", rng.below(3))}], "ports": [{"port": 80}]}]}));
-                return Some(Event::Kube(key, KubeEvent::Applied(obj)));
-            }
-        }
+        _ => return endpoints_event(rng, world),
     })
     .filter(|e| match e {
         Event::Kube(k, _) => world.kube().contains_key(k),
@@ -92,11 +86,49 @@ fn random_event(rng: &mut Rng, world: &crate::world::World) -> Option<Event> {
     })
 }
 
+/// A random change to an Endpoints watch: one Service's watch holds its own object; a shared
+/// one (a namespace's or the cluster's) any Service's, routed to or not.
+fn endpoints_event(rng: &mut Rng, world: &crate::world::World) -> Option<Event> {
+    let keys: Vec<&KubeKey> = world.kube().keys().filter(|k| k.kind == "Endpoints").collect();
+    if keys.is_empty() {
+        return None;
+    }
+    let key = (*rng.pick(&keys)).clone();
+    let own = key.field_selector.as_deref().and_then(|f| f.strip_prefix("metadata.name="));
+    let name = own.unwrap_or_else(|| *rng.pick(&["x", "s1", "s2", "s4", "web", "always", "api"]));
+    let ep_ns = key.namespace.clone().unwrap_or_else(|| (*rng.pick(&["a", "b"])).to_owned());
+    let obj = object(json!({"metadata": {"namespace": ep_ns, "name": name},
+        "subsets": [{"addresses": [{"ip": format!("10.1.0.{}", rng.below(3))}], "ports": [{"port": 80}]}]}));
+    Some(match rng.below(6) {
+        0 => Event::Kube(key, KubeEvent::Failed(crate::model::WatchFailure::rejected("endpoints is forbidden"))),
+        1 => Event::Kube(key, KubeEvent::Deleted(obj.id)),
+        _ => Event::Kube(key, KubeEvent::Applied(obj)),
+    })
+}
+
 #[tokio::test(start_paused = true)]
 async fn incremental_assembly_equals_reading_everything_again() {
+    walk(Config { endpoints_api: EndpointsApi::Endpoints, ..Config::default() }, 0x5eed_1234_abcd_0001).await;
+}
+
+/// The same with Kubernetes Services moving between their own endpoints watch, their
+/// namespace's (past one Service) and the cluster's (past a budget of two watches): a
+/// change on a shared watch re-reads only the Services whose objects it touched.
+#[tokio::test(start_paused = true)]
+async fn incremental_assembly_over_shared_endpoints_watches_equals_reading_everything_again() {
+    let endpoint_watches = WatchLimits { namespace_above: 1, budget: 2, cluster_wide: true };
+    walk(
+        Config { endpoints_api: EndpointsApi::Endpoints, endpoint_watches, ..Config::default() },
+        0x5eed_1234_abcd_0002,
+    )
+    .await;
+}
+
+/// A random walk of the world under `cfg`, each incremental update checked against reading
+/// everything again.
+async fn walk(cfg: Config, seed: u64) {
     use crate::assembler::Assembler;
     use crate::world::World;
-    let cfg = Config { endpoints_api: EndpointsApi::Endpoints, ..Config::default() };
     let mut world = World::new(BOOTSTRAP);
     let now = Instant::now();
     for key in fixed() {
@@ -107,7 +139,7 @@ async fn incremental_assembly_equals_reading_everything_again() {
         world.apply(Event::Kube(key, KubeEvent::ListDone), now);
     }
     let mut incremental = Assembler::new(cfg.clone());
-    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    let mut rng = Rng(seed);
     let (mut steps, mut consul_only) = (0, 0);
     for step in 0..1500u64 {
         tokio::time::advance(Duration::from_secs(1)).await;

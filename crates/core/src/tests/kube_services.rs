@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 use serde_json::json;
 use tokio::time::Instant;
 
+use crate::assembler::snapshot::{KubeServiceEntry, Part};
 use crate::assembler::{Config, EndpointsApi, WatchLimits};
 use crate::keys::WatchKey;
 use crate::model::{Event, KubeEvent, KubeObject, WatchFailure};
@@ -274,4 +275,32 @@ async fn more_namespaces_than_the_budget_share_a_watch_of_the_cluster_and_back()
     assert_eq!(p.endpoints_over_budget(), Some((3, 2)));
     p.apply([Event::Kube(mappings_key(), KubeEvent::Deleted(route_to_web_in("c").id))], now);
     assert_eq!(p.endpoints_over_budget(), None);
+}
+
+/// On a shared watch, a change re-reads only the Service whose objects it touched: the
+/// others keep their very parts (nothing of theirs is read or written again), whatever the
+/// number of Services the watch serves.
+#[tokio::test(start_paused = true)]
+async fn a_change_on_a_shared_watch_reads_only_its_own_service_again() {
+    let (mut p, now) = namespace_watch_above_three();
+    p.apply(listed(&mappings_key(), (0..6).map(shop_route).collect()), now);
+    let wide = EndpointsApi::EndpointSlices.namespace_key("shop");
+    p.apply(listed(&wide, (0..6).map(|i| slice("shop", &format!("s{i}"), "a", &format!("10.0.0.{i}"))).collect()), now);
+    let parts = |p: &Pipeline| p.assembler().content(p.world()).kubernetes_services;
+    let before = parts(&p);
+    assert_eq!(before.len(), 6);
+    let same = |after: &[Part<KubeServiceEntry>]| -> Vec<bool> {
+        before.iter().zip(after).map(|(b, a)| Part::ptr_eq(b, a)).collect()
+    };
+    // s2 gains a slice, s4 loses its own (a delete names only the object).
+    p.apply([Event::Kube(wide.clone(), KubeEvent::Applied(slice("shop", "s2", "b", "10.0.2.2")))], now);
+    p.apply([Event::Kube(wide.clone(), KubeEvent::Deleted(slice("shop", "s4", "a", "").id))], now);
+    let after = parts(&p);
+    assert_eq!(same(&after), [true, true, false, true, false, true]);
+    assert_eq!(after[2].endpoints.len(), 2);
+    assert!(after[4].endpoints.is_empty(), "s4's deleted slice is gone from it");
+    // An unrouted Service's slice touches nobody.
+    p.apply([Event::Kube(wide, KubeEvent::Applied(slice("shop", "unrouted", "a", "10.9.9.9")))], now);
+    let unrouted = parts(&p);
+    assert!(after.iter().zip(&unrouted).all(|(a, u)| Part::ptr_eq(a, u)));
 }

@@ -7,12 +7,12 @@ use consul_resolver_api::mapping::{self, MappingKind};
 use consul_resolver_api::names::NamespacedName;
 
 use super::Inputs;
+use super::shared::SharedIndexes;
 use crate::assembler::desired::Desired;
 use crate::assembler::kube_endpoints::{self, Scoping};
 use crate::assembler::snapshot::{KubeServiceEntry, Part};
 use crate::keys::{KubeKey, WatchKey};
-use crate::model::{Decoded, Stored};
-use crate::world::{Changes, KubeStore};
+use crate::world::{Changes, World};
 
 /// A Kubernetes Service routed to, as last read.
 #[derive(Debug, Clone)]
@@ -33,6 +33,10 @@ pub(crate) struct KubeTargets {
     scoping: Scoping,
     /// The targets were not read: not every route was known yet.
     deferred: bool,
+    /// The shared watches' objects by Service: a change re-reads only its own.
+    shared: SharedIndexes,
+    /// The next pass reads every target again ([`KubeTargets::read_everything_next`]).
+    reread: bool,
 }
 
 impl KubeTargets {
@@ -74,6 +78,8 @@ impl KubeTargets {
             .all(|(_, s)| s.listed);
         if !routes_known {
             self.deferred = true;
+            // The changes of this pass are not folded into the indexes: built anew later.
+            self.shared.clear();
             return;
         }
         let deferred = std::mem::take(&mut self.deferred);
@@ -87,54 +93,14 @@ impl KubeTargets {
             }
             self.scoping.update(&counts, cfg.endpoint_watches);
         }
-        // A namespace's or the cluster's watch holds every Service's objects: grouped once
-        // per pass.
-        let mut grouped: BTreeMap<KubeKey, Grouped<'_>> = BTreeMap::new();
+        let touched = self.shared.update(world, changes, api);
+        let reread = std::mem::take(&mut self.reread);
         let mut targets = BTreeMap::new();
         for id in routes.kube_targets() {
-            let (ns, name) = (&id.namespace, &id.name);
-            let key = self.scoping.key(api, ns, name);
-            let previous = self.targets.remove(id);
-            let target = match previous {
-                Some(t) if t.key == key && !changes.kube.contains_key(&key) => t,
-                previous => {
-                    let store = world.kube().get(&key);
-                    let moved = previous.as_ref().is_some_and(|p| p.key != key);
-                    if previous.is_none() || moved {
-                        desired.add(WatchKey::Kube(key.clone()));
-                    }
-                    if let Some(p) = previous.as_ref().filter(|_| moved) {
-                        desired.remove(WatchKey::Kube(p.key.clone()));
-                    }
-                    let listed = store.is_some_and(|s| s.listed);
-                    let error = store.and_then(|s| s.rejection()).map(str::to_owned);
-                    match previous {
-                        // Moved to a watch that has not listed yet: what the old one last
-                        // said stands until the new one has listed (never an empty gap).
-                        Some(p) if (moved || p.awaiting) && !listed && error.is_none() => {
-                            KubeTarget { key, entry: p.entry, awaiting: true }
-                        }
-                        _ => {
-                            let endpoints = match store {
-                                None => Vec::new(),
-                                Some(s) if self.scoping.is_shared(ns) => {
-                                    let by_service = grouped.entry(key.clone()).or_insert_with(|| group(s));
-                                    let objects = by_service.get(&(ns.as_str(), name.as_str()));
-                                    kube_endpoints::merge(name, objects.into_iter().flatten().copied())
-                                }
-                                Some(s) => kube_endpoints::merge(name, s.objects.values()),
-                            };
-                            let entry = Part::new(KubeServiceEntry {
-                                namespace: ns.clone(),
-                                name: name.clone(),
-                                synced: listed,
-                                error,
-                                endpoints,
-                            });
-                            KubeTarget { key, entry, awaiting: false }
-                        }
-                    }
-                }
+            let key = self.scoping.key(api, &id.namespace, &id.name);
+            let target = match self.targets.remove(id) {
+                Some(t) if t.key == key && !reread && !touched.get(&key).is_some_and(|t| t.has(id)) => t,
+                previous => self.read_target(world, id, key, previous, desired),
             };
             targets.insert(id.clone(), target);
         }
@@ -142,18 +108,58 @@ impl KubeTargets {
             desired.remove(WatchKey::Kube(gone.key));
         }
     }
-}
 
-/// The objects of a shared endpoints watch by the Service they belong to: (namespace, name).
-type Grouped<'a> = BTreeMap<(&'a str, &'a str), Vec<&'a Stored>>;
-
-/// The objects of a namespace's or the cluster's endpoints watch, by their Service.
-fn group(store: &KubeStore) -> Grouped<'_> {
-    let mut by_service: Grouped<'_> = BTreeMap::new();
-    for (id, obj) in &store.objects {
-        if let (Decoded::Endpoints { service, .. }, Some(ns)) = (&obj.decoded, id.namespace.as_deref()) {
-            by_service.entry((ns, service.as_str())).or_default().push(obj);
+    /// Reads target `id` (new, moved, or its objects changed) from watch `key`, adding the
+    /// watch to `desired` when it comes or moves, and removing the one it moved from.
+    fn read_target(
+        &mut self,
+        world: &World,
+        id: &NamespacedName,
+        key: KubeKey,
+        previous: Option<KubeTarget>,
+        desired: &mut Desired,
+    ) -> KubeTarget {
+        let store = world.kube().get(&key);
+        let moved = previous.as_ref().is_some_and(|p| p.key != key);
+        if previous.is_none() || moved {
+            desired.add(WatchKey::Kube(key.clone()));
+        }
+        if let Some(p) = previous.as_ref().filter(|_| moved) {
+            desired.remove(WatchKey::Kube(p.key.clone()));
+        }
+        let listed = store.is_some_and(|s| s.listed);
+        let error = store.and_then(|s| s.rejection()).map(str::to_owned);
+        match previous {
+            // Moved to a watch that has not listed yet: what the old one last said stands
+            // until the new one has listed (never an empty gap).
+            Some(p) if (moved || p.awaiting) && !listed && error.is_none() => {
+                KubeTarget { key, entry: p.entry, awaiting: true }
+            }
+            _ => {
+                let endpoints = match store {
+                    None => Vec::new(),
+                    Some(s) if self.scoping.is_shared(&id.namespace) => {
+                        kube_endpoints::merge(&id.name, self.shared.objects(&key, s, id))
+                    }
+                    Some(s) => kube_endpoints::merge(&id.name, s.objects.values()),
+                };
+                let entry = Part::new(KubeServiceEntry {
+                    namespace: id.namespace.clone(),
+                    name: id.name.clone(),
+                    synced: listed,
+                    error,
+                    endpoints,
+                });
+                KubeTarget { key, entry, awaiting: false }
+            }
         }
     }
-    by_service
+
+    /// Makes the next pass read every target from its watch again, and build the shared
+    /// watches' indexes anew (the tests' full reading).
+    #[cfg(test)]
+    pub(crate) fn read_everything_next(&mut self) {
+        self.reread = true;
+        self.shared.clear();
+    }
 }

@@ -3,11 +3,13 @@
 //! desired ones ([`super::desired`]).
 //! - `consul`: resolvers' services, read through their queries, with the endpoints last
 //!   obtained kept for when a query cannot answer (`entry`: one service's entry).
-//! - `kube`: the Kubernetes Services routed to, from their own watch or their namespace's.
+//! - `kube`: the Kubernetes Services routed to, from their own watch or a shared one (their
+//!   namespace's or the cluster's), whose objects `shared` indexes by Service.
 
 mod consul;
 mod entry;
 mod kube;
+mod shared;
 
 use std::time::SystemTime;
 
