@@ -1,7 +1,7 @@
 # consul-resolver-operator. `make test` is what CI runs (.ci/run).
 CARGO ?= cargo
 
-.PHONY: build release test check e2e unit cluster-selftest e2e-deps image image-deps crds fmt lint demo bench-operator bench-scale bench-soak bench-cost bench-peers
+.PHONY: build release test check e2e unit cluster-selftest e2e-deps image image-deps crds fmt lint demo bench-operator bench-scale bench-tenants bench-soak bench-cost bench-peers
 
 build:
 	$(CARGO) build --workspace --all-targets
@@ -43,6 +43,11 @@ bench-operator:
 # 50,000 Mappings, 5,000 Consul services x 15 instances, held to the scale targets.
 bench-scale:
 	BENCH_PROFILE=scale $(CARGO) run --release -p e2e --bin operator-bench
+
+# Many tenants: 10,000 Kubernetes Services over 200 namespaces beside the default Consul
+# side, one operator over the cluster, held to the endpoints watch budget.
+bench-tenants:
+	BENCH_PROFILE=tenants $(CARGO) run --release -p e2e --bin operator-bench
 
 # Soak: 10 minutes of steady changes (port changes, health flips, Mapping churn) at the
 # default size; memory, sockets and tasks after warm-up, every change in the final snapshot.

@@ -2,6 +2,7 @@
 //! that runs the operator against a real local control plane.
 
 pub mod agent;
+pub mod apiserver;
 pub mod bench;
 pub mod consul;
 pub mod fixtures;

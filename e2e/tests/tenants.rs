@@ -9,8 +9,9 @@
 //! requests under the same ServiceAccount.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
+use e2e::apiserver::{self, connections, most_at_once};
 use e2e::fixtures::mapping_yaml;
 use e2e::harness::{Cluster, Operator, wait_for};
 use serde_json::Value;
@@ -104,79 +105,6 @@ fn kube_watches(op: &Operator) -> usize {
     op.metric("consul_resolver_watches{source=\"kubernetes\"}").unwrap_or(-1.0) as usize
 }
 
-/// The port of the API server the operator's kubeconfig names.
-fn apiserver_port(cluster: &Cluster) -> u16 {
-    let text = std::fs::read_to_string(&cluster.operator_kubeconfig).unwrap();
-    let kc: Value = serde_yaml::from_str(&text).unwrap();
-    let server = kc["clusters"][0]["cluster"]["server"].as_str().expect("a server in the kubeconfig");
-    url::Url::parse(server).unwrap().port().expect("the server's port")
-}
-
-/// The established TCP connections of process `pid` to local port `port`: its sockets
-/// (`/proc/<pid>/fd`) found in its network namespace's tables with that remote port.
-fn connections_to(pid: u32, port: u16) -> usize {
-    let inodes: BTreeSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .unwrap()
-        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter_map(|l| Some(l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned()))
-        .collect();
-    let mut n = 0;
-    for table in ["tcp", "tcp6"] {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
-        for line in text.lines().skip(1) {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            let remote_port = f.get(2).and_then(|r| r.rsplit(':').next()).and_then(|p| u16::from_str_radix(p, 16).ok());
-            // State 01 is ESTABLISHED; field 9 is the socket's inode.
-            if remote_port == Some(port) && f.get(3) == Some(&"01") && f.get(9).is_some_and(|i| inodes.contains(*i)) {
-                n += 1;
-            }
-        }
-    }
-    n
-}
-
-/// One watch request of the operator on endpoints, from its audit event.
-#[derive(Debug)]
-struct Watch {
-    started: SystemTime,
-    ended: SystemTime,
-    /// `None`: every namespace.
-    namespace: Option<String>,
-    field_selector: Option<String>,
-}
-
-/// The operator's ended endpoints watches (the 1.20 API server logs a watch once it ends).
-fn endpoints_watches(cluster: &Cluster) -> Vec<Watch> {
-    let user = cluster.operator_username().unwrap();
-    let events = cluster.audit_events().unwrap().expect("our own cluster has an audit log");
-    let time = |e: &Value, field: &str| humantime::parse_rfc3339_weak(e[field].as_str()?).ok();
-    events
-        .iter()
-        .filter(|e| e["user"]["username"] == user.as_str() && e["objectRef"]["resource"] == "endpoints")
-        .filter(|e| e["verb"] == "watch" && e["stage"] == "ResponseComplete")
-        .filter_map(|e| {
-            let uri = url::Url::parse(&format!("http://apiserver{}", e["requestURI"].as_str()?)).ok()?;
-            let field_selector = uri.query_pairs().find(|(k, _)| k == "fieldSelector").map(|(_, v)| v.into_owned());
-            Some(Watch {
-                started: time(e, "requestReceivedTimestamp")?,
-                ended: time(e, "stageTimestamp")?,
-                namespace: e["objectRef"]["namespace"].as_str().map(str::to_owned),
-                field_selector,
-            })
-        })
-        .collect()
-}
-
-/// The most watches running at once: at each watch's start, those begun by then and not
-/// ending within [`STOPPING`] of it.
-fn most_at_once(watches: &[Watch]) -> usize {
-    watches
-        .iter()
-        .map(|w| watches.iter().filter(|o| o.started <= w.started && o.ended > w.started + STOPPING).count())
-        .max()
-        .unwrap_or(0)
-}
-
 /// How many endpoints lists the operator made (one per watch it starts).
 fn endpoints_lists(cluster: &Cluster) -> usize {
     let user = cluster.operator_username().unwrap();
@@ -205,7 +133,7 @@ fn settle(tenants: &Tenants, op: &Operator, fixed: usize, port: u16, phase: &Pha
         (kube_watches(op) == want).then_some(())
     })
     .unwrap_or_else(|e| panic!("{e}: {} Kubernetes watches, {fixed} of them fixed\n{}", kube_watches(op), op.logs()));
-    let conns = connections_to(op.pid().unwrap(), port);
+    let conns = connections(op.pid().unwrap(), port);
     eprintln!(
         "{}: {} Services in {} namespaces, {} endpoints watches, {conns} connections to the API server",
         phase.what,
@@ -231,7 +159,7 @@ fn endpoints_watches_stay_within_the_budget_across_forty_namespaces_both_ways() 
         );
     };
     let tenants = Tenants::create(cluster);
-    let port = apiserver_port(cluster);
+    let port = apiserver::port(&cluster.operator_kubeconfig).unwrap();
     // Six namespaces of four Services each: 24 watches one each. Routed before the
     // operator starts, so its first layout is the settled one.
     let mut routes: BTreeSet<(usize, usize)> = (0..6).flat_map(|k| (0..SERVICES).map(move |i| (k, i))).collect();
@@ -273,11 +201,13 @@ fn endpoints_watches_stay_within_the_budget_across_forty_namespaces_both_ways() 
 
     let status = op.terminate(T).unwrap();
     assert!(status.success(), "{status}\n{}", op.logs());
-    let watches = endpoints_watches(cluster);
+    let user = cluster.operator_username().unwrap();
+    let events = cluster.audit_events().unwrap().unwrap_or_default();
+    let watches = apiserver::watch_requests(&events, &user, "endpoints");
     let cluster_wide = watches.iter().filter(|w| w.namespace.is_none()).count();
-    let namespaces = watches.iter().filter(|w| w.namespace.is_some() && w.field_selector.is_none()).count();
-    let services = watches.iter().filter(|w| w.field_selector.is_some()).count();
-    let most = most_at_once(&watches);
+    let namespaces = watches.iter().filter(|w| w.namespace.is_some() && !w.selects_one()).count();
+    let services = watches.iter().filter(|w| w.selects_one()).count();
+    let most = most_at_once(&watches, STOPPING);
     eprintln!(
         "over the operator's life: {} endpoints watches ({cluster_wide} of the cluster, {namespaces} of a namespace, {services} of a Service), at most {most} at once",
         watches.len()

@@ -90,24 +90,28 @@ fn reflector_run(
     s: &Settings,
 ) -> anyhow::Result<(Duration, Neighbours)> {
     let before = Neighbours::now(cluster)?;
-    let (t, n) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, &setup.namespaces))?;
+    let namespaces = s.confined().then_some(setup.namespaces.as_slice());
+    let (t, n) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, namespaces))?;
     let meanwhile = Neighbours::now(cluster)?.since(before);
     ensure!(n == s.mappings(), "the reflector saw {n} Mappings, not {}", s.mappings());
     Ok((t, meanwhile))
 }
 
-/// A bare kube-runtime reflector on the Mappings, one per namespace as the operator
-/// watches them: time from building the client (kubeconfig, discovery) to every store
-/// ready, and the objects in the stores.
-async fn reflector_once(kubeconfig: &Path, namespaces: &[String]) -> anyhow::Result<(Duration, usize)> {
+/// A bare kube-runtime reflector on the Mappings, as the operator watches them: one per
+/// namespace of `namespaces`, or one of the cluster (`None`). Time from building the client
+/// (kubeconfig, discovery) to every store ready, and the objects in the stores.
+async fn reflector_once(kubeconfig: &Path, namespaces: Option<&[String]>) -> anyhow::Result<(Duration, usize)> {
     let started = Instant::now();
     let client = kube_client(kubeconfig).await?;
     let group = kube::discovery::group(&client, "getambassador.io").await?;
     let (resource, _) = group.recommended_kind("Mapping").context("Mapping is not served")?;
     let mut stores = Vec::new();
     let mut tasks = Vec::new();
-    for ns in namespaces {
-        let api = Api::<DynamicObject>::namespaced_with(client.clone(), ns, &resource);
+    let apis: Vec<Api<DynamicObject>> = match namespaces {
+        Some(namespaces) => namespaces.iter().map(|ns| Api::namespaced_with(client.clone(), ns, &resource)).collect(),
+        None => vec![Api::all_with(client.clone(), &resource)],
+    };
+    for api in apis {
         let writer = reflector::store::Writer::new(resource.clone());
         stores.push(writer.as_reader());
         let stream = reflector::reflector(writer, watcher(api, watcher::Config::default()));
@@ -204,11 +208,11 @@ pub(crate) struct Instance {
     neighbours: Neighbours,
 }
 
-/// The operator's arguments: the setup's namespaces, a snapshot ConfigMap `cm` of its own,
+/// The operator's arguments: the setup's namespaces (where [`Settings::confined`]), a snapshot ConfigMap `cm` of its own,
 /// the profile's window and the budget.
 fn operator_args(setup: &Setup, s: &Settings, cm: &str, max_connections: u32) -> Vec<String> {
     let mut args: Vec<String> = Vec::new();
-    for ns in &setup.namespaces {
+    for ns in setup.namespaces.iter().filter(|_| s.confined()) {
         args.extend(["--namespace".into(), ns.clone()]);
     }
     args.extend([

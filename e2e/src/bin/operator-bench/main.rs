@@ -55,8 +55,14 @@
 //! endpoints), 10 Mappings per service (50,000), 5,000 Kubernetes Services routed to (one
 //! Mapping each), 5 namespaces and `BENCH_MODES=100`, and
 //! the targets to cold start < 10 s, spaced and back-to-back p99 < window + 250 ms, peak
-//! RSS < 400 MiB. Each variable set still overrides the profile's default; the targets go
-//! with the profile.
+//! RSS < 400 MiB. `BENCH_PROFILE=tenants` (`make bench-tenants`) keeps the default Consul
+//! side and adds 10,000 Kubernetes Services routed to (one Mapping and one Endpoints object
+//! of three addresses each), 50 in each of 200 namespaces, with the operator and the bare
+//! reflector over the whole cluster (no `--namespace`), and `BENCH_MODES=100`; its targets
+//! are the default's, peak RSS <= 200 MiB, endpoints watches at once (audit log) <= the
+//! default `--endpoints-watch-budget` (250), and connections to the API server after the
+//! changes (`/proc`) <= 270. Each variable set still overrides the profile's default; the
+//! targets go with the profile.
 //!
 //! Cost table: `BENCH_SIZES=250x1,1000x1,5000x15` (`make bench-cost`; services x instances
 //! per service, Mappings = services x `BENCH_MAPPINGS_PER_SERVICE`) runs one operator per

@@ -7,10 +7,22 @@ use std::time::Duration;
 use anyhow::{Context, bail, ensure};
 use e2e::bench::env_usize;
 
+/// `BENCH_PROFILE`: the defaults of the sizes, and the targets (see `Targets`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Profile {
+    /// Unset or `default`: 1,000 services, 10,000 Mappings in 5 namespaces.
+    Default,
+    /// `scale`: 5,000 services x 15 instances, 50,000 Mappings, 5,000 Kubernetes Services.
+    Scale,
+    /// `tenants`: the default Consul side beside 10,000 Kubernetes Services routed to, 50 in
+    /// each of 200 namespaces, with the operator over the whole cluster (no `--namespace`),
+    /// as a many-tenant cluster runs it.
+    Tenants,
+}
+
 #[derive(Clone)]
 pub(crate) struct Settings {
-    /// `BENCH_PROFILE=scale`: larger defaults and the scale targets (see `Targets`).
-    pub(crate) scale: bool,
+    pub(crate) profile: Profile,
     pub(crate) services: usize,
     /// Consul instances per service (`BENCH_INSTANCES_PER_SERVICE`).
     pub(crate) instances: usize,
@@ -19,8 +31,9 @@ pub(crate) struct Settings {
     pub(crate) changes: usize,
     /// Node check flips (`BENCH_NODE_FLIPS`, 50).
     pub(crate) node_flips: usize,
-    /// Kubernetes Services routed to (`BENCH_KUBE_SERVICES`: 5,000 at scale, else 0): each
-    /// an Endpoints object with three addresses and one Mapping, spread over the namespaces.
+    /// Kubernetes Services routed to (`BENCH_KUBE_SERVICES`: 5,000 at scale, 10,000 in the
+    /// tenants profile, else 0): each an Endpoints object with three addresses and one
+    /// Mapping, spread over the namespaces.
     pub(crate) kube_services: usize,
     /// Consul scopes (`BENCH_SCOPES`, 1): with 2, the resolvers of every other namespace
     /// name a token (a Secret), which is another scope with a change feed of its own.
@@ -39,21 +52,31 @@ pub(crate) struct Settings {
 impl Settings {
     /// The profile gives the defaults; each variable set overrides its own.
     pub(crate) fn from_env() -> anyhow::Result<Settings> {
-        let scale = scale_profile()?;
+        let profile = profile()?;
+        let (scale, tenants) = (profile == Profile::Scale, profile == Profile::Tenants);
         let s = Settings {
-            scale,
+            profile,
             // Scale: 75,000 endpoints and 50,000 Mappings.
             services: env_usize("BENCH_SERVICES", if scale { 5000 } else { 1000 }),
             instances: env_usize("BENCH_INSTANCES_PER_SERVICE", if scale { 15 } else { 1 }),
             per_service: env_usize("BENCH_MAPPINGS_PER_SERVICE", 10),
-            namespaces: env_usize("BENCH_NAMESPACES", 5),
+            namespaces: env_usize("BENCH_NAMESPACES", if tenants { 200 } else { 5 }),
             changes: env_usize("BENCH_CHANGES", 200),
             node_flips: env_usize("BENCH_NODE_FLIPS", 50),
-            kube_services: env_usize("BENCH_KUBE_SERVICES", if scale { 5000 } else { 0 }),
+            kube_services: env_usize(
+                "BENCH_KUBE_SERVICES",
+                if scale {
+                    5000
+                } else if tenants {
+                    10_000
+                } else {
+                    0
+                },
+            ),
             scopes: env_usize("BENCH_SCOPES", 1).max(1),
             warm_up: env_usize("BENCH_WARM_UP_LISTS", 2),
             pin: env_usize("BENCH_PIN", 0) == 1,
-            modes: modes(scale)?,
+            modes: modes(profile)?,
             window: std::env::var("BENCH_COALESCE_WINDOW").unwrap_or_else(|_| "250ms".into()),
             sizes: sizes()?,
         };
@@ -79,6 +102,12 @@ impl Settings {
         Ok(())
     }
 
+    /// Whether the operator (and the bare reflector) is confined to the setup's namespaces
+    /// with `--namespace`: not in the tenants profile, where one operator serves the cluster.
+    pub(crate) fn confined(&self) -> bool {
+        self.profile != Profile::Tenants
+    }
+
     /// Every Mapping: those to Consul services and one per Kubernetes Service.
     pub(crate) fn mappings(&self) -> usize {
         self.services * self.per_service + self.kube_services
@@ -98,18 +127,20 @@ impl Settings {
     }
 }
 
-/// `BENCH_PROFILE`: whether the scale profile's defaults and targets apply.
-fn scale_profile() -> anyhow::Result<bool> {
+/// `BENCH_PROFILE`.
+fn profile() -> anyhow::Result<Profile> {
     match std::env::var("BENCH_PROFILE").as_deref() {
-        Ok("scale") => Ok(true),
-        Ok("" | "default") | Err(_) => Ok(false),
-        Ok(other) => bail!("BENCH_PROFILE={other}: the profiles are `default` and `scale`"),
+        Ok("scale") => Ok(Profile::Scale),
+        Ok("tenants") => Ok(Profile::Tenants),
+        Ok("" | "default") | Err(_) => Ok(Profile::Default),
+        Ok(other) => bail!("BENCH_PROFILE={other}: the profiles are `default`, `scale` and `tenants`"),
     }
 }
 
 /// `BENCH_MODES`: the `--consul-max-connections` budgets, one operator run each.
-fn modes(scale: bool) -> anyhow::Result<Vec<u32>> {
-    let modes = std::env::var("BENCH_MODES").unwrap_or_else(|_| (if scale { "100" } else { "100,1200" }).into());
+fn modes(profile: Profile) -> anyhow::Result<Vec<u32>> {
+    let default = if profile == Profile::Default { "100,1200" } else { "100" };
+    let modes = std::env::var("BENCH_MODES").unwrap_or_else(|_| default.into());
     Ok(modes.split(',').map(|m| m.trim().parse::<u32>()).collect::<Result<Vec<_>, _>>()?)
 }
 

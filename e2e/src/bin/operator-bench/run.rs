@@ -8,6 +8,7 @@ use std::path::Path;
 use std::time::{Duration, SystemTime};
 
 use consul_sim::RunningSim;
+use e2e::apiserver::{self, WatchRequest};
 use e2e::harness::Cluster;
 use tokio::runtime::Runtime;
 
@@ -29,6 +30,8 @@ pub(crate) struct Run {
     pub(crate) held: Held,
     pub(crate) changes: Changes,
     pub(crate) audit: Option<Audit>,
+    /// The operator's connections to the API server after the changes.
+    pub(crate) api_connections: usize,
     pub(crate) peak_sim_connections: usize,
     pub(crate) memory_first: (u64, u64),
     pub(crate) memory_end: (u64, u64),
@@ -54,6 +57,7 @@ pub(crate) fn run_operator(
         op, pid, spawned_at, snapshot, bootstrap_requests, bootstrap_services_queried, memory_first, ..
     } = instance;
     let memory_end = memory_kib(pid)?;
+    let api_connections = apiserver::connections(pid, apiserver::port(&cluster.operator_kubeconfig)?);
     let peak_sim_connections = sim.stats().peak_connections_total;
     let log = op.logs();
     let exit = stop(op, sim)?;
@@ -61,7 +65,9 @@ pub(crate) fn run_operator(
     let audit = cluster.audit_log().map(|p| audit_since(&p, setup.audit_offset, spawned_at)).transpose()?;
     if let Some(a) = &audit {
         println!("  audit: watches {:?}; verbs {:?}", a.watches, a.verbs);
+        println!("  audit: endpoints watches {}, at most {} at once", a.endpoints.len(), a.endpoints_at_once());
     }
+    println!("  connections to the API server after the changes: {api_connections}");
     Ok(Run {
         max_connections,
         starts,
@@ -72,6 +78,7 @@ pub(crate) fn run_operator(
         held,
         changes,
         audit,
+        api_connections,
         peak_sim_connections,
         memory_first,
         memory_end,
@@ -123,6 +130,16 @@ fn held(sim: &RunningSim) -> Held {
 pub(crate) struct Audit {
     pub(crate) watches: BTreeMap<String, usize>,
     pub(crate) verbs: BTreeMap<String, usize>,
+    /// The endpoints watches, each with when it ran.
+    pub(crate) endpoints: Vec<WatchRequest>,
+}
+
+impl Audit {
+    /// The most endpoints watches running at once (the budget's measure).
+    pub(crate) fn endpoints_at_once(&self) -> usize {
+        // A watch the operator stopped as another began ends in the log a moment later.
+        apiserver::most_at_once(&self.endpoints, Duration::from_millis(100))
+    }
 }
 
 fn audit_since(path: &Path, offset: u64, since: SystemTime) -> anyhow::Result<Audit> {
@@ -132,13 +149,17 @@ fn audit_since(path: &Path, offset: u64, since: SystemTime) -> anyhow::Result<Au
     f.read_to_string(&mut text)?;
     let mut seen = HashSet::new();
     let mut audit = Audit::default();
+    let mut ours = Vec::new();
     for line in text.lines() {
         let Ok(e) = serde_json::from_str::<serde_json::Value>(line) else { continue };
         let received = e["requestReceivedTimestamp"].as_str().and_then(|t| humantime::parse_rfc3339_weak(t).ok());
-        if e["user"]["username"] != OPERATOR_USER
-            || received.is_none_or(|t| t < since)
-            || !seen.insert(e["auditID"].as_str().unwrap_or_default().to_owned())
-        {
+        if e["user"]["username"] != OPERATOR_USER || received.is_none_or(|t| t < since) {
+            continue;
+        }
+        if e["objectRef"]["resource"] == "endpoints" && e["verb"] == "watch" {
+            ours.push(e.clone());
+        }
+        if !seen.insert(e["auditID"].as_str().unwrap_or_default().to_owned()) {
             continue;
         }
         let verb = e["verb"].as_str().unwrap_or_default();
@@ -149,5 +170,6 @@ fn audit_since(path: &Path, offset: u64, since: SystemTime) -> anyhow::Result<Au
             *audit.watches.entry(key).or_default() += 1;
         }
     }
+    audit.endpoints = apiserver::watch_requests(&ours, OPERATOR_USER, "endpoints");
     Ok(audit)
 }
