@@ -116,10 +116,9 @@ pub const DEFAULT_ENDPOINTS_NAMESPACE_WATCH_ABOVE: usize = 100;
 pub const DEFAULT_ENDPOINTS_WATCH_BUDGET: usize = 250;
 
 impl WatchLimits {
-    /// Where a budget move back is allowed: a move narrows only while the watches stay at or
-    /// below three quarters of the budget, so a count hovering at the budget does not flip
-    /// them, and the new watches plus the old one they replace (until they have listed)
-    /// still fit within it.
+    /// Where a move back is allowed: a namespace goes back to one watch per Service, and the
+    /// cluster's watch back to the namespaces', only while the watches stay at or below three
+    /// quarters of the budget, so a count hovering at the budget does not flip them.
     pub(crate) fn low_water(self) -> usize {
         self.budget.saturating_mul(3) / 4
     }
