@@ -9,7 +9,7 @@ use anyhow::{Context, bail, ensure};
 use consul_sim::RunningSim;
 use e2e::harness::{Cluster, Operator, unique};
 use futures::StreamExt;
-use kube::api::{Api, DynamicObject};
+use kube::api::{Api, ApiResource, DynamicObject};
 use kube::runtime::{reflector, watcher};
 use serde::Deserialize;
 use serde::de::IgnoredAny;
@@ -81,8 +81,9 @@ pub(crate) fn warm_up(rt: &Runtime, cluster: &Cluster, setup: &Setup, s: &Settin
     Ok(())
 }
 
-/// One [`reflector_once`] over the setup's Mappings, checked to have seen every one: its
-/// time and what the others used meanwhile.
+/// One [`reflector_once`] over the setup's Mappings (and Endpoints, where it has Kubernetes
+/// Services: the objects the operator reads), checked to have seen every one: its time and
+/// what the others used meanwhile.
 fn reflector_run(
     rt: &Runtime,
     cluster: &Cluster,
@@ -91,37 +92,52 @@ fn reflector_run(
 ) -> anyhow::Result<(Duration, Neighbours)> {
     let before = Neighbours::now(cluster)?;
     let namespaces = s.confined().then_some(setup.namespaces.as_slice());
-    let (t, n) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, namespaces))?;
+    let endpoints = s.kube_services > 0;
+    let (t, [mappings, objects]) = rt.block_on(reflector_once(&cluster.operator_kubeconfig, namespaces, endpoints))?;
     let meanwhile = Neighbours::now(cluster)?.since(before);
-    ensure!(n == s.mappings(), "the reflector saw {n} Mappings, not {}", s.mappings());
+    ensure!(mappings == s.mappings(), "the reflector saw {mappings} Mappings, not {}", s.mappings());
+    ensure!(objects >= s.kube_services, "the reflector saw {objects} Endpoints, not {}", s.kube_services);
     Ok((t, meanwhile))
 }
 
-/// A bare kube-runtime reflector on the Mappings, as the operator watches them: one per
-/// namespace of `namespaces`, or one of the cluster (`None`). Time from building the client
-/// (kubeconfig, discovery) to every store ready, and the objects in the stores.
-async fn reflector_once(kubeconfig: &Path, namespaces: Option<&[String]>) -> anyhow::Result<(Duration, usize)> {
+/// A bare kube-runtime reflector on the Mappings and, with `endpoints`, the Endpoints, as the
+/// operator watches them: one per namespace of `namespaces`, or one of the cluster (`None`).
+/// Time from building the client (kubeconfig, discovery) to every store ready, and the
+/// Mappings and Endpoints in the stores.
+async fn reflector_once(
+    kubeconfig: &Path,
+    namespaces: Option<&[String]>,
+    endpoints: bool,
+) -> anyhow::Result<(Duration, [usize; 2])> {
     let started = Instant::now();
     let client = kube_client(kubeconfig).await?;
     let group = kube::discovery::group(&client, "getambassador.io").await?;
-    let (resource, _) = group.recommended_kind("Mapping").context("Mapping is not served")?;
-    let mut stores = Vec::new();
-    let mut tasks = Vec::new();
-    let apis: Vec<Api<DynamicObject>> = match namespaces {
-        Some(namespaces) => namespaces.iter().map(|ns| Api::namespaced_with(client.clone(), ns, &resource)).collect(),
-        None => vec![Api::all_with(client.clone(), &resource)],
-    };
-    for api in apis {
-        let writer = reflector::store::Writer::new(resource.clone());
-        stores.push(writer.as_reader());
-        let stream = reflector::reflector(writer, watcher(api, watcher::Config::default()));
-        tasks.push(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(stream.for_each(|_| async {}))));
+    let (mapping, _) = group.recommended_kind("Mapping").context("Mapping is not served")?;
+    let mut resources = vec![mapping];
+    if endpoints {
+        resources.push(ApiResource::erase::<k8s_openapi::api::core::v1::Endpoints>(&()));
     }
-    for store in &stores {
+    let mut stores: [Vec<reflector::Store<DynamicObject>>; 2] = Default::default();
+    let mut tasks = Vec::new();
+    for (kind, resource) in resources.iter().enumerate() {
+        let apis: Vec<Api<DynamicObject>> = match namespaces {
+            Some(namespaces) => {
+                namespaces.iter().map(|ns| Api::namespaced_with(client.clone(), ns, resource)).collect()
+            }
+            None => vec![Api::all_with(client.clone(), resource)],
+        };
+        for api in apis {
+            let writer = reflector::store::Writer::new(resource.clone());
+            stores[kind].push(writer.as_reader());
+            let stream = reflector::reflector(writer, watcher(api, watcher::Config::default()));
+            tasks.push(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(stream.for_each(|_| async {}))));
+        }
+    }
+    for store in stores.iter().flatten() {
         tokio::time::timeout(COLD_START_LIMIT, store.wait_until_ready()).await??;
     }
     let elapsed = started.elapsed();
-    Ok((elapsed, stores.iter().map(|s| s.len()).sum()))
+    Ok((elapsed, stores.map(|kind| kind.iter().map(|s| s.len()).sum())))
 }
 
 /// The cold starts of one run.
@@ -168,9 +184,10 @@ pub(crate) fn cold_starts(
         if plan == Plan::Compared {
             let (t, meanwhile) = reflector_run(rt, cluster, setup, s)?;
             println!(
-                "  bare reflector: {} ({} Mappings), CPU {}; {}",
+                "  bare reflector: {} ({} Mappings, {} Endpoints), CPU {}; {}",
                 ms(t),
                 s.mappings(),
+                s.kube_services,
                 ms(meanwhile.bench),
                 meanwhile.text()
             );
