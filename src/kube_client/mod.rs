@@ -111,10 +111,10 @@ pub(crate) fn client(config: kube::Config, timeout: Duration) -> anyhow::Result<
 
 /// Idle connections each client keeps to the API server. Over HTTP/1.1 a burst of
 /// concurrent requests (a cold start's lists, statuses written in parallel, watches
-/// renewed) opens a connection each, and without a bound every one stayed open while idle
-/// (90 s, and longer when reused now and then): 347 connections where 249 watches and a
-/// few writers needed about 265 (the tenants benchmark). A handful covers the writers'
-/// concurrency; a watch holds its own connection while it runs.
+/// renewed) opens a connection each, and without a bound every one stays open while idle
+/// (90 s, longer when reused now and then): the tenants benchmark counted up to 347
+/// connections where its 249 watches and the writers need about 265. A handful covers the
+/// writers' concurrency; a watch holds its own connection while it runs.
 const MAX_IDLE_CONNECTIONS: usize = 16;
 
 /// The TCP connector of both clients, with TCP_NODELAY. Without it, a new connection's

@@ -295,7 +295,7 @@ fn cold_start_rows(table: &Table<'_>, targets: &Targets) {
         &target(&[targets.cold_start.map(median_of)]),
         |r| min_med_max(&r.starts.cold, secs),
     );
-    table.row("bare reflector on the same Mappings (min / median / max of 3)", "", |r| {
+    table.row("bare reflector on the same objects (min / median / max of 3)", "", |r| {
         min_med_max(&r.starts.reflector, secs)
     });
     table.row("CPU (user + system) to the end: operator to its first snapshot / bare reflector (medians)", "", |r| {
