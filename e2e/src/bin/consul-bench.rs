@@ -2,14 +2,17 @@
 //! timed test): `cargo run --release -p e2e --bin consul-bench`.
 //!
 //! 1,000 watched services with the product's default options (`healthStatuses: [passing]`),
-//! each on a node of its own, over two scopes (tokens; `BENCH_SCOPES`), at the default budget
+//! each on a node of its own (`BENCH_SERVICES_PER_NODE`, 1: more puts them on shared nodes,
+//! as services registered through the agents of a few hosts are), over two scopes (tokens;
+//! `BENCH_SCOPES`), at the default budget
 //! (100 connections: a change feed per scope, dedicated queries for the rest of the lanes,
 //! the other services "fed"). Reports, one change at a time:
 //! - health flips (a service check critical, then passing again; `BENCH_FLIPS`, 1,000):
 //!   latency from the write to the event, separately for dedicated services (the baseline of
 //!   the same run) and fed ones of each scope, and Consul requests per flip;
 //! - node check flips (`serfHealth` critical, then passing again; `BENCH_NODE_FLIPS`, 200):
-//!   the same figures;
+//!   the same figures (the event awaited is the flipped service's; a shared node's other
+//!   services change with it);
 //! - port changes (`BENCH_CHANGES`, 100), which move the catalog without rewriting a check:
 //!   the same figures;
 //! - the requests per watched service per minute when nothing changes (`BENCH_IDLE_SECS`,
@@ -45,7 +48,7 @@ async fn main() -> anyhow::Result<()> {
     let sim_config = Config { tls: pki.as_ref().map(TestPki::server_tls), ..Config::default() };
     // Its own thread and runtime, so the simulator's work does not share ours.
     let sim = Simulator::start_background(sim_config.clone())?;
-    let catalog = Catalog::new(sim.base_url(), pki.as_ref())?;
+    let catalog = Catalog::new(sim.base_url(), pki.as_ref(), k.services_per_node)?;
     let names: Vec<String> = (0..k.services).map(|i| format!("svc-{i}")).collect();
     for n in &names {
         catalog.register(n, 1, Some("passing")).await?;
@@ -71,6 +74,7 @@ async fn main() -> anyhow::Result<()> {
         k.scopes,
         idle.dedicated.len()
     );
+    println!("services per node:          {}", k.services_per_node);
     println!("connection budget:          {}", settings.max_connections);
     println!("change feeds:               {}", metrics.feeds());
     println!("bootstrap (all answered):   {bootstrap:?}");
@@ -97,6 +101,7 @@ async fn main() -> anyhow::Result<()> {
 /// The run's sizes, from the environment (see the crate's documentation).
 struct Knobs {
     services: usize,
+    services_per_node: usize,
     changes: usize,
     flips: usize,
     node_flips: usize,
@@ -109,6 +114,7 @@ impl Knobs {
     fn from_env() -> Knobs {
         Knobs {
             services: env_usize("BENCH_SERVICES", 1000),
+            services_per_node: env_usize("BENCH_SERVICES_PER_NODE", 1).max(1),
             changes: env_usize("BENCH_CHANGES", 100),
             flips: env_usize("BENCH_FLIPS", 1000),
             node_flips: env_usize("BENCH_NODE_FLIPS", 200),
@@ -123,15 +129,23 @@ impl Knobs {
 struct Catalog {
     http: reqwest::Client,
     base: String,
+    /// How many services share a node: service `svc-<i>` runs on node `node-<i / this>`.
+    services_per_node: usize,
 }
 
 impl Catalog {
-    fn new(base: String, pki: Option<&TestPki>) -> anyhow::Result<Catalog> {
+    fn new(base: String, pki: Option<&TestPki>, services_per_node: usize) -> anyhow::Result<Catalog> {
         let http = match pki {
             Some(pki) => reqwest::Client::builder().use_preconfigured_tls(pki.client_config(false)?).build()?,
             None => reqwest::Client::new(),
         };
-        Ok(Catalog { http, base })
+        Ok(Catalog { http, base, services_per_node })
+    }
+
+    /// The node service `name` (`svc-<i>`) runs on.
+    fn node(&self, name: &str) -> String {
+        let i: usize = name.trim_start_matches("svc-").parse().unwrap_or_default();
+        format!("node-{}", i / self.services_per_node)
     }
 
     async fn put(&self, path: &'static str, body: serde_json::Value) -> anyhow::Result<()> {
@@ -140,11 +154,11 @@ impl Catalog {
         Ok(())
     }
 
-    /// Each service on a node of its own, so a node check concerns one service. `status:
-    /// None` writes the service alone, leaving its check as it is: a catalog move the checks
+    /// Each service on its node (by default a node of its own, so a node check concerns one
+    /// service). `status: None` writes the service alone, leaving its check as it is: a catalog move the checks
     /// cannot account for (as on agents that do not rewrite an unchanged check).
     async fn register(&self, name: &str, port: u16, status: Option<&'static str>) -> anyhow::Result<()> {
-        let mut body = json!({"Node": format!("{name}-node"), "Address": "127.0.0.1",
+        let mut body = json!({"Node": self.node(name), "Address": "127.0.0.1",
             "Service": {"ID": name, "Service": name, "Port": port}});
         if let Some(status) = status {
             body["Check"] =
@@ -156,7 +170,7 @@ impl Catalog {
     async fn node_check(&self, name: &str, status: &'static str) -> anyhow::Result<()> {
         self.put(
             "/v1/catalog/register",
-            json!({"Node": format!("{name}-node"), "Address": "127.0.0.1",
+            json!({"Node": self.node(name), "Address": "127.0.0.1",
                    "Check": {"CheckID": "serfHealth", "Name": "Serf Health Status", "Status": status}}),
         )
         .await
