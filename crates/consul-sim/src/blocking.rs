@@ -29,6 +29,10 @@ pub(crate) enum Watched {
     CatalogServices,
     /// `/v1/health/state/<state>`.
     ChecksTable,
+    /// `/v1/catalog/nodes`.
+    Nodes,
+    /// `/v1/catalog/node-services/<node>`.
+    NodeServices(String),
 }
 
 impl Watched {
@@ -40,6 +44,8 @@ impl Watched {
             Watched::Connect(key) => c.connect_index(key),
             Watched::CatalogServices => c.services_index(),
             Watched::ChecksTable => c.checks_index(),
+            Watched::Nodes => c.nodes_index(),
+            Watched::NodeServices(node) => c.node_services_index(node),
         }
     }
 }

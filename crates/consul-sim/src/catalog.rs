@@ -26,9 +26,15 @@
 //! When is a check rewritten? When its own fields change; when a write that changes anything
 //! (node, service, or another check) names it again, as the 0.9 agent of
 //! `docs/consul-protocol.md` did ("same check, new port": the check's `ModifyIndex` and the
-//! checks index moved); and when its service's name or tags change, because the check shows
+//! checks index moved), unless [`Catalog::keeps_unchanged_checks`] (Consul 1.8's state
+//! store, which skips a check that is the same: a port or address change then leaves its
+//! check as it was); and when its service's name or tags change, because the check shows
 //! them (`ServiceName`, `ServiceTags`), which is when current agents rewrite it too. A
 //! registration that changes nothing rewrites nothing and takes no index.
+//!
+//! Nodes and instances keep `CreateIndex` and take the index of the write that last changed
+//! them as `ModifyIndex` (`/v1/catalog/nodes`, `/v1/catalog/node-services/<node>`); the
+//! nodes table index moves when a node is created, changed or removed.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -402,6 +408,7 @@ pub(crate) struct StateEntry {
 struct Tx {
     changed: bool,
     services_table_changed: bool,
+    nodes_table_changed: bool,
     checks_table_changed: bool,
     dirty: BTreeSet<ServiceKey>,
     /// Connect destinations (see [`connect_key`]) whose proxies changed.
@@ -565,6 +572,11 @@ pub(crate) struct Catalog {
     /// When a destination last lost its final proxy.
     last_connect_extinction: Option<u64>,
     services_table_index: u64,
+    /// The index of the last write to any node.
+    nodes_table_index: u64,
+    /// A registration that names an unchanged check again leaves it as it is, whatever
+    /// else it changes (see the module's doc); set before each write.
+    pub(crate) keeps_unchanged_checks: bool,
     /// The index of the last write to any check.
     checks_table_index: u64,
     last_extinction: Option<u64>,
@@ -590,6 +602,8 @@ impl Catalog {
             connect_indexes: HashMap::new(),
             last_connect_extinction: None,
             services_table_index: 0,
+            nodes_table_index: 0,
+            keeps_unchanged_checks: false,
             checks_table_index: 0,
             last_extinction: None,
         }
@@ -631,6 +645,38 @@ impl Catalog {
     /// The index `/v1/catalog/services` reports.
     pub(crate) fn services_index(&self) -> u64 {
         self.services_table_index
+    }
+
+    /// The index `/v1/catalog/nodes` reports.
+    pub(crate) fn nodes_index(&self) -> u64 {
+        self.nodes_table_index
+    }
+
+    /// The index `/v1/catalog/node-services/<node>` reports: the later of the nodes' and the
+    /// services' tables, `0` for a node that does not exist (as Consul's state store).
+    pub(crate) fn node_services_index(&self, node: &str) -> u64 {
+        if self.nodes.contains_key(node) { self.nodes_table_index.max(self.services_table_index) } else { 0 }
+    }
+
+    /// Every node, by name.
+    pub(crate) fn nodes(&self) -> Vec<Arc<Node>> {
+        self.nodes.values().cloned().collect()
+    }
+
+    /// A node and its instances in a namespace/partition, by service ID; `None` for a node
+    /// that does not exist.
+    pub(crate) fn node_with_services(
+        &self,
+        node: &str,
+        namespace: Option<&str>,
+        partition: Option<&str>,
+    ) -> Option<(Arc<Node>, Vec<Arc<ServiceInstance>>)> {
+        let scope = ServiceKey::scoped("", namespace, partition);
+        let in_scope =
+            |s: &&Arc<ServiceInstance>| s.key.namespace == scope.namespace && s.key.partition == scope.partition;
+        let on_node = (node.to_owned(), String::new())..(format!("{node}\0"), String::new());
+        let services = self.services.range(on_node).map(|(_, s)| s).filter(in_scope).cloned().collect();
+        Some((self.nodes.get(node)?.clone(), services))
     }
 
     /// Whether a sameness group of that name exists.
@@ -725,6 +771,7 @@ impl Catalog {
             ..Catalog::new(self.datacenter.clone(), self.raft_index)
         });
         imported.raft_index = self.raft_index;
+        imported.keeps_unchanged_checks = self.keeps_unchanged_checks;
         let result = write(&mut imported);
         self.raft_index = imported.raft_index;
         self.imported.insert(peer.to_owned(), imported);
@@ -955,11 +1002,13 @@ impl Catalog {
             Some(existing) => {
                 *existing = Arc::new(Node { create_index: existing.create_index, ..node });
                 tx.changed = true;
+                tx.nodes_table_changed = true;
                 self.mark_node_services(&node_name, tx);
             }
             None => {
                 self.nodes.insert(node_name, Arc::new(node));
                 tx.changed = true;
+                tx.nodes_table_changed = true;
             }
         }
     }
@@ -1003,6 +1052,9 @@ impl Catalog {
         }
         for check in checks {
             let k = (node_name.to_owned(), check.check_id.clone());
+            if self.keeps_unchanged_checks && self.checks.get(&k).is_some_and(|e| e.same_data(&check)) {
+                continue;
+            }
             let previous_service = self.checks.get(&k).map(|c| c.service_id.clone());
             for sid in previous_service.iter().chain(std::iter::once(&check.service_id)) {
                 self.mark_check_owner(node_name, sid, tx);
@@ -1026,6 +1078,7 @@ impl Catalog {
         if service_id.is_none() && check_id.is_none() {
             if self.nodes.remove(&node).is_some() {
                 tx.changed = true;
+                tx.nodes_table_changed = true;
             }
             let ids: Vec<_> = self.node_services(&node).map(|s| s.id.clone()).collect();
             for id in ids {
@@ -1068,6 +1121,7 @@ impl Catalog {
         for imported in self.imported.values_mut() {
             imported.reset_indexes(index);
         }
+        self.nodes_table_index = index;
         for (_, i) in self.sameness_groups.values_mut() {
             *i = index;
         }
@@ -1247,6 +1301,9 @@ impl Catalog {
         self.raft_index = idx;
         if tx.services_table_changed {
             self.services_table_index = idx;
+        }
+        if tx.nodes_table_changed {
+            self.nodes_table_index = idx;
         }
         if tx.checks_table_changed {
             self.checks_table_index = idx;
@@ -1539,6 +1596,62 @@ mod tests {
         assert_eq!(check_of(&c, "n1", "check-a1").modify_index, i + 1);
         assert_eq!(c.checks_index(), i + 1);
         assert_eq!(c.raft_index(), i + 2);
+    }
+
+    #[test]
+    fn nodes_and_instances_take_the_index_of_their_last_change() {
+        let mut c = Catalog::new("dc1", 1);
+        c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), None, None).unwrap();
+        let created = c.raft_index();
+        c.register(bare_service("n1", "b", "b1", 80), Some("team"), None).unwrap();
+        assert_eq!(c.nodes_index(), created, "the node did not change");
+        let n1 = |c: &Catalog| c.node_with_services("n1", None, None).unwrap();
+        let (node, services) = n1(&c);
+        assert_eq!((node.create_index, node.modify_index), (created, created));
+        assert_eq!(services.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["a1"], "b1 is in another namespace");
+        assert_eq!(c.node_with_services("n1", Some("team"), None).unwrap().1[0].id, "b1");
+        // A port change without the check: the instance's ModifyIndex moves, its CreateIndex stays.
+        let mut r = bare_service("n1", "a", "a1", 81);
+        r.service.as_mut().unwrap().tags = Some(vec!["a".into()]);
+        c.register(r, None, None).unwrap();
+        assert_eq!(check_of(&c, "n1", "check-a1").modify_index, created, "the check was not named");
+        let a1 = &n1(&c).1[0];
+        assert_eq!((a1.create_index, a1.modify_index, a1.port), (created, c.raft_index(), 81));
+        assert_eq!(c.node_services_index("n1"), c.raft_index(), "the services table moved");
+        // A new address: the node moves, and the nodes table.
+        let readdressed = serde_json::json!({"Node": "n1", "Address": "10.0.0.9"});
+        c.register(serde_json::from_value(readdressed).unwrap(), None, None).unwrap();
+        let (node, _) = n1(&c);
+        assert_eq!((node.create_index, node.modify_index), (created, c.raft_index()));
+        assert_eq!(c.nodes_index(), c.raft_index());
+        assert_eq!(c.nodes().iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), ["n1"]);
+        assert!(c.node_with_services("n9", None, None).is_none());
+        assert_eq!(c.node_services_index("n9"), 0, "an unknown node: no index (answered as 1)");
+        c.deregister(dereg("n1", None)).unwrap();
+        assert_eq!(c.nodes_index(), c.raft_index(), "a node removed moves the table");
+        c.reset_indexes(2);
+        assert_eq!(c.nodes_index(), 2);
+    }
+
+    #[test]
+    fn a_kept_check_is_not_rewritten_by_its_services_port_change() {
+        let mut c = Catalog { keeps_unchanged_checks: true, ..Catalog::new("dc1", 1) };
+        c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), None, None).unwrap();
+        let written = c.checks_index();
+        let mut r = reg("n1", "10.0.0.1", "a", "a1", "passing");
+        r.service.as_mut().unwrap().port = Some(81);
+        assert!(c.register(r, None, None).unwrap());
+        assert_eq!(check_of(&c, "n1", "check-a1").modify_index, written);
+        assert_eq!((c.checks_index(), c.services_index()), (written, written + 1));
+        // A change of its own is written.
+        c.register(reg("n1", "10.0.0.1", "a", "a1", "critical"), None, None).unwrap();
+        assert_eq!(check_of(&c, "n1", "check-a1").modify_index, c.raft_index());
+        // Without the switch, the 0.9 agent's "same check, new port".
+        c.keeps_unchanged_checks = false;
+        let mut r = reg("n1", "10.0.0.1", "a", "a1", "critical");
+        r.service.as_mut().unwrap().port = Some(82);
+        c.register(r, None, None).unwrap();
+        assert_eq!(check_of(&c, "n1", "check-a1").modify_index, c.raft_index());
     }
 
     #[test]

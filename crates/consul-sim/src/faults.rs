@@ -106,6 +106,8 @@ pub struct Faults {
     /// any instances (after the read's tags and `filter`) answers, and `?passing` then
     /// filters its instances, to nothing when none passes, rather than failing over.
     pub sameness_before_health: bool,
+    /// A registration naming an unchanged check again leaves it as it is ([`Config::keeps_unchanged_checks`]).
+    pub keeps_unchanged_checks: bool,
     /// Older agents' behaviours ([`Config::single_health_index`] and the fields after it;
     /// [`Config::legacy`] turns them all on): start-up values from the [`Config`], changeable
     /// at run time like any fault. Each applies to requests that arrive after it is set.
@@ -144,6 +146,7 @@ impl Faults {
             agent_cut_off: false,
             strip_index: false,
             sameness_before_health: false,
+            keeps_unchanged_checks: config.keeps_unchanged_checks,
             single_health_index: config.single_health_index,
             zero_index_when_empty: config.zero_index_when_empty,
             first_tag_only: config.first_tag_only,
@@ -178,6 +181,7 @@ impl Faults {
             agent_cut_off,
             strip_index,
             sameness_before_health,
+            keeps_unchanged_checks,
             single_health_index,
             zero_index_when_empty,
             first_tag_only,
@@ -222,6 +226,7 @@ impl Faults {
             (agent_cut_off, &mut self.agent_cut_off),
             (strip_index, &mut self.strip_index),
             (sameness_before_health, &mut self.sameness_before_health),
+            (keeps_unchanged_checks, &mut self.keeps_unchanged_checks),
         ];
         for (value, field) in switches {
             if let Some(v) = value {
@@ -260,6 +265,8 @@ pub struct FaultsPatch {
     pub strip_index: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sameness_before_health: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keeps_unchanged_checks: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub single_health_index: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -64,6 +64,19 @@
 //!   service's name or tags.
 //! - `PUT /v1/catalog/register`, `PUT /v1/catalog/deregister` (answer `true`).
 //! - `GET /v1/catalog/services` (blocking on the index of the last change to any service).
+//! - `GET /v1/catalog/nodes`: every node (`ID`, `Node`, `Address`, `Datacenter`,
+//!   `TaggedAddresses`, `Meta`, `CreateIndex`, `ModifyIndex`), sorted by name, blocking on
+//!   the nodes table index, which moves when a node is created, changed or removed. Node
+//!   rules are not modelled: every token that resolves sees every node.
+//! - `GET /v1/catalog/node-services/<node>` (1.7+): `{"Node": {...}, "Services": [...]}`, the
+//!   node as above and its instances in the requested namespace/partition, each in the
+//!   health answer's `Service` shape (with its `CreateIndex` and the `ModifyIndex` of the
+//!   write that last changed it), sorted by ID; instances of services the token cannot read
+//!   are left out (with `X-Consul-Results-Filtered-By-ACLs`). It blocks on the later of the
+//!   nodes' and the services' table indexes, as Consul 1.8 does; a node that does not exist
+//!   answers `{"Node": null, "Services": null}` at index 1. No node name is 400 `Missing
+//!   node name`. Blockers of the two are counted in the stats under
+//!   [`CATALOG_NODES_LABEL`] and [`NODE_SERVICES_LABEL_PREFIX`]`<node>`.
 //! - `GET /v1/catalog/datacenters`, `GET /v1/status/leader`.
 //! - `PUT /v1/config` of `{"Kind": "sameness-group", "Name", "Members": [{"Partition"} or
 //!   {"Peer"}, ...]}` (the only config entry kind modelled; Enterprise 1.16+); it needs a
@@ -100,7 +113,7 @@
 //! | `first_tag_only` | `/v1/health/service` applies only the first `tag` and ignores the rest |
 //! | `no_server_cancel` | a blocking query whose client disconnects is not cancelled: it stays in flight, counted in [`Stats::blocking`] and [`Stats::blocking_detached`], until its wait ends or its index moves (the request log marks it `cancelled` at once, as the client went away) |
 //! | `unknown_state_is_empty` | an unknown `/v1/health/state/<x>` answers 200 `[]` (with the checks index), blocking like any state |
-//! | `ignores_newer_parameters` | `filter` (1.4), `cached` (1.3), `peer` (1.13) and `sameness-group` (1.16) are unknown parameters, ignored as Go's handlers ignore any: the local, unfiltered answer, without `X-Cache` |
+//! | `ignores_newer_parameters` | `filter` (1.4), `cached` (1.3), `peer` (1.13) and `sameness-group` (1.16) are unknown parameters, ignored as Go's handlers ignore any: the local, unfiltered answer, without `X-Cache`; `/v1/catalog/node-services/<node>` (1.7) is an unknown path: 404 |
 //!
 //! # TLS and HTTP/2
 //!
@@ -147,6 +160,12 @@
 //! health filter: the first member with any instances answers, and `?passing` filters them,
 //! to nothing when none passes, where the default picks the first member with instances left
 //! after every filter of the read.
+//!
+//! `keeps_unchanged_checks` (a switch, [`Config::keeps_unchanged_checks`],
+//! `--keeps-unchanged-checks`) is Consul 1.8's catalog: a registration that names a check
+//! again, unchanged, leaves it as it is, so a port or address change moves the catalog and
+//! not the checks (through the agent API, 1.8 registers a changed service without its
+//! unchanged check, to the same effect). Off, the check is rewritten with the change.
 //!
 //! `agent_cut_off` (a switch) is an agent that lost its servers: every `/v1/` request but
 //! `/v1/agent/self` answers 500 `No known Consul servers`, except `?cached` health reads,
@@ -207,7 +226,10 @@ pub use acl::{AclConfig, AclToken, TokenPolicy, TokenSource};
 pub use catalog::ServiceKey;
 pub use duration::{DEFAULT_WAIT, DurationError, MAX_WAIT, effective_wait, parse_go_duration};
 pub use faults::{Budget, Faults, FaultsPatch, Outcome, RequestRecord, Stats};
-pub use server::{CATALOG_SERVICES_LABEL, HEALTH_CONNECT_LABEL_PREFIX, HEALTH_STATE_LABEL};
+pub use server::{
+    CATALOG_NODES_LABEL, CATALOG_SERVICES_LABEL, HEALTH_CONNECT_LABEL_PREFIX, HEALTH_STATE_LABEL,
+    NODE_SERVICES_LABEL_PREFIX,
+};
 pub use tls::{DEFAULT_H2_MAX_CONCURRENT_STREAMS, TlsConfig};
 
 use state::Shared;
@@ -234,6 +256,13 @@ pub struct Config {
     pub request_log_capacity: usize,
     /// Serve HTTPS (HTTP/2 or HTTP/1.1 by ALPN) instead of plain HTTP/1.1; see [`tls`].
     pub tls: Option<TlsConfig>,
+    /// A registration that names a check again, unchanged, leaves it as it is whatever else
+    /// it changes, as Consul 1.8's state store does: a port or address change then moves
+    /// neither the check's `ModifyIndex` nor the checks index, and a change feed's checks
+    /// cannot account for the catalog's move. Off: the check is rewritten with the change
+    /// (the 0.9 agent's "same check, new port"). A change of the service's name or tags
+    /// rewrites its checks either way (they show them). Also a [`FaultsPatch`] field.
+    pub keeps_unchanged_checks: bool,
 
     // Older agents' behaviours (`docs/consul-protocol.md`), off by default (a current agent).
     // All can also be flipped at run time through [`FaultsPatch`].
@@ -254,7 +283,8 @@ pub struct Config {
     pub unknown_state_is_empty: bool,
     /// `filter` (1.4), `cached` (1.3), `peer` (1.13) and `sameness-group` (1.16) are
     /// unknown query parameters, ignored as Go's handlers ignore any: the answer is the
-    /// local, unfiltered one, without `X-Cache`; `/v1/agent/self` reports version 0.9.3.
+    /// local, unfiltered one, without `X-Cache`; `/v1/agent/self` reports version 0.9.3,
+    /// and `/v1/catalog/node-services/<node>` (1.7) is an unknown path (404).
     pub ignores_newer_parameters: bool,
 }
 
@@ -288,6 +318,7 @@ impl Default for Config {
             initial_index: 1,
             request_log_capacity: 100_000,
             tls: None,
+            keeps_unchanged_checks: false,
             single_health_index: false,
             zero_index_when_empty: false,
             first_tag_only: false,

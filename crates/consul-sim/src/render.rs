@@ -12,7 +12,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::catalog::{Check, HealthEntry, ProxyConfig, ServiceInstance, ServiceKey, StateEntry, TaggedAddress};
+use super::catalog::{Check, HealthEntry, Node, ProxyConfig, ServiceInstance, ServiceKey, StateEntry, TaggedAddress};
 
 fn tags(tags: &[String], legacy: bool) -> Value {
     if tags.is_empty() && legacy {
@@ -45,10 +45,7 @@ struct HealthOut<'a> {
 
 impl<'a> HealthOut<'a> {
     fn of(e: &'a HealthEntry, legacy: bool) -> Self {
-        let n = &e.node;
         let s = &e.service;
-        let modern = !legacy;
-        let scoped = Some(&s.key).filter(|k| !k.is_default_scope());
         HealthOut {
             checks: e
                 .checks
@@ -58,42 +55,74 @@ impl<'a> HealthOut<'a> {
                     CheckOut::new(c, owner, legacy)
                 })
                 .collect(),
-            node: NodeOut {
-                address: &n.address,
-                create_index: n.create_index,
-                datacenter: &n.datacenter,
-                id: &n.id,
-                meta: string_map_out(&n.meta, legacy),
-                modify_index: n.modify_index,
-                node: &n.name,
-                tagged_addresses: string_map_out(&n.tagged_addresses, legacy),
-            },
-            service: ServiceOut {
-                address: &s.address,
-                connect: modern.then_some(Empty {}),
-                create_index: s.create_index,
-                enable_tag_override: s.enable_tag_override,
-                id: &s.id,
-                kind: modern.then_some(s.kind.as_str()),
-                locality: s
-                    .locality
-                    .as_ref()
-                    .filter(|_| modern)
-                    .map(|l| LocalityOut { region: &l.region, zone: &l.zone }),
-                meta: string_map_out(&s.meta, legacy),
-                modify_index: s.modify_index,
-                namespace: scoped.map(|k| k.namespace.as_str()),
-                partition: scoped.map(|k| k.partition.as_str()),
-                peer_name: modern.then_some(e.peer.as_deref().unwrap_or_default()),
-                port: s.port,
-                proxy: modern.then(|| ProxyOut::of(s.proxy.as_ref())),
-                service: &s.key.name,
-                socket_path: modern.then_some(""),
-                tagged_addresses: (!(s.tagged_addresses.is_empty() && legacy))
-                    .then_some(TaggedOut(&s.tagged_addresses)),
-                tags: (!(s.tags.is_empty() && legacy)).then_some(s.tags.as_slice()),
-                weights: WeightsOut { passing: s.weights.passing, warning: s.weights.warning },
-            },
+            node: NodeOut::of(&e.node, legacy),
+            service: ServiceOut::of(s, e.peer.as_deref(), legacy),
+        }
+    }
+}
+
+/// The body of `GET /v1/catalog/nodes`: every node, as health answers show them.
+pub(crate) fn nodes(nodes: &[Arc<Node>], legacy: bool) -> Vec<u8> {
+    let rows: Vec<NodeOut<'_>> = nodes.iter().map(|n| NodeOut::of(n, legacy)).collect();
+    serde_json::to_vec(&rows).expect("nodes serialise")
+}
+
+/// The body of `GET /v1/catalog/node-services/<node>`: the node and its instances, as
+/// health answers show them, or `{"Node": null, "Services": null}` for a node that does not
+/// exist (as Consul 1.8 answers it).
+pub(crate) fn node_services(found: Option<(&Node, &[Arc<ServiceInstance>])>, legacy: bool) -> Vec<u8> {
+    #[derive(Serialize)]
+    #[serde(rename_all = "PascalCase")]
+    struct NodeServicesOut<'a> {
+        node: Option<NodeOut<'a>>,
+        services: Option<Vec<ServiceOut<'a>>>,
+    }
+    let out = NodeServicesOut {
+        node: found.map(|(n, _)| NodeOut::of(n, legacy)),
+        services: found.map(|(_, services)| services.iter().map(|s| ServiceOut::of(s, None, legacy)).collect()),
+    };
+    serde_json::to_vec(&out).expect("node services serialise")
+}
+
+impl<'a> NodeOut<'a> {
+    fn of(n: &'a Node, legacy: bool) -> Self {
+        NodeOut {
+            address: &n.address,
+            create_index: n.create_index,
+            datacenter: &n.datacenter,
+            id: &n.id,
+            meta: string_map_out(&n.meta, legacy),
+            modify_index: n.modify_index,
+            node: &n.name,
+            tagged_addresses: string_map_out(&n.tagged_addresses, legacy),
+        }
+    }
+}
+
+impl<'a> ServiceOut<'a> {
+    fn of(s: &'a ServiceInstance, peer: Option<&'a str>, legacy: bool) -> Self {
+        let modern = !legacy;
+        let scoped = Some(&s.key).filter(|k| !k.is_default_scope());
+        ServiceOut {
+            address: &s.address,
+            connect: modern.then_some(Empty {}),
+            create_index: s.create_index,
+            enable_tag_override: s.enable_tag_override,
+            id: &s.id,
+            kind: modern.then_some(s.kind.as_str()),
+            locality: s.locality.as_ref().filter(|_| modern).map(|l| LocalityOut { region: &l.region, zone: &l.zone }),
+            meta: string_map_out(&s.meta, legacy),
+            modify_index: s.modify_index,
+            namespace: scoped.map(|k| k.namespace.as_str()),
+            partition: scoped.map(|k| k.partition.as_str()),
+            peer_name: modern.then_some(peer.unwrap_or_default()),
+            port: s.port,
+            proxy: modern.then(|| ProxyOut::of(s.proxy.as_ref())),
+            service: &s.key.name,
+            socket_path: modern.then_some(""),
+            tagged_addresses: (!(s.tagged_addresses.is_empty() && legacy)).then_some(TaggedOut(&s.tagged_addresses)),
+            tags: (!(s.tags.is_empty() && legacy)).then_some(s.tags.as_slice()),
+            weights: WeightsOut { passing: s.weights.passing, warning: s.weights.warning },
         }
     }
 }

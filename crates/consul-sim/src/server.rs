@@ -95,6 +95,13 @@ pub const HEALTH_STATE_LABEL: &str = "_health_state";
 /// stats: `_connect/<name>` (the name as requested, decoded).
 pub const HEALTH_CONNECT_LABEL_PREFIX: &str = "_connect/";
 
+/// Label under which `/v1/catalog/nodes` blockers are counted in the stats.
+pub const CATALOG_NODES_LABEL: &str = "_catalog_nodes";
+
+/// Prefix of the label under which `/v1/catalog/node-services/<node>` blockers are counted
+/// in the stats: `_node_services/<node>`.
+pub const NODE_SERVICES_LABEL_PREFIX: &str = "_node_services/";
+
 /// Returned by the service to make hyper close the connection without writing a response.
 #[derive(Debug, thiserror::Error)]
 #[error("connection dropped by fault injection")]
@@ -501,14 +508,26 @@ async fn dispatch(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
         }
         return health_state(ctx, state, req.headers()).await;
     }
+    if let Some(node) = path.strip_prefix("/v1/catalog/node-services/") {
+        // Consul 1.7's: an older agent does not know the path.
+        if ctx.shared.quirks().ignores_newer_parameters {
+            return Err(ApiError::new(StatusCode::NOT_FOUND, "404 page not found\n").into());
+        }
+        if method != Method::GET {
+            return Err(method_not_allowed(&method).into());
+        }
+        return node_services(ctx, node, req.headers()).await;
+    }
     match (path.as_str(), &method) {
         ("/v1/health/service" | "/v1/health/connect", &Method::GET) => {
             Err(ApiError::bad_request("Missing service name").into())
         }
         ("/v1/health/state", &Method::GET) => Err(ApiError::bad_request("Missing check state").into()),
+        ("/v1/catalog/node-services", &Method::GET) => Err(ApiError::bad_request("Missing node name").into()),
         ("/v1/catalog/register", &Method::PUT) => register(ctx, req).await,
         ("/v1/catalog/deregister", &Method::PUT) => deregister(ctx, req).await,
         ("/v1/catalog/services", &Method::GET) => catalog_services(ctx, req.headers()).await,
+        ("/v1/catalog/nodes", &Method::GET) => catalog_nodes(ctx).await,
         ("/v1/config", &Method::PUT) => config_entry(ctx, req).await,
         (path, &Method::GET) if path.starts_with("/v1/config/sameness-group/") => sameness_group(ctx, path),
         ("/v1/agent/self", &Method::GET) => Ok(agent_self(ctx)),
@@ -524,6 +543,8 @@ async fn dispatch(ctx: &Ctx<'_>, req: Request<Incoming>) -> Handled {
             "/v1/catalog/register"
             | "/v1/catalog/deregister"
             | "/v1/catalog/services"
+            | "/v1/catalog/nodes"
+            | "/v1/catalog/node-services"
             | "/v1/catalog/datacenters"
             | "/v1/config"
             | "/v1/agent/self"
@@ -785,6 +806,48 @@ async fn catalog_services(ctx: &Ctx<'_>, headers: &HeaderMap) -> Handled {
     let legacy = shared.with_faults(|f| f.null_variants);
     let body = render::services(&services, legacy);
     Ok(ctx.read_ok(&body, index, opts.consistency, services.len() != before))
+}
+
+/// `GET /v1/catalog/nodes`: every node, blocking on the nodes table index. Node rules are
+/// not modelled: any token that resolves sees every node.
+async fn catalog_nodes(ctx: &Ctx<'_>) -> Handled {
+    let shared = ctx.shared;
+    let opts = parse_read_options(&ctx.params)?;
+    check_datacenter(shared, ctx.params.first("dc"))?;
+    ctx.identity()?;
+    let (index, nodes) = ctx.block(&opts, CATALOG_NODES_LABEL, Watched::Nodes, shared.quirks(), Catalog::nodes).await?;
+    let legacy = shared.with_faults(|f| f.null_variants);
+    Ok(ctx.read_ok_bytes(render::nodes(&nodes, legacy), index, opts.consistency, false))
+}
+
+/// `GET /v1/catalog/node-services/<node>` (Consul 1.7+): the node and its instances in the
+/// namespace/partition, blocking on the later of the nodes' and services' table indexes;
+/// instances of services the token may not read are left out. A node that does not exist
+/// is `{"Node": null, "Services": null}` at index 1, as Consul 1.8 answers.
+async fn node_services(ctx: &Ctx<'_>, raw_node: &str, headers: &HeaderMap) -> Handled {
+    let shared = ctx.shared;
+    let p = &ctx.params;
+    let opts = parse_read_options(p)?;
+    let node = percent_decode(raw_node).ok_or_else(|| ApiError::bad_request("Invalid URL path encoding"))?;
+    if node.is_empty() {
+        return Err(ApiError::bad_request("Missing node name").into());
+    }
+    check_datacenter(shared, p.first("dc"))?;
+    let identity = ctx.identity()?;
+    let (ns, partition) = (namespace(p, headers), p.first_non_empty("partition"));
+    let label = format!("{NODE_SERVICES_LABEL_PREFIX}{node}");
+    let watched = Watched::NodeServices(node.clone());
+    let read = |c: &Catalog| c.node_with_services(&node, ns, partition);
+    let (index, mut found) = ctx.block(&opts, &label, watched, shared.quirks(), read).await?;
+    let mut filtered = false;
+    if let Some((_, services)) = found.as_mut() {
+        let before = services.len();
+        services.retain(|s| identity.can_read_service(&s.key.name));
+        filtered = services.len() != before;
+    }
+    let legacy = shared.with_faults(|f| f.null_variants);
+    let body = render::node_services(found.as_ref().map(|(n, s)| (&**n, s.as_slice())), legacy);
+    Ok(ctx.read_ok_bytes(body, index, opts.consistency, filtered))
 }
 
 async fn read_body<T: serde::de::DeserializeOwned>(req: Request<Incoming>) -> Result<T, ApiError> {

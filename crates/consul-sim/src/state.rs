@@ -132,9 +132,14 @@ impl Shared {
         }
     }
 
-    /// Runs a catalog write and wakes blocking queries.
+    /// Runs a catalog write, with the agent behaviour of the moment, and wakes blocking
+    /// queries.
     pub(crate) fn write_catalog<R>(&self, f: impl FnOnce(&mut Catalog) -> R) -> R {
-        let r = f(&mut lock(&self.catalog));
+        let keeps_unchanged_checks = self.with_faults(|f| f.keeps_unchanged_checks);
+        let mut catalog = lock(&self.catalog);
+        catalog.keeps_unchanged_checks = keeps_unchanged_checks;
+        let r = f(&mut catalog);
+        drop(catalog);
         self.changes.send_replace(());
         r
     }

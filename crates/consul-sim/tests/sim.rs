@@ -1280,6 +1280,134 @@ async fn health_state_filters_service_checks_by_acl() {
     assert_eq!((r.status, r.text().as_str()), (403, "ACL not found"));
 }
 
+// ---------------------------------------------------------------- nodes and their services
+
+/// The `(ID, Port, ModifyIndex)` of each instance of a `/v1/catalog/node-services` answer.
+fn instances(r: &Reply) -> Vec<(String, u64, u64)> {
+    let services = r.json()["Services"].as_array().cloned().unwrap_or_default();
+    services
+        .iter()
+        .map(|s| {
+            (s["ID"].as_str().unwrap().to_owned(), s["Port"].as_u64().unwrap(), s["ModifyIndex"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+/// As Consul 1.8 answers them: every node with the index that last wrote it; a node's
+/// instances, each with the index of the write that last changed it (a port change moves
+/// it, a check write does not); the index of the nodes table, and the later of the nodes'
+/// and services' tables for a node's services; an unknown node as nulls at index 1.
+#[tokio::test]
+async fn nodes_and_node_services_carry_the_index_of_their_last_write() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register_web(a, 8080, "passing").await;
+    register(a, "n22", "api", "api-1", "passing", &[]).await;
+    let created = get(a, "/v1/catalog/services").await.index();
+    let r = get(a, "/v1/catalog/nodes").await;
+    assert_eq!((r.status, r.index()), (200, created), "n22 was created by the last write");
+    let nodes = r.json();
+    let names: Vec<_> = nodes.as_array().unwrap().iter().map(|n| n["Node"].as_str().unwrap()).collect();
+    assert_eq!(names, ["n1", "n22"]);
+    for f in ["ID", "Node", "Address", "Datacenter", "TaggedAddresses", "Meta", "CreateIndex", "ModifyIndex"] {
+        assert!(nodes[0].get(f).is_some(), "{f} in {}", nodes[0]);
+    }
+    assert_eq!((&nodes[1]["CreateIndex"], &nodes[1]["ModifyIndex"]), (&json!(created), &json!(created)));
+
+    // A port change: the instance's ModifyIndex and the services table move, the node's not.
+    register_web(a, 9090, "passing").await;
+    let moved = get(a, "/v1/catalog/services").await.index();
+    let r = get(a, "/v1/catalog/node-services/n1").await;
+    assert_eq!((r.status, r.index()), (200, moved));
+    assert_eq!(instances(&r), [("web-1".to_owned(), 9090, moved)]);
+    let body = r.json();
+    assert_eq!((&body["Node"]["Node"], &body["Node"]["ModifyIndex"]), (&json!("n1"), &json!(created - 1)));
+    for f in ["ID", "Service", "Tags", "Address", "Port", "Meta", "Weights", "CreateIndex", "ModifyIndex"] {
+        assert!(body["Services"][0].get(f).is_some(), "{f} in {}", body["Services"][0]);
+    }
+    assert_eq!(get(a, "/v1/catalog/nodes").await.index(), created, "no node changed");
+    // A check write moves neither.
+    register_web(a, 9090, "critical").await;
+    assert_eq!(instances(&get(a, "/v1/catalog/node-services/n1").await), [("web-1".to_owned(), 9090, moved)]);
+    // A node's address: the node and the nodes table move.
+    let r = put(a, "/v1/catalog/register", &json!({"Node": "n1", "Address": "10.9.9.9"})).await;
+    assert_eq!(r.status, 200);
+    let readdressed = get(a, "/v1/catalog/nodes").await;
+    assert_eq!(readdressed.json()[0]["ModifyIndex"], json!(readdressed.index()));
+    assert_eq!(get(a, "/v1/catalog/node-services/n1").await.index(), readdressed.index());
+
+    let r = get(a, "/v1/catalog/node-services/nowhere").await;
+    assert_eq!((r.status, r.index(), r.json()), (200, 1, json!({"Node": null, "Services": null})));
+    let r = get(a, "/v1/catalog/node-services/").await;
+    assert_eq!((r.status, r.text().as_str()), (400, "Missing node name"));
+    assert_eq!(call(a, "PUT", "/v1/catalog/nodes", &[], None).await.status, 405);
+    // Before 1.7 the path is unknown.
+    sim.set_faults(FaultsPatch { ignores_newer_parameters: Some(true), ..FaultsPatch::default() });
+    assert_eq!(get(a, "/v1/catalog/node-services/n1").await.status, 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_services_block_and_follow_acls() {
+    let sim = start(acl_config()).await;
+    let a = sim.addr();
+    let root = [("X-Consul-Token", "root")];
+    for (svc, id) in [("web", "web-1"), ("db", "db-1")] {
+        let body = json!({"Node": "n1", "Address": "10.0.0.1", "Service": {"ID": id, "Service": svc, "Port": 80}});
+        assert_eq!(call(a, "PUT", "/v1/catalog/register", &root, Some(&body.to_string())).await.status, 200);
+    }
+    let r = call(a, "GET", "/v1/catalog/node-services/n1", &[("X-Consul-Token", "reader")], None).await;
+    assert_eq!(instances(&r).iter().map(|i| i.0.as_str()).collect::<Vec<_>>(), ["web-1"], "db is hidden");
+    assert_eq!(r.header("X-Consul-Results-Filtered-By-ACLs"), Some("true"));
+    let r = call(a, "GET", "/v1/catalog/nodes", &[("X-Consul-Token", "reader")], None).await;
+    assert_eq!(r.json().as_array().unwrap().len(), 1, "node rules are not modelled: every node is shown");
+    let r = call(a, "GET", "/v1/catalog/node-services/n1", &[("X-Consul-Token", "bogus")], None).await;
+    assert_eq!((r.status, r.text().as_str()), (403, "ACL not found"));
+    assert_eq!(call(a, "GET", "/v1/catalog/nodes", &[("X-Consul-Token", "bogus")], None).await.status, 403);
+
+    // Blocking: a port change on the node answers.
+    let i = call(a, "GET", "/v1/catalog/node-services/n1", &root, None).await.index();
+    let mut h = spawn_get(a, format!("/v1/catalog/node-services/n1?index={i}&wait=5s&token=root"));
+    wait_blocking(&sim, &format!("{}n1", consul_sim::NODE_SERVICES_LABEL_PREFIX), 1).await;
+    assert!(still_pending(&mut h, Duration::from_millis(200)).await);
+    let body = json!({"Node": "n1", "Address": "10.0.0.1", "Service": {"ID": "db-1", "Service": "db", "Port": 81}});
+    assert_eq!(call(a, "PUT", "/v1/catalog/register", &root, Some(&body.to_string())).await.status, 200);
+    let r = tokio::time::timeout(LONG, h).await.expect("woken").unwrap();
+    assert_eq!(instances(&r)[0], ("db-1".to_owned(), 81, r.index()));
+}
+
+/// Consul 1.8 keeps a check that a registration names again unchanged: a port change moves
+/// the catalog and the instance, not the check nor the checks index. Its tags still rewrite
+/// it (the check shows them), and so does a change of its own.
+#[tokio::test]
+async fn keeps_unchanged_checks_leaves_the_check_of_a_port_change() {
+    for at_start in [true, false] {
+        let sim = start_with_switch("keeps_unchanged_checks", at_start, |c| c.keeps_unchanged_checks = true).await;
+        let a = sim.addr();
+        register_web(a, 8080, "passing").await;
+        let written = get(a, "/v1/health/state/any").await.index();
+        register_web(a, 9090, "passing").await;
+        let moved = get(a, "/v1/catalog/services").await.index();
+        assert_eq!(moved, written + 1);
+        let state = get(a, "/v1/health/state/any").await;
+        assert_eq!(state.index(), written, "the checks did not move");
+        assert_eq!(check_named(&state.json(), "service:web-1")["ModifyIndex"], written);
+        assert_eq!(instances(&get(a, "/v1/catalog/node-services/n1").await), [("web-1".to_owned(), 9090, moved)]);
+        register_web(a, 9090, "critical").await;
+        assert_eq!(get(a, "/v1/health/state/any").await.index(), moved + 1, "a change of its own is written");
+        let r = put(
+            a,
+            "/v1/catalog/register",
+            &json!({"Node": "n1", "Address": "10.0.0.1",
+                    "Service": {"ID": "web-1", "Service": "web", "Port": 9090, "Tags": ["green"]},
+                    "Check": {"CheckID": "service:web-1", "Name": "alive", "Status": "critical", "ServiceID": "web-1"}}),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        let state = get(a, "/v1/health/state/any").await;
+        assert_eq!(check_named(&state.json(), "service:web-1")["ModifyIndex"], json!(moved + 2), "new tags: rewritten");
+    }
+}
+
 // ---------------------------------------------------------------- older agents
 
 /// Starts a simulator with one older-agent switch on from the start (`at_start`), or with

@@ -54,6 +54,11 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     initial_index: u64,
 
+    /// A registration that names an unchanged check again leaves it as it is (Consul 1.8):
+    /// a port change then moves the catalog and not the checks.
+    #[arg(long)]
+    keeps_unchanged_checks: bool,
+
     /// Serve HTTPS with this certificate chain (PEM, leaf first): HTTP/2 to clients that
     /// negotiate ALPN `h2`, HTTP/1.1 to the others. Needs `--tls-key`.
     #[arg(long, value_name = "FILE", requires = "tls_key", help_heading = "TLS")]
@@ -142,6 +147,7 @@ impl Args {
             null_variants: base.null_variants || self.null_variants,
             leader_address: self.leader_address,
             initial_index: self.initial_index,
+            keeps_unchanged_checks: self.keeps_unchanged_checks,
             single_health_index: base.single_health_index || self.single_health_index,
             zero_index_when_empty: base.zero_index_when_empty || self.zero_index_when_empty,
             first_tag_only: base.first_tag_only || self.first_tag_only,
