@@ -54,7 +54,7 @@ impl Stale {
 /// How many recent check-write indexes are remembered, and the widest catalog move that is
 /// checked index by index (a wider one is simply not accounted for).
 const REMEMBERED_WRITES: usize = 4096;
-const WIDEST_ACCOUNTED_MOVE: u64 = 1024;
+pub(crate) const WIDEST_ACCOUNTED_MOVE: u64 = 1024;
 
 /// Hashes the view's keys, which are hashes already (xxh3 of a check's bytes), by folding
 /// them: hashing 75,000 of them again with the default SipHash twice per answer was a
@@ -202,7 +202,12 @@ impl ChecksView {
 
     /// Whether every raft index in `(after, upto]` was a check write this view saw.
     pub(crate) fn accounts_for(&self, after: u64, upto: u64) -> bool {
-        upto > after && upto - after <= WIDEST_ACCOUNTED_MOVE && (after + 1..=upto).all(|i| self.writes.contains(&i))
+        upto > after && upto - after <= WIDEST_ACCOUNTED_MOVE && (after + 1..=upto).all(|i| self.wrote(i))
+    }
+
+    /// Whether raft index `index` was a check write (or removal) this view saw.
+    pub(crate) fn wrote(&self, index: u64) -> bool {
+        self.writes.contains(&index)
     }
 }
 

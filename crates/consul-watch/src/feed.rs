@@ -11,8 +11,10 @@
 //! registration change). Their answers are diffed ([`crate::changes`]) and only the members
 //! they name are woken: those whose service names, or nodes, the diff names (what the member
 //! asked about, not what its last answer kept: see [`Heard`]); a Connect member also when a
-//! new name appears (a proxy's name is any), a member with a `filter` on any node check. A catalog move the checks do not account for
-//! wakes every member (each re-read still goes through the small read pool, so the burst is
+//! new name appears (a proxy's name is any), a member with a `filter` on any node check. A
+//! catalog move the checks do not account for is located ([`crate::locate`]): the nodes
+//! and instances it wrote are woken, or, when that cannot explain every index of the move,
+//! every member (each re-read still goes through the small read pool, so the burst is
 //! spread). Both queries follow the watch rules: paced, backoff with jitter on errors, the
 //! index reset after a failure or when it goes backwards; while the server is down they
 //! wait for it ([`crate::reach`]).
@@ -28,6 +30,7 @@ use crate::catch_up::CatchUp;
 use crate::changes::{CatalogMove, CatalogView, ChecksView, Stale};
 use crate::client::{Heard, HttpClient, Scope};
 use crate::error::QueryError;
+use crate::locate::{self, Located, Locator};
 use crate::metrics::{Metrics, contact_scope};
 use crate::observe;
 use crate::reach::{Reach, Reachability};
@@ -61,6 +64,8 @@ impl FeedKey {
 #[derive(Clone)]
 pub(crate) struct FeedEnv {
     pub lanes: Arc<Semaphore>,
+    /// The server's read pool, which the locate step's reads share with fed re-reads.
+    pub reads: Arc<Semaphore>,
     pub reach: Arc<Reachability>,
     pub metrics: Metrics,
     pub wait: Duration,
@@ -75,6 +80,8 @@ pub(crate) struct Feed {
     checks_index: watch::Sender<u64>,
     /// How long a catalog move waits for the checks view ([`crate::catch_up`]).
     catch_up: Mutex<CatchUp>,
+    /// What the locate step learnt of this feed's token and catalog ([`crate::locate`]).
+    locator: Mutex<Locator>,
 }
 
 #[derive(Default)]
@@ -155,7 +162,12 @@ impl Drop for Membership {
 
 impl Feed {
     pub(crate) fn new() -> Arc<Feed> {
-        Arc::new(Feed { members: Mutex::default(), checks_index: watch::Sender::new(0), catch_up: Mutex::default() })
+        Arc::new(Feed {
+            members: Mutex::default(),
+            checks_index: watch::Sender::new(0),
+            catch_up: Mutex::default(),
+            locator: Mutex::default(),
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Members> {
@@ -164,6 +176,10 @@ impl Feed {
 
     fn catch_up(&self) -> std::sync::MutexGuard<'_, CatchUp> {
         self.catch_up.lock().expect("feed catch-up poisoned")
+    }
+
+    fn locator(&self) -> std::sync::MutexGuard<'_, Locator> {
+        self.locator.lock().expect("feed locator poisoned")
     }
 
     /// Adds a member that asked about `heard` in a read sent at `last_read`. Its receiver
@@ -357,13 +373,67 @@ impl Ctx<'_> {
                     self.feed.catch_up().observe(judged.elapsed());
                 } else {
                     self.feed.catch_up().judged_early(after, upto, judged);
-                    tracing::debug!(consul = %self.client.address(), after, upto, waited = ?wait,
-                        "catalog moved without check writes to account for it: re-reading every fed service");
-                    self.wake(&Stale::everything());
+                    self.unaccounted(after, upto, wait).await;
                 }
             }
         }
         Ok((index, false))
+    }
+}
+
+impl Ctx<'_> {
+    /// A catalog move over `(after, upto]` the checks did not account for within `waited`:
+    /// wakes what locating it names, or everyone.
+    async fn unaccounted(&self, after: u64, upto: u64, waited: Duration) {
+        let located = tokio::time::timeout(locate::LOCATE_WITHIN, self.locate(after, upto)).await.ok().flatten();
+        match located {
+            Some(stale) => {
+                tracing::debug!(consul = %self.client.address(), after, upto, services = ?stale.services, nodes = ?stale.nodes,
+                    "catalog moved without check writes; located what it wrote: re-reading those");
+                self.wake(&stale);
+            }
+            None => {
+                tracing::debug!(consul = %self.client.address(), after, upto, waited = ?waited,
+                    "catalog moved without check writes to account for it: re-reading every fed service");
+                self.wake(&Stale::everything());
+            }
+        }
+    }
+
+    /// What a move over `(after, upto]` wrote, when every index of it is explained
+    /// ([`crate::locate`]); `None` when it is not, or locating is not worth it.
+    async fn locate(&self, after: u64, upto: u64) -> Option<Stale> {
+        let members = self.feed.lock().all.len();
+        let may = self.feed.locator().may_try(Instant::now());
+        if !may || !locate::locatable(after, upto) || !locate::worth_it(1, members) {
+            return None;
+        }
+        let token = self.key.server.token.as_ref();
+        let nodes = self.read(self.client.catalog_nodes(&self.scope, token)).await?;
+        if !locate::worth_it(nodes.len(), members) {
+            self.feed.locator().too_many_nodes(Instant::now());
+            return None;
+        }
+        let mut located = Located::new(after, upto);
+        for node in &nodes {
+            located.node(node);
+            located.instances(&self.read(self.client.node_services(&self.scope, token, &node.node)).await?);
+        }
+        located.explained(&self.checks.lock().expect("checks view poisoned"))
+    }
+
+    /// One read of the locate step: through the server's read pool, counted; a failure
+    /// (`None`) is reported to reachability, and a refusal remembered.
+    async fn read<T>(&self, request: impl Future<Output = Result<T, QueryError>>) -> Option<T> {
+        let _permit = self.env.reads.acquire().await.ok()?;
+        let result = observe::request(&self.env.metrics, observe::Query::Locate, Some(&self.key), None, request).await;
+        result
+            .inspect_err(|e| {
+                tracing::debug!(consul = %self.client.address(), error = %e, "locating a catalog move failed");
+                self.env.reach.suspect(self.client, e);
+                self.feed.locator().failed(e);
+            })
+            .ok()
     }
 }
 
@@ -448,6 +518,149 @@ mod tests {
         f.mark_unchanged();
         m.wake(&Stale { nodes: set(&["n7"]), ..Stale::default() });
         assert!(f.has_changed().unwrap());
+    }
+
+    /// A Consul answering `GET <path>` with `answer(path)`'s status and body, on kept-alive
+    /// connections; the paths asked, in order.
+    async fn consul(answer: fn(&str) -> (u16, String)) -> (String, Arc<Mutex<Vec<String>>>) {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = format!("http://{}", listener.local_addr().unwrap());
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let log = asked.clone();
+        tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                let log = log.clone();
+                tokio::spawn(async move {
+                    let mut conn = BufReader::new(conn);
+                    let mut line = String::new();
+                    let mut path = String::new();
+                    while conn.read_line(&mut line).await.is_ok_and(|n| n > 0) {
+                        if let Some(target) = line.strip_prefix("GET ") {
+                            path = target.split([' ', '?']).next().unwrap_or_default().to_owned();
+                        } else if line == "\r\n" {
+                            log.lock().unwrap().push(path.clone());
+                            let (status, body) = answer(&path);
+                            let head = format!(
+                                "HTTP/1.1 {status} X\r\nX-Consul-Index: 12\r\nContent-Length: {}\r\n\r\n",
+                                body.len()
+                            );
+                            if conn.get_mut().write_all([head, body].concat().as_bytes()).await.is_err() {
+                                return;
+                            }
+                        }
+                        line.clear();
+                    }
+                });
+            }
+        });
+        (address, asked)
+    }
+
+    /// A feed of members watching `web`, `api`, `db` and `cache`, and a catalog move to
+    /// judge against what `answer` says, with a checks view that saw no check write.
+    struct Judged {
+        feed: Arc<Feed>,
+        members: Vec<Membership>,
+        client: Arc<HttpClient>,
+        env: FeedEnv,
+        key: ConsulKey,
+        checks: Mutex<ChecksView>,
+    }
+
+    impl Judged {
+        async fn new(address: &str, services: &[&str]) -> Judged {
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            let feed = Feed::new();
+            let members = services.iter().map(|s| feed.join(heard(&[s], &["n1"]), &plain(), Instant::now())).collect();
+            let reads = Arc::new(Semaphore::new(1));
+            let metrics = Metrics::unregistered();
+            let env = FeedEnv {
+                lanes: Arc::new(Semaphore::new(4)),
+                reach: crate::reach::Reachability::new(reads.clone(), metrics.clone()),
+                reads,
+                metrics,
+                wait: Duration::from_secs(1),
+            };
+            let client = Arc::new(HttpClient::new(address, None, 4, 1 << 20, env.lanes.clone()).unwrap());
+            let key = consul_resolver_core::test_support::consul_key(address, "web");
+            Judged { feed, members, client, env, key, checks: Mutex::new(ChecksView::default()) }
+        }
+
+        /// Judges an unaccounted move over `(after, upto]`; returns the services woken.
+        async fn unaccounted(&mut self, after: u64, upto: u64) -> Vec<usize> {
+            for m in &mut self.members {
+                m.changes.mark_unchanged();
+            }
+            let ctx = Ctx {
+                feed: &self.feed,
+                client: &self.client,
+                scope: Scope::of(&self.key),
+                key: contact_scope(&self.key),
+                env: &self.env,
+                checks: &self.checks,
+            };
+            ctx.unaccounted(after, upto, Duration::ZERO).await;
+            (0..self.members.len()).filter(|&i| self.members[i].changes.has_changed().unwrap()).collect()
+        }
+    }
+
+    /// One node, `n1`: `web` written at 11, `api` at 3; anything else, 403.
+    fn one_node(path: &str) -> (u16, String) {
+        match path {
+            "/v1/catalog/nodes" => {
+                (200, r#"[{"Node":"n1","Address":"10.0.0.1","CreateIndex":2,"ModifyIndex":2}]"#.into())
+            }
+            "/v1/catalog/node-services/n1" => (
+                200,
+                r#"{"Node":{"Node":"n1","ModifyIndex":2},"Services":[
+                    {"ID":"web-1","Service":"web","Port":8081,"ModifyIndex":11},
+                    {"ID":"api-1","Service":"api","Port":9090,"ModifyIndex":3}]}"#
+                    .into(),
+            ),
+            _ => (403, "Permission denied".into()),
+        }
+    }
+
+    const FOUR: [&str; 4] = ["web", "api", "db", "cache"];
+
+    #[tokio::test]
+    async fn a_located_move_wakes_what_it_wrote_and_a_gap_everyone() {
+        let (address, asked) = consul(one_node).await;
+        let mut judged = Judged::new(&address, &FOUR).await;
+        assert_eq!(judged.unaccounted(10, 11).await, [0], "web's port change, located: web alone");
+        assert_eq!(asked.lock().unwrap().len(), 2, "the node list and the node's instances");
+        assert_eq!(judged.unaccounted(10, 12).await, [0, 1, 2, 3], "index 12 is unexplained: everyone");
+        assert_eq!(judged.unaccounted(12, 13).await, [0, 1, 2, 3], "nothing located: everyone");
+        assert_eq!(judged.env.metrics.requests("locate", "read", "ok"), 6);
+        // Three members: the node list alone would cost a quarter of waking them.
+        let mut few = Judged::new(&address, &FOUR[..3]).await;
+        asked.lock().unwrap().clear();
+        assert_eq!(few.unaccounted(10, 11).await, [0, 1, 2]);
+        assert!(asked.lock().unwrap().is_empty(), "not worth a request");
+    }
+
+    #[tokio::test]
+    async fn a_failed_locate_wakes_everyone_and_a_refusal_is_not_asked_again() {
+        fn failing(path: &str) -> (u16, String) {
+            match path {
+                "/v1/catalog/node-services/n1" => (500, "rpc error".into()),
+                _ => one_node(path),
+            }
+        }
+        let (address, _) = consul(failing).await;
+        let mut judged = Judged::new(&address, &FOUR).await;
+        assert_eq!(judged.unaccounted(10, 11).await, [0, 1, 2, 3]);
+        assert_eq!(judged.env.metrics.requests("locate", "read", "5xx"), 1);
+
+        fn refusing(_: &str) -> (u16, String) {
+            (403, "Permission denied".into())
+        }
+        let (address, asked) = consul(refusing).await;
+        let mut judged = Judged::new(&address, &FOUR).await;
+        assert_eq!(judged.unaccounted(10, 11).await, [0, 1, 2, 3]);
+        assert_eq!(judged.unaccounted(11, 12).await, [0, 1, 2, 3]);
+        assert_eq!(*asked.lock().unwrap(), ["/v1/catalog/nodes"], "refused once: not asked again");
     }
 
     #[test]

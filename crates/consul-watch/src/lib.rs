@@ -9,8 +9,8 @@
 //! - `timing`, `changes`: the protocol's pure rules (index, pacing, backoff) and the change
 //!   feed's diffing, free of I/O;
 //! - `plan`: how one server's budget is shared (pure);
-//! - `server`, `reach`, `feed`, `watch`: the budget, plan and reachability of one server,
-//!   the change feed of one group, and the watch of one key (`watch::machine`, pure, decides;
+//! - `server`, `reach`, `feed` (with `catch_up`, `locate`), `watch`: the budget, plan and
+//!   reachability of one server, the change feed of one group, and the watch of one key (`watch::machine`, pure, decides;
 //!   `watch::run` performs);
 //! - `observe`, `metrics`: what every request tells the metrics.
 
@@ -19,6 +19,7 @@ mod changes;
 mod client;
 mod error;
 mod feed;
+mod locate;
 mod metrics;
 mod observe;
 mod plan;

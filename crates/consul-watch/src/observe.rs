@@ -22,6 +22,9 @@ pub(crate) enum Query {
     Checks,
     /// `/v1/catalog/services`: the change feed's registrations.
     Catalog,
+    /// `/v1/catalog/nodes` and `/v1/catalog/node-services/<node>`: the change feed naming
+    /// what a catalog move wrote when the checks do not say ([`crate::locate`]).
+    Locate,
     /// `/v1/status/leader`: whether a server that seems gone answers (one probe per server).
     Probe,
 }
@@ -32,6 +35,7 @@ impl Query {
             Query::Service => "service",
             Query::Checks => "checks",
             Query::Catalog => "catalog",
+            Query::Locate => "locate",
             Query::Probe => "probe",
         }
     }

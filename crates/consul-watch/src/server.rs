@@ -223,6 +223,7 @@ impl Server {
             let feed = Feed::new();
             let env = FeedEnv {
                 lanes: self.lanes.clone(),
+                reads: self.reads.clone(),
                 reach: self.reach.clone(),
                 metrics: self.metrics.clone(),
                 wait: self.settings.wait,

@@ -340,6 +340,31 @@ impl HttpClient {
         Ok(Answer { index, indexed, value })
     }
 
+    /// `GET /v1/catalog/nodes`: every node the token may see, with the index that last wrote
+    /// each (the change feed locating a catalog move, [`crate::locate`]). Never blocks.
+    pub(crate) async fn catalog_nodes(
+        &self,
+        scope: &Scope,
+        token: Option<&Secret>,
+    ) -> Result<Vec<parse::NodeRow>, QueryError> {
+        let url = format!("{}/v1/catalog/nodes", self.base);
+        let got = self.scoped_get(&url, scope, token, None).await?;
+        parse::catalog_nodes(&self.whole(&got.body)?).map_err(|cause| self.body_error(cause))
+    }
+
+    /// `GET /v1/catalog/node-services/<node>` (Consul 1.7+): the node's service instances in
+    /// the scope, with the index that last wrote each. Never blocks.
+    pub(crate) async fn node_services(
+        &self,
+        scope: &Scope,
+        token: Option<&Secret>,
+        node: &str,
+    ) -> Result<parse::NodeServices, QueryError> {
+        let url = format!("{}/v1/catalog/node-services/{}", self.base, encode_segment(node));
+        let got = self.scoped_get(&url, scope, token, None).await?;
+        parse::node_services(&self.whole(&got.body)?).map_err(|cause| self.body_error(cause))
+    }
+
     /// `GET /v1/health/state/any`: every check of the scope (the change feed). `apply`
     /// takes the answer's index and its body as a stream, inflated as it is read (at the
     /// scale profile the answer is 21 MB: see [`body`]), and reads what it needs of it (the

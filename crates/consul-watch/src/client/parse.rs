@@ -161,6 +161,87 @@ pub(crate) fn catalog_services(body: &[u8]) -> Result<BTreeMap<String, Vec<Strin
         .collect())
 }
 
+/// A node, reduced to what locating a catalog move uses (see `crate::locate`): its name,
+/// and the raft index that last wrote it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub(crate) struct NodeRow {
+    pub node: String,
+    /// `0` when absent, which lies in no move.
+    #[serde(default)]
+    pub modify_index: u64,
+}
+
+/// `/v1/catalog/nodes`: every node the token may see.
+pub(crate) fn catalog_nodes(body: &[u8]) -> Result<Vec<NodeRow>, String> {
+    serde_json::from_slice(body).map_err(|e| format!("malformed /v1/catalog/nodes body: {e}"))
+}
+
+/// `/v1/catalog/node-services/<node>` (Consul 1.7+): the node, `None` when it is unknown
+/// (`{"Node": null, "Services": null}`), and its service instances.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct NodeServices {
+    pub node: Option<NodeRow>,
+    pub services: Vec<NodeService>,
+}
+
+/// One service instance of a node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct NodeService {
+    /// The instance's service name, lower case as Consul compares them.
+    pub name: String,
+    /// A Connect proxy's destination (`Proxy.DestinationServiceName`), lower case.
+    pub destination: Option<String>,
+    pub modify_index: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct RawNodeServices {
+    #[serde(default)]
+    node: Option<NodeRow>,
+    #[serde(default)]
+    services: Option<Vec<RawNodeService>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct RawNodeService {
+    service: String,
+    #[serde(default)]
+    proxy: Option<RawProxy>,
+    #[serde(default)]
+    modify_index: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct RawProxy {
+    #[serde(default)]
+    destination_service_name: Option<String>,
+}
+
+/// Reads a `/v1/catalog/node-services/<node>` body (`Services: null` on an unknown node).
+pub(crate) fn node_services(body: &[u8]) -> Result<NodeServices, String> {
+    let raw: RawNodeServices =
+        serde_json::from_slice(body).map_err(|e| format!("malformed /v1/catalog/node-services body: {e}"))?;
+    let services = raw
+        .services
+        .unwrap_or_default()
+        .into_iter()
+        .map(|s| NodeService {
+            name: s.service.to_ascii_lowercase(),
+            destination: s
+                .proxy
+                .and_then(|p| p.destination_service_name)
+                .filter(|d| !d.is_empty())
+                .map(|d| d.to_ascii_lowercase()),
+            modify_index: s.modify_index,
+        })
+        .collect();
+    Ok(NodeServices { node: raw.node, services })
+}
+
 /// One check of `/v1/health/state/any`, reduced to what the change feed uses, borrowed
 /// from the answer where it can be: at 75,000 checks, three strings per check allocated
 /// and freed on every answer were most of its parsing.
@@ -692,6 +773,36 @@ mod tests {
         // Legacy nulls everywhere.
         let legacy = health_service(LEGACY.as_bytes(), &AddressType::Tagged("wan".into())).unwrap();
         assert_eq!((legacy[0].address.as_str(), legacy[0].port), ("10.1.0.1", 9000));
+    }
+
+    /// Nodes and a node's instances as Consul 1.8.7 sends them (a dev agent's node, an
+    /// instance registered through its agent API), an unknown node, and a proxy.
+    #[test]
+    fn catalog_nodes_and_node_services() {
+        let nodes = catalog_nodes(
+            br#"[{"ID":"d82647e4-b1ba-ec78-adb8-a2e247ec6a5f","Node":"vm","Address":"127.0.0.1","Datacenter":"dc1",
+                  "TaggedAddresses":{"lan":"127.0.0.1","wan":"127.0.0.1"},"Meta":{"consul-network-segment":""},
+                  "CreateIndex":10,"ModifyIndex":12}]"#,
+        )
+        .unwrap();
+        assert_eq!(nodes, [NodeRow { node: "vm".into(), modify_index: 12 }]);
+        assert!(catalog_nodes(b"{}").is_err());
+        let on_vm = node_services(
+            br#"{"Node":{"ID":"d826","Node":"vm","Address":"127.0.0.1","CreateIndex":10,"ModifyIndex":12},
+                 "Services":[{"ID":"web-1","Service":"Web","Tags":["a"],"Address":"","Meta":null,"Port":8081,
+                              "Weights":{"Passing":1,"Warning":1},"EnableTagOverride":false,
+                              "Proxy":{"MeshGateway":{},"Expose":{}},"Connect":{},"CreateIndex":13,"ModifyIndex":15},
+                             {"ID":"edge-1","Service":"edge","Kind":"connect-proxy","Port":21000,
+                              "Proxy":{"DestinationServiceName":"Web"},"ModifyIndex":16}]}"#,
+        )
+        .unwrap();
+        assert_eq!(on_vm.node, Some(NodeRow { node: "vm".into(), modify_index: 12 }));
+        let web = NodeService { name: "web".into(), destination: None, modify_index: 15 };
+        let edge = NodeService { name: "edge".into(), destination: Some("web".into()), modify_index: 16 };
+        assert_eq!(on_vm.services, [web, edge], "names in lower case, as Consul compares them");
+        let unknown = node_services(br#"{"Node":null,"Services":null}"#).unwrap();
+        assert_eq!(unknown, NodeServices::default());
+        assert!(node_services(b"7").is_err());
     }
 
     #[test]
