@@ -24,6 +24,16 @@
 //! `BENCH_SERVICES` sets the size. `BENCH_TLS=1` serves Consul over TLS (a certificate made
 //! at start) with HTTP/2: every service then has a blocking query of its own, as a stream,
 //! and the report adds the HTTP/2 connections and the most streams on one of them.
+//!
+//! `BENCH_REAL_AGENT=1` runs the port changes against a real agent instead (a fresh
+//! `consul agent -dev`, the 1.8.7 that `scripts/real-parts.sh consul` caches): the services
+//! registered through the agent's own API, each with a TTL check, all on the agent's node,
+//! one scope; `BENCH_CHANGES` port changes through that API (1.8 writes the changed service
+//! alone, its check as it was). Requests are counted by the source's own metrics, latency
+//! from the write to the event, whichever way the watch follows its service; the changes
+//! whose catalog move spans another raft write (the agent's network coordinates about every
+//! 15 s, the leader's barrier every minute: indexes nothing in the catalog explains) are
+//! counted apart.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -43,6 +53,9 @@ use tokio_util::task::AbortOnDropHandle;
 async fn main() -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let k = Knobs::from_env();
+    if std::env::var("BENCH_REAL_AGENT").is_ok_and(|v| v == "1") {
+        return real_agent::run(&k).await;
+    }
     let settings = Settings::default();
     let pki = std::env::var("BENCH_TLS").is_ok_and(|v| v == "1").then(TestPki::generate).transpose()?;
     let sim_config = Config { tls: pki.as_ref().map(TestPki::server_tls), ..Config::default() };
@@ -447,5 +460,138 @@ impl Series {
             self.requests[self.requests.len() / 2],
             self.requests.last().copied().unwrap_or_default()
         );
+    }
+}
+
+/// The port changes against a real agent (`BENCH_REAL_AGENT=1`; see the crate's doc).
+mod real_agent {
+    use super::*;
+    use e2e::agent::RealAgent;
+
+    /// How long no request may come before a change's requests are counted: past the
+    /// change feed's wait for its checks (250 ms at this size), so that what the feed does
+    /// about a dedicated watch's change is counted with it.
+    const QUIET: Duration = Duration::from_millis(600);
+
+    pub(super) async fn run(k: &Knobs) -> anyhow::Result<()> {
+        let agent = tokio::task::spawn_blocking(RealAgent::start).await??;
+        let http = reqwest::Client::new();
+        let names: Vec<String> = (0..k.services).map(|i| format!("svc-{i}")).collect();
+        for n in &names {
+            register(&http, &agent.base_url, n, 1).await?;
+        }
+        synced(&http, &agent.base_url, k.services).await?;
+        let mut raft = raft_index(&http, &agent.base_url).await?;
+        let metrics = Metrics::unregistered();
+        let source = ConsulSource::new(Settings::default(), metrics.clone());
+        let (tx, mut rx) = mpsc::channel(100_000);
+        let keys = keys(&names, &agent.base_url, None, 1);
+        let _tasks: Vec<_> = keys
+            .iter()
+            .map(|key| AbortOnDropHandle::new(tokio::spawn(source.watch(key.clone(), tx.clone()))))
+            .collect();
+        answered(&mut rx, k.services).await;
+        settled(&metrics, Duration::from_secs(2)).await;
+        println!("real agent:                 {} services through its agent API, one node, one scope", k.services);
+        println!(
+            "watches:                    {} dedicated, {} fed",
+            metrics.watches("dedicated"),
+            metrics.watches("fed")
+        );
+        let (mut took, mut requests) = (Vec::new(), Vec::new());
+        for i in 0..k.changes {
+            let (name, port) = (&names[(i * 7919) % k.services], 2000 + i as u16);
+            let before = metrics.requests_total();
+            let t0 = Instant::now();
+            register(&http, &agent.base_url, name, port).await?;
+            seen(&mut rx, name, port).await?;
+            took.push(t0.elapsed());
+            // Another raft write since the previous change: within this change's move. (Read
+            // once the change is seen: the agent writes it after its API has answered.)
+            let since = std::mem::replace(&mut raft, raft_index(&http, &agent.base_url).await?);
+            settled(&metrics, QUIET).await;
+            requests.push((metrics.requests_total() - before, raft != since + 1));
+        }
+        report(&mut took, &requests);
+        Ok(())
+    }
+
+    /// The last raft index the agent (a server: `-dev`) applied.
+    async fn raft_index(http: &reqwest::Client, base: &str) -> anyhow::Result<u64> {
+        let agent: serde_json::Value = http.get(format!("{base}/v1/agent/self")).send().await?.json().await?;
+        let index = agent["Stats"]["raft"]["applied_index"].as_str().and_then(|i| i.parse().ok());
+        index.ok_or_else(|| anyhow::anyhow!("the agent says no raft applied_index"))
+    }
+
+    /// Registers `name` on the agent, with a TTL check that passes for a day.
+    async fn register(http: &reqwest::Client, base: &str, name: &str, port: u16) -> anyhow::Result<()> {
+        let body = json!({"ID": name, "Name": name, "Port": port,
+            "Check": {"CheckID": format!("service:{name}"), "TTL": "24h", "Status": "passing"}});
+        let r = http.put(format!("{base}/v1/agent/service/register")).json(&body).send().await?;
+        anyhow::ensure!(r.status().is_success(), "registering {name}: {}", r.status());
+        Ok(())
+    }
+
+    /// Waits until the catalog holds the `services` (and the agent's own `consul`).
+    async fn synced(http: &reqwest::Client, base: &str, services: usize) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let listed: serde_json::Map<String, serde_json::Value> =
+                http.get(format!("{base}/v1/catalog/services")).send().await?.json().await?;
+            if listed.len() > services {
+                return Ok(());
+            }
+            anyhow::ensure!(Instant::now() < deadline, "only {} services in the catalog", listed.len());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits for an answer of `name` with `port`.
+    async fn seen(rx: &mut mpsc::Receiver<Event>, name: &str, port: u16) -> anyhow::Result<()> {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
+                Ok(Some(Event::Consul(k, ConsulEvent::Answer { endpoints, .. })))
+                    if k.service == name && endpoints.iter().any(|e| e.port == port) =>
+                {
+                    return Ok(());
+                }
+                Ok(Some(_)) => {}
+                _ => anyhow::bail!("the new port of {name} was not seen within 30 s"),
+            }
+        }
+    }
+
+    /// Waits until the source has finished no request for `quiet`.
+    async fn settled(metrics: &Metrics, quiet: Duration) {
+        let (mut seen, mut since) = (metrics.requests_total(), Instant::now());
+        while since.elapsed() < quiet {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if metrics.requests_total() != seen {
+                (seen, since) = (metrics.requests_total(), Instant::now());
+            }
+        }
+    }
+
+    /// Latencies, and requests per change: of all, and of those with and without another
+    /// raft write within their move.
+    fn report(took: &mut [Duration], requests: &[(u64, bool)]) {
+        took.sort();
+        println!(
+            "port change x {}:  change -> event p50 {:?}  p99 {:?}  max {:?}",
+            took.len(),
+            percentile(took, 0.5),
+            percentile(took, 0.99),
+            took.last().copied().unwrap_or_default()
+        );
+        let print = |label: &str, keep: &dyn Fn(bool) -> bool| {
+            let mut r: Vec<u64> = requests.iter().filter(|(_, c)| keep(*c)).map(|(r, _)| *r).collect();
+            r.sort();
+            let mean = r.iter().sum::<u64>() as f64 / r.len().max(1) as f64;
+            let (p50, max) = (r.get(r.len() / 2).copied().unwrap_or_default(), r.last().copied().unwrap_or_default());
+            println!("  Consul requests per change, {label}: n {}  mean {mean:.1}  p50 {p50}  max {max}", r.len());
+        };
+        print("all", &|_| true);
+        print("the change alone in its move", &|c| !c);
+        print("another raft write within the move", &|c| c);
     }
 }
