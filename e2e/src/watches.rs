@@ -122,6 +122,17 @@ impl Watches {
         }
     }
 
+    /// Starts a watch of each of `keys`, then waits for each one's first answer, of one
+    /// instance.
+    pub async fn start_each_with_one_instance<'a>(&mut self, keys: impl IntoIterator<Item = &'a ConsulKey> + Clone) {
+        for k in keys.clone() {
+            self.start(k);
+        }
+        for k in keys {
+            self.answer(k, "the first answer", |e| e.len() == 1).await;
+        }
+    }
+
     /// Waits for an answer of `key` whose endpoints satisfy `pred`, and returns them.
     pub async fn answer(&mut self, key: &ConsulKey, what: &str, pred: impl Fn(&[Endpoint]) -> bool) -> Vec<Endpoint> {
         self.answer_within(key, what, DEADLINE, pred).await

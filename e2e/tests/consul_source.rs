@@ -639,12 +639,7 @@ async fn five_mostly_fed(env: &Env, prefix: &str) -> (Vec<String>, Vec<ConsulKey
     one_instance_each(env, &svcs).await;
     let mut w = Watches::new(at_defaults(4));
     let keys: Vec<ConsulKey> = svcs.iter().map(|s| env.key(s)).collect();
-    for k in &keys {
-        w.start(k);
-    }
-    for k in &keys {
-        w.answer(k, "the first answer", |e| e.len() == 1).await;
-    }
+    w.start_each_with_one_instance(keys.iter()).await;
     feed_settled(env).await;
     (svcs, keys, w)
 }
@@ -775,12 +770,7 @@ on_both_agents! {
         // A budget of 4: one read and three lanes, a feed and one dedicated query.
         let mut w = Watches::new(at_defaults(4));
         let keys: Vec<ConsulKey> = svcs.iter().map(|s| env.key(s)).collect();
-        for k in &keys {
-            w.start(k);
-        }
-        for k in &keys {
-            w.answer(k, "the first answer", |e| e.len() == 1).await;
-        }
+        w.start_each_with_one_instance(keys.iter()).await;
         feed_settled(&env).await;
         reads_settled(&w, Duration::from_millis(500)).await;
         // Three changes judged, of three services at least: at most one is the dedicated one.
@@ -857,12 +847,7 @@ on_both_agents! {
         let mut w = Watches::new(at_defaults(8));
         let keys: Vec<Vec<ConsulKey>> =
             scopes.iter().zip(&svcs).map(|(scope, team)| team.iter().map(|s| scoped(scope, s)).collect()).collect();
-        for k in keys.iter().flatten() {
-            w.start(k);
-        }
-        for k in keys.iter().flatten() {
-            w.answer(k, "the first answer", |e| e.len() == 1).await;
-        }
+        w.start_each_with_one_instance(keys.iter().flatten()).await;
         feed_settled(&env).await;
         if let Some(sim) = &env.sim {
             let feeds = if env.admin_token.is_none() { 2 } else { 1 };
@@ -1058,12 +1043,7 @@ on_both_agents! {
         // Some dedicated queries, the rest fed.
         let mut w = Watches::new(Settings { wait: Duration::from_secs(60), sweep: NO_SWEEP, ..settings(20) });
         let keys: Vec<ConsulKey> = svcs.iter().map(|s| env.key(s)).collect();
-        for k in &keys {
-            w.start(k);
-        }
-        for k in &keys {
-            w.answer(k, "the first answer", |e| e.len() == 1).await;
-        }
+        w.start_each_with_one_instance(keys.iter()).await;
         feed_settled(&env).await;
 
         let addr = env.simulator().addr();
