@@ -188,6 +188,10 @@ pub struct Endpoint {
     /// `Service.Locality.Zone` (Consul 1.17+), when set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zone: Option<String>,
+    /// The instance's share of traffic at its health: `Service.Weights.Passing` while
+    /// passing, `Weights.Warning` while warning; absent when it is Consul's default, 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
 }
 
 /// One address of a Kubernetes Service (from EndpointSlices or Endpoints).

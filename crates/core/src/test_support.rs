@@ -33,6 +33,7 @@ pub fn endpoint(address: &str, port: u16) -> Endpoint {
         meta: Default::default(),
         health: Health::Passing,
         zone: None,
+        weight: None,
     }
 }
 

@@ -56,6 +56,7 @@ fn answer(key: ConsulKey, index: u64, instances: usize) -> Event {
             meta: BTreeMap::new(),
             health: Health::Passing,
             zone: None,
+            weight: None,
         })
         .collect();
     Event::Consul(key, ConsulEvent::Answer { index, endpoints })

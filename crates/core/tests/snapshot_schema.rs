@@ -201,6 +201,7 @@ fn flaky_endpoint() -> Endpoint {
         meta: BTreeMap::new(),
         health: Health::Passing,
         zone: None,
+        weight: None,
     }
 }
 
@@ -214,6 +215,8 @@ fn billing_endpoint() -> Endpoint {
         meta: BTreeMap::from([("version".to_owned(), "2.3.1".to_owned())]),
         health: Health::Warning,
         zone: None,
+        // Registered with `Weights: {Passing: 3, Warning: 2}`.
+        weight: Some(2),
     }
 }
 

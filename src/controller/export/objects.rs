@@ -538,6 +538,7 @@ mod tests {
             meta: Default::default(),
             health: Health::Passing,
             zone: (a == "10.0.0.1").then(|| "zone-a".to_owned()),
+            weight: None,
         };
         let entry = ServiceEntry {
             name: "web".into(),
@@ -593,6 +594,7 @@ mod tests {
             serde_json::from_value(json!({"service": "web", "trafficDistribution": "PreferClose"})).unwrap();
         let ep = |a: &str, zone: &str| Endpoint {
             zone: Some(zone.into()),
+            weight: None,
             ..consul_resolver_core::test_support::endpoint(a, 8080)
         };
         let entry = ServiceEntry {

@@ -460,6 +460,7 @@ mod stale_tests {
             meta: Default::default(),
             health: Health::Passing,
             zone: None,
+            weight: None,
         };
         ServiceEntry {
             name: name.into(),

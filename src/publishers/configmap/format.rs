@@ -379,6 +379,7 @@ pub(super) mod tests {
                 meta: BTreeMap::from([("build".to_owned(), rng.token(meta_len))]),
                 health: Health::Passing,
                 zone: None,
+                weight: None,
             })
             .collect();
         Content {

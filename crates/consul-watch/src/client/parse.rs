@@ -68,6 +68,31 @@ struct Service {
     /// Consul 1.17+; absent or `null` before, and for instances registered without one.
     #[serde(default)]
     locality: Option<Locality>,
+    #[serde(default)]
+    weights: Option<Weights>,
+}
+
+/// `Service.Weights`: each instance's share by its health (Consul 1.2.3+; DNS SRV answers
+/// and our xDS endpoints use them).
+#[derive(Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct Weights {
+    #[serde(default)]
+    passing: Option<u32>,
+    #[serde(default)]
+    warning: Option<u32>,
+}
+
+/// The weight of an instance at `health`, when not Consul's default (1). A critical
+/// instance has none: it is not meant to serve.
+fn weight(weights: Option<&Weights>, health: Health) -> Option<u32> {
+    let w = weights?;
+    let weight = match health {
+        Health::Passing => w.passing,
+        Health::Warning => w.warning,
+        Health::Critical => None,
+    };
+    weight.filter(|&w| w != 1)
 }
 
 #[derive(Deserialize)]
@@ -633,6 +658,7 @@ fn endpoint(mut e: Entry, kind: &AddressType) -> Endpoint {
     let health =
         e.checks.unwrap_or_default().iter().map(|c| status(c.status.as_deref())).max().unwrap_or(Health::Passing);
     let zone = e.service.locality.and_then(|l| l.zone).filter(|z| !z.is_empty());
+    let weight = weight(e.service.weights.as_ref(), health);
     Endpoint {
         address,
         port,
@@ -642,6 +668,7 @@ fn endpoint(mut e: Entry, kind: &AddressType) -> Endpoint {
         meta,
         health,
         zone,
+        weight,
     }
 }
 
@@ -702,6 +729,21 @@ mod tests {
         assert_eq!((b.address.as_str(), b.port), ("192.168.1.1", 80), "Service.Address wins when set");
         assert_eq!(b.health, Health::Passing, "no checks means passing");
         assert!(b.tags.is_empty() && b.meta.is_empty());
+    }
+
+    #[test]
+    fn weight_at_the_instances_health_when_not_the_default() {
+        let body = r#"[
+          {"Node":{"Node":"n","Address":"10.0.0.1"},"Service":{"ID":"a","Port":1,"Weights":{"Passing":3,"Warning":1}},"Checks":[]},
+          {"Node":{"Node":"n","Address":"10.0.0.2"},"Service":{"ID":"b","Port":1,"Weights":{"Passing":3,"Warning":0}},
+           "Checks":[{"Status":"warning"}]},
+          {"Node":{"Node":"n","Address":"10.0.0.3"},"Service":{"ID":"c","Port":1,"Weights":{"Passing":1,"Warning":1}},"Checks":[]},
+          {"Node":{"Node":"n","Address":"10.0.0.4"},"Service":{"ID":"d","Port":1},"Checks":[]},
+          {"Node":{"Node":"n","Address":"10.0.0.5"},"Service":{"ID":"e","Port":1,"Weights":{"Passing":5,"Warning":2}},
+           "Checks":[{"Status":"critical"}]}]"#;
+        let weights: Vec<_> =
+            health_service(body.as_bytes(), &AddressType::Service).unwrap().into_iter().map(|e| e.weight).collect();
+        assert_eq!(weights, [Some(3), Some(0), None, None, None]);
     }
 
     #[test]
@@ -987,6 +1029,7 @@ mod proptests {
             meta: i.meta.clone(),
             health: i.checks.iter().map(|s| status(Some(s))).max().unwrap_or(Health::Passing),
             zone: None,
+            weight: None,
         }
     }
 

@@ -517,6 +517,7 @@ mod tests {
             meta: [("build".to_owned(), format!("{i:016x}"))].into(),
             health: Health::Passing,
             zone: i.is_multiple_of(2).then(|| "zone-a".into()),
+            weight: None,
         }
     }
 

@@ -159,6 +159,7 @@ fn instance(address: &str, port: u16) -> Endpoint {
         meta: Default::default(),
         health: Health::Passing,
         zone: None,
+        weight: None,
     }
 }
 
