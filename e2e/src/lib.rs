@@ -1,10 +1,11 @@
-//! End-to-end support: the Consul API simulator, the Consul test client, and the harness
-//! that runs the operator against a real local control plane.
+//! End-to-end support: the Consul API simulator, the Consul test client, the harness that
+//! runs the operator against a real local control plane, and a real Envoy.
 
 pub mod agent;
 pub mod apiserver;
 pub mod bench;
 pub mod consul;
+pub mod envoy;
 pub mod fixtures;
 pub mod harness;
 pub mod netns;
