@@ -150,10 +150,19 @@ impl Record {
         self.samples.is_empty()
     }
 
-    /// The samples sent in `[from, to)` (`to`: `None` for up to now). A window reaching
-    /// back past samples already dropped is a test's mistake and panics: its answer would
-    /// be wrong, silently.
-    pub fn window(&self, from: Instant, to: Option<Instant>) -> impl Iterator<Item = &Sample> {
+    /// The samples sent in `[from, to)` (`to`: `None` for up to now).
+    pub fn window(
+        &self,
+        from: Instant,
+        to: Option<Instant>,
+    ) -> impl DoubleEndedIterator<Item = &Sample> + ExactSizeIterator {
+        self.samples.range(self.bounds(from, to))
+    }
+
+    /// The indices of the samples sent in `[from, to)`. A window reaching back past
+    /// samples already dropped is a test's mistake and panics: its answer would be wrong,
+    /// silently.
+    fn bounds(&self, from: Instant, to: Option<Instant>) -> std::ops::Range<usize> {
         if self.dropped > 0 {
             let oldest = self.samples.front().map(|s| s.sent);
             assert!(
@@ -163,7 +172,8 @@ impl Record {
             );
         }
         let start = self.samples.partition_point(|s| s.sent < from);
-        self.samples.range(start..).take_while(move |s| to.is_none_or(|to| s.sent < to))
+        let end = to.map_or(self.samples.len(), |to| self.samples.partition_point(|s| s.sent < to));
+        start..end.max(start)
     }
 
     /// The first request sent at or after `after` that backend `name` answered.
@@ -179,12 +189,11 @@ impl Record {
     /// Exact to the request: the proxy stopped choosing `name` between the last request it
     /// answered and this one (with k backends in round robin, up to k-1 requests later).
     pub fn gone_since(&self, name: &str, after: Instant, until: Option<Instant>) -> Option<Instant> {
-        let window: Vec<&Sample> = self.window(after, until).collect();
-        let next = match window.iter().rposition(|s| s.outcome.backend() == Some(name)) {
-            Some(last) => last + 1,
-            None => 0,
-        };
-        window.get(next).map(|s| s.sent)
+        // From the end backwards: as far back as the last request it answered.
+        let range = self.bounds(after, until);
+        let last = self.samples.range(range.clone()).rposition(|s| s.outcome.backend() == Some(name));
+        let next = range.start + last.map_or(0, |i| i + 1);
+        (next < range.end).then(|| self.samples[next].sent)
     }
 
     /// Requests sent in `[from, to)`, by outcome.
@@ -307,7 +316,7 @@ impl Prober {
             let since = r.gone_since(name, after, None)?;
             let last = r.samples.back()?;
             let quiet_enough = last.sent.saturating_duration_since(since) >= quiet;
-            (quiet_enough && r.window(since, None).count() >= min_requests).then_some(since)
+            (quiet_enough && r.window(since, None).len() >= min_requests).then_some(since)
         })
     }
 }
@@ -399,4 +408,62 @@ async fn connect(target: SocketAddr) -> anyhow::Result<SendRequest<Empty<Bytes>>
     let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(connection);
     Ok(sender)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Samples 5 ms apart from `t0`: a backend's name, a status code, or "err".
+    fn record(outcomes: &[&str], max: usize) -> (Instant, Record) {
+        let t0 = Instant::now();
+        let mut record = Record::default();
+        for (i, o) in outcomes.iter().enumerate() {
+            let sent = t0 + Duration::from_millis(5 * i as u64);
+            let outcome = match (*o, o.parse::<u16>()) {
+                ("err", _) => Outcome::Error(ProbeError::Request),
+                (_, Ok(code)) => Outcome::Status(code),
+                (name, Err(_)) => Outcome::Backend(Arc::from(name)),
+            };
+            record.push(Sample { sent, done: sent + Duration::from_millis(1), outcome }, max);
+        }
+        (t0, record)
+    }
+
+    fn at(t0: Instant, i: u64) -> Instant {
+        t0 + Duration::from_millis(5 * i)
+    }
+
+    #[test]
+    fn gone_since_is_the_request_after_the_last_one_answered_in_the_window() {
+        let (t0, r) = record(&["a", "b", "a", "b", "a", "503", "a", "503", "b", "a"], 100);
+        // Up to now, b answered the second to last: as far as anyone knows, gone from the last.
+        assert_eq!(r.gone_since("b", t0, None), Some(at(t0, 9)));
+        // Until it came back (the ninth), it was gone from the fifth.
+        assert_eq!(r.gone_since("b", t0, Some(at(t0, 8))), Some(at(t0, 4)));
+        assert_eq!(r.first_hit("b", at(t0, 4)).map(|s| s.sent), Some(at(t0, 8)));
+        // Never answered in the window: gone from its first request.
+        assert_eq!(r.gone_since("c", at(t0, 2), None), Some(at(t0, 2)));
+        // Answered the window's last request: not gone.
+        assert_eq!(r.gone_since("a", t0, None), None);
+        let counts = r.counts(at(t0, 4), Some(at(t0, 8)));
+        assert_eq!((counts.of("a"), counts.of("b"), counts.statuses.get(&503).copied()), (2, 0, Some(2)));
+        assert_eq!((counts.failed(), counts.total()), (2, 4));
+    }
+
+    #[test]
+    fn errors_count_as_failures_not_as_a_backend() {
+        let (t0, r) = record(&["a", "err", "502", "a"], 100);
+        let counts = r.counts(t0, None);
+        assert_eq!(counts.backends.len(), 1);
+        assert_eq!((counts.errors.get(&ProbeError::Request).copied(), counts.failed()), (Some(1), 2));
+    }
+
+    #[test]
+    #[should_panic(expected = "raise max_samples")]
+    fn a_window_older_than_the_samples_kept_is_refused() {
+        let (t0, r) = record(&["a", "b", "a", "b"], 3);
+        assert_eq!(r.len(), 3);
+        r.counts(t0, None);
+    }
 }
