@@ -1,0 +1,98 @@
+//! The incremental variant (`DeltaAggregatedResources`): each response carries the
+//! resources that changed and the names of those gone. A reconnecting client's
+//! `initial_resource_versions` count as held, so an operator restart resends nothing that
+//! did not change.
+
+use envoy_types::pb::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
+
+use crate::resources::{Kind, set_version};
+use crate::session::{Client, Protocol};
+use crate::state::View;
+use crate::status::Variant;
+
+pub(crate) struct Delta {
+    client: Client,
+}
+
+impl Protocol for Delta {
+    type Request = DeltaDiscoveryRequest;
+    type Response = DeltaDiscoveryResponse;
+    const VARIANT: Variant = Variant::Delta;
+
+    fn node_id(request: &DeltaDiscoveryRequest) -> Option<&str> {
+        request.node.as_ref().map(|node| node.id.as_str())
+    }
+
+    fn new(client: Client) -> Delta {
+        Delta { client }
+    }
+
+    fn client(&self) -> &Client {
+        &self.client
+    }
+
+    fn receive(&mut self, request: DeltaDiscoveryRequest) {
+        let Some(kind) = Kind::from_type_url(&request.type_url) else {
+            tracing::debug!(node = %self.client.node, type_url = %request.type_url, "ignored a request for a type not served");
+            return;
+        };
+        if !request.response_nonce.is_empty() {
+            let error = request.error_detail.as_ref().map(|status| status.message.as_str());
+            self.client.answered(kind, &request.response_nonce, error, None);
+        }
+        let tracker = self.client.tracker(kind);
+        if !tracker.requested {
+            tracker.requested = true;
+            for (name, version) in &request.initial_resource_versions {
+                tracker.assume_held(name, version);
+            }
+            // A first CDS request naming nothing is a wildcard request.
+            if kind == Kind::Cluster && request.resource_names_subscribe.is_empty() {
+                tracker.set_wildcard(true);
+            }
+        }
+        for name in &request.resource_names_subscribe {
+            tracker.subscribe(name);
+        }
+        for name in &request.resource_names_unsubscribe {
+            tracker.unsubscribe(name);
+        }
+        self.client.held_changed(kind);
+    }
+
+    fn next(&mut self, view: &View) -> Option<DeltaDiscoveryResponse> {
+        Kind::ALL.into_iter().find_map(|kind| self.respond(kind, view))
+    }
+}
+
+impl Delta {
+    fn respond(&mut self, kind: Kind, view: &View) -> Option<DeltaDiscoveryResponse> {
+        let diff = self.client.tracker(kind).diff(view)?;
+        if diff.is_empty() {
+            return None;
+        }
+        let nonce = self.client.next_nonce();
+        let tracker = self.client.tracker(kind);
+        let resources = diff
+            .changed
+            .iter()
+            .map(|resource| Resource {
+                name: resource.name.clone(),
+                version: resource.version.clone(),
+                resource: Some(resource.any.clone()),
+                ..Default::default()
+            })
+            .collect();
+        let response = DeltaDiscoveryResponse {
+            system_version_info: set_version(tracker.mix_after(&diff)),
+            resources,
+            type_url: kind.type_url().to_owned(),
+            removed_resources: diff.removed.clone(),
+            nonce: nonce.clone(),
+            ..Default::default()
+        };
+        tracker.sent(nonce, diff);
+        self.client.sending(kind, prost::Message::encoded_len(&response));
+        Some(response)
+    }
+}
