@@ -49,6 +49,8 @@ impl Protocol for Delta {
             // A first CDS request naming nothing is a wildcard request.
             if kind == Kind::Cluster && request.resource_names_subscribe.is_empty() {
                 tracker.set_wildcard(true);
+                // Answered even when no cluster is served, unless it resumes.
+                tracker.owes_answer = request.initial_resource_versions.is_empty();
             }
         }
         for name in &request.resource_names_subscribe {
@@ -67,8 +69,9 @@ impl Protocol for Delta {
 
 impl Delta {
     fn respond(&mut self, kind: Kind, view: &View) -> Option<DeltaDiscoveryResponse> {
-        let diff = self.client.tracker(kind).diff(view)?;
-        if diff.is_empty() {
+        let tracker = self.client.tracker(kind);
+        let diff = tracker.diff(view)?;
+        if diff.is_empty() && !tracker.owes_answer {
             return None;
         }
         let nonce = self.client.next_nonce();

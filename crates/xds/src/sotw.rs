@@ -46,6 +46,7 @@ impl Protocol for Sotw {
         let tracker = self.client.tracker(kind);
         let first = !tracker.requested;
         tracker.requested = true;
+        tracker.owes_answer |= first && kind == Kind::Cluster;
         let names: Vec<String> = request.resource_names.iter().filter(|n| *n != "*").cloned().collect();
         // An empty list is a wildcard request for CDS only (legacy wildcard); `*` for any.
         let wildcard = request.resource_names.iter().any(|n| n == "*")
@@ -73,7 +74,7 @@ impl Sotw {
         let tracker = self.client.tracker(kind);
         let mut diff = tracker.diff(view)?;
         let resources = match kind {
-            Kind::Cluster if diff.is_empty() => return None,
+            Kind::Cluster if diff.is_empty() && !tracker.owes_answer => return None,
             Kind::Cluster => self.all_clusters(view),
             Kind::Endpoints => {
                 // Envoy drops an assignment with its cluster: nothing to send for it.

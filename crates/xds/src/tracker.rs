@@ -55,6 +55,9 @@ pub(crate) struct Tracker {
     pub(crate) kind: Kind,
     /// The client asked for this type on this stream.
     pub(crate) requested: bool,
+    /// The client's first request is answered even when there is nothing to send, so a
+    /// client served no clusters knows it and completes its start.
+    pub(crate) owes_answer: bool,
     wildcard: bool,
     names: HashSet<String>,
     held: HashMap<String, Held>,
@@ -76,6 +79,7 @@ impl Tracker {
         Tracker {
             kind,
             requested: false,
+            owes_answer: false,
             wildcard: false,
             names: HashSet::new(),
             held: HashMap::new(),
@@ -162,6 +166,7 @@ impl Tracker {
         self.full = false;
         self.fresh.clear();
         self.seen = view.seq();
+        self.owes_answer = false;
     }
 
     /// The digest of everything wanted, at its current version.
@@ -227,7 +232,11 @@ impl Tracker {
         Some(diff)
     }
 
-    fn compare(&self, view: &View, name: String, diff: &mut Diff) {
+    fn compare(&mut self, view: &View, name: String, diff: &mut Diff) {
+        if view.get(&name).is_none() {
+            // Gone: a refusal of it no longer matters, and is not kept.
+            self.quarantine.remove(&name);
+        }
         if !self.wants(&name) {
             return;
         }
@@ -263,6 +272,7 @@ impl Tracker {
     }
 
     pub(crate) fn sent(&mut self, nonce: String, diff: Diff) {
+        self.owes_answer = false;
         self.in_flight = Some(InFlight { nonce, diff, sent_at: Instant::now() });
     }
 

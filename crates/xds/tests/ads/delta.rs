@@ -28,7 +28,11 @@ async fn nothing_is_sent_before_the_first_update() {
     let mut client = Delta::open(harness.channel().await, "envoy-1").await.unwrap();
     client.subscribe(CDS, &[], &[]);
     client.silent().await;
-    harness.server.update(complete(vec![upstream("a", &[("10.0.0.1", 80)])]));
+    harness.server.update(complete(vec![]));
+    let empty = client.recv().await;
+    assert!(empty.resources.is_empty() && empty.removed_resources.is_empty());
+    client.ack(&empty);
+    harness.server.update(upserts(vec![upstream("a", &[("10.0.0.1", 80)])]));
     assert_eq!(versions(&client.recv().await).len(), 1);
     assert_eq!(harness.server.clients()[0].variant, Variant::Delta);
     harness.stop().await;
@@ -94,5 +98,25 @@ async fn an_unsubscribed_assignment_is_no_longer_pushed() {
     harness.server.update(upserts(vec![upstream("a", &[("10.0.0.9", 80)])]));
     let response = client.recv().await;
     assert_eq!(versions(&response).into_iter().map(|(name, _)| name).collect::<Vec<_>>(), vec!["a"]);
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn a_refused_assignment_is_not_sent_again_until_it_changes() {
+    let harness = Harness::start(XdsConfig::default()).await;
+    let (mut client, _, _) = settled(&harness).await;
+    harness.server.update(upserts(vec![upstream("a", &[("10.0.0.5", 80)]), upstream("b", &[("10.0.0.6", 80)])]));
+    let both = client.recv().await;
+    assert_eq!(versions(&both).len(), 2);
+    client.nack(&both, "cluster b: refused for the test");
+    client.silent().await;
+    assert_eq!(harness.metric("consul_resolver_xds_nacks_total", "delta"), 1.0);
+    harness.server.update(upserts(vec![upstream("a", &[("10.0.0.7", 80)])]));
+    let other = client.recv().await;
+    assert_eq!(versions(&other).into_iter().map(|(name, _)| name).collect::<Vec<_>>(), vec!["a"]);
+    client.ack(&other);
+    harness.server.update(upserts(vec![upstream("b", &[("10.0.0.8", 80)])]));
+    let retried = client.recv().await;
+    assert_eq!(versions(&retried).into_iter().map(|(name, _)| name).collect::<Vec<_>>(), vec!["b"]);
     harness.stop().await;
 }

@@ -1,6 +1,6 @@
 //! The state-of-the-world variant.
 
-use consul_resolver_xds::{Changes, XdsConfig};
+use consul_resolver_xds::{Changes, RejectReason, XdsConfig};
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::service::discovery::v3::DiscoveryResponse;
 use prost::Message;
@@ -34,6 +34,21 @@ async fn nothing_is_sent_before_the_first_update() {
     client.request(CDS, &[], "", "");
     client.silent().await;
     harness.server.update(complete(vec![upstream("a", &[("10.0.0.1", 80)])]));
+    assert_eq!(names(&client.recv().await.resources), vec!["a"]);
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn a_first_request_is_answered_even_when_no_cluster_is_served() {
+    let harness = Harness::start(XdsConfig::default()).await;
+    harness.server.update(complete(vec![]));
+    let mut client = Sotw::open(harness.channel().await, "envoy-1").await.unwrap();
+    client.request(CDS, &[], "", "");
+    let empty = client.recv().await;
+    assert!(empty.resources.is_empty());
+    client.ack(&empty, &[]);
+    client.silent().await;
+    harness.server.update(upserts(vec![upstream("a", &[("10.0.0.1", 80)])]));
     assert_eq!(names(&client.recv().await.resources), vec!["a"]);
     harness.stop().await;
 }
@@ -161,5 +176,69 @@ async fn a_client_reconnecting_with_the_current_version_is_sent_nothing() {
     let mut stale = Sotw::open(harness.channel().await, "envoy-2").await.unwrap();
     stale.request(CDS, &[], "an-old-version", "");
     assert_eq!(names(&stale.recv().await.resources), vec!["a", "b", "c"]);
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn a_refused_cluster_stays_out_while_the_others_flow() {
+    let harness = Harness::start(XdsConfig::default()).await;
+    let (mut client, clusters, _) = settled(&harness).await;
+    harness.server.update(upserts(vec![upstream("d", &[("10.0.0.4", 80)]), upstream("e", &[("10.0.0.5", 80)])]));
+    let added = client.recv().await;
+    assert_eq!(names(&added.resources), vec!["a", "b", "c", "d", "e"]);
+    let message = "Error adding/updating cluster(s) d: refused for the test";
+    client.nack(&added, &[], &clusters.version_info, message);
+    client.silent().await;
+    let status = harness.server.clients();
+    assert_eq!(status[0].types[CDS].last_nack.as_ref().unwrap().quarantined, vec!["d"]);
+    assert_eq!(status[0].types[CDS].resources, 4, "e counts as accepted");
+    harness.server.update(upserts(vec![upstream("f", &[("10.0.0.6", 80)])]));
+    let next = client.recv().await;
+    assert_eq!(names(&next.resources), vec!["a", "b", "c", "e", "f"], "the refused cluster is not offered again");
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn a_version_is_the_content_it_describes() {
+    let harness = Harness::start(XdsConfig::default()).await;
+    let (mut client, clusters, assignments) = settled(&harness).await;
+    harness.server.update(upserts(vec![upstream("a", &[("10.0.0.5", 80)])]));
+    let changed = client.recv().await;
+    assert_ne!(changed.version_info, assignments.version_info);
+    client.ack(&changed, &["a", "b", "c"]);
+    harness.server.update(upserts(vec![upstream("a", &[("10.0.0.1", 80)])]));
+    let back = client.recv().await;
+    assert_eq!(back.version_info, assignments.version_info, "the same content has the same version");
+    // Another server fed the same upstreams in another order serves the same versions.
+    let other = Harness::start(XdsConfig::default()).await;
+    other.server.update(complete(vec![
+        upstream("c", &[("10.0.0.3", 80)]),
+        upstream("a", &[("10.0.0.1", 80)]),
+        upstream("b", &[("10.0.0.2", 80)]),
+    ]));
+    let mut elsewhere = Sotw::open(other.channel().await, "envoy-2").await.unwrap();
+    elsewhere.request(CDS, &[], "", "");
+    assert_eq!(elsewhere.recv().await.version_info, clusters.version_info);
+    other.stop().await;
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn an_endpoint_envoy_would_refuse_is_left_out_and_reported() {
+    let harness = Harness::start(XdsConfig::default()).await;
+    let report = harness.server.update(complete(vec![upstream("a", &[("10.0.0.1", 80), ("web.example", 80)])]));
+    assert_eq!(report.rejections.len(), 1);
+    assert_eq!(report.rejections[0].reason, RejectReason::AddressNotIp);
+    assert_eq!(report.rejections[0].endpoint.as_deref(), Some("web.example:80"));
+    assert_eq!(harness.server.rejections(), report.rejections);
+    assert_eq!(harness.metric("consul_resolver_xds_rejected_total", "address_not_ip"), 1.0);
+    let mut client = Sotw::open(harness.channel().await, "envoy-1").await.unwrap();
+    client.request(EDS, &["a"], "", "");
+    let response = client.recv().await;
+    let assignment = ClusterLoadAssignment::decode(response.resources[0].value.as_slice()).unwrap();
+    assert_eq!(assignment.endpoints[0].lb_endpoints.len(), 1);
+    // Fixed, the reason goes away.
+    harness.server.update(upserts(vec![upstream("a", &[("10.0.0.1", 80)])]));
+    assert!(harness.server.rejections().is_empty());
     harness.stop().await;
 }

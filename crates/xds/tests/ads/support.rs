@@ -235,6 +235,15 @@ impl Delta {
         });
     }
 
+    pub(crate) fn nack(&self, response: &DeltaDiscoveryResponse, message: &str) {
+        self.send(DeltaDiscoveryRequest {
+            type_url: response.type_url.clone(),
+            response_nonce: response.nonce.clone(),
+            error_detail: Some(rpc::Status { code: 3, message: message.to_owned(), details: vec![] }),
+            ..Default::default()
+        });
+    }
+
     fn send(&self, mut request: DeltaDiscoveryRequest) {
         request.node = node(&self.node);
         self.tx.send(request).unwrap();

@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use consul_resolver_xds::{TlsConfig, XdsConfig};
+use consul_resolver_xds::{ServeError, TlsConfig, XdsConfig};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use tonic::Code;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
@@ -141,4 +141,15 @@ async fn mutual_tls_refuses_a_client_without_a_certificate() {
     }
     assert_eq!(harness.server.clients().len(), 0);
     harness.stop().await;
+}
+
+#[tokio::test]
+async fn an_unusable_certificate_fails_serving_at_once() {
+    let tls =
+        TlsConfig { cert_pem: b"not a certificate".to_vec(), key_pem: b"nor a key".to_vec(), client_ca_pem: None };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server = consul_resolver_xds::XdsServer::new();
+    let config = XdsConfig { tls: Some(tls), ..Default::default() };
+    let served = tokio::time::timeout(Duration::from_secs(5), server.serve(listener, config, std::future::pending()));
+    assert!(matches!(served.await.expect("returns at once"), Err(ServeError::Tls(_))));
 }
