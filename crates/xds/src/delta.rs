@@ -52,7 +52,12 @@ impl Protocol for Delta {
                 // Answered even when no cluster is served, unless it resumes.
                 tracker.owes_answer = request.initial_resource_versions.is_empty();
             }
+            if !request.initial_resource_versions.is_empty() {
+                let held = tracker.held_version();
+                self.client.resumed(kind, &held);
+            }
         }
+        let tracker = self.client.tracker(kind);
         for name in &request.resource_names_subscribe {
             tracker.subscribe(name);
         }

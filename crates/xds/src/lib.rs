@@ -3,7 +3,43 @@
 //! clients alike.
 //!
 //! The operator feeds an [`XdsServer`] with [`Changes`] and serves it on a listener it
-//! bound ([`XdsServer::serve`]). What the server guarantees:
+//! bound ([`XdsServer::serve`]):
+//!
+//! ```no_run
+//! use consul_resolver_xds::{Changes, EndpointHealth, Upstream, UpstreamEndpoint, XdsConfig, XdsServer};
+//!
+//! # async fn run(registry: &prometheus::Registry) -> Result<(), Box<dyn std::error::Error>> {
+//! let xds = XdsServer::new();
+//! xds.register_metrics(registry)?;
+//! let listener = tokio::net::TcpListener::bind("0.0.0.0:18000").await?;
+//! let serving = xds.clone();
+//! let shutdown = async {
+//!     let _ = tokio::signal::ctrl_c().await;
+//! };
+//! tokio::spawn(async move { serving.serve(listener, XdsConfig::default(), shutdown).await });
+//!
+//! // Once the whole view is known: clients waiting since they connected get it now.
+//! let web = Upstream {
+//!     name: "web.shop:80".to_owned(),
+//!     endpoints: vec![UpstreamEndpoint {
+//!         address: "10.0.0.7".to_owned(),
+//!         port: 8080,
+//!         zone: Some("eu-west-1a".to_owned()),
+//!         health: EndpointHealth::Healthy,
+//!         weight: 1,
+//!     }],
+//! };
+//! let report = xds.update(Changes { upserts: vec![web], removals: Vec::new(), complete: true });
+//! for rejection in &report.rejections {
+//!     tracing::warn!(%rejection, "left out of what Envoy is served");
+//! }
+//! // Then each change as it comes: only what it touches is rebuilt and sent.
+//! xds.update(Changes { removals: vec!["web.shop:80".to_owned()], ..Default::default() });
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! What the server guarantees:
 //!
 //! - **Nothing before the first update.** A client that connects earlier waits; its first
 //!   response describes a complete view, never a partial one.

@@ -53,6 +53,10 @@ async fn resources_held_at_their_version_are_not_sent_again_on_a_new_stream() {
     assert!(resent.removed_resources.is_empty());
     again.ack(&resent);
     again.silent().await;
+    // Both streams report the set they hold: the one the first stream was sent.
+    for client in harness.server.clients() {
+        assert_eq!(client.types[CDS].acked_version.as_deref(), Some(clusters.system_version_info.as_str()));
+    }
     harness.stop().await;
 }
 
