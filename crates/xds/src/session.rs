@@ -155,7 +155,11 @@ pub(crate) async fn run<P: Protocol>(
                 "closed the stream of an xDS client that did not take or answer a response in time");
             let _ = tx.try_send(Err(Status::deadline_exceeded("a response was not taken or answered in time")));
         }
-        End::Shutdown => shared.metrics.closed.with_label_values(&["shutdown"]).inc(),
+        End::Shutdown => {
+            shared.metrics.closed.with_label_values(&["shutdown"]).inc();
+            // UNAVAILABLE: the client reconnects, to another replica if there is one.
+            let _ = tx.try_send(Err(Status::unavailable("the xDS server is shutting down")));
+        }
     }
 }
 

@@ -4,6 +4,7 @@ use consul_resolver_xds::{Changes, RejectReason, XdsConfig};
 use envoy_types::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
 use envoy_types::pb::envoy::service::discovery::v3::DiscoveryResponse;
 use prost::Message;
+use tonic::Code;
 
 use crate::support::{CDS, EDS, Harness, Sotw, complete, names, upserts, upstream};
 
@@ -35,7 +36,9 @@ async fn nothing_is_sent_before_the_first_update() {
     client.silent().await;
     harness.server.update(complete(vec![upstream("a", &[("10.0.0.1", 80)])]));
     assert_eq!(names(&client.recv().await.resources), vec!["a"]);
+    // Stopping ends the stream, telling the client to go elsewhere.
     harness.stop().await;
+    assert_eq!(client.failure().await.code(), Code::Unavailable);
 }
 
 #[tokio::test]
