@@ -110,7 +110,8 @@ impl Sotw {
     /// is sent as the client last accepted it, so sending the whole set never withdraws it.
     fn all_clusters(&mut self, view: &View) -> Vec<Any> {
         let tracker = self.client.tracker(Kind::Cluster);
-        let mut names: Vec<&str> = view.names().collect();
+        // Envoy asks for every cluster; a client naming some is sent those.
+        let mut names: Vec<&str> = view.names().filter(|name| tracker.wants(name)).collect();
         names.sort_unstable();
         names
             .into_iter()

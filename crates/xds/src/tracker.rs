@@ -147,6 +147,13 @@ impl Tracker {
         for name in names {
             self.subscribe(name);
         }
+        if !self.wildcard {
+            // What a wildcard subscription brought and the names do not keep, the client drops.
+            let unwanted: Vec<String> = self.held.keys().filter(|n| !wanted.contains(n.as_str())).cloned().collect();
+            for name in unwanted {
+                self.forget(&name);
+            }
+        }
     }
 
     /// The client says it holds `name` at `version` (a delta client resuming).
@@ -177,7 +184,7 @@ impl Tracker {
             .fold(0, |mix, entry| mix ^ entry.get(self.kind).mix)
     }
 
-    fn wants(&self, name: &str) -> bool {
+    pub(crate) fn wants(&self, name: &str) -> bool {
         self.wildcard || self.names.contains(name)
     }
 

@@ -245,3 +245,18 @@ async fn an_endpoint_envoy_would_refuse_is_left_out_and_reported() {
     assert!(harness.server.rejections().is_empty());
     harness.stop().await;
 }
+
+#[tokio::test]
+async fn a_client_naming_clusters_is_sent_those() {
+    let harness = Harness::start(XdsConfig::default()).await;
+    let (mut client, _, _) = settled(&harness).await;
+    let mut named = Sotw::open(harness.channel().await, "envoy-2").await.unwrap();
+    named.request(CDS, &["b", "z"], "", "");
+    let clusters = named.recv().await;
+    assert_eq!(names(&clusters.resources), vec!["b"]);
+    named.ack(&clusters, &["b", "z"]);
+    harness.server.update(upserts(vec![upstream("z", &[("10.0.0.26", 80)]), upstream("y", &[("10.0.0.25", 80)])]));
+    assert_eq!(names(&named.recv().await.resources), vec!["b", "z"]);
+    assert_eq!(names(&client.recv().await.resources), vec!["a", "b", "c", "y", "z"]);
+    harness.stop().await;
+}
