@@ -351,6 +351,81 @@ pub(crate) fn named_in<'a>(message: &str, candidates: impl Iterator<Item = &'a s
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::resources::{EndpointHealth, Upstream, UpstreamEndpoint};
+    use crate::state::Changes;
+
+    fn view(ports: &[(&str, u16)]) -> View {
+        let mut view = View::default();
+        update(&mut view, ports);
+        view
+    }
+
+    fn update(view: &mut View, ports: &[(&str, u16)]) {
+        let upserts = ports
+            .iter()
+            .map(|(name, port)| Upstream {
+                name: (*name).to_owned(),
+                endpoints: vec![UpstreamEndpoint {
+                    address: "10.0.0.1".to_owned(),
+                    port: *port,
+                    zone: None,
+                    health: EndpointHealth::Healthy,
+                    weight: 1,
+                }],
+            })
+            .collect();
+        view.apply(Changes { upserts, ..Default::default() });
+    }
+
+    fn subscribed(names: &[&str]) -> Tracker {
+        let mut tracker = Tracker::new(Kind::Endpoints);
+        tracker.requested = true;
+        for name in names {
+            tracker.subscribe(name);
+        }
+        tracker
+    }
+
+    fn changed(diff: &Diff) -> Vec<&str> {
+        diff.changed.iter().map(|r| r.name.as_str()).collect()
+    }
+
+    #[test]
+    fn a_stale_nonce_acknowledges_nothing_and_nothing_more_is_sent_until_the_answer() {
+        let mut view = view(&[("a", 80), ("b", 80)]);
+        let mut tracker = subscribed(&["a", "b"]);
+        let diff = tracker.diff(&view).unwrap();
+        tracker.sent("1".to_owned(), diff);
+        update(&mut view, &[("a", 81)]);
+        assert!(tracker.diff(&view).is_none(), "one response of a type at a time");
+        assert_eq!(tracker.answer("0", None), None);
+        assert_eq!(tracker.held_count(), 0);
+        assert_eq!(tracker.answer("1", None), Some(Answer::Ack));
+        assert_eq!(tracker.held_count(), 2);
+        assert_eq!(changed(&tracker.diff(&view).unwrap()), vec!["a"], "what changed meanwhile");
+    }
+
+    #[test]
+    fn a_refusal_keeps_the_held_version_and_the_set_version_follows() {
+        let mut view = view(&[("a", 80), ("b", 80)]);
+        let mut tracker = subscribed(&["a", "b"]);
+        let diff = tracker.diff(&view).unwrap();
+        tracker.sent("1".to_owned(), diff);
+        tracker.answer("1", None);
+        let before = tracker.held_version();
+        update(&mut view, &[("a", 81), ("b", 81)]);
+        let diff = tracker.diff(&view).unwrap();
+        let promised = tracker.mix_after(&diff);
+        tracker.sent("2".to_owned(), diff);
+        let answer = tracker.answer("2", Some("cluster a: no"));
+        assert_eq!(answer, Some(Answer::Nack { quarantined: vec!["a".to_owned()], whole: false }));
+        assert_ne!(tracker.held("a").unwrap().version, view.get("a").unwrap().endpoints.version, "a kept the old one");
+        assert_eq!(tracker.held("b").unwrap().version, view.get("b").unwrap().endpoints.version);
+        assert_ne!(tracker.held_version(), before);
+        assert_ne!(crate::resources::set_version(promised), tracker.held_version(), "not all of it was taken");
+        tracker.full = true;
+        assert!(tracker.diff(&view).unwrap().is_empty(), "the refused version is not offered again");
+    }
 
     #[test]
     fn a_name_counts_only_as_a_whole_word() {
