@@ -76,6 +76,24 @@ async fn a_client_that_stops_answering_is_closed_at_the_deadline() {
     harness.stop().await;
 }
 
+/// A stream that never says who it is does not hold a place past the deadline.
+#[tokio::test(start_paused = true)]
+async fn a_client_that_sends_no_request_is_refused_at_the_deadline() {
+    let config = XdsConfig {
+        response_deadline: Duration::from_secs(20),
+        keepalive_interval: Duration::from_secs(3600),
+        max_clients: 1,
+        ..Default::default()
+    };
+    let harness = Harness::start(config).await;
+    let mut mute = Sotw::open(harness.channel().await, "envoy-1").await.unwrap();
+    let opened = tokio::time::Instant::now();
+    assert_eq!(mute.failure_within(Duration::from_secs(60)).await.code(), Code::DeadlineExceeded);
+    assert!(opened.elapsed() >= Duration::from_secs(20));
+    assert_eq!(harness.metric("consul_resolver_xds_clients_refused_total", "no_request"), 1.0);
+    harness.stop().await;
+}
+
 struct Pki {
     ca_pem: String,
     server: (String, String),
