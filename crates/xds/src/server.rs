@@ -22,7 +22,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::XdsShared;
 use crate::delta::Delta;
-use crate::session::{self, Protocol};
+use crate::session::{self, Limits, Protocol};
 use crate::sotw::Sotw;
 
 /// How the server is served.
@@ -82,14 +82,6 @@ pub enum ServeError {
     Tls(#[source] tonic::transport::Error),
     #[error("the xDS server failed: {0}")]
     Transport(#[source] tonic::transport::Error),
-}
-
-/// What each stream needs of the configuration.
-#[derive(Debug)]
-pub(crate) struct Limits {
-    pub(crate) response_deadline: Duration,
-    pub(crate) allowed_nodes: Option<BTreeSet<String>>,
-    max_clients: usize,
 }
 
 /// An HTTP/2 connection carries at most this many streams; Envoy opens one ADS stream.

@@ -3,7 +3,9 @@
 //! answer to it, each have a deadline: a client that stops reading or answering has its
 //! stream closed instead of holding responses forever.
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, sleep_until, timeout};
@@ -11,10 +13,17 @@ use tonic::{Status, Streaming};
 
 use crate::XdsShared;
 use crate::resources::Kind;
-use crate::server::Limits;
 use crate::state::View;
 use crate::status::{ClientStatus, Nack, Variant, now_rfc3339};
 use crate::tracker::{Answer, Tracker};
+
+/// What each stream needs of the server's configuration.
+#[derive(Debug)]
+pub(crate) struct Limits {
+    pub(crate) response_deadline: Duration,
+    pub(crate) allowed_nodes: Option<BTreeSet<String>>,
+    pub(crate) max_clients: usize,
+}
 
 /// What a protocol variant adds to the common book-keeping of `Client`.
 pub(crate) trait Protocol: Send + Sized + 'static {
