@@ -60,6 +60,7 @@ pub enum EndpointHealth {
 
 /// Something left out of what is served because Envoy would refuse it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Rejection {
     pub upstream: String,
     /// `address:port` of the endpoint left out; `None` when the whole upstream was.

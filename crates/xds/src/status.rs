@@ -29,6 +29,7 @@ impl Variant {
 
 /// One connected client.
 #[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct ClientStatus {
     pub node_id: String,
     /// The peer's address, when the transport knows it.
@@ -42,6 +43,7 @@ pub struct ClientStatus {
 
 /// One client's state for one resource type.
 #[derive(Clone, Debug, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct TypeStatus {
     /// The version the client last accepted: the response's `version_info` for the state of
     /// the world, the digest of the set it holds for delta.
@@ -54,6 +56,7 @@ pub struct TypeStatus {
 
 /// A response a client refused.
 #[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Nack {
     /// RFC 3339, UTC.
     pub at: String,
