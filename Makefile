@@ -99,7 +99,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	@if $(CARGO) tree -p consul-resolver-core -e normal --prefix none | grep -E '^(kube|k8s-openapi|reqwest|hyper|mio|socket2) '; then \
 		echo "consul-resolver-core depends on a network or Kubernetes crate (above): it must stay pure"; exit 1; fi
-	python3 scripts/module-cycles.py . crates/api crates/core crates/consul-watch crates/consul-sim crates/heap-peak e2e
+	python3 scripts/module-cycles.py . crates/api crates/core crates/consul-watch crates/consul-sim crates/heap-peak crates/xds e2e
 
 # A local control plane, the Consul simulator and an example, with the operator in the
 # foreground; Ctrl-C tears it all down.

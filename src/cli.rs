@@ -84,6 +84,8 @@ pub(crate) struct RunArgs {
     pub leadership: LeadershipArgs,
     #[command(flatten)]
     pub ops: OpsArgs,
+    #[command(flatten)]
+    pub xds: XdsArgs,
 }
 
 /// What is watched in Kubernetes and how its requests are bounded.
@@ -243,6 +245,38 @@ pub(crate) struct OpsArgs {
     /// time at the end, so a slow API server never gets the pod killed before it.
     #[arg(long, env = "SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = parse_positive_duration)]
     pub shutdown_timeout: Duration,
+}
+
+/// The xDS server: Envoy reads the clusters and endpoints over ADS (docs/xds.md).
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "xDS")]
+pub(crate) struct XdsArgs {
+    /// Serve Envoy's Aggregated Discovery Service (gRPC; state of the world and delta) on
+    /// this address: a cluster per upstream the snapshot holds, with its endpoints. Off
+    /// unless set. Every replica serves it.
+    #[arg(long, env = "XDS_LISTEN")]
+    pub xds_listen: Option<SocketAddr>,
+
+    /// Most Envoys connected at once; one more is refused (RESOURCE_EXHAUSTED).
+    #[arg(long, env = "XDS_MAX_CLIENTS", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub xds_max_clients: u32,
+
+    /// Serve xDS over TLS with this certificate chain (PEM); needs --xds-tls-key.
+    #[arg(long, env = "XDS_TLS_CERT", requires = "xds_tls_key")]
+    pub xds_tls_cert: Option<PathBuf>,
+
+    /// The private key (PEM) of --xds-tls-cert.
+    #[arg(long, env = "XDS_TLS_KEY", requires = "xds_tls_cert")]
+    pub xds_tls_key: Option<PathBuf>,
+
+    /// Require client certificates signed by these CAs (PEM): mutual TLS.
+    #[arg(long, env = "XDS_TLS_CLIENT_CA", requires = "xds_tls_cert")]
+    pub xds_tls_client_ca: Option<PathBuf>,
+
+    /// Serve only Envoys whose node id is one of these (comma-separated); others are
+    /// refused (PERMISSION_DENIED). Unset: any node id.
+    #[arg(long = "xds-allow-node", env = "XDS_ALLOW_NODES", value_delimiter = ',')]
+    pub xds_allow_nodes: Vec<String>,
 }
 
 /// The leader-election Lease.

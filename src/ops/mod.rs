@@ -46,6 +46,8 @@ pub(crate) struct ServerState {
     /// Older snapshots being inflated for readers that do not take gzip: at most
     /// [`MAX_INFLATING`] at once (each a CPU for as long as its reader takes).
     pub inflating: Arc<tokio::sync::Semaphore>,
+    /// The xDS server, with `--xds-listen`: `/xds/clients` lists its clients.
+    pub xds: Option<consul_resolver_xds::XdsServer>,
 }
 
 /// Most older snapshots inflated at once for readers that do not take gzip; the next gets
@@ -143,6 +145,16 @@ fn wait(req: &Request<Incoming>) -> Result<Option<Duration>, String> {
 /// first one; one whose content differs from `If-None-Match`) or the wait ends, as a Consul
 /// blocking query is: a reader follows the snapshots with one request per change and sees
 /// each as soon as it is published.
+/// The Envoys connected over xDS: node id, what each ACKed, its last NACK
+/// (docs/xds.md, "Operating it"). 404 without `--xds-listen`.
+fn xds_clients(state: &ServerState) -> Response<ResponseBody> {
+    let Some(xds) = &state.xds else {
+        return respond(StatusCode::NOT_FOUND, "text/plain", "xDS is not served (--xds-listen)\n");
+    };
+    let body = serde_json::json!({"upstreams": xds.upstreams(), "clients": xds.clients(), "leftOut": xds.rejections()});
+    respond(StatusCode::OK, "application/json", serde_json::to_vec_pretty(&body).expect("JSON of plain values"))
+}
+
 async fn follow(state: &ServerState, req: &Request<Incoming>, waiting: Waiting) -> Response<ResponseBody> {
     let until = match wait(req) {
         Ok(w) => w.map(|w| tokio::time::Instant::now() + w),
@@ -195,6 +207,7 @@ async fn route(state: ServerState, req: Request<Incoming>, waiting: Waiting) -> 
         "/readyz" => respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "no snapshot published yet\n"),
         "/metrics" => respond(StatusCode::OK, "text/plain; version=0.0.4", (state.render)()),
         "/snapshot" => follow(&state, &req, waiting).await,
+        "/xds/clients" => xds_clients(&state),
         _ => match path.strip_prefix("/snapshots/").map(str::parse::<u64>) {
             Some(Ok(id)) => match state.store.get(id) {
                 Some(Body::Latest(s)) => respond_with(StatusCode::OK, "application/json", ResponseBody::document(s)),
@@ -277,6 +290,7 @@ mod tests {
             heartbeat_timeout: timeout,
             vitals: vitals.clone(),
             inflating: Arc::new(tokio::sync::Semaphore::new(crate::ops::MAX_INFLATING)),
+            xds: None,
         };
         let shutdown = CancellationToken::new();
         let (addr, task) =
@@ -320,6 +334,7 @@ mod tests {
             heartbeat_timeout: Duration::from_secs(60),
             vitals: Vitals::new(CancellationToken::new()),
             inflating: Arc::new(tokio::sync::Semaphore::new(crate::ops::MAX_INFLATING)),
+            xds: None,
         }
     }
 

@@ -1,4 +1,5 @@
-//! Publishers: the edge that writes whole snapshots out (HTTP, the hook, the ConfigMap).
+//! Publishers: the edge that writes whole snapshots out (HTTP, the hook, the ConfigMap),
+//! and xDS, which tells Envoy what each one changed.
 //! The HTTP store is filled at hand-off; the hook and the ConfigMap each have an outlet of
 //! their own in the runtime (`runtime::publication`): one delivery at a time, within a
 //! deadline, retried alone with backoff and whatever snapshot is current then, so one
@@ -9,6 +10,7 @@ pub(crate) mod configmap;
 pub(crate) mod hook;
 pub(crate) mod http;
 pub(crate) mod metrics;
+pub(crate) mod xds;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -14,6 +14,7 @@ mod publication;
 mod publisher_events;
 mod registry;
 mod settings;
+mod xds;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -36,6 +37,7 @@ use crate::publishers::Publisher;
 use crate::publishers::configmap::ConfigMapPublisher;
 use crate::publishers::hook::HookPublisher;
 use crate::publishers::http::SnapshotStore;
+use crate::publishers::xds::XdsPublisher;
 use crate::sources::Watches;
 use crate::sources::kube::{Discovered, KubeSource};
 use crate::vitals::Vitals;
@@ -244,7 +246,13 @@ struct Ops {
 }
 
 impl Ops {
-    async fn serve(args: &RunArgs, base: &Base, started: Instant, shutdown: &CancellationToken) -> anyhow::Result<Ops> {
+    async fn serve(
+        args: &RunArgs,
+        base: &Base,
+        started: Instant,
+        shutdown: &CancellationToken,
+        xds: Option<&xds::Xds>,
+    ) -> anyhow::Result<Ops> {
         let (store, ready) = (Arc::new(SnapshotStore::default()), Arc::new(AtomicBool::new(false)));
         let heartbeat = Arc::new(Heartbeat::new(started));
         let metrics = base.metrics.clone();
@@ -257,6 +265,7 @@ impl Ops {
             heartbeat_timeout: args.ops.heartbeat_timeout,
             vitals: base.vitals.clone(),
             inflating: Arc::new(tokio::sync::Semaphore::new(crate::ops::MAX_INFLATING)),
+            xds: xds.map(|x| x.server.clone()),
         };
         let listen = args.ops.listen;
         let limits = crate::ops::server::Limits::DEFAULT;
@@ -305,16 +314,20 @@ fn campaign(args: &RunArgs, base: &Base) -> (Leadership, Option<Campaign>) {
     }
 }
 
-/// Each publisher's outlet: the hook (every replica), the ConfigMap (while leading), with
-/// the Events that report publications.
+/// Each publisher's outlet: the hook and xDS (every replica), the ConfigMap (while
+/// leading), with the Events that report publications.
 fn start_outlets(
     args: &RunArgs,
     base: &Base,
     leadership: &Leadership,
     hook_dir: Option<&std::path::PathBuf>,
+    xds: Option<&xds::Xds>,
 ) -> anyhow::Result<Outlets> {
     let publication = &args.publication;
     let mut local: Vec<Arc<dyn Publisher>> = Vec::new();
+    if let Some(xds) = xds {
+        local.push(Arc::new(XdsPublisher::new(xds.server.clone())));
+    }
     if let (Some(command), Some(dir)) = (publication.on_snapshot.clone(), hook_dir) {
         let metrics = base.metrics.publishers.clone();
         local.push(Arc::new(HookPublisher::new(command, publication.on_snapshot_timeout, dir.clone(), metrics)));
@@ -401,7 +414,8 @@ pub(crate) async fn run(mut args: RunArgs, shutdown: CancellationToken) -> anyho
     let started = Instant::now();
     let signalled = signalled(&shutdown);
     let base = Base::connect(&args, &shutdown).await?;
-    let ops = Ops::serve(&args, &base, started, &shutdown).await?;
+    let xds = xds::serve(&args.xds, &base, &shutdown).await?;
+    let ops = Ops::serve(&args, &base, started, &shutdown, xds.as_ref()).await?;
     args.kube.watches = std::mem::take(&mut args.kube.watches).into_iter().map(without_own_output).collect();
     // Discovery found here for the start-up's checks is reused by the watches of those kinds.
     let discovered = Discovered::default();
@@ -412,7 +426,7 @@ pub(crate) async fn run(mut args: RunArgs, shutdown: CancellationToken) -> anyho
     let (watches, events, pipeline) = start_sources(&args, &base, discovered, fixed, config);
     let (leadership, campaign) = campaign(&args, &base);
     let hook_dir = args.publication.on_snapshot.is_some().then(hook_dir);
-    let outlets = start_outlets(&args, &base, &leadership, hook_dir.as_ref())?;
+    let outlets = start_outlets(&args, &base, &leadership, hook_dir.as_ref(), xds.as_ref())?;
     let resync = args.kube.resync_period;
     let metrics = base.metrics.controller.clone();
     let (client, identity) = (base.client.clone(), base.identity.clone());
@@ -436,6 +450,9 @@ pub(crate) async fn run(mut args: RunArgs, shutdown: CancellationToken) -> anyho
     let stopped = event_loop.run(shutdown).await;
     shut_down(&args, stopped, campaign, signalled).await;
     let _ = ops.server.await;
+    if let Some(xds) = xds {
+        let _ = xds.task.await;
+    }
     // The hook's copy of the last snapshot goes with the process (it can be tens of MB).
     if let Some(dir) = hook_dir {
         let _ = std::fs::remove_dir_all(dir);

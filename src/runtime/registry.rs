@@ -29,7 +29,8 @@ use crate::sources::metrics::SourceMetrics;
 #[derive(Clone)]
 pub(crate) struct Metrics {
     registry: Registry,
-    /// The standard `process_*` metrics, unprefixed (dashboards expect these names).
+    /// The standard `process_*` metrics, unprefixed (dashboards expect these names), and
+    /// those of the crates that name their own in full (`consul_resolver_xds_*`).
     process: Registry,
     pub sources: SourceMetrics,
     pub pipeline: PipelineMetrics,
@@ -73,6 +74,11 @@ impl Metrics {
             process,
             registry,
         }
+    }
+
+    /// Where a crate registers metrics it names in full.
+    pub(crate) fn unprefixed(&self) -> &Registry {
+        &self.process
     }
 
     /// The Prometheus text exposition.

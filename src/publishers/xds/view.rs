@@ -1,0 +1,341 @@
+//! What Envoy is told, derived from the snapshot: one cluster per Consul service a resolver
+//! watches and per port of a Kubernetes Service some Mapping routes to (names in
+//! docs/xds.md), and what changed since the last snapshot handed over.
+//!
+//! A snapshot's entries are shared parts: an entry that did not change is the very same
+//! part as before, so telling what changed is a pointer comparison per entry, and building
+//! Envoy's resources costs only what changed.
+//!
+//! What is never sent (docs/xds.md, "Guarantees"): a cluster whose endpoints are not known
+//! (a Consul service that never answered, a Kubernetes Service whose endpoints have not
+//! listed). Such an entry keeps what Envoy was last told, if anything, so a read that fails
+//! or has not answered yet never empties a cluster.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use consul_resolver_core::assembler::snapshot::{Content, KubeServiceEntry, Part, ServiceEntry};
+use consul_resolver_core::model::Endpoint;
+use consul_resolver_xds::{Changes, EndpointHealth, Upstream, UpstreamEndpoint};
+
+/// Cluster names start with these, by the kind of upstream.
+const CONSUL: &str = "consul";
+const KUBERNETES: &str = "kubernetes";
+
+/// The cluster of a Consul service watched through a resolver.
+pub(crate) fn consul_cluster(resolver_namespace: &str, resolver_name: &str, service: &str) -> String {
+    format!("{CONSUL}/{resolver_namespace}/{resolver_name}/{service}")
+}
+
+/// The cluster of a Kubernetes Service's endpoint port: by the port's name, or the Service
+/// alone when its port is unnamed (a Service of one port). A port's name always holds a
+/// letter, so the two never collide.
+pub(crate) fn kube_cluster(namespace: &str, service: &str, port_name: Option<&str>) -> String {
+    match port_name {
+        Some(port) => format!("{KUBERNETES}/{namespace}/{service}/{port}"),
+        None => format!("{KUBERNETES}/{namespace}/{service}"),
+    }
+}
+
+/// The entry a snapshot's clusters were built from.
+#[derive(Clone)]
+enum Source {
+    Consul(Part<ServiceEntry>),
+    Kube(Part<KubeServiceEntry>),
+}
+
+impl Source {
+    fn same(&self, other: &Source) -> bool {
+        match (self, other) {
+            (Source::Consul(a), Source::Consul(b)) => Part::ptr_eq(a, b),
+            (Source::Kube(a), Source::Kube(b)) => Part::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+/// An entry as last told: where it came from and the clusters it made.
+struct Told {
+    source: Source,
+    clusters: Vec<String>,
+}
+
+/// The clusters last told, by the entry they came from (`consul/…` or `kubernetes/…`
+/// without a port).
+#[derive(Default)]
+pub(crate) struct View {
+    told: HashMap<String, Told>,
+}
+
+impl View {
+    /// What `content` changes against what was told, which it then becomes.
+    pub(crate) fn update(&mut self, content: &Content) -> Changes {
+        let mut changes = Changes::default();
+        let mut seen = HashSet::with_capacity(self.told.len());
+        for resolver in &content.resolvers {
+            for service in &resolver.services {
+                let key = consul_cluster(&resolver.namespace, &resolver.name, &service.name);
+                let source = Source::Consul(service.clone());
+                self.visit(key, source, &mut seen, &mut changes, |key| consul_upstreams(key, service));
+            }
+        }
+        for service in &content.kubernetes_services {
+            let key = kube_cluster(&service.namespace, &service.name, None);
+            let source = Source::Kube(service.clone());
+            self.visit(key, source, &mut seen, &mut changes, |_| kube_upstreams(service));
+        }
+        self.told.retain(|key, told| {
+            let kept = seen.contains(key);
+            if !kept {
+                changes.removals.append(&mut told.clusters);
+            }
+            kept
+        });
+        changes.removals.sort();
+        changes
+    }
+
+    /// One entry: unchanged, unknown (what was told stays), or built again.
+    fn visit(
+        &mut self,
+        key: String,
+        source: Source,
+        seen: &mut HashSet<String>,
+        changes: &mut Changes,
+        build: impl FnOnce(&str) -> Option<Vec<Upstream>>,
+    ) {
+        if self.told.get(&key).is_some_and(|told| told.source.same(&source)) {
+            seen.insert(key);
+            return;
+        }
+        let Some(upstreams) = build(&key) else {
+            // Not known: what Envoy has stays (nothing, or the last known endpoints).
+            if self.told.contains_key(&key) {
+                seen.insert(key);
+            }
+            return;
+        };
+        let mut clusters: Vec<String> = upstreams.iter().map(|u| u.name.clone()).collect();
+        changes.upserts.extend(upstreams);
+        // A port whose endpoints all left is emptied, not removed, while its Service is
+        // routed to: Envoy keeps the cluster warm for when they come back.
+        if let Some(before) = self.told.get(&key) {
+            let gone: Vec<String> = before.clusters.iter().filter(|c| !clusters.contains(c)).cloned().collect();
+            changes.upserts.extend(gone.iter().map(|name| Upstream { name: name.clone(), endpoints: Vec::new() }));
+            clusters.extend(gone);
+        }
+        seen.insert(key.clone());
+        self.told.insert(key, Told { source, clusters });
+    }
+}
+
+/// A Consul service's cluster, or `None` while its endpoints are not known: it never
+/// answered and keeps nothing from before.
+fn consul_upstreams(name: &str, service: &ServiceEntry) -> Option<Vec<Upstream>> {
+    let known = service.synced || service.stale.is_some() || !service.endpoints.is_empty();
+    known.then(|| {
+        vec![Upstream { name: name.to_owned(), endpoints: service.endpoints.iter().map(consul_endpoint).collect() }]
+    })
+}
+
+/// Every instance in the snapshot is one its resolver admits (its query asks only for
+/// those), so each serves, at its Consul weight. Envoy refuses a weight of 0; Consul's 0
+/// (a warning instance meant to take no traffic while others can) is Envoy's degraded
+/// host, used only when too few healthy ones are left.
+fn consul_endpoint(e: &Endpoint) -> UpstreamEndpoint {
+    let (health, weight) = match e.weight.unwrap_or(1) {
+        0 => (EndpointHealth::Degraded, 1),
+        w => (EndpointHealth::Healthy, w),
+    };
+    UpstreamEndpoint { address: e.address.clone(), port: e.port, zone: e.zone.clone(), health, weight }
+}
+
+/// A Kubernetes Service's clusters, one per port name its endpoints carry, or `None` while
+/// its endpoints have not listed.
+fn kube_upstreams(service: &KubeServiceEntry) -> Option<Vec<Upstream>> {
+    if !service.synced {
+        return None;
+    }
+    let mut by_port: BTreeMap<Option<&str>, Vec<UpstreamEndpoint>> = BTreeMap::new();
+    for e in &service.endpoints {
+        let health = if e.ready { EndpointHealth::Healthy } else { EndpointHealth::Unhealthy };
+        for port in &e.ports {
+            let endpoint =
+                UpstreamEndpoint { address: e.address.clone(), port: port.port, zone: None, health, weight: 1 };
+            by_port.entry(port.name.as_deref()).or_default().push(endpoint);
+        }
+    }
+    let cluster = |port| kube_cluster(&service.namespace, &service.name, port);
+    Some(by_port.into_iter().map(|(port, endpoints)| Upstream { name: cluster(port), endpoints }).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::test_fixtures::{content, resolver_entry};
+    use consul_resolver_core::assembler::snapshot::Stale;
+    use consul_resolver_core::model::Health;
+    use consul_resolver_core::model::{KubeEndpoint, KubePort};
+
+    fn instance(address: &str, health: Health) -> Endpoint {
+        Endpoint {
+            address: address.into(),
+            port: 8080,
+            node: "node-1".into(),
+            service_id: address.into(),
+            tags: vec![],
+            meta: BTreeMap::new(),
+            health,
+            zone: Some("zone-a".into()),
+            weight: None,
+        }
+    }
+
+    fn service(name: &str, synced: bool, endpoints: Vec<Endpoint>) -> Part<ServiceEntry> {
+        Part::new(ServiceEntry {
+            name: name.into(),
+            synced,
+            index: None,
+            error: None,
+            stale: None,
+            endpoints: Arc::from(endpoints),
+        })
+    }
+
+    fn with_services(services: Vec<Part<ServiceEntry>>) -> Content {
+        let mut resolver = resolver_entry("shop", "consul");
+        resolver.services = services;
+        content(vec![resolver])
+    }
+
+    /// A pod: its address, its ports (name, number), whether it is ready.
+    type Pod<'a> = (&'a str, &'a [(Option<&'a str>, u16)], bool);
+
+    fn kube(name: &str, synced: bool, endpoints: Vec<Pod<'_>>) -> Part<KubeServiceEntry> {
+        let endpoints = endpoints
+            .into_iter()
+            .map(|(address, ports, ready)| KubeEndpoint {
+                address: address.into(),
+                ports: ports
+                    .iter()
+                    .map(|(name, port)| KubePort { name: name.map(str::to_owned), port: *port })
+                    .collect(),
+                ready,
+            })
+            .collect();
+        Part::new(KubeServiceEntry { namespace: "shop".into(), name: name.into(), synced, error: None, endpoints })
+    }
+
+    fn nothing(changes: &Changes) -> bool {
+        changes.upserts.is_empty() && changes.removals.is_empty()
+    }
+
+    fn names(changes: &Changes) -> Vec<&str> {
+        changes.upserts.iter().map(|u| u.name.as_str()).collect()
+    }
+
+    #[test]
+    fn a_consul_service_is_one_cluster_with_its_instances_zones_and_health() {
+        let mut view = View::default();
+        let weighted = |address, health, weight| Endpoint { weight, ..instance(address, health) };
+        let web = service(
+            "web",
+            true,
+            vec![
+                instance("10.0.0.1", Health::Passing),
+                weighted("10.0.0.2", Health::Passing, Some(3)),
+                weighted("10.0.0.3", Health::Warning, Some(0)),
+            ],
+        );
+        let changes = view.update(&with_services(vec![web]));
+        assert_eq!(names(&changes), ["consul/shop/consul/web"]);
+        let endpoints = &changes.upserts[0].endpoints;
+        assert_eq!((endpoints[0].address.as_str(), endpoints[0].port), ("10.0.0.1", 8080));
+        assert_eq!(endpoints[1].zone.as_deref(), Some("zone-a"));
+        // Admitted by the resolver's query, so they serve, at Consul's weights; a weight
+        // of 0 is Envoy's degraded host.
+        let served: Vec<_> = endpoints.iter().map(|e| (e.health, e.weight)).collect();
+        assert_eq!(served, [(EndpointHealth::Healthy, 1), (EndpointHealth::Healthy, 3), (EndpointHealth::Degraded, 1)]);
+        assert!(changes.removals.is_empty());
+    }
+
+    #[test]
+    fn only_the_entry_that_changed_is_built_again() {
+        let mut view = View::default();
+        let (web, api) =
+            (service("web", true, vec![]), service("api", true, vec![instance("10.0.0.1", Health::Passing)]));
+        view.update(&with_services(vec![api.clone(), web.clone()]));
+        // The same parts: nothing to tell.
+        assert!(nothing(&view.update(&with_services(vec![api.clone(), web.clone()]))));
+        // An equal value in a new part is built again (the assembler shares unchanged
+        // parts, so a new part means a change), and only it.
+        let web2 = service("web", true, vec![instance("10.0.0.9", Health::Passing)]);
+        let changes = view.update(&with_services(vec![api, web2]));
+        assert_eq!(names(&changes), ["consul/shop/consul/web"]);
+        assert_eq!(changes.upserts[0].endpoints[0].address, "10.0.0.9");
+    }
+
+    #[test]
+    fn a_service_never_answered_is_not_told_and_one_that_stops_answering_keeps_what_was_told() {
+        let mut view = View::default();
+        // Never answered: no cluster at all (Envoy would warm it and then serve it empty).
+        assert!(nothing(&view.update(&with_services(vec![service("web", false, vec![])]))));
+        let answered =
+            view.update(&with_services(vec![service("web", true, vec![instance("10.0.0.1", Health::Passing)])]));
+        assert_eq!(names(&answered), ["consul/shop/consul/web"]);
+        // Its settings changed and the new query has not answered, keeping nothing: what
+        // Envoy has stays, neither emptied nor removed.
+        assert!(nothing(&view.update(&with_services(vec![service("web", false, vec![])]))));
+        // Kept endpoints marked stale are known: they are told.
+        let mut kept = ServiceEntry::clone(&service("web", false, vec![instance("10.0.0.2", Health::Passing)]));
+        kept.stale = Some(Stale { since: "2026-01-01T00:00:00Z".into(), reason: "token".into() });
+        let changes = view.update(&with_services(vec![Part::new(kept)]));
+        assert_eq!(changes.upserts[0].endpoints[0].address, "10.0.0.2");
+    }
+
+    #[test]
+    fn a_service_answered_empty_is_told_empty_and_one_no_longer_routed_to_is_removed() {
+        let mut view = View::default();
+        view.update(&with_services(vec![service("web", true, vec![instance("10.0.0.1", Health::Passing)])]));
+        let emptied = view.update(&with_services(vec![service("web", true, vec![])]));
+        assert_eq!(names(&emptied), ["consul/shop/consul/web"]);
+        assert!(emptied.upserts[0].endpoints.is_empty());
+        let gone = view.update(&with_services(vec![]));
+        assert!(gone.upserts.is_empty());
+        assert_eq!(gone.removals, ["consul/shop/consul/web"]);
+        // Told once: gone for good.
+        assert!(nothing(&view.update(&with_services(vec![]))));
+    }
+
+    #[test]
+    fn a_kubernetes_service_is_a_cluster_per_port_name_with_readiness_as_health() {
+        let mut view = View::default();
+        let mut c = content(vec![]);
+        let two_ports: &[(Option<&str>, u16)] = &[(Some("http"), 8080), (Some("metrics"), 9090)];
+        c.kubernetes_services = vec![
+            kube("web", true, vec![("10.1.0.1", two_ports, true), ("10.1.0.2", two_ports, false)]),
+            kube("single", true, vec![("10.1.0.3", &[(None, 80)], true)]),
+            kube("pending", false, vec![]),
+        ];
+        let changes = view.update(&c);
+        assert_eq!(
+            names(&changes),
+            ["kubernetes/shop/web/http", "kubernetes/shop/web/metrics", "kubernetes/shop/single"]
+        );
+        let http = &changes.upserts[0].endpoints;
+        assert_eq!(
+            http.iter().map(|e| (e.port, e.health)).collect::<Vec<_>>(),
+            [(8080, EndpointHealth::Healthy), (8080, EndpointHealth::Unhealthy)]
+        );
+        // Every pod gone: the ports' clusters are emptied, not removed, while routed to.
+        c.kubernetes_services[0] = kube("web", true, vec![]);
+        let emptied = view.update(&c);
+        assert_eq!(names(&emptied), ["kubernetes/shop/web/http", "kubernetes/shop/web/metrics"]);
+        assert!(emptied.upserts.iter().all(|u| u.endpoints.is_empty()));
+        assert!(emptied.removals.is_empty());
+        // No longer routed to: all its clusters go.
+        c.kubernetes_services.remove(0);
+        assert_eq!(view.update(&c).removals, ["kubernetes/shop/web/http", "kubernetes/shop/web/metrics"]);
+    }
+}
