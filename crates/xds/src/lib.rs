@@ -160,6 +160,12 @@ impl XdsServer {
         self.shared.clients.snapshot()
     }
 
+    /// The names of the `consul_resolver_xds_*` metrics, for the operator's list of what
+    /// it exposes.
+    pub fn metric_names(&self) -> Vec<String> {
+        self.shared.metrics.names()
+    }
+
     /// Registers the `consul_resolver_xds_*` metrics.
     pub fn register_metrics(&self, registry: &prometheus::Registry) -> prometheus::Result<()> {
         self.shared.metrics.register(registry)

@@ -1,6 +1,7 @@
 //! The server's Prometheus metrics, `consul_resolver_xds_*`, created with the server and
 //! registered wherever the operator exports its own.
 
+use prometheus::core::Collector;
 use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
 
 use crate::resources::Kind;
@@ -66,16 +67,27 @@ impl Metrics {
         }
     }
 
+    fn collectors(&self) -> Vec<Box<dyn Collector>> {
+        vec![
+            Box::new(self.clients.clone()),
+            Box::new(self.responses.clone()),
+            Box::new(self.response_bytes.clone()),
+            Box::new(self.acks.clone()),
+            Box::new(self.nacks.clone()),
+            Box::new(self.quarantined.clone()),
+            Box::new(self.refused.clone()),
+            Box::new(self.closed.clone()),
+            Box::new(self.rejected.clone()),
+        ]
+    }
+
     pub(crate) fn register(&self, registry: &Registry) -> prometheus::Result<()> {
-        registry.register(Box::new(self.clients.clone()))?;
-        registry.register(Box::new(self.responses.clone()))?;
-        registry.register(Box::new(self.response_bytes.clone()))?;
-        registry.register(Box::new(self.acks.clone()))?;
-        registry.register(Box::new(self.nacks.clone()))?;
-        registry.register(Box::new(self.quarantined.clone()))?;
-        registry.register(Box::new(self.refused.clone()))?;
-        registry.register(Box::new(self.closed.clone()))?;
-        registry.register(Box::new(self.rejected.clone()))
+        self.collectors().into_iter().try_for_each(|c| registry.register(c))
+    }
+
+    /// Every metric's name, labelled or not yet.
+    pub(crate) fn names(&self) -> Vec<String> {
+        self.collectors().iter().flat_map(|c| c.desc().into_iter().map(|d| d.fq_name.clone())).collect()
     }
 
     pub(crate) fn response(&self, kind: Kind, variant: Variant, bytes: usize) {

@@ -150,22 +150,32 @@ fn consul_endpoint(e: &Endpoint) -> UpstreamEndpoint {
 }
 
 /// A Kubernetes Service's clusters, one per port name its endpoints carry, or `None` while
-/// its endpoints have not listed.
+/// its endpoints have not listed. An address two slices both hold (slices are rebalanced
+/// by their controller) is one endpoint, ready if either says so.
 fn kube_upstreams(service: &KubeServiceEntry) -> Option<Vec<Upstream>> {
     if !service.synced {
         return None;
     }
-    let mut by_port: BTreeMap<Option<&str>, Vec<UpstreamEndpoint>> = BTreeMap::new();
+    let mut by_port: BTreeMap<Option<&str>, BTreeMap<(&str, u16), bool>> = BTreeMap::new();
     for e in &service.endpoints {
-        let health = if e.ready { EndpointHealth::Healthy } else { EndpointHealth::Unhealthy };
         for port in &e.ports {
-            let endpoint =
-                UpstreamEndpoint { address: e.address.clone(), port: port.port, zone: None, health, weight: 1 };
-            by_port.entry(port.name.as_deref()).or_default().push(endpoint);
+            let ready = by_port.entry(port.name.as_deref()).or_default().entry((&e.address, port.port)).or_default();
+            *ready |= e.ready;
         }
     }
+    let endpoint = |((address, port), ready): ((&str, u16), bool)| UpstreamEndpoint {
+        address: address.to_owned(),
+        port,
+        zone: None,
+        health: if ready { EndpointHealth::Healthy } else { EndpointHealth::Unhealthy },
+        weight: 1,
+    };
     let cluster = |port| kube_cluster(&service.namespace, &service.name, port);
-    Some(by_port.into_iter().map(|(port, endpoints)| Upstream { name: cluster(port), endpoints }).collect())
+    let upstreams = by_port.into_iter().map(|(port, endpoints)| Upstream {
+        name: cluster(port),
+        endpoints: endpoints.into_iter().map(endpoint).collect(),
+    });
+    Some(upstreams.collect())
 }
 
 #[cfg(test)]
@@ -314,7 +324,12 @@ mod tests {
         let mut c = content(vec![]);
         let two_ports: &[(Option<&str>, u16)] = &[(Some("http"), 8080), (Some("metrics"), 9090)];
         c.kubernetes_services = vec![
-            kube("web", true, vec![("10.1.0.1", two_ports, true), ("10.1.0.2", two_ports, false)]),
+            // 10.1.0.1 in two slices, one of them saying it is not ready yet.
+            kube(
+                "web",
+                true,
+                vec![("10.1.0.1", two_ports, false), ("10.1.0.2", two_ports, false), ("10.1.0.1", two_ports, true)],
+            ),
             kube("single", true, vec![("10.1.0.3", &[(None, 80)], true)]),
             kube("pending", false, vec![]),
         ];
