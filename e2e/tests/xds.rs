@@ -4,7 +4,8 @@
 //! A prober sends a request every 5 ms through each Envoy and records which backend
 //! answered each one; a check going critical must stop traffic to its backend, and passing
 //! bring it back, within the coalescing window + 100 ms of the Consul write's HTTP 200. An
-//! operator restart and a Consul outage must lose no request.
+//! operator restart and a Consul outage must lose no request. Over mutual TLS, a listed node
+//! gets Consul and Kubernetes clusters and an unlisted one nothing.
 //!
 //! Compiled ignored, with the reason, when Envoy or the real agent is not cached (under
 //! `CI=true` the build fails instead: e2e/build.rs).
@@ -204,4 +205,86 @@ fn an_operator_restart_and_a_consul_outage_lose_no_request() {
         assert!(counts.of("a") > 0 && counts.of("b") > 0, "{variant}: {counts:?}");
         eprintln!("{variant}: over {:?}: {counts:?}", from.elapsed());
     }
+}
+
+#[test]
+#[cfg_attr(e2e_external_cluster, ignore = "starts its own Consul agent beside the cluster the tests start")]
+#[cfg_attr(e2e_no_real_agent, ignore = "no real Consul agent (bash scripts/real-parts.sh consul)")]
+#[cfg_attr(e2e_no_envoy, ignore = "no Envoy (bash scripts/real-parts.sh envoy)")]
+fn over_mutual_tls_a_listed_envoy_gets_consul_and_kubernetes_clusters_and_an_unlisted_one_nothing() {
+    use consul_sim::tls::TestPki;
+    use e2e::envoy::{Pem, XdsTls};
+
+    let cluster = Cluster::shared();
+    let agent = RealAgent::start().unwrap();
+    let world = World::new(cluster, &agent, "xds-tls");
+    // A Kubernetes Service routed to, with one named port (documentation addresses: Envoy
+    // holds them, nothing connects to them).
+    cluster
+        .apply(&format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: api, namespace: {ns}}}\nspec: {{ports: [{{name: http, port: 80}}]}}\n---\napiVersion: v1\nkind: Endpoints\nmetadata: {{name: api, namespace: {ns}}}\nsubsets:\n- addresses: [{{ip: 192.0.2.10}}]\n  ports: [{{name: http, port: 8080}}]\n",
+            ns = world.ns
+        ))
+        .unwrap();
+    cluster.apply(&mapping_yaml(&world.ns, "api", "api:80", None)).unwrap();
+    let pki = TestPki::generate().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, pem: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, pem).unwrap();
+        path.to_string_lossy().into_owned()
+    };
+    let (cert, key, ca) = (
+        file("cert.pem", &pki.server_cert_pem),
+        file("key.pem", &pki.server_key_pem),
+        file("ca.pem", &pki.ca_cert_pem),
+    );
+    let xds: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let xds_arg = xds.to_string();
+    let args = ["--namespace", &world.ns, "--xds-listen", &xds_arg, "--xds-tls-cert", &cert, "--xds-tls-key", &key];
+    let more = ["--xds-tls-client-ca", &ca, "--xds-allow-node", "edge-tls"];
+    let mut op = Operator::start(cluster, &[&args[..], &more[..]].concat()).unwrap();
+    op.wait_ready(T).unwrap();
+    let tls = XdsTls {
+        ca: Pem::Inline(pki.ca_cert_pem.clone()),
+        client_cert: Some((Pem::Inline(pki.client_cert_pem.clone()), Pem::Inline(pki.client_key_pem.clone()))),
+        sni: Some("localhost".to_owned()),
+        subject_alt_name: Some("localhost".to_owned()),
+    };
+    let source =
+        XdsSource { tls: Some(tls), initial_fetch_timeout: Some(Duration::from_secs(2)), ..XdsSource::new(xds, true) };
+    let start = |node: &str| {
+        let config =
+            EnvoyConfig::new(node, "edge").with_xds(source.clone()).with_route(Route::prefix("/", &world.cluster()));
+        let envoy = Envoy::start(&config).unwrap();
+        envoy.wait_ready(Instant::now() + T).unwrap();
+        envoy
+    };
+    let listed = start("edge-tls");
+    let kube_cluster = format!("kubernetes/{}/api/http", world.ns);
+    let want: Vec<SocketAddr> = vec!["192.0.2.10:8080".parse().unwrap()];
+    listed
+        .wait_until(Instant::now() + T, "the Kubernetes Service's cluster", |e| {
+            Ok((e.cluster_hosts(&kube_cluster)?.as_ref() == Some(&want)).then_some(()))
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+    let prober = Prober::start(ProbeConfig::new(listed.listener_addr(), "/")).unwrap();
+    let now = Instant::now();
+    for name in ["a", "b"] {
+        prober.wait_first_hit(name, now, now + T).unwrap_or_else(|e| panic!("{e}\n{}", listed.log_tail(30)));
+    }
+
+    // The same certificate, a node id not listed: refused, so it never learns a cluster.
+    let stranger = start("edge-stranger");
+    wait_metric(&op, "consul_resolver_xds_clients_refused_total{reason=\"node_id\"}");
+    assert_eq!(stranger.cluster_hosts(&world.cluster()).unwrap(), None, "an unlisted node got the cluster");
+    let (_, clients) = op.get("/xds/clients").unwrap();
+    assert!(clients.contains("edge-tls") && !clients.contains("edge-stranger"), "{clients}");
+    assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
+}
+
+/// Waits until the operator's metric `series` is at least 1.
+fn wait_metric(op: &Operator, series: &str) {
+    e2e::harness::wait_for(series, T, || op.metric(series).filter(|v| *v >= 1.0))
+        .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
 }
