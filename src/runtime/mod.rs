@@ -451,7 +451,9 @@ pub(crate) async fn run(mut args: RunArgs, shutdown: CancellationToken) -> anyho
     shut_down(&args, stopped, campaign, signalled).await;
     let _ = ops.server.await;
     if let Some(xds) = xds {
-        let _ = xds.task.await;
+        // Its streams were ended at the signal; a client that holds its connection open
+        // must not hold the exit.
+        let _ = tokio::time::timeout(XDS_CLOSE, xds.task).await;
     }
     // The hook's copy of the last snapshot goes with the process (it can be tens of MB).
     if let Some(dir) = hook_dir {
@@ -460,6 +462,9 @@ pub(crate) async fn run(mut args: RunArgs, shutdown: CancellationToken) -> anyho
     tracing::info!("stopped");
     Ok(())
 }
+
+/// How long the exit waits for xDS clients to close their connections.
+const XDS_CLOSE: Duration = Duration::from_secs(2);
 
 /// The writers in flight finish or are cut off within the shutdown budget, then the Lease
 /// is released, then the watches stop.
