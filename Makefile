@@ -13,10 +13,10 @@ release:
 test: check e2e
 
 # The inner loop (under a minute on a warm build): formatting, lints and crate boundaries,
-# the unit tests of every crate, and the pure crates' own integration tests (the snapshot
-# schema, the Consul simulator).
+# the unit tests of every crate, and the crates' own integration tests (the snapshot
+# schema, the Consul simulator, the xDS server driven by a gRPC client).
 check: lint unit
-	$(CARGO) test -p consul-resolver-core -p consul-sim --test '*'
+	$(CARGO) test -p consul-resolver-core -p consul-sim -p consul-resolver-xds --test '*'
 
 unit:
 	$(CARGO) test --workspace --lib --bins
