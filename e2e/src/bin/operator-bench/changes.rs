@@ -26,6 +26,7 @@ use crate::procfs::{cpu_time, memory_kib};
 use crate::profile::Settings;
 use crate::report::{cpu_ms, ms};
 use crate::setup::{OPERATOR_NS, Setup, kube_client, node_name, register, service_name, set_check};
+use crate::xds::{self, PollCost, Probe};
 
 const CHANGE_LIMIT: Duration = Duration::from_secs(60);
 
@@ -46,6 +47,9 @@ pub(crate) struct Changes {
     pub(crate) node_flips: Latencies,
     /// Mean publication during the changes.
     pub(crate) publish_mean: Option<Duration>,
+    /// With `BENCH_XDS=1`: each spaced series over xDS, and what the bench's polls cost.
+    pub(crate) xds: Vec<xds::Series>,
+    pub(crate) poll_cost: Option<PollCost>,
 }
 
 /// Every series of changes, made to the running `instance`.
@@ -56,6 +60,7 @@ pub(crate) fn measure(
     setup: &Setup,
     s: &Settings,
     instance: &Instance,
+    probe: Option<Probe>,
 ) -> anyhow::Result<Changes> {
     let admin = rt.block_on(kube_client(&cluster.admin_kubeconfig))?;
     let (tx, rx) = mpsc::unbounded_channel();
@@ -63,7 +68,18 @@ pub(crate) fn measure(
     let watch = rt.spawn(watch_configmap(admin.clone(), instance.cm.clone(), tx, churn.clone()));
     let encoding = rt.block_on(encoding(admin, &instance.cm))?;
     let http = reqwest::Client::builder().no_proxy().build()?;
-    let mut driver = Driver { http, base: &setup.base_url, rx, s, pid: instance.pid };
+    let poll_cost = probe.as_ref().map(|p| rt.block_on(p.poll_cost())).transpose()?;
+    let mut driver = Driver {
+        http,
+        base: &setup.base_url,
+        rx,
+        s,
+        pid: instance.pid,
+        xds: probe,
+        poll_cost,
+        samples: Vec::new(),
+        series: Vec::new(),
+    };
     let publish_before = rt.block_on(publish_seconds(&instance.op));
     let PortChanges { spaced, back_to_back, cpu_spaced, cpu_back_to_back, change_requests } =
         driver.port_changes(rt, sim, &instance.op)?;
@@ -72,6 +88,7 @@ pub(crate) fn measure(
     let node_flips = if s.node_flips > 0 {
         let n = rt.block_on(driver.node_flips(31))?;
         println!("  node check flips: {}", n.summary());
+        driver.close_series("node check flips");
         n
     } else {
         Latencies(Vec::new())
@@ -81,6 +98,7 @@ pub(crate) fn measure(
         _ => None,
     };
     watch.abort();
+    let xds = std::mem::take(&mut driver.series);
     Ok(Changes {
         encoding,
         spaced,
@@ -92,6 +110,8 @@ pub(crate) fn measure(
         flip_requests,
         node_flips,
         publish_mean,
+        xds,
+        poll_cost,
     })
 }
 
@@ -361,6 +381,15 @@ fn changed_services(s: &Settings, offset: usize) -> impl Iterator<Item = String>
     (0..s.changes).map(move |i| picked_service(s, i, offset))
 }
 
+/// `node`'s `serfHealth` check set to `status`.
+async fn set_node_check(http: &reqwest::Client, base: &str, node: &str, status: &str) -> anyhow::Result<()> {
+    let body = json!({"Node": node, "Address": "127.0.0.1",
+        "Check": {"CheckID": "serfHealth", "Name": "Serf Health Status", "Status": status}});
+    let r = http.put(format!("{base}/v1/catalog/register")).json(&body).send().await?;
+    ensure!(r.status().is_success(), "node check of {node}: {}", r.status());
+    Ok(())
+}
+
 /// The simulator's latest request, to count a series' requests from.
 fn last_request(sim: &RunningSim) -> u64 {
     sim.requests().last().map_or(0, |r| r.seq)
@@ -421,6 +450,12 @@ struct Driver<'a> {
     s: &'a Settings,
     /// The operator's.
     pid: u32,
+    /// With `BENCH_XDS=1`: the spaced changes are timed to Envoy's ACK too, into `samples`
+    /// until the series closes into `series`.
+    xds: Option<Probe>,
+    poll_cost: Option<PollCost>,
+    samples: Vec<xds::Sample>,
+    series: Vec<xds::Series>,
 }
 
 impl Driver<'_> {
@@ -439,6 +474,7 @@ impl Driver<'_> {
         let spaced = rt.block_on(self.changes(20_000, 0, true))?;
         let cpu_spaced = (cpu_time(pid)? - cpu_before) / s.changes as u32;
         println!("  spaced changes: {}; operator CPU per change {}", spaced.summary(), cpu_ms(cpu_spaced));
+        self.close_series("spaced port changes");
         if let (Some(before), Some(after)) = (breakdown_before, rt.block_on(breakdown(op))) {
             println!(
                 "  where the spaced changes' time went (mean per observation): {}",
@@ -471,14 +507,10 @@ impl Driver<'_> {
             let svc = picked_service(s, i, offset);
             let node = node_name((i + offset) % s.instances);
             let port = port_base + i as u16;
-            self.drain();
-            let t0 = Instant::now();
-            register(&self.http, self.base, &svc, &node, port).await?;
+            let http = self.http.clone();
+            let write = register(&http, self.base, &svc, &node, port);
             let what = || format!("change {i} ({svc} on {node} -> port {port})");
-            out.push(self.until_configmap(t0, what, |p| p.has(&svc, s.instances, &node, port)).await?);
-            if spaced {
-                self.quiet().await;
-            }
+            out.push(self.one_change(write, spaced, what, |p| p.has(&svc, s.instances, &node, port)).await?);
             if (i + 1) % 50 == 0 {
                 rss.push(format!("{}: {} MiB", i + 1, memory_kib(self.pid)?.1 / 1024));
             }
@@ -491,6 +523,7 @@ impl Driver<'_> {
     async fn health_flip_series(&mut self, sim: &RunningSim) -> anyhow::Result<(Latencies, SeriesRequests)> {
         let (before_flips, flips_started) = (last_request(sim), Instant::now());
         let flips = self.health_flips(29).await?;
+        self.close_series("health flips");
         let flipped: HashSet<String> = changed_services(self.s, 29).collect();
         let flip_requests = series_requests(sim, before_flips, &flipped, flips_started.elapsed());
         println!("  health flips: {}; Consul requests: {}", flips.summary(), flip_requests.summary(flips.0.len()));
@@ -508,12 +541,10 @@ impl Driver<'_> {
             let svc = picked_service(s, i, offset);
             let node = node_name((i + offset) % s.instances);
             for (status, present) in [("critical", false), ("passing", true)] {
-                self.drain();
-                let t0 = Instant::now();
-                set_check(&self.http, self.base, &svc, &node, status).await?;
+                let http = self.http.clone();
+                let write = set_check(&http, self.base, &svc, &node, status);
                 let what = || format!("flip {i} ({svc} on {node} -> {status})");
-                out.push(self.until_configmap(t0, what, |p| p.node_is(&svc, &node, present)).await?);
-                self.quiet().await;
+                out.push(self.one_change(write, true, what, |p| p.node_is(&svc, &node, present)).await?);
             }
         }
         Ok(Latencies(out))
@@ -536,24 +567,59 @@ impl Driver<'_> {
                 .await?;
             self.quiet().await;
             for (status, present) in [("critical", false), ("passing", true)] {
-                self.drain();
-                let t0 = Instant::now();
-                self.set_node_check(&node, status).await?;
+                let http = self.http.clone();
+                let write = set_node_check(&http, self.base, &node, status);
                 let what = || format!("node flip {i} ({node} -> {status})");
-                out.push(self.until_configmap(t0, what, |p| p.node_is(&svc, &node, present)).await?);
-                self.quiet().await;
+                out.push(self.one_change(write, true, what, |p| p.node_is(&svc, &node, present)).await?);
             }
         }
         Ok(Latencies(out))
     }
 
-    /// `node`'s `serfHealth` check set to `status`.
-    async fn set_node_check(&self, node: &str, status: &str) -> anyhow::Result<()> {
-        let body = json!({"Node": node, "Address": "127.0.0.1",
-            "Check": {"CheckID": "serfHealth", "Name": "Serf Health Status", "Status": status}});
-        let r = self.http.put(format!("{}/v1/catalog/register", self.base)).json(&body).send().await?;
-        ensure!(r.status().is_success(), "node check of {node}: {}", r.status());
-        Ok(())
+    /// One change: `write` (a Consul write), timed from before it until the ConfigMap
+    /// `shows` it; `spaced`: then a quiet window. With `BENCH_XDS=1` a spaced change is also
+    /// timed from the write's HTTP 200 until Envoy ACKed the EDS response carrying it, with
+    /// the xDS bytes and the operator's CPU to the window's end (`xds.rs`).
+    async fn one_change(
+        &mut self,
+        write: impl Future<Output = anyhow::Result<()>>,
+        spaced: bool,
+        what: impl Fn() -> String,
+        shows: impl Fn(&Ports) -> bool,
+    ) -> anyhow::Result<Duration> {
+        self.drain();
+        let probe = self.xds.clone().filter(|_| spaced);
+        let mark = match &probe {
+            Some(p) => Some(p.mark().await?),
+            None => None,
+        };
+        let t0 = Instant::now();
+        write.await?;
+        let written = Instant::now();
+        let shown = self.until_configmap(t0, what, shows);
+        let (shown, acked) = match (&probe, &mark) {
+            (Some(p), Some(m)) => {
+                let (shown, acked) = tokio::join!(shown, p.until_acked(m, written));
+                (shown?, Some(acked?))
+            }
+            _ => (shown.await?, None),
+        };
+        if spaced {
+            self.quiet().await;
+        }
+        if let (Some(p), Some(m), Some(acked)) = (probe, mark, acked) {
+            self.samples.push(p.sample(m, acked).await?);
+        }
+        Ok(shown)
+    }
+
+    /// Ends a series over xDS (nothing without `BENCH_XDS=1`).
+    fn close_series(&mut self, name: &'static str) {
+        if self.xds.is_some() {
+            let series = xds::Series { name, samples: std::mem::take(&mut self.samples) };
+            println!("  over xDS, {}", series.summary(self.poll_cost));
+            self.series.push(series);
+        }
     }
 
     /// Drops the ConfigMap versions seen so far, so the next one awaited follows the change.

@@ -2,12 +2,13 @@
 //! kube-runtime reflector it is compared with, each with the CPU the others used meanwhile.
 
 use std::collections::HashSet;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, bail, ensure};
 use consul_sim::RunningSim;
-use e2e::harness::{Cluster, Operator, unique};
+use e2e::harness::{Cluster, Operator, free_port, unique};
 use futures::StreamExt;
 use kube::api::{Api, ApiResource, DynamicObject};
 use kube::runtime::{reflector, watcher};
@@ -213,6 +214,8 @@ pub(crate) struct Instance {
     pub(crate) pid: u32,
     pub(crate) spawned_at: SystemTime,
     pub(crate) cm: String,
+    /// Where it serves xDS (`BENCH_XDS=1`).
+    pub(crate) xds: Option<SocketAddr>,
     cold_http: Duration,
     pub(crate) snapshot: bytes::Bytes,
     pub(crate) bootstrap_requests: u64,
@@ -226,8 +229,8 @@ pub(crate) struct Instance {
 }
 
 /// The operator's arguments: the setup's namespaces (where [`Settings::confined`]), a snapshot ConfigMap `cm` of its own,
-/// the profile's window and the budget.
-fn operator_args(setup: &Setup, s: &Settings, cm: &str, max_connections: u32) -> Vec<String> {
+/// the profile's window and the budget; `--xds-listen` with `xds`.
+fn operator_args(setup: &Setup, s: &Settings, cm: &str, max_connections: u32, xds: Option<SocketAddr>) -> Vec<String> {
     let mut args: Vec<String> = Vec::new();
     for ns in setup.namespaces.iter().filter(|_| s.confined()) {
         args.extend(["--namespace".into(), ns.clone()]);
@@ -240,6 +243,9 @@ fn operator_args(setup: &Setup, s: &Settings, cm: &str, max_connections: u32) ->
         "--consul-max-connections".into(),
         max_connections.to_string(),
     ]);
+    if let Some(addr) = xds {
+        args.extend(["--xds-listen".into(), addr.to_string()]);
+    }
     args
 }
 
@@ -253,7 +259,8 @@ pub(crate) fn cold_start(
     max_connections: u32,
 ) -> anyhow::Result<Instance> {
     let cm = format!("bench-snap-{}", unique());
-    let args = operator_args(setup, s, &cm, max_connections);
+    let xds = s.xds.then(|| SocketAddr::from(([127, 0, 0, 1], free_port())));
+    let args = operator_args(setup, s, &cm, max_connections, xds);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let spawned_at = SystemTime::now();
     let spawned = Instant::now();
@@ -283,6 +290,7 @@ pub(crate) fn cold_start(
         pid,
         spawned_at,
         cm,
+        xds,
         cold_http,
         snapshot,
         bootstrap_requests,

@@ -84,6 +84,7 @@ mod report;
 mod run;
 mod setup;
 mod soak;
+mod xds;
 
 use std::path::PathBuf;
 use std::time::Instant;

@@ -1,5 +1,6 @@
 //! What /proc says of a process: whether it still runs, its memory, its CPU time.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
@@ -41,4 +42,31 @@ pub(crate) fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
     let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     ensure!(per_second > 0, "sysconf(_SC_CLK_TCK) = {per_second}");
     Ok(Duration::from_secs_f64(ticks as f64 / per_second as f64))
+}
+
+/// The CPU time each thread of a process has run so far, in nanoseconds (the first field
+/// of /proc/<pid>/task/<tid>/schedstat), by thread id: finer than [`cpu_time`]'s clock
+/// ticks, so one change's CPU can be read.
+pub(crate) fn thread_cpu_ns(pid: u32) -> anyhow::Result<BTreeMap<u32, u64>> {
+    let mut out = BTreeMap::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let task = task?;
+        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<u32>().ok()) else { continue };
+        // A thread may end between the listing and the read: left out.
+        let Ok(stat) = std::fs::read_to_string(task.path().join("schedstat")) else { continue };
+        if let Some(ns) = stat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()) {
+            out.insert(tid, ns);
+        }
+    }
+    Ok(out)
+}
+
+/// The CPU the threads ran between two [`thread_cpu_ns`] reads; `None` when a thread of
+/// the first has ended by the second (its time would be lost, not counted).
+pub(crate) fn thread_cpu_since(before: &BTreeMap<u32, u64>, after: &BTreeMap<u32, u64>) -> Option<Duration> {
+    let mut ns = 0u64;
+    for (tid, now) in after {
+        ns += now.saturating_sub(before.get(tid).copied().unwrap_or(0));
+    }
+    before.keys().all(|tid| after.contains_key(tid)).then(|| Duration::from_nanos(ns))
 }

@@ -47,6 +47,9 @@ pub(crate) struct Settings {
     /// `BENCH_SIZES`: (services, instances per service) of each row of the cost table;
     /// empty without it.
     pub(crate) sizes: Vec<(usize, usize)>,
+    /// `BENCH_XDS=1`: the operators serve xDS, and a real Envoy follows the one measured
+    /// (`xds.rs`).
+    pub(crate) xds: bool,
 }
 
 impl Settings {
@@ -79,6 +82,7 @@ impl Settings {
             modes: modes(profile)?,
             window: std::env::var("BENCH_COALESCE_WINDOW").unwrap_or_else(|_| "250ms".into()),
             sizes: sizes()?,
+            xds: env_usize("BENCH_XDS", 0) == 1,
         };
         ensure!(!s.modes.is_empty(), "BENCH_MODES is empty");
         s.check()?;

@@ -8,6 +8,7 @@ use e2e::bench::loadavg;
 use crate::cold_start::Neighbours;
 use crate::profile::{Profile, Settings};
 use crate::run::{Audit, Run};
+use crate::xds;
 use consul_resolver_core::assembler::DEFAULT_ENDPOINTS_WATCH_BUDGET;
 
 /// A ceiling on a measure: `<=` when `inclusive`, else `<`.
@@ -234,6 +235,7 @@ pub(crate) fn compared(s: &Settings, runs: &[Run], load_start: &str, load_end: &
     table.header();
     cold_start_rows(&table, &targets);
     change_rows(&table, &targets);
+    xds_rows(&table);
     cost_rows(&table, &targets, s);
     println!();
     println!("Against {} targets:", targets.name);
@@ -353,6 +355,53 @@ fn change_rows(table: &Table<'_>, targets: &Targets) {
             if n.0.is_empty() { "not run (BENCH_NODE_FLIPS=0)".into() } else { n.summary() }
         },
     );
+}
+
+/// With `BENCH_XDS=1`: Envoy's start and memory, and each spaced series over xDS
+/// (`xds.rs`): the write's 200 -> Envoy's ACK, the bytes pushed and the operator's CPU.
+fn xds_rows(table: &Table<'_>) {
+    let Some(first) = table.runs.iter().find(|r| r.envoy.is_some()) else { return };
+    table.row(
+        "xDS: Envoy (delta, --concurrency 1) spawn -> every cluster and its endpoints ACKed; -> all active (clusters)",
+        "",
+        |r| {
+            r.envoy
+                .map_or("n/a".into(), |e| format!("{}; {} ({})", secs(e.to_ack), secs(e.to_active), count(e.upstreams)))
+        },
+    );
+    table.row("xDS: Envoy VmHWM at the end; operator VmHWM at the end (xDS on)", "", |r| {
+        r.envoy.map_or("n/a".into(), |e| format!("{}; {}", mib(e.peak_kib), mib(r.memory_end.0)))
+    });
+    let names: Vec<&'static str> = first.changes.xds.iter().map(|x| x.name).collect();
+    for name in &names {
+        table.row(
+            &format!("xDS: Consul write's 200 -> Envoy ACKed the EDS response, {name} (min / median / p99 / max)"),
+            "",
+            |r| xds_series(r, name).map_or("n/a".into(), xds::Series::acks),
+        );
+    }
+    let joined = names.join("; ");
+    table.row(&format!("xDS bytes pushed per change, median CDS / EDS: {joined}"), "", |r| {
+        let each = names.iter().filter_map(|n| xds_series(r, n)).map(xds::Series::bytes);
+        each.map(|(cds, eds)| format!("{} / {}", count(cds as usize), count(eds as usize)))
+            .collect::<Vec<_>>()
+            .join("; ")
+    });
+    table.row(
+        &format!(
+            "operator CPU per change with xDS on, median (its threads, write to the window's end, net of the bench's reads): {joined}"
+        ),
+        "",
+        |r| {
+            let each = names.iter().filter_map(|n| xds_series(r, n)).map(|x| cpu_ms(x.cpu(r.changes.poll_cost).0));
+            each.collect::<Vec<_>>().join("; ")
+        },
+    );
+}
+
+/// The run's series over xDS named `name`.
+fn xds_series<'r>(r: &'r Run, name: &str) -> Option<&'r xds::Series> {
+    r.changes.xds.iter().find(|x| x.name == name)
 }
 
 /// What a run cost: Kubernetes and Consul requests, CPU, connections, memory.

@@ -17,6 +17,7 @@ use crate::cold_start::{ColdStarts, Instance, Milestones, Plan, cold_starts, mil
 use crate::procfs::memory_kib;
 use crate::profile::Settings;
 use crate::setup::{OPERATOR_USER, Setup};
+use crate::xds::{self, EnvoyFigures, Follower, Probe};
 
 pub(crate) struct Run {
     pub(crate) max_connections: u32,
@@ -36,6 +37,8 @@ pub(crate) struct Run {
     pub(crate) memory_first: (u64, u64),
     pub(crate) memory_end: (u64, u64),
     pub(crate) exit: String,
+    /// With `BENCH_XDS=1`: the Envoy that followed the operator.
+    pub(crate) envoy: Option<EnvoyFigures>,
 }
 
 /// The cold starts of `plan`; the last operator then goes on to the change measurements.
@@ -52,7 +55,10 @@ pub(crate) fn run_operator(
     let (starts, instance) = cold_starts(rt, cluster, sim, setup, s, max_connections, plan)?;
     let sim = sim.as_ref().expect("started by the cold starts");
     let held = held(sim);
-    let changes = changes::measure(rt, cluster, sim, setup, s, &instance)?;
+    let follower = instance.xds.map(|addr| xds::follow(&instance.op, addr)).transpose()?;
+    let probe = follower.as_ref().map(|_| Probe::new(&instance.op, instance.pid)).transpose()?;
+    let changes = changes::measure(rt, cluster, sim, setup, s, &instance, probe)?;
+    let envoy = follower.map(Follower::finish).transpose()?;
     let Instance {
         op, pid, spawned_at, snapshot, bootstrap_requests, bootstrap_services_queried, memory_first, ..
     } = instance;
@@ -83,6 +89,7 @@ pub(crate) fn run_operator(
         memory_first,
         memory_end,
         exit,
+        envoy,
     })
 }
 
