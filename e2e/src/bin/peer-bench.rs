@@ -2,13 +2,14 @@
 //! the operator beside a peer, in one run.
 //!
 //! A real dev agent (Debian bullseye's 1.8.7) holds service `web`, two instances. The
-//! operator (release build, its defaults) reads it for a Mapping and an export; Traefik
-//! 3.7's `consulCatalog` provider reads it with `strictChecks=passing` (the operator's
-//! default `healthStatuses`), once with its default polling (`refreshInterval` 15 s) and
-//! once with `watch=true` (blocking queries). One instance's check is flipped critical and
-//! back `BENCH_FLIPS` times (default 20, so 40 changes per Traefik setting); each change
-//! waits until every consumer has seen it, then `BENCH_SPACING_MS` more (default 2,500,
-//! beyond Traefik's 2 s `providersThrottleDuration`), so no change is folded into another.
+//! operator (release build, its defaults, plus `--xds-listen` for the traffic level) reads
+//! it for a Mapping and an export; Traefik 3.7's `consulCatalog` provider reads it with
+//! `strictChecks=passing` (the operator's default `healthStatuses`), once with its default
+//! polling (`refreshInterval` 15 s) and once with `watch=true` (blocking queries). One
+//! instance's check is flipped critical and back `BENCH_FLIPS` times (default 20, so 40
+//! changes per Traefik setting); each change waits until every consumer has seen it, then
+//! `BENCH_SPACING_MS` more (default 2,500, beyond Traefik's 2 s
+//! `providersThrottleDuration`), so no change is folded into another.
 //! With polling, a further random wait of up to one `refreshInterval` puts each change at
 //! a random point of Traefik's polling cycle (a change sent right after a poll would wait
 //! the whole interval every time).
@@ -19,8 +20,15 @@
 //! view is polled every `BENCH_POLL_MS` (default 10): that is each observer's resolution.
 //! Printed: min / median / p90 / max per consumer, and the ratio of each median to
 //! Traefik's best.
+//!
+//! Then the traffic level (`traffic`): the same flips seen by requests, through a real
+//! Envoy fed by the operator over xDS and through Traefik, to real backends.
+
+#[path = "peer-bench/traffic.rs"]
+mod traffic;
 
 use std::collections::BTreeSet;
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -43,19 +51,38 @@ const B: &str = "192.0.2.2";
 /// cannot be read.
 type View = Option<BTreeSet<String>>;
 
+/// The traffic level's router (Traefik's file provider): every request on entrypoint `web`
+/// to the consulCatalog provider's service `web`.
+const ROUTER: &str = "http:
+  routers:
+    bench:
+      entryPoints: [web]
+      rule: \"PathPrefix(`/`)\"
+      service: web@consulcatalog
+";
+
 struct Traefik {
     child: Child,
     api: u16,
+    /// Entrypoint `web`.
+    web: u16,
     _dir: tempfile::TempDir,
 }
 
 impl Traefik {
-    fn start(consul: &str, watch: bool) -> anyhow::Result<Traefik> {
+    /// With `router`, [`ROUTER`] too (the traffic level); without, the provider alone.
+    fn start(consul: &str, watch: bool, router: bool) -> anyhow::Result<Traefik> {
         let bin = cached_binary("scripts/real-parts.sh", "traefik-path", "scripts/real-parts.sh traefik")?;
         let dir = tempfile::Builder::new().prefix("cro-traefik-").tempdir()?;
         let (api, web) = (free_port(), free_port());
         let log = std::fs::File::create(dir.path().join("traefik.log"))?;
-        let child = Command::new(bin)
+        let mut cmd = Command::new(bin);
+        if router {
+            let file = dir.path().join("router.yml");
+            std::fs::write(&file, ROUTER)?;
+            cmd.arg(format!("--providers.file.filename={}", file.display()));
+        }
+        let child = cmd
             .arg("--api.insecure=true")
             .arg(format!("--entrypoints.traefik.address=127.0.0.1:{api}"))
             .arg(format!("--entrypoints.web.address=127.0.0.1:{web}"))
@@ -68,7 +95,7 @@ impl Traefik {
             .stderr(log)
             .spawn()
             .context("starting traefik")?;
-        Ok(Traefik { child, api, _dir: dir })
+        Ok(Traefik { child, api, web, _dir: dir })
     }
 }
 
@@ -164,19 +191,20 @@ fn main() -> anyhow::Result<()> {
     let agent = RealAgent::start()?;
     let consul = Consul { base_url: agent.base_url.clone(), token: None, sim: None };
     let ns = cluster.namespace("peers")?;
-    let mut op = start_operator(cluster, &agent, &consul, &ns)?;
+    let xds: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let mut op = start_operator(cluster, &agent, &consul, &ns, xds)?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let slices = rt.block_on(slices_api(cluster, &ns))?;
     let views = Views { http: reqwest::Client::new(), snapshot_url: op.url("/snapshot"), ns, slices };
     let profile = std::env::var("E2E_OPERATOR_PROFILE").unwrap_or_default();
     println!(
-        "peer bench: Consul 1.8.7 (real agent), Traefik 3.7.15 consulCatalog, the operator ({profile} build, defaults)"
+        "peer bench: Consul 1.8.7 (real agent), Traefik 3.7.15 consulCatalog, Envoy 1.40.0, the operator ({profile} build, defaults)"
     );
     let Knobs { flips, poll, spacing } = knobs;
     println!(
         "{flips} flips (critical and back) per Traefik setting, {spacing:?} apart after all have seen each; poll {poll:?}"
     );
-    let bench = Bench { rt, consul, agent_address: agent.address(), views, knobs };
+    let bench = Bench { rt, consul, agent_address: agent.address(), views, knobs, xds };
     let mut results: Vec<Samples> = Vec::new();
     let mut ours = [Samples::new("operator /snapshot"), Samples::new("operator EndpointSlice")];
     for (watch, label) in
@@ -185,7 +213,12 @@ fn main() -> anyhow::Result<()> {
         results.push(bench.traefik_round(watch, label, &mut ours)?);
     }
     results.extend(ours);
-    report(&results, poll, &load_start);
+    let load_views = loadavg();
+    let traffic = traffic::run(&bench)?;
+    report(&results, poll, &load_start, &load_views);
+    traffic.report();
+    println!();
+    println!("load average: {load_start} at the start, {} at the end (1, 5, 15 min)", loadavg());
     op.terminate(Duration::from_secs(30))?;
     Ok(())
 }
@@ -215,15 +248,21 @@ fn register(consul: &Consul, address: &str, status: &str) -> anyhow::Result<()> 
 }
 
 /// A resolver on the agent, a Mapping and an export of `web` in `ns`, both instances
-/// passing; then the operator, ready.
-fn start_operator(cluster: &Cluster, agent: &RealAgent, consul: &Consul, ns: &str) -> anyhow::Result<Operator> {
+/// passing; then the operator, ready, serving xDS on `xds` (for the traffic level).
+fn start_operator(
+    cluster: &Cluster,
+    agent: &RealAgent,
+    consul: &Consul,
+    ns: &str,
+    xds: SocketAddr,
+) -> anyhow::Result<Operator> {
     cluster.grant_exports(ns)?;
     cluster.apply(&resolver_yaml(ns, "consul", &agent.address(), ""))?;
     cluster.apply(&mapping_yaml(ns, "m", "web", Some("consul")))?;
     cluster.apply(&export_yaml(ns, "web", "web", "consul", ""))?;
     register(consul, A, "passing")?;
     register(consul, B, "passing")?;
-    let mut op = Operator::start(cluster, &["--namespace", ns])?;
+    let mut op = Operator::start(cluster, &["--namespace", ns, "--xds-listen", &xds.to_string()])?;
     op.wait_ready(Duration::from_secs(120))?;
     Ok(op)
 }
@@ -256,6 +295,8 @@ struct Bench {
     agent_address: String,
     views: Views,
     knobs: Knobs,
+    /// Where the operator serves xDS.
+    xds: SocketAddr,
 }
 
 impl Bench {
@@ -264,7 +305,7 @@ impl Bench {
     fn traefik_round(&self, watch: bool, label: &str, ours: &mut [Samples; 2]) -> anyhow::Result<Samples> {
         let both: BTreeSet<String> = [A, B].map(str::to_owned).into();
         let one: BTreeSet<String> = [A].map(str::to_owned).into();
-        let traefik = Traefik::start(&self.agent_address, watch)?;
+        let traefik = Traefik::start(&self.agent_address, watch, false)?;
         wait_for(&format!("{label}: both instances"), Duration::from_secs(60), || {
             self.rt.block_on(traefik_view(&self.views.http, traefik.api)).filter(|v| *v == both).map(|_| ())
         })?;
@@ -306,7 +347,7 @@ impl Bench {
     }
 }
 
-fn report(results: &[Samples], poll: Duration, load_start: &str) {
+fn report(results: &[Samples], poll: Duration, load_start: &str, load_end: &str) {
     let best = results
         .iter()
         .filter(|s| s.name.starts_with("Traefik") && !s.taken.is_empty())
@@ -341,5 +382,5 @@ fn report(results: &[Samples], poll: Duration, load_start: &str) {
         );
     }
     println!();
-    println!("load average: {load_start} at the start, {} at the end (1, 5, 15 min)", loadavg());
+    println!("view level: load average {load_start} at its start, {load_end} at its end (1, 5, 15 min)");
 }
