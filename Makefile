@@ -57,10 +57,13 @@ bench-soak:
 
 # A health flip's way to each consumer, the operator beside a peer: a real Consul agent,
 # Traefik's consulCatalog provider (polling, then watch=true), the operator's /snapshot and
-# its export's EndpointSlices; min/median/p90/max per consumer. Results in docs/benchmarks.md.
+# its export's EndpointSlices; min/median/p90/max per consumer. Then the traffic level: the
+# same flips through a real Envoy fed by the operator over xDS and through Traefik, to real
+# backends, request by request. Results in docs/benchmarks.md.
 bench-peers:
 	bash scripts/real-parts.sh consul
 	bash scripts/real-parts.sh traefik
+	bash scripts/real-parts.sh envoy
 	$(CARGO) run --release -p e2e --bin peer-bench
 
 # Cost table: 2,500 / 10,000 / 50,000 Mappings with 1 / 1 / 15 instances per service.
