@@ -71,6 +71,12 @@
 //! services, endpoints, snapshot bytes, cold start, spaced p50 / p99, operator CPU per
 //! spaced and per back-to-back change, peak RSS. It is held to no target.
 //!
+//! xDS: `BENCH_XDS=1` runs every operator with `--xds-listen` on a free loopback port and,
+//! once the measured one has its first snapshot, a real Envoy 1.40 (delta ADS,
+//! `--concurrency 1`) subscribed to every cluster; each spaced change is then also timed
+//! from the Consul write's HTTP 200 to Envoy's ACK of the EDS response carrying it, with
+//! the xDS bytes pushed and the operator's CPU per change: see `xds.rs`.
+//!
 //! Soak: `BENCH_SOAK_SECS=600` (`make bench-soak`) runs one operator under a steady stream
 //! of port changes, health flips and Mapping churn instead, samples its memory, sockets,
 //! threads and runtime tasks, and checks that the final snapshot holds every change: see
