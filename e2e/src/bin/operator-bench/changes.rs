@@ -409,10 +409,15 @@ pub(crate) struct SeriesRequests {
 }
 
 impl SeriesRequests {
+    /// Requests of the changed services and the feed's, per change.
+    pub(crate) fn per_change(&self, changes: usize) -> f64 {
+        self.caused as f64 / changes.max(1) as f64
+    }
+
     pub(crate) fn summary(&self, changes: usize) -> String {
         format!(
             "{:.1}; {} of other services in {:.0} s ({:.1}/s)",
-            self.caused as f64 / changes.max(1) as f64,
+            self.per_change(changes),
             self.others,
             self.over.as_secs_f64(),
             self.others as f64 / self.over.as_secs_f64().max(1e-3)

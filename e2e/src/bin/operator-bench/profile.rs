@@ -14,6 +14,9 @@ pub(crate) enum Profile {
     Default,
     /// `scale`: 5,000 services x 15 instances, 50,000 Mappings, 5,000 Kubernetes Services.
     Scale,
+    /// `double`: the scale profile twice over: 10,000 services x 15 instances, 100,000
+    /// Mappings, 10,000 Kubernetes Services.
+    Double,
     /// `tenants`: the default Consul side beside 10,000 Kubernetes Services routed to, 50 in
     /// each of 200 namespaces, with the operator over the whole cluster (no `--namespace`),
     /// as a many-tenant cluster runs it.
@@ -56,11 +59,14 @@ impl Settings {
     /// The profile gives the defaults; each variable set overrides its own.
     pub(crate) fn from_env() -> anyhow::Result<Settings> {
         let profile = profile()?;
-        let (scale, tenants) = (profile == Profile::Scale, profile == Profile::Tenants);
+        let tenants = profile == Profile::Tenants;
+        // Double is the scale profile twice over.
+        let (scale, twice) =
+            (matches!(profile, Profile::Scale | Profile::Double), 1 + usize::from(profile == Profile::Double));
         let s = Settings {
             profile,
             // Scale: 75,000 endpoints and 50,000 Mappings.
-            services: env_usize("BENCH_SERVICES", if scale { 5000 } else { 1000 }),
+            services: env_usize("BENCH_SERVICES", if scale { 5000 * twice } else { 1000 }),
             instances: env_usize("BENCH_INSTANCES_PER_SERVICE", if scale { 15 } else { 1 }),
             per_service: env_usize("BENCH_MAPPINGS_PER_SERVICE", 10),
             namespaces: env_usize("BENCH_NAMESPACES", if tenants { 200 } else { 5 }),
@@ -69,7 +75,7 @@ impl Settings {
             kube_services: env_usize(
                 "BENCH_KUBE_SERVICES",
                 if scale {
-                    5000
+                    5000 * twice
                 } else if tenants {
                     10_000
                 } else {
@@ -135,9 +141,10 @@ impl Settings {
 fn profile() -> anyhow::Result<Profile> {
     match std::env::var("BENCH_PROFILE").as_deref() {
         Ok("scale") => Ok(Profile::Scale),
+        Ok("double") => Ok(Profile::Double),
         Ok("tenants") => Ok(Profile::Tenants),
         Ok("" | "default") | Err(_) => Ok(Profile::Default),
-        Ok(other) => bail!("BENCH_PROFILE={other}: the profiles are `default`, `scale` and `tenants`"),
+        Ok(other) => bail!("BENCH_PROFILE={other}: the profiles are `default`, `scale`, `double` and `tenants`"),
     }
 }
 

@@ -56,6 +56,12 @@ pub(crate) struct Targets {
     endpoints_watches: Option<Limit<usize>>,
     /// The operator's connections to the API server after the changes.
     api_connections: Option<Limit<usize>>,
+    /// The operator's CPU per change, spaced and back to back alike.
+    cpu_per_change: Option<Limit<Duration>>,
+    /// Consul requests per change (of the changed services and the feed's).
+    requests_per_change: Option<Limit<f64>>,
+    /// Changes of each kind, for the per-change figures.
+    changes: usize,
 }
 
 impl Targets {
@@ -72,6 +78,9 @@ impl Targets {
             peak_rss_kib: Limit::at_most(100 * 1024),
             endpoints_watches: None,
             api_connections: None,
+            cpu_per_change: None,
+            requests_per_change: None,
+            changes: s.changes,
         };
         match s.profile {
             Profile::Default => default,
@@ -85,6 +94,22 @@ impl Targets {
                     spaced_p99: Some(change),
                     back_to_back_p99: Some(change),
                     peak_rss_kib: Limit::below(400 * 1024),
+                    ..default
+                }
+            }
+            // The scale profile twice over, held to tighter targets than the scale one
+            // itself: a change's cost must not grow with the world.
+            Profile::Double => {
+                let change = Limit::below(window + Duration::from_millis(250));
+                Targets {
+                    name: "the doubled scale profile's (BENCH_PROFILE=double)",
+                    overhead: Some(Limit::at_most(1.3)),
+                    spaced_p50: Some(Limit::below(Duration::from_millis(200))),
+                    spaced_p99: Some(change),
+                    back_to_back_p99: Some(change),
+                    peak_rss_kib: Limit::below(600 * 1024),
+                    cpu_per_change: Some(Limit::below(Duration::from_millis(100))),
+                    requests_per_change: Some(Limit::at_most(5.0)),
                     ..default
                 }
             }
@@ -122,6 +147,15 @@ impl Targets {
         if let Some(l) = self.overhead {
             let ratio = overhead(r);
             out.push(("cold start / bare reflector", l.text(ratio_x), ratio_x(ratio), l.holds(ratio)));
+        }
+        if let Some(l) = self.cpu_per_change {
+            let cpu = c.cpu_spaced.max(c.cpu_back_to_back);
+            out.push(("CPU per change, the larger series", l.text(cpu_ms), cpu_ms(cpu), l.holds(cpu)));
+        }
+        if let Some(l) = self.requests_per_change {
+            let n = c.change_requests.per_change(2 * self.changes);
+            let shown = |n: f64| format!("{n:.1}");
+            out.push(("Consul requests per change", l.text(shown), shown(n), l.holds(n)));
         }
         let rss = r.memory_end.0;
         out.push(("peak RSS (VmHWM)", self.peak_rss_kib.text(mib), mib(rss), self.peak_rss_kib.holds(rss)));
