@@ -3,17 +3,19 @@
 //! docs/xds.md), and what changed since the last snapshot handed over.
 //!
 //! A snapshot's entries are shared parts: an entry that did not change is the very same
-//! part as before, so telling what changed is a pointer comparison per entry, and building
-//! Envoy's resources costs only what changed.
+//! part as before, and so is a resolver none of whose services changed. Telling what
+//! changed is a walk of the sorted lists comparing pointers, skipping unchanged resolvers
+//! whole, and naming and building Envoy's resources costs only what changed.
 //!
 //! What is never sent (docs/xds.md, "Guarantees"): a cluster whose endpoints are not known
 //! (a Consul service that never answered, a Kubernetes Service whose endpoints have not
 //! listed). Such an entry keeps what Envoy was last told, if anything, so a read that fails
 //! or has not answered yet never empties a cluster.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, HashMap};
 
-use consul_resolver_core::assembler::snapshot::{Content, KubeServiceEntry, Part, ServiceEntry};
+use consul_resolver_core::assembler::snapshot::{Content, KubeServiceEntry, Part, ResolverEntry, ServiceEntry};
 use consul_resolver_core::model::Endpoint;
 use consul_resolver_xds::{Changes, EndpointHealth, Upstream, UpstreamEndpoint};
 
@@ -36,95 +38,115 @@ pub(crate) fn kube_cluster(namespace: &str, service: &str, port_name: Option<&st
     }
 }
 
-/// The entry a snapshot's clusters were built from.
-#[derive(Clone)]
-enum Source {
-    Consul(Part<ServiceEntry>),
-    Kube(Part<KubeServiceEntry>),
-}
-
-impl Source {
-    fn same(&self, other: &Source) -> bool {
-        match (self, other) {
-            (Source::Consul(a), Source::Consul(b)) => Part::ptr_eq(a, b),
-            (Source::Kube(a), Source::Kube(b)) => Part::ptr_eq(a, b),
-            _ => false,
-        }
-    }
-}
-
-/// An entry as last told: where it came from and the clusters it made.
-struct Told {
-    source: Source,
-    clusters: Vec<String>,
-}
-
-/// The clusters last told, by the entry they came from (`consul/…` or `kubernetes/…`
-/// without a port).
+/// What was last handed over: the snapshot's entries, to compare by pointer, and the
+/// clusters each entry made, by the entry's key (`consul/…`, or `kubernetes/…` without a
+/// port).
 #[derive(Default)]
 pub(crate) struct View {
-    told: HashMap<String, Told>,
+    resolvers: Vec<Part<ResolverEntry>>,
+    kube: Vec<Part<KubeServiceEntry>>,
+    told: HashMap<String, Vec<String>>,
 }
 
 impl View {
-    /// What `content` changes against what was told, which it then becomes.
+    /// What `content` changes against the last snapshot handed over, which it then
+    /// becomes. An unchanged resolver is one pointer comparison, whatever it holds; only
+    /// the entries that changed are named, built and compared with what was told.
     pub(crate) fn update(&mut self, content: &Content) -> Changes {
         let mut changes = Changes::default();
-        let mut seen = HashSet::with_capacity(self.told.len());
-        for resolver in &content.resolvers {
-            for service in &resolver.services {
-                let key = consul_cluster(&resolver.namespace, &resolver.name, &service.name);
-                let source = Source::Consul(service.clone());
-                self.visit(key, source, &mut seen, &mut changes, |key| consul_upstreams(key, service));
+        let resolvers = std::mem::replace(&mut self.resolvers, content.resolvers.clone());
+        let by_name = |a: &ResolverEntry, b: &ResolverEntry| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name));
+        merge(&resolvers, &content.resolvers, by_name, |before, now| self.resolver(before, now, &mut changes));
+        let kube = std::mem::replace(&mut self.kube, content.kubernetes_services.clone());
+        let by_name =
+            |a: &KubeServiceEntry, b: &KubeServiceEntry| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name));
+        merge(&kube, &content.kubernetes_services, by_name, |before, now| {
+            let entry = now.or(before).expect("merge names one side at least");
+            let key = kube_cluster(&entry.namespace, &entry.name, None);
+            match now {
+                Some(now) => self.visit(key, &mut changes, |_| kube_upstreams(now)),
+                None => self.forget(&key, &mut changes),
             }
-        }
-        for service in &content.kubernetes_services {
-            let key = kube_cluster(&service.namespace, &service.name, None);
-            let source = Source::Kube(service.clone());
-            self.visit(key, source, &mut seen, &mut changes, |_| kube_upstreams(service));
-        }
-        self.told.retain(|key, told| {
-            let kept = seen.contains(key);
-            if !kept {
-                changes.removals.append(&mut told.clusters);
-            }
-            kept
         });
         changes.removals.sort();
         changes
     }
 
-    /// One entry: unchanged, unknown (what was told stays), or built again.
-    fn visit(
+    /// A resolver that changed, came or went: its services, compared one by one.
+    fn resolver(
         &mut self,
-        key: String,
-        source: Source,
-        seen: &mut HashSet<String>,
+        before: Option<&Part<ResolverEntry>>,
+        now: Option<&Part<ResolverEntry>>,
         changes: &mut Changes,
-        build: impl FnOnce(&str) -> Option<Vec<Upstream>>,
     ) {
-        if self.told.get(&key).is_some_and(|told| told.source.same(&source)) {
-            seen.insert(key);
-            return;
-        }
-        let Some(upstreams) = build(&key) else {
-            // Not known: what Envoy has stays (nothing, or the last known endpoints).
-            if self.told.contains_key(&key) {
-                seen.insert(key);
+        let r = now.or(before).expect("merge names one side at least");
+        let by_name = |a: &ServiceEntry, b: &ServiceEntry| a.name.cmp(&b.name);
+        merge(services(before), services(now), by_name, |was, is| {
+            let service = is.or(was).expect("merge names one side at least");
+            let key = consul_cluster(&r.namespace, &r.name, &service.name);
+            match is {
+                Some(is) => self.visit(key, changes, |key| consul_upstreams(key, is)),
+                None => self.forget(&key, changes),
             }
-            return;
-        };
+        });
+    }
+
+    /// An entry that is new or changed: built again, unless its endpoints are not known,
+    /// when what Envoy has stays (nothing, or the last known endpoints).
+    fn visit(&mut self, key: String, changes: &mut Changes, build: impl FnOnce(&str) -> Option<Vec<Upstream>>) {
+        let Some(upstreams) = build(&key) else { return };
         let mut clusters: Vec<String> = upstreams.iter().map(|u| u.name.clone()).collect();
         changes.upserts.extend(upstreams);
         // A port whose endpoints all left is emptied, not removed, while its Service is
         // routed to: Envoy keeps the cluster warm for when they come back.
         if let Some(before) = self.told.get(&key) {
-            let gone: Vec<String> = before.clusters.iter().filter(|c| !clusters.contains(c)).cloned().collect();
+            let gone: Vec<String> = before.iter().filter(|c| !clusters.contains(c)).cloned().collect();
             changes.upserts.extend(gone.iter().map(|name| Upstream { name: name.clone(), endpoints: Vec::new() }));
             clusters.extend(gone);
         }
-        seen.insert(key.clone());
-        self.told.insert(key, Told { source, clusters });
+        self.told.insert(key, clusters);
+    }
+
+    /// An entry no longer in the snapshot: its clusters go.
+    fn forget(&mut self, key: &str, changes: &mut Changes) {
+        if let Some(clusters) = self.told.remove(key) {
+            changes.removals.extend(clusters);
+        }
+    }
+}
+
+fn services(resolver: Option<&Part<ResolverEntry>>) -> &[Part<ServiceEntry>] {
+    resolver.map_or(&[][..], |r| &r.services[..])
+}
+
+/// Walks two lists sorted by `order` (the snapshot's lists are: docs/snapshot.md) side by
+/// side, and calls `f` with the entry of each key on either side, except where both sides
+/// hold the very same part, which is skipped: that is what makes an unchanged snapshot
+/// cost a pointer comparison per entry, and an unchanged resolver one.
+fn merge<T>(
+    before: &[Part<T>],
+    now: &[Part<T>],
+    order: impl Fn(&T, &T) -> Ordering,
+    mut f: impl FnMut(Option<&Part<T>>, Option<&Part<T>>),
+) {
+    let (mut b, mut n) = (before.iter().peekable(), now.iter().peekable());
+    loop {
+        let side = match (b.peek(), n.peek()) {
+            (None, None) => return,
+            (Some(_), None) => Ordering::Less,
+            (None, Some(_)) => Ordering::Greater,
+            (Some(x), Some(y)) if Part::ptr_eq(x, y) => {
+                b.next();
+                n.next();
+                continue;
+            }
+            (Some(x), Some(y)) => order(x, y),
+        };
+        match side {
+            Ordering::Less => f(b.next(), None),
+            Ordering::Greater => f(None, n.next()),
+            Ordering::Equal => f(b.next(), n.next()),
+        }
     }
 }
 
@@ -319,38 +341,60 @@ mod tests {
     }
 
     #[test]
+    fn a_resolver_that_comes_or_goes_adds_or_removes_its_services_and_no_other() {
+        let mut view = View::default();
+        let resolver = |namespace: &str, services: &[&str]| {
+            let mut r = resolver_entry(namespace, "consul");
+            r.services =
+                services.iter().map(|s| service(s, true, vec![instance("10.0.0.1", Health::Passing)])).collect();
+            Part::new(r)
+        };
+        let (a, b) = (resolver("a", &["api", "web"]), resolver("b", &["web"]));
+        let mut c = content(vec![]);
+        c.resolvers = vec![a.clone()];
+        view.update(&c);
+        c.resolvers = vec![a.clone(), b.clone()];
+        assert_eq!(names(&view.update(&c)), ["consul/b/consul/web"]);
+        c.resolvers = vec![b];
+        let gone = view.update(&c);
+        assert!(gone.upserts.is_empty());
+        assert_eq!(gone.removals, ["consul/a/consul/api", "consul/a/consul/web"]);
+    }
+
+    #[test]
     fn a_kubernetes_service_is_a_cluster_per_port_name_with_readiness_as_health() {
         let mut view = View::default();
         let mut c = content(vec![]);
         let two_ports: &[(Option<&str>, u16)] = &[(Some("http"), 8080), (Some("metrics"), 9090)];
+        // Sorted by namespace and name, as in every snapshot.
         c.kubernetes_services = vec![
+            kube("pending", false, vec![]),
+            kube("single", true, vec![("10.1.0.3", &[(None, 80)], true)]),
             // 10.1.0.1 in two slices, one of them saying it is not ready yet.
             kube(
                 "web",
                 true,
                 vec![("10.1.0.1", two_ports, false), ("10.1.0.2", two_ports, false), ("10.1.0.1", two_ports, true)],
             ),
-            kube("single", true, vec![("10.1.0.3", &[(None, 80)], true)]),
-            kube("pending", false, vec![]),
         ];
         let changes = view.update(&c);
         assert_eq!(
             names(&changes),
-            ["kubernetes/shop/web/http", "kubernetes/shop/web/metrics", "kubernetes/shop/single"]
+            ["kubernetes/shop/single", "kubernetes/shop/web/http", "kubernetes/shop/web/metrics"]
         );
-        let http = &changes.upserts[0].endpoints;
+        let http = &changes.upserts[1].endpoints;
         assert_eq!(
             http.iter().map(|e| (e.port, e.health)).collect::<Vec<_>>(),
             [(8080, EndpointHealth::Healthy), (8080, EndpointHealth::Unhealthy)]
         );
         // Every pod gone: the ports' clusters are emptied, not removed, while routed to.
-        c.kubernetes_services[0] = kube("web", true, vec![]);
+        c.kubernetes_services[2] = kube("web", true, vec![]);
         let emptied = view.update(&c);
         assert_eq!(names(&emptied), ["kubernetes/shop/web/http", "kubernetes/shop/web/metrics"]);
         assert!(emptied.upserts.iter().all(|u| u.endpoints.is_empty()));
         assert!(emptied.removals.is_empty());
         // No longer routed to: all its clusters go.
-        c.kubernetes_services.remove(0);
+        c.kubernetes_services.remove(2);
         assert_eq!(view.update(&c).removals, ["kubernetes/shop/web/http", "kubernetes/shop/web/metrics"]);
     }
 }
