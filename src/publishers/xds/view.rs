@@ -129,6 +129,7 @@ fn merge<T>(
     order: impl Fn(&T, &T) -> Ordering,
     mut f: impl FnMut(Option<&Part<T>>, Option<&Part<T>>),
 ) {
+    debug_assert!(now.is_sorted_by(|x, y| order(x, y).is_lt()), "the snapshot's lists are sorted");
     let (mut b, mut n) = (before.iter().peekable(), now.iter().peekable());
     loop {
         let side = match (b.peek(), n.peek()) {
