@@ -15,7 +15,6 @@
 //! With an xDS source, Envoy stays PRE_INITIALIZING (`/ready` 503) until the first CDS
 //! answer, or until the initial fetch timeout (Envoy's default: 15 s) passes without one.
 
-mod admin;
 mod bootstrap;
 
 use std::collections::BTreeMap;
@@ -28,13 +27,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use serde_json::Value;
 
-use crate::harness::cached_binary;
+use crate::harness::{cached_binary, http_get_within};
 
 /// How long Envoy may take to bind its admin interface and listener.
 const START_WITHIN: Duration = Duration::from_secs(20);
 
 /// How often the waits ask the admin interface again.
 const POLL: Duration = Duration::from_millis(10);
+/// How long one admin request may take (a large `/clusters` or `/config_dump` included).
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What one Envoy runs.
 #[derive(Clone, Debug)]
@@ -275,7 +276,8 @@ impl Envoy {
 
     /// `(status, body)` of a GET on the admin interface.
     pub fn admin_get(&self, path: &str) -> anyhow::Result<(u16, String)> {
-        admin::get(self.admin, path)
+        http_get_within(&format!("http://{}{path}", self.admin), ADMIN_TIMEOUT)
+            .with_context(|| format!("Envoy's admin on {}", self.admin))
     }
 
     /// A GET on the admin interface that must answer 200, as JSON.

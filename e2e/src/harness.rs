@@ -622,10 +622,16 @@ pub fn http_client() -> reqwest::Client {
 
 /// A blocking HTTP GET on loopback: (status, body); `None` when nothing answers.
 pub fn http_get(url: &str) -> Option<(u16, String)> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+    http_get_within(url, Duration::from_secs(5)).ok()
+}
+
+/// A blocking HTTP GET on loopback that takes at most `timeout`: (status, body), or why
+/// there is none. From sync code only (it runs a runtime of its own).
+pub fn http_get_within(url: &str, timeout: Duration) -> anyhow::Result<(u16, String)> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
-        let resp = http_client().get(url).timeout(Duration::from_secs(5)).send().await.ok()?;
+        let resp = http_client().get(url).timeout(timeout).send().await.with_context(|| format!("GET {url}"))?;
         let status = resp.status().as_u16();
-        Some((status, resp.text().await.ok()?))
+        Ok((status, resp.text().await.with_context(|| format!("GET {url}: the body"))?))
     })
 }
