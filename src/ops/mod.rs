@@ -141,10 +141,6 @@ fn wait(req: &Request<Incoming>) -> Result<Option<Duration>, String> {
     Ok(Some(Duration::try_from_secs_f64(seconds).map_err(|_| bad())?.min(MAX_WAIT)))
 }
 
-/// `/snapshot`, held with `?wait=` until there is a snapshot the reader does not have (the
-/// first one; one whose content differs from `If-None-Match`) or the wait ends, as a Consul
-/// blocking query is: a reader follows the snapshots with one request per change and sees
-/// each as soon as it is published.
 /// The Envoys connected over xDS: node id, what each ACKed, its last NACK
 /// (docs/xds.md, "Operating it"). 404 without `--xds-listen`.
 fn xds_clients(state: &ServerState) -> Response<ResponseBody> {
@@ -155,6 +151,10 @@ fn xds_clients(state: &ServerState) -> Response<ResponseBody> {
     respond(StatusCode::OK, "application/json", serde_json::to_vec_pretty(&body).expect("JSON of plain values"))
 }
 
+/// `/snapshot`, held with `?wait=` until there is a snapshot the reader does not have (the
+/// first one; one whose content differs from `If-None-Match`) or the wait ends, as a Consul
+/// blocking query is: a reader follows the snapshots with one request per change and sees
+/// each as soon as it is published.
 async fn follow(state: &ServerState, req: &Request<Incoming>, waiting: Waiting) -> Response<ResponseBody> {
     let until = match wait(req) {
         Ok(w) => w.map(|w| tokio::time::Instant::now() + w),
