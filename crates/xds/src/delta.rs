@@ -32,14 +32,10 @@ impl Protocol for Delta {
     }
 
     fn receive(&mut self, request: DeltaDiscoveryRequest) {
-        let Some(kind) = Kind::from_type_url(&request.type_url) else {
-            tracing::debug!(node = %self.client.node, type_url = %request.type_url, "ignored a request for a type not served");
+        let error = request.error_detail.as_ref().map(|status| status.message.as_str());
+        let Some(kind) = self.client.request_for(&request.type_url, &request.response_nonce, error, None) else {
             return;
         };
-        if !request.response_nonce.is_empty() {
-            let error = request.error_detail.as_ref().map(|status| status.message.as_str());
-            self.client.answered(kind, &request.response_nonce, error, None);
-        }
         let tracker = self.client.tracker(kind);
         if !tracker.requested {
             tracker.requested = true;
@@ -67,12 +63,6 @@ impl Protocol for Delta {
         self.client.held_changed(kind);
     }
 
-    fn next(&mut self, view: &View) -> Option<DeltaDiscoveryResponse> {
-        Kind::ALL.into_iter().find_map(|kind| self.respond(kind, view))
-    }
-}
-
-impl Delta {
     fn respond(&mut self, kind: Kind, view: &View) -> Option<DeltaDiscoveryResponse> {
         let tracker = self.client.tracker(kind);
         let diff = tracker.diff(view)?;

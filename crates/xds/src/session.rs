@@ -36,8 +36,13 @@ pub(crate) trait Protocol: Send + Sized + 'static {
     fn client(&self) -> &Client;
     /// Takes a request in: an answer to a response, a change of subscription, or both.
     fn receive(&mut self, request: Self::Request);
-    /// The next response due, if any.
-    fn next(&mut self, view: &View) -> Option<Self::Response>;
+    /// The response of `kind` due, if any.
+    fn respond(&mut self, kind: Kind, view: &View) -> Option<Self::Response>;
+
+    /// The next response due, if any: clusters before endpoints.
+    fn next(&mut self, view: &View) -> Option<Self::Response> {
+        Kind::ALL.into_iter().find_map(|kind| self.respond(kind, view))
+    }
 }
 
 /// A client's state common to both variants.
@@ -71,9 +76,28 @@ impl Client {
         self.shared.metrics.response(kind, self.variant, bytes);
     }
 
+    /// The kind of resource a request is about, once its answer to a response (its
+    /// `nonce`, an ACK or, with `error`, a NACK) is taken in; `None` for a type not served.
+    pub(crate) fn request_for(
+        &mut self,
+        type_url: &str,
+        nonce: &str,
+        error: Option<&str>,
+        version: Option<&str>,
+    ) -> Option<Kind> {
+        let Some(kind) = Kind::from_type_url(type_url) else {
+            tracing::debug!(node = %self.node, type_url, "ignored a request for a type not served");
+            return None;
+        };
+        if !nonce.is_empty() {
+            self.answered(kind, nonce, error, version);
+        }
+        Some(kind)
+    }
+
     /// The client answered response `nonce` of `kind`. `version` is the version the client
     /// now says it has (the state of the world tells it; delta does not).
-    pub(crate) fn answered(&mut self, kind: Kind, nonce: &str, error: Option<&str>, version: Option<&str>) {
+    fn answered(&mut self, kind: Kind, nonce: &str, error: Option<&str>, version: Option<&str>) {
         let variant = self.variant;
         let tracker = &mut self.trackers[kind as usize];
         let Some(answer) = tracker.answer(nonce, error) else { return };

@@ -35,14 +35,9 @@ impl Protocol for Sotw {
     }
 
     fn receive(&mut self, request: DiscoveryRequest) {
-        let Some(kind) = Kind::from_type_url(&request.type_url) else {
-            tracing::debug!(node = %self.client.node, type_url = %request.type_url, "ignored a request for a type not served");
-            return;
-        };
-        if !request.response_nonce.is_empty() {
-            let error = request.error_detail.as_ref().map(|status| status.message.as_str());
-            self.client.answered(kind, &request.response_nonce, error, Some(&request.version_info));
-        }
+        let error = request.error_detail.as_ref().map(|status| status.message.as_str());
+        let (nonce, version) = (&request.response_nonce, Some(request.version_info.as_str()));
+        let Some(kind) = self.client.request_for(&request.type_url, nonce, error, version) else { return };
         let tracker = self.client.tracker(kind);
         let first = !tracker.requested;
         tracker.requested = true;
@@ -59,12 +54,6 @@ impl Protocol for Sotw {
         self.client.held_changed(kind);
     }
 
-    fn next(&mut self, view: &View) -> Option<DiscoveryResponse> {
-        Kind::ALL.into_iter().find_map(|kind| self.respond(kind, view))
-    }
-}
-
-impl Sotw {
     fn respond(&mut self, kind: Kind, view: &View) -> Option<DiscoveryResponse> {
         if view.ready()
             && let Some(version) = self.resume[kind as usize].take()
@@ -89,7 +78,9 @@ impl Sotw {
         };
         Some(self.response(kind, diff, resources))
     }
+}
 
+impl Sotw {
     fn response(&mut self, kind: Kind, diff: Diff, resources: Vec<Any>) -> DiscoveryResponse {
         let nonce = self.client.next_nonce();
         let tracker = self.client.tracker(kind);
