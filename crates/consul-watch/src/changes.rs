@@ -56,6 +56,12 @@ impl Stale {
 const REMEMBERED_WRITES: usize = 4096;
 pub(crate) const WIDEST_ACCOUNTED_MOVE: u64 = 1024;
 
+/// Whether a catalog move over `(after, upto]` is checked index by index: by the checks
+/// view's accounting, and by locating its writes ([`crate::locate`]).
+pub(crate) fn checked_index_by_index(after: u64, upto: u64) -> bool {
+    upto > after && upto - after <= WIDEST_ACCOUNTED_MOVE
+}
+
 /// Hashes the view's keys, which are hashes already (xxh3 of a check's bytes), by folding
 /// them: hashing 75,000 of them again with the default SipHash twice per answer was a
 /// tenth of what the answer cost.
@@ -202,7 +208,7 @@ impl ChecksView {
 
     /// Whether every raft index in `(after, upto]` was a check write this view saw.
     pub(crate) fn accounts_for(&self, after: u64, upto: u64) -> bool {
-        upto > after && upto - after <= WIDEST_ACCOUNTED_MOVE && (after + 1..=upto).all(|i| self.wrote(i))
+        checked_index_by_index(after, upto) && (after + 1..=upto).all(|i| self.wrote(i))
     }
 
     /// Whether raft index `index` was a check write (or removal) this view saw.

@@ -27,7 +27,7 @@ use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
 
 use crate::catch_up::CatchUp;
-use crate::changes::{CatalogMove, CatalogView, ChecksView, Stale};
+use crate::changes::{CatalogMove, CatalogView, ChecksView, Stale, checked_index_by_index};
 use crate::client::{Heard, HttpClient, Scope};
 use crate::error::QueryError;
 use crate::locate::{self, Located, Locator};
@@ -405,7 +405,7 @@ impl Ctx<'_> {
     async fn locate(&self, after: u64, upto: u64) -> Option<Stale> {
         let members = self.feed.lock().all.len();
         let may = self.feed.locator().may_try(Instant::now());
-        if !may || !locate::locatable(after, upto) || !locate::worth_it(1, members) {
+        if !may || !checked_index_by_index(after, upto) || !locate::worth_it(1, members) {
             return None;
         }
         let token = self.key.server.token.as_ref();

@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::changes::{ChecksView, Stale, WIDEST_ACCOUNTED_MOVE};
+use crate::changes::{ChecksView, Stale, checked_index_by_index};
 use crate::client::parse::{NodeRow, NodeServices};
 use crate::error::QueryError;
 
@@ -51,11 +51,6 @@ pub(crate) const LOCATE_WITHIN: Duration = crate::catch_up::MAX_WAIT;
 /// Whether reading the instances of `nodes` nodes is worth it for a feed of `members`.
 pub(crate) fn worth_it(nodes: usize, members: usize) -> bool {
     nodes <= MOST_NODES && nodes * MEMBERS_PER_NODE <= members
-}
-
-/// Whether a move over `(after, upto]` may be located at all: one checked index by index.
-pub(crate) fn locatable(after: u64, upto: u64) -> bool {
-    upto > after && upto - after <= WIDEST_ACCOUNTED_MOVE
 }
 
 /// What a feed remembers of its locate steps, for its life.
@@ -128,13 +123,15 @@ impl Located {
     /// write located here; `None` (wake everyone) when any is unexplained.
     pub(crate) fn explained(self, checks: &ChecksView) -> Option<Stale> {
         let explained = |i: u64| self.indexes.contains(&i) || checks.wrote(i);
-        (locatable(self.after, self.upto) && (self.after + 1..=self.upto).all(explained)).then_some(self.stale)
+        (checked_index_by_index(self.after, self.upto) && (self.after + 1..=self.upto).all(explained))
+            .then_some(self.stale)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::changes::WIDEST_ACCOUNTED_MOVE;
     use crate::client::parse::NodeService;
 
     fn node(name: &str, modify_index: u64) -> NodeRow {
