@@ -356,6 +356,11 @@ const READ_AT_ONCE: usize = 64 * 1024;
 /// and would otherwise be held whole.
 const QUICK_PIECE_MAX: usize = 1 << 20;
 
+/// The separator a quick split cuts at, its searcher built once: building one per check
+/// (what `memmem::find` does) was 4% of the operator's CPU at 150,000 checks.
+static BETWEEN_CHECKS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"},{"));
+
 /// `/v1/health/state/any` split into its checks as it is read from `body`: every check of
 /// the scope, handed out one at a time ([`StateSplit::next`]), not yet read. What is held is
 /// the check being split and at most one read's worth after it, never the answer (21 MB at
@@ -475,7 +480,7 @@ impl<R: std::io::Read> StateSplit<R> {
         // How much past `at` holds no `},{` (but for its last two bytes, which more may end).
         let mut searched = 0;
         loop {
-            if let Some(i) = memchr::memmem::find(&self.buf[self.at + searched..], b"},{") {
+            if let Some(i) = BETWEEN_CHECKS.find(&self.buf[self.at + searched..]) {
                 let (start, end) = (self.at, self.at + searched + i + 1);
                 self.at = end + 1;
                 return Ok(Some((start, end)));
