@@ -90,8 +90,8 @@ pub(crate) fn content(resolvers: Vec<ResolverEntry>) -> Content {
     Content {
         bootstrap: Bootstrap { complete: true, unsynced: vec![] },
         resolvers: resolvers.into_iter().map(Part::new).collect(),
-        mappings: vec![],
-        kubernetes_services: vec![],
+        mappings: Default::default(),
+        kubernetes_services: Default::default(),
         watched: vec![],
         problems: vec![],
         exports: vec![],

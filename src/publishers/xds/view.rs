@@ -15,7 +15,7 @@
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, HashMap};
 
-use consul_resolver_core::assembler::snapshot::{Content, KubeServiceEntry, Part, ResolverEntry, ServiceEntry};
+use consul_resolver_core::assembler::snapshot::{Content, KubeServiceEntry, Part, Parts, ResolverEntry, ServiceEntry};
 use consul_resolver_core::model::Endpoint;
 use consul_resolver_xds::{Changes, EndpointHealth, Upstream, UpstreamEndpoint};
 
@@ -44,7 +44,7 @@ pub(crate) fn kube_cluster(namespace: &str, service: &str, port_name: Option<&st
 #[derive(Default)]
 pub(crate) struct View {
     resolvers: Vec<Part<ResolverEntry>>,
-    kube: Vec<Part<KubeServiceEntry>>,
+    kube: Parts<KubeServiceEntry>,
     told: HashMap<String, Vec<String>>,
 }
 
@@ -58,18 +58,31 @@ impl View {
         let by_name = |a: &ResolverEntry, b: &ResolverEntry| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name));
         merge(&resolvers, &content.resolvers, by_name, |before, now| self.resolver(before, now, &mut changes));
         let kube = std::mem::replace(&mut self.kube, content.kubernetes_services.clone());
+        // The same list (after a Consul change) has not one entry to compare.
+        if !Parts::ptr_eq(&kube, &content.kubernetes_services) {
+            self.kube_services(&kube, &content.kubernetes_services, &mut changes);
+        }
+        changes.removals.sort();
+        changes
+    }
+
+    /// The Kubernetes Services' clusters, compared entry by entry.
+    fn kube_services(
+        &mut self,
+        before: &[Part<KubeServiceEntry>],
+        now: &[Part<KubeServiceEntry>],
+        changes: &mut Changes,
+    ) {
         let by_name =
             |a: &KubeServiceEntry, b: &KubeServiceEntry| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name));
-        merge(&kube, &content.kubernetes_services, by_name, |before, now| {
+        merge(before, now, by_name, |before, now| {
             let entry = now.or(before).expect("merge names one side at least");
             let key = kube_cluster(&entry.namespace, &entry.name, None);
             match now {
-                Some(now) => self.visit(key, &mut changes, |_| kube_upstreams(now)),
-                None => self.forget(&key, &mut changes),
+                Some(now) => self.visit(key, changes, |_| kube_upstreams(now)),
+                None => self.forget(&key, changes),
             }
         });
-        changes.removals.sort();
-        changes
     }
 
     /// A resolver that changed, came or went: its services, compared one by one.
@@ -368,7 +381,7 @@ mod tests {
         let mut c = content(vec![]);
         let two_ports: &[(Option<&str>, u16)] = &[(Some("http"), 8080), (Some("metrics"), 9090)];
         // Sorted by namespace and name, as in every snapshot.
-        c.kubernetes_services = vec![
+        c.kubernetes_services = Parts::from(vec![
             kube("pending", false, vec![]),
             kube("single", true, vec![("10.1.0.3", &[(None, 80)], true)]),
             // 10.1.0.1 in two slices, one of them saying it is not ready yet.
@@ -377,7 +390,7 @@ mod tests {
                 true,
                 vec![("10.1.0.1", two_ports, false), ("10.1.0.2", two_ports, false), ("10.1.0.1", two_ports, true)],
             ),
-        ];
+        ]);
         let changes = view.update(&c);
         assert_eq!(
             names(&changes),
@@ -389,13 +402,13 @@ mod tests {
             [(8080, EndpointHealth::Healthy), (8080, EndpointHealth::Unhealthy)]
         );
         // Every pod gone: the ports' clusters are emptied, not removed, while routed to.
-        c.kubernetes_services[2] = kube("web", true, vec![]);
+        c.kubernetes_services.to_mut()[2] = kube("web", true, vec![]);
         let emptied = view.update(&c);
         assert_eq!(names(&emptied), ["kubernetes/shop/web/http", "kubernetes/shop/web/metrics"]);
         assert!(emptied.upserts.iter().all(|u| u.endpoints.is_empty()));
         assert!(emptied.removals.is_empty());
         // No longer routed to: all its clusters go.
-        c.kubernetes_services.remove(2);
+        c.kubernetes_services.to_mut().remove(2);
         assert_eq!(view.update(&c).removals, ["kubernetes/shop/web/http", "kubernetes/shop/web/metrics"]);
     }
 }

@@ -275,8 +275,8 @@ impl Assembler {
         Content {
             bootstrap: Bootstrap { complete: unsynced.is_empty(), unsynced },
             resolvers,
-            mappings: self.routes.entries().cloned().collect(),
-            kubernetes_services: self.kube.entries().cloned().collect(),
+            mappings: self.routes.mappings(),
+            kubernetes_services: self.kube.entries(),
             watched,
             problems,
             exports: self

@@ -15,6 +15,7 @@
 //!
 //! Pure computation: no I/O.
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
@@ -124,11 +125,26 @@ pub struct Cut {
 /// Segments by key, for reuse.
 type Index = HashMap<u64, Vec<Arc<Segment>>>;
 
+/// The segments written from one shared list ([`Segmenter::run`]), and the list, held so
+/// that no other list takes its address while the run is remembered.
+struct Run {
+    list: Arc<dyn Any + Send + Sync>,
+    segments: Arc<[Arc<Segment>]>,
+}
+
+impl Run {
+    fn of(&self, list: &Arc<dyn Any + Send + Sync>) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(&self.list), Arc::as_ptr(list))
+    }
+}
+
 /// Cuts documents one after the other, reusing the previous one's segments where the bytes
 /// are the same.
 #[derive(Default)]
 pub struct Cutter {
     previous: Index,
+    /// The previous document's runs.
+    runs: Vec<Run>,
 }
 
 impl Cutter {
@@ -136,15 +152,18 @@ impl Cutter {
     pub fn cut(&mut self, write: impl FnOnce(&mut Segmenter<'_>)) -> Cut {
         let mut segmenter = Segmenter {
             previous: &self.previous,
+            previous_runs: &self.runs,
             made: Index::new(),
             pieces: Vec::new(),
             len: 0,
             key: 0,
             segments: Vec::new(),
+            runs: Vec::new(),
         };
         write(&mut segmenter);
         segmenter.end();
-        let Segmenter { segments, made, .. } = segmenter;
+        let Segmenter { segments, made, runs, .. } = segmenter;
+        self.runs = runs;
         let mut digests = Sha256::new();
         let mut len = 0;
         for s in &segments {
@@ -167,6 +186,7 @@ impl Cutter {
 /// Receives a document's bytes in order and cuts them into segments.
 pub struct Segmenter<'a> {
     previous: &'a Index,
+    previous_runs: &'a [Run],
     /// The segments made new in this document, so that equal ones (the same service changed
     /// in every resolver that follows it) are digested and deflated once.
     made: Index,
@@ -174,9 +194,34 @@ pub struct Segmenter<'a> {
     len: usize,
     key: u64,
     segments: Vec<Arc<Segment>>,
+    runs: Vec<Run>,
 }
 
 impl Segmenter<'_> {
+    /// What `write` writes, from a segment boundary to a segment boundary, filed under
+    /// `list`: the shared list it writes ([`super::snapshot::Parts`], a resolver's entry).
+    /// When the previous document wrote the very same list, its segments are taken whole
+    /// and `write` is not called: an unchanged list of 100,000 Mappings costs one pointer
+    /// compare instead of a visit of each. The segments are those a fresh cutter makes
+    /// (each run starts from an empty segment), so the hash does not depend on history.
+    pub fn run(&mut self, list: Arc<dyn Any + Send + Sync>, write: impl FnOnce(&mut Self)) {
+        self.end();
+        let known = self.previous_runs.iter().chain(&self.runs).find(|r| r.of(&list)).map(|r| r.segments.clone());
+        let segments = match known {
+            Some(segments) => {
+                self.segments.extend(segments.iter().cloned());
+                segments
+            }
+            None => {
+                let start = self.segments.len();
+                write(self);
+                self.end();
+                self.segments[start..].into()
+            }
+        };
+        self.runs.push(Run { list, segments });
+    }
+
     /// Bytes that no cut may follow.
     pub fn bytes(&mut self, bytes: Bytes) {
         let h = hash(&bytes);
@@ -393,6 +438,46 @@ mod tests {
         assert_eq!(shared(&again, &copied), n);
         // A fresh cutter agrees on the hash: it is the content's, not the history's.
         assert_eq!(Cutter::default().cut(|w| write(w, &after)).hash, second.hash);
+    }
+
+    /// A document of a head, `list` as a run, and a tail; counts the run's writes.
+    fn with_run(w: &mut Segmenter<'_>, list: &Arc<Vec<Bytes>>, writes: &mut usize) {
+        w.literal(b"\"head\":1,");
+        w.run(list.clone(), |w| {
+            *writes += 1;
+            write(w, list);
+        });
+        w.literal(b",\"tail\":2}");
+    }
+
+    #[test]
+    fn an_unchanged_run_is_taken_whole_and_cut_as_a_fresh_cutter_cuts_it() {
+        let items = Arc::new(elements(40_000, None));
+        let mut cutter = Cutter::default();
+        let mut writes = 0;
+        let first = cutter.cut(|w| with_run(w, &items, &mut writes));
+        let second = cutter.cut(|w| with_run(w, &items, &mut writes));
+        assert_eq!(writes, 1, "the very same list is not written again");
+        assert_eq!(shared(&first, &second), second.segments.len());
+        assert_eq!(second.hash, first.hash);
+        // A run starts and ends a segment.
+        let head = second.segments.first().unwrap();
+        assert_eq!(head.pieces().concat(), b"\"head\":1,");
+        assert_eq!(second.segments.last().unwrap().pieces().concat(), b",\"tail\":2}");
+        // A fresh cutter writes it, and agrees on every byte and on the hash.
+        let fresh = Cutter::default().cut(|w| with_run(w, &items, &mut writes));
+        assert_eq!((writes, &fresh.hash, bytes(&fresh)), (2, &second.hash, bytes(&second)));
+        // Another list, one element changed: written, and only the changed segment is new.
+        let mut changed = (*items).clone();
+        changed[20_000] = elements(20_001, Some(20_000)).pop().unwrap();
+        let changed = Arc::new(changed);
+        let third = cutter.cut(|w| with_run(w, &changed, &mut writes));
+        assert_eq!(writes, 3);
+        assert_eq!(shared(&second, &third), third.segments.len() - 1);
+        assert_eq!(third.hash, Cutter::default().cut(|w| with_run(w, &changed, &mut writes)).hash);
+        // The list the cutter no longer remembers is written again.
+        cutter.cut(|w| with_run(w, &items, &mut writes));
+        assert_eq!(writes, 5);
     }
 
     #[test]

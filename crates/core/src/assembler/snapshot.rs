@@ -60,6 +60,13 @@ impl<T> Part<T> {
     }
 }
 
+impl<T: Send + Sync + 'static> Part<T> {
+    /// The part as what a run of segments is filed under (see [`Parts::shared`]).
+    pub(crate) fn shared(&self) -> Arc<dyn std::any::Any + Send + Sync> {
+        self.0.clone()
+    }
+}
+
 impl<T> Clone for Part<T> {
     fn clone(&self) -> Self {
         Part(self.0.clone())
@@ -124,14 +131,98 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for Part<T> {
     }
 }
 
+/// A list of parts shared between contents. The assembler keeps its list of Mappings (and
+/// of Kubernetes Services) from change to change and makes it again only when one of them
+/// changes, so that a content after a Consul change holds the very same list as the one
+/// before: a pointer copy, and a run of segments the writer takes whole
+/// ([`super::segment::Segmenter::run`]) instead of visiting each of its 100,000 elements.
+pub struct Parts<T>(Arc<Vec<Part<T>>>);
+
+impl<T> Parts<T> {
+    /// Whether both are the very same list (not only equal).
+    pub fn ptr_eq(a: &Self, b: &Self) -> bool {
+        Arc::ptr_eq(&a.0, &b.0)
+    }
+
+    /// The list to change: this content's own copy if it is shared.
+    pub fn to_mut(&mut self) -> &mut Vec<Part<T>> {
+        Arc::make_mut(&mut self.0)
+    }
+}
+
+impl<T: Send + Sync + 'static> Parts<T> {
+    /// The list as what a run of segments is filed under: held, so its address is not
+    /// another list's while the run is remembered.
+    pub(crate) fn shared(&self) -> Arc<dyn std::any::Any + Send + Sync> {
+        self.0.clone()
+    }
+}
+
+impl<T> Clone for Parts<T> {
+    fn clone(&self) -> Self {
+        Parts(self.0.clone())
+    }
+}
+
+impl<T> Default for Parts<T> {
+    fn default() -> Self {
+        Parts(Arc::default())
+    }
+}
+
+impl<T> Deref for Parts<T> {
+    type Target = [Part<T>];
+    fn deref(&self) -> &[Part<T>] {
+        &self.0
+    }
+}
+
+impl<T> From<Vec<Part<T>>> for Parts<T> {
+    fn from(parts: Vec<Part<T>>) -> Self {
+        Parts(Arc::new(parts))
+    }
+}
+
+impl<T> FromIterator<Part<T>> for Parts<T> {
+    fn from_iter<I: IntoIterator<Item = Part<T>>>(iter: I) -> Self {
+        Parts(Arc::new(iter.into_iter().collect()))
+    }
+}
+
+impl<T: PartialEq> PartialEq for Parts<T> {
+    fn eq(&self, other: &Self) -> bool {
+        Parts::ptr_eq(self, other) || self.0 == other.0
+    }
+}
+
+impl<T: Eq> Eq for Parts<T> {}
+
+impl<T: fmt::Debug> fmt::Debug for Parts<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl<T: Serialize> Serialize for Parts<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Parts<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Vec::deserialize(d).map(Parts::from)
+    }
+}
+
 /// Everything a snapshot says, without its id.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Content {
     pub bootstrap: Bootstrap,
     pub resolvers: Vec<Part<ResolverEntry>>,
-    pub mappings: Vec<Part<MappingEntry>>,
-    pub kubernetes_services: Vec<Part<KubeServiceEntry>>,
+    pub mappings: Parts<MappingEntry>,
+    pub kubernetes_services: Parts<KubeServiceEntry>,
     /// Objects of the static `--watch` keys, per key.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub watched: Vec<WatchedEntry>,
@@ -567,7 +658,7 @@ mod tests {
                     })
                 })
                 .collect(),
-            kubernetes_services: vec![Part::new(KubeServiceEntry {
+            kubernetes_services: Parts::from(vec![Part::new(KubeServiceEntry {
                 namespace: "shop".into(),
                 name: "k".into(),
                 synced: true,
@@ -577,7 +668,7 @@ mod tests {
                     ports: vec![KubePort { name: Some("http".into()), port: 80 }],
                     ready: true,
                 }],
-            })],
+            })]),
             watched: vec![WatchedEntry {
                 watch: "v1/ConfigMap".into(),
                 objects: vec![Arc::new(serde_json::json!({"a": 1}))],
@@ -617,8 +708,8 @@ mod tests {
         let small = Content {
             bootstrap: Bootstrap { complete: true, unsynced: vec![] },
             resolvers: vec![],
-            mappings: vec![],
-            kubernetes_services: vec![],
+            mappings: Parts::default(),
+            kubernetes_services: Parts::default(),
             watched: vec![],
             problems: vec![],
             exports: vec![],
@@ -641,6 +732,34 @@ mod tests {
             }
         }
         assert!(rich(4_000).into_snapshot(1).segments.len() > 3);
+    }
+
+    /// A change to one service leaves the Mappings' list as it was: the cutter takes its
+    /// run whole, and the document is still what serde writes, with a fresh cutter's hash.
+    #[test]
+    fn long_lists_are_runs_taken_whole_while_unchanged() {
+        let a = rich(4_000);
+        let mut cutter = Cutter::default();
+        let first = a.cut(&mut cutter);
+        let mut b = a.clone();
+        Part::make_mut(&mut Part::make_mut(&mut b.resolvers[0]).services[3]).index = Some(1_000);
+        assert!(Parts::ptr_eq(&a.mappings, &b.mappings));
+        let second = b.cut(&mut cutter);
+        let fresh = b.cut(&mut Cutter::default());
+        assert_eq!(second.hash, fresh.hash);
+        let snapshot = Snapshot::new(9, b.clone(), second);
+        assert_eq!(snapshot.to_json(), by_serde(9, &snapshot.hash, &b));
+        let new: Vec<&Arc<Segment>> =
+            snapshot.segments.iter().filter(|s| !first.segments.iter().any(|t| Arc::ptr_eq(s, t))).collect();
+        assert_eq!(new.len(), 1, "one segment new: the changed service's");
+        // The Mappings' run starts a segment: a segment begins with its field.
+        assert!(snapshot.segments.iter().any(|s| s.pieces()[0].starts_with(b",\"mappings\":")));
+        // A list of other parts, though equal, is written again and its segments found by
+        // their bytes.
+        let mut c = b.clone();
+        c.mappings = c.mappings.iter().map(|m| Part::new((**m).clone())).collect();
+        let third = c.cut(&mut cutter);
+        assert_eq!(third.hash, fresh.hash);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use super::segment::{self, Segmenter};
-use super::snapshot::{Content, Part, ResolverEntry};
+use super::snapshot::{Content, Part, Parts, ResolverEntry};
 
 impl Content {
     /// Writes the content's JSON, from its first field on, into `w`: array elements that
@@ -23,11 +23,12 @@ impl Content {
         w.literal(b"\"bootstrap\":");
         w.bytes(to_json(bootstrap));
         w.literal(b",\"resolvers\":[");
-        separated(resolvers, w, |r, w| write_resolver(r, w));
-        w.literal(b"],\"mappings\":");
-        elements(mappings, w, |m| identity(&[&m.namespace, &m.name]));
-        w.literal(b",\"kubernetesServices\":");
-        elements(kubernetes_services, w, |k| identity(&[&k.namespace, &k.name]));
+        separated(resolvers, w, |r, w| {
+            if r.services.len() < RUN_FROM { write_resolver(r, w) } else { w.run(r.shared(), |w| write_resolver(r, w)) }
+        });
+        w.literal(b"]");
+        list(w, b",\"mappings\":", mappings, |m| identity(&[&m.namespace, &m.name]));
+        list(w, b",\"kubernetesServices\":", kubernetes_services, |k| identity(&[&k.namespace, &k.name]));
         if !watched.is_empty() {
             w.literal(b",\"watched\":");
             w.bytes(to_json(watched));
@@ -71,6 +72,30 @@ fn write_resolver(r: &ResolverEntry, w: &mut Segmenter<'_>) {
         w.element(json, hash, identity(&[&s.name]));
     });
     w.literal(b"]}");
+}
+
+/// Lists of at least this many elements are runs of segments of their own
+/// ([`Segmenter::run`]), taken whole while the list is unchanged. Shorter ones are written
+/// in line: a run starts and ends a segment, and every segment is at least one ConfigMap
+/// part of its own, so a short list does not cut the document more finely.
+const RUN_FROM: usize = 1_000;
+
+/// `field` and the list of `parts` (see [`elements`]), as a run when it is long.
+fn list<T: Serialize + Send + Sync + 'static>(
+    w: &mut Segmenter<'_>,
+    field: &'static [u8],
+    parts: &Parts<T>,
+    identity: impl Fn(&T) -> u64,
+) {
+    if parts.len() < RUN_FROM {
+        w.literal(field);
+        elements(parts, w, identity);
+    } else {
+        w.run(parts.shared(), |w| {
+            w.literal(field);
+            elements(parts, w, identity);
+        });
+    }
 }
 
 /// `[`, the parts' JSON, `]`; `identity` says what each part is about.

@@ -5,6 +5,7 @@ use std::time::{Duration, SystemTime};
 use serde_json::json;
 use tokio::time::Instant;
 
+use crate::assembler::snapshot::Parts;
 use crate::assembler::{self, Config, EndpointsApi, WatchLimits};
 use crate::keys::{ConsulKey, KubeKey, WatchKey};
 use crate::model::{ConsulEvent, Event, KubeEvent};
@@ -140,7 +141,7 @@ async fn walk(cfg: Config, seed: u64) {
     }
     let mut incremental = Assembler::new(cfg.clone());
     let mut rng = Rng(seed);
-    let (mut steps, mut consul_only) = (0, 0);
+    let (mut steps, mut consul_only, mut kept_lists) = (0, 0, 0);
     for step in 0..1500u64 {
         tokio::time::advance(Duration::from_secs(1)).await;
         let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(WALL_START + step);
@@ -157,9 +158,17 @@ async fn walk(cfg: Config, seed: u64) {
             }
             let mut full = incremental.clone();
             full.read_everything_next();
+            let before = incremental.content(&world);
             let updated = incremental.update(&world, &changes, wall);
             full.update(&world, &changes, wall);
-            assert_eq!(incremental.content(&world), full.content(&world), "step {step}: content");
+            let content = incremental.content(&world);
+            assert_eq!(content, full.content(&world), "step {step}: content");
+            if changes.kube.is_empty() {
+                // Consul alone: the very same lists, which the writer takes whole.
+                assert!(Parts::ptr_eq(&before.mappings, &content.mappings), "step {step}: Mappings' list");
+                assert!(Parts::ptr_eq(&before.kubernetes_services, &content.kubernetes_services), "step {step}");
+                kept_lists += 1;
+            }
             assert_eq!(
                 incremental.desired().collect::<Vec<_>>(),
                 full.desired().collect::<Vec<_>>(),
@@ -181,7 +190,10 @@ async fn walk(cfg: Config, seed: u64) {
             steps += 1;
         }
     }
-    assert!(steps > 1000 && consul_only > 100, "the walk exercised it: {steps} updates, {consul_only} Consul-only");
+    assert!(
+        steps > 1000 && consul_only > 100 && kept_lists > 100,
+        "the walk exercised it: {steps} updates, {consul_only} Consul-only, {kept_lists} with the lists kept"
+    );
 }
 
 /// The desired watches are counted one way, whatever the path: a shared query, a Secret, a

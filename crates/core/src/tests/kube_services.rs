@@ -302,5 +302,5 @@ async fn a_change_on_a_shared_watch_reads_only_its_own_service_again() {
     // An unrouted Service's slice touches nobody.
     p.apply([Event::Kube(wide, KubeEvent::Applied(slice("shop", "unrouted", "a", "10.9.9.9")))], now);
     let unrouted = parts(&p);
-    assert!(after.iter().zip(&unrouted).all(|(a, u)| Part::ptr_eq(a, u)));
+    assert!(after.iter().zip(unrouted.iter()).all(|(a, u)| Part::ptr_eq(a, u)));
 }

@@ -2,6 +2,7 @@
 //! their own or (past the threshold) their namespace's ([`Scoping`]).
 
 use std::collections::BTreeMap;
+use std::sync::OnceLock;
 
 use consul_resolver_api::mapping::{self, MappingKind};
 use consul_resolver_api::names::NamespacedName;
@@ -10,7 +11,7 @@ use super::Inputs;
 use super::shared::SharedIndexes;
 use crate::assembler::desired::Desired;
 use crate::assembler::kube_endpoints::{self, Scoping};
-use crate::assembler::snapshot::{KubeServiceEntry, Part};
+use crate::assembler::snapshot::{KubeServiceEntry, Part, Parts};
 use crate::keys::{KubeKey, WatchKey};
 use crate::world::{Changes, World};
 
@@ -37,12 +38,16 @@ pub(crate) struct KubeTargets {
     shared: SharedIndexes,
     /// The next pass reads every target again ([`KubeTargets::read_everything_next`]).
     reread: bool,
+    /// The entries as one shared list, made when a content first asks after a read: a
+    /// content after a Consul change holds the same list.
+    listed: OnceLock<Parts<KubeServiceEntry>>,
 }
 
 impl KubeTargets {
-    /// The targets' snapshot entries, sorted by namespace and name.
-    pub(crate) fn entries(&self) -> impl Iterator<Item = &Part<KubeServiceEntry>> {
-        self.targets.values().map(|t| &t.entry)
+    /// The targets' snapshot entries, sorted by namespace and name: the same list until a
+    /// target is read again.
+    pub(crate) fn entries(&self) -> Parts<KubeServiceEntry> {
+        self.listed.get_or_init(|| self.targets.values().map(|t| t.entry.clone()).collect()).clone()
     }
 
     /// The targets whose endpoints cannot be watched, and why.
@@ -93,6 +98,7 @@ impl KubeTargets {
             }
             self.scoping.update(&counts, cfg.endpoint_watches);
         }
+        self.listed.take();
         let touched = self.shared.update(world, changes, api);
         let reread = std::mem::take(&mut self.reread);
         let mut targets = BTreeMap::new();

@@ -10,6 +10,7 @@ mod lookup;
 mod target;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::OnceLock;
 
 use consul_resolver_api::mapping::{self, MappingKind};
 use consul_resolver_api::names::NamespacedName;
@@ -17,7 +18,7 @@ use consul_resolver_api::names::NamespacedName;
 use super::Config;
 use super::kept::Kept;
 use super::resolvers::Resolver;
-use super::snapshot::{ExportEntry, MappingEntry, Part, Problem};
+use super::snapshot::{ExportEntry, MappingEntry, Part, Parts, Problem};
 use crate::model::{Decoded, ObjectId};
 use crate::world::World;
 use consul_resolver_api::export;
@@ -70,6 +71,9 @@ pub(crate) struct Routes {
     /// The resolvers by name, for the routes that name one.
     lookup: Lookup,
     routes: BTreeMap<Consumer, Routed>,
+    /// The Mappings' entries as one shared list, made when a content first asks after a
+    /// route came, went or changed: a content after a Consul change holds the same list.
+    listed: OnceLock<Parts<MappingEntry>>,
     /// Per resolver, per service, how many routes use it.
     consul_uses: BTreeMap<NamespacedName, BTreeMap<String, usize>>,
     /// Per Kubernetes Service, the routes to it.
@@ -84,6 +88,7 @@ impl Routes {
     pub(crate) fn route_all(&mut self, world: &World, inputs: &Inputs<'_>) {
         self.lookup = Lookup::new(inputs.resolvers, world);
         self.routes.clear();
+        self.listed.take();
         self.consul_uses.clear();
         self.kube_uses.clear();
         for kind in MappingKind::ALL {
@@ -186,10 +191,12 @@ impl Routes {
             Uses::Nothing => {}
         }
         self.routes.insert(consumer, routed);
+        self.listed.take();
     }
 
     fn remove(&mut self, consumer: &Consumer) {
         let Some(routed) = self.routes.remove(consumer) else { return };
+        self.listed.take();
         match routed.uses {
             Uses::Consul(resolver, service) => {
                 if let Some(services) = self.consul_uses.get_mut(&resolver) {
@@ -243,12 +250,20 @@ impl Routes {
         self.kube_uses.get(target).into_iter().flatten()
     }
 
-    /// The routes' snapshot entries, in the snapshot's order.
-    pub(crate) fn entries(&self) -> impl Iterator<Item = &Part<MappingEntry>> {
-        self.routes.values().filter_map(|r| match &r.entry {
-            Some(Entry::Mapping(m)) => Some(m),
-            _ => None,
-        })
+    /// The routes' snapshot entries, in the snapshot's order: the same list until a route
+    /// changes.
+    pub(crate) fn mappings(&self) -> Parts<MappingEntry> {
+        self.listed
+            .get_or_init(|| {
+                self.routes
+                    .values()
+                    .filter_map(|r| match &r.entry {
+                        Some(Entry::Mapping(m)) => Some(m.clone()),
+                        _ => None,
+                    })
+                    .collect()
+            })
+            .clone()
     }
 
     /// The exports' entries, sorted by namespace and name, without their `source`, each
