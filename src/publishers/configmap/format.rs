@@ -186,24 +186,29 @@ pub(crate) fn encode(target: &NamespacedName, snapshot: &Snapshot, budget: usize
     // The pieces whose boundaries the content chose: the gzip header with the first
     // segment (the document's own header), each other segment, and the trailer. Each is
     // cut to the budget where it exceeds it (only incompressible content does).
+    // With the sha256 of a segment's body, made when it was deflated: most of a change's
+    // parts are segments of earlier snapshots, not hashed again.
     let mut pieces = Vec::with_capacity(gz.segments().len() + 1);
     for (i, segment) in gz.segments().iter().enumerate() {
         pieces.push(if i == 0 {
-            Bytes::from([&GZIP_HEADER[..], segment.body()].concat())
+            (Bytes::from([&GZIP_HEADER[..], segment.body()].concat()), None)
         } else {
-            segment.body().clone()
+            (segment.body().clone(), Some(segment.sha256()))
         });
     }
-    pieces.push(Bytes::copy_from_slice(&gz.trailer()));
+    pieces.push((Bytes::copy_from_slice(&gz.trailer()), None));
     let mut whole = Sha256::new();
     let (mut refs, mut parts, mut named) = (Vec::new(), Vec::new(), BTreeSet::new());
-    for piece in &pieces {
+    for (piece, digest) in &pieces {
         let mut at = 0;
         while at < piece.len() {
             let bytes = piece.slice(at..piece.len().min(at + budget));
             at += bytes.len();
             whole.update(&bytes);
-            let digest = sha256(&bytes);
+            let digest = match digest {
+                Some(digest) if bytes.len() == piece.len() => format!("sha256:{}", hex::encode(digest)),
+                _ => sha256(&bytes),
+            };
             let name = part_name(&target.name, &digest);
             refs.push(PartRef { name: name.clone(), sha256: digest, size: bytes.len() });
             if named.insert(name.clone()) {

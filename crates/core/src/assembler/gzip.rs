@@ -13,6 +13,7 @@
 //! Pure computation: no I/O.
 
 use bytes::Bytes;
+use sha2::{Digest, Sha256};
 
 /// The gzip member header written before the segments: deflate, no flags, no time, no
 /// extra flags, operating system unknown (RFC 1952 §2.3).
@@ -26,6 +27,9 @@ const FINAL_BLOCK: [u8; 2] = [0x03, 0x00];
 #[derive(Debug, Clone)]
 pub struct Deflated {
     body: Bytes,
+    /// The body's sha256, made once with it: a publication names and indexes its parts by
+    /// it, and most of a publication's parts are segments deflated before.
+    sha256: [u8; 32],
     crc: u32,
     raw_len: u64,
 }
@@ -34,6 +38,11 @@ impl Deflated {
     /// The deflate bytes.
     pub fn body(&self) -> &Bytes {
         &self.body
+    }
+
+    /// The sha256 of [`Deflated::body`].
+    pub fn sha256(&self) -> &[u8; 32] {
+        &self.sha256
     }
 }
 
@@ -124,8 +133,9 @@ pub fn deflate(pieces: &[Bytes]) -> Deflated {
     }
     let mut crc = crc32fast::Hasher::new();
     crc.update(&bytes);
+    let sha256 = Sha256::digest(&out).into();
     // Kept as long as the segment: without the slack of the output room.
-    Deflated { body: Bytes::from(out.into_boxed_slice()), crc: crc.finalize(), raw_len: bytes.len() as u64 }
+    Deflated { body: Bytes::from(out.into_boxed_slice()), sha256, crc: crc.finalize(), raw_len: bytes.len() as u64 }
 }
 
 #[cfg(test)]
