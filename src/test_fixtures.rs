@@ -107,7 +107,7 @@ pub(crate) fn resolver_entry(namespace: &str, name: &str) -> ResolverEntry {
         address: "http://127.0.0.1:8500".into(),
         datacenter: None,
         unusable: None,
-        services: vec![],
+        services: Default::default(),
     }
 }
 

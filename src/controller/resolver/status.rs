@@ -333,7 +333,7 @@ mod tests {
         };
         assert_eq!(changed_at(&first, "web"), t(0).to_string());
         let mut next = entry(vec![service("web", 2), service("api", 1)]);
-        Part::make_mut(&mut next.services[0]).index = Some(8);
+        Part::make_mut(&mut next.services.to_mut()[0]).index = Some(8);
         let second = status_for(&next, 2, t(60), Some(&first));
         assert_eq!(changed_at(&second, "web"), t(60).to_string(), "web's endpoints changed");
         assert_eq!(changed_at(&second, "api"), t(0).to_string(), "api's did not");
@@ -352,7 +352,7 @@ mod tests {
         assert!(same_apart_from_snapshot(&first, &again), "nothing to write");
 
         let mut broken = healthy.clone();
-        Part::make_mut(&mut broken.services[0]).error = Some("timeout".into());
+        Part::make_mut(&mut broken.services.to_mut()[0]).error = Some("timeout".into());
         let flipped = status_for(&broken, 3, t(120), Some(&again));
         assert_eq!(cond(&flipped, condition::READY).last_transition_time, Time(t(120)));
         assert_eq!(cond(&flipped, condition::CONSUL_REACHABLE).last_transition_time, Time(t(120)));
@@ -481,7 +481,7 @@ mod stale_tests {
         let mut e = resolver_entry("shop", "consul");
         let message = "spec.tokenSecretRef: Secret shop/acl not found";
         e.unusable = Some(Unusable { reason: UnusableReason::SecretUnavailable, message: message.into() });
-        e.services = vec![Part::new(kept("web", message))];
+        e.services = vec![Part::new(kept("web", message))].into();
         let s = status_for(&e, 1, Timestamp::from_second(1_800_000_000).unwrap(), None);
         let reachable = cond(&s, condition::CONSUL_REACHABLE);
         assert_eq!(
@@ -508,7 +508,7 @@ mod stale_tests {
             kept("web", "the resolver's token changed, and the query with the new settings failed: ACL not found");
         web.error =
             Some("Consul at http://127.0.0.1:8500 rejected the request: ACL token rejected (ACL not found)".into());
-        e.services = vec![Part::new(web)];
+        e.services = vec![Part::new(web)].into();
         let s = status_for(&e, 1, Timestamp::from_second(1_800_000_000).unwrap(), None);
         let reachable = cond(&s, condition::CONSUL_REACHABLE);
         assert_eq!((reachable.status.as_str(), reachable.reason.as_str()), (False.as_str(), reason::QUERY_FAILED));

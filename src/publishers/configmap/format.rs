@@ -403,7 +403,8 @@ pub(super) mod tests {
                     error: None,
                     stale: None,
                     endpoints,
-                })],
+                })]
+                .into(),
             })],
             mappings: Default::default(),
             kubernetes_services: Default::default(),

@@ -251,7 +251,7 @@ mod tests {
 
     fn with_services(services: Vec<Part<ServiceEntry>>) -> Content {
         let mut resolver = resolver_entry("shop", "consul");
-        resolver.services = services;
+        resolver.services = services.into();
         content(vec![resolver])
     }
 

@@ -130,6 +130,16 @@ type Index = HashMap<u64, Vec<Arc<Segment>>>;
 struct Run {
     list: Arc<dyn Any + Send + Sync>,
     segments: Arc<[Arc<Segment>]>,
+    /// The run's last segment, not ended: what follows the list continues it.
+    open: Open,
+}
+
+/// A segment under way: its pieces so far, their length and its key so far.
+#[derive(Clone)]
+struct Open {
+    pieces: Arc<[Bytes]>,
+    len: usize,
+    key: u64,
 }
 
 impl Run {
@@ -198,28 +208,32 @@ pub struct Segmenter<'a> {
 }
 
 impl Segmenter<'_> {
-    /// What `write` writes, from a segment boundary to a segment boundary, filed under
-    /// `list`: the shared list it writes ([`super::snapshot::Parts`], a resolver's entry).
-    /// When the previous document wrote the very same list, its segments are taken whole
-    /// and `write` is not called: an unchanged list of 100,000 Mappings costs one pointer
-    /// compare instead of a visit of each. The segments are those a fresh cutter makes
-    /// (each run starts from an empty segment), so the hash does not depend on history.
+    /// What `write` writes, from a segment boundary on, filed under `list`: the shared
+    /// list it writes ([`super::snapshot::Parts`]). When this document or the previous one
+    /// wrote the very same list, its segments are taken whole and `write` is not called: an
+    /// unchanged list of 100,000 Mappings costs one pointer compare instead of a visit of
+    /// each, and five resolvers that follow the same services write them once. The run's
+    /// last segment is left open, so what follows continues it (no short segment after each
+    /// list). The segments are those a fresh cutter makes (each run starts a segment), so
+    /// the hash does not depend on history.
     pub fn run(&mut self, list: Arc<dyn Any + Send + Sync>, write: impl FnOnce(&mut Self)) {
         self.end();
-        let known = self.previous_runs.iter().chain(&self.runs).find(|r| r.of(&list)).map(|r| r.segments.clone());
-        let segments = match known {
-            Some(segments) => {
+        let known = self.previous_runs.iter().chain(&self.runs).find(|r| r.of(&list));
+        let (segments, open) = match known.map(|r| (r.segments.clone(), r.open.clone())) {
+            Some((segments, open)) => {
                 self.segments.extend(segments.iter().cloned());
-                segments
+                self.pieces.extend(open.pieces.iter().cloned());
+                (self.len, self.key) = (open.len, open.key);
+                (segments, open)
             }
             None => {
                 let start = self.segments.len();
                 write(self);
-                self.end();
-                self.segments[start..].into()
+                let open = Open { pieces: self.pieces.as_slice().into(), len: self.len, key: self.key };
+                (self.segments[start..].into(), open)
             }
         };
-        self.runs.push(Run { list, segments });
+        self.runs.push(Run { list, segments, open });
     }
 
     /// Bytes that no cut may follow.
@@ -460,10 +474,11 @@ mod tests {
         assert_eq!(writes, 1, "the very same list is not written again");
         assert_eq!(shared(&first, &second), second.segments.len());
         assert_eq!(second.hash, first.hash);
-        // A run starts and ends a segment.
+        // A run starts a segment; what follows it continues its last one.
         let head = second.segments.first().unwrap();
         assert_eq!(head.pieces().concat(), b"\"head\":1,");
-        assert_eq!(second.segments.last().unwrap().pieces().concat(), b",\"tail\":2}");
+        let last = second.segments.last().unwrap().pieces().concat();
+        assert!(last.len() > 20 && last.ends_with(b"]},\"tail\":2}"), "{}", last.len());
         // A fresh cutter writes it, and agrees on every byte and on the hash.
         let fresh = Cutter::default().cut(|w| with_run(w, &items, &mut writes));
         assert_eq!((writes, &fresh.hash, bytes(&fresh)), (2, &second.hash, bytes(&second)));

@@ -60,13 +60,6 @@ impl<T> Part<T> {
     }
 }
 
-impl<T: Send + Sync + 'static> Part<T> {
-    /// The part as what a run of segments is filed under (see [`Parts::shared`]).
-    pub(crate) fn shared(&self) -> Arc<dyn std::any::Any + Send + Sync> {
-        self.0.clone()
-    }
-}
-
 impl<T> Clone for Part<T> {
     fn clone(&self) -> Self {
         Part(self.0.clone())
@@ -297,7 +290,9 @@ pub struct ResolverEntry {
     /// endpoints last obtained before, marked `stale`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unusable: Option<Unusable>,
-    pub services: Vec<Part<ServiceEntry>>,
+    /// One list for every resolver whose services are the same parts (resolvers that follow
+    /// the same Consul and the same services), written once per document.
+    pub services: Parts<ServiceEntry>,
 }
 
 /// Why a resolver cannot be queried.
@@ -742,7 +737,7 @@ mod tests {
         let mut cutter = Cutter::default();
         let first = a.cut(&mut cutter);
         let mut b = a.clone();
-        Part::make_mut(&mut Part::make_mut(&mut b.resolvers[0]).services[3]).index = Some(1_000);
+        Part::make_mut(&mut Part::make_mut(&mut b.resolvers[0]).services.to_mut()[3]).index = Some(1_000);
         assert!(Parts::ptr_eq(&a.mappings, &b.mappings));
         let second = b.cut(&mut cutter);
         let fresh = b.cut(&mut Cutter::default());
@@ -760,13 +755,21 @@ mod tests {
         c.mappings = c.mappings.iter().map(|m| Part::new((**m).clone())).collect();
         let third = c.cut(&mut cutter);
         assert_eq!(third.hash, fresh.hash);
+        // Two resolvers with one list: written once, the document still serde's.
+        let mut d = b.clone();
+        let services = d.resolvers[0].services.clone();
+        Part::make_mut(&mut d.resolvers[2]).services = services;
+        let once = d.cut(&mut cutter);
+        assert_eq!(once.hash, d.cut(&mut Cutter::default()).hash);
+        let snapshot = Snapshot::new(3, d.clone(), once);
+        assert_eq!(snapshot.to_json(), by_serde(3, &snapshot.hash, &d));
     }
 
     #[test]
     fn the_hash_tells_contents_apart() {
         let a = rich(50);
         let mut b = a.clone();
-        Part::make_mut(&mut Part::make_mut(&mut b.resolvers[1]).services[3]).index = Some(1_000);
+        Part::make_mut(&mut Part::make_mut(&mut b.resolvers[1]).services.to_mut()[3]).index = Some(1_000);
         assert_ne!(a.hash(), b.hash());
         assert_eq!(a.hash(), a.clone().hash());
         assert!(a.hash().starts_with("sha256:") && a.hash().len() == 7 + 64);

@@ -23,9 +23,7 @@ impl Content {
         w.literal(b"\"bootstrap\":");
         w.bytes(to_json(bootstrap));
         w.literal(b",\"resolvers\":[");
-        separated(resolvers, w, |r, w| {
-            if r.services.len() < RUN_FROM { write_resolver(r, w) } else { w.run(r.shared(), |w| write_resolver(r, w)) }
-        });
+        separated(resolvers, w, |r, w| write_resolver(r, w));
         w.literal(b"]");
         list(w, b",\"mappings\":", mappings, |m| identity(&[&m.namespace, &m.name]));
         list(w, b",\"kubernetesServices\":", kubernetes_services, |k| identity(&[&k.namespace, &k.name]));
@@ -61,15 +59,18 @@ fn write_resolver(r: &ResolverEntry, w: &mut Segmenter<'_>) {
         address: address.clone(),
         datacenter: datacenter.clone(),
         unusable: unusable.clone(),
-        services: Vec::new(),
+        services: Parts::default(),
     });
     const EMPTY: &[u8] = b"\"services\":[]}";
     // Fixed by the derive's field order; the unit tests compare every document with serde's.
     debug_assert!(head.ends_with(EMPTY), "serde writes a resolver entry's services last");
     w.bytes(head.slice(..head.len() - 2));
-    separated(services, w, |s, w| {
-        let (json, hash) = s.json();
-        w.element(json, hash, identity(&[&s.name]));
+    // Resolvers that follow the same services share the list: it is written once.
+    run_if_long(w, services, |w| {
+        separated(services, w, |s, w| {
+            let (json, hash) = s.json();
+            w.element(json, hash, identity(&[&s.name]));
+        })
     });
     w.literal(b"]}");
 }
@@ -87,15 +88,20 @@ fn list<T: Serialize + Send + Sync + 'static>(
     parts: &Parts<T>,
     identity: impl Fn(&T) -> u64,
 ) {
-    if parts.len() < RUN_FROM {
+    run_if_long(w, parts, |w| {
         w.literal(field);
         elements(parts, w, identity);
-    } else {
-        w.run(parts.shared(), |w| {
-            w.literal(field);
-            elements(parts, w, identity);
-        });
-    }
+    });
+}
+
+/// What `write` writes of the list `parts`: a run filed under it when it is long, else in
+/// line.
+fn run_if_long<T: Send + Sync + 'static>(
+    w: &mut Segmenter<'_>,
+    parts: &Parts<T>,
+    write: impl FnOnce(&mut Segmenter<'_>),
+) {
+    if parts.len() < RUN_FROM { write(w) } else { w.run(parts.shared(), write) }
 }
 
 /// `[`, the parts' JSON, `]`; `identity` says what each part is about.

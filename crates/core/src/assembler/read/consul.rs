@@ -6,11 +6,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use consul_resolver_api::names::NamespacedName;
 
 use super::Inputs;
-use super::entry::{resolver_entry, service_entry};
+use super::entry::{Lists, resolver_entry, service_entry};
 use crate::assembler::desired::Desired;
 use crate::assembler::kept::{Kept, ServiceOf};
 use crate::assembler::resolvers::{Resolver, Settings};
-use crate::assembler::snapshot::{Part, ResolverEntry, ServiceEntry};
+use crate::assembler::snapshot::{Part, Parts, ResolverEntry, ServiceEntry};
 use crate::keys::{ConsulKey, WatchKey};
 
 /// Pass two's Consul state.
@@ -135,6 +135,7 @@ impl Services {
     ) {
         let Inputs { world, resolvers, routes, now, .. } = *inputs;
         let mut made = Made::default();
+        let mut lists = Lists::of(self.entries.values());
         for r in resolvers {
             let id = r.id();
             let answered = answered.get(&id);
@@ -170,7 +171,7 @@ impl Services {
                 }
             }
             if changed || !self.entries.contains_key(&id) {
-                self.entries.insert(id, resolver_entry(r, &mine.services));
+                self.entries.insert(id, resolver_entry(r, &mine.services, &mut lists));
             }
         }
     }
@@ -183,6 +184,7 @@ impl Services {
         let mut old_services = std::mem::take(&mut self.by_resolver);
         let mut old_entries = std::mem::take(&mut self.entries);
         let mut made = Made::default();
+        let mut lists = Lists::of(old_entries.values());
         for r in resolvers {
             let id = r.id();
             let mut wanted: BTreeSet<&str> = r.listed_services().collect();
@@ -200,8 +202,9 @@ impl Services {
             for name in old.keys() {
                 self.kept.remove(&ServiceOf::new(&id, name));
             }
-            let fresh = resolver_entry(r, &mine.services);
-            let entry = old_entries.remove(&id).filter(|e| **e == *fresh).unwrap_or(fresh);
+            let fresh = resolver_entry(r, &mine.services, &mut lists);
+            let same = |e: &Part<ResolverEntry>| Parts::ptr_eq(&e.services, &fresh.services) && **e == *fresh;
+            let entry = old_entries.remove(&id).filter(same).unwrap_or(fresh);
             self.entries.insert(id.clone(), entry);
             self.by_resolver.insert(id, mine);
         }

@@ -8,13 +8,18 @@ use consul_resolver_api::names::NamespacedName;
 
 use crate::assembler::kept::{self, Kept, KeptService, ServiceOf};
 use crate::assembler::resolvers::Resolver;
-use crate::assembler::snapshot::{Part, ResolverEntry, ServiceEntry, Stale, UnusableReason};
+use crate::assembler::snapshot::{Part, Parts, ResolverEntry, ServiceEntry, Stale, UnusableReason};
 use crate::keys::ConsulKey;
 use crate::model::Endpoints;
 use crate::world::{ConsulStore, World};
 
-/// A resolver's entry in the snapshot, with its services' entries (shared).
-pub(super) fn resolver_entry(r: &Resolver, services: &BTreeMap<String, Part<ServiceEntry>>) -> Part<ResolverEntry> {
+/// A resolver's entry in the snapshot, with its services' entries (shared), as one list
+/// with any of `lists` that holds the very same parts.
+pub(super) fn resolver_entry(
+    r: &Resolver,
+    services: &BTreeMap<String, Part<ServiceEntry>>,
+    lists: &mut Lists,
+) -> Part<ResolverEntry> {
     Part::new(ResolverEntry {
         namespace: r.namespace.clone(),
         name: r.name.clone(),
@@ -22,8 +27,34 @@ pub(super) fn resolver_entry(r: &Resolver, services: &BTreeMap<String, Part<Serv
         address: r.settings.as_ref().map(|s| s.server().address.clone()).unwrap_or_default(),
         datacenter: r.spec.as_ref().and_then(|s| s.datacenter.clone()),
         unusable: r.settings.as_ref().err().cloned(),
-        services: services.values().cloned().collect(),
+        services: lists.list(services),
     })
+}
+
+/// The services' lists of the resolver entries made in one reading (and of those kept
+/// from before): resolvers that follow the same Consul and the same services share one
+/// list, which a document then writes once ([`crate::assembler::segment::Segmenter::run`]).
+#[derive(Default)]
+pub(super) struct Lists(Vec<Parts<ServiceEntry>>);
+
+impl Lists {
+    /// Lists already made, to share.
+    pub(super) fn of<'a>(entries: impl IntoIterator<Item = &'a Part<ResolverEntry>>) -> Self {
+        Lists(entries.into_iter().map(|e| e.services.clone()).collect())
+    }
+
+    /// `services` as a list: one made before if it holds the very same parts.
+    fn list(&mut self, services: &BTreeMap<String, Part<ServiceEntry>>) -> Parts<ServiceEntry> {
+        let same = |list: &&Parts<ServiceEntry>| {
+            list.len() == services.len() && list.iter().zip(services.values()).all(|(a, b)| Part::ptr_eq(a, b))
+        };
+        if let Some(list) = self.0.iter().find(same) {
+            return list.clone();
+        }
+        let list: Parts<ServiceEntry> = services.values().cloned().collect();
+        self.0.push(list.clone());
+        list
+    }
 }
 
 /// One service's entry: its query's answer, or (until the query answers, or while the
