@@ -116,28 +116,32 @@ struct Known {
     /// Node, check ID and service name, one after the other in one allocation: at 75,000
     /// checks, three strings each were 5 MB more of the operator's peak memory.
     names: Box<str>,
-    node_end: usize,
-    check_end: usize,
+    /// Where the node and the check ID end in `names`: 32 bits each keep a map entry at 48
+    /// bytes, not 64 (with its 128-bit key), 2.4 MB less at 150,000 checks.
+    node_end: u32,
+    check_end: u32,
     modify_index: u64,
 }
 
 impl Known {
-    fn new(row: &CheckRow<'_>) -> Known {
+    fn new(row: &CheckRow<'_>) -> Result<Known, String> {
         let names = [&*row.node, &*row.check_id, &*row.service].concat().into_boxed_str();
-        let (node_end, check_end) = (row.node.len(), row.node.len() + row.check_id.len());
-        Known { names, node_end, check_end, modify_index: row.modify_index }
+        let long = || format!("check {:?} of node {:?}: names longer than 4 GiB", row.check_id, row.node);
+        let node_end = u32::try_from(row.node.len()).map_err(|_| long())?;
+        let check_end = u32::try_from(row.node.len() + row.check_id.len()).map_err(|_| long())?;
+        Ok(Known { names, node_end, check_end, modify_index: row.modify_index })
     }
 
     fn node(&self) -> &str {
-        &self.names[..self.node_end]
+        &self.names[..self.node_end as usize]
     }
 
     fn check_id(&self) -> &str {
-        &self.names[self.node_end..self.check_end]
+        &self.names[self.node_end as usize..self.check_end as usize]
     }
 
     fn service(&self) -> &str {
-        &self.names[self.check_end..]
+        &self.names[self.check_end as usize..]
     }
 }
 
@@ -239,7 +243,7 @@ impl ChecksView {
                 order.push(hash);
                 continue;
             }
-            match check.read().map(|row| Known::new(&row)) {
+            match check.read().and_then(|row| Known::new(&row)) {
                 Ok(known) => {
                     order.push(hash);
                     new.push((hash, known));
