@@ -77,8 +77,8 @@ fn write_resolver(r: &ResolverEntry, w: &mut Segmenter<'_>) {
 
 /// Lists of at least this many elements are runs of segments of their own
 /// ([`Segmenter::run`]), taken whole while the list is unchanged. Shorter ones are written
-/// in line: a run starts and ends a segment, and every segment is at least one ConfigMap
-/// part of its own, so a short list does not cut the document more finely.
+/// in line: a run starts a segment, and every segment is at least one ConfigMap part of its
+/// own, so a short list does not cut the document more finely.
 const RUN_FROM: usize = 1_000;
 
 /// `field` and the list of `parts` (see [`elements`]), as a run when it is long.

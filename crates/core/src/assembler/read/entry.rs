@@ -43,15 +43,21 @@ impl Lists {
         Lists(entries.into_iter().map(|e| e.services.clone()).collect())
     }
 
-    /// `services` as a list: one made before if it holds the very same parts.
+    /// `services` as a list: one made before if it holds the very same parts. Compared as
+    /// lists, not along the map: while a cold start's answers arrive, every resolver's entry
+    /// is made again per batch, and walking the map once per candidate list cost more than
+    /// the lists.
     fn list(&mut self, services: &BTreeMap<String, Part<ServiceEntry>>) -> Parts<ServiceEntry> {
-        let same = |list: &&Parts<ServiceEntry>| {
-            list.len() == services.len() && list.iter().zip(services.values()).all(|(a, b)| Part::ptr_eq(a, b))
+        let list: Vec<Part<ServiceEntry>> = services.values().cloned().collect();
+        let same = |made: &&Parts<ServiceEntry>| {
+            made.len() == list.len() && made.iter().zip(&list).all(|(a, b)| Part::ptr_eq(a, b))
         };
-        if let Some(list) = self.0.iter().find(same) {
-            return list.clone();
+        // The lists made in this reading first: resolvers that follow the same services
+        // are made one after the other.
+        if let Some(made) = self.0.iter().rev().find(same) {
+            return made.clone();
         }
-        let list: Parts<ServiceEntry> = services.values().cloned().collect();
+        let list = Parts::from(list);
         self.0.push(list.clone());
         list
     }
