@@ -185,9 +185,9 @@ pub(crate) fn encode(target: &NamespacedName, snapshot: &Snapshot, budget: usize
     }
     // The pieces whose boundaries the content chose: the gzip header with the first
     // segment (the document's own header), each other segment, and the trailer. Each is
-    // cut to the budget where it exceeds it (only incompressible content does).
-    // With the sha256 of a segment's body, made when it was deflated: most of a change's
-    // parts are segments of earlier snapshots, not hashed again.
+    // cut to the budget where it exceeds it (only incompressible content does). A whole
+    // segment comes with the sha256 made when it was deflated: most of a change's parts
+    // are segments of earlier snapshots, and are not hashed again.
     let mut pieces = Vec::with_capacity(gz.segments().len() + 1);
     for (i, segment) in gz.segments().iter().enumerate() {
         pieces.push(if i == 0 {

@@ -43,10 +43,9 @@ impl Lists {
         Lists(entries.into_iter().map(|e| e.services.clone()).collect())
     }
 
-    /// `services` as a list: one made before if it holds the very same parts. Compared as
-    /// lists, not along the map: while a cold start's answers arrive, every resolver's entry
-    /// is made again per batch, and walking the map once per candidate list cost more than
-    /// the lists.
+    /// `services` as a list: one made before if it holds the very same parts. The list is
+    /// made once and compared with the others as lists (pointers in sequence), not along
+    /// the map once per candidate.
     fn list(&mut self, services: &BTreeMap<String, Part<ServiceEntry>>) -> Parts<ServiceEntry> {
         let list: Vec<Part<ServiceEntry>> = services.values().cloned().collect();
         let same = |made: &&Parts<ServiceEntry>| {
