@@ -129,6 +129,7 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for Part<T> {
 /// changes, so that a content after a Consul change holds the very same list as the one
 /// before: a pointer copy, and a run of segments the writer takes whole
 /// ([`super::segment::Segmenter::run`]) instead of visiting each of its 100,000 elements.
+/// Resolvers that follow the same services share one list of them the same way.
 pub struct Parts<T>(Arc<Vec<Part<T>>>);
 
 impl<T> Parts<T> {
