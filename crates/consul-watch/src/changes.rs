@@ -398,6 +398,7 @@ impl CatalogView {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use consul_resolver_core::test_support::Rng;
 
     fn row(node: &str, check: &str, service: &str, modify_index: u64) -> CheckRow<'static> {
         let owned = |s: &str| std::borrow::Cow::Owned(s.to_owned());
@@ -640,7 +641,7 @@ mod tests {
         holds(&v, &reversed);
         // Shuffled (a fixed permutation), at a new index: still nothing.
         let mut shuffled = rows.clone();
-        let mut random = Random(7);
+        let mut random = Rng(7);
         for i in (1..shuffled.len()).rev() {
             shuffled.swap(i, random.below(i + 1));
         }
@@ -713,27 +714,6 @@ mod tests {
         holds(&v, &rows);
     }
 
-    /// A small deterministic generator (splitmix64): no crate for a test's randomness.
-    struct Random(u64);
-
-    impl Random {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        }
-
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-
-        fn chance(&mut self, percent: u64) -> bool {
-            self.next() % 100 < percent
-        }
-    }
-
     /// A check as the cluster holds it; `output` changes its bytes without a write.
     #[derive(Clone, Debug)]
     struct Check {
@@ -803,15 +783,15 @@ mod tests {
     }
 
     /// One random edit of the cluster's answer at `index`.
-    fn edit(random: &mut Random, checks: &mut Vec<Check>, index: u64, fresh: &mut u64) {
-        let new_check = |random: &mut Random, fresh: &mut u64| {
+    fn edit(random: &mut Rng, checks: &mut Vec<Check>, index: u64, fresh: &mut u64) {
+        let new_check = |random: &mut Rng, fresh: &mut u64| {
             *fresh += 1;
             let node = format!("n{}", random.below(40));
-            let service = if random.chance(20) { String::new() } else { format!("s{}", random.below(30)) };
-            let output = if random.chance(10) { "x},{y".to_owned() } else { String::new() };
+            let service = if random.below(100) < 20 { String::new() } else { format!("s{}", random.below(30)) };
+            let output = if random.below(100) < 10 { "x},{y".to_owned() } else { String::new() };
             Check { node, id: format!("c{fresh}"), service, modify_index: index, output }
         };
-        let any = |random: &mut Random, checks: &Vec<Check>| random.below(checks.len().max(1));
+        let any = |random: &mut Rng, checks: &Vec<Check>| random.below(checks.len().max(1));
         match random.below(10) {
             0 | 1 if !checks.is_empty() => {
                 let i = any(random, checks);
@@ -819,7 +799,7 @@ mod tests {
             }
             2 if !checks.is_empty() => {
                 let i = any(random, checks);
-                checks[i].output = format!("o{}", random.next() % 4);
+                checks[i].output = format!("o{}", random.next_u64() % 4);
             }
             3 | 4 => {
                 let at = random.below(checks.len() + 1);
@@ -833,7 +813,7 @@ mod tests {
             6 if !checks.is_empty() => {
                 // A check moves, near or far; sometimes a block of them.
                 let i = any(random, checks);
-                let len = if random.chance(30) { 1 + random.below(checks.len() - i) } else { 1 };
+                let len = if random.below(100) < 30 { 1 + random.below(checks.len() - i) } else { 1 };
                 let block: Vec<Check> = checks.drain(i..i + len).collect();
                 let to = random.below(checks.len() + 1);
                 checks.splice(to..to, block);
@@ -851,8 +831,8 @@ mod tests {
                 let at = random.below(checks.len() + 1);
                 checks.insert(at, copy);
             }
-            9 if random.chance(20) => {
-                if random.chance(50) {
+            9 if random.below(100) < 20 => {
+                if random.below(100) < 50 {
                     checks.reverse();
                 } else {
                     for i in (1..checks.len()).rev() {
@@ -866,7 +846,7 @@ mod tests {
 
     #[test]
     fn the_diff_in_step_is_the_difference_of_the_sets() {
-        let mut random = Random(0x5eed);
+        let mut random = Rng(0x5eed);
         for sequence in 0..300 {
             let mut view = ChecksView::default();
             let mut reference = Reference::default();
@@ -878,16 +858,16 @@ mod tests {
             }
             for step in 0..15 {
                 index = match random.below(100) {
-                    0..3 => index.saturating_sub(random.next() % 5),
+                    0..3 => index.saturating_sub(random.next_u64() % 5),
                     3..10 => index,
-                    _ => index + 1 + random.next() % 3,
+                    _ => index + 1 + random.next_u64() % 3,
                 };
-                let most = if random.chance(20) { 40 } else { 5 };
+                let most = if random.below(100) < 20 { 40 } else { 5 };
                 for _ in 0..random.below(most) {
                     edit(&mut random, &mut checks, index, &mut fresh);
                 }
                 let mut elements: Vec<Vec<u8>> = checks.iter().map(Check::bytes).collect();
-                let malformed = random.chance(5);
+                let malformed = random.below(100) < 5;
                 if malformed {
                     elements.insert(random.below(elements.len() + 1), br#"{"Node":7}"#.to_vec());
                 }
