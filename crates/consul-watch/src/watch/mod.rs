@@ -10,6 +10,8 @@
 
 mod machine;
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -32,7 +34,7 @@ use machine::{Machine, Mode, Next, Timing};
 struct Held {
     server: Arc<Server>,
     client: Arc<HttpClient>,
-    key: ConsulKey,
+    key: Arc<ConsulKey>,
     /// Its place in the plan, once it has answered (never over HTTP/2).
     seat: Option<Seat>,
     /// Its lane, while dedicated.
@@ -48,12 +50,7 @@ struct Held {
 }
 
 /// Runs the watch until the future is dropped or the event channel closes.
-pub(crate) async fn run(server: Arc<Server>, key: ConsulKey, events: EventSink) {
-    let send = |ev: ConsulEvent| {
-        let events = events.clone();
-        let key = key.clone();
-        async move { events.send(Event::Consul(key, ev)).await.is_ok() }
-    };
+pub(crate) async fn run(server: Arc<Server>, key: Arc<ConsulKey>, events: EventSink) {
     let timing =
         Timing { wait: server.settings.wait, min_interval: server.settings.min_interval, sweep: server.settings.sweep };
     let mut machine = Machine::new(timing);
@@ -66,7 +63,7 @@ pub(crate) async fn run(server: Arc<Server>, key: ConsulKey, events: EventSink) 
             match server.client(&key.server.address, key.server.tls.as_ref()) {
                 Ok(c) => break c,
                 Err(e) => {
-                    if last.as_ref() != Some(&e) && !send(ConsulEvent::Failed(e.clone())).await {
+                    if last.as_ref() != Some(&e) && !send(&events, &key, ConsulEvent::Failed(e.clone())).await {
                         return;
                     }
                     last = Some(e);
@@ -81,7 +78,7 @@ pub(crate) async fn run(server: Arc<Server>, key: ConsulKey, events: EventSink) 
     let mut held = Held {
         server,
         client,
-        key: key.clone(),
+        key,
         seat: None,
         lane: None,
         membership: None,
@@ -97,7 +94,7 @@ pub(crate) async fn run(server: Arc<Server>, key: ConsulKey, events: EventSink) 
                 let message =
                     QueryError::Network { address: held.client.address().to_owned(), cause: cause.to_string() };
                 if let Some(ev) = machine.server_down(message.to_string())
-                    && !send(ev).await
+                    && !send(&events, &held.key, ev).await
                 {
                     return;
                 }
@@ -110,7 +107,7 @@ pub(crate) async fn run(server: Arc<Server>, key: ConsulKey, events: EventSink) 
                 // Boxed: the request's state (most of a watch's size) is allocated only
                 // while it queries, not held by every idle fed watch (see the size test).
                 let Some(ev) = Box::pin(held.query(&mut machine, block, &mut reach)).await else { continue };
-                if !send(ev).await {
+                if !send(&events, &held.key, ev).await {
                     return;
                 }
             }
@@ -129,6 +126,14 @@ pub(crate) async fn run(server: Arc<Server>, key: ConsulKey, events: EventSink) 
             }
         }
     }
+}
+
+/// Sends `ev` of `key`'s watch; whether the event loop is still there. Boxed: an event is
+/// rare for a watch, and its state (the event and the channel's wait) would otherwise be
+/// held by every idle watch's future (see the size test).
+fn send(events: &EventSink, key: &ConsulKey, ev: ConsulEvent) -> Pin<Box<dyn Future<Output = bool> + Send>> {
+    let (events, event) = (events.clone(), Event::Consul(key.clone(), ev));
+    Box::pin(async move { events.send(event).await.is_ok() })
 }
 
 impl Held {
