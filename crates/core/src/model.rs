@@ -105,8 +105,10 @@ pub enum Decoded {
     Resolver(Box<ResolverObject>),
     /// A ConsulService export.
     Export(Box<ExportObject>),
-    /// A Mapping or TCPMapping, or why it cannot be read (a problem on it).
-    Mapping(Result<MappingObject, String>),
+    /// A Mapping or TCPMapping, or why it cannot be read (a problem on it). Boxed: the
+    /// world holds every kind in one B-tree per kind, and a Mapping is four times the size
+    /// of the other variants.
+    Mapping(Box<Result<MappingObject, String>>),
     /// A Secret's data, base64-decoded per key (`None`: the value is not valid base64).
     Secret(BTreeMap<String, Option<Vec<u8>>>),
     /// The addresses of a Service (`service`: its name, from an EndpointSlice's

@@ -60,7 +60,7 @@ impl Reading {
         let decoded = match self {
             Reading::Resolver => Decoded::Resolver(Box::new(resolver_object(value()))),
             Reading::Export => Decoded::Export(Box::new(export_object(value()))),
-            Reading::Mapping(kind) => Decoded::Mapping(mapping_object(kind, obj)),
+            Reading::Mapping(kind) => Decoded::Mapping(Box::new(mapping_object(kind, obj))),
             Reading::Secret => Decoded::Secret(secret_data(value())),
             Reading::EndpointSlices => Decoded::Endpoints {
                 service: endpoints::service_of_slice(value()),
@@ -161,11 +161,13 @@ mod tests {
             "spec": {"service": "billing:8080", "resolver": "consul", "prefix": "/b/", "timeout_ms": 3000}}));
         let stored = Reading::Mapping(MappingKind::Mapping).decode(&m);
         assert_eq!(stored.raw, None, "no JSON kept");
-        let Decoded::Mapping(Ok(m)) = stored.decoded else { panic!("{stored:?}") };
+        let Decoded::Mapping(m) = stored.decoded else { panic!("{stored:?}") };
+        let Ok(m) = *m else { panic!() };
         assert_eq!((m.service.as_str(), m.resolver.as_deref()), ("billing:8080", Some("consul")));
         assert_eq!(m.target.unwrap().port, Some(8080));
         let bad = object(json!({"metadata": {"namespace": "shop", "name": "m"}, "spec": {"service": 42}}));
-        let Decoded::Mapping(Err(e)) = Reading::Mapping(MappingKind::Mapping).decode(&bad).decoded else { panic!() };
+        let Decoded::Mapping(m) = Reading::Mapping(MappingKind::Mapping).decode(&bad).decoded else { panic!() };
+        let Err(e) = *m else { panic!() };
         assert!(e.starts_with("Mapping shop/m: spec is not valid"), "{e}");
     }
 

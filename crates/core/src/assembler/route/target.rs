@@ -19,7 +19,13 @@ pub(super) fn route(
 ) -> Option<Routed> {
     let m = match m {
         Ok(m) => m,
-        Err(e) => return Some(Routed { entry: None, problem: Some(consumer.problem(e.clone())), uses: Uses::Nothing }),
+        Err(e) => {
+            return Some(Routed {
+                entry: None,
+                problem: Some(Box::new(consumer.problem(e.clone()))),
+                uses: Uses::Nothing,
+            });
+        }
     };
     if !m.serves_ambassador_id(&inputs.cfg.ambassador_id) {
         return None;
@@ -35,7 +41,11 @@ pub(super) fn route(
         service: m.service.clone(),
         target,
     };
-    Some(Routed { entry: Some(Entry::Mapping(Part::new(entry))), problem: why.map(|why| consumer.problem(why)), uses })
+    Some(Routed {
+        entry: Some(Entry::Mapping(Part::new(entry))),
+        problem: why.map(|why| Box::new(consumer.problem(why))),
+        uses,
+    })
 }
 
 /// Pass one for one export. `None`: not this operator's (another Ambassador ID). Its
@@ -61,7 +71,7 @@ pub(super) fn route_export(
         Ok(spec) => spec,
         Err(why) => {
             return Some(Routed {
-                entry: Some(Entry::Export(entry("", None, Some(why.clone())))),
+                entry: Some(Entry::Export(Box::new(entry("", None, Some(why.clone()))))),
                 problem: None,
                 uses: Uses::Nothing,
             });
@@ -87,7 +97,7 @@ pub(super) fn route_export(
         }
         Err(NoRoute::NoResolver(why)) => (entry(&spec.service, None, Some(why)), Uses::Nothing),
     };
-    Some(Routed { entry: Some(Entry::Export(entry)), problem: None, uses })
+    Some(Routed { entry: Some(Entry::Export(Box::new(entry))), problem: None, uses })
 }
 
 /// Why an object cannot be read through a resolver.
