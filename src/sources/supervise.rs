@@ -38,7 +38,20 @@ pub(crate) struct Supervision {
 
 /// Runs the watch of `key` (`start` makes it anew each time) until dropped, restarting it
 /// whenever it ends. Dropping the supervisor aborts the watch it runs.
-pub(crate) async fn supervise<F, Fut>(key: WatchKey, start: F, s: Supervision)
+///
+/// A block, not an `async fn`: an `async fn` keeps a copy of each argument beside the one
+/// it moves into its body, and every watched service holds one supervisor (see the size
+/// test).
+#[allow(clippy::manual_async_fn, reason = "an async fn would hold its arguments twice")]
+pub(crate) fn supervise<F, Fut>(key: WatchKey, start: F, s: Supervision) -> impl Future<Output = ()>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    async move { supervised(&key, &start, &s).await }
+}
+
+async fn supervised<F, Fut>(key: &WatchKey, start: &F, s: &Supervision)
 where
     F: Fn() -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
@@ -53,17 +66,18 @@ where
             Err(_) => "was cancelled".to_owned(),
         };
         restarts = if began.elapsed() >= HEALTHY_RUN { 1 } else { restarts + 1 };
-        let source = super::source(&key);
+        let source = super::source(key);
         s.restarts.with_label_values(&[source, "task_ended"]).inc();
         let wait = FIRST_WAIT.saturating_mul(1 << (restarts - 1).min(5)).min(LONGEST_WAIT);
         let message = format!("the watch task {how}; restarted in {wait:?} (restart {restarts})");
         tracing::error!(watch = %key, source, restarts, "{message}");
-        let failed = match &key {
+        let failed = match key {
             WatchKey::Consul(k) => Event::Consul(k.clone(), ConsulEvent::Failed(message.clone())),
             WatchKey::Kube(k) => Event::Kube(k.clone(), KubeEvent::Failed(WatchFailure::transient(message.clone()))),
         };
         // A full channel means the loop is behind: this waits its turn, as every event does.
-        if s.events.send(failed).await.is_err() {
+        // Boxed: the send's state is needed only while a watch has ended.
+        if Box::pin(s.events.send(failed)).await.is_err() {
             return; // The event loop is gone: shutting down.
         }
         if restarts == MAX_RESTARTS {
