@@ -69,16 +69,14 @@ impl Env {
     /// A key with the product's default options (`healthStatuses: [passing]`), as users run.
     fn key(&self, service: &str) -> ConsulKey {
         let mut key = consul_key(&self.address, service);
-        key.server.token = self.admin_token.clone().map(Secret::new);
+        key.scope_mut().server.token = self.admin_token.clone().map(Secret::new);
         key
     }
 
     /// A key that publishes every instance whatever its health, to see health change.
     fn key_any(&self, service: &str) -> ConsulKey {
-        ConsulKey {
-            query: QueryOptions { statuses: HealthStatuses::ANY, ..QueryOptions::default() },
-            ..self.key(service)
-        }
+        self.key(service)
+            .with_scope(|s| s.query = QueryOptions { statuses: HealthStatuses::ANY, ..QueryOptions::default() })
     }
 
     /// Sets a node's own check (`serfHealth`), which counts against every instance on it.
@@ -262,11 +260,8 @@ on_both_agents! {
         env.register("n1", &format!("{svc}-1"), &svc, 1, "passing", &["blue", "v1"]).await;
         env.register("n2", &format!("{svc}-2"), &svc, 2, "passing", &["green", "v1"]).await;
         let mut w = Watches::new(settings(10));
-        let base = env.key(&svc);
-        let key = ConsulKey {
-            query: QueryOptions { tags: ["blue".to_owned(), "v1".to_owned()].into(), ..base.query.clone() },
-            ..base
-        };
+        let mut key = env.key(&svc);
+        key.scope_mut().query.tags = ["blue".to_owned(), "v1".to_owned()].into();
         w.start(&key);
         let eps = w.answer(&key, "the blue instance", |e| !e.is_empty()).await;
         assert_eq!(ports(&eps), [1]);
@@ -281,14 +276,11 @@ async fn dc_ns_partition_and_tags_are_sent(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
         let mut w = Watches::new(settings(10));
-        let key = ConsulKey {
-            datacenter: Some("dc1".into()),
-            namespace: Some("team-a".into()),
-            partition: Some("part-1".into()),
-            remote: None,
-            query: QueryOptions { tags: ["x".to_owned(), "y".to_owned()].into(), ..QueryOptions::default() },
-            ..env.key("billing")
-        };
+        let mut key = env.key("billing");
+        let scope = key.scope_mut();
+        (scope.datacenter, scope.namespace) = (Some("dc1".into()), Some("team-a".into()));
+        (scope.partition, scope.remote) = (Some("part-1".into()), None);
+        scope.query = QueryOptions { tags: ["x".to_owned(), "y".to_owned()].into(), ..QueryOptions::default() };
         w.start(&key);
         w.answer(&key, "an answer", |_| true).await;
         let has = |query: &str, part: &str| query.split('&').any(|p| p == part || p.starts_with(&format!("{part}=")));
@@ -345,7 +337,7 @@ async fn tokens_accepted_rejected_and_insufficient() {
     let mut w = Watches::new(settings(10));
     let with = |t: &str| {
         let mut k = env.key("pay");
-        k.server.token = Some(Secret::new(t));
+        k.scope_mut().server.token = Some(Secret::new(t));
         k
     };
     let good = with("reader-secret-1234");
@@ -833,7 +825,8 @@ on_both_agents! {
         }
         let scoped = |(address, token): &(String, Option<Secret>), s: &str| {
             let mut k = env.key(s);
-            (k.server.address, k.server.token) = (address.clone(), token.clone());
+            let server = &mut k.scope_mut().server;
+            (server.address, server.token) = (address.clone(), token.clone());
             k
         };
         let svcs: Vec<Vec<String>> =
@@ -900,7 +893,7 @@ on_both_agents! {
         };
         let keys: Vec<ConsulKey> = svcs
             .iter()
-            .map(|s| ConsulKey { query: QueryOptions { connect: true, ..QueryOptions::default() }, ..env.key(s) })
+            .map(|s| env.key(s).with_scope(|s| s.query = QueryOptions { connect: true, ..QueryOptions::default() }))
             .collect();
         for s in &svcs {
             env.register(&format!("{s}-node"), &format!("{s}-1"), s, 8080, "passing", &[]).await;
@@ -1005,7 +998,7 @@ on_both_agents! {
         // fourth is swept.
         let mut w = Watches::new(at_defaults(4));
         let keys: Vec<ConsulKey> = (0..svcs.len())
-            .map(|i| ConsulKey { namespace: Some(format!("team-{i}")), ..env.key(&svcs[i]) })
+            .map(|i| env.key(&svcs[i]).with_scope(|s| s.namespace = Some(format!("team-{i}"))))
             .collect();
         for k in &keys {
             w.start(k);
@@ -1144,8 +1137,8 @@ on_both_agents! {
         env.register("n4", &format!("{svc}-canary"), &svc, 4, "passing", &["v2", "canary"]).await;
         let mut w = Watches::new(settings(10));
         let base = env.key(&svc);
-        let key = ConsulKey {
-            query: QueryOptions {
+        let key = base.with_scope(|s| {
+            s.query = QueryOptions {
                 statuses: HealthStatuses { passing: true, warning: true, critical: false },
                 tags: ["v2".to_owned()].into(),
                 excluded_tags: ["CANARY".to_owned()].into(),
@@ -1153,9 +1146,8 @@ on_both_agents! {
                 cached: true,
                 address: AddressType::Node,
                 ..QueryOptions::default()
-            },
-            ..base
-        };
+            }
+        });
         w.start(&key);
         let eps = w.answer(&key, "passing and warning, no canary", |e| !e.is_empty()).await;
         assert_eq!(ports(&eps), [1, 2]);
@@ -1188,7 +1180,7 @@ on_both_agents! {
         env.put("/v1/catalog/register", proxy(&format!("{svc}-proxy-1"), 21000, "passing")).await;
         let mut w = Watches::new(settings(10));
         let base = env.key(&svc);
-        let key = ConsulKey { query: QueryOptions { connect: true, ..base.query.clone() }, ..base };
+        let key = base.with_scope(|s| s.query.connect = true);
         w.start(&key);
         w.answer(&key, "the proxy, not the service", |e| ports(e) == [21000]).await;
         env.put("/v1/catalog/register", proxy(&format!("{svc}-proxy-2"), 21001, "passing")).await;
@@ -1328,7 +1320,7 @@ macro_rules! on_current_and_older_shapes {
 }
 
 fn with_filter(key: ConsulKey, expression: &str) -> ConsulKey {
-    ConsulKey { query: QueryOptions { filter: Some(expression.into()), ..key.query.clone() }, ..key }
+    key.with_scope(|s| s.query.filter = Some(expression.into()))
 }
 
 on_current_and_older_shapes! {
@@ -1371,7 +1363,7 @@ on_current_and_older_shapes! {
         };
         env.put("/_sim/peers/east/register", imported("passing")).await;
         let mut w = Watches::new(settings(10));
-        let key = ConsulKey { remote: Some(Remote::Peer("east".into())), ..env.key("web") };
+        let key = env.key("web").with_scope(|s| s.remote = Some(Remote::Peer("east".into())));
         w.start(&key);
         let eps = w.answer(&key, "the peer's instance", |e| !e.is_empty()).await;
         assert_eq!((ports(&eps), eps[0].address.as_str()), (vec![81], "127.0.0.2"), "not the local one");
@@ -1399,7 +1391,7 @@ async fn sameness_group_of_web(env: &Env, local: &str) -> ConsulKey {
                "Check": {"CheckID": "service:web-east", "Name": "c", "Status": "passing", "ServiceID": "web-east"}}),
     )
     .await;
-    ConsulKey { remote: Some(Remote::SamenessGroup("web-group".into())), ..env.key("web") }
+    env.key("web").with_scope(|s| s.remote = Some(Remote::SamenessGroup("web-group".into())))
 }
 
 on_current_and_older_shapes! {
@@ -1463,7 +1455,7 @@ on_current_and_older_shapes! {
         let sim = env.simulator();
         env.register("n1", "api-1", "api", 80, "passing", &[]).await;
         let mut w = Watches::new(settings(10));
-        let key = ConsulKey { query: QueryOptions { cached: true, ..QueryOptions::default() }, ..env.key("api") };
+        let key = env.key("api").with_scope(|s| s.query = QueryOptions { cached: true, ..QueryOptions::default() });
         w.start(&key);
         w.answer(&key, "the instance, fresh", |e| ports(e) == [80]).await;
         let before = std::time::SystemTime::now();

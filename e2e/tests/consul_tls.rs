@@ -46,8 +46,8 @@ impl Env {
 
     fn key_with(&self, service: &str, tls: TlsSettings) -> ConsulKey {
         let mut key = consul_key(&self.sim.base_url(), service);
-        key.server.tls = Some(tls);
-        key.query = QueryOptions { statuses: HealthStatuses::ANY, ..QueryOptions::default() };
+        key.scope_mut().server.tls = Some(tls);
+        key.scope_mut().query = QueryOptions { statuses: HealthStatuses::ANY, ..QueryOptions::default() };
         key
     }
 

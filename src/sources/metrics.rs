@@ -173,9 +173,10 @@ mod tests {
 
     fn key(token: &str, service: &str) -> ConsulKey {
         let mut key = consul_resolver_core::test_support::consul_key("http://127.0.0.1:8500", service);
-        key.server.token = Some(Secret::new(token));
-        key.query = QueryOptions { cached: true, ..QueryOptions::default() };
-        ConsulKey { datacenter: Some("dc1".into()), ..key }
+        key.scope_mut().server.token = Some(Secret::new(token));
+        key.scope_mut().query = QueryOptions { cached: true, ..QueryOptions::default() };
+        key.scope_mut().datacenter = Some("dc1".into());
+        key
     }
 
     /// The exposition of `registry` after a refresh, as a scrape sees it.

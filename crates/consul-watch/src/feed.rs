@@ -51,10 +51,10 @@ impl FeedKey {
     /// peer or a sameness group come from another cluster, whose checks and catalog the
     /// local feed does not see.
     pub(crate) fn of(key: &ConsulKey) -> Option<FeedKey> {
-        if key.remote.is_some() {
+        if key.scope.remote.is_some() {
             return None;
         }
-        let server = &key.server;
+        let server = &key.scope.server;
         let tls = server.address.starts_with("https://").then(|| (server.address.clone(), server.tls.clone()));
         Some(FeedKey { scope: Scope::of(key), token: server.token.clone(), tls })
     }
@@ -320,7 +320,7 @@ impl Ctx<'_> {
     /// One checks answer: wakes what it names. Returns the index (`None`: the answer had
     /// none), and whether it was the view's first answer.
     async fn checks(&self, block: Option<(u64, Duration)>) -> Result<(Option<u64>, bool), QueryError> {
-        let token = self.key.server.token.as_ref();
+        let token = self.key.scope.server.token.as_ref();
         let sent = Instant::now();
         let health_state = self.client.health_state(&self.scope, token, block, |index, body| {
             let mut view = self.checks.lock().expect("checks view poisoned");
@@ -351,7 +351,7 @@ impl Ctx<'_> {
         block: Option<(u64, Duration)>,
         view: &mut CatalogView,
     ) -> Result<(Option<u64>, bool), QueryError> {
-        let token = self.key.server.token.as_ref();
+        let token = self.key.scope.server.token.as_ref();
         let catalog = self.client.catalog_services(&self.scope, token, block, |index, body| view.apply(index, body));
         let answer =
             observe::request(&self.env.metrics, observe::Query::Catalog, Some(&self.key), block, catalog).await?;
@@ -408,7 +408,7 @@ impl Ctx<'_> {
         if !may || !checked_index_by_index(after, upto) || !locate::worth_it(1, members) {
             return None;
         }
-        let token = self.key.server.token.as_ref();
+        let token = self.key.scope.server.token.as_ref();
         let nodes = self.read(self.client.catalog_nodes(&self.scope, token)).await?;
         if !locate::worth_it(nodes.len(), members) {
             self.feed.locator().too_many_nodes(Instant::now());
@@ -667,14 +667,12 @@ mod tests {
     fn plain_http_spellings_share_a_feed_and_tls_ones_do_not() {
         let key = |address: &str, token: Option<&str>| {
             let mut key = consul_resolver_core::test_support::consul_key(address, "web");
-            key.server.token = token.map(Secret::new);
+            key.scope_mut().server.token = token.map(Secret::new);
             key
         };
         assert_eq!(FeedKey::of(&key("http://127.0.0.1:8500", None)), FeedKey::of(&key("http://localhost:8500", None)));
-        let peered = ConsulKey {
-            remote: Some(consul_resolver_core::keys::Remote::Peer("other".into())),
-            ..key("http://127.0.0.1:8500", None)
-        };
+        let mut peered = key("http://127.0.0.1:8500", None);
+        peered.scope_mut().remote = Some(consul_resolver_core::keys::Remote::Peer("other".into()));
         assert_eq!(FeedKey::of(&peered), None, "another cluster's instances: no local feed sees them");
         assert_ne!(
             FeedKey::of(&key("http://127.0.0.1:8500", None)),

@@ -112,7 +112,7 @@ impl ConsulSource {
         // into an async body reserves its room there, in every idle watch's future.
         let key = Arc::new(key);
         async move {
-            let addresses = socket_addresses(&key.server.address).await;
+            let addresses = socket_addresses(&key.scope.server.address).await;
             let server = inner.server(&addresses);
             watch::run(server, key, events).await;
         }
@@ -164,7 +164,7 @@ mod test_support {
     /// to listen there), with `token` if any and the default query options.
     pub(crate) fn key(service: &str, token: Option<&str>) -> ConsulKey {
         let mut key = consul_resolver_core::test_support::consul_key("http://127.0.0.1:8500", service);
-        key.server.token = token.map(Secret::new);
+        key.scope_mut().server.token = token.map(Secret::new);
         key
     }
 }

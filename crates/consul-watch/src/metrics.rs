@@ -11,7 +11,7 @@ use std::time::SystemTime;
 
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
-use consul_resolver_core::keys::{ConsulKey, QueryOptions};
+use consul_resolver_core::keys::{ConsulKey, QueryOptions, QueryScope};
 
 /// Buckets for Consul requests: a non-blocking read takes milliseconds, a blocking one up
 /// to its `wait` (5 min by default, Consul's cap 10 min) and a little more.
@@ -175,15 +175,15 @@ impl Default for Metrics {
 /// query options left out.
 /// Every query of one resolver has the same scope (the change feed's queries too).
 pub fn contact_scope(key: &ConsulKey) -> ConsulKey {
-    ConsulKey {
-        server: key.server.clone(),
-        datacenter: key.datacenter.clone(),
-        namespace: key.namespace.clone(),
-        partition: key.partition.clone(),
-        remote: key.remote.clone(),
+    let scope = QueryScope {
+        server: key.scope.server.clone(),
+        datacenter: key.scope.datacenter.clone(),
+        namespace: key.scope.namespace.clone(),
+        partition: key.scope.partition.clone(),
+        remote: key.scope.remote.clone(),
         query: QueryOptions::default(),
-        service: String::new(),
-    }
+    };
+    ConsulKey { scope: Arc::new(scope), service: String::new() }
 }
 
 /// When a request of each scope (see [`contact_scope`]) last reached Consul, and last did

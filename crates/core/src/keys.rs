@@ -149,6 +149,17 @@ pub struct ConsulServer {
 /// queries different.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ConsulKey {
+    /// Shared by the keys of one resolver's services, and compared by value: a key is
+    /// copied into the registry, the world, the watch and the endpoints kept, per service,
+    /// and all but the service's name is the same for a resolver's thousands of services.
+    pub scope: Arc<QueryScope>,
+    pub service: String,
+}
+
+/// Everything about a [`ConsulKey`] but its service: the server, where in Consul, and the
+/// query options.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct QueryScope {
     pub server: ConsulServer,
     pub datacenter: Option<String>,
     pub namespace: Option<String>,
@@ -157,7 +168,19 @@ pub struct ConsulKey {
     pub remote: Option<Remote>,
     /// Which instances are kept, and how they are read.
     pub query: QueryOptions,
-    pub service: String,
+}
+
+impl ConsulKey {
+    /// The scope to change, this key's own copy if it is shared.
+    pub fn scope_mut(&mut self) -> &mut QueryScope {
+        Arc::make_mut(&mut self.scope)
+    }
+
+    /// This key with its scope changed by `change`.
+    pub fn with_scope(mut self, change: impl FnOnce(&mut QueryScope)) -> Self {
+        change(self.scope_mut());
+        self
+    }
 }
 
 /// Where instances come from when not the local cluster's (one or the other).
@@ -267,7 +290,14 @@ pub enum AddressType {
 
 impl fmt::Display for ConsulKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "consul {} at {}", self.service, self.server.address)?;
+        write!(f, "consul {} at {}", self.service, self.scope)
+    }
+}
+
+/// The server's address, then whatever is not the default.
+impl fmt::Display for QueryScope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.server.address)?;
         for (name, value) in [("dc", &self.datacenter), ("ns", &self.namespace), ("partition", &self.partition)] {
             if let Some(v) = value {
                 write!(f, " {name}={v}")?;
@@ -358,8 +388,24 @@ mod tests {
 
     fn consul(service: &str, token: Option<&str>) -> ConsulKey {
         let mut key = crate::test_support::consul_key("http://127.0.0.1:8500", service);
-        key.server.token = token.map(Secret::new);
-        ConsulKey { datacenter: Some("dc1".into()), ..key }
+        key.scope_mut().server.token = token.map(Secret::new);
+        key.scope_mut().datacenter = Some("dc1".into());
+        key
+    }
+
+    /// A key is copied per service into the registry, the world, its watch and what is
+    /// kept: its scope is shared, and a change to a copy's scope is that copy's alone.
+    #[test]
+    fn keys_share_their_scope_and_compare_it_by_value() {
+        assert!(std::mem::size_of::<ConsulKey>() <= 32, "{} bytes", std::mem::size_of::<ConsulKey>());
+        let a = consul("a", Some("t1"));
+        let b = ConsulKey { service: "b".into(), ..a.clone() };
+        assert!(Arc::ptr_eq(&a.scope, &b.scope));
+        let mut c = b.clone();
+        c.scope_mut().datacenter = Some("dc2".into());
+        assert_eq!(b.scope.datacenter.as_deref(), Some("dc1"), "the others' scope is unchanged");
+        assert_ne!(b, c);
+        assert_eq!(c.with_scope(|s| s.datacenter = Some("dc1".into())), b, "equal by value, not by pointer");
     }
 
     #[test]

@@ -4,21 +4,23 @@
 
 use serde_json::Value;
 
-use crate::keys::{ConsulKey, ConsulServer};
+use std::sync::Arc;
+
+use crate::keys::{ConsulKey, ConsulServer, QueryScope};
 use crate::model::{Endpoint, Health, KubeObject};
 
 /// A watch of `service` on the plain-HTTP agent at `address`, without a token, with the
 /// default query options.
 pub fn consul_key(address: &str, service: &str) -> ConsulKey {
-    ConsulKey {
+    let scope = QueryScope {
         server: ConsulServer { address: address.into(), token: None, tls: None },
         datacenter: None,
         namespace: None,
         partition: None,
         remote: None,
         query: Default::default(),
-        service: service.into(),
-    }
+    };
+    ConsulKey { scope: Arc::new(scope), service: service.into() }
 }
 
 /// A passing instance at `address:port` on node `node-1`, its id `address:port`, without

@@ -536,7 +536,7 @@ mod tests {
 
     fn consul(service: &str) -> ConsulKey {
         let mut key = crate::test_support::consul_key("http://127.0.0.1:8500", service);
-        key.server.token = Some(Secret::new("t"));
+        key.scope_mut().server.token = Some(Secret::new("t"));
         key
     }
 

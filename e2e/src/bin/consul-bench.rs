@@ -203,8 +203,9 @@ fn keys(names: &[String], base: &str, tls: Option<&TlsSettings>, scopes: usize) 
         .enumerate()
         .map(|(i, n)| {
             let mut key = consul_key(base, n);
-            key.server.token = (scope_of(i, scopes) > 0).then(|| Secret::new(format!("team-{}", scope_of(i, scopes))));
-            key.server.tls = tls.cloned();
+            key.scope_mut().server.token =
+                (scope_of(i, scopes) > 0).then(|| Secret::new(format!("team-{}", scope_of(i, scopes))));
+            key.scope_mut().server.tls = tls.cloned();
             key
         })
         .collect()

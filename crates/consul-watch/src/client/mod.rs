@@ -260,7 +260,7 @@ impl HttpClient {
         block: Option<(u64, Duration)>,
     ) -> Result<Answer<Instances>, QueryError> {
         let answer = self.read_health(key, block).await?;
-        match &key.remote {
+        match &key.scope.remote {
             Some(Remote::SamenessGroup(group)) if answer.value.endpoints.is_empty() => {
                 self.walk_members(key, group, answer).await
             }
@@ -273,12 +273,17 @@ impl HttpClient {
         key: &ConsulKey,
         block: Option<(u64, Duration)>,
     ) -> Result<Answer<Instances>, QueryError> {
-        let q = &key.query;
+        let q = &key.scope.query;
         let endpoint = if q.connect { "connect" } else { "service" };
         let url = format!("{}/v1/health/{endpoint}/{}", self.base, encode_segment(&key.service));
         let mut query: Vec<(&str, String)> = Vec::new();
-        scope_params(&mut query, key.datacenter.as_deref(), key.namespace.as_deref(), key.partition.as_deref());
-        match &key.remote {
+        scope_params(
+            &mut query,
+            key.scope.datacenter.as_deref(),
+            key.scope.namespace.as_deref(),
+            key.scope.partition.as_deref(),
+        );
+        match &key.scope.remote {
             None => {}
             Some(Remote::Peer(peer)) => query.push(("peer", peer.clone())),
             Some(Remote::SamenessGroup(group)) => query.push(("sameness-group", group.clone())),
@@ -286,7 +291,7 @@ impl HttpClient {
         if let Some(filter) = &q.filter {
             query.push(("filter", filter.to_string()));
         }
-        let fails_over = matches!(key.remote, Some(Remote::SamenessGroup(_)));
+        let fails_over = matches!(key.scope.remote, Some(Remote::SamenessGroup(_)));
         if q.statuses.only_passing() && (block.is_some() || fails_over) {
             query.push(("passing", "1".into()));
         }
@@ -302,7 +307,7 @@ impl HttpClient {
             query.push(("cached", String::new()));
         }
         push_block(&mut query, block);
-        let got = self.get(&url, &query, key.server.token.as_ref(), request_timeout(block)).await?;
+        let got = self.get(&url, &query, key.scope.server.token.as_ref(), request_timeout(block)).await?;
         let (index, indexed, body) = (got.index, got.indexed, self.whole(&got.body)?);
         let (mut endpoints, mut names) =
             parse::health_instances(&body, &q.address).map_err(|cause| self.body_error(cause))?;
@@ -501,7 +506,11 @@ pub(crate) struct Scope {
 
 impl Scope {
     pub(crate) fn of(key: &ConsulKey) -> Self {
-        Scope { datacenter: key.datacenter.clone(), namespace: key.namespace.clone(), partition: key.partition.clone() }
+        Scope {
+            datacenter: key.scope.datacenter.clone(),
+            namespace: key.scope.namespace.clone(),
+            partition: key.scope.partition.clone(),
+        }
     }
 }
 
@@ -695,8 +704,8 @@ mod tests {
     /// A watch of `web` at `address` with a token, any health, and `tags` (`!tag`: excluded).
     pub(super) fn key(address: &str, tags: &[&str]) -> ConsulKey {
         let mut key = consul_resolver_core::test_support::consul_key(address, "web");
-        key.server.token = Some(Secret::new("s3cret"));
-        key.query = consul_resolver_core::keys::QueryOptions {
+        key.scope_mut().server.token = Some(Secret::new("s3cret"));
+        key.scope_mut().query = consul_resolver_core::keys::QueryOptions {
             statuses: consul_resolver_core::keys::HealthStatuses::ANY,
             tags: tags.iter().filter(|t| !t.starts_with('!')).map(|t| t.to_string()).collect(),
             excluded_tags: tags.iter().filter_map(|t| t.strip_prefix('!')).map(str::to_owned).collect(),
@@ -773,7 +782,8 @@ mod tests {
             }
         });
         let c = HttpClient::new(&consul, None, 4, 1 << 20, budget()).unwrap();
-        let passing = ConsulKey { query: Default::default(), ..key(&consul, &[]) };
+        let mut passing = key(&consul, &[]);
+        passing.scope_mut().query = Default::default();
         let read = c.health(&passing, None).await.unwrap().value;
         let line = seen.recv().await.unwrap();
         assert!(!line.contains("passing"), "{line}");

@@ -35,11 +35,14 @@ struct GroupEntry {
 impl Member {
     /// The watch's key read from this member alone.
     fn key_of(&self, key: &ConsulKey) -> ConsulKey {
+        let mut key = key.clone();
+        let scope = key.scope_mut();
         if self.peer.is_empty() {
-            ConsulKey { partition: Some(self.partition.clone()), remote: None, ..key.clone() }
+            (scope.partition, scope.remote) = (Some(self.partition.clone()), None);
         } else {
-            ConsulKey { remote: Some(Remote::Peer(self.peer.clone())), ..key.clone() }
+            scope.remote = Some(Remote::Peer(self.peer.clone()));
         }
+        key
     }
 }
 
@@ -75,8 +78,8 @@ impl HttpClient {
     async fn sameness_members(&self, key: &ConsulKey, group: &str) -> Result<Vec<Member>, QueryError> {
         let url = format!("{}/v1/config/sameness-group/{}", self.base, encode_segment(group));
         let mut query: Vec<(&str, String)> = Vec::new();
-        scope_params(&mut query, key.datacenter.as_deref(), None, key.partition.as_deref());
-        let got = self.get(&url, &query, key.server.token.as_ref(), request_timeout(None)).await?;
+        scope_params(&mut query, key.scope.datacenter.as_deref(), None, key.scope.partition.as_deref());
+        let got = self.get(&url, &query, key.scope.server.token.as_ref(), request_timeout(None)).await?;
         let body = self.whole(&got.body)?;
         let entry: GroupEntry =
             serde_json::from_slice(&body).map_err(|e| self.body_error(format!("sameness group {group:?}: {e}")))?;
@@ -90,18 +93,19 @@ mod tests {
 
     #[test]
     fn a_member_reads_its_partition_or_its_peer_with_the_watchs_query() {
-        let key = ConsulKey {
-            partition: Some("ap1".into()),
-            remote: Some(Remote::SamenessGroup("g".into())),
-            ..crate::test_support::key("web", None)
-        };
+        let mut key = crate::test_support::key("web", None);
+        key.scope_mut().partition = Some("ap1".into());
+        key.scope_mut().remote = Some(Remote::SamenessGroup("g".into()));
         let partition = Member { partition: "ap2".into(), peer: String::new() };
         let peer = Member { partition: String::new(), peer: "east".into() };
         let by_partition = partition.key_of(&key);
-        assert_eq!((by_partition.partition.as_deref(), by_partition.remote), (Some("ap2"), None));
+        assert_eq!((by_partition.scope.partition.as_deref(), by_partition.scope.remote.clone()), (Some("ap2"), None));
         let by_peer = peer.key_of(&key);
-        assert_eq!((by_peer.partition.as_deref(), by_peer.remote), (Some("ap1"), Some(Remote::Peer("east".into()))));
-        assert_eq!((by_peer.service.as_str(), by_peer.query), ("web", key.query));
+        assert_eq!(
+            (by_peer.scope.partition.as_deref(), by_peer.scope.remote.clone()),
+            (Some("ap1"), Some(Remote::Peer("east".into())))
+        );
+        assert_eq!((by_peer.service.as_str(), &by_peer.scope.query), ("web", &key.scope.query));
     }
 
     #[test]

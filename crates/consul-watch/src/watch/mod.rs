@@ -60,7 +60,7 @@ pub(crate) async fn run(server: Arc<Server>, key: Arc<ConsulKey>, events: EventS
         let mut backoff = Backoff::default();
         let mut last = None;
         loop {
-            match server.client(&key.server.address, key.server.tls.as_ref()) {
+            match server.client(&key.scope.server.address, key.scope.server.tls.as_ref()) {
                 Ok(c) => break c,
                 Err(e) => {
                     if last.as_ref() != Some(&e) && !send(&events, &key, ConsulEvent::Failed(e.clone())).await {
@@ -156,7 +156,7 @@ impl Held {
         self.membership = match assignment {
             Assignment::Fed(feed) => {
                 let last_read = self.last_read.unwrap_or_else(Instant::now);
-                let m = feed.join(self.heard.clone(), &self.key.query, last_read);
+                let m = feed.join(self.heard.clone(), &self.key.scope.query, last_read);
                 if m.changes.has_changed().unwrap_or(false) {
                     machine.woken();
                 }

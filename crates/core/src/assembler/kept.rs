@@ -73,14 +73,14 @@ pub fn changed_settings(old: &ConsulKey, new: &ConsulKey) -> Vec<&'static str> {
             out.push(what);
         }
     };
-    differs(old.server.address != new.server.address, "address");
-    differs(old.server.token != new.server.token, "token");
-    differs(old.server.tls != new.server.tls, "TLS settings");
-    differs(old.datacenter != new.datacenter, "datacenter");
-    differs(old.namespace != new.namespace, "Consul namespace");
-    differs(old.partition != new.partition, "partition");
-    differs(old.remote != new.remote, "peer or samenessGroup");
-    let (o, n) = (&old.query, &new.query);
+    differs(old.scope.server.address != new.scope.server.address, "address");
+    differs(old.scope.server.token != new.scope.server.token, "token");
+    differs(old.scope.server.tls != new.scope.server.tls, "TLS settings");
+    differs(old.scope.datacenter != new.scope.datacenter, "datacenter");
+    differs(old.scope.namespace != new.scope.namespace, "Consul namespace");
+    differs(old.scope.partition != new.scope.partition, "partition");
+    differs(old.scope.remote != new.scope.remote, "peer or samenessGroup");
+    let (o, n) = (&old.scope.query, &new.scope.query);
     differs(o.statuses != n.statuses, "healthStatuses");
     differs(o.tags != n.tags || o.excluded_tags != n.excluded_tags, "tags");
     differs(o.consistency != n.consistency, "consistency");
@@ -99,23 +99,16 @@ pub fn rfc3339(t: SystemTime) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::keys::{ConsulServer, Secret};
+    use crate::keys::Secret;
     use std::time::Duration;
 
     #[test]
     fn names_what_changed() {
-        let key = |token: &str, dc: Option<&str>| ConsulKey {
-            server: ConsulServer {
-                address: "http://127.0.0.1:8500".into(),
-                token: Some(Secret::new(token)),
-                tls: None,
-            },
-            datacenter: dc.map(str::to_owned),
-            namespace: None,
-            partition: None,
-            remote: None,
-            query: Default::default(),
-            service: "web".into(),
+        let key = |token: &str, dc: Option<&str>| {
+            let mut key = crate::test_support::consul_key("http://127.0.0.1:8500", "web");
+            key.scope_mut().server.token = Some(Secret::new(token));
+            key.scope_mut().datacenter = dc.map(str::to_owned);
+            key
         };
         assert_eq!(changed_settings(&key("a", None), &key("b", Some("dc2"))), ["token", "datacenter"]);
         assert!(changed_settings(&key("a", None), &key("a", None)).is_empty());

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use super::snapshot::{Unusable, UnusableReason};
 use crate::keys::{
-    AddressType, ClientIdentity, Consistency, ConsulKey, ConsulServer, HealthStatuses, KubeKey, QueryOptions, Remote,
-    Secret, TlsSettings,
+    AddressType, ClientIdentity, Consistency, ConsulKey, ConsulServer, HealthStatuses, KubeKey, QueryOptions,
+    QueryScope, Remote, Secret, TlsSettings,
 };
 use crate::model::Decoded;
 use crate::world::World;
@@ -58,33 +58,26 @@ impl Resolver {
     }
 }
 
-/// Everything about a resolver that goes into its Consul keys: a key with the service
-/// left blank, filled in per service.
+/// Everything about a resolver that goes into its Consul keys but the service: one scope,
+/// shared by the keys of all its services.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    template: ConsulKey,
+    scope: Arc<QueryScope>,
 }
 
 impl Settings {
     pub fn key(&self, service: &str) -> ConsulKey {
-        ConsulKey { service: service.to_owned(), ..self.template.clone() }
+        ConsulKey { scope: self.scope.clone(), service: service.to_owned() }
     }
 
     /// Whether `key` is one of this resolver's queries (for some service), without
     /// building a key per service to compare.
     pub fn queries(&self, key: &ConsulKey) -> bool {
-        // Destructured so that a field added to ConsulKey cannot be forgotten here.
-        let ConsulKey { server, datacenter, namespace, partition, remote, query, service: _ } = &self.template;
-        key.server == *server
-            && key.datacenter == *datacenter
-            && key.namespace == *namespace
-            && key.partition == *partition
-            && key.remote == *remote
-            && key.query == *query
+        key.scope == self.scope
     }
 
     pub fn server(&self) -> &ConsulServer {
-        &self.template.server
+        &self.scope.server
     }
 }
 
@@ -193,15 +186,14 @@ fn settings(
         .map(|t| Secret::new(t.trim()));
     let tls = spec.tls.as_ref().map(|t| tls_settings(world, namespace, t, server_name)).transpose()?;
     Ok(Settings {
-        template: ConsulKey {
+        scope: Arc::new(QueryScope {
             server: ConsulServer { address, token, tls },
             datacenter,
             namespace: consul_ns,
             partition,
             remote,
             query,
-            service: String::new(),
-        },
+        }),
     })
 }
 
@@ -546,11 +538,11 @@ mod tests {
 
     #[test]
     fn a_peer_or_a_sameness_group_is_part_of_the_key_never_both() {
-        assert_eq!(key_of(serde_json::json!({})).unwrap().remote, None);
+        assert_eq!(key_of(serde_json::json!({})).unwrap().scope.remote, None);
         let peer = key_of(serde_json::json!({"peer": "dc2-default"})).unwrap();
-        assert_eq!(peer.remote, Some(Remote::Peer("dc2-default".into())));
+        assert_eq!(peer.scope.remote, Some(Remote::Peer("dc2-default".into())));
         let group = key_of(serde_json::json!({"samenessGroup": "web-group"})).unwrap();
-        assert_eq!(group.remote, Some(Remote::SamenessGroup("web-group".into())));
+        assert_eq!(group.scope.remote, Some(Remote::SamenessGroup("web-group".into())));
         assert_ne!(peer, group);
         for (spec, says) in [
             (serde_json::json!({"peer": "a", "samenessGroup": "b"}), "both set"),

@@ -42,7 +42,7 @@ async fn mappings_drive_consul_watches_and_sharing() {
     );
     let services: Vec<_> = consul_keys(&p).iter().map(|k| k.service.clone()).collect();
     assert_eq!(services, ["billing", "posts"], "three Mappings, two resolvers, one billing watch");
-    assert!(consul_keys(&p).iter().all(|k| k.datacenter.as_deref() == Some("dc1")));
+    assert!(consul_keys(&p).iter().all(|k| k.scope.datacenter.as_deref() == Some("dc1")));
 
     // The two resolvers' equal entries of billing are one part, whose JSON is made and
     // kept once, and stay one after a new answer.
@@ -84,7 +84,7 @@ async fn mappings_drive_consul_watches_and_sharing() {
         now,
     );
     assert_eq!(diff.added.len(), 1, "{diff:?}");
-    assert!(matches!(&diff.added[0], WatchKey::Consul(k) if k.datacenter.as_deref() == Some("dc2")));
+    assert!(matches!(&diff.added[0], WatchKey::Consul(k) if k.scope.datacenter.as_deref() == Some("dc2")));
     assert!(diff.removed.is_empty(), "dc1 billing is still used by shop/b");
     // Their entries differ now (blog's new query has not answered): each its own.
     tokio::time::advance(WINDOW * 2).await;

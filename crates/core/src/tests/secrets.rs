@@ -51,7 +51,7 @@ async fn tokens_come_from_secrets_and_never_reach_the_snapshot() {
         now,
     );
     let WatchKey::Consul(k) = &diff.added[0] else { panic!("{diff:?}") };
-    assert_eq!(k.server.token.as_ref().unwrap().expose(), token, "trimmed token from the Secret");
+    assert_eq!(k.scope.server.token.as_ref().unwrap().expose(), token, "trimmed token from the Secret");
     p.apply([Event::Consul(k.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![] })], now);
     let snap = publish(&mut p).unwrap();
     let bytes = String::from_utf8(snap.to_json().to_vec()).unwrap();
@@ -94,7 +94,7 @@ async fn client_certificates_come_from_secrets_and_go_in_pairs() {
     let diff =
         p.apply(listed(&crate::assembler::resolvers::secret_key("shop", "consul-client"), vec![object(secret)]), now);
     let [WatchKey::Consul(k)] = diff.added.as_slice() else { panic!("one Consul watch: {diff:?}") };
-    let id = k.server.tls.as_ref().and_then(|t| t.client_identity.as_ref()).expect("a client identity");
+    let id = k.scope.server.tls.as_ref().and_then(|t| t.client_identity.as_ref()).expect("a client identity");
     assert_eq!((&*id.cert_pem, id.key_pem.expose()), ("CERT PEM", "KEY PEM"));
     assert!(!format!("{k:?}").contains("KEY PEM"), "the key never prints");
     p.apply([Event::Consul(k.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![] })], now);
