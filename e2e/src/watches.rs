@@ -148,7 +148,7 @@ impl Watches {
     ) -> Vec<Endpoint> {
         let matches = |ev: &ConsulEvent| matches!(ev, ConsulEvent::Answer { endpoints, .. } if pred(endpoints));
         match self.until_within(key, what, within, matches).await {
-            ConsulEvent::Answer { endpoints, .. } => endpoints,
+            ConsulEvent::Answer { endpoints, .. } => endpoints.to_vec(),
             _ => unreachable!("until returns what the predicate accepted"),
         }
     }

@@ -251,12 +251,14 @@ impl WatchFailure {
 /// What a Consul source reports.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ConsulEvent {
-    /// Consul answered: the full current endpoint list (sorted) and its index.
-    Answer { index: u64, endpoints: Vec<Endpoint> },
+    /// Consul answered: the full current endpoint list (sorted) and its index. Shared: the
+    /// watch keeps the list it reported, to tell the next answer's news, and the world
+    /// holds the same one.
+    Answer { index: u64, endpoints: Endpoints },
     /// A Consul agent answered a `cached` read from its cache, and its cache has been cut
     /// off from the servers since `cut_off_since` (its `Age` header): the endpoints as the
     /// agent last knew them, published marked stale since then.
-    Cached { index: u64, endpoints: Vec<Endpoint>, cut_off_since: SystemTime },
+    Cached { index: u64, endpoints: Endpoints, cut_off_since: SystemTime },
     /// A query failed; the last known endpoints stay in place.
     Failed(String),
     /// Consul refused the query itself (a 4xx other than 429: a `filter` it cannot parse, a

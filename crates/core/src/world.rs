@@ -492,7 +492,7 @@ fn apply_consul(store: &mut ConsulStore, ev: ConsulEvent, now: Instant) -> bool 
     // depends on when else it happens to be read.
     if first || endpoints[..] != store.endpoints[..] {
         store.index = Some(index);
-        store.endpoints = endpoints.into();
+        store.endpoints = endpoints;
         store.changed_at = Some(now);
         true
     } else {
@@ -575,7 +575,7 @@ mod tests {
             w.readiness(now, |_| true),
             Readiness::Waiting { kube_pending: 0, consul_pending: 1, deadline: Some(now + TIMEOUT) }
         );
-        assert!(w.apply(Event::Consul(consul("a"), ConsulEvent::Answer { index: 5, endpoints: vec![] }), now));
+        assert!(w.apply(Event::Consul(consul("a"), ConsulEvent::Answer { index: 5, endpoints: vec![].into() }), now));
         assert_eq!(w.readiness(now, |_| true), Readiness::Ready);
     }
 
@@ -586,7 +586,7 @@ mod tests {
         w.track(&consul("dead").into(), start);
         w.track(&consul("alive").into(), start);
         w.apply(
-            Event::Consul(consul("alive"), ConsulEvent::Answer { index: 1, endpoints: vec![ep("10.0.0.1")] }),
+            Event::Consul(consul("alive"), ConsulEvent::Answer { index: 1, endpoints: vec![ep("10.0.0.1")].into() }),
             start,
         );
         w.apply(Event::Consul(consul("dead"), ConsulEvent::Failed("connection refused".into())), start);
@@ -704,7 +704,8 @@ mod tests {
         let now = Instant::now();
         let mut w = World::new(TIMEOUT);
         w.track(&consul("a").into(), now);
-        let answer = |i| Event::Consul(consul("a"), ConsulEvent::Answer { index: i, endpoints: vec![ep("10.0.0.1")] });
+        let answer =
+            |i| Event::Consul(consul("a"), ConsulEvent::Answer { index: i, endpoints: vec![ep("10.0.0.1")].into() });
         assert!(w.apply(answer(5), now));
         w.take_changes();
         assert!(!w.apply(answer(6), now), "a new index with the same content is not a change");
@@ -844,7 +845,7 @@ mod tests {
         let mut w = World::new(TIMEOUT);
         w.track(&consul("a").into(), now);
         w.untrack(&consul("a").into());
-        assert!(!w.apply(Event::Consul(consul("a"), ConsulEvent::Answer { index: 1, endpoints: vec![] }), now));
+        assert!(!w.apply(Event::Consul(consul("a"), ConsulEvent::Answer { index: 1, endpoints: vec![].into() }), now));
         assert!(w.consul().is_empty());
     }
 

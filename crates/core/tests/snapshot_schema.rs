@@ -178,12 +178,12 @@ fn answer_from_consul(p: &mut Pipeline, now: Instant) {
         if key.service == "flaky" {
             // Answers, then fails: its endpoints are kept, stale.
             let endpoints = vec![flaky_endpoint()];
-            p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 7, endpoints })], now);
+            p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 7, endpoints: endpoints.into() })], now);
             p.apply([Event::Consul(key, ConsulEvent::Failed("500 No cluster leader".into()))], now);
             continue;
         }
         let event = if key.service == "billing" {
-            ConsulEvent::Answer { index: 41, endpoints: vec![billing_endpoint()] }
+            ConsulEvent::Answer { index: 41, endpoints: vec![billing_endpoint()].into() }
         } else {
             ConsulEvent::Failed("Get \"http://127.0.0.1:8500/v1/health/service/silent\": connection refused".into())
         };

@@ -28,7 +28,7 @@ async fn nothing_publishes_before_bootstrap() {
     // Everything listed, but the Consul service the Mapping references has not answered.
     assert_eq!(p.poll(now), Step::WaitUntil(now + BOOTSTRAP));
     let key = consul_keys(&p).remove(0);
-    p.apply([Event::Consul(key, ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
+    p.apply([Event::Consul(key, ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)].into() })], now);
     let snap = publish(&mut p).expect("complete: publishes at once");
     assert!(snap.content.bootstrap.complete);
     assert_eq!(*snap.content.resolvers[0].services[0].endpoints, vec![ep("10.0.0.1", 80)]);
@@ -52,7 +52,10 @@ async fn consul_watches_start_while_the_mappings_still_list_and_nothing_publishe
         p.apply([Event::Kube(mappings_key(), KubeEvent::ListStarted)].into_iter().chain(page(&["billing"])), now);
     assert_eq!(diff.added.iter().filter(|k| matches!(k, WatchKey::Consul(_))).count(), 1, "{diff:?}");
     for key in consul_keys(&p) {
-        p.apply([Event::Consul(key, ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
+        p.apply(
+            [Event::Consul(key, ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)].into() })],
+            now,
+        );
     }
     assert_eq!(
         p.readiness(now),
@@ -65,7 +68,10 @@ async fn consul_watches_start_while_the_mappings_still_list_and_nothing_publishe
     p.apply([Event::Kube(mappings_key(), KubeEvent::ListDone)], now);
     assert_eq!(p.poll(now), Step::WaitUntil(now + BOOTSTRAP), "listed, but orders has not answered");
     for key in consul_keys(&p) {
-        p.apply([Event::Consul(key, ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
+        p.apply(
+            [Event::Consul(key, ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)].into() })],
+            now,
+        );
     }
     let snap = publish(&mut p).expect("complete: publishes at once");
     assert!(snap.content.bootstrap.complete);

@@ -55,7 +55,7 @@ async fn mappings_drive_consul_watches_and_sharing() {
     for (index, address) in [(3, "10.0.0.1"), (4, "10.0.0.2")] {
         let answers = consul_keys(&p)
             .into_iter()
-            .map(|k| Event::Consul(k, ConsulEvent::Answer { index, endpoints: vec![ep(address, 80)] }));
+            .map(|k| Event::Consul(k, ConsulEvent::Answer { index, endpoints: vec![ep(address, 80)].into() }));
         p.apply(answers, now);
         tokio::time::advance(WINDOW * 2).await;
         let s = publish(&mut p).expect("published");
@@ -116,7 +116,10 @@ async fn resolvers_share_one_list_of_endpoints() {
     ];
     p.apply(listed(&mappings_key(), routes), now);
     let key = consul_keys(&p).remove(0);
-    p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
+    p.apply(
+        [Event::Consul(key.clone(), ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)].into() })],
+        now,
+    );
     let content = p.assembler().content(p.world());
     let (blog, shop) = (&content.resolvers[0].services[0].endpoints, &content.resolvers[1].services[0].endpoints);
     assert_eq!(**shop, [ep("10.0.0.1", 80)]);

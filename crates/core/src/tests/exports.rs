@@ -41,7 +41,10 @@ async fn an_export_and_a_mapping_of_one_service_share_one_watch_both_ways() {
     );
     assert!(diff.added.is_empty(), "the Mapping's watch serves the export too: {diff:?}");
     assert_eq!(consul_keys(&p), std::slice::from_ref(&key));
-    p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
+    p.apply(
+        [Event::Consul(key.clone(), ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)].into() })],
+        now,
+    );
     let snap = publish(&mut p).expect("published");
     let exports = &snap.content.exports;
     assert_eq!(exports.len(), 2);
@@ -91,7 +94,10 @@ async fn an_export_tells_an_unusable_resolver_from_none() {
         export("shop", "lost", json!({"service": "billing", "resolver": "nowhere"})),
     ];
     p.apply(listed(&exports_key(), exports), now);
-    p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)] })], now);
+    p.apply(
+        [Event::Consul(key.clone(), ConsulEvent::Answer { index: 3, endpoints: vec![ep("10.0.0.1", 80)].into() })],
+        now,
+    );
     let snap = publish(&mut p).expect("published");
     let by_name = |n: &str| snap.content.exports.iter().find(|e| e.name == n).cloned().expect(n);
     let held = by_name("held");

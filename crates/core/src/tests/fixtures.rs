@@ -108,7 +108,7 @@ pub(super) fn assemble(resolvers: Vec<KubeObject>, mappings: Vec<KubeObject>, cf
 }
 
 pub(super) fn answer(key: &ConsulKey, index: u64, endpoints: Vec<Endpoint>) -> Event {
-    Event::Consul(key.clone(), ConsulEvent::Answer { index, endpoints })
+    Event::Consul(key.clone(), ConsulEvent::Answer { index, endpoints: endpoints.into() })
 }
 
 /// Publishes whatever is due, waiting out the window first.

@@ -75,7 +75,10 @@ fn random_event(rng: &mut Rng, world: &crate::world::World) -> Option<Event> {
                 let port = 80 + rng.below(20) as u16;
                 Event::Consul(
                     key,
-                    ConsulEvent::Answer { index: rng.next_u64() % 100 + 1, endpoints: vec![ep("10.0.0.9", port)] },
+                    ConsulEvent::Answer {
+                        index: rng.next_u64() % 100 + 1,
+                        endpoints: vec![ep("10.0.0.9", port)].into(),
+                    },
                 )
             }
         }

@@ -44,7 +44,7 @@ async fn an_agent_cache_cut_off_from_its_servers_is_published_stale_since_the_cu
     let cached = |index, port, since| {
         Event::Consul(
             key.clone(),
-            ConsulEvent::Cached { index, endpoints: vec![ep("10.0.0.1", port)], cut_off_since: since },
+            ConsulEvent::Cached { index, endpoints: vec![ep("10.0.0.1", port)].into(), cut_off_since: since },
         )
     };
     tokio::time::advance(Duration::from_secs(1)).await;

@@ -16,7 +16,7 @@ const MAX_RETRY: Duration = Duration::from_secs(30);
 #[tokio::test(start_paused = true)]
 async fn a_burst_of_ten_thousand_events_is_at_most_two_publications_ending_in_the_final_world() {
     let (mut p, key) = bootstrapped_pipeline();
-    p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![] })], Instant::now());
+    p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![].into() })], Instant::now());
     publish(&mut p).expect("initial snapshot");
     tokio::time::advance(WINDOW * 4).await; // quiet
 
@@ -28,7 +28,10 @@ async fn a_burst_of_ten_thousand_events_is_at_most_two_publications_ending_in_th
             tokio::time::advance(WINDOW / 101).await;
         }
         let endpoints = vec![ep("10.0.0.1", 1 + (i % 60_000) as u16)];
-        p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 2 + i as u64, endpoints })], Instant::now());
+        p.apply(
+            [Event::Consul(key.clone(), ConsulEvent::Answer { index: 2 + i as u64, endpoints: endpoints.into() })],
+            Instant::now(),
+        );
         if let Some(s) = publish(&mut p) {
             publications.push(s);
         }
@@ -56,14 +59,14 @@ async fn a_burst_of_ten_thousand_events_is_at_most_two_publications_ending_in_th
 #[tokio::test(start_paused = true)]
 async fn a_slow_publication_is_never_overlapped_and_gets_one_follow_up() {
     let (mut p, key) = bootstrapped_pipeline();
-    p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![] })], Instant::now());
+    p.apply([Event::Consul(key.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![].into() })], Instant::now());
     let Step::Publish(first) = p.poll(Instant::now()) else { panic!("expected a publication") };
     for i in 0..500u16 {
         tokio::time::advance(WINDOW / 10).await;
         p.apply(
             [Event::Consul(
                 key.clone(),
-                ConsulEvent::Answer { index: 2 + u64::from(i), endpoints: vec![ep("10.0.0.2", i + 1)] },
+                ConsulEvent::Answer { index: 2 + u64::from(i), endpoints: vec![ep("10.0.0.2", i + 1)].into() },
             )],
             Instant::now(),
         );
@@ -78,7 +81,8 @@ async fn a_slow_publication_is_never_overlapped_and_gets_one_follow_up() {
 #[tokio::test(start_paused = true)]
 async fn unchanged_content_is_not_republished_and_failures_are_retried() {
     let (mut p, key) = bootstrapped_pipeline();
-    let answer = |i| Event::Consul(key.clone(), ConsulEvent::Answer { index: i, endpoints: vec![ep("10.0.0.1", 80)] });
+    let answer =
+        |i| Event::Consul(key.clone(), ConsulEvent::Answer { index: i, endpoints: vec![ep("10.0.0.1", 80)].into() });
     p.apply([answer(1)], Instant::now());
     let first = publish(&mut p).unwrap();
     tokio::time::advance(WINDOW).await;
@@ -107,7 +111,7 @@ async fn unchanged_content_is_not_republished_and_failures_are_retried() {
 async fn a_new_leader_republishes_unchanged_content_above_the_previous_leaders_id() {
     let (mut p, key) = bootstrapped_pipeline();
     p.apply(
-        [Event::Consul(key, ConsulEvent::Answer { index: 1, endpoints: vec![ep("10.0.0.1", 80)] })],
+        [Event::Consul(key, ConsulEvent::Answer { index: 1, endpoints: vec![ep("10.0.0.1", 80)].into() })],
         Instant::now(),
     );
     let first = publish(&mut p).unwrap();

@@ -52,7 +52,7 @@ async fn tokens_come_from_secrets_and_never_reach_the_snapshot() {
     );
     let WatchKey::Consul(k) = &diff.added[0] else { panic!("{diff:?}") };
     assert_eq!(k.scope.server.token.as_ref().unwrap().expose(), token, "trimmed token from the Secret");
-    p.apply([Event::Consul(k.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![] })], now);
+    p.apply([Event::Consul(k.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![].into() })], now);
     let snap = publish(&mut p).unwrap();
     let bytes = String::from_utf8(snap.to_json().to_vec()).unwrap();
     assert!(!bytes.contains(token) && !bytes.contains(&encoded[..20]), "token leaked into the snapshot");
@@ -97,7 +97,7 @@ async fn client_certificates_come_from_secrets_and_go_in_pairs() {
     let id = k.scope.server.tls.as_ref().and_then(|t| t.client_identity.as_ref()).expect("a client identity");
     assert_eq!((&*id.cert_pem, id.key_pem.expose()), ("CERT PEM", "KEY PEM"));
     assert!(!format!("{k:?}").contains("KEY PEM"), "the key never prints");
-    p.apply([Event::Consul(k.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![] })], now);
+    p.apply([Event::Consul(k.clone(), ConsulEvent::Answer { index: 1, endpoints: vec![].into() })], now);
     let snap = publish(&mut p).unwrap();
     let half = snap.content.resolvers.iter().find(|r| r.name == "half").unwrap();
     let unusable = half.unusable.as_ref().expect("half an identity is refused");
