@@ -108,9 +108,6 @@ impl ConsulSource {
     /// The watch of `key`: runs until dropped, reporting into `events`.
     pub fn watch(&self, key: ConsulKey, events: EventSink) -> impl Future<Output = ()> + Send + use<> {
         let inner = self.inner.clone();
-        // Shared, not moved from future to future: each move of a key (a few hundred bytes)
-        // into an async body reserves its room there, in every idle watch's future.
-        let key = Arc::new(key);
         async move {
             let addresses = socket_addresses(&key.scope.server.address).await;
             let server = inner.server(&addresses);
@@ -174,9 +171,9 @@ mod tests {
     use super::*;
 
     /// A watch that is not querying (a fed one, most of the time) holds little memory: its
-    /// request's state is allocated only while it queries, an event's send only while it
-    /// sends, and its key is shared, not copied into each async body it passes through.
-    /// Every byte here is paid once per watched service (10,000 at the doubled profile).
+    /// request's state is allocated only while it queries, and an event's send only while
+    /// it sends. Every byte here is paid once per watched service (10,000 at the doubled
+    /// profile).
     #[test]
     fn an_idle_watch_is_small() {
         let source = ConsulSource::new(Settings::default(), Metrics::unregistered());

@@ -34,7 +34,7 @@ use machine::{Machine, Mode, Next, Timing};
 struct Held {
     server: Arc<Server>,
     client: Arc<HttpClient>,
-    key: Arc<ConsulKey>,
+    key: ConsulKey,
     /// Its place in the plan, once it has answered (never over HTTP/2).
     seat: Option<Seat>,
     /// Its lane, while dedicated.
@@ -50,7 +50,7 @@ struct Held {
 }
 
 /// Runs the watch until the future is dropped or the event channel closes.
-pub(crate) async fn run(server: Arc<Server>, key: Arc<ConsulKey>, events: EventSink) {
+pub(crate) async fn run(server: Arc<Server>, key: ConsulKey, events: EventSink) {
     let timing =
         Timing { wait: server.settings.wait, min_interval: server.settings.min_interval, sweep: server.settings.sweep };
     let mut machine = Machine::new(timing);
