@@ -38,8 +38,8 @@ pub(crate) struct Inputs<'a> {
     pub(crate) kept: &'a Kept,
 }
 
-/// One consumer, routed. Kept small, what is rare or large boxed: the routes table holds
-/// one per Mapping (110,000 at the doubled profile), in B-tree nodes about half full, so
+/// One consumer, routed. Kept small, with what is rare or large boxed: the routes table
+/// holds one per Mapping, in B-tree nodes about half full (the Mappings come sorted), so
 /// each byte here costs about two (see the size test).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Routed {
