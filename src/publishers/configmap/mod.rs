@@ -319,9 +319,7 @@ impl Writer<'_> {
     /// creation saw recorded. Dropped at the publication's deadline, the names they held are
     /// forgotten; a failed publication lists and reads the parts again anyway.
     async fn create_parts(&mut self, encoded: &Encoded, parts: &[&Part]) -> Result<(), PublishError> {
-        use futures::StreamExt as _;
-        let mut own: Vec<BTreeMap<String, Seen>> =
-            parts.iter().map(|p| self.seen.remove_entry(&p.name).into_iter().collect()).collect();
+        let mut own = self.lend(parts.iter().map(|p| p.name.as_str()));
         let (api, leadership, until) = (self.api, self.leadership, self.until);
         // Futures made in a loop, not by a closure: a closure over these borrows makes the
         // publication's boxed future not `Send` ("FnOnce is not general enough").
@@ -331,12 +329,37 @@ impl Writer<'_> {
                 Writer { api, leadership, until, seen }.create_part(&encoded.part_configmap(part)).await
             });
         }
-        let results: Vec<Result<(), PublishError>> =
-            futures::stream::iter(creations).buffer_unordered(PARTS_AT_ONCE).collect().await;
+        let results = at_once(creations).await;
+        self.take_back(own);
+        results.into_iter().collect()
+    }
+
+    /// Deletes the stale parts `names` ([`Writer::delete`]), [`PARTS_AT_ONCE`] at a time,
+    /// as [`Writer::create_parts`] creates: one after the other, a change's few deletions
+    /// held the publisher, and the next publication behind it, for a round trip each.
+    async fn delete_parts(&mut self, names: &[String]) -> Result<(), PublishError> {
+        let mut own = self.lend(names.iter().map(String::as_str));
+        let (api, leadership, until) = (self.api, self.leadership, self.until);
+        let mut deletions = Vec::with_capacity(names.len());
+        for (name, seen) in names.iter().zip(own.iter_mut()) {
+            deletions.push(async move { Writer { api, leadership, until, seen }.delete(name).await.map(|_| ()) });
+        }
+        let results = at_once(deletions).await;
+        self.take_back(own);
+        results.into_iter().collect()
+    }
+
+    /// What was seen of each of `names`, each in a map of its own, for requests sent at once
+    /// that each see and record only their own name.
+    fn lend<'n>(&mut self, names: impl Iterator<Item = &'n str>) -> Vec<BTreeMap<String, Seen>> {
+        names.map(|name| self.seen.remove_entry(name).into_iter().collect()).collect()
+    }
+
+    /// Records what the requests [`Writer::lend`] served saw.
+    fn take_back(&mut self, own: Vec<BTreeMap<String, Seen>>) {
         for seen in own {
             self.seen.extend(seen);
         }
-        results.into_iter().collect()
     }
 
     /// Creates part `cm` whole (parts are immutable). One that exists already is used as it is
@@ -432,6 +455,14 @@ impl Writer<'_> {
     }
 }
 
+/// Runs `requests`, [`PARTS_AT_ONCE`] at a time; their results, in the order they ended.
+/// Each is run to its end (none is sent once leadership is gone: [`Writer::may_write`]),
+/// and the caller returns the first error.
+async fn at_once<F: Future<Output = Result<(), PublishError>>>(requests: Vec<F>) -> Vec<Result<(), PublishError>> {
+    use futures::StreamExt as _;
+    futures::stream::iter(requests).buffer_unordered(PARTS_AT_ONCE).collect().await
+}
+
 /// Our parts in the cluster, and those the index there names now. Read once per process or
 /// leadership term (and after a failed write); known from our own writes after that.
 async fn live_parts(writer: &mut Writer<'_>, target: &NamespacedName) -> Result<Parts, PublishError> {
@@ -500,8 +531,8 @@ impl Publisher for ConfigMapPublisher {
                 let named: BTreeSet<String> = encoded.parts.iter().map(|p| p.name.clone()).collect();
                 let stale: Vec<String> =
                     existing.iter().filter(|n| !named.contains(*n) && !previous.contains(*n)).cloned().collect();
+                writer.delete_parts(&stale).await?;
                 for name in &stale {
-                    writer.delete(name).await?;
                     existing.remove(name);
                     verified.remove(name);
                 }
@@ -733,21 +764,18 @@ mod tests {
         }
     }
 
-    /// Parts are created several at once, up to the bound: each part's creation is held
-    /// until `PARTS_AT_ONCE` of them are in flight (or two seconds pass), which one after
-    /// the other never happens.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 8)]
-    async fn parts_are_created_several_at_once() {
-        let s = Arc::new(snapshot(200, 64));
-        let names = part_names(&s);
-        assert!(names.len() > PARTS_AT_ONCE, "the budget splits this snapshot into {} parts", names.len());
-        let stored = Arc::new(Mutex::new(Stored::default()));
+    /// A loopback API server holding `stored` that holds each request `gated` picks until
+    /// `PARTS_AT_ONCE` of them are in flight (or two seconds pass), which one after the other
+    /// never happens; and the most it saw in flight at once.
+    async fn gated_api(
+        stored: &Arc<Mutex<Stored>>,
+        gated: fn(&str, &[u8]) -> bool,
+    ) -> (crate::test_fixtures::FakeApi, Arc<(Mutex<(usize, usize)>, std::sync::Condvar)>) {
         // (in flight now, most in flight at once)
         let gate = Arc::new((Mutex::new((0usize, 0usize)), std::sync::Condvar::new()));
-        let (stored2, gate2) = (stored.clone(), gate.clone());
+        let (stored, gate2) = (stored.clone(), gate.clone());
         let api = crate::test_fixtures::serve(Arc::new(move |method: &str, path: &str, body: &[u8]| {
-            let is_part = method == "POST" && body.windows(LABEL_PART_OF.len()).any(|w| w == LABEL_PART_OF.as_bytes());
-            if is_part {
+            if gated(method, body) {
                 let (lock, ready) = &*gate2;
                 let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
                 let mut g = lock.lock().unwrap();
@@ -760,9 +788,22 @@ mod tests {
                 }
                 g.0 -= 1;
             }
-            answer(&stored2, method, path, body)
+            answer(&stored, method, path, body)
         }))
         .await;
+        (api, gate)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+    async fn parts_are_created_several_at_once() {
+        let s = Arc::new(snapshot(200, 64));
+        let names = part_names(&s);
+        assert!(names.len() > PARTS_AT_ONCE, "the budget splits this snapshot into {} parts", names.len());
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let is_part = |method: &str, body: &[u8]| {
+            method == "POST" && body.windows(LABEL_PART_OF.len()).any(|w| w == LABEL_PART_OF.as_bytes())
+        };
+        let (api, gate) = gated_api(&stored, is_part).await;
         let publisher = small_budget(&api, Leadership::always());
         publisher.publish(s.clone()).await.unwrap();
         assert_eq!(gate.0.lock().unwrap().1, PARTS_AT_ONCE, "parts in flight at once");
@@ -774,6 +815,24 @@ mod tests {
             names.len() + 1,
             "parts first"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+    async fn stale_parts_are_deleted_several_at_once() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let stale: Vec<String> = (1..=PARTS_AT_ONCE + 2).map(|i| format!("snap-{i}")).collect();
+        for name in &stale {
+            stored.lock().unwrap().someone_elses(name, true, 1);
+        }
+        let (api, gate) = gated_api(&stored, |method, _| method == "DELETE").await;
+        let publisher = small_budget(&api, Leadership::always());
+        let s = Arc::new(snapshot(40, 64));
+        publisher.publish(s.clone()).await.unwrap();
+        assert_eq!(gate.0.lock().unwrap().1, PARTS_AT_ONCE, "deletions in flight at once");
+        assert_eq!(stored_parts(&stored), part_names(&s).into_iter().collect::<BTreeSet<_>>(), "every stale part gone");
+        let requests = api.take();
+        let index = requests.iter().position(|r| r == "PATCH snap").expect("the index is applied");
+        assert!(requests[..index].iter().all(|r| !r.starts_with("DELETE")), "nothing deleted before the switch");
     }
 
     /// A loopback API server holding `stored`, and a publisher (always leading) writing to it
@@ -822,8 +881,11 @@ mod tests {
         let mut expected = vec!["GET snap".to_owned(), "GET configmaps".to_owned()];
         expected.extend(names.iter().map(|_| "POST configmaps".to_owned()));
         expected.extend(["POST configmaps".into(), "PATCH snap".into()]);
+        let mut requests = api.take();
+        // The deletions, sent at once, end in any order.
+        requests[expected.len()..].sort();
         expected.extend(["DELETE snap-0123456789abcdef", "DELETE snap-1", "DELETE snap-a-1"].map(String::from));
-        assert_eq!(api.take(), expected);
+        assert_eq!(requests, expected);
         let mut left: BTreeSet<String> = names.iter().cloned().collect();
         left.insert("snap-fedcba9876543210".into());
         assert_eq!(stored_parts(&stored), left, "ours written, someone else's kept");
