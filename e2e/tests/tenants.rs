@@ -21,6 +21,10 @@ const BUDGET: usize = 10;
 const NAMESPACES: usize = 40;
 /// Services (Endpoints objects) in each namespace.
 const SERVICES: usize = 4;
+/// The idle connections the operator keeps to the API server at most (`src/kube_client`):
+/// 16 in its client's pool, and those of the snapshot writer's own client, which sends at
+/// most 4 requests at once.
+const IDLE_CONNECTIONS: usize = 16 + 4;
 /// A watch that ended within this of another's start was being stopped as the other began
 /// (the API server logs the end once it notices the closed connection): not counted as
 /// running beside it.
@@ -141,9 +145,11 @@ fn settle(tenants: &Tenants, op: &Operator, fixed: usize, port: u16, phase: &Pha
         phase.routes.iter().map(|r| r.0).collect::<BTreeSet<_>>().len(),
         phase.endpoints_watches
     );
-    // A connection per watch over HTTP/1.1, and a few for everything else (statuses,
-    // Events, discovery), pooled.
-    assert!(conns <= fixed + BUDGET + 4, "{conns} connections for {want} watches: {}", op.logs());
+    // A connection per watch over HTTP/1.1, and those everything else (statuses, Events,
+    // discovery, the snapshot) left idle in the pool, which the client bounds. Under the
+    // load of a whole `make test` a first publication's burst left 7 idle beside 13
+    // watches. One watch per Service would exceed it at forty namespaces (58 Services).
+    assert!(conns <= want + IDLE_CONNECTIONS, "{conns} connections for {want} watches: {}", op.logs());
 }
 
 /// 40 namespaces, a budget of 10: the biggest namespaces are watched whole first; past
