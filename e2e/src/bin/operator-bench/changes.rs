@@ -84,10 +84,14 @@ pub(crate) fn measure(
     let PortChanges { spaced, back_to_back, cpu_spaced, cpu_back_to_back, change_requests } =
         driver.port_changes(rt, sim, &instance.op)?;
     println!("  ConfigMap parts during the changes: {}", churn.lock().unwrap().summary());
+    let before = rt.block_on(breakdown(&instance.op));
     let (flips, flip_requests) = rt.block_on(driver.health_flip_series(sim))?;
+    print_breakdown("health flips", &flips, before, rt.block_on(breakdown(&instance.op)));
     let node_flips = if s.node_flips > 0 {
+        let before = rt.block_on(breakdown(&instance.op));
         let n = rt.block_on(driver.node_flips(31))?;
         println!("  node check flips: {}", n.summary());
+        print_breakdown("node check flips", &n, before, rt.block_on(breakdown(&instance.op)));
         driver.close_series("node check flips");
         n
     } else {
@@ -113,6 +117,25 @@ pub(crate) fn measure(
         xds,
         poll_cost,
     })
+}
+
+/// Where a series' time went, beside how many of its changes took over [`SLOW`] seconds:
+/// which stage the tail is made of.
+fn print_breakdown(
+    what: &str,
+    series: &Latencies,
+    before: Option<BTreeMap<String, Observed>>,
+    after: Option<BTreeMap<String, Observed>>,
+) {
+    if let (Some(before), Some(after)) = (before, after) {
+        let limit = Duration::from_secs_f64(SLOW.parse().expect("a number"));
+        let slow = series.0.iter().filter(|d| **d > limit).count();
+        println!(
+            "  where the {what}' time went ({slow} of {} over {SLOW} s): {}",
+            series.0.len(),
+            breakdown_means(&before, &after)
+        );
+    }
 }
 
 /// How the snapshot ConfigMap `cm` holds the document: inline, gzipped, or split.
@@ -307,40 +330,72 @@ const BREAKDOWN: [&str; 4] = [
     "consul_resolver_consul_request_duration_seconds",
 ];
 
-/// The `_sum` and `_count` of every series of the [`BREAKDOWN`] histograms, by the series'
-/// name and labels.
-async fn breakdown(op: &Operator) -> Option<BTreeMap<String, (f64, f64)>> {
+/// One series of a [`BREAKDOWN`] histogram, as scraped: its sum, its count, and how many
+/// observations were over [`SLOW`] (from the bucket whose bound it is).
+#[derive(Debug, Clone, Copy, Default)]
+struct Observed {
+    sum: f64,
+    count: f64,
+    slow: f64,
+}
+
+/// What the tail of a change is compared with: the tighter flip targets' 100 ms, a bucket
+/// bound of every [`BREAKDOWN`] histogram.
+const SLOW: &str = "0.1";
+
+/// Every series of the [`BREAKDOWN`] histograms, by the series' name and labels.
+async fn breakdown(op: &Operator) -> Option<BTreeMap<String, Observed>> {
     let text = metrics_text(op).await?;
-    let mut out: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    let mut out: BTreeMap<String, Observed> = BTreeMap::new();
     for line in text.lines() {
         let Some((series, value)) = line.rsplit_once(' ') else { continue };
         let Ok(value) = value.parse::<f64>() else { continue };
         for family in BREAKDOWN {
             let Some(rest) = series.strip_prefix(family) else { continue };
-            let (sum, labels) = match (rest.strip_prefix("_sum"), rest.strip_prefix("_count")) {
-                (Some(labels), _) => (true, labels),
-                (_, Some(labels)) => (false, labels),
-                _ => continue,
-            };
-            let name = format!("{}{labels}", family.trim_start_matches("consul_resolver_"));
-            let entry = out.entry(name).or_default();
-            if sum {
-                entry.0 = value;
-            } else {
-                entry.1 = value;
+            if let Some(labels) = rest.strip_prefix("_sum") {
+                out.entry(series_name(family, labels)).or_default().sum = value;
+            } else if let Some(labels) = rest.strip_prefix("_count") {
+                out.entry(series_name(family, labels)).or_default().count = value;
+            } else if let Some(labels) = rest.strip_prefix("_bucket")
+                && let Some(labels) = without_le(labels, SLOW)
+            {
+                // Cumulative: the observations up to SLOW; the count minus these is slow.
+                out.entry(series_name(family, &labels)).or_default().slow = -value;
             }
         }
+    }
+    for o in out.values_mut() {
+        o.slow += o.count;
     }
     Some(out)
 }
 
-/// The mean of each [`BREAKDOWN`] series observed between two scrapes, in ms.
-fn breakdown_means(before: &BTreeMap<String, (f64, f64)>, after: &BTreeMap<String, (f64, f64)>) -> String {
+fn series_name(family: &str, labels: &str) -> String {
+    format!("{}{labels}", family.trim_start_matches("consul_resolver_"))
+}
+
+/// `labels` without its `le="<le>"`, if it has that one; `None` for any other bucket.
+fn without_le(labels: &str, le: &str) -> Option<String> {
+    let inner = labels.strip_prefix('{')?.strip_suffix('}')?;
+    let wanted = format!("le=\"{le}\"");
+    let rest: Vec<&str> = inner.split(',').filter(|l| *l != wanted).collect();
+    if rest.len() == inner.split(',').count() {
+        return None;
+    }
+    Some(if rest.is_empty() { String::new() } else { format!("{{{}}}", rest.join(",")) })
+}
+
+/// The mean of each [`BREAKDOWN`] series observed between two scrapes, in ms, and how many
+/// of its observations were over [`SLOW`] seconds.
+fn breakdown_means(before: &BTreeMap<String, Observed>, after: &BTreeMap<String, Observed>) -> String {
     after
         .iter()
-        .filter_map(|(name, (sum, count))| {
-            let (s0, n0) = before.get(name).copied().unwrap_or_default();
-            (count > &n0).then(|| format!("{name} {:.1} ms x{}", (sum - s0) / (count - n0) * 1000.0, count - n0))
+        .filter_map(|(name, a)| {
+            let b = before.get(name).copied().unwrap_or_default();
+            let n = a.count - b.count;
+            (n > 0.0).then(|| {
+                format!("{name} {:.1} ms x{n} ({} over {SLOW} s)", (a.sum - b.sum) / n * 1000.0, a.slow - b.slow)
+            })
         })
         .collect::<Vec<_>>()
         .join("; ")
