@@ -166,8 +166,8 @@ fn meta(target: &NamespacedName, id: u64, hash: &str) -> ObjectMeta {
 }
 
 /// Chooses the encoding of `snapshot` for `target`, with at most `budget` bytes of data
-/// per ConfigMap and at most [`WHOLE_LIMIT`] written whole, gzipped (once per snapshot, see [`Snapshot::gzipped`]) when it does not
-/// fit as JSON.
+/// per ConfigMap and at most [`WHOLE_LIMIT`] written whole: gzipped (once per snapshot,
+/// see [`Snapshot::gzipped`]) when its JSON is over that, split when its gzip is too.
 pub(crate) fn encode(target: &NamespacedName, snapshot: &Snapshot, budget: usize) -> Result<Encoded, String> {
     let (id, hash) = (snapshot.id, snapshot.hash.as_str());
     let budget = budget.max(1);
