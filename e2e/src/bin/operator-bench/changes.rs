@@ -331,12 +331,19 @@ const BREAKDOWN: [&str; 4] = [
 ];
 
 /// One series of a [`BREAKDOWN`] histogram, as scraped: its sum, its count, and how many
-/// observations were over [`SLOW`] (from the bucket whose bound it is).
+/// observations were at most [`SLOW`] (its cumulative bucket of that bound).
 #[derive(Debug, Clone, Copy, Default)]
 struct Observed {
     sum: f64,
     count: f64,
-    slow: f64,
+    within: f64,
+}
+
+impl Observed {
+    /// The observations over [`SLOW`].
+    fn slow(&self) -> f64 {
+        self.count - self.within
+    }
 }
 
 /// What the tail of a change is compared with: the tighter flip targets' 100 ms, a bucket
@@ -359,13 +366,9 @@ async fn breakdown(op: &Operator) -> Option<BTreeMap<String, Observed>> {
             } else if let Some(labels) = rest.strip_prefix("_bucket")
                 && let Some(labels) = without_le(labels, SLOW)
             {
-                // Cumulative: the observations up to SLOW; the count minus these is slow.
-                out.entry(series_name(family, &labels)).or_default().slow = -value;
+                out.entry(series_name(family, &labels)).or_default().within = value;
             }
         }
-    }
-    for o in out.values_mut() {
-        o.slow += o.count;
     }
     Some(out)
 }
@@ -394,7 +397,7 @@ fn breakdown_means(before: &BTreeMap<String, Observed>, after: &BTreeMap<String,
             let b = before.get(name).copied().unwrap_or_default();
             let n = a.count - b.count;
             (n > 0.0).then(|| {
-                format!("{name} {:.1} ms x{n} ({} over {SLOW} s)", (a.sum - b.sum) / n * 1000.0, a.slow - b.slow)
+                format!("{name} {:.1} ms x{n} ({} over {SLOW} s)", (a.sum - b.sum) / n * 1000.0, a.slow() - b.slow())
             })
         })
         .collect::<Vec<_>>()
@@ -535,12 +538,7 @@ impl Driver<'_> {
         let cpu_spaced = (cpu_time(pid)? - cpu_before) / s.changes as u32;
         println!("  spaced changes: {}; operator CPU per change {}", spaced.summary(), cpu_ms(cpu_spaced));
         self.close_series("spaced port changes");
-        if let (Some(before), Some(after)) = (breakdown_before, rt.block_on(breakdown(op))) {
-            println!(
-                "  where the spaced changes' time went (mean per observation): {}",
-                breakdown_means(&before, &after)
-            );
-        }
+        print_breakdown("spaced changes", &spaced, breakdown_before, rt.block_on(breakdown(op)));
         let cpu_before = cpu_time(pid)?;
         let back_to_back = rt.block_on(self.changes(20_000 + s.changes as u16, 13, false))?;
         let cpu_back_to_back = (cpu_time(pid)? - cpu_before) / s.changes as u32;
@@ -710,5 +708,22 @@ impl Driver<'_> {
                 Ok(Some(_)) => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_slow_bucket_is_found_by_its_bound_and_the_rest_of_its_labels() {
+        assert_eq!(
+            without_le(r#"{publisher="configmap",le="0.1"}"#, "0.1").as_deref(),
+            Some(r#"{publisher="configmap"}"#)
+        );
+        assert_eq!(without_le(r#"{le="0.1"}"#, "0.1").as_deref(), Some(""));
+        assert_eq!(without_le(r#"{le="0.25"}"#, "0.1"), None);
+        let o = Observed { sum: 3.0, count: 10.0, within: 7.0 };
+        assert_eq!(o.slow(), 3.0);
     }
 }
