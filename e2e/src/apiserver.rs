@@ -92,3 +92,49 @@ pub fn most_at_once(watches: &[WatchRequest], stopping: Duration) -> usize {
         .max()
         .unwrap_or(0)
 }
+
+/// One completed request of a client on one object, from its audit event.
+#[derive(Debug, Clone)]
+pub struct ObjectRequest {
+    pub verb: String,
+    pub resource: String,
+    /// `""` for the object itself.
+    pub subresource: String,
+    pub namespace: String,
+    pub name: String,
+    pub code: u64,
+    /// When the API server received it.
+    pub received: SystemTime,
+    /// When it sent the response.
+    pub answered: SystemTime,
+}
+
+impl ObjectRequest {
+    /// A write (create, update, patch) that succeeded.
+    pub fn wrote(&self) -> bool {
+        matches!(self.verb.as_str(), "create" | "update" | "patch") && (200..300).contains(&self.code)
+    }
+}
+
+/// The completed requests of `user` that name an object, in the audit log's order.
+pub fn object_requests(events: &[Value], user: &str) -> Vec<ObjectRequest> {
+    let time = |e: &Value, field: &str| humantime::parse_rfc3339_weak(e[field].as_str()?).ok();
+    let text = |e: &Value, field: &str| e["objectRef"][field].as_str().unwrap_or_default().to_owned();
+    events
+        .iter()
+        .filter(|e| e["user"]["username"] == user && e["stage"] == "ResponseComplete")
+        .filter(|e| e["objectRef"]["name"].is_string())
+        .filter_map(|e| {
+            Some(ObjectRequest {
+                verb: e["verb"].as_str()?.to_owned(),
+                resource: text(e, "resource"),
+                subresource: text(e, "subresource"),
+                namespace: text(e, "namespace"),
+                name: text(e, "name"),
+                code: e["responseStatus"]["code"].as_u64()?,
+                received: time(e, "requestReceivedTimestamp")?,
+                answered: time(e, "stageTimestamp")?,
+            })
+        })
+        .collect()
+}

@@ -4,10 +4,14 @@
 //! working publishers get every change; the failing one is retried on its own, seen in
 //! the metrics.
 //!
+//! A resolver's status follows the ConfigMap: it never names a snapshot the ConfigMap does
+//! not hold yet.
+//!
 //! The operator runs as its own process with the ServiceAccount and RBAC of manifests/.
 
 use std::time::{Duration, Instant};
 
+use e2e::apiserver::{ObjectRequest, object_requests};
 use e2e::consul::Consul;
 use e2e::fixtures::{mapping_yaml, ports, resolver_yaml};
 use e2e::harness::{Cluster, Operator, unique, wait_for};
@@ -171,6 +175,56 @@ fn a_refused_configmap_holds_back_neither_http_nor_the_hook() {
     assert!(hook_dir.join("snapshot.json").exists(), "the hook's file is in {}", hook_dir.display());
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
     assert!(!hook_dir.exists(), "{} removed at exit", hook_dir.display());
+}
+
+/// Each change of a resolver's status (an instance more, so its endpoint count) is written
+/// after the ConfigMap holds the snapshot the status names: the API server receives the
+/// status write after it answered the ConfigMap write (the audit log, one change at a time,
+/// on its one clock). Written at once, the status often came first, and a reader that
+/// followed `status.lastSnapshot` to the ConfigMap found an older snapshot.
+#[test]
+#[cfg_attr(e2e_external_cluster, ignore = "reads the audit log: needs the suite's own control plane")]
+fn a_resolver_status_is_written_after_the_configmap_holds_its_snapshot() {
+    let cluster = Cluster::shared();
+    let consul = Consul::shared();
+    let team = Team::new(cluster, consul, "out-order");
+    let (ops, cm) = ("consul-resolver-system", format!("order-{}", unique()));
+    let mut op =
+        Operator::start(cluster, &["--namespace", &team.ns, "--snapshot-configmap", &format!("{ops}/{cm}")]).unwrap();
+    op.wait_ready(T).unwrap();
+    let user = cluster.operator_username().unwrap();
+    let status = || -> Option<(u64, u64)> {
+        let out = cluster.kubectl(&["-n", &team.ns, "get", "consulresolver", "consul", "-o", "json"]).ok()?;
+        let status = &serde_json::from_str::<Value>(&out).ok()?["status"];
+        Some((status["endpoints"].as_u64()?, status["lastSnapshot"]["id"].as_u64()?))
+    };
+    wait_for("the resolver's status with its one instance", T, || status().filter(|(n, _)| *n == 1)).unwrap();
+    for n in 2..=5u16 {
+        let from = cluster.audit_events().unwrap().expect("our own cluster has an audit log").len();
+        let (node, instance) = (format!("node-{}", team.svc), format!("{}-{n}", team.svc));
+        consul.register(&node, "127.0.0.1", &team.svc, &instance, 22000 + n, "passing").unwrap();
+        let (_, id) = wait_for("the status counting the new instance", T, || {
+            status().filter(|(count, _)| *count == u64::from(n))
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+        wait_for("the ConfigMap holding that snapshot", T, || {
+            configmap_snapshot(cluster, ops, &cm)?["id"].as_u64().filter(|held| *held >= id)
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()));
+        let events = cluster.audit_events().unwrap().unwrap();
+        let requests = object_requests(&events[from..], &user);
+        // Other tests' operators run as the same user, with resolvers of the same name.
+        let ours = |r: &&ObjectRequest| (r.namespace == ops && r.name == cm) || r.namespace == team.ns;
+        let ours: Vec<&ObjectRequest> = requests.iter().filter(ours).collect();
+        let written = |resource: &str| ours.iter().find(|r| r.wrote() && r.resource == resource);
+        let configmap = written("configmaps").expect("the ConfigMap written");
+        let status_write = written("consulresolvers").expect("the status written");
+        assert!(
+            status_write.received >= configmap.answered,
+            "snapshot {id}: the status write was received before the ConfigMap write was answered: {ours:#?}"
+        );
+    }
+    assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
 }
 
 /// `--watch ConfigMap/NS` where the snapshot ConfigMap lives: the operator's own output

@@ -36,6 +36,10 @@ use consul_resolver_core::pipeline::{Pipeline, Step};
 /// Most events folded into the world per batch.
 const MAX_BATCH: usize = 10_000;
 
+/// The longest a published snapshot's resolver statuses wait for the ConfigMap to hold it
+/// (a ConfigMap write slower than this, or stuck, holds no status back longer).
+const STATUSES_WAIT_AT_MOST: Duration = Duration::from_secs(1);
+
 pub(super) struct EventLoop {
     pub(super) pipeline: Pipeline,
     pub(super) watches: Watches,
@@ -88,6 +92,15 @@ struct Turn {
     /// Events received since the last publication (cleared when the pipeline has nothing
     /// to publish: they changed nothing).
     pending: Option<Unpublished>,
+    /// A published snapshot whose resolver statuses wait for the ConfigMap to hold it.
+    held: Option<Held>,
+}
+
+/// The latest snapshot whose resolver statuses are held back, and until when at most (the
+/// first held one's deadline: a stream of publications cannot hold statuses for ever).
+struct Held {
+    snapshot: Arc<Snapshot>,
+    until: Instant,
 }
 
 impl EventLoop {
@@ -98,7 +111,7 @@ impl EventLoop {
         // statuses are written by this replica, or wait for the lease.
         tracing::info!(identity = %self.identity, leading, "leadership at start");
         self.metrics.leadership.started(leading);
-        let mut turn = Turn { leading, logged_waiting: false, pending: None };
+        let mut turn = Turn { leading, logged_waiting: false, pending: None, held: None };
         // Leading from the start (no election, or a lease won before the loop ran) is a
         // takeover like any other: the ConfigMap's ids continue after the last one written.
         if leading {
@@ -120,11 +133,16 @@ impl EventLoop {
                 tracing::info!(readiness = ?self.pipeline.readiness(Instant::now()), "waiting for a complete world before the first snapshot");
                 turn.logged_waiting = true;
             }
+            let held = turn.held.as_ref().map(|h| (h.until, self.outlets.configmap_holds(h.snapshot.id)));
+            let (held_until, configmap_holds) = held.unzip();
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 now_leading = self.leadership.changed() => self.on_leadership(&mut turn, now_leading).await,
                 Some(first) = self.events.recv() => self.on_events(&mut turn, first),
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {}
+                _ = tokio::time::timeout_at(held_until.unwrap_or_else(Instant::now), async {
+                    if let Some(holds) = configmap_holds { holds.await }
+                }), if held_until.is_some() => self.release_statuses(&mut turn),
                 _ = tick.tick() => self.on_tick(),
             }
         }
@@ -222,6 +240,8 @@ impl EventLoop {
         }
         if !now_leading {
             self.outlets.lost_leadership();
+            // A follower writes no status: nothing to wait for.
+            self.release_statuses(turn);
         }
         turn.leading = now_leading;
     }
@@ -238,14 +258,15 @@ impl EventLoop {
     }
 
     /// A new snapshot: served over HTTP at once (the operator is ready from the first),
-    /// handed to the outlets, and the resolvers' statuses follow it.
+    /// handed to the outlets, and the resolvers' statuses follow it into the ConfigMap.
+    /// Exports follow at once: their EndpointSlices are an output of their own.
     fn publish(&mut self, turn: &mut Turn, snapshot: Arc<Snapshot>) {
         let started = Instant::now();
         let first = !self.pipeline.has_published();
         self.store.push(&snapshot);
         self.outlets.offer(snapshot.clone());
         self.pipeline.published(&snapshot, true, started);
-        self.controller.published(&snapshot);
+        self.hold_statuses(turn, snapshot.clone());
         if let Some(exports) = &mut self.exports {
             exports.published(&snapshot);
         }
@@ -280,6 +301,28 @@ impl EventLoop {
             "snapshot published"
         );
         self.show_unpublished(turn);
+    }
+
+    /// The resolvers' statuses for `snapshot` wait until the ConfigMap holds it (at most
+    /// [`STATUSES_WAIT_AT_MOST`]): a status then never names a snapshot the ConfigMap's
+    /// readers cannot find yet, and the status writes do not slow the ConfigMap's, which
+    /// is what the readers wait for. Written at once where no ConfigMap is written, and by
+    /// a follower (which writes none).
+    fn hold_statuses(&mut self, turn: &mut Turn, snapshot: Arc<Snapshot>) {
+        if !turn.leading || !self.outlets.has_configmap() {
+            self.controller.published(&snapshot);
+            return;
+        }
+        let until = turn.held.as_ref().map_or_else(|| Instant::now() + STATUSES_WAIT_AT_MOST, |h| h.until);
+        turn.held = Some(Held { snapshot, until });
+    }
+
+    /// The ConfigMap holds the held snapshot (or it waited long enough): its resolvers'
+    /// statuses follow.
+    fn release_statuses(&mut self, turn: &mut Turn) {
+        if let Some(held) = turn.held.take() {
+            self.controller.published(&held.snapshot);
+        }
     }
 
     /// Every second: the gauges read from the world.

@@ -12,7 +12,10 @@
 //! The ConfigMap outlet writes only while this replica leads, and only snapshots numbered
 //! above what the previous leader wrote (the event loop arms it on takeover, once it knows
 //! that number): a publication in flight at the takeover cannot write an older id after
-//! the new leader's. It also repairs the ConfigMap every resync period.
+//! the new leader's. It also repairs the ConfigMap every resync period. It says how far it
+//! has got ([`Outlets::configmap_holds`]): the resolver statuses follow the ConfigMap, so a
+//! status never names a snapshot its readers cannot find there yet, and its writes do not
+//! compete with the ConfigMap's for the API server.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant as StdInstant};
@@ -37,6 +40,15 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// What an outlet delivers: the latest snapshot offered.
 type Latest = watch::Receiver<Option<Arc<Snapshot>>>;
 
+/// How far the ConfigMap outlet has got.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Written {
+    /// The last snapshot it wrote (0: none yet).
+    id: u64,
+    /// Its last attempt failed: it retries on its own, holding nothing else back.
+    failing: bool,
+}
+
 /// The publishers fed on their own, and what the event loop tells them.
 pub(super) struct Outlets {
     latest: watch::Sender<Option<Arc<Snapshot>>>,
@@ -46,6 +58,8 @@ pub(super) struct Outlets {
     armed: Arc<Mutex<Option<u64>>>,
     /// Wakes the ConfigMap outlet when it is armed.
     armed_changed: Arc<Notify>,
+    /// What the ConfigMap outlet wrote last.
+    written: watch::Receiver<Written>,
     stop: CancellationToken,
     tasks: Vec<Running>,
 }
@@ -89,6 +103,7 @@ impl Outlets {
         let armed_changed = Arc::new(Notify::new());
         let stop = CancellationToken::new();
         let config = Arc::new(config);
+        let (wrote, written) = watch::channel(Written::default());
         let spawn = |publisher: Arc<dyn Publisher>, gate: Gate, config: Arc<OutletConfig>| {
             let (name, delivering) = (publisher.name(), Delivering::default());
             let vitals = config.vitals.clone();
@@ -102,15 +117,35 @@ impl Outlets {
                 armed: armed.clone(),
                 armed_changed: armed_changed.clone(),
                 repair: c.clone(),
+                wrote,
             };
             tasks.push(spawn(c.clone(), gate, config));
         }
-        Outlets { latest, configmap, armed, armed_changed, stop, tasks }
+        Outlets { latest, configmap, armed, armed_changed, written, stop, tasks }
     }
 
     /// A new snapshot for every outlet; returns at once.
     pub(super) fn offer(&self, snapshot: Arc<Snapshot>) {
         self.latest.send_replace(Some(snapshot));
+    }
+
+    /// Whether a ConfigMap is written.
+    pub(super) fn has_configmap(&self) -> bool {
+        self.configmap.is_some()
+    }
+
+    /// Resolves once the ConfigMap holds snapshot `id` or a later one, or once its outlet
+    /// is failing (it retries alone, and holds nothing back meanwhile); at once when no
+    /// ConfigMap is written. Holds no borrow of the outlets.
+    pub(super) fn configmap_holds(&self, id: u64) -> impl Future<Output = ()> + Send + 'static {
+        let mut written = self.written.clone();
+        let none = self.configmap.is_none();
+        async move {
+            if !none {
+                // An error: the outlet is gone (shutdown), there is nothing to wait for.
+                let _ = written.wait_for(|w| w.id >= id || w.failing).await;
+            }
+        }
     }
 
     /// This replica just became leader. Another one may have written since we last did
@@ -174,6 +209,8 @@ enum Gate {
         armed: Arc<Mutex<Option<u64>>>,
         armed_changed: Arc<Notify>,
         repair: Arc<ConfigMapPublisher>,
+        /// Told each attempt's outcome.
+        wrote: watch::Sender<Written>,
     },
 }
 
@@ -282,6 +319,10 @@ impl Outlet {
             Err(_) => Err(PublishError::Timeout(timeout)),
         };
         metrics.publisher_seconds.with_label_values(&[name]).observe(started.elapsed().as_secs_f64());
+        if let Gate::Leading { wrote, .. } = &self.gate {
+            let failing = result.is_err();
+            wrote.send_modify(|w| *w = Written { id: if failing { w.id } else { snapshot.id }, failing });
+        }
         match &result {
             Ok(()) => {
                 metrics.publisher_failing.with_label_values(&[name]).set(0);
