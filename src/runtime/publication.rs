@@ -371,7 +371,7 @@ mod tests {
     use futures::future::BoxFuture;
 
     use super::*;
-    use crate::test_fixtures::content;
+    use crate::test_fixtures::{content, resolver_entry};
 
     /// A publisher whose every delivery takes `takes`, counting those it finished.
     struct Slow {
@@ -394,6 +394,51 @@ mod tests {
             }
             .boxed()
         }
+    }
+
+    fn config() -> OutletConfig {
+        OutletConfig {
+            timeout: Duration::from_secs(10),
+            resync_period: Duration::from_secs(300),
+            metrics: PublisherMetrics::unregistered(),
+            vitals: Vitals::new(CancellationToken::new()),
+            events: None,
+        }
+    }
+
+    /// What the resolver statuses wait for: the ConfigMap holding their snapshot, or its
+    /// outlet failing; never a snapshot it has not written yet.
+    #[tokio::test]
+    async fn configmap_holds_resolves_once_written_or_failing() {
+        use crate::publishers::configmap::tests::{Stored, stored_api, target};
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let api = stored_api(stored.clone()).await;
+        let publisher = Arc::new(ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always()));
+        let outlets = Outlets::start(vec![], Some(publisher), &Leadership::always(), config());
+        let floor = outlets.took_over().await;
+        let within = Duration::from_secs(10);
+        let (first, second) = (floor + 1, floor + 2);
+        let mut held = Box::pin(outlets.configmap_holds(first));
+        tokio::task::yield_now().await;
+        assert!((&mut held).now_or_never().is_none(), "nothing written yet");
+        outlets.offer(Arc::new(content(vec![]).into_snapshot(first)));
+        tokio::time::timeout(within, held).await.expect("held until written");
+        assert!(outlets.configmap_holds(first).now_or_never().is_some(), "written: at once");
+        assert!(outlets.configmap_holds(second).now_or_never().is_none(), "not a later one");
+
+        stored.lock().unwrap().refuse_writes = true;
+        let held = outlets.configmap_holds(second);
+        // Other content: the same would need no write.
+        outlets.offer(Arc::new(content(vec![resolver_entry("shop", "a")]).into_snapshot(second)));
+        tokio::time::timeout(within, held).await.expect("a failing ConfigMap holds nothing back");
+        outlets.shutdown(Instant::now()).await;
+    }
+
+    #[test]
+    fn without_a_configmap_nothing_is_held() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let outlets = rt.block_on(async { Outlets::start(vec![], None, &Leadership::always(), config()) });
+        assert!(outlets.configmap_holds(7).now_or_never().is_some());
     }
 
     #[tokio::test(start_paused = true)]

@@ -571,8 +571,9 @@ impl Publisher for ConfigMapPublisher {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::format::tests::{encoded, snapshot, snapshot_with, target};
+pub(crate) mod tests {
+    pub(crate) use super::format::tests::target;
+    use super::format::tests::{encoded, snapshot, snapshot_with};
     use super::*;
 
     #[test]
@@ -603,11 +604,13 @@ mod tests {
     /// preconditions do not match are 409s; an apply of a missing object creates it, whatever
     /// resourceVersion it names.
     #[derive(Default)]
-    struct Stored {
+    pub(crate) struct Stored {
         objects: BTreeMap<String, serde_json::Value>,
         version: u64,
         /// DELETEs answer 500.
         fail_deletes: bool,
+        /// Creates and applies answer 403, as RBAC refusing them.
+        pub(crate) refuse_writes: bool,
         /// Writes sent with no condition: applies without a resourceVersion, deletes
         /// without preconditions. A writer that sends one may overwrite what it never saw.
         blind: Vec<String>,
@@ -744,7 +747,7 @@ mod tests {
         }
     }
 
-    async fn stored_api(stored: Arc<Mutex<Stored>>) -> crate::test_fixtures::FakeApi {
+    pub(crate) async fn stored_api(stored: Arc<Mutex<Stored>>) -> crate::test_fixtures::FakeApi {
         crate::test_fixtures::serve(Arc::new(move |method: &str, path: &str, body: &[u8]| {
             answer(&stored, method, path, body)
         }))
@@ -755,6 +758,11 @@ mod tests {
     fn answer(stored: &Mutex<Stored>, method: &str, path: &str, body: &[u8]) -> (u16, serde_json::Value) {
         let name = path.rsplit('/').next().unwrap_or_default().to_owned();
         let mut st = stored.lock().unwrap();
+        if st.refuse_writes && matches!(method, "POST" | "PATCH") {
+            let status = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                "reason": "Forbidden", "code": 403, "message": "configmaps is forbidden"});
+            return (403, status);
+        }
         match method {
             "POST" => st.create(body),
             "PATCH" => st.apply(&name, body),
