@@ -119,7 +119,7 @@ pub(crate) fn measure(
     })
 }
 
-/// Where a series' time went, beside how many of its changes took over [`SLOW`] seconds:
+/// Where a series' time went, beside how many of its changes took over each of [`SLOW`]:
 /// which stage the tail is made of.
 fn print_breakdown(
     what: &str,
@@ -128,11 +128,14 @@ fn print_breakdown(
     after: Option<BTreeMap<String, Observed>>,
 ) {
     if let (Some(before), Some(after)) = (before, after) {
-        let limit = Duration::from_secs_f64(SLOW.parse().expect("a number"));
-        let slow = series.0.iter().filter(|d| **d > limit).count();
+        let slow = SLOW.map(|bound| {
+            let limit = Duration::from_secs_f64(bound.parse().expect("a number"));
+            series.0.iter().filter(|d| **d > limit).count()
+        });
         println!(
-            "  where the {what}' time went ({slow} of {} over {SLOW} s): {}",
+            "  where the {what}' time went (of {}: {}): {}",
             series.0.len(),
+            over(slow.map(|n| n as f64)),
             breakdown_means(&before, &after)
         );
     }
@@ -331,24 +334,30 @@ const BREAKDOWN: [&str; 4] = [
 ];
 
 /// One series of a [`BREAKDOWN`] histogram, as scraped: its sum, its count, and how many
-/// observations were at most [`SLOW`] (its cumulative bucket of that bound).
+/// observations were at most each of [`SLOW`] (its cumulative buckets of those bounds).
 #[derive(Debug, Clone, Copy, Default)]
 struct Observed {
     sum: f64,
     count: f64,
-    within: f64,
+    within: [f64; 2],
 }
 
 impl Observed {
-    /// The observations over [`SLOW`].
-    fn slow(&self) -> f64 {
-        self.count - self.within
+    /// The observations over each of [`SLOW`].
+    fn slow(&self) -> [f64; 2] {
+        self.within.map(|w| self.count - w)
     }
 }
 
-/// What the tail of a change is compared with: the tighter flip targets' 100 ms, a bucket
-/// bound of every [`BREAKDOWN`] histogram.
-const SLOW: &str = "0.1";
+/// What the tail of a change is compared with, in seconds: the tighter spaced p99 target's
+/// 50 ms and the flips' 100 ms, bucket bounds of every [`BREAKDOWN`] histogram.
+const SLOW: [&str; 2] = ["0.05", "0.1"];
+
+/// `counts` over each of [`SLOW`], for the breakdown's lines: "2 over 50 ms, 1 over 100 ms".
+fn over(counts: [f64; 2]) -> String {
+    let ms = |bound: &str| bound.parse::<f64>().expect("a number") * 1000.0;
+    format!("{} over {} ms, {} over {} ms", counts[0], ms(SLOW[0]), counts[1], ms(SLOW[1]))
+}
 
 /// Every series of the [`BREAKDOWN`] histograms, by the series' name and labels.
 async fn breakdown(op: &Operator) -> Option<BTreeMap<String, Observed>> {
@@ -363,10 +372,12 @@ async fn breakdown(op: &Operator) -> Option<BTreeMap<String, Observed>> {
                 out.entry(series_name(family, labels)).or_default().sum = value;
             } else if let Some(labels) = rest.strip_prefix("_count") {
                 out.entry(series_name(family, labels)).or_default().count = value;
-            } else if let Some(labels) = rest.strip_prefix("_bucket")
-                && let Some(labels) = without_le(labels, SLOW)
-            {
-                out.entry(series_name(family, &labels)).or_default().within = value;
+            } else if let Some(labels) = rest.strip_prefix("_bucket") {
+                for (i, bound) in SLOW.iter().enumerate() {
+                    if let Some(labels) = without_le(labels, bound) {
+                        out.entry(series_name(family, &labels)).or_default().within[i] = value;
+                    }
+                }
             }
         }
     }
@@ -389,7 +400,7 @@ fn without_le(labels: &str, le: &str) -> Option<String> {
 }
 
 /// The mean of each [`BREAKDOWN`] series observed between two scrapes, in ms, and how many
-/// of its observations were over [`SLOW`] seconds.
+/// of its observations were over each of [`SLOW`].
 fn breakdown_means(before: &BTreeMap<String, Observed>, after: &BTreeMap<String, Observed>) -> String {
     after
         .iter()
@@ -397,7 +408,8 @@ fn breakdown_means(before: &BTreeMap<String, Observed>, after: &BTreeMap<String,
             let b = before.get(name).copied().unwrap_or_default();
             let n = a.count - b.count;
             (n > 0.0).then(|| {
-                format!("{name} {:.1} ms x{n} ({} over {SLOW} s)", (a.sum - b.sum) / n * 1000.0, a.slow() - b.slow())
+                let slow = [0, 1].map(|i| a.slow()[i] - b.slow()[i]);
+                format!("{name} {:.1} ms x{n} ({})", (a.sum - b.sum) / n * 1000.0, over(slow))
             })
         })
         .collect::<Vec<_>>()
@@ -723,7 +735,8 @@ mod tests {
         );
         assert_eq!(without_le(r#"{le="0.1"}"#, "0.1").as_deref(), Some(""));
         assert_eq!(without_le(r#"{le="0.25"}"#, "0.1"), None);
-        let o = Observed { sum: 3.0, count: 10.0, within: 7.0 };
-        assert_eq!(o.slow(), 3.0);
+        let o = Observed { sum: 3.0, count: 10.0, within: [5.0, 7.0] };
+        assert_eq!(o.slow(), [5.0, 3.0]);
+        assert_eq!(over(o.slow()), "5 over 50 ms, 3 over 100 ms");
     }
 }
