@@ -449,13 +449,7 @@ mod tests {
             Arc::new(Slow { name: "quick", takes: Duration::from_secs(2), finished: quick.clone() }),
             Arc::new(Slow { name: "hook", takes: Duration::from_secs(3600), finished: hung.clone() }),
         ];
-        let config = OutletConfig {
-            timeout: Duration::from_secs(7200),
-            resync_period: Duration::from_secs(300),
-            metrics: PublisherMetrics::unregistered(),
-            vitals: Vitals::new(CancellationToken::new()),
-            events: None,
-        };
+        let config = OutletConfig { timeout: Duration::from_secs(7200), ..config() };
         let outlets = Outlets::start(publishers, None, &Leadership::always(), config);
         outlets.offer(Arc::new(content(vec![]).into_snapshot(1)));
         while outlets.tasks.iter().any(|r| r.delivering.lock().unwrap().is_none()) {

@@ -408,7 +408,8 @@ fn breakdown_means(before: &BTreeMap<String, Observed>, after: &BTreeMap<String,
             let b = before.get(name).copied().unwrap_or_default();
             let n = a.count - b.count;
             (n > 0.0).then(|| {
-                let slow = [0, 1].map(|i| a.slow()[i] - b.slow()[i]);
+                let (after, before) = (a.slow(), b.slow());
+                let slow = [0, 1].map(|i| after[i] - before[i]);
                 format!("{name} {:.1} ms x{n} ({})", (a.sum - b.sum) / n * 1000.0, over(slow))
             })
         })
