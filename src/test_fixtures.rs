@@ -61,7 +61,11 @@ pub(crate) async fn serve(handler: Arc<Handler>) -> FakeApi {
                     let name = path.rsplit('/').next().unwrap_or_default();
                     log.lock().unwrap().push(format!("{method} {name}"));
                     let body = req.into_body().collect().await.unwrap().to_bytes();
-                    let (code, out) = handler(&method, &path, &body);
+                    // Handlers may block (the gated ones hold a request until others
+                    // arrive), and a blocked worker strands the tasks queued on it.
+                    let (code, out) = tokio::task::spawn_blocking(move || handler(&method, &path, &body))
+                        .await
+                        .expect("the handler does not panic");
                     let resp = Response::builder()
                         .status(code)
                         .header("content-type", "application/json")
