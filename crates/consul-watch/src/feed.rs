@@ -322,13 +322,15 @@ impl Ctx<'_> {
     async fn checks(&self, block: Option<(u64, Duration)>) -> Result<(Option<u64>, bool), QueryError> {
         let token = self.key.scope.server.token.as_ref();
         let sent = Instant::now();
-        let health_state = self.client.health_state(&self.scope, token, block, |index, body| {
-            let mut view = self.checks.lock().expect("checks view poisoned");
-            let first = view.index().is_none();
-            let stale = view.apply(index, body)?;
-            self.feed.catch_up().checks_answered(Instant::now(), |after, upto| view.accounts_for(after, upto));
-            Ok((stale, first))
-        });
+        let health_state = || {
+            self.client.health_state(&self.scope, token, block, |index, body| {
+                let mut view = self.checks.lock().expect("checks view poisoned");
+                let first = view.index().is_none();
+                let stale = view.apply(index, body)?;
+                self.feed.catch_up().checks_answered(Instant::now(), |after, upto| view.accounts_for(after, upto));
+                Ok((stale, first))
+            })
+        };
         let answer =
             observe::request(&self.env.metrics, observe::Query::Checks, Some(&self.key), block, health_state).await?;
         if block.is_none() {
@@ -352,7 +354,8 @@ impl Ctx<'_> {
         view: &mut CatalogView,
     ) -> Result<(Option<u64>, bool), QueryError> {
         let token = self.key.scope.server.token.as_ref();
-        let catalog = self.client.catalog_services(&self.scope, token, block, |index, body| view.apply(index, body));
+        let catalog =
+            move || self.client.catalog_services(&self.scope, token, block, move |index, body| view.apply(index, body));
         let answer =
             observe::request(&self.env.metrics, observe::Query::Catalog, Some(&self.key), block, catalog).await?;
         let index = indexed(&self.env.metrics, "catalog", &answer);
@@ -409,7 +412,7 @@ impl Ctx<'_> {
             return None;
         }
         let token = self.key.scope.server.token.as_ref();
-        let nodes = self.read(self.client.catalog_nodes(&self.scope, token)).await?;
+        let nodes = self.read(|| self.client.catalog_nodes(&self.scope, token)).await?;
         if !locate::worth_it(nodes.len(), members) {
             self.feed.locator().too_many_nodes(Instant::now());
             return None;
@@ -417,14 +420,17 @@ impl Ctx<'_> {
         let mut located = Located::new(after, upto);
         for node in &nodes {
             located.node(node);
-            located.instances(&self.read(self.client.node_services(&self.scope, token, &node.node)).await?);
+            located.instances(&self.read(|| self.client.node_services(&self.scope, token, &node.node)).await?);
         }
         located.explained(&self.checks.lock().expect("checks view poisoned"))
     }
 
     /// One read of the locate step: through the server's read pool, counted; a failure
     /// (`None`) is reported to reachability, and a refusal remembered.
-    async fn read<T>(&self, request: impl Future<Output = Result<T, QueryError>>) -> Option<T> {
+    async fn read<T, F>(&self, request: impl FnOnce() -> F) -> Option<T>
+    where
+        F: Future<Output = Result<T, QueryError>>,
+    {
         let _permit = self.env.reads.acquire().await.ok()?;
         let result = observe::request(&self.env.metrics, observe::Query::Locate, Some(&self.key), None, request).await;
         result

@@ -141,7 +141,7 @@ async fn probe(reach: Weak<Reachability>, client: Arc<HttpClient>) {
         let outcome = {
             let _permit = r.reads.acquire().await;
             r.probing.lock().expect("probing poisoned").last = Some(Instant::now());
-            observe::request(&r.metrics, Query::Probe, None, None, client.probe(PROBE_TIMEOUT)).await
+            observe::request(&r.metrics, Query::Probe, None, None, || client.probe(PROBE_TIMEOUT)).await
         };
         match outcome {
             Err(e) if e.unreachable() => r.went(Reach::Down { cause: e.cause().into() }),

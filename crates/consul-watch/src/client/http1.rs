@@ -133,7 +133,9 @@ impl Http1 {
         loop {
             let (conn, reused) = match self.take_idle() {
                 Some(conn) => (conn, true),
-                None => (self.connect().await?, false),
+                // Boxed: a connect (DNS, TCP, TLS) is most of this future's size, and a
+                // blocking query waiting on a kept connection would hold it all along.
+                None => (Box::pin(self.connect()).await?, false),
             };
             match exchange(conn, &request, self.max_body).await {
                 Ok((response, keep)) => {

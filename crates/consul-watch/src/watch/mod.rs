@@ -188,8 +188,8 @@ impl Held {
             }
         }
         let server = self.server.clone();
-        let health = self.client.health(&self.key, block);
-        let request = observe::request(&server.metrics, Query::Service, Some(&self.key), block, health);
+        let (client, key) = (&self.client, &self.key);
+        let request = observe::request(&server.metrics, Query::Service, Some(key), block, || client.health(key, block));
         let result = tokio::select! {
             r = request => r,
             () = changed(&mut self.seat, reach) => return None,
