@@ -854,23 +854,6 @@ mod tests {
         assert!(HttpClient::new("not a url", None, 4, 1 << 20, budget()).is_err());
     }
 
-    /// A dedicated watch holds its blocking query's future, counted, for as long as the
-    /// query waits: at budget 1,200 a thousand of them at once. What only some queries do
-    /// (connect, HTTP/2, walk a sameness group) is boxed where it happens, and the request
-    /// is made inside the counting, not handed to it whole (`observe::request`); it was
-    /// 16 KB, twice an 8 KB query.
-    #[tokio::test]
-    async fn a_counted_query_is_small() {
-        let c = HttpClient::new("http://127.0.0.1:1", None, 4, 1 << 20, budget()).unwrap();
-        let k = key("http://127.0.0.1:1", &[]);
-        let metrics = crate::metrics::Metrics::unregistered();
-        let block = Some((7, Duration::from_secs(60)));
-        let counted =
-            crate::observe::request(&metrics, crate::observe::Query::Service, Some(&k), block, || c.health(&k, block));
-        let size = std::mem::size_of_val(&counted);
-        assert!(size <= 2048, "a counted blocking query is {size} bytes");
-    }
-
     #[test]
     fn errors_do_not_carry_tokens() {
         let e = QueryError::Forbidden { address: "http://127.0.0.1:8500".into(), body: "ACL not found".into() };
