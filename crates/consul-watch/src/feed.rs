@@ -426,13 +426,14 @@ impl Ctx<'_> {
     }
 
     /// One read of the locate step: through the server's read pool, counted; a failure
-    /// (`None`) is reported to reachability, and a refusal remembered.
-    async fn read<T, F>(&self, request: impl FnOnce() -> F) -> Option<T>
+    /// (`None`) is reported to reachability, and a refusal remembered. The request is made
+    /// once the permit is held (`make`, as in `observe::request`).
+    async fn read<T, F>(&self, make: impl FnOnce() -> F) -> Option<T>
     where
         F: Future<Output = Result<T, QueryError>>,
     {
         let _permit = self.env.reads.acquire().await.ok()?;
-        let result = observe::request(&self.env.metrics, observe::Query::Locate, Some(&self.key), None, request).await;
+        let result = observe::request(&self.env.metrics, observe::Query::Locate, Some(&self.key), None, make).await;
         result
             .inspect_err(|e| {
                 tracing::debug!(consul = %self.client.address(), error = %e, "locating a catalog move failed");
