@@ -575,6 +575,55 @@ async fn a_held_watch_reads_blocks_only_once_released_and_misses_nothing(config:
     }
 }
 
+on_both_agents! {
+    simulator_only: "needs the simulator's fault injection or request log";
+async fn first_reads_take_the_lanes_held_watches_leave_idle_and_give_them_back(config: Config) {
+        // A budget of 20: two reads of its own and 18 lanes, for 60 services: a feed (two
+        // lanes) and 16 dedicated watches once placed.
+        const SERVICES: usize = 60;
+        const BUDGET: usize = 20;
+        const LANES: usize = BUDGET - BUDGET / 10;
+        let env = Env::start(config).await;
+        let sim = env.simulator();
+        let prefix = unique("idle-lanes");
+        let names: Vec<String> = (0..SERVICES).map(|i| format!("{prefix}-{i}")).collect();
+        for (i, n) in names.iter().enumerate() {
+            env.register("n1", n, n, 1000 + i as u16, "passing", &[]).await;
+        }
+        // Every read slow, so that reads pile up as a cold start's do against a busy agent.
+        sim.set_faults(FaultsPatch { latency_ms: Some(200), ..Default::default() });
+        sim.reset_stats();
+        let mut w = Watches::new(at_defaults(BUDGET));
+        w.hold_blocking();
+        let keys: Vec<ConsulKey> = names.iter().map(|n| env.key(n)).collect();
+        for k in &keys {
+            w.start(k);
+        }
+        let mut answered = BTreeSet::new();
+        let deadline = Instant::now() + DEADLINE;
+        while answered.len() < SERVICES {
+            match w.next(deadline).await {
+                Some(Event::Consul(k, ConsulEvent::Answer { .. })) => {
+                    answered.insert(k.service);
+                }
+                Some(Event::Consul(k, ConsulEvent::Failed(m))) => panic!("{k}: {m}"),
+                Some(_) => {}
+                None => panic!("only {} of {SERVICES} answered", answered.len()),
+            }
+        }
+        // The held watches' lanes carried first reads: about the budget at once, not its
+        // tenth, and never more than the budget (up to the pool's race, as above).
+        let peak = sim.stats().peak_connections_total;
+        assert!(peak >= BUDGET * 3 / 4, "{peak} connections at most while {SERVICES} first reads waited");
+        assert!(peak <= BUDGET + BUDGET / 4, "{peak} connections for a budget of {BUDGET}");
+        // Released, every lane goes to its blocking query: the reads gave back what they took.
+        sim.clear_faults();
+        w.release_blocking();
+        let (stats, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking_total == LANES).await;
+        assert!(ok, "every lane's blocking query waits in Consul: {stats:?}");
+    }
+}
+
 /// Waits (up to the deadline) until no non-blocking health read has arrived for `quiet`.
 async fn wait_until_no_reads_for(sim: &RunningSim, quiet: Duration) {
     let reads = || sim.requests().iter().filter(|r| r.service.is_some() && !r.query.contains("index=")).count();

@@ -34,6 +34,7 @@ use crate::locate::{self, Located, Locator};
 use crate::metrics::{Metrics, contact_scope};
 use crate::observe;
 use crate::reach::{Reach, Reachability};
+use crate::reads::ReadPool;
 use crate::timing::{Backoff, IndexState, pace};
 use consul_resolver_core::keys::{ConsulKey, QueryOptions, Secret, TlsSettings};
 
@@ -65,7 +66,7 @@ impl FeedKey {
 pub(crate) struct FeedEnv {
     pub lanes: Arc<Semaphore>,
     /// The server's read pool, which the locate step's reads share with fed re-reads.
-    pub reads: Arc<Semaphore>,
+    pub reads: ReadPool,
     pub reach: Arc<Reachability>,
     pub metrics: Metrics,
     pub wait: Duration,
@@ -432,7 +433,7 @@ impl Ctx<'_> {
     where
         F: Future<Output = Result<T, QueryError>>,
     {
-        let _permit = self.env.reads.acquire().await.ok()?;
+        let _permit = self.env.reads.permit().await?;
         let result = observe::request(&self.env.metrics, observe::Query::Locate, Some(&self.key), None, make).await;
         result
             .inspect_err(|e| {
@@ -580,10 +581,11 @@ mod tests {
             let _ = rustls::crypto::ring::default_provider().install_default();
             let feed = Feed::new();
             let members = services.iter().map(|s| feed.join(heard(&[s], &["n1"]), &plain(), Instant::now())).collect();
-            let reads = Arc::new(Semaphore::new(1));
+            let lanes = Arc::new(Semaphore::new(4));
+            let reads = ReadPool::new(1, lanes.clone());
             let metrics = Metrics::unregistered();
             let env = FeedEnv {
-                lanes: Arc::new(Semaphore::new(4)),
+                lanes,
                 reach: crate::reach::Reachability::new(reads.clone(), metrics.clone()),
                 reads,
                 metrics,

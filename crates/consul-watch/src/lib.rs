@@ -24,6 +24,7 @@ mod metrics;
 mod observe;
 mod plan;
 mod reach;
+mod reads;
 mod restart;
 mod server;
 mod settings;

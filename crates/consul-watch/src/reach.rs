@@ -18,7 +18,7 @@
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
@@ -26,6 +26,7 @@ use crate::client::HttpClient;
 use crate::error::QueryError;
 use crate::metrics::Metrics;
 use crate::observe::{self, Query};
+use crate::reads::ReadPool;
 
 /// How long one probe may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -67,7 +68,7 @@ pub(crate) struct Reachability {
     state: watch::Sender<Reach>,
     probing: Mutex<Probing>,
     /// Probes are short reads: they take a permit of the server's read pool.
-    reads: Arc<Semaphore>,
+    reads: ReadPool,
     metrics: Metrics,
 }
 
@@ -78,7 +79,7 @@ struct Probing {
 }
 
 impl Reachability {
-    pub(crate) fn new(reads: Arc<Semaphore>, metrics: Metrics) -> Arc<Self> {
+    pub(crate) fn new(reads: ReadPool, metrics: Metrics) -> Arc<Self> {
         Arc::new(Reachability { state: watch::Sender::new(Reach::Up), probing: Mutex::default(), reads, metrics })
     }
 
@@ -139,7 +140,7 @@ async fn probe(reach: Weak<Reachability>, client: Arc<HttpClient>) {
     loop {
         let Some(r) = reach.upgrade() else { return };
         let outcome = {
-            let _permit = r.reads.acquire().await;
+            let _permit = r.reads.permit().await;
             r.probing.lock().expect("probing poisoned").last = Some(Instant::now());
             observe::request(&r.metrics, Query::Probe, None, None, || client.probe(PROBE_TIMEOUT)).await
         };

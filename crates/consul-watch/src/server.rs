@@ -9,7 +9,8 @@
 //! - `reads`, a tenth (at least one): short non-blocking reads (first answers, re-reads of
 //!   fed watches) and probes;
 //! - `lanes`, the rest: the blocking queries of dedicated watches (one each) and of change
-//!   feeds (two each), as the plan shares them; over HTTP/2, its connections.
+//!   feeds (two each), as the plan shares them; over HTTP/2, its connections. A lane no
+//!   blocking query holds serves reads too ([`crate::reads`]).
 //!
 //! The plan is made again, for all the server's watches at once, whenever a watch joins or
 //! leaves (a burst of those is one plan): a freed lane goes to a fed watch at once, and a
@@ -29,6 +30,7 @@ use crate::feed::{Feed, FeedEnv, FeedKey};
 use crate::metrics::Metrics;
 use crate::plan::{Plan, Planner, Role, WatchId};
 use crate::reach::Reachability;
+use crate::reads::ReadPool;
 use crate::settings::Settings;
 use consul_resolver_core::keys::{ConsulKey, TlsSettings};
 
@@ -71,7 +73,7 @@ pub(crate) struct Server {
     pub settings: Settings,
     pub metrics: Metrics,
     pub lanes: Arc<Semaphore>,
-    pub reads: Arc<Semaphore>,
+    pub reads: ReadPool,
     pub reach: Arc<Reachability>,
     /// Whether dedicated watches may block yet (`ConsulSource::hold_blocking`).
     pub blocking: watch::Receiver<bool>,
@@ -122,7 +124,8 @@ impl Drop for Seat {
 impl Server {
     pub(crate) fn new(settings: Settings, metrics: Metrics, blocking: watch::Receiver<bool>) -> Arc<Server> {
         let split = Split::of(settings.max_connections);
-        let reads = Arc::new(Semaphore::new(split.reads));
+        let lanes = Arc::new(Semaphore::new(split.lanes));
+        let reads = ReadPool::new(split.reads, lanes.clone());
         Arc::new_cyclic(|me: &Weak<Server>| {
             let replan = Arc::new(Notify::new());
             let (weak, told) = (me.clone(), replan.clone());
@@ -130,7 +133,7 @@ impl Server {
                 plan_when_told(weak.clone(), told.clone())
             });
             Server {
-                lanes: Arc::new(Semaphore::new(split.lanes)),
+                lanes,
                 reach: Reachability::new(reads.clone(), metrics.clone()),
                 reads,
                 blocking,

@@ -24,6 +24,7 @@ use crate::error::QueryError;
 use crate::feed::Membership;
 use crate::observe::{self, Query};
 use crate::reach::Reach;
+use crate::reads::ReadPermit;
 use crate::server::{Assignment, Seat, Server};
 use crate::timing::Backoff;
 use consul_resolver_core::keys::ConsulKey;
@@ -219,7 +220,7 @@ impl Held {
         machine: &Machine,
         block: Option<(u64, Duration)>,
         reach: &mut watch::Receiver<Reach>,
-    ) -> Option<Option<OwnedSemaphorePermit>> {
+    ) -> Option<Option<ReadPermit>> {
         if machine.holds_lane() {
             if block.is_some() && !*self.server.blocking.borrow() {
                 let mut blocking = self.server.blocking.clone();
@@ -243,7 +244,7 @@ impl Held {
         }
         let reads = self.server.reads.clone();
         tokio::select! {
-            p = reads.acquire_owned() => Some(Some(p.ok()?)),
+            p = reads.permit() => Some(Some(p?)),
             () = changed(&mut self.seat, reach) => None,
         }
     }
