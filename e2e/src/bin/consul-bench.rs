@@ -21,6 +21,9 @@
 //!   (lower index, every service on a new port) on the same address: the requests sent while
 //!   it was down, and how long after its return every service's new port is seen.
 //!
+//! `BENCH_BOOTSTRAP_LATENCY_MS` adds that much to every Consul request until every service
+//! has answered once: the bootstrap against a Consul a round trip away.
+//!
 //! `BENCH_SERVICES` sets the size. `BENCH_TLS=1` serves Consul over TLS (a certificate made
 //! at start) with HTTP/2: every service then has a blocking query of its own, as a stream,
 //! and the report adds the HTTP/2 connections and the most streams on one of them.
@@ -42,7 +45,7 @@ use consul_resolver_core::keys::{ConsulKey, Secret, TlsSettings};
 use consul_resolver_core::model::{ConsulEvent, Event, Health};
 use consul_resolver_core::test_support::consul_key;
 use consul_sim::tls::TestPki;
-use consul_sim::{Config, RunningSim, Simulator, Stats};
+use consul_sim::{Config, FaultsPatch, RunningSim, Simulator, Stats};
 use consul_watch::{ConsulSource, Metrics, Settings};
 use e2e::bench::{env_usize, percentile};
 use serde_json::json;
@@ -72,12 +75,20 @@ async fn main() -> anyhow::Result<()> {
     let (tx, mut rx) = mpsc::channel(100_000);
     let tls = pki.as_ref().map(|p| TlsSettings { ca_pem: Some(p.ca_cert_pem.as_str().into()), ..Default::default() });
     let keys = keys(&names, &sim.base_url(), tls.as_ref(), k.scopes);
+    if k.bootstrap_latency_ms > 0 {
+        sim.set_faults(FaultsPatch { latency_ms: Some(k.bootstrap_latency_ms), ..Default::default() });
+    }
     sim.reset_stats();
+    // As the operator starts: blocking queries held until every service has answered (its
+    // first snapshot), so the bootstrap is the first reads' alone.
+    source.hold_blocking();
     let started = Instant::now();
     let _tasks: Vec<_> =
         keys.iter().map(|key| AbortOnDropHandle::new(tokio::spawn(source.watch(key.clone(), tx.clone())))).collect();
     answered(&mut rx, k.services).await;
     let bootstrap = started.elapsed();
+    source.release_blocking();
+    sim.clear_faults();
     let idle = idle(&sim, &k).await;
     let mut series = changes(&sim, &catalog, &names, &idle.dedicated, &mut rx, &k).await?;
     let stats = sim.stats();
@@ -121,6 +132,7 @@ struct Knobs {
     scopes: usize,
     idle_secs: u64,
     outage_secs: u64,
+    bootstrap_latency_ms: u64,
 }
 
 impl Knobs {
@@ -134,6 +146,7 @@ impl Knobs {
             scopes: env_usize("BENCH_SCOPES", 2).max(1),
             idle_secs: env_usize("BENCH_IDLE_SECS", 60) as u64,
             outage_secs: env_usize("BENCH_OUTAGE_SECS", 30) as u64,
+            bootstrap_latency_ms: env_usize("BENCH_BOOTSTRAP_LATENCY_MS", 0) as u64,
         }
     }
 }
