@@ -5,21 +5,31 @@ use std::sync::Arc;
 
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
+/// Reads in flight at most, counting borrowed lanes: the default budget. A cold start's
+/// first reads against a Consul a round trip away keep it busy at that; more would only
+/// open more connections at once (a thousand at a budget of 1,200, all while the operator,
+/// Consul and the API server share the CPU for the first snapshot). Budgets whose reads'
+/// own tenth is this already borrow nothing.
+const MOST_READS_IN_FLIGHT: usize = 100;
+
 /// The permits of short reads: the budget's reads, and the lanes no blocking query holds.
 ///
 /// A tenth of the budget is the reads' own, so blocking queries, which hold their lanes
 /// for minutes, can never starve them. The other way round nothing needs keeping: a lane
-/// left idle serves a read, and comes back when the read ends (its deadline bounds that).
-/// Until the first snapshot the dedicated watches hold no lane (their blocking queries are
-/// held: docs/consul.md, "Cold start"), so a cold start's thousand first reads go about a
-/// budget at a time instead of a tenth. A read takes a lane only when nobody waits for one
-/// (a semaphore hands a freed permit to its waiters first) and never queues for one: a
-/// feed or a newly dedicated watch waits for at most one read, never behind a queue of
-/// them. Reads that wait are woken when a borrowed lane comes back.
+/// left idle serves a read, and comes back when the read ends (its deadline bounds that),
+/// up to [`MOST_READS_IN_FLIGHT`] reads in all. Until the first snapshot the dedicated
+/// watches hold no lane (their blocking queries are held: docs/consul.md, "Cold start"),
+/// so at the default budget a cold start's thousand first reads go 100 at a time instead
+/// of 10. A read takes a lane only when nobody waits for one (a semaphore hands a freed
+/// permit to its waiters first) and never queues for one: a feed or a newly dedicated
+/// watch waits for at most one read, never behind a queue of them. Reads that wait are
+/// woken when a borrowed lane comes back.
 #[derive(Clone)]
 pub(crate) struct ReadPool {
     reads: Arc<Semaphore>,
     lanes: Arc<Semaphore>,
+    /// Lanes that may be borrowed at once.
+    borrowable: Arc<Semaphore>,
     /// A borrowed lane came back.
     returned: Arc<Notify>,
 }
@@ -27,15 +37,16 @@ pub(crate) struct ReadPool {
 /// One read's permit: the reads' own, or a borrowed lane.
 pub(crate) struct ReadPermit {
     permit: Option<OwnedSemaphorePermit>,
-    /// Told when a borrowed lane goes back.
-    returned: Option<Arc<Notify>>,
+    /// A borrowed lane's: its place among the borrowable, and whom to tell it came back.
+    borrowed: Option<(OwnedSemaphorePermit, Arc<Notify>)>,
 }
 
 impl Drop for ReadPermit {
     fn drop(&mut self) {
         // The lane goes back first: a blocking query waiting for it gets it before any read.
         drop(self.permit.take());
-        if let Some(returned) = &self.returned {
+        if let Some((place, returned)) = self.borrowed.take() {
+            drop(place);
             returned.notify_one();
         }
     }
@@ -43,7 +54,12 @@ impl Drop for ReadPermit {
 
 impl ReadPool {
     pub(crate) fn new(reads: usize, lanes: Arc<Semaphore>) -> Self {
-        ReadPool { reads: Arc::new(Semaphore::new(reads)), lanes, returned: Arc::new(Notify::new()) }
+        ReadPool {
+            reads: Arc::new(Semaphore::new(reads)),
+            lanes,
+            borrowable: Arc::new(Semaphore::new(MOST_READS_IN_FLIGHT.saturating_sub(reads))),
+            returned: Arc::new(Notify::new()),
+        }
     }
 
     /// A permit for one read: the first free one, of the reads' own or an idle lane. `None`
@@ -51,18 +67,25 @@ impl ReadPool {
     pub(crate) async fn permit(&self) -> Option<ReadPermit> {
         loop {
             if let Ok(p) = self.reads.clone().try_acquire_owned() {
-                return Some(ReadPermit { permit: Some(p), returned: None });
+                return Some(ReadPermit { permit: Some(p), borrowed: None });
             }
-            if let Ok(p) = self.lanes.clone().try_acquire_owned() {
-                return Some(ReadPermit { permit: Some(p), returned: Some(self.returned.clone()) });
+            if let Some(permit) = self.borrow() {
+                return Some(permit);
             }
             tokio::select! {
                 p = self.reads.clone().acquire_owned() => {
-                    return Some(ReadPermit { permit: Some(p.ok()?), returned: None });
+                    return Some(ReadPermit { permit: Some(p.ok()?), borrowed: None });
                 }
                 () = self.returned.notified() => {}
             }
         }
+    }
+
+    /// An idle lane, if one is free and the reads in flight are below the most.
+    fn borrow(&self) -> Option<ReadPermit> {
+        let place = self.borrowable.clone().try_acquire_owned().ok()?;
+        let lane = self.lanes.clone().try_acquire_owned().ok()?;
+        Some(ReadPermit { permit: Some(lane), borrowed: Some((place, self.returned.clone())) })
     }
 }
 
@@ -116,5 +139,25 @@ mod tests {
         assert!(!read.is_finished(), "the read waits for its own permit");
         drop(own);
         assert!(read.await.unwrap().is_some(), "and gets the reads' own once free");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn reads_in_flight_stay_within_the_most_whatever_the_idle_lanes() {
+        let lanes = Arc::new(Semaphore::new(500));
+        let pool = ReadPool::new(10, lanes.clone());
+        let mut held = Vec::new();
+        while let Some(p) = within_a_minute(pool.permit()).await {
+            held.push(p);
+        }
+        assert_eq!(held.len(), MOST_READS_IN_FLIGHT);
+        assert_eq!(lanes.available_permits(), 500 - (MOST_READS_IN_FLIGHT - 10));
+        // A budget whose own reads are the most already borrows nothing.
+        let lanes = Arc::new(Semaphore::new(1080));
+        let pool = ReadPool::new(120, lanes.clone());
+        let mut held = Vec::new();
+        while let Some(p) = within_a_minute(pool.permit()).await {
+            held.push(p);
+        }
+        assert_eq!((held.len(), lanes.available_permits()), (120, 1080));
     }
 }
