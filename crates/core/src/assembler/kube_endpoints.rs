@@ -214,6 +214,29 @@ impl Scoping {
     }
 }
 
+/// The namespaces to watch whole before every route is known (a cold start's routes still
+/// listing): those that the layout of the Services routed to so far (`counts`) watches
+/// whole, beyond those watched early already. The counts only grow while the routes list,
+/// so a namespace past `namespace_above` stays past it, and past the budget the namespaces
+/// with the most Services, widened first, mostly stay the ones widened; a namespace the
+/// final layout watches one Service at a time after all has its early watch stopped (one
+/// list of the namespace spent). None once the layout is the cluster's watch (it stays
+/// so), and at most one fewer than the budget, so that the cluster's watch, should the
+/// layout end there, starts within the budget beside them.
+pub(crate) fn early_namespaces(
+    counts: &BTreeMap<&str, usize>,
+    early: &BTreeSet<String>,
+    limits: WatchLimits,
+) -> Vec<String> {
+    let mut layout = Scoping::default();
+    layout.update(counts, limits);
+    if layout.cluster {
+        return Vec::new();
+    }
+    let room = limits.budget.saturating_sub(1).saturating_sub(early.len());
+    layout.wide.into_iter().filter(|ns| !early.contains(ns)).take(room).collect()
+}
+
 /// The endpoints of Service `service` among the objects of a watch (decoded at ingestion),
 /// sorted and de-duplicated across its EndpointSlices. A Service's own watch holds only
 /// its objects; a namespace's holds every Service's, told apart by the decoded name.

@@ -169,7 +169,8 @@ async fn many_services_of_a_namespace_share_one_endpoints_watch_and_back() {
 
 /// A cold start's Mappings come page by page: no Service's own endpoints watch starts
 /// before every route is known, so a namespace past the threshold never starts (then
-/// stops) a watch per Service of its first pages.
+/// stops) a watch per Service of its first pages. Its namespace's watch starts with the page
+/// that takes it past the threshold, beside the pages still to come, and stays.
 #[tokio::test(start_paused = true)]
 async fn endpoints_watches_wait_for_every_route() {
     let (mut p, now) = namespace_watch_above_three();
@@ -180,9 +181,104 @@ async fn endpoints_watches_wait_for_every_route() {
     let diff = p.apply(first, now);
     assert!(slice_keys(&p).is_empty() && diff.added.is_empty(), "a first page starts no endpoints watch: {diff:?}");
     p.apply(page(2, 5).collect::<Vec<_>>(), now);
-    assert!(slice_keys(&p).is_empty());
+    let wide = EndpointsApi::EndpointSlices.namespace_key("shop");
+    assert_eq!(slice_keys(&p), [wide.to_string()], "past the threshold while the routes list");
+    p.apply(listed(&wide, (0..5).map(|i| slice("shop", &format!("s{i}"), "a", &format!("10.0.0.{i}"))).collect()), now);
+    let diff = p.apply([Event::Kube(mappings_key(), KubeEvent::ListDone)], now);
+    assert!(diff.added.is_empty() && diff.removed.is_empty(), "the early watch is the layout's: {diff:?}");
+    assert_eq!(slice_keys(&p), [wide.to_string()]);
+    assert!(kube_services(&p).iter().all(|(_, synced, endpoints)| *synced && endpoints.len() == 1));
+}
+
+/// Mapping `shop/m-<ns>-<i>` to Kubernetes Service `s<i>` of namespace `ns`.
+fn route_to(ns: &str, i: usize) -> KubeObject {
+    mapping("shop", &format!("m-{ns}-{i}"), json!({"service": format!("s{i}.{ns}:80")}))
+}
+
+/// A cold start's routes, one page per namespace with its number of Services (the list not
+/// done): the EndpointSlice keys once each page is applied.
+fn cold_start_pages(p: &mut Pipeline, now: Instant, namespaces: &[(&str, usize)]) -> Vec<Vec<String>> {
+    p.apply([Event::Kube(mappings_key(), KubeEvent::ListStarted)], now);
+    namespaces
+        .iter()
+        .map(|&(ns, services)| {
+            let page: Vec<Event> =
+                (0..services).map(|i| Event::Kube(mappings_key(), KubeEvent::Listed(route_to(ns, i)))).collect();
+            p.apply(page, now);
+            slice_keys(p)
+        })
+        .collect()
+}
+
+/// Past the budget, while the routes still list, the namespaces that the layout of the
+/// routes so far watches whole (the biggest first) are watched whole at once: they list
+/// beside the routes, and once every route is known nothing starts or stops, and the first
+/// snapshot is whole without waiting for another list.
+#[tokio::test(start_paused = true)]
+async fn past_the_budget_namespaces_are_watched_whole_while_the_routes_list() {
+    let endpoint_watches = WatchLimits { namespace_above: 100, budget: 4, cluster_wide: true };
+    let mut p = pipeline(Config { endpoint_watches, ..Config::default() });
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![]), now);
+    let keys = cold_start_pages(&mut p, now, &[("a", 3), ("b", 3), ("c", 3)]);
+    let whole = |nss: &[&str]| -> Vec<String> {
+        nss.iter().map(|ns| EndpointsApi::EndpointSlices.namespace_key(ns).to_string()).collect()
+    };
+    assert_eq!(keys, [vec![], whole(&["a"]), whole(&["a", "b", "c"])], "three Services, six, nine: past four");
+    for ns in ["a", "b", "c"] {
+        let objects = (0..3).map(|i| slice(ns, &format!("s{i}"), "x", &format!("10.0.0.{i}"))).collect();
+        p.apply(listed(&EndpointsApi::EndpointSlices.namespace_key(ns), objects), now);
+    }
+    let diff = p.apply([Event::Kube(mappings_key(), KubeEvent::ListDone)], now);
+    assert!(diff.added.is_empty() && diff.removed.is_empty(), "the early watches are the layout's: {diff:?}");
+    let snapshot = publish(&mut p).expect("the first snapshot, at once");
+    assert!(snapshot.content.bootstrap.complete);
+    assert_eq!(kube_services(&p).len(), 9);
+    assert!(kube_services(&p).iter().all(|(_, synced, endpoints)| *synced && endpoints.len() == 1));
+}
+
+/// Early watches stay one fewer than the budget: when the namespaces outnumber it, the
+/// cluster's watch replaces them once every route is known, within the budget throughout.
+#[tokio::test(start_paused = true)]
+async fn early_watches_leave_room_for_the_clusters_within_the_budget() {
+    let endpoint_watches = WatchLimits { namespace_above: 100, budget: 3, cluster_wide: true };
+    let mut p = pipeline(Config { endpoint_watches, ..Config::default() });
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![]), now);
+    let keys = cold_start_pages(&mut p, now, &["a", "b", "c", "d", "e"].map(|ns| (ns, 2)));
+    assert!(keys.iter().all(|k| k.len() <= 2), "{keys:?}");
+    assert_eq!(keys.last().map(Vec::len), Some(2), "{keys:?}");
     p.apply([Event::Kube(mappings_key(), KubeEvent::ListDone)], now);
-    assert_eq!(slice_keys(&p), [EndpointsApi::EndpointSlices.namespace_key("shop").to_string()]);
+    assert_eq!(slice_keys(&p), [EndpointsApi::EndpointSlices.cluster_key().to_string()]);
+}
+
+/// A namespace watched whole early that the layout of every route watches one Service at
+/// a time has its early watch stopped once every route is known.
+#[tokio::test(start_paused = true)]
+async fn an_early_watch_the_final_layout_does_not_need_stops() {
+    let endpoint_watches = WatchLimits { namespace_above: 100, budget: 8, cluster_wide: true };
+    let mut p = pipeline(Config { endpoint_watches, ..Config::default() });
+    let now = Instant::now();
+    p.set_fixed(fixed(), now);
+    p.apply(listed(&resolvers_key(), vec![]), now);
+    let keys = cold_start_pages(&mut p, now, &[("a", 7), ("b", 5)]);
+    let a = EndpointsApi::EndpointSlices.namespace_key("a");
+    assert_eq!(keys, [vec![], vec![a.to_string()]], "twelve Services, past eight: the biggest namespace whole");
+    // Four of b's routes were gone by the end of the list: eight Services, one watch each.
+    let gone: Vec<Event> =
+        (1..5).map(|i| Event::Kube(mappings_key(), KubeEvent::Deleted(route_to("b", i).id))).collect();
+    p.apply(gone, now);
+    let diff = p.apply([Event::Kube(mappings_key(), KubeEvent::ListDone)], now);
+    assert_eq!(diff.removed, [WatchKey::Kube(a)]);
+    let mut own: Vec<String> =
+        (0..7).map(|i| EndpointsApi::EndpointSlices.key("a", &format!("s{i}")).to_string()).collect();
+    own.push(EndpointsApi::EndpointSlices.key("b", "s0").to_string());
+    own.sort();
+    let mut keys = slice_keys(&p);
+    keys.sort();
+    assert_eq!(keys, own);
 }
 
 #[tokio::test(start_paused = true)]

@@ -1,7 +1,7 @@
 //! Pass two for Kubernetes: the Services routed to, and their endpoints, from a watch of
 //! their own or (past the threshold) their namespace's ([`Scoping`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::OnceLock;
 
 use consul_resolver_api::mapping::{self, MappingKind};
@@ -10,7 +10,8 @@ use consul_resolver_api::names::NamespacedName;
 use super::Inputs;
 use super::shared::SharedIndexes;
 use crate::assembler::desired::Desired;
-use crate::assembler::kube_endpoints::{self, Scoping};
+use crate::assembler::kube_endpoints::{self, EndpointsApi, Scoping, WatchLimits};
+use crate::assembler::route::Routes;
 use crate::assembler::snapshot::{KubeServiceEntry, Part, Parts};
 use crate::keys::{KubeKey, WatchKey};
 use crate::world::{Changes, World};
@@ -34,6 +35,11 @@ pub(crate) struct KubeTargets {
     scoping: Scoping,
     /// The targets were not read: not every route was known yet.
     deferred: bool,
+    /// Namespaces watched whole while a cold start's routes still listed
+    /// ([`KubeTargets::watch_early`]), each holding its watch in the desired watches until
+    /// the first pass that knows every route hands it to its targets, or stops it if the
+    /// layout does not watch it whole after all.
+    early: BTreeSet<String>,
     /// The shared watches' objects by Service: a change re-reads only its own.
     shared: SharedIndexes,
     /// The next pass reads every target again ([`KubeTargets::read_everything_next`]).
@@ -76,6 +82,8 @@ impl KubeTargets {
         // Until every route is known (a cold start's Mappings are folded in as they come),
         // how many Services a namespace has is not known either: starting a watch per
         // Service of the first pages would start, then stop, up to a threshold's worth.
+        // Only namespaces the layout is bound to watch whole start early, so that they
+        // list beside the routes instead of after them.
         let routes_known = world
             .kube()
             .iter()
@@ -85,6 +93,9 @@ impl KubeTargets {
             self.deferred = true;
             // The changes of this pass are not folded into the indexes: built anew later.
             self.shared.clear();
+            if self.targets.is_empty() {
+                self.watch_early(routes, cfg.endpoint_watches, api, desired);
+            }
             return;
         }
         let deferred = std::mem::take(&mut self.deferred);
@@ -92,11 +103,7 @@ impl KubeTargets {
             return;
         }
         if routes_changed || deferred {
-            let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-            for target in routes.kube_targets() {
-                *counts.entry(target.namespace.as_str()).or_default() += 1;
-            }
-            self.scoping.update(&counts, cfg.endpoint_watches);
+            self.scoping.update(&per_namespace(routes), cfg.endpoint_watches);
         }
         self.listed.take();
         let touched = self.shared.update(world, changes, api);
@@ -112,6 +119,19 @@ impl KubeTargets {
         }
         for gone in std::mem::replace(&mut self.targets, targets).into_values() {
             desired.remove(WatchKey::Kube(gone.key));
+        }
+        // The early watches are their targets' now, or stop.
+        for namespace in std::mem::take(&mut self.early) {
+            desired.remove(WatchKey::Kube(api.namespace_key(&namespace)));
+        }
+    }
+
+    /// While a cold start's routes list: starts the watch of each namespace that the layout
+    /// of the routes known so far watches whole ([`kube_endpoints::early_namespaces`]).
+    fn watch_early(&mut self, routes: &Routes, limits: WatchLimits, api: EndpointsApi, desired: &mut Desired) {
+        for namespace in kube_endpoints::early_namespaces(&per_namespace(routes), &self.early, limits) {
+            desired.add(WatchKey::Kube(api.namespace_key(&namespace)));
+            self.early.insert(namespace);
         }
     }
 
@@ -168,4 +188,13 @@ impl KubeTargets {
         self.reread = true;
         self.shared.clear();
     }
+}
+
+/// The Services routed to in each namespace.
+fn per_namespace(routes: &Routes) -> BTreeMap<&str, usize> {
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for target in routes.kube_targets() {
+        *counts.entry(target.namespace.as_str()).or_default() += 1;
+    }
+    counts
 }
