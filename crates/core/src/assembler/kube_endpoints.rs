@@ -225,7 +225,7 @@ impl Scoping {
 /// layout end there, starts within the budget beside them.
 pub(crate) fn early_namespaces(
     counts: &BTreeMap<&str, usize>,
-    early: &BTreeSet<String>,
+    early: &BTreeMap<String, KubeKey>,
     limits: WatchLimits,
 ) -> Vec<String> {
     let mut layout = Scoping::default();
@@ -234,7 +234,7 @@ pub(crate) fn early_namespaces(
         return Vec::new();
     }
     let room = limits.budget.saturating_sub(1).saturating_sub(early.len());
-    layout.wide.into_iter().filter(|ns| !early.contains(ns)).take(room).collect()
+    layout.wide.into_iter().filter(|ns| !early.contains_key(ns)).take(room).collect()
 }
 
 /// The endpoints of Service `service` among the objects of a watch (decoded at ingestion),

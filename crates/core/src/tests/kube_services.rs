@@ -226,6 +226,7 @@ async fn past_the_budget_namespaces_are_watched_whole_while_the_routes_list() {
         nss.iter().map(|ns| EndpointsApi::EndpointSlices.namespace_key(ns).to_string()).collect()
     };
     assert_eq!(keys, [vec![], whole(&["a"]), whole(&["a", "b", "c"])], "three Services, six, nine: past four");
+    assert_eq!(p.assembler().desired_counts(), &p.assembler().recount(), "the early watches are counted");
     for ns in ["a", "b", "c"] {
         let objects = (0..3).map(|i| slice(ns, &format!("s{i}"), "x", &format!("10.0.0.{i}"))).collect();
         p.apply(listed(&EndpointsApi::EndpointSlices.namespace_key(ns), objects), now);

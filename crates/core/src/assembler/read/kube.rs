@@ -1,7 +1,7 @@
 //! Pass two for Kubernetes: the Services routed to, and their endpoints, from a watch of
 //! their own or (past the threshold) their namespace's ([`Scoping`]).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
 use consul_resolver_api::mapping::{self, MappingKind};
@@ -39,7 +39,9 @@ pub(crate) struct KubeTargets {
     /// ([`KubeTargets::watch_early`]), each holding its watch in the desired watches until
     /// the first pass that knows every route hands it to its targets, or stops it if the
     /// layout does not watch it whole after all.
-    early: BTreeSet<String>,
+    early: BTreeMap<String, KubeKey>,
+    /// How many Services were routed to when the early watches were last decided.
+    early_decided_at: usize,
     /// The shared watches' objects by Service: a change re-reads only its own.
     shared: SharedIndexes,
     /// The next pass reads every target again ([`KubeTargets::read_everything_next`]).
@@ -66,11 +68,12 @@ impl KubeTargets {
         self.scoping.over_budget()
     }
 
-    /// Each target's watch: what the desired watches must count for Kubernetes targets
-    /// (the test's recount).
+    /// Each target's watch, and each early one: what the desired watches must count for
+    /// Kubernetes targets (the test's recount).
     #[cfg(test)]
     pub(crate) fn watches(&self) -> impl Iterator<Item = WatchKey> + '_ {
-        self.targets.values().map(|t| WatchKey::Kube(t.key.clone()))
+        let early = self.early.values();
+        self.targets.values().map(|t| &t.key).chain(early).map(|k| WatchKey::Kube(k.clone()))
     }
 
     /// The Services routed to, their endpoints read again when their watch changed, moved
@@ -93,7 +96,7 @@ impl KubeTargets {
             self.deferred = true;
             // The changes of this pass are not folded into the indexes: built anew later.
             self.shared.clear();
-            if self.targets.is_empty() {
+            if self.targets.is_empty() && routes_changed {
                 self.watch_early(routes, cfg.endpoint_watches, api, desired);
             }
             return;
@@ -121,17 +124,27 @@ impl KubeTargets {
             desired.remove(WatchKey::Kube(gone.key));
         }
         // The early watches are their targets' now, or stop.
-        for namespace in std::mem::take(&mut self.early) {
-            desired.remove(WatchKey::Kube(api.namespace_key(&namespace)));
+        for key in std::mem::take(&mut self.early).into_values() {
+            desired.remove(WatchKey::Kube(key));
         }
     }
 
     /// While a cold start's routes list: starts the watch of each namespace that the layout
     /// of the routes known so far watches whole ([`kube_endpoints::early_namespaces`]).
+    ///
+    /// Decided again only once the Services routed to have grown by an eighth since: a cold
+    /// start's routes come in hundreds of passes, and each decision counts every target (at
+    /// 10,000 Services, about 80 decisions instead of one a pass).
     fn watch_early(&mut self, routes: &Routes, limits: WatchLimits, api: EndpointsApi, desired: &mut Desired) {
+        let now = routes.kube_target_count();
+        if now <= self.early_decided_at + self.early_decided_at / 8 {
+            return;
+        }
+        self.early_decided_at = now;
         for namespace in kube_endpoints::early_namespaces(&per_namespace(routes), &self.early, limits) {
-            desired.add(WatchKey::Kube(api.namespace_key(&namespace)));
-            self.early.insert(namespace);
+            let key = api.namespace_key(&namespace);
+            desired.add(WatchKey::Kube(key.clone()));
+            self.early.insert(namespace, key);
         }
     }
 

@@ -258,6 +258,11 @@ impl Routes {
         self.kube_uses.keys()
     }
 
+    /// How many Kubernetes Services are routed to.
+    pub(crate) fn kube_target_count(&self) -> usize {
+        self.kube_uses.len()
+    }
+
     /// Who routes to the Kubernetes Service `target`.
     pub(crate) fn kube_consumers(&self, target: &NamespacedName) -> impl Iterator<Item = &Consumer> {
         self.kube_uses.get(target).into_iter().flatten()
