@@ -439,6 +439,8 @@ pub(crate) struct Milestones {
     pub(crate) last_consul_watch: Option<Duration>,
     consul_watches: usize,
     kube_watches: usize,
+    /// The last Kubernetes watch started (a cold start's endpoints watches are among the last).
+    last_kube_watch: Option<Duration>,
     watches_stopped: usize,
     pub(crate) published: Option<Duration>,
     pub(crate) warnings: usize,
@@ -468,6 +470,7 @@ pub(crate) fn milestones(log: &str, spawned_at: SystemTime) -> Milestones {
                 m.last_consul_watch = Some(at);
             } else {
                 m.kube_watches += 1;
+                m.last_kube_watch = Some(at);
             }
         } else if line.contains(": watch stopped ") {
             m.watches_stopped += 1;
