@@ -479,19 +479,7 @@ on_both_agents! {
         for k in &keys {
             w.start(k);
         }
-        // Every watch answers once.
-        let mut answered = BTreeSet::new();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while answered.len() < SERVICES {
-            match w.next(deadline).await {
-                Some(Event::Consul(k, ConsulEvent::Answer { .. })) => {
-                    answered.insert(k.service);
-                }
-                Some(Event::Consul(k, ConsulEvent::Failed(m))) => panic!("{k}: {m}"),
-                Some(_) => {}
-                None => panic!("only {} of {SERVICES} answered", answered.len()),
-            }
-        }
+        every_one_answers(&mut w, SERVICES, Duration::from_secs(30)).await;
         // Changes to a dedicated-looking and a fed-looking service, and a new instance, arrive.
         for i in [1usize, 500, 998, 999] {
             env.register("late", &format!("{}-late", names[i]), &names[i], 7000, "passing", &[]).await;
@@ -599,18 +587,7 @@ async fn first_reads_take_the_lanes_held_watches_leave_idle_and_give_them_back(c
         for k in &keys {
             w.start(k);
         }
-        let mut answered = BTreeSet::new();
-        let deadline = Instant::now() + DEADLINE;
-        while answered.len() < SERVICES {
-            match w.next(deadline).await {
-                Some(Event::Consul(k, ConsulEvent::Answer { .. })) => {
-                    answered.insert(k.service);
-                }
-                Some(Event::Consul(k, ConsulEvent::Failed(m))) => panic!("{k}: {m}"),
-                Some(_) => {}
-                None => panic!("only {} of {SERVICES} answered", answered.len()),
-            }
-        }
+        every_one_answers(&mut w, SERVICES, DEADLINE).await;
         // The held watches' lanes carried first reads: about the budget at once, not its
         // tenth, and never more than the budget (up to the pool's race, as above).
         let peak = sim.stats().peak_connections_total;
@@ -621,6 +598,22 @@ async fn first_reads_take_the_lanes_held_watches_leave_idle_and_give_them_back(c
         w.release_blocking();
         let (stats, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking_total == LANES).await;
         assert!(ok, "every lane's blocking query waits in Consul: {stats:?}");
+    }
+}
+
+/// Waits until `services` distinct services have answered once (none failing), within `within`.
+async fn every_one_answers(w: &mut Watches, services: usize, within: Duration) {
+    let mut answered = BTreeSet::new();
+    let deadline = Instant::now() + within;
+    while answered.len() < services {
+        match w.next(deadline).await {
+            Some(Event::Consul(k, ConsulEvent::Answer { .. })) => {
+                answered.insert(k.service);
+            }
+            Some(Event::Consul(k, ConsulEvent::Failed(m))) => panic!("{k}: {m}"),
+            Some(_) => {}
+            None => panic!("only {} of {services} answered", answered.len()),
+        }
     }
 }
 
