@@ -85,8 +85,8 @@ impl KubeTargets {
         // Until every route is known (a cold start's Mappings are folded in as they come),
         // how many Services a namespace has is not known either: starting a watch per
         // Service of the first pages would start, then stop, up to a threshold's worth.
-        // Only namespaces the layout is bound to watch whole start early, so that they
-        // list beside the routes instead of after them.
+        // Namespaces that the layout of the routes seen so far watches whole start early,
+        // so that they list beside the routes instead of after them.
         let routes_known = world
             .kube()
             .iter()
@@ -133,8 +133,8 @@ impl KubeTargets {
     /// of the routes known so far watches whole ([`kube_endpoints::early_namespaces`]).
     ///
     /// Decided again only once the Services routed to have grown by an eighth since: a cold
-    /// start's routes come in hundreds of passes, and each decision counts every target (at
-    /// 10,000 Services, about 80 decisions instead of one a pass).
+    /// start's routes may come in hundreds of passes, and each decision counts every target
+    /// (at 10,000 Services, about 80 decisions instead of one a pass).
     fn watch_early(&mut self, routes: &Routes, limits: WatchLimits, api: EndpointsApi, desired: &mut Desired) {
         let now = routes.kube_target_count();
         if now <= self.early_decided_at + self.early_decided_at / 8 {
