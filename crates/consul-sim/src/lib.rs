@@ -450,6 +450,11 @@ impl RunningSim {
         self.shared.requests()
     }
 
+    /// The `seq` of the latest request (0 before any), without copying the log.
+    pub fn last_request_seq(&self) -> u64 {
+        self.shared.last_request_seq()
+    }
+
     /// Empties the request log; returns how many records it held.
     pub fn clear_requests(&self) -> usize {
         self.shared.clear_requests()

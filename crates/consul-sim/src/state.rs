@@ -333,6 +333,14 @@ impl Shared {
         lock(&self.log).records.iter().cloned().collect()
     }
 
+    /// The `seq` of the latest request logged (0 before any): cheap, unlike [`requests`],
+    /// for marking where in the log something began.
+    ///
+    /// [`requests`]: Self::requests
+    pub(crate) fn last_request_seq(&self) -> u64 {
+        lock(&self.log).next_seq - 1
+    }
+
     pub(crate) fn clear_requests(&self) -> usize {
         let mut log = lock(&self.log);
         let n = log.records.len();

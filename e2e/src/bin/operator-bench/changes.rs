@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure};
 use consul_resolver_operator::snapshot_configmap as configmap;
-use consul_sim::RunningSim;
+use consul_sim::{RequestRecord, RunningSim};
 use e2e::bench::percentile;
 use e2e::harness::{Cluster, Operator, metric_sample};
 use futures::StreamExt;
@@ -72,6 +72,8 @@ pub(crate) fn measure(
     let mut driver = Driver {
         http,
         base: &setup.base_url,
+        sim,
+        marks: Vec::new(),
         rx,
         s,
         pid: instance.pid,
@@ -82,10 +84,10 @@ pub(crate) fn measure(
     };
     let publish_before = rt.block_on(publish_seconds(&instance.op));
     let PortChanges { spaced, back_to_back, cpu_spaced, cpu_back_to_back, change_requests } =
-        driver.port_changes(rt, sim, &instance.op)?;
+        driver.port_changes(rt, &instance.op)?;
     println!("  ConfigMap parts during the changes: {}", churn.lock().unwrap().summary());
     let before = rt.block_on(breakdown(&instance.op));
-    let (flips, flip_requests) = rt.block_on(driver.health_flip_series(sim))?;
+    let (flips, flip_requests) = rt.block_on(driver.health_flip_series())?;
     print_breakdown("health flips", &flips, before, rt.block_on(breakdown(&instance.op)));
     let node_flips = if s.node_flips > 0 {
         let before = rt.block_on(breakdown(&instance.op));
@@ -447,11 +449,6 @@ fn picked_service(s: &Settings, i: usize, offset: usize) -> String {
     service_name((i * 7919 + offset) % s.services)
 }
 
-/// The services a series of changes or flips at `offset` changes.
-fn changed_services(s: &Settings, offset: usize) -> impl Iterator<Item = String> + '_ {
-    (0..s.changes).map(move |i| picked_service(s, i, offset))
-}
-
 /// `node`'s `serfHealth` check set to `status`.
 async fn set_node_check(http: &reqwest::Client, base: &str, node: &str, status: &str) -> anyhow::Result<()> {
     let body = json!({"Node": node, "Address": "127.0.0.1",
@@ -461,50 +458,94 @@ async fn set_node_check(http: &reqwest::Client, base: &str, node: &str, status: 
     Ok(())
 }
 
-/// The simulator's latest request, to count a series' requests from.
-fn last_request(sim: &RunningSim) -> u64 {
-    sim.requests().last().map_or(0, |r| r.seq)
+/// Where a change begins in the simulator's request log: the service it changes, and the
+/// latest request before its write.
+#[derive(Debug, Clone)]
+pub(crate) struct Mark {
+    service: String,
+    seq: u64,
 }
 
-/// The Consul requests of a series, split: those it caused (queries of the services it
-/// changed, and the change feed's own queries), and queries of every other service. The
-/// latter are the background: the sweep (each fed service once per `--consul-sweep`,
-/// spread over it: about 16 a second at 4,900 fed services and 5 minutes) and dedicated
-/// blocking queries timing out; or a wake-up of every fed service, which a rate well
-/// above the sweep's would show.
+/// The Consul requests of a series, split: those its changes caused, and the background.
+/// A change caused every request of its own service from its write until the change after
+/// next begins (so a re-read that lands after the ConfigMap showed the change, a second
+/// scope's say, still counts), and the series caused every request that names no service
+/// (the change feed's queries, the locate step's). The background is every other request:
+/// of services no change touched, and of changed services outside their changes. Those are
+/// the sweep (each fed service once per `--consul-sweep`, spread over it: about 16 a second
+/// at 4,900 fed services and 5 minutes, 33 at 9,900) and dedicated blocking queries timing
+/// out; or a wake-up of every fed service, which a rate well above the sweep's would show.
+/// Counting a changed service's every request as the change's would count its sweeps too:
+/// about one more request per change at 10,000 services over a 300-second series.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct SeriesRequests {
     caused: u64,
+    /// Of services no change of the series touched.
     others: u64,
+    /// Of changed services, outside their changes.
+    changed_elsewhere: u64,
     over: Duration,
 }
 
 impl SeriesRequests {
-    /// Requests of the changed services and the feed's, per change.
+    /// The requests the changes caused, per change.
     pub(crate) fn per_change(&self, changes: usize) -> f64 {
         self.caused as f64 / changes.max(1) as f64
     }
 
     pub(crate) fn summary(&self, changes: usize) -> String {
+        let background = self.others + self.changed_elsewhere;
         format!(
-            "{:.1}; {} of other services in {:.0} s ({:.1}/s)",
+            "{:.1}; {} of other services and {} of changed services outside their changes in {:.0} s ({:.1}/s)",
             self.per_change(changes),
             self.others,
+            self.changed_elsewhere,
             self.over.as_secs_f64(),
-            self.others as f64 / self.over.as_secs_f64().max(1e-3)
+            background as f64 / self.over.as_secs_f64().max(1e-3)
         )
     }
 }
 
-fn series_requests(sim: &RunningSim, after: u64, changed: &HashSet<String>, over: Duration) -> SeriesRequests {
+/// Splits `requests` (a series' and after, in `seq` order) by the series' `marks` (in
+/// order): see [`SeriesRequests`].
+fn series_requests(requests: &[RequestRecord], marks: &[Mark], over: Duration) -> SeriesRequests {
     let mut r = SeriesRequests { over, ..SeriesRequests::default() };
-    for req in sim.requests().iter().filter(|q| q.seq > after) {
-        match &req.service {
-            Some(name) if !changed.contains(name) => r.others += 1,
-            _ => r.caused += 1,
+    let Some(first) = marks.first() else { return r };
+    let changed: HashSet<&str> = marks.iter().map(|m| m.service.as_str()).collect();
+    for req in requests.iter().filter(|q| q.seq > first.seq) {
+        let Some(name) = req.service.as_deref() else {
+            r.caused += 1;
+            continue;
+        };
+        // The change whose write came last before this request, and the one before it.
+        let at = marks.partition_point(|m| m.seq < req.seq) - 1;
+        let own = marks[at.saturating_sub(1)..=at].iter().any(|m| m.service == name);
+        match (own, changed.contains(name)) {
+            (true, _) => r.caused += 1,
+            (false, true) => r.changed_elsewhere += 1,
+            (false, false) => r.others += 1,
         }
     }
     r
+}
+
+/// For each change from `marks`, how long after its write (as the simulator logged it)
+/// the change feed's checks query that waited at that moment was answered, its gzip not
+/// included: the stand-in's share of a fed change's way to the ConfigMap. Changes no
+/// waiting checks query saw are left out.
+fn checks_answers(requests: &[RequestRecord], marks: &[Mark]) -> Latencies {
+    let is_write = |q: &RequestRecord| q.method == "PUT" && q.path == "/v1/catalog/register";
+    let checks: Vec<(u64, u64)> = requests
+        .iter()
+        .filter(|q| q.path == "/v1/health/state/any" && q.status == Some(200))
+        .filter_map(|q| Some((q.at_ms, q.at_ms + q.duration_ms?)))
+        .collect();
+    let answers = marks.iter().filter_map(|m| {
+        let write = requests.iter().find(|q| q.seq > m.seq && is_write(q))?;
+        let answered = checks.iter().filter(|(sent, done)| *sent <= write.at_ms && *done >= write.at_ms);
+        answered.map(|(_, done)| Duration::from_millis(done - write.at_ms)).min()
+    });
+    Latencies(answers.collect())
 }
 
 /// The port changes' figures: both series, the operator's CPU per change of each, and the
@@ -522,6 +563,9 @@ struct Driver<'a> {
     http: reqwest::Client,
     /// The simulator's base URL.
     base: &'a str,
+    sim: &'a RunningSim,
+    /// Where each change of the current series began in the simulator's request log.
+    marks: Vec<Mark>,
     rx: mpsc::UnboundedReceiver<Seen>,
     s: &'a Settings,
     /// The operator's.
@@ -537,9 +581,9 @@ struct Driver<'a> {
 impl Driver<'_> {
     /// The spaced series, then the back-to-back one, each with the operator's CPU per
     /// change; then the Consul requests of both.
-    fn port_changes(&mut self, rt: &Runtime, sim: &RunningSim, op: &Operator) -> anyhow::Result<PortChanges> {
+    fn port_changes(&mut self, rt: &Runtime, op: &Operator) -> anyhow::Result<PortChanges> {
         let (s, pid) = (self.s, self.pid);
-        let before_changes = last_request(sim);
+        self.marks.clear();
         let changes_started = Instant::now();
         // CPU per change: the operator's whole CPU time over a series (the quiet windows of
         // the spaced one included: work a change leaves for after its publication counts
@@ -550,6 +594,13 @@ impl Driver<'_> {
         let spaced = rt.block_on(self.changes(20_000, 0, true))?;
         let cpu_spaced = (cpu_time(pid)? - cpu_before) / s.changes as u32;
         println!("  spaced changes: {}; operator CPU per change {}", spaced.summary(), cpu_ms(cpu_spaced));
+        let answers = checks_answers(&self.sim.requests(), &self.marks);
+        if !answers.0.is_empty() {
+            println!(
+                "  spaced changes: the simulator's checks answer after the write (not gzipped yet): {}",
+                answers.summary()
+            );
+        }
         self.close_series("spaced port changes");
         print_breakdown("spaced changes", &spaced, breakdown_before, rt.block_on(breakdown(op)));
         let cpu_before = cpu_time(pid)?;
@@ -560,8 +611,7 @@ impl Driver<'_> {
             back_to_back.summary(),
             cpu_ms(cpu_back_to_back)
         );
-        let changed: HashSet<String> = [0, 13].iter().flat_map(|&offset| changed_services(s, offset)).collect();
-        let change_requests = series_requests(sim, before_changes, &changed, changes_started.elapsed());
+        let change_requests = self.series_requests(changes_started.elapsed());
         println!("  Consul requests during the changes: {}", change_requests.summary(2 * s.changes));
         Ok(PortChanges { spaced, back_to_back, cpu_spaced, cpu_back_to_back, change_requests })
     }
@@ -579,6 +629,7 @@ impl Driver<'_> {
             let node = node_name((i + offset) % s.instances);
             let port = port_base + i as u16;
             let http = self.http.clone();
+            self.mark(&svc);
             let write = register(&http, self.base, &svc, &node, port);
             let what = || format!("change {i} ({svc} on {node} -> port {port})");
             out.push(self.one_change(write, spaced, what, |p| p.has(&svc, s.instances, &node, port)).await?);
@@ -591,12 +642,12 @@ impl Driver<'_> {
     }
 
     /// The health flips and the Consul requests they caused.
-    async fn health_flip_series(&mut self, sim: &RunningSim) -> anyhow::Result<(Latencies, SeriesRequests)> {
-        let (before_flips, flips_started) = (last_request(sim), Instant::now());
+    async fn health_flip_series(&mut self) -> anyhow::Result<(Latencies, SeriesRequests)> {
+        self.marks.clear();
+        let flips_started = Instant::now();
         let flips = self.health_flips(29).await?;
         self.close_series("health flips");
-        let flipped: HashSet<String> = changed_services(self.s, 29).collect();
-        let flip_requests = series_requests(sim, before_flips, &flipped, flips_started.elapsed());
+        let flip_requests = self.series_requests(flips_started.elapsed());
         println!("  health flips: {}; Consul requests: {}", flips.summary(), flip_requests.summary(flips.0.len()));
         Ok((flips, flip_requests))
     }
@@ -613,6 +664,7 @@ impl Driver<'_> {
             let node = node_name((i + offset) % s.instances);
             for (status, present) in [("critical", false), ("passing", true)] {
                 let http = self.http.clone();
+                self.mark(&svc);
                 let write = set_check(&http, self.base, &svc, &node, status);
                 let what = || format!("flip {i} ({svc} on {node} -> {status})");
                 out.push(self.one_change(write, true, what, |p| p.node_is(&svc, &node, present)).await?);
@@ -684,6 +736,16 @@ impl Driver<'_> {
         Ok(shown)
     }
 
+    /// Marks where a change of `service` begins in the simulator's request log.
+    fn mark(&mut self, service: &str) {
+        self.marks.push(Mark { service: service.to_owned(), seq: self.sim.last_request_seq() });
+    }
+
+    /// The Consul requests of the series just made, which lasted `over`.
+    fn series_requests(&self, over: Duration) -> SeriesRequests {
+        series_requests(&self.sim.requests(), &self.marks, over)
+    }
+
     /// Ends a series over xDS (nothing without `BENCH_XDS=1`).
     fn close_series(&mut self, name: &'static str) {
         if self.xds.is_some() {
@@ -739,5 +801,84 @@ mod tests {
         let o = Observed { sum: 3.0, count: 10.0, within: [5.0, 7.0] };
         assert_eq!(o.slow(), [5.0, 3.0]);
         assert_eq!(over(o.slow()), "5 over 50 ms, 3 over 100 ms");
+    }
+
+    fn request(seq: u64, service: Option<&str>) -> RequestRecord {
+        RequestRecord {
+            seq,
+            at_ms: seq,
+            peer: "127.0.0.1:1".into(),
+            method: "GET".into(),
+            path: service.map_or("/v1/health/state/any".into(), |s| format!("/v1/health/service/{s}")),
+            query: String::new(),
+            service: service.map(str::to_owned),
+            namespace: None,
+            partition: None,
+            token: None,
+            token_source: None,
+            wait_ms: None,
+            timeout_ms: None,
+            outcome: consul_sim::Outcome::Answered,
+            status: Some(200),
+            index: Some(seq),
+            duration_ms: Some(1),
+        }
+    }
+
+    fn mark(service: &str, seq: u64) -> Mark {
+        Mark { service: service.into(), seq }
+    }
+
+    #[test]
+    fn a_change_causes_its_own_services_requests_and_the_feeds_not_its_sweeps() {
+        let marks = [mark("a", 10), mark("b", 20), mark("c", 30), mark("d", 40)];
+        let requests = [
+            // Before the series: not counted at all.
+            request(5, Some("a")),
+            // a's change: the feed's answer and a's re-read; an unrelated sweep.
+            request(11, None),
+            request(12, Some("a")),
+            request(13, Some("x")),
+            // b's change: a's second re-read, late, still a's; b's own.
+            request(21, Some("a")),
+            request(22, Some("b")),
+            // d's change: a swept, long after its change; b too.
+            request(41, Some("a")),
+            request(42, Some("b")),
+            request(43, Some("d")),
+        ];
+        let r = series_requests(&requests, &marks, Duration::from_secs(1));
+        assert_eq!((r.caused, r.others, r.changed_elsewhere), (5, 1, 2));
+        assert_eq!(r.per_change(4), 1.25);
+        // Counting every request of a changed service as caused would give 7.
+        assert!(r.summary(4).starts_with("1.2; 1 of other services and 2 of changed services"));
+    }
+
+    #[test]
+    fn a_checks_answer_is_timed_from_the_write_it_was_waiting_for() {
+        let at = |seq, at_ms, path: &str, method: &str, duration_ms| RequestRecord {
+            at_ms,
+            path: path.into(),
+            method: method.into(),
+            duration_ms: Some(duration_ms),
+            ..request(seq, None)
+        };
+        let requests = [
+            // A checks query answered before the write; the one waiting at the write.
+            at(1, 0, "/v1/health/state/any", "GET", 50),
+            at(2, 50, "/v1/health/state/any", "GET", 300),
+            at(3, 100, "/v1/health/service/a", "GET", 1),
+            at(4, 200, "/v1/catalog/register", "PUT", 1),
+            // A later change nothing waited for.
+            at(5, 400, "/v1/catalog/register", "PUT", 1),
+        ];
+        let answers = checks_answers(&requests, &[mark("a", 2), mark("b", 4)]);
+        assert_eq!(answers.0, [Duration::from_millis(150)]);
+    }
+
+    #[test]
+    fn a_series_without_changes_causes_nothing() {
+        let r = series_requests(&[request(1, None), request(2, Some("a"))], &[], Duration::from_secs(1));
+        assert_eq!((r.caused, r.others, r.changed_elsewhere), (0, 0, 0));
     }
 }

@@ -58,7 +58,7 @@ pub(crate) struct Targets {
     api_connections: Option<Limit<usize>>,
     /// The operator's CPU per change, spaced and back to back alike.
     cpu_per_change: Option<Limit<Duration>>,
-    /// Consul requests per change (of the changed services and the feed's).
+    /// Consul requests per change (of a changed service during its change, and the feed's).
     requests_per_change: Option<Limit<f64>>,
     /// Changes of each kind, for the per-change figures.
     changes: usize,
@@ -464,7 +464,7 @@ fn cost_rows(table: &Table<'_>, targets: &Targets, s: &Settings) {
         format!("{} ({})", r.bootstrap_requests, r.bootstrap_services_queried)
     });
     table.row(
-        "Consul requests per change (of the changed services, and the feed's); of other services (the sweep)",
+        "Consul requests per change (of a changed service during its change, and the feed's); the background (the sweep)",
         "",
         |r| r.changes.change_requests.summary(2 * s.changes),
     );
