@@ -58,6 +58,12 @@ impl<T> Part<T> {
     pub fn ptr_eq(a: &Self, b: &Self) -> bool {
         Arc::ptr_eq(&a.0, &b.0)
     }
+
+    /// Where it lives: the same as another part's while both live only if they are the
+    /// very same part.
+    pub(crate) fn address(&self) -> usize {
+        Arc::as_ptr(&self.0) as usize
+    }
 }
 
 impl<T> Clone for Part<T> {

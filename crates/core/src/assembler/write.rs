@@ -11,7 +11,7 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use super::segment::{self, Segmenter};
-use super::snapshot::{Content, Part, Parts, ResolverEntry};
+use super::snapshot::{Content, Part, Parts, ResolverEntry, ServiceEntry};
 
 impl Content {
     /// Writes the content's JSON, from its first field on, into `w`: array elements that
@@ -66,42 +66,50 @@ fn write_resolver(r: &ResolverEntry, w: &mut Segmenter<'_>) {
     debug_assert!(head.ends_with(EMPTY), "serde writes a resolver entry's services last");
     w.bytes(head.slice(..head.len() - 2));
     // Resolvers that follow the same services share the list: it is written once.
-    run_if_long(w, services, |w| {
-        separated(services, w, |s, w| {
-            let (json, hash) = s.json();
-            w.element(json, hash, identity(&[&s.name]));
-        })
-    });
+    let service = |w: &mut Segmenter<'_>, s: &Part<ServiceEntry>| {
+        let (json, hash) = s.json();
+        w.element(json, hash, identity(&[&s.name]));
+    };
+    if services.len() < RUN_FROM {
+        separated(services, w, |s, w| service(w, s));
+    } else {
+        w.run(services.shared(), &[], || addresses(services), |w, i| service(w, &services[i]));
+    }
     w.literal(b"]}");
 }
 
 /// Lists of at least this many elements are runs of segments of their own
-/// ([`Segmenter::run`]), taken whole while the list is unchanged. Shorter ones are written
-/// in line: a run starts a segment, and every segment is at least one ConfigMap part of its
-/// own, so a short list does not cut the document more finely.
+/// ([`Segmenter::run`]): taken whole while the list is unchanged, and around the changed
+/// elements when a few are new. Shorter ones are written in line: a run starts a segment,
+/// and every segment is at least one ConfigMap part of its own, so a short list does not
+/// cut the document more finely.
 const RUN_FROM: usize = 1_000;
 
-/// `field` and the list of `parts` (see [`elements`]), as a run when it is long.
+/// `field` and the list of `parts` (`[`, the parts' JSON, `]`); `identity` says what each
+/// part is about.
 fn list<T: Serialize + Send + Sync + 'static>(
     w: &mut Segmenter<'_>,
     field: &'static [u8],
     parts: &Parts<T>,
     identity: impl Fn(&T) -> u64,
 ) {
-    run_if_long(w, parts, |w| {
+    let element = |w: &mut Segmenter<'_>, p: &Part<T>| {
+        let (json, hash) = p.json();
+        w.element(json, hash, identity(p));
+    };
+    if parts.len() < RUN_FROM {
         w.literal(field);
-        elements(parts, w, identity);
-    });
+        w.literal(b"[");
+        separated(parts, w, |p, w| element(w, p));
+    } else {
+        w.run(parts.shared(), &[field, b"["], || addresses(parts), |w, i| element(w, &parts[i]));
+    }
+    w.literal(b"]");
 }
 
-/// What `write` writes of the list `parts`: a run filed under it when it is long, else in
-/// line.
-fn run_if_long<T: Send + Sync + 'static>(
-    w: &mut Segmenter<'_>,
-    parts: &Parts<T>,
-    write: impl FnOnce(&mut Segmenter<'_>),
-) {
-    if parts.len() < RUN_FROM { write(w) } else { w.run(parts.shared(), write) }
+/// Which parts a list holds, for [`Segmenter::run`] to tell lists apart by.
+fn addresses<T>(parts: &Parts<T>) -> Vec<usize> {
+    parts.iter().map(Part::address).collect()
 }
 
 /// `[`, the parts' JSON, `]`; `identity` says what each part is about.
