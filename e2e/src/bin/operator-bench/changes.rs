@@ -541,7 +541,8 @@ fn checks_answers(requests: &[RequestRecord], marks: &[Mark]) -> Latencies {
         .filter_map(|q| Some((q.at_ms, q.at_ms + q.duration_ms?)))
         .collect();
     let answers = marks.iter().filter_map(|m| {
-        let write = requests.iter().find(|q| q.seq > m.seq && is_write(q))?;
+        let after = requests.partition_point(|q| q.seq <= m.seq);
+        let write = requests[after..].iter().find(|q| is_write(q))?;
         let answered = checks.iter().filter(|(sent, done)| *sent <= write.at_ms && *done >= write.at_ms);
         answered.map(|(_, done)| Duration::from_millis(done - write.at_ms)).min()
     });
