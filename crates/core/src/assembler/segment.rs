@@ -514,14 +514,7 @@ mod tests {
     fn segments_cover_the_document_and_end_after_elements_within_their_bounds() {
         let items = elements(40_000, None);
         let cut = Cutter::default().cut(|w| write(w, &items));
-        let mut expected = b"\"items\":[".to_vec();
-        for (i, e) in items.iter().enumerate() {
-            if i > 0 {
-                expected.push(b',');
-            }
-            expected.extend_from_slice(e);
-        }
-        expected.extend_from_slice(b"]}");
+        let expected = joined(b"\"items\":[", &items, b"]}");
         assert_eq!(bytes(&cut), expected);
         assert_eq!(cut.len, expected.len());
         assert!(cut.segments.len() > 2, "{} segments of {} bytes", cut.segments.len(), cut.len);
@@ -583,14 +576,19 @@ mod tests {
 
     /// The same document, written element by element without a run.
     fn without_run(list: &[Bytes]) -> Vec<u8> {
-        let mut out = b"\"head\":1,\"items\":[".to_vec();
-        for (i, e) in list.iter().enumerate() {
+        joined(b"\"head\":1,\"items\":[", list, b"]},\"tail\":2}")
+    }
+
+    /// `head`, the elements comma-separated, `tail`: a document's bytes, written out.
+    fn joined(head: &[u8], elements: &[Bytes], tail: &[u8]) -> Vec<u8> {
+        let mut out = head.to_vec();
+        for (i, e) in elements.iter().enumerate() {
             if i > 0 {
                 out.push(b',');
             }
             out.extend_from_slice(e);
         }
-        out.extend_from_slice(b"]},\"tail\":2}");
+        out.extend_from_slice(tail);
         out
     }
 

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use super::segment::{self, Segmenter};
-use super::snapshot::{Content, Part, Parts, ResolverEntry, ServiceEntry};
+use super::snapshot::{Content, Part, Parts, ResolverEntry};
 
 impl Content {
     /// Writes the content's JSON, from its first field on, into `w`: array elements that
@@ -66,15 +66,7 @@ fn write_resolver(r: &ResolverEntry, w: &mut Segmenter<'_>) {
     debug_assert!(head.ends_with(EMPTY), "serde writes a resolver entry's services last");
     w.bytes(head.slice(..head.len() - 2));
     // Resolvers that follow the same services share the list: it is written once.
-    let service = |w: &mut Segmenter<'_>, s: &Part<ServiceEntry>| {
-        let (json, hash) = s.json();
-        w.element(json, hash, identity(&[&s.name]));
-    };
-    if services.len() < RUN_FROM {
-        separated(services, w, |s, w| service(w, s));
-    } else {
-        w.run(services.shared(), &[], || addresses(services), |w, i| service(w, &services[i]));
-    }
+    parts_of(w, &[], services, |s| identity(&[&s.name]));
     w.literal(b"]}");
 }
 
@@ -93,18 +85,28 @@ fn list<T: Serialize + Send + Sync + 'static>(
     parts: &Parts<T>,
     identity: impl Fn(&T) -> u64,
 ) {
+    parts_of(w, &[field, b"["], parts, identity);
+    w.literal(b"]");
+}
+
+/// `head`, then the parts' JSON, comma-separated: a run when the list is long, else in
+/// line. `identity` says what each part is about.
+fn parts_of<T: Serialize + Send + Sync + 'static>(
+    w: &mut Segmenter<'_>,
+    head: &[&'static [u8]],
+    parts: &Parts<T>,
+    identity: impl Fn(&T) -> u64,
+) {
     let element = |w: &mut Segmenter<'_>, p: &Part<T>| {
         let (json, hash) = p.json();
         w.element(json, hash, identity(p));
     };
     if parts.len() < RUN_FROM {
-        w.literal(field);
-        w.literal(b"[");
+        head.iter().for_each(|h| w.literal(h));
         separated(parts, w, |p, w| element(w, p));
     } else {
-        w.run(parts.shared(), &[field, b"["], || addresses(parts), |w, i| element(w, &parts[i]));
+        w.run(parts.shared(), head, || addresses(parts), |w, i| element(w, &parts[i]));
     }
-    w.literal(b"]");
 }
 
 /// Which parts a list holds, for [`Segmenter::run`] to tell lists apart by.
