@@ -102,7 +102,8 @@ struct Members {
 }
 
 struct Member {
-    heard: Heard,
+    /// What its watch's latest answer asked about: the watch's own copy, shared.
+    heard: Arc<Heard>,
     /// A Connect watch: its proxies may carry any name.
     connect: bool,
     /// A watch with a `filter`: Consul left out instances we never saw, and their nodes
@@ -112,7 +113,7 @@ struct Member {
 }
 
 impl Members {
-    fn join(&mut self, heard: Heard, query: &QueryOptions, last_read: Instant) -> (u64, watch::Receiver<()>) {
+    fn join(&mut self, heard: Arc<Heard>, query: &QueryOptions, last_read: Instant) -> (u64, watch::Receiver<()>) {
         let id = self.next_id;
         self.next_id += 1;
         let (wake, mut rx) = watch::channel(());
@@ -127,15 +128,14 @@ impl Members {
     }
 
     /// Records what member `id`'s latest answer asked about.
-    fn saw(&mut self, id: u64, heard: &Heard) {
+    fn saw(&mut self, id: u64, heard: &Arc<Heard>) {
         let Some(m) = self.all.get_mut(&id) else { return };
-        if m.heard == *heard {
-            return; // Most reads hear what the last one did: no reallocation then.
+        if Arc::ptr_eq(&m.heard, heard) || m.heard == *heard {
+            return;
         }
-        let old_names = (m.heard.names != heard.names).then(|| std::mem::take(&mut m.heard.names));
-        m.heard.clone_from(heard);
-        if let Some(old) = old_names {
-            self.unindex(id, &old);
+        let old = std::mem::replace(&mut m.heard, heard.clone());
+        if old.names != heard.names {
+            self.unindex(id, &old.names);
             self.index(id, &heard.names);
         }
     }
@@ -195,7 +195,7 @@ pub(crate) struct Membership {
 
 impl Membership {
     /// Records what the member's latest answer asked about.
-    pub(crate) fn saw(&self, heard: &Heard) {
+    pub(crate) fn saw(&self, heard: &Arc<Heard>) {
         self.feed.lock().saw(self.id, heard);
     }
 }
@@ -232,7 +232,7 @@ impl Feed {
     /// is already marked changed (re-read at once) unless the feed had its baseline and
     /// acted on no answer since that read was sent, so nothing between the read and
     /// joining is lost.
-    pub(crate) fn join(self: &Arc<Self>, heard: Heard, query: &QueryOptions, last_read: Instant) -> Membership {
+    pub(crate) fn join(self: &Arc<Self>, heard: Arc<Heard>, query: &QueryOptions, last_read: Instant) -> Membership {
         let (id, changes) = self.lock().join(heard, query, last_read);
         Membership { feed: self.clone(), id, changes }
     }
@@ -512,8 +512,8 @@ mod tests {
         QueryOptions::default()
     }
 
-    fn heard(names: &[&str], nodes: &[&str]) -> Heard {
-        Heard { names: set(names), nodes: set(nodes) }
+    fn heard(names: &[&str], nodes: &[&str]) -> Arc<Heard> {
+        Arc::new(Heard { names: set(names), nodes: set(nodes) })
     }
 
     #[tokio::test(start_paused = true)]
@@ -589,6 +589,22 @@ mod tests {
         m.leave(id);
         assert_eq!(m.by_name.keys().collect::<Vec<_>>(), ["web"], "the names of members that left go");
         m.wake(&Stale { services: set(&["api"]), ..Stale::default() });
+    }
+
+    /// A member holds its watch's copy of what it heard, not one of its own, and an equal
+    /// answer's copy does not replace it.
+    #[tokio::test(start_paused = true)]
+    async fn a_member_shares_what_its_watch_heard() {
+        let mut m = Members::default();
+        let watch = heard(&["web"], &["n1", "n2", "n3"]);
+        let (id, _) = m.join(watch.clone(), &plain(), Instant::now());
+        assert!(Arc::ptr_eq(&m.all[&id].heard, &watch), "a copy of its own");
+        m.saw(id, &heard(&["web"], &["n1", "n2", "n3"]));
+        assert!(Arc::ptr_eq(&m.all[&id].heard, &watch), "replaced by an equal copy");
+        let moved = heard(&["web"], &["n4"]);
+        m.saw(id, &moved);
+        assert!(Arc::ptr_eq(&m.all[&id].heard, &moved));
+        assert_eq!(Arc::strong_count(&watch), 1, "the old copy is let go");
     }
 
     /// A Consul answering `GET <path>` with `answer(path)`'s status and body, on kept-alive

@@ -42,8 +42,9 @@ struct Held {
     lane: Option<OwnedSemaphorePermit>,
     /// Its feed, while fed.
     membership: Option<Membership>,
-    /// What its last answer asked about, for the feed.
-    heard: Heard,
+    /// What its last answer asked about, shared with its feed: one copy for both, for as
+    /// long as answers hear the same (at 10,000 fed services, a copy each was 15 MB).
+    heard: Arc<Heard>,
     /// When its last read was sent: a feed whose view is newer needs no re-read from it.
     last_read: Option<Instant>,
     /// `consul_watches{mode}`, counted while the watch runs.
@@ -83,7 +84,7 @@ pub(crate) async fn run(server: Arc<Server>, key: ConsulKey, events: EventSink) 
         seat: None,
         lane: None,
         membership: None,
-        heard: Heard::default(),
+        heard: Arc::default(),
         last_read: None,
         counted,
     };
@@ -262,9 +263,12 @@ impl Held {
             restarted(&server, "index_went_back");
         }
         let instances = answer.value;
-        self.heard = instances.heard;
-        if let Some(m) = &self.membership {
-            m.saw(&self.heard);
+        // Most reads hear what the last one did: the copy the feed shares stays.
+        if *self.heard != instances.heard {
+            self.heard = Arc::new(instances.heard);
+            if let Some(m) = &self.membership {
+                m.saw(&self.heard);
+            }
         }
         let cut_off = instances.cache_age.map(|age| SystemTime::now() - age);
         if !answer.indexed {
