@@ -53,10 +53,10 @@ pub(crate) struct Resolvers {
 
 impl Resolvers {
     /// The live status and resourceVersion of `obj`, counting our own write the store has
-    /// not seen yet. At the version our write made, the status is what we wrote: shared,
-    /// not parsed out of the object again (every publication reconciles every resolver,
-    /// and at 10,000 services a status of 50 services' details took about a thousand
-    /// allocations to copy and parse).
+    /// not seen yet. At the version our write made, the status is what we wrote, shared:
+    /// every publication reconciles every resolver, and copying a status of 50 services'
+    /// details out of the object and parsing it each time was about a tenth of the
+    /// operator's allocations during changes at 10,000 services (heaptrack).
     fn live(&self, obj: &DynamicObject, at: &Ref) -> (Option<Arc<ConsulResolverStatus>>, Option<String>) {
         let rv = obj.resource_version();
         if let Some(w) = self.written.lock().expect("written lock").get(at) {

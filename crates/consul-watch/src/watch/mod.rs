@@ -42,8 +42,10 @@ struct Held {
     lane: Option<OwnedSemaphorePermit>,
     /// Its feed, while fed.
     membership: Option<Membership>,
-    /// What its last answer asked about, shared with its feed: one copy for both, for as
-    /// long as answers hear the same (at 10,000 fed services, a copy each was 15 MB).
+    /// What its last answer asked about, shared with its feed member and kept while answers
+    /// hear the same. A copy each cost about 17 MB at 10,000 fed services, and a fresh copy
+    /// per read, made among the read's short-lived allocations, fragmented the heap
+    /// (docs/benchmarks.md, "The doubled scale profile").
     heard: Arc<Heard>,
     /// When its last read was sent: a feed whose view is newer needs no re-read from it.
     last_read: Option<Instant>,
