@@ -42,7 +42,8 @@ impl Content {
         w.literal(b"]");
         if !exports.is_empty() {
             w.literal(b",\"exports\":");
-            elements(exports, w, |e| identity(&[&e.namespace, &e.name]));
+            in_line(w, &[b"["], exports, |e| identity(&[&e.namespace, &e.name]));
+            w.literal(b"]");
         }
         w.literal(b"}");
     }
@@ -97,31 +98,33 @@ fn parts_of<T: Serialize + Send + Sync + 'static>(
     parts: &Parts<T>,
     identity: impl Fn(&T) -> u64,
 ) {
-    let element = |w: &mut Segmenter<'_>, p: &Part<T>| {
-        let (json, hash) = p.json();
-        w.element(json, hash, identity(p));
-    };
     if parts.len() < RUN_FROM {
-        head.iter().for_each(|h| w.literal(h));
-        separated(parts, w, |p, w| element(w, p));
+        in_line(w, head, parts, identity);
     } else {
-        w.run(parts.shared(), head, || addresses(parts), |w, i| element(w, &parts[i]));
+        w.run(parts.shared(), head, || addresses(parts), |w, i| part(w, &parts[i], &identity));
     }
+}
+
+/// `head`, then the parts' JSON, comma-separated, in line.
+fn in_line<T: Serialize>(
+    w: &mut Segmenter<'_>,
+    head: &[&'static [u8]],
+    parts: &[Part<T>],
+    identity: impl Fn(&T) -> u64,
+) {
+    head.iter().for_each(|h| w.literal(h));
+    separated(parts, w, |p, w| part(w, p, &identity));
+}
+
+/// One part's JSON, an element about what `identity` says.
+fn part<T: Serialize>(w: &mut Segmenter<'_>, p: &Part<T>, identity: impl Fn(&T) -> u64) {
+    let (json, hash) = p.json();
+    w.element(json, hash, identity(p));
 }
 
 /// Which parts a list holds, for [`Segmenter::run`] to tell lists apart by.
 fn addresses<T>(parts: &Parts<T>) -> Vec<usize> {
     parts.iter().map(Part::address).collect()
-}
-
-/// `[`, the parts' JSON, `]`; `identity` says what each part is about.
-fn elements<T: Serialize>(parts: &[Part<T>], w: &mut Segmenter<'_>, identity: impl Fn(&T) -> u64) {
-    w.literal(b"[");
-    separated(parts, w, |p, w| {
-        let (json, hash) = p.json();
-        w.element(json, hash, identity(p));
-    });
-    w.literal(b"]");
 }
 
 /// Each of `items` written by `write`, with commas between.
