@@ -74,35 +74,37 @@ impl<G: Ord + Clone> Planner<G> {
     /// Plans, and remembers the roles it gave (the next plan keeps them where it can).
     pub(crate) fn plan(&mut self) -> Plan<G> {
         let plan = self.decide();
-        for (id, role) in &plan.roles {
-            if let Some(e) = self.watches.get_mut(id) {
-                e.role = Some(*role);
-            }
+        // Both in id order, over the same watches.
+        for (e, role) in self.watches.values_mut().zip(plan.roles.values()) {
+            e.role = Some(*role);
         }
         plan
     }
 
+    /// Linear in the watches (but for a lookup of each one's group): a plan follows the
+    /// joins at start-up, while thousands of watches join (docs/benchmarks.md, "The
+    /// doubled scale profile").
     fn decide(&self) -> Plan<G> {
-        let mut roles: BTreeMap<WatchId, Role> = BTreeMap::new();
         let mut feeds = BTreeSet::new();
         if self.watches.len() <= self.lanes {
-            roles.extend(self.watches.keys().map(|id| (*id, Role::Dedicated)));
+            let roles = self.watches.keys().map(|id| (*id, Role::Dedicated)).collect();
             return Plan { roles, feeds };
         }
-        // Members by group, each list with current lane holders first, then the oldest.
-        let mut groups: BTreeMap<&G, Vec<WatchId>> = BTreeMap::new();
-        let mut loners: Vec<WatchId> = Vec::new();
-        for (id, e) in &self.watches {
-            match &e.group {
-                Some(g) => groups.entry(g).or_default().push(*id),
-                None => loners.push(*id),
-            }
+        // Watches by position in id order: roles are then a list, not a map.
+        let entries: Vec<(&WatchId, &Entry<G>)> = self.watches.iter().collect();
+        let mut roles: Vec<Option<Role>> = vec![None; entries.len()];
+        // Members by group, each with current lane holders first, then the oldest.
+        let mut groups: BTreeMap<&G, Members> = BTreeMap::new();
+        let mut loners = Members::default();
+        for (i, (_, e)) in entries.iter().enumerate() {
+            let members = match &e.group {
+                Some(g) => groups.entry(g).or_default(),
+                None => &mut loners,
+            };
+            members.push(i, e.role == Some(Role::Dedicated));
         }
-        let holds_lane = |id: &WatchId| self.watches[id].role == Some(Role::Dedicated);
-        for members in groups.values_mut() {
-            members.sort_by_key(|id| (!holds_lane(id), *id));
-        }
-        loners.sort_by_key(|id| (!holds_lane(id), *id));
+        let groups: BTreeMap<&G, Vec<usize>> = groups.into_iter().map(|(g, m)| (g, m.in_order())).collect();
+        let loners = loners.in_order();
 
         let mut free = self.lanes;
         // 1. Feeds for the groups a feed serves best: those of three or more (two lanes
@@ -117,42 +119,66 @@ impl<G: Ord + Clone> Planner<G> {
         }
         // 2. One lane each: the watches no feed can serve, then the members of groups too
         //    small for a feed (or that got none), smallest groups first.
-        let mut unfed: Vec<(&G, &Vec<WatchId>)> =
+        let mut unfed: Vec<(&G, &Vec<usize>)> =
             groups.iter().filter(|(g, _)| !feeds.contains(**g)).map(|(g, m)| (*g, m)).collect();
         unfed.sort_by_key(|(g, m)| (m.len(), *g));
-        for id in loners.iter().chain(unfed.iter().flat_map(|(_, m)| m.iter())) {
+        for i in loners.iter().chain(unfed.iter().flat_map(|(_, m)| m.iter())) {
             if free == 0 {
                 break;
             }
-            roles.insert(*id, Role::Dedicated);
+            roles[*i] = Some(Role::Dedicated);
             free -= 1;
         }
         // 3. What remains: dedicated members of fed groups; a group whose members all get
         //    one gives its feed's two lanes back (smallest groups first, where that is
         //    likeliest).
-        let mut fed: Vec<(&G, &Vec<WatchId>)> =
+        let mut fed: Vec<(&G, &Vec<usize>)> =
             groups.iter().filter(|(g, _)| feeds.contains(**g)).map(|(g, m)| (*g, m)).collect();
         fed.sort_by_key(|(g, m)| (m.len(), *g));
         for (g, members) in &fed {
             if members.len() <= free + 2 {
                 feeds.remove(*g);
                 free = free + 2 - members.len();
-                roles.extend(members.iter().map(|id| (*id, Role::Dedicated)));
+                members.iter().for_each(|i| roles[*i] = Some(Role::Dedicated));
             }
         }
         for (_, members) in fed.iter().filter(|(g, _)| feeds.contains(*g)) {
-            for id in members.iter().take(free) {
-                roles.insert(*id, Role::Dedicated);
+            for i in members.iter().take(free) {
+                roles[*i] = Some(Role::Dedicated);
             }
             free -= members.len().min(free);
         }
-        for (id, e) in &self.watches {
-            roles.entry(*id).or_insert(match &e.group {
-                Some(g) if feeds.contains(g) => Role::Fed,
-                _ => Role::Swept,
-            });
-        }
+        let roles = entries
+            .iter()
+            .zip(roles)
+            .map(|((id, e), role)| {
+                let role = role.unwrap_or(match &e.group {
+                    Some(g) if feeds.contains(g) => Role::Fed,
+                    _ => Role::Swept,
+                });
+                (**id, role)
+            })
+            .collect();
         Plan { roles, feeds }
+    }
+}
+
+/// Positions of watches, in id order, split by whether each holds a lane now.
+#[derive(Default)]
+struct Members {
+    holders: Vec<usize>,
+    others: Vec<usize>,
+}
+
+impl Members {
+    fn push(&mut self, i: usize, holds_lane: bool) {
+        if holds_lane { &mut self.holders } else { &mut self.others }.push(i);
+    }
+
+    /// Lane holders first, then the others; each in id order.
+    fn in_order(mut self) -> Vec<usize> {
+        self.holders.append(&mut self.others);
+        self.holders
     }
 }
 
