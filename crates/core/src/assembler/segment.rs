@@ -194,6 +194,11 @@ pub struct Cutter {
 }
 
 impl Cutter {
+    /// Whether no document has been cut yet: the next one reuses nothing.
+    pub(crate) fn is_first(&self) -> bool {
+        self.previous.is_empty()
+    }
+
     /// What `write` writes, cut into segments.
     pub fn cut(&mut self, write: impl FnOnce(&mut Segmenter<'_>)) -> Cut {
         let mut segmenter = Segmenter {

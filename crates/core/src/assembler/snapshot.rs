@@ -99,6 +99,14 @@ impl<T: fmt::Debug> fmt::Debug for Part<T> {
     }
 }
 
+impl<T> Part<T> {
+    /// Whether its JSON has been made.
+    #[cfg(test)]
+    pub(crate) fn has_json(&self) -> bool {
+        self.0.json.get().is_some()
+    }
+}
+
 impl<T: Serialize> Part<T> {
     /// The JSON (made the first time, shared after that) and its [`segment::hash`].
     pub(crate) fn json(&self) -> (Bytes, u64) {
@@ -463,6 +471,9 @@ impl Content {
     /// The content cut into segments by `cutter` (which reuses the last content's where
     /// they are the same), and its hash.
     pub fn cut(&self, cutter: &mut Cutter) -> Cut {
+        if cutter.is_first() {
+            self.write_ahead();
+        }
         cutter.cut(|w| self.write(w))
     }
 
@@ -568,7 +579,7 @@ impl Snapshot {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::model::{Endpoint, Health, KubePort};
 
@@ -626,7 +637,7 @@ mod tests {
     }
 
     /// Every field and every optional one set somewhere.
-    fn rich(services: usize) -> Content {
+    pub(crate) fn rich(services: usize) -> Content {
         let resolver = |name: &str, unusable: bool| {
             Part::new(ResolverEntry {
                 namespace: "shop".into(),

@@ -7,11 +7,14 @@
 //! The content is written without its opening `{`: the document's header takes its place
 //! (see [`super::snapshot::Snapshot`]).
 
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use bytes::Bytes;
 use serde::Serialize;
 
 use super::segment::{self, Segmenter};
-use super::snapshot::{Content, Part, Parts, ResolverEntry};
+use super::snapshot::{Content, Part, Parts, ResolverEntry, ServiceEntry};
 
 impl Content {
     /// Writes the content's JSON, from its first field on, into `w`: array elements that
@@ -46,6 +49,79 @@ impl Content {
             w.literal(b"]");
         }
         w.literal(b"}");
+    }
+}
+
+impl Content {
+    /// Makes the JSON of the long lists' parts on every core the process may use, before a
+    /// document that has no earlier one to reuse writes them one by one. The first
+    /// document at a cold start writes every part (116 MB at the doubled scale profile,
+    /// docs/benchmarks.md), after the last list, when the API server has gone quiet and a
+    /// core would otherwise sit idle.
+    pub(crate) fn write_ahead(&self) {
+        self.write_ahead_on(std::thread::available_parallelism().map_or(1, std::num::NonZero::get));
+    }
+
+    /// [`Content::write_ahead`] on `workers` threads, this one among them.
+    fn write_ahead_on(&self, workers: usize) {
+        let mut lists: Vec<Box<dyn Ahead + Sync + '_>> = Vec::new();
+        let mut services: Vec<&Parts<ServiceEntry>> = Vec::new();
+        for r in &self.resolvers {
+            // Resolvers that follow the same services share the list.
+            if !services.iter().any(|s| Parts::ptr_eq(s, &r.services)) {
+                services.push(&r.services);
+            }
+        }
+        lists.extend(services.into_iter().map(|s| Box::new(List(s)) as Box<dyn Ahead + Sync>));
+        lists.push(Box::new(List(&self.mappings)));
+        lists.push(Box::new(List(&self.kubernetes_services)));
+        lists.push(Box::new(List(&self.exports)));
+        let parts: usize = lists.iter().map(|l| l.len()).sum();
+        if workers < 2 || parts < AHEAD_FROM {
+            return;
+        }
+        // Slices of each list, taken in turn by the workers as each finishes one.
+        let jobs: Vec<(&(dyn Ahead + Sync), Range<usize>)> = lists
+            .iter()
+            .flat_map(|l| (0..l.len()).step_by(AHEAD_SLICE).map(move |at| (&**l, at..(at + AHEAD_SLICE).min(l.len()))))
+            .collect();
+        let next = AtomicUsize::new(0);
+        let work = || {
+            while let Some((list, range)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                list.write(range.clone());
+            }
+        };
+        std::thread::scope(|s| {
+            for _ in 1..workers {
+                s.spawn(work);
+            }
+            work();
+        });
+    }
+}
+
+/// Lists of fewer parts in all are written one by one: a thread costs more than it saves.
+const AHEAD_FROM: usize = 4_096;
+
+/// Parts a worker takes at a time.
+const AHEAD_SLICE: usize = 512;
+
+/// Parts whose JSON can be made ahead, of any type.
+trait Ahead {
+    fn len(&self) -> usize;
+    fn write(&self, range: Range<usize>);
+}
+
+/// A list of parts whose JSON can be made ahead.
+struct List<'a, T>(&'a [Part<T>]);
+
+impl<T: Serialize> Ahead for List<'_, T> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn write(&self, range: Range<usize>) {
+        self.0[range].iter().for_each(|p| drop(p.json()));
     }
 }
 
@@ -147,4 +223,28 @@ fn identity(names: &[&str]) -> u64 {
 /// The JSON of `value`, without slack: segments keep it as long as they are reused.
 fn to_json<T: Serialize + ?Sized>(value: &T) -> Bytes {
     Bytes::from(serde_json::to_vec(value).expect("snapshot content always serialises").into_boxed_slice())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::snapshot::tests::rich;
+
+    #[test]
+    fn a_first_document_has_its_long_lists_written_ahead_by_every_worker() {
+        let content = rich(2_000);
+        content.write_ahead_on(2);
+        let services = content.resolvers.iter().flat_map(|r| r.services.iter().map(|p| p.has_json()));
+        let mappings = content.mappings.iter().map(|p| p.has_json());
+        assert!(services.chain(mappings).all(|written| written));
+        // The resolvers' entries themselves are written with the document.
+        assert!(!content.resolvers[0].has_json());
+        // A small content is written as the document goes.
+        let small = rich(100);
+        small.write_ahead_on(2);
+        assert!(!small.mappings[0].has_json());
+        // One worker writes as the document goes.
+        let one = rich(2_000);
+        one.write_ahead_on(1);
+        assert!(!one.mappings[0].has_json());
+    }
 }
