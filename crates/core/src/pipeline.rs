@@ -231,6 +231,7 @@ impl Pipeline {
                 Next::WaitUntil(at) => return Step::WaitUntil(at),
                 Next::Publish => {
                     // Written once, as segments: the hash is of these, the document is them.
+                    self.assembler.make_entries();
                     let content = self.assembler.content(&self.world);
                     let cut = content.cut(&mut self.cutter);
                     let hash = cut.hash.clone();

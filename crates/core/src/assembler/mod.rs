@@ -51,7 +51,7 @@ use read::{KubeTargets, Services};
 use resolvers::Resolver;
 pub use route::ResolverName;
 use route::Routes;
-use snapshot::{Bootstrap, ExportEntry, Part, Problem, ResolverEntry, UnusableReason, WatchedEntry};
+use snapshot::{Bootstrap, ExportEntry, Part, Problem, UnusableReason, WatchedEntry};
 pub use snapshot::{Content, Snapshot};
 
 /// What the assembler needs besides the world.
@@ -227,6 +227,12 @@ impl Assembler {
         self.desired.take()
     }
 
+    /// Makes again, and keeps, the resolvers' entries whose services changed: before a
+    /// document, not at every update.
+    pub(crate) fn make_entries(&mut self) {
+        self.services.make_entries(&self.resolvers);
+    }
+
     /// The snapshot content, from the parts kept (pointer copies, and the small lists).
     pub fn content(&self, world: &World) -> Content {
         let mut problems: Vec<Problem> = self
@@ -249,8 +255,7 @@ impl Assembler {
         }
         problems.sort();
         problems.dedup();
-        let resolvers: Vec<Part<ResolverEntry>> =
-            self.resolvers.iter().filter_map(|r| self.services.entry(&r.id()).cloned()).collect();
+        let resolvers = self.services.entries(&self.resolvers);
         let unsynced = resolvers
             .iter()
             .flat_map(|r| {

@@ -20,6 +20,11 @@ pub(crate) struct Services {
     by_resolver: BTreeMap<NamespacedName, ResolverServices>,
     /// Per resolver in scope, its snapshot entry (with its services' entries, shared).
     entries: BTreeMap<NamespacedName, Part<ResolverEntry>>,
+    /// Resolvers whose services changed since their entry was made: it is made again
+    /// when a document needs it ([`Services::make_entries`]), not at every reading. At a
+    /// cold start, readings come with every page of Mappings and batch of first answers,
+    /// and each entry lists every service of its resolver.
+    stale: BTreeSet<NamespacedName>,
     /// Endpoints last obtained per resolver service (last known good).
     kept: Kept,
 }
@@ -109,9 +114,36 @@ pub(crate) fn answered(
 }
 
 impl Services {
-    /// The snapshot entry of resolver `id`.
-    pub(crate) fn entry(&self, id: &NamespacedName) -> Option<&Part<ResolverEntry>> {
-        self.entries.get(id)
+    /// The snapshot entries of `resolvers`: those made, and (made now, not kept) those
+    /// whose services changed since.
+    pub(crate) fn entries(&self, resolvers: &[Resolver]) -> Vec<Part<ResolverEntry>> {
+        let mut lists = Lists::of(self.entries.values());
+        let entry = |r: &Resolver| {
+            let id = r.id();
+            if !self.stale.contains(&id) {
+                return self.entries.get(&id).cloned();
+            }
+            self.by_resolver.get(&id).map(|mine| resolver_entry(r, &mine.services, &mut lists))
+        };
+        resolvers.iter().filter_map(entry).collect()
+    }
+
+    /// Makes again the entries of the resolvers whose services changed.
+    pub(crate) fn make_entries(&mut self, resolvers: &[Resolver]) {
+        if self.stale.is_empty() {
+            return;
+        }
+        let mut lists = Lists::of(self.entries.values());
+        for r in resolvers {
+            let id = r.id();
+            if !self.stale.remove(&id) {
+                continue;
+            }
+            if let Some(mine) = self.by_resolver.get(&id) {
+                self.entries.insert(id, resolver_entry(r, &mine.services, &mut lists));
+            }
+        }
+        self.stale.clear();
     }
 
     /// The entry of `resolver`'s `service`, if it is one of its services.
@@ -135,7 +167,6 @@ impl Services {
     ) {
         let Inputs { world, resolvers, routes, now, .. } = *inputs;
         let mut made = Made::default();
-        let mut lists = Lists::of(self.entries.values());
         for r in resolvers {
             let id = r.id();
             let answered = answered.get(&id);
@@ -171,7 +202,7 @@ impl Services {
                 }
             }
             if changed || !self.entries.contains_key(&id) {
-                self.entries.insert(id, resolver_entry(r, &mine.services, &mut lists));
+                self.stale.insert(id);
             }
         }
     }
@@ -183,6 +214,7 @@ impl Services {
         let Inputs { world, resolvers, routes, now, .. } = *inputs;
         let mut old_services = std::mem::take(&mut self.by_resolver);
         let mut old_entries = std::mem::take(&mut self.entries);
+        self.stale.clear();
         let mut made = Made::default();
         let mut lists = Lists::of(old_entries.values());
         for r in resolvers {
