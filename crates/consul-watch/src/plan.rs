@@ -316,3 +316,38 @@ mod tests {
         }
     }
 }
+
+/// What a plan costs at the doubled scale profile's size (docs/benchmarks.md, "Measured
+/// design choices"): `cargo test --release -p consul-watch --lib plan::bench -- --ignored
+/// --nocapture`.
+#[cfg(test)]
+mod bench {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    #[ignore = "a benchmark: run with --ignored --nocapture"]
+    fn a_plan_of_ten_thousand_watches_of_one_scope() {
+        // 90 lanes: a budget of 100 less its reads. Keys as long as a scope's.
+        let scope = "http://127.0.0.1:8500 dc1 default default token-digest".to_owned();
+        let mut planner = Planner::new(90);
+        for id in 0..10_000 {
+            planner.join(id, Some(scope.clone()));
+        }
+        planner.plan();
+        let mut times: Vec<Duration> = (0..101)
+            .map(|i| {
+                // As at a cold start: one more watch, then a plan.
+                planner.join(20_000 + i, Some(scope.clone()));
+                let started = Instant::now();
+                std::hint::black_box(planner.plan());
+                started.elapsed()
+            })
+            .collect();
+        times.sort();
+        println!(
+            "a plan of 10,000 watches of one scope on 90 lanes: {:?} / {:?} / {:?} (min / median / max of 101)",
+            times[0], times[50], times[100]
+        );
+    }
+}
