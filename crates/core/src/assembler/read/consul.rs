@@ -120,10 +120,7 @@ impl Services {
         let mut lists = Lists::of(self.entries.values());
         let entry = |r: &Resolver| {
             let id = r.id();
-            if !self.stale.contains(&id) {
-                return self.entries.get(&id).cloned();
-            }
-            self.by_resolver.get(&id).map(|mine| resolver_entry(r, &mine.services, &mut lists))
+            if self.stale.contains(&id) { self.entry_anew(r, &id, &mut lists) } else { self.entries.get(&id).cloned() }
         };
         resolvers.iter().filter_map(entry).collect()
     }
@@ -134,16 +131,24 @@ impl Services {
             return;
         }
         let mut lists = Lists::of(self.entries.values());
-        for r in resolvers {
-            let id = r.id();
-            if !self.stale.remove(&id) {
-                continue;
-            }
-            if let Some(mine) = self.by_resolver.get(&id) {
-                self.entries.insert(id, resolver_entry(r, &mine.services, &mut lists));
-            }
-        }
+        let made: Vec<(NamespacedName, Part<ResolverEntry>)> = resolvers
+            .iter()
+            .map(|r| (r, r.id()))
+            .filter(|(_, id)| self.stale.contains(id))
+            .filter_map(|(r, id)| {
+                let entry = self.entry_anew(r, &id, &mut lists)?;
+                Some((id, entry))
+            })
+            .collect();
+        self.entries.extend(made);
         self.stale.clear();
+    }
+
+    /// Resolver `r`'s (`id`) entry made from its services as read, sharing a list of
+    /// `lists` where one holds the very same services.
+    fn entry_anew(&self, r: &Resolver, id: &NamespacedName, lists: &mut Lists) -> Option<Part<ResolverEntry>> {
+        let mine = self.by_resolver.get(id)?;
+        Some(resolver_entry(r, &mine.services, lists))
     }
 
     /// The entry of `resolver`'s `service`, if it is one of its services.
