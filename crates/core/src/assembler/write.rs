@@ -7,7 +7,6 @@
 //! The content is written without its opening `{`: the document's header takes its place
 //! (see [`super::snapshot::Snapshot`]).
 
-use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Bytes;
@@ -64,7 +63,6 @@ impl Content {
 
     /// [`Content::write_ahead`] on `workers` threads, this one among them.
     fn write_ahead_on(&self, workers: usize) {
-        let mut lists: Vec<Box<dyn Ahead + Sync + '_>> = Vec::new();
         let mut services: Vec<&Parts<ServiceEntry>> = Vec::new();
         for r in &self.resolvers {
             // Resolvers that follow the same services share the list.
@@ -72,23 +70,22 @@ impl Content {
                 services.push(&r.services);
             }
         }
-        lists.extend(services.into_iter().map(|s| Box::new(List(s)) as Box<dyn Ahead + Sync>));
-        lists.push(Box::new(List(&self.mappings)));
-        lists.push(Box::new(List(&self.kubernetes_services)));
-        lists.push(Box::new(List(&self.exports)));
-        let parts: usize = lists.iter().map(|l| l.len()).sum();
+        let parts = services.iter().map(|s| s.len()).sum::<usize>()
+            + self.mappings.len()
+            + self.kubernetes_services.len()
+            + self.exports.len();
         if workers < 2 || parts < AHEAD_FROM {
             return;
         }
         // Slices of each list, taken in turn by the workers as each finishes one.
-        let jobs: Vec<(&(dyn Ahead + Sync), Range<usize>)> = lists
-            .iter()
-            .flat_map(|l| (0..l.len()).step_by(AHEAD_SLICE).map(move |at| (&**l, at..(at + AHEAD_SLICE).min(l.len()))))
-            .collect();
+        let mut jobs: Vec<Slice<'_>> = services.into_iter().flat_map(|s| slices(s)).collect();
+        jobs.extend(slices(&self.mappings));
+        jobs.extend(slices(&self.kubernetes_services));
+        jobs.extend(slices(&self.exports));
         let next = AtomicUsize::new(0);
         let work = || {
-            while let Some((list, range)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
-                list.write(range.clone());
+            while let Some(write) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                write();
             }
         };
         std::thread::scope(|s| {
@@ -106,23 +103,12 @@ const AHEAD_FROM: usize = 4_096;
 /// Parts a worker takes at a time.
 const AHEAD_SLICE: usize = 512;
 
-/// Parts whose JSON can be made ahead, of any type.
-trait Ahead {
-    fn len(&self) -> usize;
-    fn write(&self, range: Range<usize>);
-}
+/// Makes the JSON of a slice of parts, of any type.
+type Slice<'a> = Box<dyn Fn() + Sync + 'a>;
 
-/// A list of parts whose JSON can be made ahead.
-struct List<'a, T>(&'a [Part<T>]);
-
-impl<T: Serialize> Ahead for List<'_, T> {
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    fn write(&self, range: Range<usize>) {
-        self.0[range].iter().for_each(|p| drop(p.json()));
-    }
+/// `parts` in slices of [`AHEAD_SLICE`].
+fn slices<T: Serialize + Send + Sync>(parts: &[Part<T>]) -> impl Iterator<Item = Slice<'_>> {
+    parts.chunks(AHEAD_SLICE).map(|slice| Box::new(move || slice.iter().for_each(|p| drop(p.json()))) as Slice<'_>)
 }
 
 /// A resolver's entry: its fields as serde writes them, then its services as elements.
