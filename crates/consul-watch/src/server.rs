@@ -50,10 +50,26 @@ impl Split {
     }
 }
 
-/// Plans wait this long for more joins and leaves before they are made: a thousand watches
-/// joining at start-up are a few plans, not a thousand, and a freed lane still moves within
-/// a moment.
+/// Plans wait at least this long for more joins and leaves before they are made: a thousand
+/// watches joining at start-up are a few plans, not a thousand, and a freed lane still moves
+/// within a moment.
 const PLAN_COALESCING: Duration = Duration::from_millis(10);
+
+/// ... and at least this many times what the last plan took. A plan is linear in the
+/// watches, and at a cold start watches join for as long as the Mappings list: at 10,000
+/// watches, plans every 10 ms took 6 % of the operator's CPU to its first snapshot
+/// (docs/benchmarks.md). Waiting a hundred times a plan's time keeps plans to about 1 % of
+/// a core, and a freed lane still moves within tens of milliseconds.
+const PLAN_SHARE: u32 = 100;
+
+/// ... but never longer than this: a plan slowed by a busy machine (its time is wall time)
+/// does not hold a freed lane for long.
+const PLAN_COALESCING_AT_MOST: Duration = Duration::from_millis(500);
+
+/// How long a plan waits for more joins and leaves, the last plan having taken `last`.
+fn coalescing(last: Duration) -> Duration {
+    last.saturating_mul(PLAN_SHARE).clamp(PLAN_COALESCING, PLAN_COALESCING_AT_MOST)
+}
 
 /// Where a watch stands, as its server told it.
 #[derive(Clone)]
@@ -275,11 +291,15 @@ impl Server {
 /// Plans whenever told, a burst of joins and leaves at a time, for as long as the server
 /// lives.
 async fn plan_when_told(server: Weak<Server>, replan: Arc<Notify>) {
+    let mut last = Duration::ZERO;
     loop {
         replan.notified().await;
-        tokio::time::sleep(PLAN_COALESCING).await;
+        tokio::time::sleep(coalescing(last)).await;
         let Some(server) = server.upgrade() else { return };
+        // The plan's own time, not the paused clock's: it is CPU, not waiting.
+        let started = std::time::Instant::now();
         server.replan_now();
+        last = started.elapsed();
     }
 }
 
@@ -298,6 +318,16 @@ mod tests {
         assert_eq!(Split::of(100), Split { lanes: 90, reads: 10 });
         assert_eq!(Split::of(1), Split { lanes: 0, reads: 1 });
         assert_eq!(Split::of(4), Split { lanes: 3, reads: 1 });
+    }
+
+    #[test]
+    fn plans_wait_a_hundred_times_the_last_ones_time_within_bounds() {
+        assert_eq!(coalescing(Duration::ZERO), PLAN_COALESCING);
+        assert_eq!(coalescing(Duration::from_micros(50)), PLAN_COALESCING);
+        assert_eq!(coalescing(Duration::from_micros(100)), PLAN_COALESCING);
+        assert_eq!(coalescing(Duration::from_micros(600)), Duration::from_millis(60));
+        assert_eq!(coalescing(Duration::from_millis(20)), PLAN_COALESCING_AT_MOST);
+        assert_eq!(coalescing(Duration::MAX), PLAN_COALESCING_AT_MOST);
     }
 
     #[tokio::test]
