@@ -19,7 +19,7 @@
 //! unsynced. Time is passed in, never read, so this module is tested with a paused clock
 //! and no I/O.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, btree_map};
 use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
@@ -159,6 +159,11 @@ pub enum Readiness {
 pub struct World {
     kube: BTreeMap<KubeKey, KubeStore>,
     consul: BTreeMap<ConsulKey, ConsulStore>,
+    /// The Consul keys neither answered nor refused, with when each was added: what the
+    /// first publication may wait for. Until it, readiness is asked after every batch of
+    /// events, and a look at every store each time was 2 % of the operator's CPU to its
+    /// first snapshot at 10,000 services (docs/benchmarks.md).
+    unsettled: BTreeMap<ConsulKey, Instant>,
     bootstrap_timeout: Duration,
     /// Keys whose objects the snapshot copies whole (`--watch`): kept as JSON, and any
     /// change of them is a change. Of the others only what the assembler reads matters, so
@@ -173,6 +178,7 @@ impl World {
         World {
             kube: BTreeMap::new(),
             consul: BTreeMap::new(),
+            unsettled: BTreeMap::new(),
             bootstrap_timeout,
             verbatim: BTreeSet::new(),
             changes: Changes::default(),
@@ -199,15 +205,18 @@ impl World {
                 self.changes.all_of(k);
             }
             WatchKey::Consul(k) => {
-                self.consul.entry(k.clone()).or_insert_with(|| ConsulStore {
-                    added_at: now,
-                    index: None,
-                    endpoints: Endpoints::from([]),
-                    changed_at: None,
-                    last_error: None,
-                    cut_off_since: None,
-                    refused: false,
-                });
+                if let btree_map::Entry::Vacant(v) = self.consul.entry(k.clone()) {
+                    v.insert(ConsulStore {
+                        added_at: now,
+                        index: None,
+                        endpoints: Endpoints::from([]),
+                        changed_at: None,
+                        last_error: None,
+                        cut_off_since: None,
+                        refused: false,
+                    });
+                    self.unsettled.insert(k.clone(), now);
+                }
                 self.changes.consul.insert(k.clone());
             }
         }
@@ -238,6 +247,7 @@ impl World {
                 }
             }
             WatchKey::Consul(k) => {
+                self.unsettled.remove(k);
                 if self.consul.remove(k).is_some() {
                     self.changes.consul.insert(k.clone());
                 }
@@ -270,7 +280,14 @@ impl World {
                 }
             }
             Event::Consul(key, ev) => {
-                let changed = self.consul.get_mut(&key).is_some_and(|store| apply_consul(store, ev, now));
+                let Some(store) = self.consul.get_mut(&key) else { return false };
+                let changed = apply_consul(store, ev, now);
+                // A refusal settles a key until a failure that may pass; an answer for good.
+                if store.answered() || store.refused {
+                    self.unsettled.remove(&key);
+                } else if !self.unsettled.contains_key(&key) {
+                    self.unsettled.insert(key.clone(), store.added_at);
+                }
                 if changed {
                     self.changes.consul.insert(key);
                 }
@@ -300,9 +317,9 @@ impl World {
             };
             kube_pending += usize::from(pending);
         }
-        for store in self.consul.values() {
-            // Refused: Consul said all it will say until the resolver changes.
-            consul_pending += usize::from(!store.answered() && !store.refused && wait_until(store.added_at));
+        // Refused: Consul said all it will say until the resolver changes.
+        for &added_at in self.unsettled.values() {
+            consul_pending += usize::from(wait_until(added_at));
         }
         if kube_pending == 0 && consul_pending == 0 {
             Readiness::Ready
@@ -615,6 +632,48 @@ mod tests {
         assert!(matches!(w.readiness(start, |_| true), Readiness::Waiting { consul_pending: 1, .. }));
         assert!(w.apply(Event::Consul(consul("bad-filter"), ConsulEvent::Refused(refusal.into())), start));
         assert!(!w.apply(Event::Consul(consul("bad-filter"), ConsulEvent::Refused(refusal.into())), start));
+    }
+
+    /// Readiness reads the unsettled keys kept as events come: over random tracks,
+    /// untracks, answers, failures, refusals and time, it says what a look at every store
+    /// says.
+    #[tokio::test(start_paused = true)]
+    async fn readiness_kept_as_events_come_is_what_every_store_says() {
+        let start = Instant::now();
+        let mut w = World::new(TIMEOUT);
+        let mut rng = crate::test_support::Rng(0x005e_ed0f_ba5e);
+        let names = ["a", "b", "c", "d", "e", "f"];
+        let mut kinds_seen = [0usize; 2];
+        for step in 0..5_000u64 {
+            let now = start + Duration::from_millis(step * 40);
+            let key = consul(names[rng.below(names.len())]);
+            let ev = |e| Event::Consul(key.clone(), e);
+            match rng.below(8) {
+                0 => w.track(&key.clone().into(), now),
+                1 => w.untrack(&key.clone().into()),
+                2 | 3 => _ = w.apply(ev(ConsulEvent::Failed("refused".into())), now),
+                4 => _ = w.apply(ev(ConsulEvent::Refused("400".into())), now),
+                _ if rng.below(4) == 0 => {
+                    _ = w.apply(ev(ConsulEvent::Answer { index: step, endpoints: vec![].into() }), now);
+                }
+                _ => {}
+            }
+            let pending: Vec<Instant> = w
+                .consul()
+                .values()
+                .filter(|s| !s.answered() && !s.refused && now < s.added_at + TIMEOUT)
+                .map(|s| s.added_at + TIMEOUT)
+                .collect();
+            let expected = match pending.iter().min() {
+                None => Readiness::Ready,
+                Some(&due) => {
+                    Readiness::Waiting { kube_pending: 0, consul_pending: pending.len(), deadline: Some(due) }
+                }
+            };
+            assert_eq!(w.readiness(now, |_| true), expected, "step {step}");
+            kinds_seen[usize::from(expected == Readiness::Ready)] += 1;
+        }
+        assert!(kinds_seen.iter().all(|&n| n > 500), "both ready and waiting, often: {kinds_seen:?}");
     }
 
     fn secret() -> KubeKey {
