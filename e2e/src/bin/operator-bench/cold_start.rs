@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde::de::IgnoredAny;
 use tokio::runtime::Runtime;
 
-use crate::procfs::{cpu_time, memory_kib, process_exited};
+use crate::procfs::{cpu_time, memory_kib, minor_faults, process_exited};
 use crate::profile::Settings;
 use crate::report::{median, ms};
 use crate::setup::{OPERATOR_NS, Setup, fresh_sim, kube_client};
@@ -271,6 +271,7 @@ pub(crate) fn cold_start(
     let neighbours = Neighbours::now(cluster)?.since(before);
     let snapshot_bytes = snapshot.len();
     let cpu_first = cpu_time(pid)?;
+    let faults_first = minor_faults(pid)?;
     if let Some(dir) = std::env::var_os("BENCH_SAVE_SNAPSHOTS") {
         std::fs::write(Path::new(&dir).join(format!("first-{pid}.json")), &snapshot)?;
     }
@@ -280,7 +281,7 @@ pub(crate) fn cold_start(
         sim.requests().iter().filter_map(|r| r.service.clone()).collect::<HashSet<_>>().len();
     let milestones = published_milestones(&op, pid, spawned_at, s)?;
     println!(
-        "  operator pid {pid}: first complete snapshot (id {first_id}, {snapshot_bytes} bytes) at GET /snapshot after {}, CPU {}; meanwhile {}; {milestones:?}",
+        "  operator pid {pid}: first complete snapshot (id {first_id}, {snapshot_bytes} bytes) at GET /snapshot after {}, CPU {}, {faults_first} page faults; meanwhile {}; {milestones:?}",
         ms(cold_http),
         ms(cpu_first),
         neighbours.text()

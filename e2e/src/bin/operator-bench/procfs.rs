@@ -26,17 +26,27 @@ pub(crate) fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
     Ok((field("VmHWM:")?, field("VmRSS:")?))
 }
 
+/// Numeric fields of /proc/<pid>/stat, from field 3 on (`stat_fields(pid)?[0]` is field 3).
+fn stat_fields(pid: u32) -> anyhow::Result<Vec<u64>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command (field 2) is in parentheses and may hold spaces: count from the last `)`.
+    let rest = stat.rsplit_once(')').with_context(|| format!("/proc/{pid}/stat: {stat}"))?.1;
+    // Field 3, the state, is a letter: 0 keeps the positions.
+    Ok(rest.split_whitespace().map(|v| v.parse::<u64>().unwrap_or(0)).collect())
+}
+
+/// The page faults a process took without reading a disk (`minflt`, field 10 of
+/// /proc/<pid>/stat): at a cold start, fresh memory touched for the first time.
+pub(crate) fn minor_faults(pid: u32) -> anyhow::Result<u64> {
+    stat_fields(pid)?.get(7).copied().with_context(|| format!("no minflt in /proc/{pid}/stat"))
+}
+
 /// The CPU time (user + system) a process has used so far: utime + stime of
 /// /proc/<pid>/stat, in clock ticks.
 pub(crate) fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // The command (field 2) is in parentheses and may hold spaces: count from the last `)`.
-    // What follows starts at field 3, so utime (14) and stime (15) are its 12th and 13th.
-    let rest = stat.rsplit_once(')').with_context(|| format!("/proc/{pid}/stat: {stat}"))?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| {
-        fields.get(i).and_then(|v| v.parse::<u64>().ok()).with_context(|| format!("/proc/{pid}/stat: {stat}"))
-    };
+    let fields = stat_fields(pid)?;
+    // utime (14) and stime (15) are the 12th and 13th from field 3.
+    let ticks = |i: usize| fields.get(i).copied().with_context(|| format!("no field {} in /proc/{pid}/stat", i + 3));
     let ticks = ticks(11)? + ticks(12)?;
     // SAFETY: sysconf only reads a system constant.
     let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
