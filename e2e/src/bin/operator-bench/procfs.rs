@@ -26,28 +26,31 @@ pub(crate) fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
     Ok((field("VmHWM:")?, field("VmRSS:")?))
 }
 
-/// Numeric fields of /proc/<pid>/stat, from field 3 on (`stat_fields(pid)?[0]` is field 3).
-fn stat_fields(pid: u32) -> anyhow::Result<Vec<u64>> {
+/// /proc/<pid>/stat, read once: a reader of its field `n` (numbered as in proc(5), from 3
+/// on) as a number.
+fn stat_fields(pid: u32) -> anyhow::Result<impl Fn(usize) -> anyhow::Result<u64>> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // The command (field 2) is in parentheses and may hold spaces: count from the last `)`.
-    let rest = stat.rsplit_once(')').with_context(|| format!("/proc/{pid}/stat: {stat}"))?.1;
-    // Field 3, the state, is a letter: 0 keeps the positions.
-    Ok(rest.split_whitespace().map(|v| v.parse::<u64>().unwrap_or(0)).collect())
+    let rest = stat.rsplit_once(')').with_context(|| format!("/proc/{pid}/stat: {stat}"))?.1.to_owned();
+    Ok(move |n: usize| {
+        rest.split_whitespace()
+            .nth(n - 3)
+            .and_then(|v| v.parse::<u64>().ok())
+            .with_context(|| format!("no field {n} in /proc/{pid}/stat: {rest}"))
+    })
 }
 
 /// The page faults a process took without reading a disk (`minflt`, field 10 of
 /// /proc/<pid>/stat): at a cold start, fresh memory touched for the first time.
 pub(crate) fn minor_faults(pid: u32) -> anyhow::Result<u64> {
-    stat_fields(pid)?.get(7).copied().with_context(|| format!("no minflt in /proc/{pid}/stat"))
+    stat_fields(pid)?(10)
 }
 
 /// The CPU time (user + system) a process has used so far: utime + stime of
-/// /proc/<pid>/stat, in clock ticks.
+/// /proc/<pid>/stat (fields 14 and 15), in clock ticks.
 pub(crate) fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
-    let fields = stat_fields(pid)?;
-    // utime (14) and stime (15) are the 12th and 13th from field 3.
-    let ticks = |i: usize| fields.get(i).copied().with_context(|| format!("no field {} in /proc/{pid}/stat", i + 3));
-    let ticks = ticks(11)? + ticks(12)?;
+    let field = stat_fields(pid)?;
+    let ticks = field(14)? + field(15)?;
     // SAFETY: sysconf only reads a system constant.
     let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     ensure!(per_second > 0, "sysconf(_SC_CLK_TCK) = {per_second}");
@@ -79,4 +82,25 @@ pub(crate) fn thread_cpu_since(before: &BTreeMap<u32, u64>, after: &BTreeMap<u32
         ns += now.saturating_sub(before.get(tid).copied().unwrap_or(0));
     }
     before.keys().all(|tid| after.contains_key(tid)).then(|| Duration::from_nanos(ns))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Memory touched for the first time is counted: 64 MiB are at least 32 faults, even in
+    /// huge pages. CPU time is read from the same file.
+    #[test]
+    fn fresh_memory_touched_is_counted_as_page_faults() {
+        let me = std::process::id();
+        let before = minor_faults(me).unwrap();
+        let mut fresh = vec![0u8; 64 << 20];
+        for page in fresh.chunks_mut(4096) {
+            page[0] = 1;
+        }
+        let after = minor_faults(me).unwrap();
+        assert!(std::hint::black_box(&fresh).iter().step_by(4096).all(|&b| b == 1));
+        assert!(after >= before + 32, "{before} -> {after} page faults");
+        assert!(cpu_time(me).unwrap() > Duration::ZERO);
+    }
 }
