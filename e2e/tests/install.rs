@@ -363,7 +363,7 @@ const OWN_NAMESPACE: &[(&str, &str, &str)] = &[
     ("", "configmaps", "get"),
     ("", "configmaps", "list"),
     ("", "configmaps", "create"),
-    ("", "configmaps", "patch"),
+    ("", "configmaps", "update"),
     ("", "configmaps", "delete"),
     ("coordination.k8s.io", "leases", "get"),
     ("coordination.k8s.io", "leases", "create"),

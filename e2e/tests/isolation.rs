@@ -317,8 +317,8 @@ fn a_deleted_or_edited_snapshot_configmap_and_a_wiped_status_are_repaired() {
     cluster.kubectl(&["-n", "consul-resolver-system", "delete", "configmap", &cm]).unwrap();
     let back = wait_for("the ConfigMap written again", T, || hash(cluster)).unwrap();
     assert_eq!(back, written);
-    // Edited: likewise.
-    let edit = r#"{"data":{"snapshot.json":"{}"}}"#;
+    // Edited by someone who labels it too: the edit undone, their label kept.
+    let edit = r#"{"metadata":{"labels":{"team":"payments"}},"data":{"snapshot.json":"{}"}}"#;
     cluster.kubectl(&["-n", "consul-resolver-system", "patch", "configmap", &cm, "--type=merge", "-p", edit]).unwrap();
     wait_for("the edit undone", T, || {
         let jp = "jsonpath={.data.snapshot\\.json}";
@@ -326,6 +326,9 @@ fn a_deleted_or_edited_snapshot_configmap_and_a_wiped_status_are_repaired() {
         (data.len() > 2).then_some(())
     })
     .unwrap();
+    let jp = "jsonpath={.metadata.labels.team}";
+    let team_label = cluster.kubectl(&["-n", "consul-resolver-system", "get", "configmap", &cm, "-o", jp]).unwrap();
+    assert_eq!(team_label, "payments", "someone else's label kept");
     assert!(op.metric(r#"consul_resolver_repairs_total{object="configmap"}"#).unwrap_or(0.0) >= 2.0);
 
     // A status wiped with kubectl is written again.

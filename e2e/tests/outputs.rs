@@ -152,7 +152,7 @@ fn a_refused_configmap_holds_back_neither_http_nor_the_hook() {
     cluster
         .apply(&format!(
             "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {{name: snapshot, namespace: {ns}}}\n\
-             rules: [{{apiGroups: [\"\"], resources: [configmaps], verbs: [get, list, create, patch, delete]}}]\n---\n\
+             rules: [{{apiGroups: [\"\"], resources: [configmaps], verbs: [get, list, create, update, delete]}}]\n---\n\
              apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {{name: snapshot, namespace: {ns}}}\n\
              roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: snapshot}}\n\
              subjects: [{{kind: ServiceAccount, name: consul-resolver-operator, namespace: consul-resolver-system}}]\n",

@@ -1,6 +1,5 @@
-//! The snapshot ConfigMap, written with server-side apply under our field manager, in the
-//! format of [`format`] (plain JSON, gzip, or a gzip stream split over parts named by their
-//! content, and an index naming them).
+//! The snapshot ConfigMap, in the format of [`format`] (plain JSON, gzip, or a gzip stream
+//! split over parts named by their content, and an index naming them).
 //!
 //! A publication creates the parts the cluster lacks, then writes the index naming them; a
 //! reader fetches only the parts it has not read before (docs/snapshot.md). The switch to
@@ -15,12 +14,14 @@
 //! Writes happen only while this replica leads, each bounded by the leadership deadline
 //! and none sent after it, and each is conditional on what this replica last saw of that
 //! ConfigMap ([`Writer`]): a name it has not seen is created (which fails if it exists), a
-//! known one is applied with the resourceVersion it last wrote or read, and a stale part is
-//! deleted with the resourceVersion and uid it was just read with. A write delayed past a
-//! change of leader (sent just before the deadline, applied by an API server that was
-//! frozen) then fails with a conflict instead of overwriting the new leader's snapshot. What
-//! was written is compared with the cluster every resync period, so a deleted or edited
-//! snapshot ConfigMap is written again ([`ConfigMapPublisher::repair`]).
+//! known one is replaced with the resourceVersion it last wrote or read (an update, not a
+//! server-side apply: the API server spends about half the CPU on it, docs/benchmarks.md),
+//! and a stale part is deleted with the resourceVersion and uid it was just read with. A
+//! write delayed past a change of leader (sent just before the deadline, applied by an API
+//! server that was frozen) then fails with a conflict instead of overwriting the new
+//! leader's snapshot. What was written is compared with the cluster every resync period,
+//! so a deleted or edited snapshot ConfigMap is written again
+//! ([`ConfigMapPublisher::repair`]).
 
 mod format;
 
@@ -34,7 +35,7 @@ use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
 use tokio::time::Instant;
 
 use super::{PublishError, Publisher};
@@ -87,17 +88,50 @@ struct Parts {
 }
 
 /// What this replica last saw of one ConfigMap: every write of it is conditional on this.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 struct Seen {
     resource_version: String,
     uid: Option<String>,
+    /// Its metadata as seen, without managedFields: a replacement keeps what others set
+    /// there ([`over_seen`]).
+    meta: Arc<ObjectMeta>,
 }
 
 impl Seen {
     /// `None` for an object without a resourceVersion (nothing to be conditional on).
     fn of(meta: &ObjectMeta) -> Option<Seen> {
-        Some(Seen { resource_version: meta.resource_version.clone()?, uid: meta.uid.clone() })
+        let resource_version = meta.resource_version.clone()?;
+        let meta = ObjectMeta { managed_fields: None, ..meta.clone() };
+        Some(Seen { resource_version, uid: meta.uid.clone(), meta: Arc::new(meta) })
     }
+}
+
+/// Our labels and annotations: a replacement sets those `ours` carries and drops the
+/// others of these that it does not.
+const OUR_LABELS: [&str; 3] = [LABEL_MANAGED_BY, LABEL_SNAPSHOT, LABEL_PART_OF];
+const OUR_ANNOTATIONS: [&str; 2] = [ANNOTATION_ID, ANNOTATION_HASH];
+
+/// `ours` as a replacement of the object seen with `seen`, conditional on its version.
+/// The data are ours alone; of the metadata, what others set (their labels and
+/// annotations, owner references, finalizers) is kept as seen.
+fn over_seen(seen: &ObjectMeta, ours: &ConfigMap) -> ConfigMap {
+    let merged = |theirs: &Option<BTreeMap<String, String>>, ours: &Option<BTreeMap<String, String>>, keys: &[&str]| {
+        let mut m: BTreeMap<String, String> = theirs
+            .iter()
+            .flatten()
+            .filter(|(k, _)| !keys.contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        m.extend(ours.iter().flatten().map(|(k, v)| (k.clone(), v.clone())));
+        (!m.is_empty()).then_some(m)
+    };
+    let metadata = ObjectMeta {
+        labels: merged(&seen.labels, &ours.metadata.labels, &OUR_LABELS),
+        annotations: merged(&seen.annotations, &ours.metadata.annotations, &OUR_ANNOTATIONS),
+        managed_fields: None,
+        ..seen.clone()
+    };
+    ConfigMap { metadata, ..ours.clone() }
 }
 
 impl ConfigMapPublisher {
@@ -242,6 +276,12 @@ fn is_conflict(e: &PublishError) -> bool {
     matches!(e, PublishError::Kube { source, .. } if status_code(source) == Some(409))
 }
 
+/// Whether the API server refused a replacement with 404: the object was deleted since it
+/// was seen.
+fn is_gone(e: &PublishError) -> bool {
+    matches!(e, PublishError::Kube { source, .. } if status_code(source) == Some(404))
+}
+
 /// The requests of one publication or repair. Every write is conditional on what this
 /// replica last saw of that ConfigMap (`seen`, updated by every answer), and none is sent
 /// once the deadline has passed or leadership is gone.
@@ -282,31 +322,33 @@ impl Writer<'_> {
         Ok(cm)
     }
 
-    /// Writes `cm`: created when its name was not seen, applied conditional on the version
-    /// seen otherwise. A 409 (someone else created it, or wrote it since) is read and
-    /// written over once: we lead, and the leadership deadline bounds the whole. Any other
-    /// error leaves what was seen as it was: a write that timed out may have landed, and the
-    /// next one, conditional on the version before it, then conflicts and reads first
-    /// instead of writing blind.
+    /// Writes `cm` (only ever `NAME`; parts are created, never written over): created whole
+    /// when its name was not seen, replaced conditional on the version seen otherwise. A 409
+    /// (someone else created it, or wrote it since) is read and written over once, and a 404
+    /// (deleted since it was seen) is created again: we lead, and the leadership deadline
+    /// bounds the whole. Any other error leaves what was seen as it was: a write that timed
+    /// out may have landed, and the next one, conditional on the version before it, then
+    /// conflicts and reads first instead of writing blind.
     async fn write(&mut self, cm: &ConfigMap) -> Result<(), PublishError> {
         let name = cm.metadata.name.clone().unwrap_or_default();
-        let mut conflicts = 0;
+        let mut retried = false;
         loop {
             let step = match self.seen.get(&name).cloned() {
-                None => self.create_empty(cm).await.map(|()| false),
-                Some(seen) => self.apply(cm, &seen).await.map(|()| true),
+                None => self.create(cm).await,
+                Some(seen) => self.replace(cm, &seen).await,
             };
-            match step {
-                Ok(true) => return Ok(()),
-                // Created: applied next, conditional on the creation.
-                Ok(false) => {}
-                Err(e) if is_conflict(&e) && conflicts == 0 => {
-                    conflicts += 1;
-                    tracing::info!(configmap = %name, "the snapshot ConfigMap was written by someone else; reading it and writing ours");
-                    self.read(&name).await?;
-                }
-                Err(e) if is_conflict(&e) => return Err(PublishError::Conflict(name)),
-                Err(e) => return Err(e),
+            let Err(e) = step else { return Ok(()) };
+            if retried {
+                return Err(if is_conflict(&e) { PublishError::Conflict(name) } else { e });
+            }
+            retried = true;
+            if is_conflict(&e) {
+                tracing::info!(configmap = %name, "the snapshot ConfigMap was written by someone else; reading it and writing ours");
+                self.read(&name).await?;
+            } else if is_gone(&e) {
+                self.seen.remove(&name);
+            } else {
+                return Err(e);
             }
         }
     }
@@ -391,44 +433,30 @@ impl Writer<'_> {
         Err(PublishError::Conflict(name))
     }
 
-    /// Creates `cm`'s name with our labels and nothing else; a 409 if it exists. Empty, not
-    /// whole: what a create sets belongs to an `Update` entry of our field manager, and our
-    /// later applies would not remove it when they leave it out (a `snapshot.json` would
-    /// stay beside a later `snapshot.json.gz`, and be read instead of it).
-    async fn create_empty(&mut self, cm: &ConfigMap) -> Result<(), PublishError> {
+    /// Creates `cm` whole; a 409 if its name exists.
+    async fn create(&mut self, cm: &ConfigMap) -> Result<(), PublishError> {
         self.may_write()?;
         let name = cm.metadata.name.clone().unwrap_or_default();
-        let empty = ConfigMap {
-            metadata: ObjectMeta {
-                name: Some(name.clone()),
-                namespace: cm.metadata.namespace.clone(),
-                labels: cm.metadata.labels.clone(),
-                ..ObjectMeta::default()
-            },
-            ..ConfigMap::default()
-        };
         let params = PostParams { field_manager: Some(FIELD_MANAGER.to_owned()), ..PostParams::default() };
         let created =
-            self.api.create(&params, &empty).await.map_err(PublishError::kube(format!("create ConfigMap {name}")))?;
+            self.api.create(&params, cm).await.map_err(PublishError::kube(format!("create ConfigMap {name}")))?;
         self.saw(&name, Some(&created));
         Ok(())
     }
 
-    /// Server-side apply of `cm` (only ever `NAME`; parts are created, never applied),
-    /// conditional on `seen`: a 409 if the object is no longer that version. (One deleted
-    /// since is created again: the API server's apply creates a missing object whatever
-    /// resourceVersion it names.)
-    async fn apply(&mut self, cm: &ConfigMap, seen: &Seen) -> Result<(), PublishError> {
+    /// Replaces the object seen as `seen` with `cm` ([`over_seen`]), conditional on that
+    /// version: a 409 if it is no longer that version, a 404 if it is gone.
+    async fn replace(&mut self, cm: &ConfigMap, seen: &Seen) -> Result<(), PublishError> {
         self.may_write()?;
         let name = cm.metadata.name.clone().unwrap_or_default();
-        let mut cm = cm.clone();
+        let mut cm = over_seen(&seen.meta, cm);
         cm.metadata.resource_version = Some(seen.resource_version.clone());
-        let params = PatchParams::apply(FIELD_MANAGER).force();
+        let params = PostParams { field_manager: Some(FIELD_MANAGER.to_owned()), ..PostParams::default() };
         let written = self
             .api
-            .patch(&name, &params, &Patch::Apply(&cm))
+            .replace(&name, &params, &cm)
             .await
-            .map_err(PublishError::kube(format!("apply ConfigMap {name}")))?;
+            .map_err(PublishError::kube(format!("replace ConfigMap {name}")))?;
         self.saw(&name, Some(&written));
         Ok(())
     }
@@ -600,26 +628,27 @@ pub(crate) mod tests {
 
     /// ConfigMaps held by a loopback API server that answers as a real one does: each write
     /// gets a new resourceVersion (and a created object a uid); a create of an existing name,
-    /// an apply naming another resourceVersion than the stored one, and a delete whose
-    /// preconditions do not match are 409s; an apply of a missing object creates it, whatever
-    /// resourceVersion it names.
+    /// a replacement naming another resourceVersion than the stored one, and a delete whose
+    /// preconditions do not match are 409s; a replacement of a missing object is a 404.
     #[derive(Default)]
     pub(crate) struct Stored {
         objects: BTreeMap<String, serde_json::Value>,
         version: u64,
         /// DELETEs answer 500.
         fail_deletes: bool,
-        /// Creates and applies answer 403, as RBAC refusing them.
+        /// Creates and replacements answer 403, as RBAC refusing them.
         pub(crate) refuse_writes: bool,
-        /// Writes sent with no condition: applies without a resourceVersion, deletes
+        /// Writes sent with no condition: replacements without a resourceVersion, deletes
         /// without preconditions. A writer that sends one may overwrite what it never saw.
         blind: Vec<String>,
-        /// An apply of this name is carried out, and answered 500: as a timeout leaves it,
-        /// written without the writer knowing.
+        /// The names created, in order.
+        created: Vec<String>,
+        /// A replacement of this name is carried out, and answered 500: as a timeout leaves
+        /// it, written without the writer knowing.
         lost_answer: Option<String>,
         /// Right after a GET of this name, another writer changes it (once).
         written_after_read: Option<String>,
-        /// When this name is applied, leadership is taken away (the sender is told `None`).
+        /// When this name is written, leadership is taken away (the sender is told `None`).
         lose_leadership_at: Option<(String, tokio::sync::watch::Sender<Option<Instant>>)>,
     }
 
@@ -655,6 +684,7 @@ pub(crate) mod tests {
                 return conflict("AlreadyExists");
             }
             self.wrote(&name);
+            self.created.push(name.clone());
             (201, self.put(&name, cm))
         }
 
@@ -675,13 +705,12 @@ pub(crate) mod tests {
             (200, list)
         }
 
-        fn apply(&mut self, name: &str, body: &[u8]) -> (u16, serde_json::Value) {
+        fn replace(&mut self, name: &str, body: &[u8]) -> (u16, serde_json::Value) {
             let cm: serde_json::Value = serde_json::from_slice(body).unwrap();
+            let Some(current) = self.version_of(name) else { return crate::test_fixtures::not_found(name) };
             match cm["metadata"].get("resourceVersion") {
-                None => self.blind.push(format!("PATCH {name}")),
-                Some(sent) if self.objects.contains_key(name) && self.version_of(name).as_ref() != Some(sent) => {
-                    return conflict("Conflict");
-                }
+                None => self.blind.push(format!("PUT {name}")),
+                Some(sent) if *sent != current => return conflict("Conflict"),
                 Some(_) => {}
             }
             if self.objects.get(name).is_some_and(|o| o["immutable"] == true) {
@@ -739,7 +768,7 @@ pub(crate) mod tests {
             (200, cm)
         }
 
-        /// A create or an apply of `name` is being carried out.
+        /// A create or a replacement of `name` is being carried out.
         fn wrote(&mut self, name: &str) {
             if self.lose_leadership_at.as_ref().is_some_and(|(at, _)| at == name) {
                 self.lose_leadership_at.take().unwrap().1.send_replace(None);
@@ -758,14 +787,14 @@ pub(crate) mod tests {
     fn answer(stored: &Mutex<Stored>, method: &str, path: &str, body: &[u8]) -> (u16, serde_json::Value) {
         let name = path.rsplit('/').next().unwrap_or_default().to_owned();
         let mut st = stored.lock().unwrap();
-        if st.refuse_writes && matches!(method, "POST" | "PATCH") {
+        if st.refuse_writes && matches!(method, "POST" | "PUT") {
             let status = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
                 "reason": "Forbidden", "code": 403, "message": "configmaps is forbidden"});
             return (403, status);
         }
         match method {
             "POST" => st.create(body),
-            "PATCH" => st.apply(&name, body),
+            "PUT" => st.replace(&name, body),
             "DELETE" => st.delete(&name, body),
             "GET" => st.get(&name),
             _ => (405, serde_json::json!({})),
@@ -816,13 +845,9 @@ pub(crate) mod tests {
         publisher.publish(s.clone()).await.unwrap();
         assert_eq!(gate.0.lock().unwrap().1, PARTS_AT_ONCE, "parts in flight at once");
         assert_eq!(stored_parts(&stored), names.iter().cloned().collect::<BTreeSet<_>>(), "every part written");
-        let requests = api.take();
-        let index = requests.iter().position(|r| r == "PATCH snap").expect("the index is applied");
-        assert_eq!(
-            requests[..index].iter().filter(|r| *r == "POST configmaps").count(),
-            names.len() + 1,
-            "parts first"
-        );
+        let created = stored.lock().unwrap().created.clone();
+        assert_eq!(created.len(), names.len() + 1, "{created:?}");
+        assert_eq!(created.last().map(String::as_str), Some("snap"), "parts first: {created:?}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 8)]
@@ -839,7 +864,8 @@ pub(crate) mod tests {
         assert_eq!(gate.0.lock().unwrap().1, PARTS_AT_ONCE, "deletions in flight at once");
         assert_eq!(stored_parts(&stored), part_names(&s).into_iter().collect::<BTreeSet<_>>(), "every stale part gone");
         let requests = api.take();
-        let index = requests.iter().position(|r| r == "PATCH snap").expect("the index is applied");
+        let index = requests.iter().rposition(|r| r == "POST configmaps").expect("the index is created");
+        assert_eq!(stored.lock().unwrap().created.last().map(String::as_str), Some("snap"), "the index last");
         assert!(requests[..index].iter().all(|r| !r.starts_with("DELETE")), "nothing deleted before the switch");
     }
 
@@ -885,10 +911,10 @@ pub(crate) mod tests {
 
         publisher.publish(s.clone()).await.unwrap();
         // The index is read (none yet) and our parts listed; the parts created whole, then
-        // the index (created empty, then applied), then the stale parts deleted.
+        // the index, then the stale parts deleted.
         let mut expected = vec!["GET snap".to_owned(), "GET configmaps".to_owned()];
         expected.extend(names.iter().map(|_| "POST configmaps".to_owned()));
-        expected.extend(["POST configmaps".into(), "PATCH snap".into()]);
+        expected.push("POST configmaps".into());
         let mut requests = api.take();
         // The deletions, sent at once, end in any order.
         requests[expected.len()..].sort();
@@ -897,6 +923,7 @@ pub(crate) mod tests {
         let mut left: BTreeSet<String> = names.iter().cloned().collect();
         left.insert("snap-fedcba9876543210".into());
         assert_eq!(stored_parts(&stored), left, "ours written, someone else's kept");
+        assert_eq!(stored.lock().unwrap().created.last().map(String::as_str), Some("snap"), "the index last");
         assert!(stored.lock().unwrap().blind.is_empty(), "{:?}", stored.lock().unwrap().blind);
 
         let same_content = Arc::new(s.content.clone().into_snapshot(s.id + 1));
@@ -915,7 +942,7 @@ pub(crate) mod tests {
         }
         let (api, publisher) = publisher_of(&stored).await;
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
-        assert_eq!(api.take(), ["GET snap", "GET configmaps", "POST configmaps", "PATCH snap"]);
+        assert_eq!(api.take(), ["GET snap", "GET configmaps", "POST configmaps"]);
         assert_eq!(stored_parts(&stored), BTreeSet::from(["other-1".to_owned(), "snap-1".to_owned()]));
     }
 
@@ -956,7 +983,7 @@ pub(crate) mod tests {
         let at = calls.iter().position(|c| *c == format!("GET {new}")).unwrap();
         assert!(calls[..at].contains(&"POST configmaps".to_owned()), "{calls:?}");
         assert!(calls[at..].contains(&format!("DELETE {new}")), "{calls:?}");
-        assert!(calls.iter().all(|c| c != "PATCH snap"), "the index is not switched: {calls:?}");
+        assert!(calls.iter().all(|c| c != "PUT snap"), "the index is not switched: {calls:?}");
         assert_eq!(read_with(&stored.lock().unwrap(), &index1).unwrap(), s1.to_json());
         assert!(stored.lock().unwrap().objects[&new]["metadata"]["annotations"]["edited-by"] == "someone else");
 
@@ -1095,7 +1122,7 @@ pub(crate) mod tests {
 
         stored.lock().unwrap().objects.remove("snap");
         assert_eq!(publisher.repair().await.unwrap(), ["snap"]);
-        assert_eq!(api.take(), ["GET snap", "POST configmaps", "PATCH snap"], "gone: created again");
+        assert_eq!(api.take(), ["GET snap", "POST configmaps"], "gone: created again");
 
         let edited = {
             let mut st = stored.lock().unwrap();
@@ -1145,9 +1172,62 @@ pub(crate) mod tests {
             serde_json::json!("other");
         api.take();
         publisher.publish(Arc::new(snapshot(3, 8))).await.unwrap();
-        assert_eq!(api.take(), ["PATCH snap", "GET snap", "PATCH snap"], "not split before or now: no parts");
+        assert_eq!(api.take(), ["PUT snap", "GET snap", "PUT snap"], "not split before or now: no parts");
         let back = stored.lock().unwrap().objects["snap"].clone();
         assert_eq!(back["data"][KEY_JSON].as_str().unwrap().as_bytes(), snapshot(3, 8).to_json());
+    }
+
+    /// `NAME` is replaced whole but for what others set in its metadata: their labels,
+    /// annotations and owner references stay; a data key of theirs, and a key of ours the
+    /// new encoding does not use, go.
+    #[tokio::test]
+    async fn a_replacement_keeps_what_others_set_in_the_metadata_and_nothing_else() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let api = stored_api(stored.clone()).await;
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
+        {
+            let mut st = stored.lock().unwrap();
+            let mut cm = st.objects["snap"].clone();
+            cm["metadata"]["labels"]["team"] = serde_json::json!("payments");
+            cm["metadata"]["labels"].as_object_mut().unwrap().remove(LABEL_SNAPSHOT);
+            cm["metadata"]["annotations"]["note"] = serde_json::json!("kept");
+            cm["metadata"]["ownerReferences"] =
+                serde_json::json!([{"apiVersion": "v1", "kind": "Namespace", "name": "ops", "uid": "u-1"}]);
+            cm["data"]["extra"] = serde_json::json!("theirs");
+            st.put("snap", cm);
+        }
+        api.take();
+        // Large enough to be gzipped: `snapshot.json` is ours, and goes.
+        let big = snapshot(20_000, 0);
+        publisher.publish(Arc::new(big.clone())).await.unwrap();
+        assert_eq!(api.take(), ["PUT snap", "GET snap", "PUT snap"], "refused, read, replaced");
+        let st = stored.lock().unwrap();
+        let live = &st.objects["snap"];
+        assert_eq!(live["metadata"]["labels"]["team"], "payments");
+        assert_eq!(live["metadata"]["labels"][LABEL_SNAPSHOT], "true", "ours set again");
+        assert_eq!(live["metadata"]["annotations"]["note"], "kept");
+        assert_eq!(live["metadata"]["annotations"][ANNOTATION_HASH], big.hash.as_str());
+        assert_eq!(live["metadata"]["ownerReferences"][0]["uid"], "u-1");
+        assert!(live.get("data").is_none_or(|d| d.is_null()), "their key and our old one gone: {}", live["data"]);
+        assert_eq!(read_with(&st, live).unwrap(), big.to_json());
+        assert!(st.blind.is_empty(), "{:?}", st.blind);
+    }
+
+    /// A `NAME` deleted since it was seen is created again, by the write that finds it gone.
+    #[tokio::test]
+    async fn a_configmap_deleted_since_it_was_seen_is_created_again() {
+        let stored = Arc::new(Mutex::new(Stored::default()));
+        let api = stored_api(stored.clone()).await;
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
+        stored.lock().unwrap().objects.remove("snap");
+        api.take();
+        publisher.publish(Arc::new(snapshot(3, 8))).await.unwrap();
+        assert_eq!(api.take(), ["PUT snap", "POST configmaps"]);
+        let st = stored.lock().unwrap();
+        assert_eq!(read_with(&st, &st.objects["snap"]).unwrap(), snapshot(3, 8).to_json());
+        assert!(st.blind.is_empty(), "{:?}", st.blind);
     }
 
     /// The objects `stored` holds, decoded as a reader would from `main` (an index read
@@ -1178,7 +1258,7 @@ pub(crate) mod tests {
         let calls = api.take();
         let created = calls.iter().filter(|c| *c == "POST configmaps").count();
         assert_eq!(created, 3, "the header, the changed segment and the trailer, of {n}: {calls:?}");
-        assert_eq!(calls.last().map(String::as_str), Some("PATCH snap"), "nothing deleted yet: {calls:?}");
+        assert_eq!(calls.last().map(String::as_str), Some("PUT snap"), "nothing deleted yet: {calls:?}");
         // A reader holding the first index still reads the first snapshot, whole.
         assert_eq!(read_with(&stored.lock().unwrap(), &index1).unwrap(), s1.to_json());
         let index2 = stored.lock().unwrap().objects["snap"].clone();
@@ -1200,7 +1280,7 @@ pub(crate) mod tests {
         assert_eq!(calls[..2], ["GET snap", "GET configmaps"]);
         assert_eq!(calls.iter().filter(|c| c.starts_with("GET snap-")).count(), n, "{calls:?}");
         assert!(calls.iter().all(|c| !c.starts_with("DELETE")), "{calls:?}");
-        assert_eq!(calls.last().map(String::as_str), Some("PATCH snap"));
+        assert_eq!(calls.last().map(String::as_str), Some("PUT snap"));
 
         // Snapshots that fit in one ConfigMap: the parts go, the last index's one
         // publication later.
