@@ -77,6 +77,7 @@ pub(crate) fn measure(
         rx,
         s,
         pid: instance.pid,
+        etcd: cluster.env_value("ETCD_URL"),
         xds: probe,
         poll_cost,
         samples: Vec::new(),
@@ -86,14 +87,15 @@ pub(crate) fn measure(
     let PortChanges { spaced, back_to_back, cpu_spaced, cpu_back_to_back, change_requests } =
         driver.port_changes(rt, &instance.op)?;
     println!("  ConfigMap parts during the changes: {}", churn.lock().unwrap().summary());
-    let before = rt.block_on(breakdown(&instance.op));
+    let before = rt.block_on(breakdown(&instance.op, driver.etcd.as_deref()));
     let (flips, flip_requests) = rt.block_on(driver.health_flip_series())?;
-    print_breakdown("health flips", &flips, before, rt.block_on(breakdown(&instance.op)));
+    print_breakdown("health flips", &flips, before, rt.block_on(breakdown(&instance.op, driver.etcd.as_deref())));
     let node_flips = if s.node_flips > 0 {
-        let before = rt.block_on(breakdown(&instance.op));
+        let before = rt.block_on(breakdown(&instance.op, driver.etcd.as_deref()));
         let n = rt.block_on(driver.node_flips(31))?;
         println!("  node check flips: {}", n.summary());
-        print_breakdown("node check flips", &n, before, rt.block_on(breakdown(&instance.op)));
+        let after = rt.block_on(breakdown(&instance.op, driver.etcd.as_deref()));
+        print_breakdown("node check flips", &n, before, after);
         driver.close_series("node check flips");
         n
     } else {
@@ -122,14 +124,10 @@ pub(crate) fn measure(
 }
 
 /// Where a series' time went, beside how many of its changes took over each of [`SLOW`]:
-/// which stage the tail is made of.
-fn print_breakdown(
-    what: &str,
-    series: &Latencies,
-    before: Option<BTreeMap<String, Observed>>,
-    after: Option<BTreeMap<String, Observed>>,
-) {
-    if let (Some(before), Some(after)) = (before, after) {
+/// which stage the tail is made of; and below it, etcd's disk writes meanwhile, which every
+/// ConfigMap write waits for.
+fn print_breakdown(what: &str, series: &Latencies, before: Breakdown, after: Breakdown) {
+    if let (Some(before), Some(after)) = (before.operator, after.operator) {
         let slow = SLOW.map(|bound| {
             let limit = Duration::from_secs_f64(bound.parse().expect("a number"));
             series.0.iter().filter(|d| **d > limit).count()
@@ -137,9 +135,12 @@ fn print_breakdown(
         println!(
             "  where the {what}' time went (of {}: {}): {}",
             series.0.len(),
-            over(slow.map(|n| n as f64)),
-            breakdown_means(&before, &after)
+            over(slow.map(|n| n as f64), SLOW),
+            breakdown_means(&before, &after, SLOW)
         );
+    }
+    if let (Some(before), Some(after)) = (before.etcd, after.etcd) {
+        println!("  etcd's disk during the {what}: {}", breakdown_means(&before, &after, ETCD_SLOW));
     }
 }
 
@@ -335,8 +336,22 @@ const BREAKDOWN: [&str; 4] = [
     "consul_resolver_consul_request_duration_seconds",
 ];
 
-/// One series of a [`BREAKDOWN`] histogram, as scraped: its sum, its count, and how many
-/// observations were at most each of [`SLOW`] (its cumulative buckets of those bounds).
+/// etcd's histograms of its disk writes: the WAL's fsync, which every write waits for, and
+/// the backend's commit.
+const ETCD_DISK: [&str; 2] = ["etcd_disk_wal_fsync_duration_seconds", "etcd_disk_backend_commit_duration_seconds"];
+
+/// The [`ETCD_DISK`] bucket bounds nearest [`SLOW`]'s (etcd's buckets double from 1 ms).
+const ETCD_SLOW: [&str; 2] = ["0.032", "0.064"];
+
+/// The histograms of one scrape of the operator and of etcd.
+struct Breakdown {
+    operator: Option<BTreeMap<String, Observed>>,
+    etcd: Option<BTreeMap<String, Observed>>,
+}
+
+/// One series of a [`BREAKDOWN`] or [`ETCD_DISK`] histogram, as scraped: its sum, its
+/// count, and how many observations were at most each of two bounds ([`SLOW`],
+/// [`ETCD_SLOW`]: its cumulative buckets of those bounds).
 #[derive(Debug, Clone, Copy, Default)]
 struct Observed {
     sum: f64,
@@ -345,7 +360,7 @@ struct Observed {
 }
 
 impl Observed {
-    /// The observations over each of [`SLOW`].
+    /// The observations over each of its two bounds.
     fn slow(&self) -> [f64; 2] {
         self.within.map(|w| self.count - w)
     }
@@ -355,27 +370,44 @@ impl Observed {
 /// 50 ms and the flips' 100 ms, bucket bounds of every [`BREAKDOWN`] histogram.
 const SLOW: [&str; 2] = ["0.05", "0.1"];
 
-/// `counts` over each of [`SLOW`], for the breakdown's lines: "2 over 50 ms, 1 over 100 ms".
-fn over(counts: [f64; 2]) -> String {
+/// `counts` over each of `bounds`, for the breakdown's lines: "2 over 50 ms, 1 over 100 ms".
+fn over(counts: [f64; 2], bounds: [&str; 2]) -> String {
     let ms = |bound: &str| bound.parse::<f64>().expect("a number") * 1000.0;
-    format!("{} over {} ms, {} over {} ms", counts[0], ms(SLOW[0]), counts[1], ms(SLOW[1]))
+    format!("{} over {} ms, {} over {} ms", counts[0], ms(bounds[0]), counts[1], ms(bounds[1]))
 }
 
-/// Every series of the [`BREAKDOWN`] histograms, by the series' name and labels.
-async fn breakdown(op: &Operator) -> Option<BTreeMap<String, Observed>> {
-    let text = metrics_text(op).await?;
+/// The operator's [`BREAKDOWN`] histograms and etcd's [`ETCD_DISK`] ones (from `etcd`, its
+/// client URL), as they are now.
+async fn breakdown(op: &Operator, etcd: Option<&str>) -> Breakdown {
+    let operator = metrics_text(op).await.map(|text| histograms(&text, &BREAKDOWN, SLOW));
+    let etcd = match etcd {
+        Some(url) => etcd_metrics(url).await.map(|text| histograms(&text, &ETCD_DISK, ETCD_SLOW)),
+        None => None,
+    };
+    Breakdown { operator, etcd }
+}
+
+/// etcd's `/metrics` page.
+async fn etcd_metrics(url: &str) -> Option<String> {
+    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(5)).build().ok()?;
+    http.get(format!("{url}/metrics")).send().await.ok()?.text().await.ok()
+}
+
+/// Every series of the histograms `families` in the metrics page `text`, by the series'
+/// name and labels, with their buckets of `bounds`.
+fn histograms(text: &str, families: &[&str], bounds: [&str; 2]) -> BTreeMap<String, Observed> {
     let mut out: BTreeMap<String, Observed> = BTreeMap::new();
     for line in text.lines() {
         let Some((series, value)) = line.rsplit_once(' ') else { continue };
         let Ok(value) = value.parse::<f64>() else { continue };
-        for family in BREAKDOWN {
+        for family in families {
             let Some(rest) = series.strip_prefix(family) else { continue };
             if let Some(labels) = rest.strip_prefix("_sum") {
                 out.entry(series_name(family, labels)).or_default().sum = value;
             } else if let Some(labels) = rest.strip_prefix("_count") {
                 out.entry(series_name(family, labels)).or_default().count = value;
             } else if let Some(labels) = rest.strip_prefix("_bucket") {
-                for (i, bound) in SLOW.iter().enumerate() {
+                for (i, bound) in bounds.iter().enumerate() {
                     if let Some(labels) = without_le(labels, bound) {
                         out.entry(series_name(family, &labels)).or_default().within[i] = value;
                     }
@@ -383,7 +415,7 @@ async fn breakdown(op: &Operator) -> Option<BTreeMap<String, Observed>> {
             }
         }
     }
-    Some(out)
+    out
 }
 
 fn series_name(family: &str, labels: &str) -> String {
@@ -401,9 +433,13 @@ fn without_le(labels: &str, le: &str) -> Option<String> {
     Some(if rest.is_empty() { String::new() } else { format!("{{{}}}", rest.join(",")) })
 }
 
-/// The mean of each [`BREAKDOWN`] series observed between two scrapes, in ms, and how many
-/// of its observations were over each of [`SLOW`].
-fn breakdown_means(before: &BTreeMap<String, Observed>, after: &BTreeMap<String, Observed>) -> String {
+/// The mean of each histogram series observed between two scrapes, in ms, and how many of
+/// its observations were over each of `bounds` (those the scrapes were read with).
+fn breakdown_means(
+    before: &BTreeMap<String, Observed>,
+    after: &BTreeMap<String, Observed>,
+    bounds: [&str; 2],
+) -> String {
     after
         .iter()
         .filter_map(|(name, a)| {
@@ -412,7 +448,7 @@ fn breakdown_means(before: &BTreeMap<String, Observed>, after: &BTreeMap<String,
             (n > 0.0).then(|| {
                 let (after, before) = (a.slow(), b.slow());
                 let slow = [0, 1].map(|i| after[i] - before[i]);
-                format!("{name} {:.1} ms x{n} ({})", (a.sum - b.sum) / n * 1000.0, over(slow))
+                format!("{name} {:.1} ms x{n} ({})", (a.sum - b.sum) / n * 1000.0, over(slow, bounds))
             })
         })
         .collect::<Vec<_>>()
@@ -571,6 +607,9 @@ struct Driver<'a> {
     s: &'a Settings,
     /// The operator's.
     pid: u32,
+    /// etcd's client URL, for its disk histograms ([`ETCD_DISK`]); `None` on a cluster not
+    /// our own.
+    etcd: Option<String>,
     /// With `BENCH_XDS=1`: the spaced changes are timed to Envoy's ACK too, into `samples`
     /// until the series closes into `series`.
     xds: Option<Probe>,
@@ -591,7 +630,7 @@ impl Driver<'_> {
         // too), divided by the changes. Clock ticks, so 10 ms steps over the series at
         // USER_HZ 100.
         let cpu_before = cpu_time(pid)?;
-        let breakdown_before = rt.block_on(breakdown(op));
+        let breakdown_before = rt.block_on(breakdown(op, self.etcd.as_deref()));
         let spaced = rt.block_on(self.changes(20_000, 0, true))?;
         let cpu_spaced = (cpu_time(pid)? - cpu_before) / s.changes as u32;
         println!("  spaced changes: {}; operator CPU per change {}", spaced.summary(), cpu_ms(cpu_spaced));
@@ -603,7 +642,7 @@ impl Driver<'_> {
             );
         }
         self.close_series("spaced port changes");
-        print_breakdown("spaced changes", &spaced, breakdown_before, rt.block_on(breakdown(op)));
+        print_breakdown("spaced changes", &spaced, breakdown_before, rt.block_on(breakdown(op, self.etcd.as_deref())));
         let cpu_before = cpu_time(pid)?;
         let back_to_back = rt.block_on(self.changes(20_000 + s.changes as u16, 13, false))?;
         let cpu_back_to_back = (cpu_time(pid)? - cpu_before) / s.changes as u32;
@@ -801,7 +840,27 @@ mod tests {
         assert_eq!(without_le(r#"{le="0.25"}"#, "0.1"), None);
         let o = Observed { sum: 3.0, count: 10.0, within: [5.0, 7.0] };
         assert_eq!(o.slow(), [5.0, 3.0]);
-        assert_eq!(over(o.slow()), "5 over 50 ms, 3 over 100 ms");
+        assert_eq!(over(o.slow(), SLOW), "5 over 50 ms, 3 over 100 ms");
+    }
+
+    /// etcd's disk histograms are read at their own bounds, which double from 1 ms.
+    #[test]
+    fn etcds_fsyncs_are_counted_over_its_own_bucket_bounds() {
+        let page = "# TYPE etcd_disk_wal_fsync_duration_seconds histogram\n\
+            etcd_disk_wal_fsync_duration_seconds_bucket{le=\"0.016\"} 90\n\
+            etcd_disk_wal_fsync_duration_seconds_bucket{le=\"0.032\"} 95\n\
+            etcd_disk_wal_fsync_duration_seconds_bucket{le=\"0.064\"} 98\n\
+            etcd_disk_wal_fsync_duration_seconds_bucket{le=\"+Inf\"} 100\n\
+            etcd_disk_wal_fsync_duration_seconds_sum 0.5\n\
+            etcd_disk_wal_fsync_duration_seconds_count 100\n\
+            etcd_disk_backend_commit_duration_seconds_count 7\n";
+        let after = histograms(page, &ETCD_DISK, ETCD_SLOW);
+        let before = BTreeMap::new();
+        let means = breakdown_means(&before, &after, ETCD_SLOW);
+        assert!(
+            means.contains("etcd_disk_wal_fsync_duration_seconds 5.0 ms x100 (5 over 32 ms, 2 over 64 ms)"),
+            "{means}"
+        );
     }
 
     fn request(seq: u64, service: Option<&str>) -> RequestRecord {
