@@ -1,6 +1,6 @@
 //! What a snapshot ConfigMap write costs the API server: the operator's way (an update
 //! conditional on the version last seen) against a server-side apply of the same object.
-//! A benchmark, not part of `make test` (docs/benchmarks.md, "Measured design choices"):
+//! A benchmark, not part of `make test` (docs/benchmarks.md, "A snapshot ConfigMap's write"):
 //!
 //!     cargo test --release -p e2e --test configmap_writes -- --ignored --nocapture
 
