@@ -12,4 +12,5 @@ pub mod fixtures;
 pub mod harness;
 pub mod netns;
 pub mod probe;
+pub mod procfs;
 pub mod watches;

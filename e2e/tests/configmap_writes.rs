@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use e2e::harness::{Cluster, unique};
+use e2e::procfs::cpu_time;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -31,12 +32,12 @@ enum Way {
 #[ignore = "a benchmark: cargo test --release -p e2e --test configmap_writes -- --ignored --nocapture"]
 fn bench_an_update_against_a_server_side_apply() {
     let cluster = Cluster::shared();
-    let pid = cluster.apiserver_pid().expect("our own control plane: its kube-apiserver's pid");
+    let pid = cluster.apiserver_pid().expect("our own control plane: its kube-apiserver's pid") as u32;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(run(cluster, pid)).unwrap();
 }
 
-async fn run(cluster: &Cluster, apiserver: i32) -> anyhow::Result<()> {
+async fn run(cluster: &Cluster, apiserver: u32) -> anyhow::Result<()> {
     let _ = e2e::harness::http_client(); // installs the TLS provider
     let kc = kube::config::Kubeconfig::read_from(&cluster.admin_kubeconfig)?;
     let config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default()).await?;
@@ -114,7 +115,7 @@ impl Writer {
     }
 
     /// [`WRITES_PER_ROUND`] writes: their median latency and the API server's CPU a write.
-    async fn round(&mut self, api: &Api<ConfigMap>, apiserver: i32) -> anyhow::Result<(Duration, Duration)> {
+    async fn round(&mut self, api: &Api<ConfigMap>, apiserver: u32) -> anyhow::Result<(Duration, Duration)> {
         let mut latencies = Vec::with_capacity(WRITES_PER_ROUND);
         let cpu_before = cpu_time(apiserver)?;
         for _ in 0..WRITES_PER_ROUND {
@@ -150,18 +151,6 @@ fn configmap(name: &str, resource_version: Option<String>) -> ConfigMap {
         binary_data: Some(BTreeMap::from([("snapshot.json.gz".to_owned(), ByteString(bytes))])),
         ..ConfigMap::default()
     }
-}
-
-/// utime + stime of a process (/proc/<pid>/stat, fields 14 and 15).
-fn cpu_time(pid: i32) -> anyhow::Result<Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let rest = stat.rsplit_once(')').context("/proc/<pid>/stat without its command")?.1;
-    let field = |n: usize| -> anyhow::Result<u64> {
-        rest.split_whitespace().nth(n - 3).and_then(|v| v.parse().ok()).with_context(|| format!("field {n}: {rest}"))
-    };
-    // SAFETY: sysconf only reads a system constant.
-    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    Ok(Duration::from_secs_f64((field(14)? + field(15)?) as f64 / per_second))
 }
 
 fn ms(d: Duration) -> f64 {

@@ -22,11 +22,11 @@ use tokio::runtime::Runtime;
 use tokio::sync::mpsc;
 
 use crate::cold_start::Instance;
-use crate::procfs::{cpu_time, memory_kib};
 use crate::profile::Settings;
 use crate::report::{cpu_ms, ms};
 use crate::setup::{OPERATOR_NS, Setup, kube_client, node_name, register, service_name, set_check};
 use crate::xds::{self, PollCost, Probe};
+use e2e::procfs::{cpu_time, memory_kib};
 
 const CHANGE_LIMIT: Duration = Duration::from_secs(60);
 

@@ -16,10 +16,10 @@ use serde::Deserialize;
 use serde::de::IgnoredAny;
 use tokio::runtime::Runtime;
 
-use crate::procfs::{cpu_time, memory_kib, minor_faults, process_exited};
 use crate::profile::Settings;
 use crate::report::{median, ms};
 use crate::setup::{OPERATOR_NS, Setup, fresh_sim, kube_client};
+use e2e::procfs::{cpu_time, memory_kib, minor_faults, process_exited};
 
 const COLD_START_LIMIT: Duration = Duration::from_secs(120);
 

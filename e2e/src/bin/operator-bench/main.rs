@@ -84,7 +84,6 @@
 
 mod changes;
 mod cold_start;
-mod procfs;
 mod profile;
 mod report;
 mod run;

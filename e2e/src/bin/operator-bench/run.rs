@@ -14,10 +14,10 @@ use tokio::runtime::Runtime;
 
 use crate::changes::{self, Changes};
 use crate::cold_start::{ColdStarts, Instance, Milestones, Plan, cold_starts, milestones, stop};
-use crate::procfs::memory_kib;
 use crate::profile::Settings;
 use crate::setup::{OPERATOR_USER, Setup};
 use crate::xds::{self, EnvoyFigures, Follower, Probe};
+use e2e::procfs::memory_kib;
 
 pub(crate) struct Run {
     pub(crate) max_connections: u32,

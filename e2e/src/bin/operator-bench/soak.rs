@@ -36,13 +36,13 @@ use serde_json::{Value, json};
 use tokio::runtime::Runtime;
 
 use crate::cold_start::{cold_start, stop};
-use crate::procfs::{cpu_time, memory_kib, process_exited};
 use crate::profile::Settings;
 use crate::report::{mib, secs};
 use crate::setup::{
     OPERATOR_NS, Setup, fresh_sim, kube_client, mapping_resource, namespaces, node_name, placeholder_sim, register,
     registered_port, service_name, set_check, setup,
 };
+use e2e::procfs::{cpu_time, memory_kib, process_exited};
 
 /// Services only the churned Mappings name.
 const CHURN_SERVICES: usize = 100;

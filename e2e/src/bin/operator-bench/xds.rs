@@ -23,8 +23,8 @@ use e2e::envoy::{Envoy, EnvoyConfig, XdsSource};
 use e2e::harness::{Operator, metric_sample};
 use serde::Deserialize;
 
-use crate::procfs::{memory_kib, thread_cpu_ns, thread_cpu_since};
 use crate::report::{cpu_ms, ms, secs};
+use e2e::procfs::{memory_kib, thread_cpu_ns, thread_cpu_since};
 
 /// Envoy's node id.
 const NODE: &str = "operator-bench";

@@ -1,11 +1,12 @@
-//! What /proc says of a process: whether it still runs, its memory, its CPU time.
+//! What /proc says of a process: whether it still runs, its memory, its CPU time (for the
+//! benchmarks: operator-bench, and the ignored benchmark tests).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
 
-pub(crate) fn process_exited(pid: u32) -> bool {
+pub fn process_exited(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/status")) {
         Ok(status) => status.lines().any(|l| l.starts_with("State:") && l.contains('Z')),
         Err(_) => true,
@@ -13,7 +14,7 @@ pub(crate) fn process_exited(pid: u32) -> bool {
 }
 
 /// `VmHWM` and `VmRSS` of a process, in KiB.
-pub(crate) fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
+pub fn memory_kib(pid: u32) -> anyhow::Result<(u64, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let field = |name: &str| {
         status
@@ -42,13 +43,13 @@ fn stat_fields(pid: u32) -> anyhow::Result<impl Fn(usize) -> anyhow::Result<u64>
 
 /// The page faults a process took without reading a disk (`minflt`, field 10 of
 /// /proc/<pid>/stat): at a cold start, fresh memory touched for the first time.
-pub(crate) fn minor_faults(pid: u32) -> anyhow::Result<u64> {
+pub fn minor_faults(pid: u32) -> anyhow::Result<u64> {
     stat_fields(pid)?(10)
 }
 
 /// The CPU time (user + system) a process has used so far: utime + stime of
 /// /proc/<pid>/stat (fields 14 and 15), in clock ticks.
-pub(crate) fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
+pub fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
     let field = stat_fields(pid)?;
     let ticks = field(14)? + field(15)?;
     // SAFETY: sysconf only reads a system constant.
@@ -60,7 +61,7 @@ pub(crate) fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
 /// The CPU time each thread of a process has run so far, in nanoseconds (the first field
 /// of /proc/<pid>/task/<tid>/schedstat), by thread id: finer than [`cpu_time`]'s clock
 /// ticks, so one change's CPU can be read.
-pub(crate) fn thread_cpu_ns(pid: u32) -> anyhow::Result<BTreeMap<u32, u64>> {
+pub fn thread_cpu_ns(pid: u32) -> anyhow::Result<BTreeMap<u32, u64>> {
     let mut out = BTreeMap::new();
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
         let task = task?;
@@ -76,7 +77,7 @@ pub(crate) fn thread_cpu_ns(pid: u32) -> anyhow::Result<BTreeMap<u32, u64>> {
 
 /// The CPU the threads ran between two [`thread_cpu_ns`] reads; `None` when a thread of
 /// the first has ended by the second (its time would be lost, not counted).
-pub(crate) fn thread_cpu_since(before: &BTreeMap<u32, u64>, after: &BTreeMap<u32, u64>) -> Option<Duration> {
+pub fn thread_cpu_since(before: &BTreeMap<u32, u64>, after: &BTreeMap<u32, u64>) -> Option<Duration> {
     let mut ns = 0u64;
     for (tid, now) in after {
         ns += now.saturating_sub(before.get(tid).copied().unwrap_or(0));
