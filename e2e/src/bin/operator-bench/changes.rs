@@ -87,15 +87,14 @@ pub(crate) fn measure(
     let PortChanges { spaced, back_to_back, cpu_spaced, cpu_back_to_back, change_requests } =
         driver.port_changes(rt, &instance.op)?;
     println!("  ConfigMap parts during the changes: {}", churn.lock().unwrap().summary());
-    let before = rt.block_on(breakdown(&instance.op, driver.etcd.as_deref()));
+    let before = driver.breakdown(rt, &instance.op);
     let (flips, flip_requests) = rt.block_on(driver.health_flip_series())?;
-    print_breakdown("health flips", &flips, before, rt.block_on(breakdown(&instance.op, driver.etcd.as_deref())));
+    print_breakdown("health flips", &flips, before, driver.breakdown(rt, &instance.op));
     let node_flips = if s.node_flips > 0 {
-        let before = rt.block_on(breakdown(&instance.op, driver.etcd.as_deref()));
+        let before = driver.breakdown(rt, &instance.op);
         let n = rt.block_on(driver.node_flips(31))?;
         println!("  node check flips: {}", n.summary());
-        let after = rt.block_on(breakdown(&instance.op, driver.etcd.as_deref()));
-        print_breakdown("node check flips", &n, before, after);
+        print_breakdown("node check flips", &n, before, driver.breakdown(rt, &instance.op));
         driver.close_series("node check flips");
         n
     } else {
@@ -314,8 +313,13 @@ async fn watch_configmap(
 
 /// The operator's `/metrics` page.
 async fn metrics_text(op: &Operator) -> Option<String> {
-    let resp = reqwest::Client::builder().no_proxy().build().ok()?.get(op.url("/metrics")).send().await.ok()?;
-    resp.text().await.ok()
+    metrics_page(&op.url("/metrics")).await
+}
+
+/// The metrics page at `url` (the operator's, etcd's), within 5 s.
+async fn metrics_page(url: &str) -> Option<String> {
+    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(5)).build().ok()?;
+    http.get(url).send().await.ok()?.text().await.ok()
 }
 
 /// The operator's `publish_duration_seconds` histogram: (sum, count).
@@ -381,16 +385,10 @@ fn over(counts: [f64; 2], bounds: [&str; 2]) -> String {
 async fn breakdown(op: &Operator, etcd: Option<&str>) -> Breakdown {
     let operator = metrics_text(op).await.map(|text| histograms(&text, &BREAKDOWN, SLOW));
     let etcd = match etcd {
-        Some(url) => etcd_metrics(url).await.map(|text| histograms(&text, &ETCD_DISK, ETCD_SLOW)),
+        Some(url) => metrics_page(&format!("{url}/metrics")).await.map(|text| histograms(&text, &ETCD_DISK, ETCD_SLOW)),
         None => None,
     };
     Breakdown { operator, etcd }
-}
-
-/// etcd's `/metrics` page.
-async fn etcd_metrics(url: &str) -> Option<String> {
-    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(5)).build().ok()?;
-    http.get(format!("{url}/metrics")).send().await.ok()?.text().await.ok()
 }
 
 /// Every series of the histograms `families` in the metrics page `text`, by the series'
@@ -619,6 +617,11 @@ struct Driver<'a> {
 }
 
 impl Driver<'_> {
+    /// The operator's histograms and etcd's, as they are now ([`breakdown`]).
+    fn breakdown(&self, rt: &Runtime, op: &Operator) -> Breakdown {
+        rt.block_on(breakdown(op, self.etcd.as_deref()))
+    }
+
     /// The spaced series, then the back-to-back one, each with the operator's CPU per
     /// change; then the Consul requests of both.
     fn port_changes(&mut self, rt: &Runtime, op: &Operator) -> anyhow::Result<PortChanges> {
@@ -630,7 +633,7 @@ impl Driver<'_> {
         // too), divided by the changes. Clock ticks, so 10 ms steps over the series at
         // USER_HZ 100.
         let cpu_before = cpu_time(pid)?;
-        let breakdown_before = rt.block_on(breakdown(op, self.etcd.as_deref()));
+        let breakdown_before = self.breakdown(rt, op);
         let spaced = rt.block_on(self.changes(20_000, 0, true))?;
         let cpu_spaced = (cpu_time(pid)? - cpu_before) / s.changes as u32;
         println!("  spaced changes: {}; operator CPU per change {}", spaced.summary(), cpu_ms(cpu_spaced));
@@ -642,7 +645,7 @@ impl Driver<'_> {
             );
         }
         self.close_series("spaced port changes");
-        print_breakdown("spaced changes", &spaced, breakdown_before, rt.block_on(breakdown(op, self.etcd.as_deref())));
+        print_breakdown("spaced changes", &spaced, breakdown_before, self.breakdown(rt, op));
         let cpu_before = cpu_time(pid)?;
         let back_to_back = rt.block_on(self.changes(20_000 + s.changes as u16, 13, false))?;
         let cpu_back_to_back = (cpu_time(pid)? - cpu_before) / s.changes as u32;
