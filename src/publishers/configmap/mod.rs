@@ -91,9 +91,8 @@ struct Parts {
 #[derive(Debug, Clone)]
 struct Seen {
     resource_version: String,
-    uid: Option<String>,
-    /// Its metadata as seen, without managedFields: a replacement keeps what others set
-    /// there ([`over_seen`]).
+    /// Its metadata as seen (the uid a deletion is conditional on too), without
+    /// managedFields: a replacement keeps what others set there ([`over_seen`]).
     meta: Arc<ObjectMeta>,
 }
 
@@ -102,7 +101,7 @@ impl Seen {
     fn of(meta: &ObjectMeta) -> Option<Seen> {
         let resource_version = meta.resource_version.clone()?;
         let meta = ObjectMeta { managed_fields: None, ..meta.clone() };
-        Some(Seen { resource_version, uid: meta.uid.clone(), meta: Arc::new(meta) })
+        Some(Seen { resource_version, meta: Arc::new(meta) })
     }
 }
 
@@ -467,7 +466,7 @@ impl Writer<'_> {
     async fn delete(&mut self, name: &str) -> Result<bool, PublishError> {
         let Some(seen) = self.seen.get(name).cloned() else { return Ok(false) };
         self.may_write()?;
-        let preconditions = Preconditions { resource_version: Some(seen.resource_version), uid: seen.uid };
+        let preconditions = Preconditions { resource_version: Some(seen.resource_version), uid: seen.meta.uid.clone() };
         let params = DeleteParams { preconditions: Some(preconditions), ..DeleteParams::default() };
         match self.api.delete(name, &params).await {
             Ok(_) => {
