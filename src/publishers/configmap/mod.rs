@@ -885,6 +885,16 @@ pub(crate) mod tests {
         (api, publisher)
     }
 
+    /// A loopback API server holding `stored`, and a publisher (always leading) writing to it
+    /// with the product's data budget.
+    async fn whole_budget_publisher_of(
+        stored: &Arc<Mutex<Stored>>,
+    ) -> (crate::test_fixtures::FakeApi, ConfigMapPublisher) {
+        let api = stored_api(stored.clone()).await;
+        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        (api, publisher)
+    }
+
     fn small_budget(api: &crate::test_fixtures::FakeApi, leadership: Leadership) -> ConfigMapPublisher {
         ConfigMapPublisher::with_budget(api.client.clone(), target(), leadership, 1000)
     }
@@ -1121,8 +1131,7 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn a_deleted_or_edited_configmap_is_written_again_by_repair() {
         let stored = Arc::new(Mutex::new(Stored::default()));
-        let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        let (api, publisher) = whole_budget_publisher_of(&stored).await;
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
         api.take();
         assert!(publisher.repair().await.unwrap().is_empty(), "intact: nothing to repair");
@@ -1172,8 +1181,7 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn writes_are_conditional_and_a_conflict_is_read_and_written_over() {
         let stored = Arc::new(Mutex::new(Stored::default()));
-        let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        let (api, publisher) = whole_budget_publisher_of(&stored).await;
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
         // Someone else writes it in between.
         stored.lock().unwrap().objects.get_mut("snap").unwrap()["metadata"]["resourceVersion"] =
@@ -1191,8 +1199,7 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn a_replacement_keeps_what_others_set_in_the_metadata_and_nothing_else() {
         let stored = Arc::new(Mutex::new(Stored::default()));
-        let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        let (api, publisher) = whole_budget_publisher_of(&stored).await;
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
         {
             let mut st = stored.lock().unwrap();
@@ -1227,8 +1234,7 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn a_name_not_seen_is_created_so_another_writers_object_is_read_before_it_is_written() {
         let stored = Arc::new(Mutex::new(Stored::default()));
-        let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        let (api, publisher) = whole_budget_publisher_of(&stored).await;
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
         // Gone when repair reads it, and created by someone else right after.
         {
@@ -1251,8 +1257,7 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn a_configmap_deleted_since_it_was_seen_is_created_again() {
         let stored = Arc::new(Mutex::new(Stored::default()));
-        let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        let (api, publisher) = whole_budget_publisher_of(&stored).await;
         publisher.publish(Arc::new(snapshot(2, 8))).await.unwrap();
         stored.lock().unwrap().objects.remove("snap");
         api.take();
@@ -1277,8 +1282,7 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn a_new_index_reuses_unchanged_parts_and_the_previous_one_stays_readable() {
         let stored = Arc::new(Mutex::new(Stored::default()));
-        let api = stored_api(stored.clone()).await;
-        let publisher = ConfigMapPublisher::new(api.client.clone(), target(), Leadership::always());
+        let (api, publisher) = whole_budget_publisher_of(&stored).await;
         let s1 = snapshot(30_000, 32);
         let s2 = snapshot_with(30_000, 32, &[10_000]).content.into_snapshot(43);
         let s3 = snapshot_with(30_000, 32, &[10_000, 20_000]).content.into_snapshot(44);
