@@ -44,10 +44,20 @@ impl RealAgent {
     /// A fresh dev agent whose HTTP API listens on `http` (a Consul back on the address
     /// its clients know), or on a free port.
     pub fn start_on(http: Option<u16>) -> anyhow::Result<RealAgent> {
+        RealAgent::start_logging(http, "debug")
+    }
+
+    /// A fresh dev agent logging at `info`: for benchmarks, where logging every request
+    /// would be part of what is measured.
+    pub fn start_quiet() -> anyhow::Result<RealAgent> {
+        RealAgent::start_logging(None, "info")
+    }
+
+    fn start_logging(http: Option<u16>, level: &str) -> anyhow::Result<RealAgent> {
         let bin = RealAgent::binary()?;
         let mut last = None;
         for _ in 0..5 {
-            match RealAgent::try_start(&bin, http.unwrap_or_else(free_port)) {
+            match RealAgent::try_start(&bin, http.unwrap_or_else(free_port), level) {
                 Ok(agent) => return Ok(agent),
                 Err(e) => last = Some(e),
             }
@@ -55,7 +65,7 @@ impl RealAgent {
         Err(last.expect("tried").context("the Consul agent did not start in 5 attempts"))
     }
 
-    fn try_start(bin: &PathBuf, http: u16) -> anyhow::Result<RealAgent> {
+    fn try_start(bin: &PathBuf, http: u16, level: &str) -> anyhow::Result<RealAgent> {
         let dir = tempfile::Builder::new().prefix("cro-consul-").tempdir()?;
         let (serf_lan, serf_wan, server) = (free_port(), free_port(), free_port());
         let config = serde_json::json!({
@@ -68,7 +78,7 @@ impl RealAgent {
         let log = dir.path().join("consul.log");
         let logfile = std::fs::File::create(&log)?;
         let child = Command::new(bin)
-            .args(["agent", "-dev", "-bind", "127.0.0.1", "-client", "127.0.0.1", "-log-level", "debug"])
+            .args(["agent", "-dev", "-bind", "127.0.0.1", "-client", "127.0.0.1", "-log-level", level])
             .arg("-config-file")
             .arg(&config_file)
             .stdin(Stdio::null())
@@ -92,7 +102,8 @@ impl RealAgent {
         bail!("consul agent on {http_addr} had no leader within {READY_WITHIN:?}:\n{}", agent.logs())
     }
 
-    /// The agent's log so far (debug level: every HTTP request it served).
+    /// The agent's log so far (at debug level, but for `start_quiet`'s: every HTTP request
+    /// it served).
     pub fn logs(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
