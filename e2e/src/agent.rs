@@ -14,6 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use consul_sim::tls::TestPki;
 
 use crate::harness::{cached_binary, free_port};
 
@@ -25,8 +26,18 @@ pub struct RealAgent {
     /// `http://127.0.0.1:PORT`.
     pub base_url: String,
     pub http: SocketAddr,
+    /// `https://127.0.0.1:PORT`, when started with TLS (`start_tls`).
+    pub https_url: Option<String>,
     pub log: PathBuf,
     _dir: tempfile::TempDir,
+}
+
+/// How an agent is started.
+struct Options<'a> {
+    http: Option<u16>,
+    level: &'a str,
+    /// Serve HTTPS too, with this PKI's server certificate (no client certificate asked).
+    tls: Option<&'a TestPki>,
 }
 
 impl RealAgent {
@@ -44,20 +55,26 @@ impl RealAgent {
     /// A fresh dev agent whose HTTP API listens on `http` (a Consul back on the address
     /// its clients know), or on a free port.
     pub fn start_on(http: Option<u16>) -> anyhow::Result<RealAgent> {
-        RealAgent::start_logging(http, "debug")
+        RealAgent::start_with(&Options { http, level: "debug", tls: None })
     }
 
     /// A fresh dev agent logging at `info`: for benchmarks, where logging every request
     /// would be part of what is measured.
     pub fn start_quiet() -> anyhow::Result<RealAgent> {
-        RealAgent::start_logging(None, "info")
+        RealAgent::start_with(&Options { http: None, level: "info", tls: None })
     }
 
-    fn start_logging(http: Option<u16>, level: &str) -> anyhow::Result<RealAgent> {
+    /// As `start_quiet`, also serving its API over HTTPS (where Consul serves HTTP/2) with
+    /// `pki`'s server certificate, at `https_url`.
+    pub fn start_tls(pki: &TestPki) -> anyhow::Result<RealAgent> {
+        RealAgent::start_with(&Options { http: None, level: "info", tls: Some(pki) })
+    }
+
+    fn start_with(options: &Options) -> anyhow::Result<RealAgent> {
         let bin = RealAgent::binary()?;
         let mut last = None;
         for _ in 0..5 {
-            match RealAgent::try_start(&bin, http.unwrap_or_else(free_port), level) {
+            match RealAgent::try_start(&bin, options.http.unwrap_or_else(free_port), options) {
                 Ok(agent) => return Ok(agent),
                 Err(e) => last = Some(e),
             }
@@ -65,20 +82,31 @@ impl RealAgent {
         Err(last.expect("tried").context("the Consul agent did not start in 5 attempts"))
     }
 
-    fn try_start(bin: &PathBuf, http: u16, level: &str) -> anyhow::Result<RealAgent> {
+    fn try_start(bin: &PathBuf, http: u16, options: &Options) -> anyhow::Result<RealAgent> {
         let dir = tempfile::Builder::new().prefix("cro-consul-").tempdir()?;
         let (serf_lan, serf_wan, server) = (free_port(), free_port(), free_port());
-        let config = serde_json::json!({
-            "ports": {"http": http, "dns": -1, "grpc": -1, "https": -1,
+        let https = options.tls.map(|_| free_port());
+        let mut config = serde_json::json!({
+            "ports": {"http": http, "dns": -1, "grpc": -1, "https": https.map_or(-1, i32::from),
                       "serf_lan": serf_lan, "serf_wan": serf_wan, "server": server},
             "disable_update_check": true,
         });
+        if let Some(pki) = options.tls {
+            for (key, file, pem) in [
+                ("cert_file", "server.pem", &pki.server_cert_pem),
+                ("key_file", "server-key.pem", &pki.server_key_pem),
+                ("ca_file", "ca.pem", &pki.ca_cert_pem),
+            ] {
+                std::fs::write(dir.path().join(file), pem)?;
+                config[key] = dir.path().join(file).display().to_string().into();
+            }
+        }
         let config_file = dir.path().join("config.json");
         std::fs::write(&config_file, config.to_string())?;
         let log = dir.path().join("consul.log");
         let logfile = std::fs::File::create(&log)?;
         let child = Command::new(bin)
-            .args(["agent", "-dev", "-bind", "127.0.0.1", "-client", "127.0.0.1", "-log-level", level])
+            .args(["agent", "-dev", "-bind", "127.0.0.1", "-client", "127.0.0.1", "-log-level", options.level])
             .arg("-config-file")
             .arg(&config_file)
             .stdin(Stdio::null())
@@ -87,8 +115,15 @@ impl RealAgent {
             .spawn()
             .context("starting consul agent -dev")?;
         let http_addr: SocketAddr = ([127, 0, 0, 1], http).into();
-        let mut agent =
-            RealAgent { child: Some(child), base_url: format!("http://{http_addr}"), http: http_addr, log, _dir: dir };
+        let https_url = https.map(|p| format!("https://127.0.0.1:{p}"));
+        let mut agent = RealAgent {
+            child: Some(child),
+            base_url: format!("http://{http_addr}"),
+            http: http_addr,
+            https_url,
+            log,
+            _dir: dir,
+        };
         let deadline = Instant::now() + READY_WITHIN;
         while Instant::now() < deadline {
             if let Some(status) = agent.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {

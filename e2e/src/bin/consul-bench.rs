@@ -37,6 +37,17 @@
 //! whose catalog move spans another raft write (the agent's network coordinates about every
 //! 15 s, the leader's barrier every minute: indexes nothing in the catalog explains) are
 //! counted apart.
+//!
+//! `BENCH_FED_SIZE=SERVICESxINSTANCES` (for example `5000x15`) measures the fed path at that
+//! size against the simulator and then a real agent (the cached 1.8.7), each filled alike
+//! through `/v1/catalog/register`: instance k of every service on node `bench-k` with a
+//! passing check; every service watched at the default budget, one scope (88 dedicated,
+//! the rest fed); then `BENCH_FLIPS` (here 40) health flips, one at a time (an instance's check
+//! critical, then passing again, on spread services), each timed from the write to the
+//! event, and the source's requests until none came for a second (the sweep an hour, or no
+//! second would be quiet; the first sweeps, spread over that hour, are still counted). The simulator's run is the baseline of the agent's. With
+//! `BENCH_TLS=1` both serve over TLS (a certificate made at start), where HTTP/2 gives
+//! every service a blocking query of its own and no feed runs.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -58,6 +69,9 @@ async fn main() -> anyhow::Result<()> {
     let k = Knobs::from_env();
     if std::env::var("BENCH_REAL_AGENT").is_ok_and(|v| v == "1") {
         return real_agent::run(&k).await;
+    }
+    if let Ok(size) = std::env::var("BENCH_FED_SIZE") {
+        return fed_at_size::run(&size, env_usize("BENCH_FLIPS", 40)).await;
     }
     let settings = Settings::default();
     let pki = std::env::var("BENCH_TLS").is_ok_and(|v| v == "1").then(TestPki::generate).transpose()?;
@@ -576,7 +590,7 @@ mod real_agent {
     }
 
     /// Waits until the source has finished no request for `quiet`.
-    async fn settled(metrics: &Metrics, quiet: Duration) {
+    pub(super) async fn settled(metrics: &Metrics, quiet: Duration) {
         let (mut seen, mut since) = (metrics.requests_total(), Instant::now());
         while since.elapsed() < quiet {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -607,5 +621,210 @@ mod real_agent {
         print("all", &|_| true);
         print("the change alone in its move", &|c| !c);
         print("another raft write within the move", &|c| c);
+    }
+}
+
+/// The fed path at a size, against the simulator and a real agent (`BENCH_FED_SIZE`; see
+/// the crate's doc).
+mod fed_at_size {
+    use super::*;
+    use anyhow::Context;
+    use e2e::agent::RealAgent;
+    use futures::{StreamExt, TryStreamExt};
+
+    /// The port of every service's instance 0, the one whose check flips.
+    const FLIPPED_PORT: u16 = 20000;
+
+    /// One server's figures.
+    struct Measured {
+        server: &'static str,
+        fill: Duration,
+        dedicated: i64,
+        fed: i64,
+        took: Vec<Duration>,
+        requests: Vec<u64>,
+    }
+
+    pub(super) async fn run(size: &str, flips: usize) -> anyhow::Result<()> {
+        let (services, instances) = size.split_once('x').context("BENCH_FED_SIZE: SERVICESxINSTANCES")?;
+        let (services, instances): (usize, usize) = (services.trim().parse()?, instances.trim().parse()?);
+        anyhow::ensure!(services > 0 && (1..=250).contains(&instances), "BENCH_FED_SIZE: 1.. x 1..250");
+        let load = || std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim().to_owned();
+        let load_start = load();
+        let pki = std::env::var("BENCH_TLS").is_ok_and(|v| v == "1").then(TestPki::generate).transpose()?;
+        let size = Size { services, instances, flips };
+        let simulated = against_simulator(pki.as_ref(), &size).await?;
+        let real = against_agent(pki.as_ref(), &size).await?;
+        let over = if pki.is_some() { "TLS (HTTP/2 where the server offers it)" } else { "plain HTTP" };
+        println!(
+            "{services} services x {instances} instances over {over}; load average {load_start} at the start, {} at the end",
+            load()
+        );
+        print(&mut [simulated, real]);
+        Ok(())
+    }
+
+    async fn against_simulator(pki: Option<&TestPki>, size: &Size) -> anyhow::Result<Measured> {
+        let config = Config { max_conns_per_client: 0, tls: pki.map(TestPki::server_tls), ..Config::default() };
+        let sim = Simulator::start_background(config)?;
+        let base = sim.base_url();
+        let measured = measure("simulator", Endpoints { watch: &base, write: &base }, pki, size).await;
+        sim.shutdown().await;
+        measured
+    }
+
+    /// A fresh agent, watched over TLS with `pki`, else over plain HTTP.
+    async fn against_agent(pki: Option<&TestPki>, size: &Size) -> anyhow::Result<Measured> {
+        let start = {
+            let pki = pki.cloned();
+            move || match &pki {
+                Some(pki) => RealAgent::start_tls(pki),
+                None => RealAgent::start_quiet(),
+            }
+        };
+        let agent = tokio::task::spawn_blocking(start).await??;
+        // Written through its plain HTTP API either way: over HTTP/2, 150,000 registrations
+        // 32 at a time ran into the h2 crate's guard against reset streams.
+        let watch = agent.https_url.as_deref().unwrap_or(&agent.base_url);
+        measure("Consul 1.8.7", Endpoints { watch, write: &agent.base_url }, pki, size).await
+    }
+
+    /// What to fill and flip.
+    struct Size {
+        services: usize,
+        instances: usize,
+        flips: usize,
+    }
+
+    /// Where a server is watched, and where the bench writes to it.
+    struct Endpoints<'a> {
+        watch: &'a str,
+        write: &'a str,
+    }
+
+    async fn measure(
+        server: &'static str,
+        at: Endpoints<'_>,
+        pki: Option<&TestPki>,
+        size: &Size,
+    ) -> anyhow::Result<Measured> {
+        let (services, instances, flips) = (size.services, size.instances, size.flips);
+        let http = match pki.filter(|_| at.write.starts_with("https:")) {
+            Some(pki) => reqwest::Client::builder().use_preconfigured_tls(pki.client_config(false)?).build()?,
+            None => reqwest::Client::new(),
+        };
+        let base = at.write;
+        let tls = pki.map(|p| TlsSettings { ca_pem: Some(p.ca_cert_pem.as_str().into()), ..Default::default() });
+        let t0 = Instant::now();
+        fill(&http, base, services, instances).await?;
+        let fill = t0.elapsed();
+        eprintln!("{server}: filled in {fill:?}");
+        let names: Vec<String> = (0..services).map(|i| format!("svc-{i}")).collect();
+        let metrics = Metrics::unregistered();
+        // The sweep, a request every 5 min per fed service, would leave no quiet second to
+        // count a flip's requests by at these sizes; an hour's leaves the rest as it is
+        // (its first pass, spread over the hour, is still a request or two a second).
+        let settings = Settings { sweep: Duration::from_secs(3600), ..Settings::default() };
+        let source = ConsulSource::new(settings, metrics.clone());
+        let (tx, mut rx) = mpsc::channel(100_000);
+        let _tasks: Vec<_> = keys(&names, at.watch, tls.as_ref(), 1)
+            .into_iter()
+            .map(|key| AbortOnDropHandle::new(tokio::spawn(source.watch(key, tx.clone()))))
+            .collect();
+        answered(&mut rx, services).await;
+        eprintln!("{server}: every service answered");
+        real_agent::settled(&metrics, Duration::from_secs(2)).await;
+        // Over HTTP/2 every watch is a stream of its own: counted with the dedicated.
+        let dedicated = metrics.watches("dedicated") + metrics.watches("multiplexed");
+        let fed = metrics.watches("fed");
+        eprintln!("{server}: {dedicated} dedicated, {fed} fed");
+        let (mut took, mut requests) = (Vec::new(), Vec::new());
+        for i in 0..flips {
+            let (s, critical) = (((i / 2) * 7919) % services, i % 2 == 0);
+            while rx.try_recv().is_ok() {}
+            let before = metrics.requests_total();
+            let t0 = Instant::now();
+            http_ok(http.put(format!("{base}/v1/catalog/register")).json(&registration(s, 0, critical))).await?;
+            flipped(&mut rx, &names[s], critical).await?;
+            took.push(t0.elapsed());
+            real_agent::settled(&metrics, Duration::from_secs(1)).await;
+            requests.push(metrics.requests_total() - before);
+            eprintln!("{server}: flip {i} of svc-{s} seen after {:?}", took[i]);
+        }
+        Ok(Measured { server, fill, dedicated, fed, took, requests })
+    }
+
+    /// Instance `k` of service `s`, on node `bench-k`, its check passing or critical.
+    fn registration(s: usize, k: usize, critical: bool) -> serde_json::Value {
+        let id = format!("svc-{s}-{k}");
+        json!({
+            "Node": format!("bench-{k}"),
+            "Address": format!("127.0.{}.{}", k / 250, k % 250 + 1),
+            "Service": {"ID": id, "Service": format!("svc-{s}"), "Port": FLIPPED_PORT as usize + k},
+            "Check": {"CheckID": format!("check-{id}"), "Name": "health",
+                      "Status": if critical { "critical" } else { "passing" }, "ServiceID": id}
+        })
+    }
+
+    async fn fill(http: &reqwest::Client, base: &str, services: usize, instances: usize) -> anyhow::Result<()> {
+        let url = format!("{base}/v1/catalog/register");
+        futures::stream::iter((0..services).flat_map(|s| (0..instances).map(move |k| (s, k))))
+            .map(|(s, k)| http_ok(http.put(&url).json(&registration(s, k, false))))
+            .buffer_unordered(32)
+            .try_collect::<Vec<()>>()
+            .await?;
+        Ok(())
+    }
+
+    async fn http_ok(req: reqwest::RequestBuilder) -> anyhow::Result<()> {
+        let r = req.timeout(Duration::from_secs(30)).send().await?;
+        anyhow::ensure!(r.status().is_success(), "register: {}", r.status());
+        Ok(())
+    }
+
+    /// Waits for an answer of `name` without its instance 0 (critical: the product's
+    /// `healthStatuses: [passing]` leaves it out) or with it again.
+    async fn flipped(rx: &mut mpsc::Receiver<Event>, name: &str, critical: bool) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(Event::Consul(k, ConsulEvent::Answer { endpoints, .. })))
+                    if k.service == name && endpoints.iter().any(|e| e.port == FLIPPED_PORT) != critical =>
+                {
+                    return Ok(());
+                }
+                Ok(Some(_)) => {}
+                _ => anyhow::bail!("the flip of {name} was not seen within 30 s"),
+            }
+        }
+    }
+
+    fn print(results: &mut [Measured]) {
+        println!(
+            "| server | filled in | watches with a blocking query of their own / fed | health flip -> event min / p50 / p99 / max | p50 / simulator's | Consul requests per flip, mean / max |"
+        );
+        println!("|---|---|---|---|---|---|");
+        let mut baseline = Duration::ZERO;
+        for r in results {
+            r.took.sort();
+            let p50 = percentile(&r.took, 0.5);
+            if r.server == "simulator" {
+                baseline = p50;
+            }
+            let mean = r.requests.iter().sum::<u64>() as f64 / r.requests.len().max(1) as f64;
+            println!(
+                "| {} | {:.1} s | {} / {} | {:?} / {:?} / {:?} / {:?} | {:.2}x | {mean:.1} / {} |",
+                r.server,
+                r.fill.as_secs_f64(),
+                r.dedicated,
+                r.fed,
+                r.took.first().copied().unwrap_or_default(),
+                p50,
+                percentile(&r.took, 0.99),
+                r.took.last().copied().unwrap_or_default(),
+                p50.as_secs_f64() / baseline.as_secs_f64().max(1e-9),
+                r.requests.iter().max().copied().unwrap_or_default(),
+            );
+        }
     }
 }
