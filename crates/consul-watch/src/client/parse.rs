@@ -18,7 +18,9 @@ use consul_resolver_core::model::{Endpoint, Health};
 #[derive(Deserialize)]
 #[serde(rename_all = "PascalCase")]
 struct Entry {
+    #[serde(deserialize_with = "object")]
     node: Node,
+    #[serde(deserialize_with = "object")]
     service: Service,
     #[serde(default)]
     checks: Option<Vec<Check>>,
@@ -131,12 +133,12 @@ pub(crate) fn health_instances(
     body: &[u8],
     address: &AddressType,
 ) -> Result<(Vec<Endpoint>, BTreeSet<String>), String> {
-    let entries: Vec<Entry> =
+    let entries: Vec<Object<Entry>> =
         serde_json::from_slice(body).map_err(|e| format!("malformed /v1/health/service body: {e}"))?;
     let mut names = BTreeSet::new();
     let mut out: Vec<Endpoint> = entries
         .into_iter()
-        .map(|mut e| {
+        .map(|Object(mut e)| {
             if let Some(name) = e.service.name.take() {
                 names.insert(name.to_ascii_lowercase());
             }
@@ -145,6 +147,36 @@ pub(crate) fn health_instances(
         .collect();
     out.sort();
     Ok((out, names))
+}
+
+/// `T` read from a JSON object only. Serde's derived structs also read an array as their
+/// fields in order (`[{},[]]` as an entry with no address), which no agent writes: such a
+/// body is malformed.
+struct Object<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields<T>(std::marker::PhantomData<T>);
+
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Fields<T> {
+            type Value = T;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+            }
+        }
+
+        d.deserialize_map(Fields(std::marker::PhantomData)).map(Object)
+    }
+}
+
+/// A field read with [`Object`].
+fn object<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<T, D::Error> {
+    Object::deserialize(d).map(|Object(t)| t)
 }
 
 /// The (address, port) to publish: see [`AddressType`]. Empty values count as absent.
@@ -760,6 +792,18 @@ mod tests {
         let zones: Vec<_> =
             health_service(body.as_bytes(), &AddressType::Service).unwrap().into_iter().map(|e| e.zone).collect();
         assert_eq!(zones, [Some("eu-west-1a".to_owned()), None, None]);
+    }
+
+    #[test]
+    fn an_entry_or_its_parts_written_as_arrays_are_malformed() {
+        // Serde's derived structs also read an array as their fields in order; no agent
+        // writes one, and `[{},[]]` would otherwise be an instance with no address.
+        for body in [r#"[[{},[]]]"#, r#"[{"Node":[],"Service":{}}]"#, r#"[{"Node":{},"Service":[null,null,"a",80]}]"#] {
+            let parsed = health_service(body.as_bytes(), &AddressType::Service);
+            assert!(parsed.as_ref().is_err_and(|e| e.contains("malformed")), "{body}: {:?}", parsed.map(|e| e.len()));
+        }
+        let object = r#"[{"Node":{},"Service":{"Address":"a","Port":80}}]"#;
+        assert_eq!(health_service(object.as_bytes(), &AddressType::Service).unwrap().len(), 1);
     }
 
     #[test]
