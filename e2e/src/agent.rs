@@ -3,8 +3,9 @@
 //! and checks never see each other's writes. Killed by pid when dropped.
 //!
 //! Consul reads port 0 as "disabled", not "any free port": the HTTP, serf and server ports
-//! are picked free here, DNS, gRPC and HTTPS are switched off (-1), and a start that loses a
-//! port to someone else meanwhile is tried again on other ports. The agent is ready once
+//! (and HTTPS, with `start_tls`) are picked free here, DNS, gRPC and otherwise HTTPS are
+//! switched off (-1), and a start that loses a port to someone else meanwhile is tried
+//! again on other ports. The agent is ready once
 //! `/v1/status/leader` names a leader (a dev agent elects itself within a second or two).
 
 use std::io::{Read, Write};
@@ -137,8 +138,8 @@ impl RealAgent {
         bail!("consul agent on {http_addr} had no leader within {READY_WITHIN:?}:\n{}", agent.logs())
     }
 
-    /// The agent's log so far (at debug level, but for `start_quiet`'s: every HTTP request
-    /// it served).
+    /// The agent's log so far (at debug level from `start` and `start_on`: every HTTP
+    /// request it served).
     pub fn logs(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
