@@ -42,12 +42,13 @@
 //! size against the simulator and then a real agent (the cached 1.8.7), each filled alike
 //! through `/v1/catalog/register`: instance k of every service on node `bench-k` with a
 //! passing check; every service watched at the default budget, one scope (88 dedicated,
-//! the rest fed); then `BENCH_FLIPS` (here 40) health flips, one at a time (an instance's check
-//! critical, then passing again, on spread services), each timed from the write to the
-//! event, and the source's requests until none came for a second (the sweep an hour, or no
-//! second would be quiet; the first sweeps, spread over that hour, are still counted). The simulator's run is the baseline of the agent's. With
-//! `BENCH_TLS=1` both serve over TLS (a certificate made at start), where HTTP/2 gives
-//! every service a blocking query of its own and no feed runs.
+//! the rest fed); then `BENCH_FLIPS` (here 40) health flips, one at a time (an instance's
+//! check critical, then passing again, on spread services), each timed from the write to
+//! the event, and the source's requests until none came for a second (the sweep an hour,
+//! or no second would be quiet; the first sweeps, spread over that hour, are still
+//! counted). The simulator's run is the baseline of the agent's. With `BENCH_TLS=1` both
+//! serve over TLS (a certificate made at start), where HTTP/2 gives every service a
+//! blocking query of its own and no feed runs.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -649,6 +650,7 @@ mod fed_at_size {
         let (services, instances) = size.split_once('x').context("BENCH_FED_SIZE: SERVICESxINSTANCES")?;
         let (services, instances): (usize, usize) = (services.trim().parse()?, instances.trim().parse()?);
         anyhow::ensure!(services > 0 && (1..=250).contains(&instances), "BENCH_FED_SIZE: 1.. x 1..250");
+        anyhow::ensure!(flips > 0, "BENCH_FLIPS: at least 1");
         let load = || std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim().to_owned();
         let load_start = load();
         let pki = std::env::var("BENCH_TLS").is_ok_and(|v| v == "1").then(TestPki::generate).transpose()?;
@@ -731,27 +733,48 @@ mod fed_at_size {
             .into_iter()
             .map(|key| AbortOnDropHandle::new(tokio::spawn(source.watch(key, tx.clone()))))
             .collect();
-        answered(&mut rx, services).await;
-        eprintln!("{server}: every service answered");
+        tokio::time::timeout(Duration::from_secs(300), answered(&mut rx, services))
+            .await
+            .map_err(|_| anyhow::anyhow!("{server}: not every service answered within 300 s"))?;
         real_agent::settled(&metrics, Duration::from_secs(2)).await;
         // Over HTTP/2 every watch is a stream of its own: counted with the dedicated.
         let dedicated = metrics.watches("dedicated") + metrics.watches("multiplexed");
         let fed = metrics.watches("fed");
-        eprintln!("{server}: {dedicated} dedicated, {fed} fed");
+        eprintln!("{server}: every service answered; {dedicated} with a blocking query of its own, {fed} fed");
+        let mut flipper = Flipper { http: &http, base, names: &names, metrics: &metrics, rx: &mut rx };
         let (mut took, mut requests) = (Vec::new(), Vec::new());
         for i in 0..flips {
-            let (s, critical) = (((i / 2) * 7919) % services, i % 2 == 0);
-            while rx.try_recv().is_ok() {}
-            let before = metrics.requests_total();
-            let t0 = Instant::now();
-            http_ok(http.put(format!("{base}/v1/catalog/register")).json(&registration(s, 0, critical))).await?;
-            flipped(&mut rx, &names[s], critical).await?;
-            took.push(t0.elapsed());
-            real_agent::settled(&metrics, Duration::from_secs(1)).await;
-            requests.push(metrics.requests_total() - before);
-            eprintln!("{server}: flip {i} of svc-{s} seen after {:?}", took[i]);
+            let (t, r) = flipper.flip(((i / 2) * 7919) % services, i % 2 == 0).await?;
+            eprintln!("{server}: flip {i} seen after {t:?}");
+            took.push(t);
+            requests.push(r);
         }
         Ok(Measured { server, fill, dedicated, fed, took, requests })
+    }
+
+    /// Flips instance 0's check of one service at a time.
+    struct Flipper<'a> {
+        http: &'a reqwest::Client,
+        base: &'a str,
+        names: &'a [String],
+        metrics: &'a Metrics,
+        rx: &'a mut mpsc::Receiver<Event>,
+    }
+
+    impl Flipper<'_> {
+        /// Service `s`'s instance 0 critical (or passing again): how long until the source
+        /// showed it, and the requests until none came for a second.
+        async fn flip(&mut self, s: usize, critical: bool) -> anyhow::Result<(Duration, u64)> {
+            while self.rx.try_recv().is_ok() {}
+            let before = self.metrics.requests_total();
+            let t0 = Instant::now();
+            let write = self.http.put(format!("{}/v1/catalog/register", self.base));
+            http_ok(write.json(&registration(s, 0, critical))).await?;
+            flipped(self.rx, &self.names[s], critical).await?;
+            let took = t0.elapsed();
+            real_agent::settled(self.metrics, Duration::from_secs(1)).await;
+            Ok((took, self.metrics.requests_total() - before))
+        }
     }
 
     /// Instance `k` of service `s`, on node `bench-k`, its check passing or critical.
