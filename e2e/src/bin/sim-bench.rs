@@ -8,8 +8,8 @@
 //!
 //! Per size (`BENCH_SIZES`, services x instances per service, default `1000x1,5000x15`;
 //! instance k of every service on node `bench-k`, each with a passing service check), a
-//! fresh in-process simulator on loopback (and then a fresh agent), filled through
-//! `/v1/catalog/register`, timed, then:
+//! fresh in-process simulator on loopback (then, with `BENCH_REAL_AGENT=1`, a fresh
+//! agent), filled through `/v1/catalog/register`, timed, then:
 //! - health reads (`/v1/health/service/<random service>?passing`, what a watch reads) from
 //!   `BENCH_READERS` (8) kept-alive clients for `BENCH_SECS` (10) seconds: reads a second,
 //!   and each read's latency (p50 / p99 / max);
