@@ -16,10 +16,10 @@
 //! ConfigMap ([`Writer`]): a name it has not seen is created (which fails if it exists), a
 //! known one is replaced with the resourceVersion it last wrote or read (an update: a
 //! server-side apply of the same object costs the API server about 1.4 times the CPU,
-//! docs/benchmarks.md), and a stale part is deleted with the resourceVersion and uid it was just read with. A
-//! write delayed past a change of leader (sent just before the deadline, applied by an API
-//! server that was frozen) then fails with a conflict instead of overwriting the new
-//! leader's snapshot. What was written is compared with the cluster every resync period,
+//! docs/benchmarks.md), and a stale part is deleted with the resourceVersion and uid it
+//! was just read with. A write delayed past a change of leader (sent just before the
+//! deadline, applied by an API server that was frozen) then fails with a conflict instead
+//! of overwriting the new leader's snapshot. What was written is compared with the cluster every resync period,
 //! so a deleted or edited snapshot ConfigMap is written again
 //! ([`ConfigMapPublisher::repair`]).
 
@@ -90,18 +90,17 @@ struct Parts {
 /// What this replica last saw of one ConfigMap: every write of it is conditional on this.
 #[derive(Debug, Clone)]
 struct Seen {
-    resource_version: String,
-    /// Its metadata as seen (the uid a deletion is conditional on too), without
-    /// managedFields: a replacement keeps what others set there ([`over_seen`]).
+    /// Its metadata as seen, without managedFields: the resourceVersion (and for a
+    /// deletion the uid) a write is conditional on, and what others set there, which a
+    /// replacement keeps ([`over_seen`]).
     meta: Arc<ObjectMeta>,
 }
 
 impl Seen {
     /// `None` for an object without a resourceVersion (nothing to be conditional on).
     fn of(meta: &ObjectMeta) -> Option<Seen> {
-        let resource_version = meta.resource_version.clone()?;
-        let meta = ObjectMeta { managed_fields: None, ..meta.clone() };
-        Some(Seen { resource_version, meta: Arc::new(meta) })
+        meta.resource_version.as_ref()?;
+        Some(Seen { meta: Arc::new(ObjectMeta { managed_fields: None, ..meta.clone() }) })
     }
 }
 
@@ -110,7 +109,8 @@ impl Seen {
 const OUR_LABELS: [&str; 3] = [LABEL_MANAGED_BY, LABEL_SNAPSHOT, LABEL_PART_OF];
 const OUR_ANNOTATIONS: [&str; 2] = [ANNOTATION_ID, ANNOTATION_HASH];
 
-/// `ours` as a replacement of the object seen with `seen`, conditional on its version.
+/// `ours` as a replacement of the object seen with `seen`, conditional on its version
+/// (the resourceVersion `seen` holds).
 /// The data are ours alone; of the metadata, what others set (their labels and
 /// annotations, owner references, finalizers) is kept as seen.
 fn over_seen(seen: &ObjectMeta, ours: &ConfigMap) -> ConfigMap {
@@ -448,8 +448,7 @@ impl Writer<'_> {
     async fn replace(&mut self, cm: &ConfigMap, seen: &Seen) -> Result<(), PublishError> {
         self.may_write()?;
         let name = cm.metadata.name.clone().unwrap_or_default();
-        let mut cm = over_seen(&seen.meta, cm);
-        cm.metadata.resource_version = Some(seen.resource_version.clone());
+        let cm = over_seen(&seen.meta, cm);
         let params = PostParams { field_manager: Some(FIELD_MANAGER.to_owned()), ..PostParams::default() };
         let written = self
             .api
@@ -466,7 +465,8 @@ impl Writer<'_> {
     async fn delete(&mut self, name: &str) -> Result<bool, PublishError> {
         let Some(seen) = self.seen.get(name).cloned() else { return Ok(false) };
         self.may_write()?;
-        let preconditions = Preconditions { resource_version: Some(seen.resource_version), uid: seen.meta.uid.clone() };
+        let preconditions =
+            Preconditions { resource_version: seen.meta.resource_version.clone(), uid: seen.meta.uid.clone() };
         let params = DeleteParams { preconditions: Some(preconditions), ..DeleteParams::default() };
         match self.api.delete(name, &params).await {
             Ok(_) => {
