@@ -12,7 +12,7 @@ use std::sync::Arc;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::catalog::{Catalog, Origin, ServiceKey};
+use super::catalog::{Catalog, Origin, ServiceKey, StateFilter};
 use super::faults::Quirks;
 use super::state::{BlockingGuard, Shared, lock};
 
@@ -27,8 +27,10 @@ pub(crate) enum Watched {
     Connect(ServiceKey),
     /// `/v1/catalog/services`.
     CatalogServices,
-    /// `/v1/health/state/<state>`.
-    ChecksTable,
+    /// `/v1/health/state/<state>`: reports the checks table's index, but a blocking query
+    /// of one status wakes only for a write to a check of that status
+    /// ([`Catalog::state_stirred_index`]).
+    ChecksInState(StateFilter),
     /// `/v1/catalog/nodes`.
     Nodes,
     /// `/v1/catalog/node-services/<node>`.
@@ -43,9 +45,17 @@ impl Watched {
             Watched::Service(origin, key) => c.origin_index(origin, key),
             Watched::Connect(key) => c.connect_index(key),
             Watched::CatalogServices => c.services_index(),
-            Watched::ChecksTable => c.checks_index(),
+            Watched::ChecksInState(_) => c.checks_index(),
             Watched::Nodes => c.nodes_index(),
             Watched::NodeServices(node) => c.node_services_index(node),
+        }
+    }
+
+    /// What a blocking query waits on: its index, but for the checks of one status.
+    fn stirred_index(&self, c: &Catalog, quirks: Quirks) -> u64 {
+        match self {
+            Watched::ChecksInState(filter) => c.state_stirred_index(*filter),
+            _ => self.index(c, quirks),
         }
     }
 }
@@ -106,12 +116,22 @@ impl Wait {
         if self.quirks.no_server_cancel { self.detached().await } else { self.run().await }
     }
 
+    /// As Consul's blocking query: an index already past the client's answers at once;
+    /// otherwise the query waits until what it watches is written ([`Watched::stirred_index`])
+    /// and its index has moved past the client's.
     async fn run(mut self) -> Woken {
+        let mut stirred_at_start = None;
         loop {
             // Mark seen before reading, so a write between the read and the wait still wakes us.
             self.changes.mark_unchanged();
-            if self.watched.index(&lock(&self.shared.catalog), self.quirks) > self.min_index {
-                return Woken::Ready;
+            {
+                let c = lock(&self.shared.catalog);
+                let stirred = self.watched.stirred_index(&c, self.quirks);
+                let first = stirred_at_start.is_none();
+                let started = *stirred_at_start.get_or_insert(stirred);
+                if self.watched.index(&c, self.quirks) > self.min_index && (first || stirred != started) {
+                    return Woken::Ready;
+                }
             }
             tokio::select! {
                 r = self.changes.changed() => {

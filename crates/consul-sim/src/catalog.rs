@@ -579,6 +579,13 @@ pub(crate) struct Catalog {
     pub(crate) keeps_unchanged_checks: bool,
     /// The index of the last write to any check.
     checks_table_index: u64,
+    /// Per status (passing, warning, critical): the index of the last write that put a
+    /// check in that status, took one out of it, or rewrote one in it. A blocking
+    /// `/v1/health/state/<status>` waits for this, not for any check write: Consul's state
+    /// store watches the status index's entries, and reports the checks table's index.
+    status_indexes: [u64; 3],
+    /// The statuses the write being applied touched (see `status_indexes`).
+    touched_statuses: [bool; 3],
     last_extinction: Option<u64>,
 }
 
@@ -605,6 +612,8 @@ impl Catalog {
             nodes_table_index: 0,
             keeps_unchanged_checks: false,
             checks_table_index: 0,
+            status_indexes: [0; 3],
+            touched_statuses: [false; 3],
             last_extinction: None,
         }
     }
@@ -622,6 +631,15 @@ impl Catalog {
     /// The index `/v1/health/state/<state>` reports.
     pub(crate) fn checks_index(&self) -> u64 {
         self.checks_table_index
+    }
+
+    /// What a blocking `/v1/health/state/<state>` waits for: the last write to a check of
+    /// that status for one status, any check write for `any` (see `status_indexes`).
+    pub(crate) fn state_stirred_index(&self, filter: StateFilter) -> u64 {
+        match filter {
+            StateFilter::Only(status) => self.status_indexes[status as usize],
+            StateFilter::Any | StateFilter::Nothing => self.checks_table_index,
+        }
     }
 
     /// The index a health query for `key` reports (before the `1` minimum is applied).
@@ -1128,6 +1146,7 @@ impl Catalog {
         self.raft_index = index;
         self.services_table_index = index;
         self.checks_table_index = index;
+        self.status_indexes = [index; 3];
         if self.last_extinction.is_some() {
             self.last_extinction = Some(index);
         }
@@ -1196,11 +1215,13 @@ impl Catalog {
             .entry((check.node.clone(), check.service_id.clone()))
             .or_default()
             .insert(check.check_id.clone());
+        self.touched_statuses[check.status as usize] = true;
         self.checks.insert((check.node.clone(), check.check_id.clone()), Arc::new(check));
     }
 
     fn remove_check(&mut self, node: &str, check_id: &str) -> Option<Arc<Check>> {
         let check = self.checks.remove(&(node.to_owned(), check_id.to_owned()))?;
+        self.touched_statuses[check.status as usize] = true;
         let owner = (check.node.clone(), check.service_id.clone());
         if let Some(ids) = self.checks_by_owner.get_mut(&owner) {
             ids.remove(check_id);
@@ -1230,6 +1251,7 @@ impl Catalog {
         for id in ids {
             if let Some(c) = self.checks.get_mut(&(node.to_owned(), id)) {
                 Arc::make_mut(c).modify_index = idx;
+                self.touched_statuses[c.status as usize] = true;
                 tx.checks_table_changed = true;
             }
         }
@@ -1296,6 +1318,7 @@ impl Catalog {
 
     fn commit(&mut self, idx: u64, tx: Tx) -> bool {
         if !tx.changed {
+            self.touched_statuses = [false; 3];
             return false;
         }
         self.raft_index = idx;
@@ -1307,6 +1330,11 @@ impl Catalog {
         }
         if tx.checks_table_changed {
             self.checks_table_index = idx;
+        }
+        for (touched, index) in self.touched_statuses.iter_mut().zip(&mut self.status_indexes) {
+            if std::mem::take(touched) {
+                *index = idx;
+            }
         }
         for key in tx.dirty {
             let alive = self.by_service.contains_key(&key);

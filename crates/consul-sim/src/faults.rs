@@ -73,9 +73,10 @@ impl<'de> Deserialize<'de> for Budget {
 pub struct Faults {
     /// Added before every `/v1/` request is handled.
     pub latency_ms: u64,
-    /// Added to every `/v1/health/state` answer once it is ready (a blocking one after it
-    /// wakes): the time a real agent takes to build and send every check of a large
-    /// catalog (hundreds of milliseconds at 75,000 checks), while other reads stay fast.
+    /// Added to every `/v1/health/state/any` answer once it is ready (a blocking one after
+    /// it wakes): the time a real agent takes to build and send every check of a large
+    /// catalog (hundreds of milliseconds at 75,000 checks), while other reads, the checks
+    /// of one status among them, stay fast.
     pub checks_answer_ms: u64,
     /// Health queries answer 500 `No cluster leader`; while active, `/v1/status/leader`
     /// answers `""` (without consuming the budget).

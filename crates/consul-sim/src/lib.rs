@@ -51,9 +51,13 @@
 //!   `ServiceName`, `ServiceTags` (the instance's tags, `[]` for a node check), `Type` (`""`),
 //!   `CreateIndex`, `ModifyIndex`, and `Namespace`/`Partition` for a service outside the
 //!   defaults. The same parameters as the health endpoint except `passing` and `tag`; it
-//!   blocks on the checks table index, which moves whenever a check is created, changed or
+//!   reports the checks table index, which moves whenever a check is created, changed or
 //!   removed (also with its service or node) and not for writes that touch no check, such as
-//!   registering a service without one. Scoping: the service checks of services in the
+//!   registering a service without one. `any` blocks on that index; one status, as Consul's
+//!   state store watches its status index, blocks until a check enters that status, leaves
+//!   it or is written in it (a passing check rewritten does not wake a `critical` query), then
+//!   answers once the index is past the client's (an index already past it answers at once).
+//!   Scoping: the service checks of services in the
 //!   requested namespace/partition, plus every node check whatever the namespace (node checks
 //!   belong to no namespace here; a simplification). ACLs: service checks of services the
 //!   token cannot read are left out (with `X-Consul-Results-Filtered-By-ACLs`); node checks
@@ -181,8 +185,9 @@
 //! (`/v1/health/service`, `/v1/health/connect` and `/v1/health/state`) only, checked after parameter validation,
 //! the datacenter and the token, and before blocking (so writes and the catalog keep working
 //! while a test breaks the read path); `latency_ms` applies to every `/v1/` request,
-//! `checks_answer_ms` to every `/v1/health/state` answer once it is ready (after a blocking
-//! one wakes), as a large catalog's checks answer is slow while other reads stay fast. The in-process handle [`RunningSim`] offers the same
+//! `checks_answer_ms` to every `/v1/health/state/any` answer once it is ready (after a
+//! blocking one wakes), as a large catalog's checks answer is slow while other reads (the
+//! checks of one status among them) stay fast. The in-process handle [`RunningSim`] offers the same
 //! operations as methods.
 //!
 //! # Running it

@@ -774,10 +774,13 @@ async fn health_state(ctx: &Ctx<'_>, raw_state: &str, headers: &HeaderMap) -> Ha
     let ns = namespace(p, headers);
     let partition = p.first_non_empty("partition");
     let (index, mut entries) = ctx
-        .block(&opts, HEALTH_STATE_LABEL, Watched::ChecksTable, quirks, |c| c.checks_in_state(filter, ns, partition))
+        .block(&opts, HEALTH_STATE_LABEL, Watched::ChecksInState(filter), quirks, |c| {
+            c.checks_in_state(filter, ns, partition)
+        })
         .await?;
+    // Every check of a large catalog is slow to write out; a few of one status are not.
     let slow = shared.with_faults(|f| f.checks_answer_ms);
-    if slow > 0 {
+    if slow > 0 && filter == StateFilter::Any {
         tokio::time::sleep(Duration::from_millis(slow)).await;
     }
     // Node checks are shown to everyone who may read at all (node rules are not modelled).

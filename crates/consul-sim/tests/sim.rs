@@ -1170,6 +1170,43 @@ async fn health_state_blocks_on_the_checks_index() {
     assert_eq!(r.json().as_array().unwrap().len(), 1);
 }
 
+/// A query of one state waits for a write to a check of that state, not for any check
+/// write, as Consul 1.8.7 does (a passing check rewritten with its instance's new port leaves
+/// a blocked `critical` query waiting); it still reports the checks table's index, and an
+/// index already behind that answers at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_query_waits_for_a_check_of_its_state() {
+    let sim = start_default().await;
+    let a = sim.addr();
+    register_web(a, 8080, "passing").await;
+    let i = get(a, "/v1/health/state/critical").await.index();
+    let mut h = spawn_get(a, format!("/v1/health/state/critical?index={i}&wait=5s"));
+    wait_blocking(&sim, consul_sim::HEALTH_STATE_LABEL, 1).await;
+    register_web(a, 8081, "passing").await;
+    let moved = get(a, "/v1/health/state/any").await.index();
+    assert!(moved > i, "the passing check was rewritten");
+    assert!(still_pending(&mut h, Duration::from_millis(300)).await, "a passing write must not answer");
+    register_web(a, 8081, "critical").await;
+    let r = tokio::time::timeout(LONG, h).await.expect("a check turning critical answers").unwrap();
+    assert!(r.index() > moved);
+    assert_eq!(r.json()[0]["Status"], "critical");
+
+    // Leaving the state wakes it too.
+    let j = r.index();
+    let h = spawn_get(a, format!("/v1/health/state/critical?index={j}&wait=5s"));
+    wait_blocking(&sim, consul_sim::HEALTH_STATE_LABEL, 1).await;
+    register_web(a, 8081, "passing").await;
+    let r = tokio::time::timeout(LONG, h).await.expect("a check leaving critical answers").unwrap();
+    assert!(r.index() > j);
+    assert_eq!(r.json().as_array().unwrap().len(), 0);
+
+    // An index the table has passed answers at once, whatever the write was.
+    register_web(a, 8082, "passing").await;
+    let behind = format!("/v1/health/state/critical?index={}&wait=5s", r.index());
+    let r = tokio::time::timeout(Duration::from_secs(2), get(a, &behind)).await.expect("answered at once");
+    assert!(r.index() > j);
+}
+
 #[tokio::test]
 async fn health_state_filters_by_state_and_shows_node_checks() {
     let sim = start_default().await;
