@@ -654,13 +654,14 @@ async fn one_instance_each(env: &Env, services: &[String]) {
     }
 }
 
-/// Waits, on the simulator, until the change feed's checks query blocks and the health
-/// reads have settled (members joining re-read once: a finite burst), then clears the log.
+/// Waits, on the simulator, until the change feed's checks queries (every check's and the
+/// critical ones) block and the health reads have settled (members joining re-read once: a
+/// finite burst), then clears the log.
 async fn feed_settled(env: &Env) {
     if let Some(sim) = &env.sim {
         let (_, ok) =
-            sim.wait_for_stats(DEADLINE, |s| s.blocking.get(HEALTH_STATE_LABEL).copied().unwrap_or(0) >= 1).await;
-        assert!(ok, "the feed's checks query blocks");
+            sim.wait_for_stats(DEADLINE, |s| s.blocking.get(HEALTH_STATE_LABEL).copied().unwrap_or(0) >= 2).await;
+        assert!(ok, "the feed's checks queries block");
         wait_until_no_reads_for(sim, Duration::from_millis(500)).await;
         sim.clear_requests();
     }
@@ -763,6 +764,40 @@ on_both_agents! {
         w.answer_within(&keys[0], "a check-less instance", PROMPT, |e| ports(e) == [7000, 8000]).await;
         env.deregister(&node, &bare).await;
         w.answer_within(&keys[0], "the check-less instance gone", PROMPT, |e| ports(e) == [8000]).await;
+    }
+}
+
+on_both_agents! {
+    simulator_only: "needs the simulator's fault injection and request log";
+    /// A large catalog's checks answer takes a real agent a second or more (every check of
+    /// the group), but a check turning critical, or passing again, shows at once in the
+    /// feed's query of the critical checks, which wakes the fed members without waiting
+    /// for it: a service check and a node check, both ways. When every check's answer
+    /// comes, it names the same writes, and nobody re-reads for them a second time.
+    async fn a_fed_critical_flip_does_not_wait_for_every_checks_answer(config: Config) {
+        let env = Env::start(config).await;
+        let sim = env.simulator();
+        let (svcs, keys, mut w) = five_mostly_fed(&env, "crit").await;
+        let slow = PROMPT + Duration::from_secs(2);
+        sim.set_faults(FaultsPatch { checks_answer_ms: Some(slow.as_millis() as u64), ..Default::default() });
+        let node = |i: usize| format!("{}-node", svcs[i]);
+        for (status, instances) in [("critical", 0), ("passing", 1)] {
+            env.register(&node(2), &format!("{}-1", svcs[2]), &svcs[2], 8002, status, &[]).await;
+            w.answer_within(&keys[2], &format!("its check {status}"), PROMPT, |e| e.len() == instances).await;
+            env.node_check(&node(3), status).await;
+            w.answer_within(&keys[3], &format!("its node {status}"), PROMPT, |e| e.len() == instances).await;
+        }
+        // Every check's answers to those writes (one or two, each `slow`: its query blocks
+        // again once it has answered the last), then whatever they would wake.
+        let within = DEADLINE + 2 * slow;
+        let (_, ok) =
+            sim.wait_for_stats(within, |s| s.blocking.get(HEALTH_STATE_LABEL).copied().unwrap_or(0) >= 2).await;
+        assert!(ok, "every check's query answered the flips and blocks again");
+        wait_until_no_reads_for(sim, Duration::from_secs(1)).await;
+        let reads = |s: &str| fed_rereads_except(sim, &svcs, "").into_iter().filter(|r| r == s).count();
+        assert_eq!((reads(&svcs[2]), reads(&svcs[3])), (2, 2), "one re-read a flip: {:?}", sim.requests());
+        let all = fed_rereads_except(sim, &svcs, "");
+        assert_eq!(all.len(), 4, "no other service re-read: {all:?}");
     }
 }
 
@@ -878,7 +913,7 @@ on_both_agents! {
         }
         // A budget of 8: one read and seven lanes for blocking queries, far fewer than the
         // watches. The two spellings of one server share a feed (plain HTTP, one token);
-        // the second token needs its own.
+        // the second token needs its own. Each feed has two checks queries blocking.
         let mut w = Watches::new(at_defaults(8));
         let keys: Vec<Vec<ConsulKey>> =
             scopes.iter().zip(&svcs).map(|(scope, team)| team.iter().map(|s| scoped(scope, s)).collect()).collect();
@@ -887,7 +922,7 @@ on_both_agents! {
         if let Some(sim) = &env.sim {
             let feeds = if env.admin_token.is_none() { 2 } else { 1 };
             let (stats, ok) =
-                sim.wait_for_stats(DEADLINE, |s| s.blocking.get(HEALTH_STATE_LABEL).copied() == Some(feeds)).await;
+                sim.wait_for_stats(DEADLINE, |s| s.blocking.get(HEALTH_STATE_LABEL).copied() == Some(2 * feeds)).await;
             assert!(ok, "{feeds} change feeds: {stats:?}");
         }
         for (team, keys) in svcs.iter().zip(&keys) {
@@ -975,11 +1010,11 @@ on_both_agents! {
         let env = Env::start(config).await;
         let sim = env.simulator();
         let holder = unique("holder");
-        let waiters: Vec<String> = (0..3).map(|i| unique(&format!("waiter{i}"))).collect();
+        let waiters: Vec<String> = (0..4).map(|i| unique(&format!("waiter{i}"))).collect();
         one_instance_each(&env, &[vec![holder.clone()], waiters.clone()].concat()).await;
-        // A budget of 4: one read and three lanes for four watches: a feed (two lanes) and
+        // A budget of 5: one read and four lanes for five watches: a feed (three lanes) and
         // one dedicated query, which the first watch holds.
-        let mut w = Watches::new(at_defaults(4));
+        let mut w = Watches::new(at_defaults(5));
         fn blocking(name: &str) -> impl Fn(&consul_sim::Stats) -> bool + '_ {
             move |s| s.blocking.get(name).copied().unwrap_or(0) >= 1
         }
@@ -1001,7 +1036,7 @@ on_both_agents! {
         assert!(blocking(&holder)(&stats), "the holder kept its lane");
         let stopped = Instant::now();
         w.stop(&kh);
-        // Three watches on three lanes: each gets one, the feed stops.
+        // Four watches on four lanes: each gets one, the feed stops.
         for name in &waiters {
             let (stats, ok) = sim.wait_for_stats(Duration::from_secs(2), blocking(name)).await;
             assert!(ok, "the freed lanes did not go to the fed watches within 2 s: {stats:?}");
@@ -1009,7 +1044,7 @@ on_both_agents! {
         eprintln!("the fed watches blocked on their own queries {:?} after the lane freed", stopped.elapsed());
         // (An older agent keeps a dropped query until its wait ends: count ours.)
         assert_eq!(w.metrics.feeds(), 0, "a feed with no member left stops");
-        assert_eq!(w.metrics.watches("dedicated"), 3);
+        assert_eq!(w.metrics.watches("dedicated"), 4);
         let b = &waiters[0];
         env.register(&format!("{b}-node"), &format!("{b}-1"), b, 9999, "passing", &[]).await;
         w.answer_within(&keys[0], "a change through its own query", PROMPT, |e| ports(e) == [9999]).await;

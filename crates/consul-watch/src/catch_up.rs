@@ -1,10 +1,10 @@
 //! How long a catalog move waits for the change feed's checks view before it is judged
 //! (docs/consul.md, "Services without a blocking query of their own").
 //!
-//! A registration writes the catalog and its check at one raft index, and the feed's two
-//! queries race to report it. The checks answer is every check of the group: a few
-//! kilobytes at a thousand services, tens of megabytes at 75,000 instances, where it
-//! arrives hundreds of milliseconds after the catalog's 70 KB answer. A fixed wait shorter
+//! A registration writes the catalog and its check at one raft index, and the feed's
+//! queries of every check and of the catalog race to report it. The checks answer is every
+//! check of the group: a few kilobytes at a thousand services, tens of megabytes at 75,000
+//! instances, where it arrives hundreds of milliseconds after the catalog's 70 KB answer. A fixed wait shorter
 //! than that judged nearly every move "not accounted for" at that size and re-read every
 //! fed service (thousands of requests for one port change). So the wait follows how far
 //! the checks view has been seen to run behind: the time a checks request takes when it

@@ -41,11 +41,58 @@ impl Stale {
         !self.everything && self.services.is_empty() && self.nodes.is_empty() && self.appeared.is_empty()
     }
 
-    fn check(&mut self, node: &str, service: &str) {
+    pub(crate) fn check(&mut self, node: &str, service: &str) {
         if service.is_empty() {
             self.nodes.insert(node.to_owned());
         } else {
             self.services.insert(service.to_ascii_lowercase());
+        }
+    }
+}
+
+/// What one answer of a checks view shows written since the last.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Written {
+    /// The view's first answer, or one whose index went backwards: nothing to compare with.
+    Everything,
+    Checks(Vec<WrittenCheck>),
+}
+
+impl Written {
+    /// Everything it names, as what to re-read (the feed names what no other answer named
+    /// already: [`crate::woken`]).
+    #[cfg(test)]
+    pub(crate) fn stale(&self) -> Stale {
+        match self {
+            Written::Everything => Stale::everything(),
+            Written::Checks(checks) => {
+                let mut stale = Stale::default();
+                checks.iter().for_each(|c| stale.check(&c.node, &c.service));
+                stale
+            }
+        }
+    }
+}
+
+/// A check an answer shows written, or gone.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct WrittenCheck {
+    pub node: Box<str>,
+    pub check_id: Box<str>,
+    /// Empty for a node check.
+    pub service: Box<str>,
+    /// The index that wrote it (its `ModifyIndex`); `None` when it is gone, removed or no
+    /// longer in the queried state, at some index up to the answer's.
+    pub at: Option<u64>,
+}
+
+impl WrittenCheck {
+    fn of(known: &Known, at: Option<u64>) -> WrittenCheck {
+        WrittenCheck {
+            node: known.node().into(),
+            check_id: known.check_id().into(),
+            service: known.service().into(),
+            at,
         }
     }
 }
@@ -225,7 +272,7 @@ impl ChecksView {
     /// changed since the previous answer. The first answer, and one whose index went
     /// backwards (a restored or rebuilt cluster), change everything. A malformed answer is
     /// an error, and the view is left as it was.
-    pub(crate) fn apply(&mut self, index: u64, body: impl std::io::Read) -> Result<Stale, String> {
+    pub(crate) fn apply(&mut self, index: u64, body: impl std::io::Read) -> Result<Written, String> {
         let base = self.index.filter(|base| index >= *base);
         // Nothing of the view changes until the whole answer is read. Without a base every
         // check is read: none is compared with the last answer.
@@ -262,13 +309,13 @@ impl ChecksView {
             self.writes.clear();
             self.checks.clear();
             self.checks.extend(new);
-            return Ok(Stale::everything());
+            return Ok(Written::Everything);
         };
-        let mut stale = Stale::default();
-        let removed = self.forget(gone, &new, &mut stale);
+        let mut written = Vec::new();
+        let removed = self.forget(gone, &new, &mut written);
         for (hash, known) in new {
             if known.modify_index > base {
-                stale.check(known.node(), known.service());
+                written.push(WrittenCheck::of(&known, Some(known.modify_index)));
                 self.writes.insert(known.modify_index);
             }
             self.checks.insert(hash, known);
@@ -281,13 +328,13 @@ impl ChecksView {
         while self.writes.len() > REMEMBERED_WRITES {
             self.writes.pop_first();
         }
-        Ok(stale)
+        Ok(Written::Checks(written))
     }
 
-    /// Drops the checks hashed `gone` from the view, naming their services and nodes in
-    /// `stale`; whether any was removed. A check whose bytes changed comes back under a new
-    /// hash (among `new`, by node and check ID): its old entry is replaced, not removed.
-    fn forget(&mut self, gone: Vec<u128>, new: &[(u128, Known)], stale: &mut Stale) -> bool {
+    /// Drops the checks hashed `gone` from the view, adding them to `written`; whether any
+    /// was removed. A check whose bytes changed comes back under a new hash (among `new`, by
+    /// node and check ID): its old entry is replaced, not removed.
+    fn forget(&mut self, gone: Vec<u128>, new: &[(u128, Known)], written: &mut Vec<WrittenCheck>) -> bool {
         if gone.is_empty() {
             return false;
         }
@@ -298,7 +345,7 @@ impl ChecksView {
                 continue;
             };
             if !rewritten.contains(&(k.node(), k.check_id())) {
-                stale.check(k.node(), k.service());
+                written.push(WrittenCheck::of(&k, None));
                 removed = true;
             }
         }
@@ -421,7 +468,7 @@ mod tests {
 
     /// That answer, through the feed's reader.
     fn apply(v: &mut ChecksView, index: u64, rows: &[CheckRow<'_>]) -> Stale {
-        v.apply(index, &answer(rows)[..]).unwrap()
+        v.apply(index, &answer(rows)[..]).unwrap().stale()
     }
 
     fn names(v: &[&str]) -> BTreeSet<String> {
@@ -497,7 +544,7 @@ mod tests {
         // Whitespace around a check is not part of it: an agent's indentation is no change.
         let pretty = br#"[ {"Node":"n1","CheckID":"serfHealth","Name":"n","Status":"passing","ServiceName":"","CreateIndex":1,"ModifyIndex":5} ,
             {"Node":"n1","CheckID":"svc:web","Name":"n","Status":"passing","ServiceName":"web","CreateIndex":1,"ModifyIndex":6} ]"#;
-        assert!(v.apply(7, &pretty[..]).unwrap().is_empty());
+        assert!(v.apply(7, &pretty[..]).unwrap().stale().is_empty());
         assert!(!v.accounts_for(6, 7), "index 7 was no check write");
     }
 
@@ -515,9 +562,9 @@ mod tests {
             .replace("  ", "")
         };
         let mut v = ChecksView::default();
-        assert!(v.apply(6, answer(6).as_bytes()).unwrap().everything);
-        assert!(v.apply(6, answer(6).as_bytes()).unwrap().is_empty(), "the same answer again: no change");
-        let s = v.apply(8, answer(8).as_bytes()).unwrap();
+        assert_eq!(v.apply(6, answer(6).as_bytes()).unwrap(), Written::Everything);
+        assert!(v.apply(6, answer(6).as_bytes()).unwrap().stale().is_empty(), "the same answer again: no change");
+        let s = v.apply(8, answer(8).as_bytes()).unwrap().stale();
         assert_eq!(s, Stale { services: names(&["web"]), ..Stale::default() }, "web only, no node n9");
     }
 
@@ -532,7 +579,7 @@ mod tests {
         // Rewritten again with an output that does not move ModifyIndex (not a write Consul
         // would send, but the view must not take it for a removal either).
         let body = br#"[{"Node":"n1","CheckID":"svc:web","Output":"slow","ServiceName":"web","ModifyIndex":8}]"#;
-        assert!(v.apply(9, &body[..]).unwrap().is_empty());
+        assert!(v.apply(9, &body[..]).unwrap().stale().is_empty());
         // And web's check is still known: removing it now names web.
         assert_eq!(apply(&mut v, 10, &[]), Stale { services: names(&["web"]), ..Stale::default() });
     }
@@ -877,7 +924,7 @@ mod tests {
                 if malformed {
                     assert!(got.is_err(), "{what}: a malformed answer is an error");
                 } else {
-                    assert_eq!(got.unwrap(), reference.apply(index, &checks), "{what}");
+                    assert_eq!(got.unwrap().stale(), reference.apply(index, &checks), "{what}");
                 }
                 assert_eq!(view.index, reference.index, "{what}");
                 assert_eq!(view.writes, reference.writes, "{what}");

@@ -6,10 +6,12 @@
 //! partition, token (ACLs filter what a token sees) and, over TLS, the address and TLS
 //! settings (what a connection trusts). Plain-HTTP spellings of one server share a feed.
 //!
-//! Two blocking queries, each holding one lane of the server's budget for the feed's life:
-//! `/v1/health/state/any` (every check write) and `/v1/catalog/services` (every service
-//! registration change). Their answers are diffed ([`crate::changes`]) and only the members
-//! they name are woken: those whose service names, or nodes, the diff names (what the member
+//! Three blocking queries, each holding one lane of the server's budget for the feed's life:
+//! `/v1/health/state/any` (every check write), `/v1/catalog/services` (every service
+//! registration change) and `/v1/health/state/critical` (a check into or out of critical,
+//! answered in a moment where every check's answer takes a real agent a second at 150,000
+//! checks; what both checks queries show wakes its members once: [`crate::woken`]). Their
+//! answers are diffed ([`crate::changes`]) and only the members they name are woken: those whose service names, or nodes, the diff names (what the member
 //! asked about, not what its last answer kept: see [`Heard`]); a Connect member also when a
 //! new name appears (a proxy's name is any), a member with a `filter` on any node check. A
 //! catalog move the checks do not account for is located ([`crate::locate`]): the nodes
@@ -28,7 +30,7 @@ use tokio::time::Instant;
 
 use crate::catch_up::CatchUp;
 use crate::changes::{CatalogMove, CatalogView, ChecksView, Stale, checked_index_by_index};
-use crate::client::{Heard, HttpClient, Scope};
+use crate::client::{CheckState, Heard, HttpClient, Scope};
 use crate::error::QueryError;
 use crate::locate::{self, Located, Locator};
 use crate::metrics::{Metrics, contact_scope};
@@ -36,6 +38,7 @@ use crate::observe;
 use crate::reach::{Reach, Reachability};
 use crate::reads::ReadPool;
 use crate::timing::{Backoff, IndexState, pace};
+use crate::woken::Woken;
 use consul_resolver_core::keys::{ConsulKey, QueryOptions, Secret, TlsSettings};
 
 /// What identifies one feed: see the module's doc.
@@ -238,18 +241,21 @@ impl Feed {
     }
 }
 
-/// Which of the two queries.
+/// Which of the three queries.
 #[derive(Clone, Copy, Debug)]
 enum Query {
     Checks,
     Catalog,
+    Critical,
 }
 
 impl Feed {
-    /// The feed's two queries, run until the task is dropped. `scope_key` is a key of the
+    /// The feed's three queries, run until the task is dropped. `scope_key` is a key of the
     /// group, for the metrics (which count requests per scope).
     pub(crate) async fn run(self: Arc<Self>, client: Arc<HttpClient>, scope_key: ConsulKey, env: FeedEnv) {
         let checks = Mutex::new(ChecksView::default());
+        let critical = Mutex::new(ChecksView::default());
+        let woken = Mutex::new(Woken::default());
         let baselines = Mutex::new(0u8);
         let ctx = Ctx {
             feed: &self,
@@ -258,8 +264,14 @@ impl Feed {
             key: contact_scope(&scope_key),
             env: &env,
             checks: &checks,
+            critical: &critical,
+            woken: &woken,
         };
-        tokio::join!(ctx.query(Query::Checks, &baselines), ctx.query(Query::Catalog, &baselines));
+        tokio::join!(
+            ctx.query(Query::Checks, &baselines),
+            ctx.query(Query::Catalog, &baselines),
+            ctx.query(Query::Critical, &baselines)
+        );
     }
 }
 
@@ -270,11 +282,16 @@ struct Ctx<'a> {
     /// The group's contact scope (server, token, TLS, dc, ns, partition).
     key: ConsulKey,
     env: &'a FeedEnv,
+    /// Every check of the group.
     checks: &'a Mutex<ChecksView>,
+    /// The group's critical checks.
+    critical: &'a Mutex<ChecksView>,
+    /// What the two checks views woke members for.
+    woken: &'a Mutex<Woken>,
 }
 
 impl Ctx<'_> {
-    /// One of the two queries, for the feed's life: a lane held throughout, paced, backing
+    /// One of the three queries, for the feed's life: a lane held throughout, paced, backing
     /// off on errors, waiting while the server is down.
     async fn query(&self, q: Query, baselines: &Mutex<u8>) {
         let Ok(_lane) = self.env.lanes.acquire().await else { return };
@@ -310,6 +327,7 @@ impl Ctx<'_> {
                     match q {
                         Query::Checks => self.checks(block).await,
                         Query::Catalog => self.catalog(block, &mut catalog).await,
+                        Query::Critical => self.critical(block).await,
                     }
                 } => a,
                 // The server went down: the query in flight is dropped.
@@ -328,7 +346,8 @@ impl Ctx<'_> {
                         let mut b = baselines.lock().expect("baselines poisoned");
                         *b += 1;
                         if *b == 2 {
-                            // Both views have a baseline: everyone who joined before
+                            // Both views (every check's and the catalog's) have a baseline:
+                            // everyone who joined before
                             // re-reads once, and later joiners need not.
                             let mut members = self.feed.lock();
                             let now = Instant::now();
@@ -369,10 +388,11 @@ impl Ctx<'_> {
         let token = self.key.scope.server.token.as_ref();
         let sent = Instant::now();
         let health_state = || {
-            self.client.health_state(&self.scope, token, block, |index, body| {
+            self.client.health_state(CheckState::Any, &self.scope, token, block, |index, body| {
                 let mut view = self.checks.lock().expect("checks view poisoned");
                 let first = view.index().is_none();
-                let stale = view.apply(index, body)?;
+                let written = view.apply(index, body)?;
+                let stale = self.woken().name(CheckState::Any, written, index);
                 self.feed.catch_up().checks_answered(Instant::now(), |after, upto| view.accounts_for(after, upto));
                 Ok((stale, first))
             })
@@ -390,6 +410,32 @@ impl Ctx<'_> {
         // A baseline names nothing: the members re-read once both views have one.
         self.wake(&if first { Stale::default() } else { stale });
         Ok((index, first))
+    }
+
+    /// One answer of the critical checks: wakes the members of checks that turned critical,
+    /// stopped being critical or were written while critical, without waiting for every
+    /// check's answer, which takes a real agent a second at 150,000 checks. Never a
+    /// baseline of the feed's: every check's answer shows the same writes.
+    async fn critical(&self, block: Option<(u64, Duration)>) -> Result<(Option<u64>, bool), QueryError> {
+        let token = self.key.scope.server.token.as_ref();
+        let health_state = || {
+            self.client.health_state(CheckState::Critical, &self.scope, token, block, |index, body| {
+                let mut view = self.critical.lock().expect("critical checks view poisoned");
+                let first = view.index().is_none();
+                let written = view.apply(index, body)?;
+                let stale = self.woken().name(CheckState::Critical, written, index);
+                Ok(if first { Stale::default() } else { stale })
+            })
+        };
+        let answer =
+            observe::request(&self.env.metrics, observe::Query::Critical, Some(&self.key), block, health_state).await?;
+        let index = indexed(&self.env.metrics, "critical", &answer);
+        self.wake(&answer.value);
+        Ok((index, false))
+    }
+
+    fn woken(&self) -> std::sync::MutexGuard<'_, Woken> {
+        self.woken.lock().expect("woken checks poisoned")
     }
 
     /// One catalog answer: wakes the services its body names, and everyone when the move is
@@ -653,6 +699,8 @@ mod tests {
         env: FeedEnv,
         key: ConsulKey,
         checks: Mutex<ChecksView>,
+        critical: Mutex<ChecksView>,
+        woken: Mutex<Woken>,
     }
 
     impl Judged {
@@ -672,7 +720,16 @@ mod tests {
             };
             let client = Arc::new(HttpClient::new(address, None, 4, 1 << 20, env.lanes.clone()).unwrap());
             let key = consul_resolver_core::test_support::consul_key(address, "web");
-            Judged { feed, members, client, env, key, checks: Mutex::new(ChecksView::default()) }
+            Judged {
+                feed,
+                members,
+                client,
+                env,
+                key,
+                checks: Mutex::new(ChecksView::default()),
+                critical: Mutex::new(ChecksView::default()),
+                woken: Mutex::new(Woken::default()),
+            }
         }
 
         /// Judges an unaccounted move over `(after, upto]`; returns the services woken.
@@ -687,6 +744,8 @@ mod tests {
                 key: contact_scope(&self.key),
                 env: &self.env,
                 checks: &self.checks,
+                critical: &self.critical,
+                woken: &self.woken,
             };
             ctx.unaccounted(after, upto, Duration::ZERO).await;
             (0..self.members.len()).filter(|&i| self.members[i].changes.has_changed().unwrap()).collect()

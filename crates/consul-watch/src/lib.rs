@@ -30,6 +30,7 @@ mod server;
 mod settings;
 mod timing;
 mod watch;
+mod woken;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};

@@ -111,7 +111,7 @@ impl Metrics {
                 &["mode"],
             )
             .expect("valid metric"),
-            feeds: IntGauge::new("consul_feeds", "Change feeds running (two blocking queries each)").expect("valid metric"),
+            feeds: IntGauge::new("consul_feeds", "Change feeds running (three blocking queries each)").expect("valid metric"),
             unreachable_servers: IntGauge::new(
                 "consul_unreachable_servers",
                 "Consul servers that do not answer: their watches wait while one probe tries",

@@ -22,6 +22,8 @@ pub(crate) enum Query {
     Checks,
     /// `/v1/catalog/services`: the change feed's registrations.
     Catalog,
+    /// `/v1/health/state/critical`: the change feed's critical checks.
+    Critical,
     /// `/v1/catalog/nodes` and `/v1/catalog/node-services/<node>`: the change feed naming
     /// what a catalog move wrote when the checks do not say ([`crate::locate`]).
     Locate,
@@ -35,6 +37,7 @@ impl Query {
             Query::Service => "service",
             Query::Checks => "checks",
             Query::Catalog => "catalog",
+            Query::Critical => "critical",
             Query::Locate => "locate",
             Query::Probe => "probe",
         }

@@ -5,20 +5,25 @@
 //! left after the non-blocking reads) are fewer than the watches at scale. A watch is then
 //! one of:
 //! - **dedicated**: its own blocking query, one lane;
-//! - **fed**: a member of its group's change feed, which holds two lanes for the whole group
-//!   and names which members to re-read; as prompt as a dedicated query, one round trip later;
+//! - **fed**: a member of its group's change feed, which holds three lanes for the whole
+//!   group ([`FEED_LANES`]) and names which members to re-read; as prompt as a dedicated
+//!   query, one round trip later;
 //! - **swept**: neither could be given; re-read at the sweep only. Surfaced (metric, log),
 //!   never silent.
 //!
 //! The plan covers as many watches promptly as the lanes allow: while every watch fits,
-//! each is dedicated; beyond that the largest groups get feeds first (two lanes for a whole
-//! group), then single watches get dedicated lanes (those that cannot be fed first, then
+//! each is dedicated; beyond that the largest groups get feeds first (three lanes for a
+//! whole group), then single watches get dedicated lanes (those that cannot be fed first, then
 //! the members of groups too small to be worth a feed), and what remains goes to members of
 //! fed groups, so that fewer re-reads go through the feed. A group whose every member ends
 //! up dedicated gives its feed's lanes back. Within a group the watches that already hold a
 //! lane keep it, then the oldest: a change of plan moves as few watches as it can.
 
 use std::collections::{BTreeMap, BTreeSet};
+
+/// The lanes a change feed holds: its queries of every check, of the catalog and of the
+/// critical checks ([`crate::feed`]).
+pub(crate) const FEED_LANES: usize = 3;
 
 /// A watch, as the plan knows it: an id the server gave it.
 pub(crate) type WatchId = u64;
@@ -107,14 +112,14 @@ impl<G: Ord + Clone> Planner<G> {
         let loners = loners.in_order();
 
         let mut free = self.lanes;
-        // 1. Feeds for the groups a feed serves best: those of three or more (two lanes
-        //    for all of them), the largest first.
+        // 1. Feeds for the groups a feed serves best: those larger than a feed's lanes,
+        //    the largest first.
         let mut by_size: Vec<(&G, usize)> = groups.iter().map(|(g, m)| (*g, m.len())).collect();
         by_size.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(b.0)));
         for (g, size) in &by_size {
-            if *size >= 3 && free >= 2 {
+            if *size > FEED_LANES && free >= FEED_LANES {
                 feeds.insert((*g).clone());
-                free -= 2;
+                free -= FEED_LANES;
             }
         }
         // 2. One lane each: the watches no feed can serve, then the members of groups too
@@ -130,15 +135,15 @@ impl<G: Ord + Clone> Planner<G> {
             free -= 1;
         }
         // 3. What remains: dedicated members of fed groups; a group whose members all get
-        //    one gives its feed's two lanes back (smallest groups first, where that is
+        //    one gives its feed's lanes back (smallest groups first, where that is
         //    likeliest).
         let mut fed: Vec<(&G, &Vec<usize>)> =
             groups.iter().filter(|(g, _)| feeds.contains(**g)).map(|(g, m)| (*g, m)).collect();
         fed.sort_by_key(|(g, m)| (m.len(), *g));
         for (g, members) in &fed {
-            if members.len() <= free + 2 {
+            if members.len() <= free + FEED_LANES {
                 feeds.remove(*g);
-                free = free + 2 - members.len();
+                free = free + FEED_LANES - members.len();
                 members.iter().for_each(|i| roles[*i] = Some(Role::Dedicated));
             }
         }
@@ -190,9 +195,9 @@ mod tests {
         p.roles.values().filter(|r| **r == role).count()
     }
 
-    /// Lanes used: two per feed, one per dedicated watch.
+    /// Lanes used: a feed's per feed, one per dedicated watch.
     fn used(p: &Plan<&'static str>) -> usize {
-        2 * p.feeds.len() + count(p, Role::Dedicated)
+        FEED_LANES * p.feeds.len() + count(p, Role::Dedicated)
     }
 
     fn planner(lanes: usize, groups: &[(&'static str, usize)]) -> Planner<&'static str> {
@@ -216,12 +221,12 @@ mod tests {
 
     #[test]
     fn beyond_the_lanes_every_group_gets_a_feed_and_nothing_is_swept() {
-        // Three groups of four on seven lanes: three feeds (six lanes), one dedicated.
-        let p = planner(7, &[("a", 4), ("b", 4), ("c", 4)]).plan();
+        // Three groups of five on ten lanes: three feeds (nine lanes), one dedicated.
+        let p = planner(10, &[("a", 5), ("b", 5), ("c", 5)]).plan();
         assert_eq!(p.feeds, BTreeSet::from(["a", "b", "c"]));
         assert_eq!(count(&p, Role::Swept), 0);
         assert_eq!(count(&p, Role::Dedicated), 1);
-        assert_eq!(used(&p), 7);
+        assert_eq!(used(&p), 10);
     }
 
     #[test]
@@ -229,26 +234,26 @@ mod tests {
         // 1,000 watches of one scope, 90 lanes (a budget of 100 less its 10 reads).
         let p = planner(90, &[("a", 1000)]).plan();
         assert_eq!(p.feeds.len(), 1);
-        assert_eq!(count(&p, Role::Dedicated), 88);
-        assert_eq!(count(&p, Role::Fed), 912);
+        assert_eq!(count(&p, Role::Dedicated), 87);
+        assert_eq!(count(&p, Role::Fed), 913);
     }
 
     #[test]
     fn what_cannot_be_fed_is_dedicated_first_and_small_groups_take_single_lanes() {
-        // Two watches no feed serves, a group of 2, a group of 10, on 5 lanes: the group
-        // of 10 gets a feed (2), the loners 2 lanes, one of the pair the last lane.
-        let p = planner(5, &[("", 2), ("pair", 2), ("big", 10)]).plan();
+        // Two watches no feed serves, a group of 2, a group of 10, on 6 lanes: the group
+        // of 10 gets a feed (3), the loners 2 lanes, one of the pair the last lane.
+        let p = planner(6, &[("", 2), ("pair", 2), ("big", 10)]).plan();
         assert_eq!(p.feeds, BTreeSet::from(["big"]));
         assert_eq!([p.roles[&0], p.roles[&1]], [Role::Dedicated; 2]);
         assert_eq!(count(&p, Role::Swept), 1, "one of the pair waits for the sweep: {p:?}");
-        assert_eq!(used(&p), 5);
+        assert_eq!(used(&p), 6);
     }
 
     #[test]
     fn when_lanes_run_out_the_largest_groups_keep_their_feeds_and_the_rest_is_swept() {
-        let p = planner(4, &[("a", 3), ("b", 5), ("c", 9)]).plan();
+        let p = planner(6, &[("a", 4), ("b", 5), ("c", 9)]).plan();
         assert_eq!(p.feeds, BTreeSet::from(["b", "c"]));
-        assert_eq!(count(&p, Role::Swept), 3, "{p:?}");
+        assert_eq!(count(&p, Role::Swept), 4, "{p:?}");
         let p = planner(1, &[("a", 3)]).plan();
         assert!(p.feeds.is_empty());
         assert_eq!((count(&p, Role::Dedicated), count(&p, Role::Swept)), (1, 2));
@@ -258,20 +263,20 @@ mod tests {
 
     #[test]
     fn a_group_fully_dedicated_gives_its_feed_back() {
-        // 9 lanes, groups of 3 and 8: feeds for both (4 lanes), then the group of 3 can be
-        // dedicated entirely for one more lane (its feed's two back): feed only for the 8.
-        let p = planner(9, &[("small", 3), ("big", 8)]).plan();
+        // 11 lanes, groups of 4 and 9: feeds for both (6 lanes), then the group of 4 can be
+        // dedicated entirely for one more lane (its feed's three back): feed only for the 9.
+        let p = planner(11, &[("small", 4), ("big", 9)]).plan();
         assert_eq!(p.feeds, BTreeSet::from(["big"]));
-        assert_eq!(used(&p), 9);
+        assert_eq!(used(&p), 11);
         assert_eq!(count(&p, Role::Swept), 0);
-        for id in 0..3 {
+        for id in 0..4 {
             assert_eq!(p.roles[&id], Role::Dedicated);
         }
     }
 
     #[test]
     fn lane_holders_keep_their_lanes_and_a_freed_lane_goes_to_a_fed_watch() {
-        let mut p = planner(3, &[("a", 4)]);
+        let mut p = planner(4, &[("a", 5)]);
         let first = p.plan();
         assert_eq!(first.feeds.len(), 1);
         let holder = *first.roles.iter().find(|(_, r)| **r == Role::Dedicated).unwrap().0;
@@ -287,7 +292,7 @@ mod tests {
         assert_eq!(promoted.len(), 1);
         assert_ne!(promoted[0], 100, "the oldest fed watch, not the newcomer");
         // Down to what fits: everyone dedicated, no feed.
-        for id in [0, 1, 2, 3] {
+        for id in 0..5 {
             p.leave(id);
         }
         let last = p.plan();

@@ -352,8 +352,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn watches_are_told_their_place_and_a_freed_lane_moves_at_once() {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        // A budget of 8: 7 lanes.
-        let settings = Settings { max_connections: 8, ..Settings::default() };
+        // A budget of 9: 8 lanes.
+        let settings = Settings { max_connections: 9, ..Settings::default() };
         let server = Server::new(settings, Metrics::unregistered(), watch::channel(true).1);
         let client = server.client("http://127.0.0.1:1", None).unwrap();
         let mut seats: Vec<Seat> = Vec::new();
@@ -374,9 +374,9 @@ mod tests {
                 })
                 .collect()
         };
-        // Ten watches of two tokens on seven lanes: both teams' groups could have a feed
-        // (four lanes); team a is cheaper dedicated whole (five lanes, its feed's two back),
-        // team b keeps its feed.
+        // Ten watches of two tokens on eight lanes: both teams' groups could have a feed
+        // (six lanes); team a is cheaper dedicated whole (five lanes, its feed's three
+        // back), team b keeps its feed.
         assert_eq!(placed(&seats), [["dedicated"; 5], ["fed"; 5]].concat());
         assert_eq!(server.metrics.feeds.get(), 1);
         // A dedicated watch leaves: its lane goes to team b's oldest fed watch.

@@ -153,6 +153,26 @@ pub(crate) struct Heard {
     pub names: BTreeSet<String>,
 }
 
+/// Which checks a `/v1/health/state` query asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CheckState {
+    /// Every check: its index moves, and a blocking query wakes, on every check write.
+    Any,
+    /// The critical ones: a blocking query wakes when a check turns critical, stops being
+    /// critical or is written while critical, not for a passing check rewritten
+    /// (docs/consul.md, "Services without a blocking query of their own").
+    Critical,
+}
+
+impl CheckState {
+    fn path(self) -> &'static str {
+        match self {
+            CheckState::Any => "any",
+            CheckState::Critical => "critical",
+        }
+    }
+}
+
 /// A connection pool to one Consul address: HTTP/1.1 connections for `http://` (see
 /// [`http1`]); over TLS, HTTP/2 streams when the server speaks it (see [`multiplex`]), else
 /// HTTP/1.1 connections as over plain TCP.
@@ -371,18 +391,19 @@ impl HttpClient {
         parse::node_services(&self.whole(&got.body)?).map_err(|cause| self.body_error(cause))
     }
 
-    /// `GET /v1/health/state/any`: every check of the scope (the change feed). `apply`
-    /// takes the answer's index and its body as a stream, inflated as it is read (at the
-    /// scale profile the answer is 21 MB: see [`body`]), and reads what it needs of it (the
-    /// checks it does not know already); its error is a malformed answer.
+    /// `GET /v1/health/state/<state>`: the scope's checks in `state` (the change feed).
+    /// `apply` takes the answer's index and its body as a stream, inflated as it is read (at
+    /// the scale profile every check is 21 MB: see [`body`]), and reads what it needs of it
+    /// (the checks it does not know already); its error is a malformed answer.
     pub(crate) async fn health_state<R>(
         &self,
+        state: CheckState,
         scope: &Scope,
         token: Option<&Secret>,
         block: Option<(u64, Duration)>,
         apply: impl FnOnce(u64, &mut dyn std::io::Read) -> Result<R, String>,
     ) -> Result<Answer<R>, QueryError> {
-        let url = format!("{}/v1/health/state/any", self.base);
+        let url = format!("{}/v1/health/state/{}", self.base, state.path());
         let Got { index, indexed, body, .. } = self.scoped_get(&url, scope, token, block).await?;
         let mut reader = body.reader();
         let value = apply(index, &mut reader).map_err(|cause| match reader.too_large() {
@@ -665,19 +686,22 @@ mod tests {
         let scope = Scope { datacenter: None, namespace: None, partition: None };
         let mut view = crate::changes::ChecksView::default();
         let mut read = || {
-            let answer = rt.block_on(c.health_state(&scope, None, None, |index, body| view.apply(index, body)));
+            let answer =
+                rt.block_on(c.health_state(CheckState::Any, &scope, None, None, |index, body| view.apply(index, body)));
             answer.unwrap().value
         };
-        assert!(read().everything, "the first answer: every check new to the view");
+        assert_eq!(read(), crate::changes::Written::Everything, "the first answer: every check new to the view");
         // The same answer again: every check known by its bytes, so what is held is the
         // answer's reading, not the view's growth.
         let (again, peak) = heap_peak::peak_heap(&mut read);
-        assert!(again.is_empty());
+        assert_eq!(again, crate::changes::Written::Checks(vec![]));
         assert!(peak < json.len() / 4, "{peak} bytes held to read a {} byte answer ({} gzipped)", json.len(), gz.len());
         // Inflated past the limit, the stream is an answer too large, as a whole one is.
         let small = HttpClient::new(&consul, None, 4, json.len() - 1, budget()).unwrap();
         let mut view = crate::changes::ChecksView::default();
-        let err = rt.block_on(small.health_state(&scope, None, None, |i, body| view.apply(i, body))).unwrap_err();
+        let err = rt
+            .block_on(small.health_state(CheckState::Any, &scope, None, None, |i, body| view.apply(i, body)))
+            .unwrap_err();
         assert!(matches!(err, QueryError::TooLarge { .. }), "{err}");
         assert_eq!(view.index(), None, "nothing of it was taken");
     }
