@@ -268,6 +268,11 @@ impl ChecksView {
         self.index
     }
 
+    /// How many checks the last answer held.
+    pub(crate) fn len(&self) -> usize {
+        self.order.len()
+    }
+
     /// Takes a new answer's body, as it is read (see [`parse::StateSplit`]); returns what
     /// changed since the previous answer. The first answer, and one whose index went
     /// backwards (a restored or rebuilt cluster), change everything. A malformed answer is

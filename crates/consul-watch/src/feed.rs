@@ -11,13 +11,14 @@
 //! registration change) and `/v1/health/state/critical` (a check into or out of critical,
 //! answered in a moment where every check's answer takes a real agent a second at 150,000
 //! checks; what both checks queries show wakes its members once: [`crate::woken`]). Their
-//! answers are diffed ([`crate::changes`]) and only the members they name are woken: those whose service names, or nodes, the diff names (what the member
-//! asked about, not what its last answer kept: see [`Heard`]); a Connect member also when a
-//! new name appears (a proxy's name is any), a member with a `filter` on any node check. A
-//! catalog move the checks do not account for is located ([`crate::locate`]): the nodes
-//! and instances it wrote are woken, or, when that cannot explain every index of the move,
-//! every member (each re-read still goes through the small read pool, so the burst is
-//! spread). Both queries follow the watch rules: paced, backoff with jitter on errors, the
+//! answers are diffed ([`crate::changes`]) and only the members they name are woken: those
+//! whose service names, or nodes, the diff names (what the member asked about, not what its
+//! last answer kept: see [`Heard`]); a Connect member also when a new name appears (a
+//! proxy's name is any), a member with a `filter` on any node check. A catalog move the
+//! checks do not account for is located ([`crate::locate`]): the nodes and instances it
+//! wrote are woken, or, when that cannot explain every index of the move, every member
+//! (each re-read still goes through the small read pool, so the burst is spread). All three
+//! queries follow the watch rules: paced, backoff with jitter on errors, the
 //! index reset after a failure or when it goes backwards; while the server is down they
 //! wait for it ([`crate::reach`]).
 
@@ -73,6 +74,9 @@ pub(crate) struct FeedEnv {
     pub reach: Arc<Reachability>,
     pub metrics: Metrics,
     pub wait: Duration,
+    /// How many checks of the group start its critical checks' query (and half of it stops
+    /// it): `Settings::critical_query_from_checks`.
+    pub critical_from: usize,
 }
 
 /// The members of a feed, shared by its queries and by the memberships. The queries run in
@@ -82,6 +86,9 @@ pub(crate) struct Feed {
     members: Mutex<Members>,
     /// The checks view's index, for a catalog move waiting on it.
     checks_index: watch::Sender<u64>,
+    /// How many checks the checks view's last answer held: whether the critical checks'
+    /// query is worth its requests.
+    checks_held: watch::Sender<usize>,
     /// How long a catalog move waits for the checks view ([`crate::catch_up`]).
     catch_up: Mutex<CatchUp>,
     /// What the locate step learnt of this feed's token and catalog ([`crate::locate`]).
@@ -214,6 +221,7 @@ impl Feed {
         Arc::new(Feed {
             members: Mutex::default(),
             checks_index: watch::Sender::new(0),
+            checks_held: watch::Sender::new(0),
             catch_up: Mutex::default(),
             locator: Mutex::default(),
         })
@@ -270,7 +278,7 @@ impl Feed {
         tokio::join!(
             ctx.query(Query::Checks, &baselines),
             ctx.query(Query::Catalog, &baselines),
-            ctx.query(Query::Critical, &baselines)
+            ctx.critical_lane(&baselines)
         );
     }
 }
@@ -291,6 +299,28 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
+    /// The critical checks' query, while the group holds at least `critical_from` checks
+    /// and until it holds fewer than half of that. Below, every check's answer is quick
+    /// (about 10 ms from a real agent at 1,000 checks), and a flip costs the group one
+    /// request less without it. While it does not run it holds no lane (reads may borrow
+    /// it), and its next answer is a baseline again.
+    async fn critical_lane(&self, baselines: &Mutex<u8>) {
+        let from = self.env.critical_from;
+        let mut held = self.feed.checks_held.subscribe();
+        loop {
+            if held.wait_for(|n| *n >= from).await.is_err() {
+                return;
+            }
+            tokio::select! {
+                () = self.query(Query::Critical, baselines) => return,
+                _ = held.wait_for(|n| *n < from / 2) => {
+                    *self.critical.lock().expect("critical checks view poisoned") = ChecksView::default();
+                    self.woken().critical_stopped();
+                }
+            }
+        }
+    }
+
     /// One of the three queries, for the feed's life: a lane held throughout, paced, backing
     /// off on errors, waiting while the server is down.
     async fn query(&self, q: Query, baselines: &Mutex<u8>) {
@@ -347,8 +377,8 @@ impl Ctx<'_> {
                         *b += 1;
                         if *b == 2 {
                             // Both views (every check's and the catalog's) have a baseline:
-                            // everyone who joined before
-                            // re-reads once, and later joiners need not.
+                            // everyone who joined before re-reads once, and later joiners
+                            // need not.
                             let mut members = self.feed.lock();
                             let now = Instant::now();
                             members.baseline_at = Some(now);
@@ -393,6 +423,7 @@ impl Ctx<'_> {
                 let first = view.index().is_none();
                 let written = view.apply(index, body)?;
                 let stale = self.woken().name(CheckState::Any, written, index);
+                self.feed.checks_held.send_replace(view.len());
                 self.feed.catch_up().checks_answered(Instant::now(), |after, upto| view.accounts_for(after, upto));
                 Ok((stale, first))
             })
@@ -717,6 +748,7 @@ mod tests {
                 reads,
                 metrics,
                 wait: Duration::from_secs(1),
+                critical_from: 0,
             };
             let client = Arc::new(HttpClient::new(address, None, 4, 1 << 20, env.lanes.clone()).unwrap());
             let key = consul_resolver_core::test_support::consul_key(address, "web");

@@ -246,6 +246,7 @@ impl Server {
                 reach: self.reach.clone(),
                 metrics: self.metrics.clone(),
                 wait: self.settings.wait,
+                critical_from: self.settings.critical_query_from_checks,
             };
             let (running_feed, client, key) = (feed.clone(), seed.client.clone(), seed.key.clone());
             let task = crate::restart::spawn_restarting("feed", &self.metrics, move || {

@@ -59,15 +59,26 @@ impl Woken {
         stale
     }
 
-    /// Forgets the checks both queries have answered past: neither can show them written
-    /// at an index up to that again.
+    /// The critical checks' query stopped (its group shrank): only every check's answers
+    /// come, and what they answered past is forgotten.
+    pub(crate) fn critical_stopped(&mut self) {
+        self.critical = None;
+    }
+
+    /// Forgets the checks the queries running have answered past: none can show them
+    /// written at an index up to that again. (Forgetting too soon costs a second re-read,
+    /// never a missed one.)
     fn answered(&mut self, from: CheckState, index: u64) {
         match from {
             CheckState::Any => self.any = Some(index),
             CheckState::Critical => self.critical = Some(index),
         }
-        if let (Some(any), Some(critical)) = (self.any, self.critical) {
-            let past = any.min(critical);
+        let past = match (self.any, self.critical) {
+            (Some(any), Some(critical)) => Some(any.min(critical)),
+            (Some(any), None) => Some(any),
+            (None, _) => None,
+        };
+        if let Some(past) = past {
             self.by_check.retain(|_, woken_at| *woken_at > past);
         }
         if self.by_check.len() > REMEMBERED_CHECKS {
