@@ -420,9 +420,7 @@ impl Ctx<'_> {
         let health_state = || {
             self.client.health_state(CheckState::Any, &self.scope, token, block, |index, body| {
                 let mut view = self.checks.lock().expect("checks view poisoned");
-                let first = view.index().is_none();
-                let written = view.apply(index, body)?;
-                let stale = self.woken().name(CheckState::Any, written, index);
+                let (stale, first) = self.apply_checks(CheckState::Any, &mut view, index, body)?;
                 self.feed.checks_held.send_replace(view.len());
                 self.feed.catch_up().checks_answered(Instant::now(), |after, upto| view.accounts_for(after, upto));
                 Ok((stale, first))
@@ -452,9 +450,7 @@ impl Ctx<'_> {
         let health_state = || {
             self.client.health_state(CheckState::Critical, &self.scope, token, block, |index, body| {
                 let mut view = self.critical.lock().expect("critical checks view poisoned");
-                let first = view.index().is_none();
-                let written = view.apply(index, body)?;
-                let stale = self.woken().name(CheckState::Critical, written, index);
+                let (stale, first) = self.apply_checks(CheckState::Critical, &mut view, index, body)?;
                 Ok(if first { Stale::default() } else { stale })
             })
         };
@@ -463,6 +459,20 @@ impl Ctx<'_> {
         let index = indexed(&self.env.metrics, "critical", &answer);
         self.wake(&answer.value);
         Ok((index, false))
+    }
+
+    /// Applies an answer of `state`'s checks to `view`: what it names that no answer woke
+    /// members for already, and whether it was the view's first.
+    fn apply_checks(
+        &self,
+        state: CheckState,
+        view: &mut ChecksView,
+        index: u64,
+        body: &mut dyn std::io::Read,
+    ) -> Result<(Stale, bool), String> {
+        let first = view.index().is_none();
+        let written = view.apply(index, body)?;
+        Ok((self.woken().name(state, written, index), first))
     }
 
     fn woken(&self) -> std::sync::MutexGuard<'_, Woken> {
