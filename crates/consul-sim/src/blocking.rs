@@ -127,11 +127,13 @@ impl Wait {
             {
                 let c = lock(&self.shared.catalog);
                 let stirred = self.watched.stirred_index(&c, self.quirks);
-                let first = stirred_at_start.is_none();
-                let started = *stirred_at_start.get_or_insert(stirred);
-                if self.watched.index(&c, self.quirks) > self.min_index && (first || stirred != started) {
+                // At the first look any index past the client's will do; later, only one
+                // that what the query watches moved since.
+                let moved = self.watched.index(&c, self.quirks) > self.min_index;
+                if moved && stirred_at_start.is_none_or(|at_start| at_start != stirred) {
                     return Woken::Ready;
                 }
+                stirred_at_start.get_or_insert(stirred);
             }
             tokio::select! {
                 r = self.changes.changed() => {
