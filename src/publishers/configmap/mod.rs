@@ -19,8 +19,8 @@
 //! docs/benchmarks.md), and a stale part is deleted with the resourceVersion and uid it
 //! was just read with. A write delayed past a change of leader (sent just before the
 //! deadline, applied by an API server that was frozen) then fails with a conflict instead
-//! of overwriting the new leader's snapshot. What was written is compared with the cluster every resync period,
-//! so a deleted or edited snapshot ConfigMap is written again
+//! of overwriting the new leader's snapshot. What was written is compared with the
+//! cluster every resync period, so a deleted or edited snapshot ConfigMap is written again
 //! ([`ConfigMapPublisher::repair`]).
 
 mod format;
