@@ -566,9 +566,9 @@ async fn a_held_watch_reads_blocks_only_once_released_and_misses_nothing(config:
 on_both_agents! {
     simulator_only: "needs the simulator's fault injection or request log";
 async fn first_reads_take_the_lanes_held_watches_leave_idle_and_give_them_back(config: Config) {
-        // A budget of 20: two reads of its own and 18 lanes, for 60 services: a feed (three
-        // lanes, one of them idle at this size: no critical checks' query) and 15 dedicated
-        // watches once placed.
+        // A budget of 20: two reads of its own and 18 lanes, for 60 services: a feed (two
+        // lanes: no critical checks' query at this size) and 16 dedicated watches once
+        // placed.
         const SERVICES: usize = 60;
         const BUDGET: usize = 20;
         const LANES: usize = BUDGET - BUDGET / 10;
@@ -597,7 +597,7 @@ async fn first_reads_take_the_lanes_held_watches_leave_idle_and_give_them_back(c
         // Released, every lane goes to its blocking query: the reads gave back what they took.
         sim.clear_faults();
         w.release_blocking();
-        let (stats, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking_total == LANES - 1).await;
+        let (stats, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking_total == LANES).await;
         assert!(ok, "every lane's blocking query waits in Consul: {stats:?}");
     }
 }
@@ -813,20 +813,26 @@ on_both_agents! {
     /// The critical checks' query costs a request per flip, worth it only where every
     /// check's answer is slow: the feed runs it once its group holds
     /// `critical_query_from_checks` checks (8 here), and stops it below half of that, both
-    /// ways.
+    /// ways. Its lane is the plan's: taken from a dedicated watch while it runs, and given
+    /// back.
     async fn the_critical_checks_query_runs_while_the_group_is_large(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
+        // A budget of 4: one read and three lanes, a feed and one dedicated query.
         let from_eight = Settings { critical_query_from_checks: 8, ..at_defaults(4) };
-        let (svcs, _keys, _w) = five_mostly_fed_with(&env, "grow", from_eight).await;
+        let (svcs, _keys, w) = five_mostly_fed_with(&env, "grow", from_eight).await;
         let checks_queries = |n: usize| move |s: &consul_sim::Stats| s.blocking.get(HEALTH_STATE_LABEL).copied() == Some(n);
         assert_eq!(sim.stats().blocking.get(HEALTH_STATE_LABEL).copied(), Some(1), "five checks: every check's query alone");
+        assert_eq!(w.metrics.watches("dedicated"), 1, "the third lane is a watch's");
         // Five more instances: ten checks.
         for (i, s) in svcs.iter().enumerate() {
             env.register(&format!("{s}-node"), &format!("{s}-2"), s, 9000 + i as u16, "passing", &[]).await;
         }
         let (stats, ok) = sim.wait_for_stats(DEADLINE, checks_queries(2)).await;
         assert!(ok, "ten checks: the critical checks' query blocks too: {stats:?}");
+        assert_eq!(w.metrics.watches("dedicated"), 0, "the dedicated watch gave its lane up");
+        let (stats, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking_total == 3).await;
+        assert!(ok, "the feed's three queries block, within the budget: {stats:?}");
         // Seven instances gone: three checks, below half of eight.
         for s in &svcs[..4] {
             env.deregister(&format!("{s}-node"), &format!("{s}-2")).await;
@@ -836,6 +842,9 @@ on_both_agents! {
         }
         let (stats, ok) = sim.wait_for_stats(DEADLINE, checks_queries(1)).await;
         assert!(ok, "three checks: the critical checks' query stops: {stats:?}");
+        let (stats, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking_total == 3).await;
+        assert!(ok, "its lane goes back to a watch's own query: {stats:?}");
+        assert_eq!(w.metrics.watches("dedicated"), 1);
     }
 }
 
@@ -1048,11 +1057,11 @@ on_both_agents! {
         let env = Env::start(config).await;
         let sim = env.simulator();
         let holder = unique("holder");
-        let waiters: Vec<String> = (0..4).map(|i| unique(&format!("waiter{i}"))).collect();
+        let waiters: Vec<String> = (0..3).map(|i| unique(&format!("waiter{i}"))).collect();
         one_instance_each(&env, &[vec![holder.clone()], waiters.clone()].concat()).await;
-        // A budget of 5: one read and four lanes for five watches: a feed (three lanes) and
+        // A budget of 4: one read and three lanes for four watches: a feed (two lanes) and
         // one dedicated query, which the first watch holds.
-        let mut w = Watches::new(at_defaults(5));
+        let mut w = Watches::new(at_defaults(4));
         fn blocking(name: &str) -> impl Fn(&consul_sim::Stats) -> bool + '_ {
             move |s| s.blocking.get(name).copied().unwrap_or(0) >= 1
         }
@@ -1074,7 +1083,7 @@ on_both_agents! {
         assert!(blocking(&holder)(&stats), "the holder kept its lane");
         let stopped = Instant::now();
         w.stop(&kh);
-        // Four watches on four lanes: each gets one, the feed stops.
+        // Three watches on three lanes: each gets one, the feed stops.
         for name in &waiters {
             let (stats, ok) = sim.wait_for_stats(Duration::from_secs(2), blocking(name)).await;
             assert!(ok, "the freed lanes did not go to the fed watches within 2 s: {stats:?}");
@@ -1082,7 +1091,7 @@ on_both_agents! {
         eprintln!("the fed watches blocked on their own queries {:?} after the lane freed", stopped.elapsed());
         // (An older agent keeps a dropped query until its wait ends: count ours.)
         assert_eq!(w.metrics.feeds(), 0, "a feed with no member left stops");
-        assert_eq!(w.metrics.watches("dedicated"), 4);
+        assert_eq!(w.metrics.watches("dedicated"), 3);
         let b = &waiters[0];
         env.register(&format!("{b}-node"), &format!("{b}-1"), b, 9999, "passing", &[]).await;
         w.answer_within(&keys[0], "a change through its own query", PROMPT, |e| ports(e) == [9999]).await;

@@ -120,8 +120,7 @@ async fn an_http1_server_gets_http1() {
     for (i, s) in services.iter().enumerate() {
         env.register(s, 8100 + i as u16, "passing").await;
     }
-    // A budget of 4: one read and the feed's three lanes (its critical checks' query idle at
-    // this size).
+    // A budget of 4: one read, the feed's two queries, one dedicated slot.
     let mut w = watches(4);
     let keys: Vec<ConsulKey> = services.iter().map(|s| env.key(s)).collect();
     for k in &keys {

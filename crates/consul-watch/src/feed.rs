@@ -6,11 +6,12 @@
 //! partition, token (ACLs filter what a token sees) and, over TLS, the address and TLS
 //! settings (what a connection trusts). Plain-HTTP spellings of one server share a feed.
 //!
-//! Three blocking queries, each holding one lane of the server's budget for the feed's life:
-//! `/v1/health/state/any` (every check write), `/v1/catalog/services` (every service
-//! registration change) and `/v1/health/state/critical` (a check into or out of critical,
-//! answered in a moment where every check's answer takes a real agent a second at 150,000
-//! checks; what both checks queries show wakes its members once: [`crate::woken`]). Their
+//! Two blocking queries, each holding one lane of the server's budget for the feed's life:
+//! `/v1/health/state/any` (every check write) and `/v1/catalog/services` (every service
+//! registration change); and while the group is large and the plan gives it a lane, a third,
+//! `/v1/health/state/critical` (a check into or out of critical, answered in a moment where
+//! every check's answer takes a real agent a second at 150,000 checks; what both checks
+//! queries show wakes its members once: [`crate::woken`]). Their
 //! answers are diffed ([`crate::changes`]) and only the members they name are woken: those
 //! whose service names, or nodes, the diff names (what the member asked about, not what its
 //! last answer kept: see [`Heard`]); a Connect member also when a new name appears (a
@@ -26,7 +27,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{Notify, Semaphore, watch};
 use tokio::time::Instant;
 
 use crate::catch_up::CatchUp;
@@ -77,6 +78,8 @@ pub(crate) struct FeedEnv {
     /// How many checks of the group start its critical checks' query (and half of it stops
     /// it): `Settings::critical_query_from_checks`.
     pub critical_from: usize,
+    /// Tells the server to plan again: the feed asks for its critical lane, or gives it up.
+    pub replan: Arc<Notify>,
 }
 
 /// The members of a feed, shared by its queries and by the memberships. The queries run in
@@ -86,13 +89,26 @@ pub(crate) struct Feed {
     members: Mutex<Members>,
     /// The checks view's index, for a catalog move waiting on it.
     checks_index: watch::Sender<u64>,
-    /// How many checks the checks view's last answer held: whether the critical checks'
-    /// query is worth its requests.
-    checks_held: watch::Sender<usize>,
+    /// Whether the critical checks' query runs.
+    critical_lane: watch::Sender<CriticalLane>,
     /// How long a catalog move waits for the checks view ([`crate::catch_up`]).
     catch_up: Mutex<CatchUp>,
     /// What the locate step learnt of this feed's token and catalog ([`crate::locate`]).
     locator: Mutex<Locator>,
+}
+
+/// The critical checks' query runs while the feed asks for its lane (its group is large:
+/// the query is worth its requests) and the server's plan gives it one.
+#[derive(Debug, Clone, Copy, Default)]
+struct CriticalLane {
+    asked: bool,
+    given: bool,
+}
+
+impl CriticalLane {
+    fn runs(&self) -> bool {
+        self.asked && self.given
+    }
 }
 
 #[derive(Default)]
@@ -221,7 +237,7 @@ impl Feed {
         Arc::new(Feed {
             members: Mutex::default(),
             checks_index: watch::Sender::new(0),
-            checks_held: watch::Sender::new(0),
+            critical_lane: watch::Sender::new(CriticalLane::default()),
             catch_up: Mutex::default(),
             locator: Mutex::default(),
         })
@@ -247,6 +263,25 @@ impl Feed {
         let (id, changes) = self.lock().join(heard, query, last_read);
         Membership { feed: self.clone(), id, changes }
     }
+
+    /// Whether the feed asks for a lane for its critical checks' query.
+    pub(crate) fn asks_for_critical_lane(&self) -> bool {
+        self.critical_lane.borrow().asked
+    }
+
+    /// The plan gives the feed a lane for its critical checks' query, or takes it back.
+    pub(crate) fn give_critical_lane(&self, given: bool) {
+        self.critical_lane.send_if_modified(|l| std::mem::replace(&mut l.given, given) != given);
+    }
+
+    /// The group holds `checks`: the feed asks for its critical lane from `from` checks
+    /// until fewer than half of that. True when that changed (the server plans again).
+    fn held_checks(&self, checks: usize, from: usize) -> bool {
+        self.critical_lane.send_if_modified(|l| {
+            let asked = checks >= if l.asked { from / 2 } else { from };
+            std::mem::replace(&mut l.asked, asked) != asked
+        })
+    }
 }
 
 /// Which of the three queries.
@@ -258,7 +293,7 @@ enum Query {
 }
 
 impl Feed {
-    /// The feed's three queries, run until the task is dropped. `scope_key` is a key of the
+    /// The feed's queries, run until the task is dropped. `scope_key` is a key of the
     /// group, for the metrics (which count requests per scope).
     pub(crate) async fn run(self: Arc<Self>, client: Arc<HttpClient>, scope_key: ConsulKey, env: FeedEnv) {
         let checks = Mutex::new(ChecksView::default());
@@ -300,20 +335,19 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     /// The critical checks' query, while the group holds at least `critical_from` checks
-    /// and until it holds fewer than half of that. Below, every check's answer is quick
-    /// (about 10 ms from a real agent at 1,000 checks), and a flip costs the group one
-    /// request less without it. While it does not run it holds no lane (reads may borrow
-    /// it), and its next answer is a baseline again.
+    /// and until it holds fewer than half of that, and while the plan gives it a lane.
+    /// Below, every check's answer is quick (about 10 ms from a real agent at 1,000
+    /// checks), and a flip costs the group one request less without it. While it does not
+    /// run it holds no lane, and its next answer is a baseline again.
     async fn critical_lane(&self, baselines: &Mutex<u8>) {
-        let from = self.env.critical_from;
-        let mut held = self.feed.checks_held.subscribe();
+        let mut lane = self.feed.critical_lane.subscribe();
         loop {
-            if held.wait_for(|n| *n >= from).await.is_err() {
+            if lane.wait_for(CriticalLane::runs).await.is_err() {
                 return;
             }
             tokio::select! {
                 () = self.query(Query::Critical, baselines) => return,
-                _ = held.wait_for(|n| *n < from / 2) => {
+                _ = lane.wait_for(|l| !l.runs()) => {
                     *self.critical.lock().expect("critical checks view poisoned") = ChecksView::default();
                     self.woken().critical_stopped();
                 }
@@ -321,8 +355,8 @@ impl Ctx<'_> {
         }
     }
 
-    /// One of the three queries, for the feed's life: a lane held throughout, paced, backing
-    /// off on errors, waiting while the server is down.
+    /// One of the three queries, for as long as it runs: a lane held throughout, paced,
+    /// backing off on errors, waiting while the server is down.
     async fn query(&self, q: Query, baselines: &Mutex<u8>) {
         let Ok(_lane) = self.env.lanes.acquire().await else { return };
         let mut reach = self.env.reach.subscribe();
@@ -421,7 +455,9 @@ impl Ctx<'_> {
             self.client.health_state(CheckState::Any, &self.scope, token, block, |index, body| {
                 let mut view = self.checks.lock().expect("checks view poisoned");
                 let (stale, first) = self.apply_checks(CheckState::Any, &mut view, index, body)?;
-                self.feed.checks_held.send_replace(view.len());
+                if self.feed.held_checks(view.len(), self.env.critical_from) {
+                    self.env.replan.notify_one();
+                }
                 self.feed.catch_up().checks_answered(Instant::now(), |after, upto| view.accounts_for(after, upto));
                 Ok((stale, first))
             })
@@ -759,6 +795,7 @@ mod tests {
                 metrics,
                 wait: Duration::from_secs(1),
                 critical_from: 0,
+                replan: Arc::new(Notify::new()),
             };
             let client = Arc::new(HttpClient::new(address, None, 4, 1 << 20, env.lanes.clone()).unwrap());
             let key = consul_resolver_core::test_support::consul_key(address, "web");

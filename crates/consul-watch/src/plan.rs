@@ -5,25 +5,33 @@
 //! left after the non-blocking reads) are fewer than the watches at scale. A watch is then
 //! one of:
 //! - **dedicated**: its own blocking query, one lane;
-//! - **fed**: a member of its group's change feed, which holds three lanes for the whole
-//!   group ([`FEED_LANES`]) and names which members to re-read; as prompt as a dedicated
-//!   query, one round trip later;
+//! - **fed**: a member of its group's change feed, which holds two lanes for the whole group
+//!   ([`FEED_LANES`]) and names which members to re-read; as prompt as a dedicated query,
+//!   one round trip later. A feed whose group is large asks for a third, for its query of
+//!   the critical checks ([`CRITICAL_LANE`]);
 //! - **swept**: neither could be given; re-read at the sweep only. Surfaced (metric, log),
 //!   never silent.
 //!
 //! The plan covers as many watches promptly as the lanes allow: while every watch fits,
-//! each is dedicated; beyond that the largest groups get feeds first (three lanes for a
-//! whole group), then single watches get dedicated lanes (those that cannot be fed first, then
-//! the members of groups too small to be worth a feed), and what remains goes to members of
-//! fed groups, so that fewer re-reads go through the feed. A group whose every member ends
-//! up dedicated gives its feed's lanes back. Within a group the watches that already hold a
-//! lane keep it, then the oldest: a change of plan moves as few watches as it can.
+//! each is dedicated; beyond that the largest groups get feeds first (two lanes for a whole
+//! group), then single watches get dedicated lanes (those that cannot be fed first, then the
+//! members of groups too small to be worth a feed). A group whose every member could then be
+//! dedicated gives its feed's lanes back. What remains goes first to the feeds that asked
+//! for their critical lane, the largest groups first, then to members of fed groups, so that
+//! fewer re-reads go through the feed. Within a group the watches that already hold a lane
+//! keep it, then the oldest: a change of plan moves as few watches as it can.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// The lanes a change feed holds: its queries of every check, of the catalog and of the
-/// critical checks ([`crate::feed`]).
-pub(crate) const FEED_LANES: usize = 3;
+/// The lanes a change feed holds: its queries of every check and of the catalog
+/// ([`crate::feed`]).
+pub(crate) const FEED_LANES: usize = 2;
+
+/// The lane of a feed's query of the critical checks, which runs only while its group is
+/// large (`Settings::critical_query_from_checks`): only such a feed asks for it, and gets it
+/// after every watch that would otherwise be swept. Counting it for every feed kept an idle
+/// lane per group from the watches.
+pub(crate) const CRITICAL_LANE: usize = 1;
 
 /// A watch, as the plan knows it: an id the server gave it.
 pub(crate) type WatchId = u64;
@@ -42,6 +50,8 @@ pub(crate) struct Planner<G> {
     lanes: usize,
     /// In joining order (ids grow).
     watches: BTreeMap<WatchId, Entry<G>>,
+    /// The groups whose running feed asks for its critical lane.
+    critical: BTreeSet<G>,
 }
 
 #[derive(Debug)]
@@ -52,16 +62,23 @@ struct Entry<G> {
     role: Option<Role>,
 }
 
-/// A plan: every watch's role, and the groups whose feeds run.
+/// A plan: every watch's role, the groups whose feeds run, and those of them given their
+/// critical lane.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Plan<G: Ord> {
     pub roles: BTreeMap<WatchId, Role>,
     pub feeds: BTreeSet<G>,
+    pub critical: BTreeSet<G>,
 }
 
 impl<G: Ord + Clone> Planner<G> {
     pub(crate) fn new(lanes: usize) -> Self {
-        Planner { lanes, watches: BTreeMap::new() }
+        Planner { lanes, watches: BTreeMap::new(), critical: BTreeSet::new() }
+    }
+
+    /// The groups whose feeds ask for their critical lane, replacing the last.
+    pub(crate) fn want_critical(&mut self, groups: BTreeSet<G>) {
+        self.critical = groups;
     }
 
     pub(crate) fn join(&mut self, id: WatchId, group: Option<G>) {
@@ -90,10 +107,10 @@ impl<G: Ord + Clone> Planner<G> {
     /// joins at start-up, while thousands of watches join (docs/benchmarks.md, "The
     /// doubled scale profile").
     fn decide(&self) -> Plan<G> {
-        let mut feeds = BTreeSet::new();
+        let (mut feeds, mut critical) = (BTreeSet::new(), BTreeSet::new());
         if self.watches.len() <= self.lanes {
             let roles = self.watches.keys().map(|id| (*id, Role::Dedicated)).collect();
-            return Plan { roles, feeds };
+            return Plan { roles, feeds, critical };
         }
         // Watches by position in id order: roles are then a list, not a map.
         let entries: Vec<(&WatchId, &Entry<G>)> = self.watches.iter().collect();
@@ -134,9 +151,8 @@ impl<G: Ord + Clone> Planner<G> {
             roles[*i] = Some(Role::Dedicated);
             free -= 1;
         }
-        // 3. What remains: dedicated members of fed groups; a group whose members all get
-        //    one gives its feed's lanes back (smallest groups first, where that is
-        //    likeliest).
+        // 3. A group whose members can all get one gives its feed's lanes back (smallest
+        //    groups first, where that is likeliest).
         let mut fed: Vec<(&G, &Vec<usize>)> =
             groups.iter().filter(|(g, _)| feeds.contains(**g)).map(|(g, m)| (*g, m)).collect();
         fed.sort_by_key(|(g, m)| (m.len(), *g));
@@ -147,6 +163,16 @@ impl<G: Ord + Clone> Planner<G> {
                 members.iter().for_each(|i| roles[*i] = Some(Role::Dedicated));
             }
         }
+        // 4. Critical lanes for the feeds that ask, the largest groups first: one serves
+        //    every member's health at once.
+        for (g, _) in fed.iter().rev().filter(|(g, _)| feeds.contains(*g) && self.critical.contains(*g)) {
+            if free < CRITICAL_LANE {
+                break;
+            }
+            critical.insert((*g).clone());
+            free -= CRITICAL_LANE;
+        }
+        // 5. What remains: dedicated members of fed groups.
         for (_, members) in fed.iter().filter(|(g, _)| feeds.contains(*g)) {
             for i in members.iter().take(free) {
                 roles[*i] = Some(Role::Dedicated);
@@ -164,7 +190,7 @@ impl<G: Ord + Clone> Planner<G> {
                 (**id, role)
             })
             .collect();
-        Plan { roles, feeds }
+        Plan { roles, feeds, critical }
     }
 }
 
@@ -195,9 +221,9 @@ mod tests {
         p.roles.values().filter(|r| **r == role).count()
     }
 
-    /// Lanes used: a feed's per feed, one per dedicated watch.
+    /// Lanes used: a feed's per feed, a critical lane's, one per dedicated watch.
     fn used(p: &Plan<&'static str>) -> usize {
-        FEED_LANES * p.feeds.len() + count(p, Role::Dedicated)
+        FEED_LANES * p.feeds.len() + CRITICAL_LANE * p.critical.len() + count(p, Role::Dedicated)
     }
 
     fn planner(lanes: usize, groups: &[(&'static str, usize)]) -> Planner<&'static str> {
@@ -221,12 +247,12 @@ mod tests {
 
     #[test]
     fn beyond_the_lanes_every_group_gets_a_feed_and_nothing_is_swept() {
-        // Three groups of five on ten lanes: three feeds (nine lanes), one dedicated.
-        let p = planner(10, &[("a", 5), ("b", 5), ("c", 5)]).plan();
+        // Three groups of four on seven lanes: three feeds (six lanes), one dedicated.
+        let p = planner(7, &[("a", 4), ("b", 4), ("c", 4)]).plan();
         assert_eq!(p.feeds, BTreeSet::from(["a", "b", "c"]));
         assert_eq!(count(&p, Role::Swept), 0);
         assert_eq!(count(&p, Role::Dedicated), 1);
-        assert_eq!(used(&p), 10);
+        assert_eq!(used(&p), 7);
     }
 
     #[test]
@@ -234,26 +260,52 @@ mod tests {
         // 1,000 watches of one scope, 90 lanes (a budget of 100 less its 10 reads).
         let p = planner(90, &[("a", 1000)]).plan();
         assert_eq!(p.feeds.len(), 1);
-        assert_eq!(count(&p, Role::Dedicated), 87);
-        assert_eq!(count(&p, Role::Fed), 913);
+        assert_eq!(count(&p, Role::Dedicated), 88);
+        assert_eq!(count(&p, Role::Fed), 912);
+        assert!(p.critical.is_empty(), "no feed asked for its critical lane");
+    }
+
+    #[test]
+    fn a_feed_that_asks_gets_its_critical_lane_after_what_would_be_swept_largest_group_first() {
+        let wanting = |lanes| {
+            let mut p = planner(lanes, &[("", 2), ("a", 10), ("b", 8), ("c", 8)]);
+            p.want_critical(BTreeSet::from(["a", "b"]));
+            p.plan()
+        };
+        // Three feeds (six lanes) and the two loners: no lane left for a critical query.
+        let p = wanting(8);
+        assert_eq!(p.feeds, BTreeSet::from(["a", "b", "c"]));
+        assert!(p.critical.is_empty(), "{p:?}");
+        assert_eq!((count(&p, Role::Dedicated), count(&p, Role::Swept)), (2, 0));
+        // One more: the largest group's; two more: both that asked, and c, which did not
+        // ask, none.
+        assert_eq!(wanting(9).critical, BTreeSet::from(["a"]));
+        let p = wanting(11);
+        assert_eq!(p.critical, BTreeSet::from(["a", "b"]));
+        assert_eq!((used(&p), count(&p, Role::Dedicated)), (11, 3), "the last lane to a member: {p:?}");
+        // The default budget at scale: the third lane comes out of the dedicated watches.
+        let mut p = planner(90, &[("a", 1000)]);
+        p.want_critical(BTreeSet::from(["a"]));
+        let p = p.plan();
+        assert_eq!((p.critical.len(), count(&p, Role::Dedicated)), (1, 87));
     }
 
     #[test]
     fn what_cannot_be_fed_is_dedicated_first_and_small_groups_take_single_lanes() {
-        // Two watches no feed serves, a group of 2, a group of 10, on 6 lanes: the group
-        // of 10 gets a feed (3), the loners 2 lanes, one of the pair the last lane.
-        let p = planner(6, &[("", 2), ("pair", 2), ("big", 10)]).plan();
+        // Two watches no feed serves, a group of 2, a group of 10, on 5 lanes: the group
+        // of 10 gets a feed (2), the loners 2 lanes, one of the pair the last lane.
+        let p = planner(5, &[("", 2), ("pair", 2), ("big", 10)]).plan();
         assert_eq!(p.feeds, BTreeSet::from(["big"]));
         assert_eq!([p.roles[&0], p.roles[&1]], [Role::Dedicated; 2]);
         assert_eq!(count(&p, Role::Swept), 1, "one of the pair waits for the sweep: {p:?}");
-        assert_eq!(used(&p), 6);
+        assert_eq!(used(&p), 5);
     }
 
     #[test]
     fn when_lanes_run_out_the_largest_groups_keep_their_feeds_and_the_rest_is_swept() {
-        let p = planner(6, &[("a", 4), ("b", 5), ("c", 9)]).plan();
+        let p = planner(4, &[("a", 3), ("b", 5), ("c", 9)]).plan();
         assert_eq!(p.feeds, BTreeSet::from(["b", "c"]));
-        assert_eq!(count(&p, Role::Swept), 4, "{p:?}");
+        assert_eq!(count(&p, Role::Swept), 3, "{p:?}");
         let p = planner(1, &[("a", 3)]).plan();
         assert!(p.feeds.is_empty());
         assert_eq!((count(&p, Role::Dedicated), count(&p, Role::Swept)), (1, 2));
@@ -263,20 +315,20 @@ mod tests {
 
     #[test]
     fn a_group_fully_dedicated_gives_its_feed_back() {
-        // 11 lanes, groups of 4 and 9: feeds for both (6 lanes), then the group of 4 can be
-        // dedicated entirely for one more lane (its feed's three back): feed only for the 9.
-        let p = planner(11, &[("small", 4), ("big", 9)]).plan();
+        // 9 lanes, groups of 3 and 8: feeds for both (4 lanes), then the group of 3 can be
+        // dedicated entirely for one more lane (its feed's two back): feed only for the 8.
+        let p = planner(9, &[("small", 3), ("big", 8)]).plan();
         assert_eq!(p.feeds, BTreeSet::from(["big"]));
-        assert_eq!(used(&p), 11);
+        assert_eq!(used(&p), 9);
         assert_eq!(count(&p, Role::Swept), 0);
-        for id in 0..4 {
+        for id in 0..3 {
             assert_eq!(p.roles[&id], Role::Dedicated);
         }
     }
 
     #[test]
     fn lane_holders_keep_their_lanes_and_a_freed_lane_goes_to_a_fed_watch() {
-        let mut p = planner(4, &[("a", 5)]);
+        let mut p = planner(3, &[("a", 4)]);
         let first = p.plan();
         assert_eq!(first.feeds.len(), 1);
         let holder = *first.roles.iter().find(|(_, r)| **r == Role::Dedicated).unwrap().0;
@@ -292,7 +344,7 @@ mod tests {
         assert_eq!(promoted.len(), 1);
         assert_ne!(promoted[0], 100, "the oldest fed watch, not the newcomer");
         // Down to what fits: everyone dedicated, no feed.
-        for id in 0..5 {
+        for id in [0, 1, 2, 3] {
             p.leave(id);
         }
         let last = p.plan();
@@ -306,9 +358,12 @@ mod tests {
         for lanes in 0..12 {
             for a in 0..6 {
                 for b in 0..6 {
-                    for loners in 0..4 {
-                        let p = planner(lanes, &[("a", a), ("b", b), ("", loners)]).plan();
+                    for (loners, wanting) in (0..4).flat_map(|l| [(l, vec![]), (l, vec!["a"]), (l, vec!["a", "b"])]) {
+                        let mut p = planner(lanes, &[("a", a), ("b", b), ("", loners)]);
+                        p.want_critical(wanting.into_iter().collect());
+                        let p = p.plan();
                         assert!(used(&p) <= lanes, "{lanes} lanes, a={a} b={b} loners={loners}: {p:?}");
+                        assert!(p.critical.is_subset(&p.feeds), "{p:?}");
                         assert_eq!(p.roles.len(), a + b + loners);
                         // Ids 0..a are group a's, a..a+b group b's.
                         for (g, ids) in [("a", 0..a), ("b", a..a + b)] {

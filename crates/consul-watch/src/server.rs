@@ -9,11 +9,13 @@
 //! - `reads`, a tenth (at least one): short non-blocking reads (first answers, re-reads of
 //!   fed watches) and probes;
 //! - `lanes`, the rest: the blocking queries of dedicated watches (one each) and of change
-//!   feeds (two each), as the plan shares them; over HTTP/2, its connections. A lane no
-//!   blocking query holds serves reads too ([`crate::reads`]).
+//!   feeds (two each, and a third while the group is large and the plan gives it), as the
+//!   plan shares them; over HTTP/2, its connections. A lane no blocking query holds serves
+//!   reads too ([`crate::reads`]).
 //!
 //! The plan is made again, for all the server's watches at once, whenever a watch joins or
-//! leaves (a burst of those is one plan): a freed lane goes to a fed watch at once, and a
+//! leaves or a feed asks for its critical lane or gives it up (a burst of those is one
+//! plan): a freed lane goes to a fed watch at once, and a
 //! group that needs a feed gets one, a dedicated watch giving up its lane if need be. A
 //! watch holds its lane permit only while the plan says it is dedicated, so the permits
 //! enforce what the plan decided even while watches move.
@@ -230,7 +232,10 @@ impl Server {
         if seats.planner.is_empty() {
             return;
         }
-        let Plan { roles, feeds } = seats.planner.plan();
+        let asking =
+            seats.feeds.iter().filter(|(_, f)| f.feed.asks_for_critical_lane()).map(|(g, _)| g.clone()).collect();
+        seats.planner.want_critical(asking);
+        let Plan { roles, feeds, critical } = seats.planner.plan();
         let Seats { watches, feeds: running, .. } = &mut *seats;
         // Feeds the plan no longer runs stop first, giving their lanes back.
         running.retain(|g, _| feeds.contains(g));
@@ -247,12 +252,16 @@ impl Server {
                 metrics: self.metrics.clone(),
                 wait: self.settings.wait,
                 critical_from: self.settings.critical_query_from_checks,
+                replan: self.replan.clone(),
             };
             let (running_feed, client, key) = (feed.clone(), seed.client.clone(), seed.key.clone());
             let task = crate::restart::spawn_restarting("feed", &self.metrics, move || {
                 running_feed.clone().run(client.clone(), key.clone(), env.clone())
             });
             running.insert(g, RunningFeed { feed, _task: AbortOnDropHandle::new(task) });
+        }
+        for (g, f) in running.iter() {
+            f.feed.give_critical_lane(critical.contains(g));
         }
         self.metrics.feeds.set(i64::try_from(running.len()).unwrap_or(i64::MAX));
         let mut swept = 0;
@@ -353,8 +362,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn watches_are_told_their_place_and_a_freed_lane_moves_at_once() {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        // A budget of 9: 8 lanes.
-        let settings = Settings { max_connections: 9, ..Settings::default() };
+        // A budget of 8: 7 lanes.
+        let settings = Settings { max_connections: 8, ..Settings::default() };
         let server = Server::new(settings, Metrics::unregistered(), watch::channel(true).1);
         let client = server.client("http://127.0.0.1:1", None).unwrap();
         let mut seats: Vec<Seat> = Vec::new();
@@ -375,9 +384,9 @@ mod tests {
                 })
                 .collect()
         };
-        // Ten watches of two tokens on eight lanes: both teams' groups could have a feed
-        // (six lanes); team a is cheaper dedicated whole (five lanes, its feed's three
-        // back), team b keeps its feed.
+        // Ten watches of two tokens on seven lanes: both teams' groups could have a feed
+        // (four lanes); team a is cheaper dedicated whole (five lanes, its feed's two back),
+        // team b keeps its feed.
         assert_eq!(placed(&seats), [["dedicated"; 5], ["fed"; 5]].concat());
         assert_eq!(server.metrics.feeds.get(), 1);
         // A dedicated watch leaves: its lane goes to team b's oldest fed watch.
