@@ -109,6 +109,8 @@ struct Seats {
     feeds: BTreeMap<FeedKey, RunningFeed>,
     /// Watches swept at the last plan (to say so when it changes).
     swept: usize,
+    /// Feeds that asked for their critical lane and did not get it, at the last plan.
+    short_of_critical: usize,
 }
 
 struct Seated {
@@ -162,6 +164,7 @@ impl Server {
                     watches: HashMap::new(),
                     feeds: BTreeMap::new(),
                     swept: 0,
+                    short_of_critical: 0,
                 }),
                 replan,
                 _planner: AbortOnDropHandle::new(planner),
@@ -260,8 +263,10 @@ impl Server {
             });
             running.insert(g, RunningFeed { feed, _task: AbortOnDropHandle::new(task) });
         }
+        let mut short_of_critical = 0;
         for (g, f) in running.iter() {
             f.feed.give_critical_lane(critical.contains(g));
+            short_of_critical += usize::from(f.feed.asks_for_critical_lane() && !critical.contains(g));
         }
         self.metrics.feeds.set(i64::try_from(running.len()).unwrap_or(i64::MAX));
         let mut swept = 0;
@@ -282,7 +287,15 @@ impl Server {
             };
             w.assignment.send_replace(assignment);
         }
-        if swept != seats.swept {
+        seats.report(swept, short_of_critical);
+    }
+}
+
+impl Seats {
+    /// Says in the log when the watches the plan sweeps, or the large groups' feeds it gives
+    /// no critical lane, change in number.
+    fn report(&mut self, swept: usize, short_of_critical: usize) {
+        if swept != self.swept {
             if swept > 0 {
                 tracing::warn!(
                     swept,
@@ -293,7 +306,20 @@ impl Server {
             } else {
                 tracing::info!("every Consul watch of this server has a blocking query or a change feed again");
             }
-            seats.swept = swept;
+            self.swept = swept;
+        }
+        if short_of_critical != self.short_of_critical {
+            if short_of_critical > 0 {
+                tracing::warn!(
+                    feeds = short_of_critical,
+                    "change feeds of large Consul catalogs without a lane for their critical checks' query: \
+                    a health change of their fed services waits for the answer of every check; raise \
+                    --consul-max-connections"
+                );
+            } else {
+                tracing::info!("every large change feed of this server has its critical checks' query again");
+            }
+            self.short_of_critical = short_of_critical;
         }
     }
 }
