@@ -29,8 +29,8 @@ pub(crate) const FEED_LANES: usize = 2;
 
 /// The lane of a feed's query of the critical checks, which runs only while its group is
 /// large (`Settings::critical_query_from_checks`): only such a feed asks for it, and gets it
-/// after every watch that would otherwise be swept. Counting it for every feed kept an idle
-/// lane per group from the watches.
+/// after every watch that would otherwise be swept. Counted for every feed, it would keep an
+/// idle lane per group from the watches wherever the query does not run.
 pub(crate) const CRITICAL_LANE: usize = 1;
 
 /// A watch, as the plan knows it: an id the server gave it.
