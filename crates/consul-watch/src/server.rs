@@ -20,7 +20,7 @@
 //! watch holds its lane permit only while the plan says it is dedicated, so the permits
 //! enforce what the plan decided even while watches move.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -235,10 +235,12 @@ impl Server {
         if seats.planner.is_empty() {
             return;
         }
-        let asking =
+        let asking: BTreeSet<FeedKey> =
             seats.feeds.iter().filter(|(_, f)| f.feed.asks_for_critical_lane()).map(|(g, _)| g.clone()).collect();
-        seats.planner.want_critical(asking);
+        seats.planner.want_critical(asking.clone());
         let Plan { roles, feeds, critical } = seats.planner.plan();
+        // Judged on what the plan was given: a feed may ask again while it is being made.
+        let short_of_critical = asking.iter().filter(|g| feeds.contains(*g) && !critical.contains(*g)).count();
         let Seats { watches, feeds: running, .. } = &mut *seats;
         // Feeds the plan no longer runs stop first, giving their lanes back.
         running.retain(|g, _| feeds.contains(g));
@@ -263,10 +265,8 @@ impl Server {
             });
             running.insert(g, RunningFeed { feed, _task: AbortOnDropHandle::new(task) });
         }
-        let mut short_of_critical = 0;
         for (g, f) in running.iter() {
             f.feed.give_critical_lane(critical.contains(g));
-            short_of_critical += usize::from(f.feed.asks_for_critical_lane() && !critical.contains(g));
         }
         self.metrics.feeds.set(i64::try_from(running.len()).unwrap_or(i64::MAX));
         let mut swept = 0;
