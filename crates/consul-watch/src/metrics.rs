@@ -31,8 +31,11 @@ pub struct Metrics {
     pub(crate) restarts: IntCounterVec,
     /// `consul_watches{mode}`: watches by how they follow their service.
     pub(crate) watches: IntGaugeVec,
-    /// `consul_feeds`: change feeds running.
+    /// `consul_feeds`: change feeds running, every server's ([`GaugeShare`]).
     pub(crate) feeds: IntGauge,
+    /// `consul_feeds_short_of_critical_lane`: feeds that asked for their critical checks'
+    /// lane and were not given it, every server's.
+    pub(crate) feeds_short_of_critical: IntGauge,
     /// `consul_unreachable_servers`: servers that do not answer (their watches wait).
     pub(crate) unreachable_servers: IntGauge,
     /// `consul_unindexed_answers_total{query}`: answers without `X-Consul-Index`, which no
@@ -58,6 +61,7 @@ impl Metrics {
         registry.register(Box::new(m.request_seconds.clone()))?;
         registry.register(Box::new(m.watches.clone()))?;
         registry.register(Box::new(m.feeds.clone()))?;
+        registry.register(Box::new(m.feeds_short_of_critical.clone()))?;
         registry.register(Box::new(m.unreachable_servers.clone()))?;
         registry.register(Box::new(m.unindexed.clone()))?;
         for mode in ["unplaced", "dedicated", "multiplexed", "fed", "swept"] {
@@ -111,7 +115,16 @@ impl Metrics {
                 &["mode"],
             )
             .expect("valid metric"),
-            feeds: IntGauge::new("consul_feeds", "Change feeds running (three blocking queries each)").expect("valid metric"),
+            feeds: IntGauge::new(
+                "consul_feeds",
+                "Change feeds running (two blocking queries each, a third for the critical checks while their group is large)",
+            )
+            .expect("valid metric"),
+            feeds_short_of_critical: IntGauge::new(
+                "consul_feeds_short_of_critical_lane",
+                "Change feeds of large groups that the connection budget gives no lane for their critical checks' query: their health changes wait for every check's answer",
+            )
+            .expect("valid metric"),
             unreachable_servers: IntGauge::new(
                 "consul_unreachable_servers",
                 "Consul servers that do not answer: their watches wait while one probe tries",
@@ -137,14 +150,19 @@ impl Metrics {
         self.requests.with_label_values(&[query, mode, outcome]).get()
     }
 
-    /// Change feeds running now.
     /// `consul_unindexed_answers_total{query}`.
     pub fn unindexed(&self, query: &str) -> u64 {
         self.unindexed.with_label_values(&[query]).get()
     }
 
+    /// Change feeds running now.
     pub fn feeds(&self) -> i64 {
         self.feeds.get()
+    }
+
+    /// Change feeds short of the lane their critical checks' query asks for, now.
+    pub fn feeds_short_of_critical_lane(&self) -> i64 {
+        self.feeds_short_of_critical.get()
     }
 
     /// Watches in `mode` now (`dedicated`, `multiplexed`, `fed`, `swept`, `unplaced`).
@@ -167,6 +185,36 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Metrics::unregistered()
+    }
+}
+
+/// One Consul server's part of a gauge every server adds to: setting it moves the gauge by
+/// the difference, and dropping it takes the part back out, so one server's count never
+/// overwrites another's.
+pub(crate) struct GaugeShare {
+    gauge: IntGauge,
+    mine: i64,
+}
+
+impl GaugeShare {
+    pub(crate) fn new(gauge: IntGauge) -> Self {
+        GaugeShare { gauge, mine: 0 }
+    }
+
+    pub(crate) fn set(&mut self, n: usize) {
+        let n = i64::try_from(n).unwrap_or(i64::MAX);
+        self.gauge.add(n - self.mine);
+        self.mine = n;
+    }
+
+    pub(crate) fn get(&self) -> usize {
+        usize::try_from(self.mine).unwrap_or(0)
+    }
+}
+
+impl Drop for GaugeShare {
+    fn drop(&mut self) {
+        self.gauge.sub(self.mine);
     }
 }
 

@@ -29,7 +29,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::client::HttpClient;
 use crate::feed::{Feed, FeedEnv, FeedKey};
-use crate::metrics::Metrics;
+use crate::metrics::{GaugeShare, Metrics};
 use crate::plan::{Plan, Planner, Role, WatchId};
 use crate::reach::Reachability;
 use crate::reads::ReadPool;
@@ -109,8 +109,11 @@ struct Seats {
     feeds: BTreeMap<FeedKey, RunningFeed>,
     /// Watches swept at the last plan (to say so when it changes).
     swept: usize,
-    /// Feeds that asked for their critical lane and did not get it, at the last plan.
-    short_of_critical: usize,
+    /// This server's part of `consul_feeds`.
+    feeds_counted: GaugeShare,
+    /// Feeds that asked for their critical lane and did not get it, at the last plan: this
+    /// server's part of `consul_feeds_short_of_critical_lane`.
+    short_of_critical: GaugeShare,
 }
 
 struct Seated {
@@ -164,7 +167,8 @@ impl Server {
                     watches: HashMap::new(),
                     feeds: BTreeMap::new(),
                     swept: 0,
-                    short_of_critical: 0,
+                    feeds_counted: GaugeShare::new(metrics.feeds.clone()),
+                    short_of_critical: GaugeShare::new(metrics.feeds_short_of_critical.clone()),
                 }),
                 replan,
                 _planner: AbortOnDropHandle::new(planner),
@@ -223,7 +227,7 @@ impl Server {
         if seats.watches.is_empty() {
             // Nobody to plan for: the feeds stop now, not at the next plan.
             seats.feeds.clear();
-            self.metrics.feeds.set(0);
+            seats.feeds_counted.set(0);
         }
         drop(seats);
         self.replan.notify_one();
@@ -241,7 +245,7 @@ impl Server {
         let Plan { roles, feeds, critical } = seats.planner.plan();
         // Judged on what the plan was given: a feed may ask again while it is being made.
         let short_of_critical = asking.iter().filter(|g| feeds.contains(*g) && !critical.contains(*g)).count();
-        let Seats { watches, feeds: running, .. } = &mut *seats;
+        let Seats { watches, feeds: running, feeds_counted, .. } = &mut *seats;
         // Feeds the plan no longer runs stop first, giving their lanes back.
         running.retain(|g, _| feeds.contains(g));
         for g in feeds {
@@ -268,7 +272,7 @@ impl Server {
         for (g, f) in running.iter() {
             f.feed.give_critical_lane(critical.contains(g));
         }
-        self.metrics.feeds.set(i64::try_from(running.len()).unwrap_or(i64::MAX));
+        feeds_counted.set(running.len());
         let mut swept = 0;
         for (id, role) in roles {
             let Some(w) = watches.get_mut(&id) else { continue };
@@ -308,7 +312,7 @@ impl Seats {
             }
             self.swept = swept;
         }
-        if short_of_critical != self.short_of_critical {
+        if short_of_critical != self.short_of_critical.get() {
             if short_of_critical > 0 {
                 tracing::warn!(
                     feeds = short_of_critical,
@@ -319,7 +323,7 @@ impl Seats {
             } else {
                 tracing::info!("every large change feed of this server has its critical checks' query again");
             }
-            self.short_of_critical = short_of_critical;
+            self.short_of_critical.set(short_of_critical);
         }
     }
 }
@@ -424,5 +428,30 @@ mod tests {
         // All gone: the feeds stop with the last one.
         seats.clear();
         assert_eq!(server.metrics.feeds.get(), 0);
+    }
+
+    /// Every Consul server adds its own feeds to the one gauge: a server whose watches all
+    /// leave takes its feeds out of the count, not the other servers'.
+    #[tokio::test(start_paused = true)]
+    async fn each_server_counts_its_own_feeds() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let metrics = Metrics::unregistered();
+        // A budget of 4 each: three lanes, five watches of one group, so a feed each.
+        let settings = Settings { max_connections: 4, ..Settings::default() };
+        let mut servers: Vec<Vec<Seat>> = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+            .into_iter()
+            .map(|address| {
+                let server = Server::new(settings.clone(), metrics.clone(), watch::channel(true).1);
+                let client = server.client(address, None).unwrap();
+                (0..5).map(|i| server.join(&key(&format!("s{i}"), Some("team")), &client)).collect()
+            })
+            .collect();
+        tokio::time::sleep(PLAN_COALESCING * 2).await;
+        assert_eq!(metrics.feeds(), 2, "a feed of each server");
+        servers[0].clear();
+        tokio::time::sleep(PLAN_COALESCING_AT_MOST + PLAN_COALESCING).await;
+        assert_eq!(metrics.feeds(), 1, "the other server's feed still runs");
+        servers.clear();
+        assert_eq!(metrics.feeds(), 0);
     }
 }
