@@ -848,6 +848,68 @@ on_both_agents! {
     }
 }
 
+on_both_agents! {
+    /// A large group's feed asks for a third lane, for its critical checks' query; where the
+    /// budget has none left without sweeping a watch, it goes without, and the gauge counts
+    /// it, until a lane is free.
+    async fn a_feed_short_of_its_critical_lane_is_counted_until_a_lane_is_free(config: Config) {
+        let env = Env::start(config).await;
+        assert!(env.admin_token.is_none(), "a second token makes a second group only without ACLs");
+        // Two groups on one server: two tokens, five services each, every check seen by both.
+        let scoped = |token: &str, s: &str| {
+            let mut k = env.key(s);
+            k.scope_mut().server.token = Some(Secret::new(token));
+            k
+        };
+        let teams: Vec<Vec<String>> =
+            (0..2).map(|t| (0..5).map(|i| unique(&format!("lane{t}-{i}"))).collect()).collect();
+        for team in &teams {
+            one_instance_each(&env, team).await;
+        }
+        // A budget of 5: one read and four lanes, a feed of two for each group. Ten checks
+        // (and a real agent's own node check) are not large; fourteen are.
+        let mut w = Watches::new(Settings { critical_query_from_checks: 14, ..at_defaults(5) });
+        let keys: Vec<Vec<ConsulKey>> = ["team-a", "team-b"]
+            .iter()
+            .zip(&teams)
+            .map(|(token, team)| team.iter().map(|s| scoped(token, s)).collect())
+            .collect();
+        w.start_each_with_one_instance(keys.iter().flatten()).await;
+        feed_settled(&env).await;
+        condition_within("a feed for each group", || w.metrics.feeds() == 2).await;
+        assert_eq!(w.metrics.feeds_short_of_critical_lane(), 0, "small groups ask for no lane");
+        for s in &teams[0][..4] {
+            env.register(&format!("{s}-node"), &format!("{s}-2"), s, 9000, "passing", &[]).await;
+        }
+        condition_within("both feeds short of their critical lane", || w.metrics.feeds_short_of_critical_lane() == 2)
+            .await;
+        assert_eq!(w.metrics.watches("swept"), 0, "no watch is swept for a critical lane");
+        let critical_queries =
+            |sim: &RunningSim| sim.requests().iter().filter(|r| r.path == "/v1/health/state/critical").count();
+        if let Some(sim) = &env.sim {
+            assert_eq!(critical_queries(sim), 0, "no critical checks' query without a lane");
+        }
+        // The second group leaves: its feed's lanes are free, and the first feed takes one.
+        for k in &keys[1] {
+            w.stop(k);
+        }
+        condition_within("the remaining feed given its lane", || w.metrics.feeds_short_of_critical_lane() == 0).await;
+        assert_eq!(w.metrics.feeds(), 1);
+        if let Some(sim) = &env.sim {
+            condition_within("the critical checks' query sent", || critical_queries(sim) > 0).await;
+        }
+    }
+}
+
+/// Waits (up to the deadline) until `condition` holds; panics naming `what` if it never does.
+async fn condition_within(what: &str, condition: impl Fn() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !condition() {
+        assert!(Instant::now() < deadline, "not within {DEADLINE:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// The non-blocking health reads the watches sent, by the operator's own counters.
 fn reads(w: &Watches) -> u64 {
     w.metrics.requests("service", "read", "ok")
