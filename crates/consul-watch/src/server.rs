@@ -228,6 +228,7 @@ impl Server {
             // Nobody to plan for: the feeds stop now, not at the next plan.
             seats.feeds.clear();
             seats.feeds_counted.set(0);
+            seats.short_of_critical.set(0);
         }
         drop(seats);
         self.replan.notify_one();
