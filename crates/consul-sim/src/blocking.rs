@@ -14,7 +14,7 @@ use tokio::time::Instant;
 
 use super::catalog::{Catalog, Origin, ServiceKey, StateFilter};
 use super::faults::Quirks;
-use super::state::{BlockingGuard, Shared, lock};
+use super::state::{BlockingGuard, Shared, read_lock};
 
 /// The index a read reports and blocks on.
 #[derive(Clone, Debug)]
@@ -125,7 +125,7 @@ impl Wait {
             // Mark seen before reading, so a write between the read and the wait still wakes us.
             self.changes.mark_unchanged();
             {
-                let c = lock(&self.shared.catalog);
+                let c = read_lock(&self.shared.catalog);
                 let stirred = self.watched.stirred_index(&c, self.quirks);
                 // At the first look any index past the client's will do; later, only one
                 // that what the query watches moved since.

@@ -24,7 +24,7 @@ use super::duration::{effective_wait, jitter, parse_go_duration};
 use super::faults::{Outcome, Quirks, RequestRecord};
 use super::filter::Filter;
 use super::render;
-use super::state::{LogGuard, Shared, lock};
+use super::state::{LogGuard, Shared, read_lock};
 use super::urls::percent_decode;
 
 type Resp = Response<Full<Bytes>>;
@@ -428,10 +428,10 @@ impl Ctx<'_> {
     ) -> Result<(u64, T), Dropped> {
         let shared = self.shared;
         let snapshot = || {
-            let catalog = lock(&shared.catalog);
+            let catalog = read_lock(&shared.catalog);
             (reported_index(&watched, &catalog, quirks), read(&catalog))
         };
-        if opts.index == 0 || answers_zero(&lock(&shared.catalog), quirks) {
+        if opts.index == 0 || answers_zero(&read_lock(&shared.catalog), quirks) {
             return Ok(snapshot());
         }
         let timeout = opts.wait + jitter(opts.wait);
@@ -648,7 +648,7 @@ fn origin(shared: &Shared, p: &Params) -> Result<Origin, ApiError> {
     match (p.first_non_empty("peer"), p.first_non_empty("sameness-group")) {
         (Some(_), Some(_)) => Err(ApiError::bad_request("Cannot specify both peer and sameness-group")),
         (Some(peer), None) => Ok(Origin::Peer(peer.to_owned())),
-        (None, Some(group)) if lock(&shared.catalog).has_sameness_group(group) => {
+        (None, Some(group)) if read_lock(&shared.catalog).has_sameness_group(group) => {
             Ok(Origin::Sameness(group.to_owned()))
         }
         (None, Some(group)) => Err(ApiError::bad_request(format!("sameness group {group:?} does not exist"))),
@@ -788,7 +788,7 @@ async fn health_state(ctx: &Ctx<'_>, raw_state: &str, headers: &HeaderMap) -> Ha
     entries.retain(|e| e.owner.as_ref().is_none_or(|o| identity.can_read_service(&o.key.name)));
     let legacy = shared.with_faults(|f| f.null_variants);
     let filtered = entries.len() != before;
-    let body = shared.checks_body(entries, legacy);
+    let body = shared.checks_body(entries, filter == StateFilter::Any, legacy);
     Ok(with_body_fault(ctx.read_ok_bytes(body, index, opts.consistency, filtered), body_fault))
 }
 
@@ -891,7 +891,7 @@ fn sameness_group(ctx: &Ctx<'_>, path: &str) -> Handled {
     ctx.identity()?;
     let raw = path.trim_start_matches("/v1/config/sameness-group/");
     let name = percent_decode(raw).ok_or_else(|| ApiError::bad_request("Invalid URL path encoding"))?;
-    let catalog = lock(&ctx.shared.catalog);
+    let catalog = read_lock(&ctx.shared.catalog);
     let Some((members, index)) = catalog.sameness_group(&name) else {
         let message = format!("Config entry not found for \"sameness-group\" / \"{name}\"");
         return Err(ApiError::new(StatusCode::NOT_FOUND, message).into());

@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
@@ -39,6 +39,10 @@ impl Protocol {
 /// while holding a lock, and a test tool should keep answering regardless.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+pub(crate) fn read_lock<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(PoisonError::into_inner)
 }
 
 #[derive(Default)]
@@ -82,7 +86,9 @@ pub(crate) struct CutOff {
 
 pub(crate) struct Shared {
     pub config: Config,
-    pub catalog: Mutex<Catalog>,
+    /// Read under a shared lock: an answer of every check, a walk of them all, does not hold
+    /// up a query of a few, as Consul's state store (MVCC) does not.
+    pub catalog: RwLock<Catalog>,
     /// Bumped after every catalog write (and index override): wakes blocking queries.
     pub changes: watch::Sender<()>,
     /// Bumped by `drop_blocking`: in-flight blocking queries close their connection.
@@ -114,7 +120,7 @@ impl Shared {
         let capacity = config.request_log_capacity;
         Shared {
             config,
-            catalog: Mutex::new(catalog),
+            catalog: RwLock::new(catalog),
             changes: watch::Sender::new(()),
             drops: watch::Sender::new(()),
             shutdown: watch::Sender::new(false),
@@ -136,7 +142,7 @@ impl Shared {
     /// queries.
     pub(crate) fn write_catalog<R>(&self, f: impl FnOnce(&mut Catalog) -> R) -> R {
         let keeps_unchanged_checks = self.with_faults(|f| f.keeps_unchanged_checks);
-        let mut catalog = lock(&self.catalog);
+        let mut catalog = self.catalog.write().unwrap_or_else(PoisonError::into_inner);
         catalog.keeps_unchanged_checks = keeps_unchanged_checks;
         let r = f(&mut catalog);
         drop(catalog);
@@ -144,10 +150,13 @@ impl Shared {
         r
     }
 
-    /// The body of a `/v1/health/state` answer of `entries`.
-    pub(crate) fn checks_body(&self, entries: Vec<StateEntry>, legacy: bool) -> Vec<u8> {
-        if legacy {
-            return render::checks(&entries, true);
+    /// The body of a `/v1/health/state` answer of `entries`, every check's (`every`) or one
+    /// status's. The kept JSON serves every check's answers alone: one status's few checks
+    /// are written straight, never waiting on the cache while an answer of every check holds
+    /// it, nor walking its rows after (at 150,000 checks either cost more than the answer).
+    pub(crate) fn checks_body(&self, entries: Vec<StateEntry>, every: bool, legacy: bool) -> Vec<u8> {
+        if legacy || !every {
+            return render::checks(&entries, legacy);
         }
         let mut cache = lock(&self.check_json);
         let body = cache.render(&entries);
@@ -182,7 +191,7 @@ impl Shared {
         let mut cut_off = lock(&self.cut_off);
         match (on, cut_off.is_some()) {
             (true, false) => {
-                let catalog = Arc::new(lock(&self.catalog).clone());
+                let catalog = Arc::new(read_lock(&self.catalog).clone());
                 *cut_off = Some(CutOff { since: Instant::now(), catalog });
             }
             (false, true) => *cut_off = None,
