@@ -245,8 +245,9 @@ impl<'a> ProxyOut<'a> {
     }
 }
 
-/// The body of `GET /v1/health/state/<state>`: the legacy flavour's, and the reference of
-/// [`CheckJsonCache`], which makes the modern one.
+/// The body of `GET /v1/health/state/<state>`: the legacy flavour's, the modern one's for
+/// one status, and the reference of [`CheckJsonCache`], which makes the modern one for
+/// every check.
 ///
 /// Serialised straight from the entries, without a `Value` per check: at 75,000 checks
 /// (21 MB) building the tree first took most of the answer's 420 ms. The fields are in the
@@ -256,8 +257,9 @@ pub(crate) fn checks(entries: &[StateEntry], legacy: bool) -> Vec<u8> {
     serde_json::to_vec(&rows).expect("checks serialise")
 }
 
-/// Each check's JSON in the modern flavour, made once and reused by every later
-/// `/v1/health/state` answer while neither the check nor its instance is replaced.
+/// Each check's JSON in the modern flavour, made once and reused by every later answer of
+/// every check (`/v1/health/state/any`) while neither the check nor its instance is
+/// replaced.
 ///
 /// At 75,000 checks, serialising every check again (string escaping, mostly) was most of a
 /// 21 MB answer's time, and that answer is what a change feed waits for after every write.
