@@ -14,7 +14,8 @@
 //!   `BENCH_READERS` (8) kept-alive clients for `BENCH_SECS` (10) seconds: reads a second,
 //!   and each read's latency (p50 / p99 / max);
 //! - the change feed's two queries (`/v1/health/state/any`, `/v1/catalog/services`), 20
-//!   each in turn: latency min / median / max and the answer's size;
+//!   each in turn: latency min / median / max and the answer's size; then the checks
+//!   answer again, asked not compressed (what its gzip costs the server and the client);
 //! - `/v1/health/state/critical` (no check is critical: an empty answer) 20 times in turn:
 //!   what a server spends on such a query besides writing out its checks;
 //! - writes (`/v1/catalog/register` of one instance with a new port), 200 in turn: latency
@@ -108,6 +109,11 @@ fn read(client: &reqwest::Client, url: String) -> reqwest::RequestBuilder {
     client.get(url).header("Accept-Encoding", "gzip").timeout(Duration::from_secs(60))
 }
 
+/// A read that asks for its answer as it is, not compressed.
+fn read_identity(client: &reqwest::Client, url: String) -> reqwest::RequestBuilder {
+    client.get(url).header("Accept-Encoding", "identity").timeout(Duration::from_secs(60))
+}
+
 struct Measured {
     server: &'static str,
     size: String,
@@ -115,6 +121,7 @@ struct Measured {
     reads_per_sec: f64,
     read: Latencies,
     state_any: (Latencies, String),
+    state_any_identity: (Latencies, String),
     services: (Latencies, String),
     critical: Latencies,
     write: Latencies,
@@ -135,6 +142,7 @@ async fn measure(
     eprintln!("{} {services} x {per_service}: filled in {:.1} s", server.name(), fill.as_secs_f64());
     let (reads_per_sec, health) = health_reads(&client, &base, services, readers, secs).await?;
     let state_any = timed(&client, &base, "/v1/health/state/any").await?;
+    let state_any_identity = timed_as(&client, &base, "/v1/health/state/any", Encoding::Identity).await?;
     let services_q = timed(&client, &base, "/v1/catalog/services").await?;
     let (critical, _) = timed(&client, &base, "/v1/health/state/critical").await?;
     let write = writes(&client, &base, services).await?;
@@ -147,6 +155,7 @@ async fn measure(
         reads_per_sec,
         read: health,
         state_any,
+        state_any_identity,
         services: services_q,
         critical,
         write,
@@ -211,11 +220,31 @@ async fn health_reads(
 
 /// `path` read 20 times in turn: the latencies, and the last answer's size as received.
 async fn timed(client: &reqwest::Client, base: &str, path: &str) -> anyhow::Result<(Latencies, String)> {
+    timed_as(client, base, path, Encoding::Gzip).await
+}
+
+/// Whether a read asks for its answer gzipped.
+#[derive(Clone, Copy, PartialEq)]
+enum Encoding {
+    Gzip,
+    Identity,
+}
+
+/// `path` read 20 times in turn, asking `encoding`: the latencies, and the last answer's
+/// size as received.
+async fn timed_as(
+    client: &reqwest::Client,
+    base: &str,
+    path: &str,
+    encoding: Encoding,
+) -> anyhow::Result<(Latencies, String)> {
     let mut lat = Latencies::default();
     let mut bytes = String::new();
     for _ in 0..20 {
         let t = Instant::now();
-        let resp = read(client, format!("{base}{path}")).send().await?;
+        let url = format!("{base}{path}");
+        let req = if encoding == Encoding::Gzip { read(client, url) } else { read_identity(client, url) };
+        let resp = req.send().await?;
         anyhow::ensure!(resp.status().is_success(), "{path}: {}", resp.status());
         let gzip = resp.headers().get("content-encoding").is_some_and(|e| e == "gzip");
         let body = resp.bytes().await?;
@@ -265,20 +294,21 @@ fn main() -> anyhow::Result<()> {
 
 fn print_table(results: &mut [Measured]) {
     println!(
-        "| server | size (services x instances) | filled in | health reads / s | health read p50 / p99 / max | p50 / baseline | /v1/health/state/any min / median / max (bytes) | / simulator's median | /v1/catalog/services min / median / max (bytes) | /v1/health/state/critical (none) min / median / max | write p50 / p99 |"
+        "| server | size (services x instances) | filled in | health reads / s | health read p50 / p99 / max | p50 / baseline | /v1/health/state/any min / median / max (bytes) | / simulator's median | the same, not compressed (bytes) | /v1/catalog/services min / median / max (bytes) | /v1/health/state/critical (none) min / median / max | write p50 / p99 |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     let baseline = results.first_mut().map(|r| r.read.percentile(0.5)).unwrap_or_default();
     let mut simulator_median = Duration::ZERO;
     for r in results {
         let p50 = r.read.percentile(0.5);
         let (sa, sa_bytes) = &mut r.state_any;
         let (cs, cs_bytes) = &mut r.services;
+        let (si, si_bytes) = &mut r.state_any_identity;
         if r.server == "simulator" {
             simulator_median = sa.percentile(0.5);
         }
         println!(
-            "| {} | {} | {:.1} s | {:.0} | {} | {:.2}x | {} / {} / {} ({}) | {:.2}x | {} / {} / {} ({}) | {} / {} / {} | {} / {} |",
+            "| {} | {} | {:.1} s | {:.0} | {} | {:.2}x | {} / {} / {} ({}) | {:.2}x | {} / {} / {} ({}) | {} / {} / {} ({}) | {} / {} / {} | {} / {} |",
             r.server,
             r.size,
             r.fill.as_secs_f64(),
@@ -290,6 +320,10 @@ fn print_table(results: &mut [Measured]) {
             ms(sa.percentile(1.0)),
             sa_bytes,
             sa.percentile(0.5).as_secs_f64() / simulator_median.as_secs_f64().max(1e-9),
+            ms(si.percentile(0.0)),
+            ms(si.percentile(0.5)),
+            ms(si.percentile(1.0)),
+            si_bytes,
             ms(cs.percentile(0.0)),
             ms(cs.percentile(0.5)),
             ms(cs.percentile(1.0)),
