@@ -567,7 +567,7 @@ on_both_agents! {
     simulator_only: "needs the simulator's fault injection or request log";
 async fn first_reads_take_the_lanes_held_watches_leave_idle_and_give_them_back(config: Config) {
         // A budget of 20: two reads of its own and 18 lanes, for 60 services: a feed (two
-        // lanes: no critical checks' query at this size) and 16 dedicated watches once
+        // lanes: no status queries at this size) and 16 dedicated watches once
         // placed.
         const SERVICES: usize = 60;
         const BUDGET: usize = 20;
@@ -775,20 +775,23 @@ on_both_agents! {
 on_both_agents! {
     simulator_only: "needs the simulator's fault injection and request log";
     /// A large catalog's checks answer takes a real agent a second or more (every check of
-    /// the group), but a check turning critical, or passing again, shows at once in the
-    /// feed's query of the critical checks, which wakes the fed members without waiting
-    /// for it: a service check and a node check, both ways. When every check's answer
+    /// the group), but a check turning critical or warning, or passing again, shows at once
+    /// in the feed's queries of the critical and the warning checks, which wake the fed
+    /// members without waiting for it: a service check and a node check, both ways, with
+    /// the default statuses (a warning instance is left out). When every check's answer
     /// comes, it names the same writes, and nobody re-reads for them a second time. (The
-    /// feed runs that query from 10,000 checks by default; here from any number.)
-    async fn a_fed_critical_flip_does_not_wait_for_every_checks_answer(config: Config) {
+    /// feed runs those queries from 10,000 checks by default; here from any number.)
+    async fn a_fed_health_flip_does_not_wait_for_every_checks_answer(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
-        let always = Settings { critical_query_from_checks: 0, ..at_defaults(4) };
-        let (svcs, keys, mut w) = five_mostly_fed_with(&env, "crit", always).await;
+        // A budget of 5: one read and four lanes, the feed's two and its status queries'.
+        let always = Settings { status_queries_from_checks: 0, ..at_defaults(5) };
+        let (svcs, keys, mut w) = five_mostly_fed_with(&env, "flip", always).await;
         let slow = PROMPT + Duration::from_secs(2);
         sim.set_faults(FaultsPatch { checks_answer_ms: Some(slow.as_millis() as u64), ..Default::default() });
         let node = |i: usize| format!("{}-node", svcs[i]);
-        for (status, instances) in [("critical", 0), ("passing", 1)] {
+        let flips = [("critical", 0), ("passing", 1), ("warning", 0), ("passing", 1)];
+        for (status, instances) in flips {
             env.register(&node(2), &format!("{}-1", svcs[2]), &svcs[2], 8002, status, &[]).await;
             w.answer_within(&keys[2], &format!("its check {status}"), PROMPT, |e| e.len() == instances).await;
             env.node_check(&node(3), status).await;
@@ -798,41 +801,46 @@ on_both_agents! {
         // again once it has answered the last), then whatever they would wake.
         let within = DEADLINE + 2 * slow;
         let (_, ok) =
-            sim.wait_for_stats(within, |s| s.blocking.get(HEALTH_STATE_LABEL).copied().unwrap_or(0) >= 2).await;
-        assert!(ok, "every check's query answered the flips and blocks again");
+            sim.wait_for_stats(within, |s| s.blocking.get(HEALTH_STATE_LABEL).copied().unwrap_or(0) >= 3).await;
+        assert!(ok, "every check's query answered the flips and blocks again, beside the status queries");
         wait_until_no_reads_for(sim, Duration::from_secs(1)).await;
         let reads = |s: &str| fed_rereads_except(sim, &svcs, "").into_iter().filter(|r| r == s).count();
-        assert_eq!((reads(&svcs[2]), reads(&svcs[3])), (2, 2), "one re-read a flip: {:?}", sim.requests());
+        assert_eq!((reads(&svcs[2]), reads(&svcs[3])), (4, 4), "one re-read a flip: {:?}", sim.requests());
         let all = fed_rereads_except(sim, &svcs, "");
-        assert_eq!(all.len(), 4, "no other service re-read: {all:?}");
+        assert_eq!(all.len(), 8, "no other service re-read: {all:?}");
     }
 }
 
 on_both_agents! {
     simulator_only: "reads which queries block from the simulator";
-    /// The critical checks' query costs a request per flip, worth it only where every
-    /// check's answer is slow: the feed runs it once its group holds
-    /// `critical_query_from_checks` checks (8 here), and stops it below half of that, both
-    /// ways. Its lane is the plan's: taken from a dedicated watch while it runs, and given
-    /// back.
-    async fn the_critical_checks_query_runs_while_the_group_is_large(config: Config) {
+    /// The critical and warning checks' queries cost a request per flip, worth it only
+    /// where every check's answer is slow: the feed runs them once its group holds
+    /// `status_queries_from_checks` checks (8 here), and stops them below half of that,
+    /// both ways. Their lanes are the plan's: taken from dedicated watches while they run,
+    /// and given back.
+    async fn the_status_queries_run_while_the_group_is_large(config: Config) {
         let env = Env::start(config).await;
         let sim = env.simulator();
-        // A budget of 4: one read and three lanes, a feed and one dedicated query.
-        let from_eight = Settings { critical_query_from_checks: 8, ..at_defaults(4) };
+        // A budget of 5: one read and four lanes, a feed and two dedicated queries.
+        let from_eight = Settings { status_queries_from_checks: 8, ..at_defaults(5) };
         let (svcs, _keys, w) = five_mostly_fed_with(&env, "grow", from_eight).await;
+        // The 0.9 line does not cancel a query whose client went away: it blocks on, counted
+        // as detached, until a write wakes it. Here the queries given up are the dedicated
+        // watches' (once the status queries start; woken by the writes after) and then the
+        // status queries (once the group shrinks, after the last write).
         let checks_queries = |n: usize| move |s: &consul_sim::Stats| s.blocking.get(HEALTH_STATE_LABEL).copied() == Some(n);
+        let live = |n: usize| move |s: &consul_sim::Stats| s.blocking_total - s.blocking_detached == n;
         assert_eq!(sim.stats().blocking.get(HEALTH_STATE_LABEL).copied(), Some(1), "five checks: every check's query alone");
-        assert_eq!(w.metrics.watches("dedicated"), 1, "the third lane is a watch's");
+        assert_eq!(w.metrics.watches("dedicated"), 2, "the third and fourth lanes are watches'");
         // Five more instances: ten checks.
         for (i, s) in svcs.iter().enumerate() {
             env.register(&format!("{s}-node"), &format!("{s}-2"), s, 9000 + i as u16, "passing", &[]).await;
         }
-        let (stats, ok) = sim.wait_for_stats(DEADLINE, checks_queries(2)).await;
-        assert!(ok, "ten checks: the critical checks' query blocks too: {stats:?}");
-        assert_eq!(w.metrics.watches("dedicated"), 0, "the dedicated watch gave its lane up");
-        let (stats, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking_total == 3).await;
-        assert!(ok, "the feed's three queries block, within the budget: {stats:?}");
+        let (stats, ok) = sim.wait_for_stats(DEADLINE, checks_queries(3)).await;
+        assert!(ok, "ten checks: the critical and warning checks' queries block too: {stats:?}");
+        assert_eq!(w.metrics.watches("dedicated"), 0, "the dedicated watches gave their lanes up");
+        let (stats, ok) = sim.wait_for_stats(DEADLINE, live(4)).await;
+        assert!(ok, "the feed's four queries block, within the budget: {stats:?}");
         // Seven instances gone: three checks, below half of eight.
         for s in &svcs[..4] {
             env.deregister(&format!("{s}-node"), &format!("{s}-2")).await;
@@ -840,19 +848,22 @@ on_both_agents! {
         for s in &svcs[..3] {
             env.deregister(&format!("{s}-node"), &format!("{s}-1")).await;
         }
-        let (stats, ok) = sim.wait_for_stats(DEADLINE, checks_queries(1)).await;
-        assert!(ok, "three checks: the critical checks' query stops: {stats:?}");
-        let (stats, ok) = sim.wait_for_stats(DEADLINE, |s| s.blocking_total == 3).await;
-        assert!(ok, "its lane goes back to a watch's own query: {stats:?}");
-        assert_eq!(w.metrics.watches("dedicated"), 1);
+        let live_checks_queries = |s: &consul_sim::Stats| {
+            s.blocking.get(HEALTH_STATE_LABEL).copied().unwrap_or(0).saturating_sub(s.blocking_detached) == 1
+        };
+        let (stats, ok) = sim.wait_for_stats(DEADLINE, live_checks_queries).await;
+        assert!(ok, "three checks: the status queries stop: {stats:?}");
+        let (stats, ok) = sim.wait_for_stats(DEADLINE, live(4)).await;
+        assert!(ok, "their lanes go back to watches' own queries: {stats:?}");
+        assert_eq!(w.metrics.watches("dedicated"), 2);
     }
 }
 
 on_both_agents! {
-    /// A large group's feed asks for a third lane, for its critical checks' query; where the
-    /// budget has none left without sweeping a watch, it goes without, and the gauge counts
-    /// it, until a lane is free.
-    async fn a_feed_short_of_its_critical_lane_is_counted_until_a_lane_is_free(config: Config) {
+    /// A large group's feed asks for two lanes more, for its critical and warning checks'
+    /// queries; where the budget has not both left without sweeping a watch, it goes
+    /// without, and the gauge counts it, until they are free.
+    async fn a_feed_short_of_its_status_lanes_is_counted_until_they_are_free(config: Config) {
         let env = Env::start(config).await;
         assert!(env.admin_token.is_none(), "a second token makes a second group only without ACLs");
         // Two groups on one server: two tokens, five services each, every check seen by both.
@@ -868,7 +879,7 @@ on_both_agents! {
         }
         // A budget of 5: one read and four lanes, a feed of two for each group. Ten checks
         // (and a real agent's own node check) are not large; fourteen are.
-        let mut w = Watches::new(Settings { critical_query_from_checks: 14, ..at_defaults(5) });
+        let mut w = Watches::new(Settings { status_queries_from_checks: 14, ..at_defaults(5) });
         let keys: Vec<Vec<ConsulKey>> = ["team-a", "team-b"]
             .iter()
             .zip(&teams)
@@ -877,26 +888,32 @@ on_both_agents! {
         w.start_each_with_one_instance(keys.iter().flatten()).await;
         feed_settled(&env).await;
         condition_within("a feed for each group", || w.metrics.feeds() == 2).await;
-        assert_eq!(w.metrics.feeds_short_of_critical_lane(), 0, "small groups ask for no lane");
+        assert_eq!(w.metrics.feeds_short_of_status_lanes(), 0, "small groups ask for no lane");
         for s in &teams[0][..4] {
             env.register(&format!("{s}-node"), &format!("{s}-2"), s, 9000, "passing", &[]).await;
         }
-        condition_within("both feeds short of their critical lane", || w.metrics.feeds_short_of_critical_lane() == 2)
+        condition_within("both feeds short of their status lanes", || w.metrics.feeds_short_of_status_lanes() == 2)
             .await;
-        assert_eq!(w.metrics.watches("swept"), 0, "no watch is swept for a critical lane");
-        let critical_queries =
-            |sim: &RunningSim| sim.requests().iter().filter(|r| r.path == "/v1/health/state/critical").count();
+        assert_eq!(w.metrics.watches("swept"), 0, "no watch is swept for status lanes");
+        let status_queries = |sim: &RunningSim, status: &str| {
+            let path = format!("/v1/health/state/{status}");
+            sim.requests().iter().filter(|r| r.path == path).count()
+        };
         if let Some(sim) = &env.sim {
-            assert_eq!(critical_queries(sim), 0, "no critical checks' query without a lane");
+            let sent = (status_queries(sim, "critical"), status_queries(sim, "warning"));
+            assert_eq!(sent, (0, 0), "no status query without lanes");
         }
         // The second group leaves: its feed's lanes are free, and the first feed takes one.
         for k in &keys[1] {
             w.stop(k);
         }
-        condition_within("the remaining feed given its lane", || w.metrics.feeds_short_of_critical_lane() == 0).await;
+        condition_within("the remaining feed given its lanes", || w.metrics.feeds_short_of_status_lanes() == 0).await;
         assert_eq!(w.metrics.feeds(), 1);
         if let Some(sim) = &env.sim {
-            condition_within("the critical checks' query sent", || critical_queries(sim) > 0).await;
+            condition_within("the critical and warning checks' queries sent", || {
+                status_queries(sim, "critical") > 0 && status_queries(sim, "warning") > 0
+            })
+            .await;
         }
     }
 }

@@ -8,17 +8,18 @@
 //!
 //! Two blocking queries, each holding one lane of the server's budget for the feed's life:
 //! `/v1/health/state/any` (every check write) and `/v1/catalog/services` (every service
-//! registration change); and while the group is large and the plan gives it a lane, a third,
-//! `/v1/health/state/critical` (a check into or out of critical, answered in a moment where
-//! every check's answer takes a real agent a second at 150,000 checks; what both checks
-//! queries show wakes its members once: [`crate::woken`]). Their
+//! registration change); and while the group is large and the plan gives it two lanes more,
+//! `/v1/health/state/critical` and `/v1/health/state/warning` (a check into or out of either
+//! status, answered in a moment where every check's answer takes a real agent a second at
+//! 150,000 checks; what several checks queries show wakes its members once:
+//! [`crate::woken`]). Their
 //! answers are diffed ([`crate::changes`]) and only the members they name are woken: those
 //! whose service names, or nodes, the diff names (what the member asked about, not what its
 //! last answer kept: see [`Heard`]); a Connect member also when a new name appears (a
 //! proxy's name is any), a member with a `filter` on any node check. A catalog move the
 //! checks do not account for is located ([`crate::locate`]): the nodes and instances it
 //! wrote are woken, or, when that cannot explain every index of the move, every member
-//! (each re-read still goes through the small read pool, so the burst is spread). All three
+//! (each re-read still goes through the small read pool, so the burst is spread). All the
 //! queries follow the watch rules: paced, backoff with jitter on errors, the
 //! index reset after a failure or when it goes backwards; while the server is down they
 //! wait for it ([`crate::reach`]).
@@ -75,10 +76,10 @@ pub(crate) struct FeedEnv {
     pub reach: Arc<Reachability>,
     pub metrics: Metrics,
     pub wait: Duration,
-    /// How many checks of the group start its critical checks' query (and half of it stops
-    /// it): `Settings::critical_query_from_checks`.
-    pub critical_from: usize,
-    /// Tells the server to plan again: the feed asks for its critical lane, or gives it up.
+    /// How many checks of the group start its critical and warning checks' queries (and half
+    /// of it stops them): `Settings::status_queries_from_checks`.
+    pub statuses_from: usize,
+    /// Tells the server to plan again: the feed asks for its status lanes, or gives them up.
     pub replan: Arc<Notify>,
 }
 
@@ -89,23 +90,23 @@ pub(crate) struct Feed {
     members: Mutex<Members>,
     /// The checks view's index, for a catalog move waiting on it.
     checks_index: watch::Sender<u64>,
-    /// Whether the critical checks' query runs.
-    critical_lane: watch::Sender<CriticalLane>,
+    /// Whether the critical and warning checks' queries run.
+    status_lanes: watch::Sender<StatusLanes>,
     /// How long a catalog move waits for the checks view ([`crate::catch_up`]).
     catch_up: Mutex<CatchUp>,
     /// What the locate step learnt of this feed's token and catalog ([`crate::locate`]).
     locator: Mutex<Locator>,
 }
 
-/// The critical checks' query runs while the feed asks for its lane (its group is large:
-/// the query is worth its requests) and the server's plan gives it one.
+/// The critical and warning checks' queries run while the feed asks for their lanes (its
+/// group is large: the queries are worth their requests) and the server's plan gives them.
 #[derive(Debug, Clone, Copy, Default)]
-struct CriticalLane {
+struct StatusLanes {
     asked: bool,
     given: bool,
 }
 
-impl CriticalLane {
+impl StatusLanes {
     fn runs(&self) -> bool {
         self.asked && self.given
     }
@@ -237,7 +238,7 @@ impl Feed {
         Arc::new(Feed {
             members: Mutex::default(),
             checks_index: watch::Sender::new(0),
-            critical_lane: watch::Sender::new(CriticalLane::default()),
+            status_lanes: watch::Sender::new(StatusLanes::default()),
             catch_up: Mutex::default(),
             locator: Mutex::default(),
         })
@@ -264,32 +265,65 @@ impl Feed {
         Membership { feed: self.clone(), id, changes }
     }
 
-    /// Whether the feed asks for a lane for its critical checks' query.
-    pub(crate) fn asks_for_critical_lane(&self) -> bool {
-        self.critical_lane.borrow().asked
+    /// Whether the feed asks for lanes for its critical and warning checks' queries.
+    pub(crate) fn asks_for_status_lanes(&self) -> bool {
+        self.status_lanes.borrow().asked
     }
 
-    /// The plan gives the feed a lane for its critical checks' query, or takes it back.
-    pub(crate) fn give_critical_lane(&self, given: bool) {
-        self.critical_lane.send_if_modified(|l| std::mem::replace(&mut l.given, given) != given);
+    /// The plan gives the feed the lanes of its critical and warning checks' queries, or
+    /// takes them back.
+    pub(crate) fn give_status_lanes(&self, given: bool) {
+        self.status_lanes.send_if_modified(|l| std::mem::replace(&mut l.given, given) != given);
     }
 
-    /// The group holds `checks`: the feed asks for its critical lane from `from` checks
+    /// The group holds `checks`: the feed asks for its status lanes from `from` checks
     /// until fewer than half of that. True when that changed (the server plans again).
     fn held_checks(&self, checks: usize, from: usize) -> bool {
-        self.critical_lane.send_if_modified(|l| {
+        self.status_lanes.send_if_modified(|l| {
             let asked = checks >= if l.asked { from / 2 } else { from };
             std::mem::replace(&mut l.asked, asked) != asked
         })
     }
 }
 
-/// Which of the three queries.
+/// Which of the feed's queries.
 #[derive(Clone, Copy, Debug)]
 enum Query {
     Checks,
     Catalog,
+    Status(Status),
+}
+
+/// The statuses whose checks a large group's feed also queries on their own.
+#[derive(Clone, Copy, Debug)]
+enum Status {
     Critical,
+    Warning,
+}
+
+impl Status {
+    const ALL: [Status; 2] = [Status::Critical, Status::Warning];
+
+    fn state(self) -> CheckState {
+        match self {
+            Status::Critical => CheckState::Critical,
+            Status::Warning => CheckState::Warning,
+        }
+    }
+
+    fn observed(self) -> observe::Query {
+        match self {
+            Status::Critical => observe::Query::Critical,
+            Status::Warning => observe::Query::Warning,
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Status::Critical => "critical",
+            Status::Warning => "warning",
+        }
+    }
 }
 
 impl Feed {
@@ -298,6 +332,7 @@ impl Feed {
     pub(crate) async fn run(self: Arc<Self>, client: Arc<HttpClient>, scope_key: ConsulKey, env: FeedEnv) {
         let checks = Mutex::new(ChecksView::default());
         let critical = Mutex::new(ChecksView::default());
+        let warning = Mutex::new(ChecksView::default());
         let woken = Mutex::new(Woken::default());
         let baselines = Mutex::new(0u8);
         let ctx = Ctx {
@@ -308,12 +343,13 @@ impl Feed {
             env: &env,
             checks: &checks,
             critical: &critical,
+            warning: &warning,
             woken: &woken,
         };
         tokio::join!(
             ctx.query(Query::Checks, &baselines),
             ctx.query(Query::Catalog, &baselines),
-            ctx.critical_lane(&baselines)
+            ctx.status_lanes(&baselines)
         );
     }
 }
@@ -329,33 +365,50 @@ struct Ctx<'a> {
     checks: &'a Mutex<ChecksView>,
     /// The group's critical checks.
     critical: &'a Mutex<ChecksView>,
-    /// What the two checks views woke members for.
+    /// The group's warning checks.
+    warning: &'a Mutex<ChecksView>,
+    /// What the checks views woke members for.
     woken: &'a Mutex<Woken>,
 }
 
 impl Ctx<'_> {
-    /// The critical checks' query, while the group holds at least `critical_from` checks
-    /// and until it holds fewer than half of that, and while the plan gives it a lane.
-    /// Below, every check's answer is quick (about 10 ms from a real agent at 1,000
-    /// checks), and a flip costs the group one request less without it. While it does not
-    /// run it holds no lane, and its next answer is a baseline again.
-    async fn critical_lane(&self, baselines: &Mutex<u8>) {
-        let mut lane = self.feed.critical_lane.subscribe();
+    /// The critical and warning checks' queries, while the group holds at least
+    /// `statuses_from` checks and until it holds fewer than half of that, and while the plan
+    /// gives them their lanes. Below, every check's answer is quick (about 10 ms from a real
+    /// agent at 1,000 checks), and a flip costs the group one request less without them.
+    /// While they do not run they hold no lane, and their next answers are baselines again.
+    async fn status_lanes(&self, baselines: &Mutex<u8>) {
+        let mut lanes = self.feed.status_lanes.subscribe();
         loop {
-            if lane.wait_for(CriticalLane::runs).await.is_err() {
+            if lanes.wait_for(StatusLanes::runs).await.is_err() {
                 return;
             }
             tokio::select! {
-                () = self.query(Query::Critical, baselines) => return,
-                _ = lane.wait_for(|l| !l.runs()) => {
-                    *self.critical.lock().expect("critical checks view poisoned") = ChecksView::default();
-                    self.woken().critical_stopped();
+                _ = async {
+                    tokio::join!(
+                        self.query(Query::Status(Status::Critical), baselines),
+                        self.query(Query::Status(Status::Warning), baselines)
+                    )
+                } => return,
+                _ = lanes.wait_for(|l| !l.runs()) => {
+                    for status in Status::ALL {
+                        *self.status_view(status).lock().expect("status checks view poisoned") = ChecksView::default();
+                    }
+                    self.woken().statuses_stopped();
                 }
             }
         }
     }
 
-    /// One of the three queries, for as long as it runs: a lane held throughout, paced,
+    /// The view of one status's checks.
+    fn status_view(&self, status: Status) -> &Mutex<ChecksView> {
+        match status {
+            Status::Critical => self.critical,
+            Status::Warning => self.warning,
+        }
+    }
+
+    /// One of the feed's queries, for as long as it runs: a lane held throughout, paced,
     /// backing off on errors, waiting while the server is down.
     async fn query(&self, q: Query, baselines: &Mutex<u8>) {
         let Ok(_lane) = self.env.lanes.acquire().await else { return };
@@ -391,7 +444,7 @@ impl Ctx<'_> {
                     match q {
                         Query::Checks => self.checks(block).await,
                         Query::Catalog => self.catalog(block, &mut catalog).await,
-                        Query::Critical => self.critical(block).await,
+                        Query::Status(status) => self.status(status, block).await,
                     }
                 } => a,
                 // The server went down: the query in flight is dropped.
@@ -455,7 +508,7 @@ impl Ctx<'_> {
             self.client.health_state(CheckState::Any, &self.scope, token, block, |index, body| {
                 let mut view = self.checks.lock().expect("checks view poisoned");
                 let (stale, first) = self.apply_checks(CheckState::Any, &mut view, index, body)?;
-                if self.feed.held_checks(view.len(), self.env.critical_from) {
+                if self.feed.held_checks(view.len(), self.env.statuses_from) {
                     self.env.replan.notify_one();
                 }
                 self.feed.catch_up().checks_answered(Instant::now(), |after, upto| view.accounts_for(after, upto));
@@ -477,22 +530,22 @@ impl Ctx<'_> {
         Ok((index, first))
     }
 
-    /// One answer of the critical checks: wakes the members of checks that turned critical,
-    /// stopped being critical or were written while critical, without waiting for every
-    /// check's answer, which takes a real agent a second at 150,000 checks. Never a
-    /// baseline of the feed's: every check's answer shows the same writes.
-    async fn critical(&self, block: Option<(u64, Duration)>) -> Result<(Option<u64>, bool), QueryError> {
+    /// One answer of the checks in `status`: wakes the members of checks that moved into or
+    /// out of it or were written in it, without waiting for every check's answer, which
+    /// takes a real agent a second at 150,000 checks. Never a baseline of the feed's: every
+    /// check's answer shows the same writes.
+    async fn status(&self, status: Status, block: Option<(u64, Duration)>) -> Result<(Option<u64>, bool), QueryError> {
         let token = self.key.scope.server.token.as_ref();
         let health_state = || {
-            self.client.health_state(CheckState::Critical, &self.scope, token, block, |index, body| {
-                let mut view = self.critical.lock().expect("critical checks view poisoned");
-                let (stale, first) = self.apply_checks(CheckState::Critical, &mut view, index, body)?;
+            self.client.health_state(status.state(), &self.scope, token, block, |index, body| {
+                let mut view = self.status_view(status).lock().expect("status checks view poisoned");
+                let (stale, first) = self.apply_checks(status.state(), &mut view, index, body)?;
                 Ok(if first { Stale::default() } else { stale })
             })
         };
         let answer =
-            observe::request(&self.env.metrics, observe::Query::Critical, Some(&self.key), block, health_state).await?;
-        let index = indexed(&self.env.metrics, "critical", &answer);
+            observe::request(&self.env.metrics, status.observed(), Some(&self.key), block, health_state).await?;
+        let index = indexed(&self.env.metrics, status.label(), &answer);
         self.wake(&answer.value);
         Ok((index, false))
     }
@@ -777,6 +830,7 @@ mod tests {
         key: ConsulKey,
         checks: Mutex<ChecksView>,
         critical: Mutex<ChecksView>,
+        warning: Mutex<ChecksView>,
         woken: Mutex<Woken>,
     }
 
@@ -794,7 +848,7 @@ mod tests {
                 reads,
                 metrics,
                 wait: Duration::from_secs(1),
-                critical_from: 0,
+                statuses_from: 0,
                 replan: Arc::new(Notify::new()),
             };
             let client = Arc::new(HttpClient::new(address, None, 4, 1 << 20, env.lanes.clone()).unwrap());
@@ -807,6 +861,7 @@ mod tests {
                 key,
                 checks: Mutex::new(ChecksView::default()),
                 critical: Mutex::new(ChecksView::default()),
+                warning: Mutex::new(ChecksView::default()),
                 woken: Mutex::new(Woken::default()),
             }
         }
@@ -824,6 +879,7 @@ mod tests {
                 env: &self.env,
                 checks: &self.checks,
                 critical: &self.critical,
+                warning: &self.warning,
                 woken: &self.woken,
             };
             ctx.unaccounted(after, upto, Duration::ZERO).await;

@@ -33,9 +33,9 @@ pub struct Metrics {
     pub(crate) watches: IntGaugeVec,
     /// `consul_feeds`: change feeds running, every server's ([`GaugeShare`]).
     pub(crate) feeds: IntGauge,
-    /// `consul_feeds_short_of_critical_lane`: feeds that asked for their critical checks'
-    /// lane and were not given it, every server's.
-    pub(crate) feeds_short_of_critical: IntGauge,
+    /// `consul_feeds_short_of_status_lanes`: feeds that asked for the lanes of their
+    /// critical and warning checks' queries and were not given them, every server's.
+    pub(crate) feeds_short_of_status_lanes: IntGauge,
     /// `consul_unreachable_servers`: servers that do not answer (their watches wait).
     pub(crate) unreachable_servers: IntGauge,
     /// `consul_unindexed_answers_total{query}`: answers without `X-Consul-Index`, which no
@@ -61,7 +61,7 @@ impl Metrics {
         registry.register(Box::new(m.request_seconds.clone()))?;
         registry.register(Box::new(m.watches.clone()))?;
         registry.register(Box::new(m.feeds.clone()))?;
-        registry.register(Box::new(m.feeds_short_of_critical.clone()))?;
+        registry.register(Box::new(m.feeds_short_of_status_lanes.clone()))?;
         registry.register(Box::new(m.unreachable_servers.clone()))?;
         registry.register(Box::new(m.unindexed.clone()))?;
         for mode in ["unplaced", "dedicated", "multiplexed", "fed", "swept"] {
@@ -117,12 +117,12 @@ impl Metrics {
             .expect("valid metric"),
             feeds: IntGauge::new(
                 "consul_feeds",
-                "Change feeds running (two blocking queries each, a third for the critical checks while their group is large)",
+                "Change feeds running (two blocking queries each, two more for the critical and the warning checks while their group is large)",
             )
             .expect("valid metric"),
-            feeds_short_of_critical: IntGauge::new(
-                "consul_feeds_short_of_critical_lane",
-                "Change feeds of large groups that the connection budget gives no lane for their critical checks' query: their health changes wait for every check's answer",
+            feeds_short_of_status_lanes: IntGauge::new(
+                "consul_feeds_short_of_status_lanes",
+                "Change feeds of large groups that the connection budget gives no lanes for their critical and warning checks' queries: their health changes wait for every check's answer",
             )
             .expect("valid metric"),
             unreachable_servers: IntGauge::new(
@@ -160,9 +160,10 @@ impl Metrics {
         self.feeds.get()
     }
 
-    /// Change feeds short of the lane their critical checks' query asks for, now.
-    pub fn feeds_short_of_critical_lane(&self) -> i64 {
-        self.feeds_short_of_critical.get()
+    /// Change feeds short of the lanes their critical and warning checks' queries ask for,
+    /// now.
+    pub fn feeds_short_of_status_lanes(&self) -> i64 {
+        self.feeds_short_of_status_lanes.get()
     }
 
     /// Watches in `mode` now (`dedicated`, `multiplexed`, `fed`, `swept`, `unplaced`).

@@ -24,6 +24,8 @@ pub(crate) enum Query {
     Catalog,
     /// `/v1/health/state/critical`: the change feed's critical checks.
     Critical,
+    /// `/v1/health/state/warning`: the change feed's warning checks.
+    Warning,
     /// `/v1/catalog/nodes` and `/v1/catalog/node-services/<node>`: the change feed naming
     /// what a catalog move wrote when the checks do not say ([`crate::locate`]).
     Locate,
@@ -38,6 +40,7 @@ impl Query {
             Query::Checks => "checks",
             Query::Catalog => "catalog",
             Query::Critical => "critical",
+            Query::Warning => "warning",
             Query::Locate => "locate",
             Query::Probe => "probe",
         }

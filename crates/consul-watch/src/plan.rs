@@ -7,8 +7,8 @@
 //! - **dedicated**: its own blocking query, one lane;
 //! - **fed**: a member of its group's change feed, which holds two lanes for the whole group
 //!   ([`FEED_LANES`]) and names which members to re-read; as prompt as a dedicated query,
-//!   one round trip later. A feed whose group is large asks for a third, for its query of
-//!   the critical checks ([`CRITICAL_LANE`]);
+//!   one round trip later. A feed whose group is large asks for two more, for its queries of
+//!   the critical and the warning checks ([`STATUS_LANES`]);
 //! - **swept**: neither could be given; re-read at the sweep only. Surfaced (metric, log),
 //!   never silent.
 //!
@@ -17,7 +17,7 @@
 //! group), then single watches get dedicated lanes (those that cannot be fed first, then the
 //! members of groups too small to be worth a feed). A group whose every member could then be
 //! dedicated gives its feed's lanes back. What remains goes first to the feeds that asked
-//! for their critical lane, the largest groups first, then to members of fed groups, so that
+//! for their status lanes, the largest groups first, then to members of fed groups, so that
 //! fewer re-reads go through the feed. Within a group the watches that already hold a lane
 //! keep it, then the oldest: a change of plan moves as few watches as it can.
 
@@ -27,11 +27,13 @@ use std::collections::{BTreeMap, BTreeSet};
 /// ([`crate::feed`]).
 pub(crate) const FEED_LANES: usize = 2;
 
-/// The lane of a feed's query of the critical checks, which runs only while its group is
-/// large (`Settings::critical_query_from_checks`): only such a feed asks for it, and gets it
-/// after every watch that would otherwise be swept. Counted for every feed, it would keep an
-/// idle lane per group from the watches wherever the query does not run.
-pub(crate) const CRITICAL_LANE: usize = 1;
+/// The lanes of a feed's queries of the critical and the warning checks, which run only
+/// while its group is large (`Settings::status_queries_from_checks`): only such a feed asks
+/// for them, and gets both or neither, after every watch that would otherwise be swept.
+/// Counted for every feed, they would keep idle lanes per group from the watches wherever
+/// the queries do not run. Both or neither, so that what reaches the snapshot at once does
+/// not depend on which status a check moves to.
+pub(crate) const STATUS_LANES: usize = 2;
 
 /// A watch, as the plan knows it: an id the server gave it.
 pub(crate) type WatchId = u64;
@@ -50,8 +52,8 @@ pub(crate) struct Planner<G> {
     lanes: usize,
     /// In joining order (ids grow).
     watches: BTreeMap<WatchId, Entry<G>>,
-    /// The groups whose running feed asks for its critical lane.
-    critical: BTreeSet<G>,
+    /// The groups whose running feed asks for its status lanes.
+    statuses: BTreeSet<G>,
 }
 
 #[derive(Debug)]
@@ -63,22 +65,22 @@ struct Entry<G> {
 }
 
 /// A plan: every watch's role, the groups whose feeds run, and those of them given their
-/// critical lane.
+/// status lanes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Plan<G: Ord> {
     pub roles: BTreeMap<WatchId, Role>,
     pub feeds: BTreeSet<G>,
-    pub critical: BTreeSet<G>,
+    pub statuses: BTreeSet<G>,
 }
 
 impl<G: Ord + Clone> Planner<G> {
     pub(crate) fn new(lanes: usize) -> Self {
-        Planner { lanes, watches: BTreeMap::new(), critical: BTreeSet::new() }
+        Planner { lanes, watches: BTreeMap::new(), statuses: BTreeSet::new() }
     }
 
-    /// The groups whose feeds ask for their critical lane, replacing the last.
-    pub(crate) fn want_critical(&mut self, groups: BTreeSet<G>) {
-        self.critical = groups;
+    /// The groups whose feeds ask for their status lanes, replacing the last.
+    pub(crate) fn want_status_lanes(&mut self, groups: BTreeSet<G>) {
+        self.statuses = groups;
     }
 
     pub(crate) fn join(&mut self, id: WatchId, group: Option<G>) {
@@ -107,10 +109,10 @@ impl<G: Ord + Clone> Planner<G> {
     /// joins at start-up, while thousands of watches join (docs/benchmarks.md, "The
     /// doubled scale profile").
     fn decide(&self) -> Plan<G> {
-        let (mut feeds, mut critical) = (BTreeSet::new(), BTreeSet::new());
+        let (mut feeds, mut statuses) = (BTreeSet::new(), BTreeSet::new());
         if self.watches.len() <= self.lanes {
             let roles = self.watches.keys().map(|id| (*id, Role::Dedicated)).collect();
-            return Plan { roles, feeds, critical };
+            return Plan { roles, feeds, statuses };
         }
         // Watches by position in id order: roles are then a list, not a map.
         let entries: Vec<(&WatchId, &Entry<G>)> = self.watches.iter().collect();
@@ -163,14 +165,14 @@ impl<G: Ord + Clone> Planner<G> {
                 members.iter().for_each(|i| roles[*i] = Some(Role::Dedicated));
             }
         }
-        // 4. Critical lanes for the feeds that ask, the largest groups first: one serves
-        //    every member's health at once.
-        for (g, _) in fed.iter().rev().filter(|(g, _)| feeds.contains(*g) && self.critical.contains(*g)) {
-            if free < CRITICAL_LANE {
+        // 4. Status lanes for the feeds that ask, the largest groups first: two serve every
+        //    member's health at once.
+        for (g, _) in fed.iter().rev().filter(|(g, _)| feeds.contains(*g) && self.statuses.contains(*g)) {
+            if free < STATUS_LANES {
                 break;
             }
-            critical.insert((*g).clone());
-            free -= CRITICAL_LANE;
+            statuses.insert((*g).clone());
+            free -= STATUS_LANES;
         }
         // 5. What remains: dedicated members of fed groups.
         for (_, members) in fed.iter().filter(|(g, _)| feeds.contains(*g)) {
@@ -190,7 +192,7 @@ impl<G: Ord + Clone> Planner<G> {
                 (**id, role)
             })
             .collect();
-        Plan { roles, feeds, critical }
+        Plan { roles, feeds, statuses }
     }
 }
 
@@ -221,9 +223,9 @@ mod tests {
         p.roles.values().filter(|r| **r == role).count()
     }
 
-    /// Lanes used: a feed's per feed, a critical lane's, one per dedicated watch.
+    /// Lanes used: a feed's per feed, the status lanes, one per dedicated watch.
     fn used(p: &Plan<&'static str>) -> usize {
-        FEED_LANES * p.feeds.len() + CRITICAL_LANE * p.critical.len() + count(p, Role::Dedicated)
+        FEED_LANES * p.feeds.len() + STATUS_LANES * p.statuses.len() + count(p, Role::Dedicated)
     }
 
     fn planner(lanes: usize, groups: &[(&'static str, usize)]) -> Planner<&'static str> {
@@ -262,32 +264,36 @@ mod tests {
         assert_eq!(p.feeds.len(), 1);
         assert_eq!(count(&p, Role::Dedicated), 88);
         assert_eq!(count(&p, Role::Fed), 912);
-        assert!(p.critical.is_empty(), "no feed asked for its critical lane");
+        assert!(p.statuses.is_empty(), "no feed asked for its status lanes");
     }
 
     #[test]
-    fn a_feed_that_asks_gets_its_critical_lane_after_what_would_be_swept_largest_group_first() {
+    fn a_feed_that_asks_gets_its_status_lanes_after_what_would_be_swept_largest_group_first() {
         let wanting = |lanes| {
             let mut p = planner(lanes, &[("", 2), ("a", 10), ("b", 8), ("c", 8)]);
-            p.want_critical(BTreeSet::from(["a", "b"]));
+            p.want_status_lanes(BTreeSet::from(["a", "b"]));
             p.plan()
         };
-        // Three feeds (six lanes) and the two loners: no lane left for a critical query.
+        // Three feeds (six lanes) and the two loners: no lane left for the status queries.
         let p = wanting(8);
         assert_eq!(p.feeds, BTreeSet::from(["a", "b", "c"]));
-        assert!(p.critical.is_empty(), "{p:?}");
+        assert!(p.statuses.is_empty(), "{p:?}");
         assert_eq!((count(&p, Role::Dedicated), count(&p, Role::Swept)), (2, 0));
-        // One more: the largest group's; two more: both that asked, and c, which did not
+        // One more: not both of a feed's, so a member's.
+        let p = wanting(9);
+        assert!(p.statuses.is_empty(), "{p:?}");
+        assert_eq!(count(&p, Role::Dedicated), 3);
+        // Two more: the largest group's; four more: both that asked, and c, which did not
         // ask, none.
-        assert_eq!(wanting(9).critical, BTreeSet::from(["a"]));
-        let p = wanting(11);
-        assert_eq!(p.critical, BTreeSet::from(["a", "b"]));
-        assert_eq!((used(&p), count(&p, Role::Dedicated)), (11, 3), "the last lane to a member: {p:?}");
-        // The default budget at scale: the third lane comes out of the dedicated watches.
+        assert_eq!(wanting(10).statuses, BTreeSet::from(["a"]));
+        let p = wanting(13);
+        assert_eq!(p.statuses, BTreeSet::from(["a", "b"]));
+        assert_eq!((used(&p), count(&p, Role::Dedicated)), (13, 3), "the last lane to a member: {p:?}");
+        // The default budget at scale: the status lanes come out of the dedicated watches.
         let mut p = planner(90, &[("a", 1000)]);
-        p.want_critical(BTreeSet::from(["a"]));
+        p.want_status_lanes(BTreeSet::from(["a"]));
         let p = p.plan();
-        assert_eq!((p.critical.len(), count(&p, Role::Dedicated)), (1, 87));
+        assert_eq!((p.statuses.len(), count(&p, Role::Dedicated)), (1, 86));
     }
 
     #[test]
@@ -360,10 +366,10 @@ mod tests {
                 for b in 0..6 {
                     for (loners, wanting) in (0..4).flat_map(|l| [(l, vec![]), (l, vec!["a"]), (l, vec!["a", "b"])]) {
                         let mut p = planner(lanes, &[("a", a), ("b", b), ("", loners)]);
-                        p.want_critical(wanting.into_iter().collect());
+                        p.want_status_lanes(wanting.into_iter().collect());
                         let p = p.plan();
                         assert!(used(&p) <= lanes, "{lanes} lanes, a={a} b={b} loners={loners}: {p:?}");
-                        assert!(p.critical.is_subset(&p.feeds), "{p:?}");
+                        assert!(p.statuses.is_subset(&p.feeds), "{p:?}");
                         assert_eq!(p.roles.len(), a + b + loners);
                         // Ids 0..a are group a's, a..a+b group b's.
                         for (g, ids) in [("a", 0..a), ("b", a..a + b)] {

@@ -14,7 +14,7 @@
 //!   reads too ([`crate::reads`]).
 //!
 //! The plan is made again, for all the server's watches at once, whenever a watch joins or
-//! leaves or a feed asks for its critical lane or gives it up (a burst of those is one
+//! leaves or a feed asks for its status lanes or gives them up (a burst of those is one
 //! plan): a freed lane goes to a fed watch at once, and a
 //! group that needs a feed gets one, a dedicated watch giving up its lane if need be. A
 //! watch holds its lane permit only while the plan says it is dedicated, so the permits
@@ -111,9 +111,9 @@ struct Seats {
     swept: usize,
     /// This server's part of `consul_feeds`.
     feeds_counted: GaugeShare,
-    /// Feeds that asked for their critical lane and did not get it, at the last plan: this
-    /// server's part of `consul_feeds_short_of_critical_lane`.
-    short_of_critical: GaugeShare,
+    /// Feeds that asked for their status lanes and did not get them, at the last plan: this
+    /// server's part of `consul_feeds_short_of_status_lanes`.
+    short_of_status_lanes: GaugeShare,
 }
 
 struct Seated {
@@ -168,7 +168,7 @@ impl Server {
                     feeds: BTreeMap::new(),
                     swept: 0,
                     feeds_counted: GaugeShare::new(metrics.feeds.clone()),
-                    short_of_critical: GaugeShare::new(metrics.feeds_short_of_critical.clone()),
+                    short_of_status_lanes: GaugeShare::new(metrics.feeds_short_of_status_lanes.clone()),
                 }),
                 replan,
                 _planner: AbortOnDropHandle::new(planner),
@@ -228,7 +228,7 @@ impl Server {
             // Nobody to plan for: the feeds stop now, not at the next plan.
             seats.feeds.clear();
             seats.feeds_counted.set(0);
-            seats.short_of_critical.set(0);
+            seats.short_of_status_lanes.set(0);
         }
         drop(seats);
         self.replan.notify_one();
@@ -241,11 +241,11 @@ impl Server {
             return;
         }
         let asking: BTreeSet<FeedKey> =
-            seats.feeds.iter().filter(|(_, f)| f.feed.asks_for_critical_lane()).map(|(g, _)| g.clone()).collect();
-        seats.planner.want_critical(asking.clone());
-        let Plan { roles, feeds, critical } = seats.planner.plan();
+            seats.feeds.iter().filter(|(_, f)| f.feed.asks_for_status_lanes()).map(|(g, _)| g.clone()).collect();
+        seats.planner.want_status_lanes(asking.clone());
+        let Plan { roles, feeds, statuses } = seats.planner.plan();
         // Judged on what the plan was given: a feed may ask again while it is being made.
-        let short_of_critical = asking.iter().filter(|g| feeds.contains(*g) && !critical.contains(*g)).count();
+        let short_of_status_lanes = asking.iter().filter(|g| feeds.contains(*g) && !statuses.contains(*g)).count();
         let Seats { watches, feeds: running, feeds_counted, .. } = &mut *seats;
         // Feeds the plan no longer runs stop first, giving their lanes back.
         running.retain(|g, _| feeds.contains(g));
@@ -261,7 +261,7 @@ impl Server {
                 reach: self.reach.clone(),
                 metrics: self.metrics.clone(),
                 wait: self.settings.wait,
-                critical_from: self.settings.critical_query_from_checks,
+                statuses_from: self.settings.status_queries_from_checks,
                 replan: self.replan.clone(),
             };
             let (running_feed, client, key) = (feed.clone(), seed.client.clone(), seed.key.clone());
@@ -271,7 +271,7 @@ impl Server {
             running.insert(g, RunningFeed { feed, _task: AbortOnDropHandle::new(task) });
         }
         for (g, f) in running.iter() {
-            f.feed.give_critical_lane(critical.contains(g));
+            f.feed.give_status_lanes(statuses.contains(g));
         }
         feeds_counted.set(running.len());
         let mut swept = 0;
@@ -292,14 +292,14 @@ impl Server {
             };
             w.assignment.send_replace(assignment);
         }
-        seats.report(swept, short_of_critical);
+        seats.report(swept, short_of_status_lanes);
     }
 }
 
 impl Seats {
     /// Says in the log when the watches the plan sweeps, or the large groups' feeds it gives
-    /// no critical lane, change in number.
-    fn report(&mut self, swept: usize, short_of_critical: usize) {
+    /// no status lanes, change in number.
+    fn report(&mut self, swept: usize, short_of_status_lanes: usize) {
         if swept != self.swept {
             if swept > 0 {
                 tracing::warn!(
@@ -313,18 +313,20 @@ impl Seats {
             }
             self.swept = swept;
         }
-        if short_of_critical != self.short_of_critical.get() {
-            if short_of_critical > 0 {
+        if short_of_status_lanes != self.short_of_status_lanes.get() {
+            if short_of_status_lanes > 0 {
                 tracing::warn!(
-                    feeds = short_of_critical,
-                    "change feeds of large Consul catalogs without a lane for their critical checks' query: \
-                    a health change of their fed services waits for the answer of every check; raise \
+                    feeds = short_of_status_lanes,
+                    "change feeds of large Consul catalogs without lanes for their critical and warning checks' \
+                    queries: a health change of their fed services waits for the answer of every check; raise \
                     --consul-max-connections"
                 );
             } else {
-                tracing::info!("every large change feed of this server has its critical checks' query again");
+                tracing::info!(
+                    "every large change feed of this server has its critical and warning checks' queries again"
+                );
             }
-            self.short_of_critical.set(short_of_critical);
+            self.short_of_status_lanes.set(short_of_status_lanes);
         }
     }
 }

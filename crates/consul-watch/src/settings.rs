@@ -17,11 +17,11 @@ pub struct Settings {
     pub sweep: Duration,
     /// Largest answer body accepted from Consul, after decompression.
     pub max_response_bytes: usize,
-    /// A change feed also watches its group's critical checks once its answer of every
-    /// check holds this many, and stops below half of it: there that answer takes a real
-    /// agent tens of milliseconds or more, which a check turning critical then need not
-    /// wait for (docs/consul.md, "Services without a blocking query of their own").
-    pub critical_query_from_checks: usize,
+    /// A change feed also watches its group's critical and warning checks once its answer
+    /// of every check holds this many, and stops below half of it: there that answer takes
+    /// a real agent tens of milliseconds or more, which a check changing status then need
+    /// not wait for (docs/consul.md, "Services without a blocking query of their own").
+    pub status_queries_from_checks: usize,
 }
 
 impl Default for Settings {
@@ -32,7 +32,7 @@ impl Default for Settings {
             min_interval: Duration::from_millis(100),
             sweep: Duration::from_secs(300),
             max_response_bytes: 64 << 20,
-            critical_query_from_checks: 10_000,
+            status_queries_from_checks: 10_000,
         }
     }
 }

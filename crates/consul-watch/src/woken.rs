@@ -1,11 +1,13 @@
 //! Which check writes a change feed has already woken members for (docs/consul.md,
 //! "Services without a blocking query of their own").
 //!
-//! A feed reads checks through two queries: every check (`/v1/health/state/any`), whose
-//! answer is the whole group's and takes a real agent a second at 150,000 checks, and the
-//! critical ones (`/v1/health/state/critical`), a few checks answered in a millisecond. A
-//! check turning critical, or passing again, shows in both. Its members should re-read once,
-//! at the first answer that shows it, not again at the second.
+//! A feed reads checks through up to three queries: every check (`/v1/health/state/any`),
+//! whose answer is the whole group's and takes a real agent a second at 150,000 checks, and,
+//! in a large group, the critical and the warning ones (`/v1/health/state/critical`,
+//! `/v1/health/state/warning`), a few checks each, answered in a millisecond. A check
+//! turning critical, or passing again, shows in two of them; one going from warning to
+//! critical, in all three. Its members should re-read once, at the first answer that shows
+//! it, not again at the others.
 //!
 //! Answers name checks as they were at some index: a member woken by an answer re-reads
 //! after it, so its read shows every write up to that answer's index (Consul answers a
@@ -22,14 +24,16 @@ use crate::client::CheckState;
 /// missed one.
 const REMEMBERED_CHECKS: usize = 65_536;
 
-/// What the feed woke members for, per check, shared by its two checks queries.
+/// What the feed woke members for, per check, shared by its checks queries.
 #[derive(Debug, Default)]
 pub(crate) struct Woken {
     /// Per node and check ID: the index of the answer that woke its members last.
     by_check: HashMap<(Box<str>, Box<str>), u64>,
-    /// The latest index each query answered, every check and critical ones.
+    /// The latest index each query answered: every check, the critical ones, the warning
+    /// ones.
     any: Option<u64>,
     critical: Option<u64>,
+    warning: Option<u64>,
 }
 
 impl Woken {
@@ -40,9 +44,7 @@ impl Woken {
         let Written::Checks(checks) = written else {
             // A first answer, or a restored cluster whose indexes start again lower:
             // nothing remembered holds for it.
-            self.by_check.clear();
-            self.any = None;
-            self.critical = None;
+            *self = Woken::default();
             return Stale::everything();
         };
         let mut stale = Stale::default();
@@ -59,25 +61,25 @@ impl Woken {
         stale
     }
 
-    /// The critical checks' query stopped (its group shrank): only every check's answers
-    /// come, and what they answered past is forgotten.
-    pub(crate) fn critical_stopped(&mut self) {
+    /// The queries of one status stopped (the group shrank, or the plan took their lanes):
+    /// only every check's answers come, and what they answered past is forgotten.
+    pub(crate) fn statuses_stopped(&mut self) {
         self.critical = None;
+        self.warning = None;
     }
 
     /// Forgets the checks the queries running have answered past: none can show them
     /// written at an index up to that again. (Forgetting too soon costs a second re-read,
     /// never a missed one.)
     fn answered(&mut self, from: CheckState, index: u64) {
-        match from {
-            CheckState::Any => self.any = Some(index),
-            CheckState::Critical => self.critical = Some(index),
-        }
-        let past = match (self.any, self.critical) {
-            (Some(any), Some(critical)) => Some(any.min(critical)),
-            (Some(any), None) => Some(any),
-            (None, _) => None,
-        };
+        *match from {
+            CheckState::Any => &mut self.any,
+            CheckState::Critical => &mut self.critical,
+            CheckState::Warning => &mut self.warning,
+        } = Some(index);
+        // A status query that has not answered yet (or stopped) needs nothing kept: its
+        // first answer is a baseline, which names nothing.
+        let past = self.any.map(|any| [self.critical, self.warning].into_iter().flatten().fold(any, u64::min));
         if let Some(past) = past {
             self.by_check.retain(|_, woken_at| *woken_at > past);
         }
@@ -119,6 +121,22 @@ mod tests {
     }
 
     #[test]
+    fn a_check_from_warning_to_critical_is_named_once_by_three_queries() {
+        let mut w = Woken::default();
+        // web's check turns warning at 11: the warning query shows it first.
+        let s = w.name(CheckState::Warning, Written::Checks(vec![check("n1", "c-web", "web", Some(11))]), 11);
+        assert_eq!(names(&s), ["web"]);
+        let s = w.name(CheckState::Any, Written::Checks(vec![check("n1", "c-web", "web", Some(11))]), 12);
+        assert!(s.is_empty(), "every check's answer shows the same write");
+        // Critical at 13: the critical query shows it first, then the warning query shows it
+        // gone and every check's answer written at 13.
+        let s = w.name(CheckState::Critical, Written::Checks(vec![check("n1", "c-web", "web", Some(13))]), 13);
+        assert_eq!(names(&s), ["web"]);
+        assert!(w.name(CheckState::Warning, Written::Checks(vec![check("n1", "c-web", "web", None)]), 13).is_empty());
+        assert!(w.name(CheckState::Any, Written::Checks(vec![check("n1", "c-web", "web", Some(13))]), 14).is_empty());
+    }
+
+    #[test]
     fn a_later_write_or_a_removal_after_the_wake_is_named_again() {
         let mut w = Woken::default();
         w.name(CheckState::Critical, Written::Checks(vec![check("n1", "c-web", "web", Some(11))]), 11);
@@ -141,13 +159,21 @@ mod tests {
     }
 
     #[test]
-    fn what_both_queries_answered_past_is_forgotten() {
+    fn what_every_query_answered_past_is_forgotten() {
         let mut w = Woken::default();
         w.name(CheckState::Critical, Written::Checks(vec![check("n1", "a", "a", Some(5))]), 5);
+        w.name(CheckState::Warning, Written::Checks(vec![]), 5);
         w.name(CheckState::Any, Written::Checks(vec![check("n1", "b", "b", Some(8))]), 8);
         let kept: Vec<&str> = w.by_check.keys().map(|(_, id)| &**id).collect();
-        assert_eq!(kept, ["b"], "both are past 5; the critical query may still show b written at 8");
+        assert_eq!(kept, ["b"], "all are past 5; the status queries may still show b written at 8");
         w.name(CheckState::Critical, Written::Checks(vec![]), 9);
-        assert!(w.by_check.is_empty(), "both are past 8");
+        assert_eq!(w.by_check.len(), 1, "the warning query may still show b");
+        w.name(CheckState::Warning, Written::Checks(vec![]), 9);
+        assert!(w.by_check.is_empty(), "all are past 8");
+        // Once the status queries stop, every check's answers alone say what is past.
+        w.name(CheckState::Critical, Written::Checks(vec![check("n1", "c", "c", Some(10))]), 10);
+        w.statuses_stopped();
+        w.name(CheckState::Any, Written::Checks(vec![]), 11);
+        assert!(w.by_check.is_empty(), "nothing but every check's query runs");
     }
 }

@@ -162,6 +162,8 @@ pub(crate) enum CheckState {
     /// critical or is written while critical, not for a passing check rewritten
     /// (docs/consul.md, "Services without a blocking query of their own").
     Critical,
+    /// The warning ones, likewise.
+    Warning,
 }
 
 impl CheckState {
@@ -169,6 +171,7 @@ impl CheckState {
         match self {
             CheckState::Any => "any",
             CheckState::Critical => "critical",
+            CheckState::Warning => "warning",
         }
     }
 }
