@@ -42,11 +42,12 @@
 //! size against the simulator and then a real agent (the cached 1.8.7), each filled alike
 //! through `/v1/catalog/register`: instance k of every service on node `bench-k` with a
 //! passing check; every service watched at the default budget, one scope (88 dedicated,
-//! the rest fed); then `BENCH_FLIPS` (here 40) health flips, one at a time (an instance's
-//! check critical, then passing again, on spread services), each timed from the write to
-//! the event, and the source's requests until none came for a second (the sweep an hour,
-//! or no second would be quiet; the first sweeps, spread over that hour, are still
-//! counted). The simulator's run is the baseline of the agent's. With `BENCH_TLS=1` both
+//! 86 once the feed's status queries take two lanes, the rest fed); then `BENCH_FLIPS`
+//! (here 40) health flips, one at a time (an instance's check critical, or warning with
+//! `BENCH_FLIP_STATUS=warning`, then passing again, on spread services; the product's
+//! default statuses leave either out), each timed from the write to the event, and the
+//! source's requests until none came for a second (the sweep an hour, or no second would
+//! be quiet; the first sweeps, spread over that hour, are still counted). The simulator's run is the baseline of the agent's. With `BENCH_TLS=1` both
 //! serve over TLS (a certificate made at start), where HTTP/2 gives every service a
 //! blocking query of its own and no feed runs.
 
@@ -644,6 +645,8 @@ mod fed_at_size {
         fed: i64,
         took: Vec<Duration>,
         requests: Vec<u64>,
+        /// Requests that did not end `ok` during the flips, by query, mode and outcome.
+        failed: Vec<String>,
     }
 
     pub(super) async fn run(size: &str, flips: usize) -> anyhow::Result<()> {
@@ -654,12 +657,15 @@ mod fed_at_size {
         let load = || std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim().to_owned();
         let load_start = load();
         let pki = std::env::var("BENCH_TLS").is_ok_and(|v| v == "1").then(TestPki::generate).transpose()?;
-        let size = Size { services, instances, flips };
+        let status = std::env::var("BENCH_FLIP_STATUS").unwrap_or_else(|_| "critical".into());
+        anyhow::ensure!(["critical", "warning"].contains(&status.as_str()), "BENCH_FLIP_STATUS: critical or warning");
+        let size = Size { services, instances, flips, status };
         let simulated = against_simulator(pki.as_ref(), &size).await?;
         let real = against_agent(pki.as_ref(), &size).await?;
         let over = if pki.is_some() { "TLS (HTTP/2 where the server offers it)" } else { "plain HTTP" };
         println!(
-            "{services} services x {instances} instances over {over}; load average {load_start} at the start, {} at the end",
+            "{services} services x {instances} instances over {over}, flips to {}; load average {load_start} at the start, {} at the end",
+            size.status,
             load()
         );
         print(&mut [simulated, real]);
@@ -696,6 +702,8 @@ mod fed_at_size {
         services: usize,
         instances: usize,
         flips: usize,
+        /// The status a flip takes the check to, before passing again.
+        status: String,
     }
 
     /// Where a server is watched, and where the bench writes to it.
@@ -743,7 +751,9 @@ mod fed_at_size {
         let dedicated = metrics.watches("dedicated") + metrics.watches("multiplexed");
         let fed = metrics.watches("fed");
         eprintln!("{server}: every service answered; {dedicated} with a blocking query of its own, {fed} fed");
-        let mut flipper = Flipper { http: &http, base, names: &names, metrics: &metrics, rx: &mut rx };
+        let failed_before = failed_counts(&metrics);
+        let mut flipper =
+            Flipper { http: &http, base, names: &names, metrics: &metrics, rx: &mut rx, status: &size.status };
         let (mut took, mut requests) = (Vec::new(), Vec::new());
         for i in 0..flips {
             let (t, r) = flipper.flip(((i / 2) * 7919) % services, i % 2 == 0).await?;
@@ -751,7 +761,28 @@ mod fed_at_size {
             took.push(t);
             requests.push(r);
         }
-        Ok(Measured { server, fill, dedicated, fed, took, requests })
+        Ok(Measured { server, fill, dedicated, fed, took, requests, failed: failed(&metrics, &failed_before) })
+    }
+
+    /// Every count of requests that did not end `ok`, by query, mode and outcome.
+    fn failed_counts(metrics: &Metrics) -> Vec<(String, u64)> {
+        const QUERIES: [&str; 7] = ["service", "checks", "catalog", "critical", "warning", "locate", "probe"];
+        const OUTCOMES: [&str; 7] = ["timeout", "transport", "403", "429", "4xx", "5xx", "invalid"];
+        let mut counts = Vec::new();
+        for q in QUERIES {
+            for mode in ["blocking", "read"] {
+                for o in OUTCOMES {
+                    counts.push((format!("{q} {mode} {o}"), metrics.requests(q, mode, o)));
+                }
+            }
+        }
+        counts
+    }
+
+    /// What failed since `before`, said as "query mode outcome: count".
+    fn failed(metrics: &Metrics, before: &[(String, u64)]) -> Vec<String> {
+        let now = failed_counts(metrics);
+        now.iter().zip(before).filter(|(n, b)| n.1 > b.1).map(|(n, b)| format!("{}: {}", n.0, n.1 - b.1)).collect()
     }
 
     /// Flips instance 0's check of one service at a time.
@@ -761,40 +792,42 @@ mod fed_at_size {
         names: &'a [String],
         metrics: &'a Metrics,
         rx: &'a mut mpsc::Receiver<Event>,
+        status: &'a str,
     }
 
     impl Flipper<'_> {
-        /// Service `s`'s instance 0 critical (or passing again): how long until the source
-        /// showed it, and the requests until none came for a second.
-        async fn flip(&mut self, s: usize, critical: bool) -> anyhow::Result<(Duration, u64)> {
+        /// Service `s`'s instance 0 out of passing (or passing again): how long until the
+        /// source showed it, and the requests until none came for a second.
+        async fn flip(&mut self, s: usize, out: bool) -> anyhow::Result<(Duration, u64)> {
             while self.rx.try_recv().is_ok() {}
             let before = self.metrics.requests_total();
             let t0 = Instant::now();
             let write = self.http.put(format!("{}/v1/catalog/register", self.base));
-            http_ok(write.json(&registration(s, 0, critical))).await?;
-            flipped(self.rx, &self.names[s], critical).await?;
+            let status = if out { self.status } else { "passing" };
+            http_ok(write.json(&registration(s, 0, status))).await?;
+            flipped(self.rx, &self.names[s], out).await?;
             let took = t0.elapsed();
             real_agent::settled(self.metrics, Duration::from_secs(1)).await;
             Ok((took, self.metrics.requests_total() - before))
         }
     }
 
-    /// Instance `k` of service `s`, on node `bench-k`, its check passing or critical.
-    fn registration(s: usize, k: usize, critical: bool) -> serde_json::Value {
+    /// Instance `k` of service `s`, on node `bench-k`, its check in `status`.
+    fn registration(s: usize, k: usize, status: &str) -> serde_json::Value {
         let id = format!("svc-{s}-{k}");
         json!({
             "Node": format!("bench-{k}"),
             "Address": format!("127.0.{}.{}", k / 250, k % 250 + 1),
             "Service": {"ID": id, "Service": format!("svc-{s}"), "Port": FLIPPED_PORT as usize + k},
             "Check": {"CheckID": format!("check-{id}"), "Name": "health",
-                      "Status": if critical { "critical" } else { "passing" }, "ServiceID": id}
+                      "Status": status, "ServiceID": id}
         })
     }
 
     async fn fill(http: &reqwest::Client, base: &str, services: usize, instances: usize) -> anyhow::Result<()> {
         let url = format!("{base}/v1/catalog/register");
         futures::stream::iter((0..services).flat_map(|s| (0..instances).map(move |k| (s, k))))
-            .map(|(s, k)| http_ok(http.put(&url).json(&registration(s, k, false))))
+            .map(|(s, k)| http_ok(http.put(&url).json(&registration(s, k, "passing"))))
             .buffer_unordered(32)
             .try_collect::<Vec<()>>()
             .await?;
@@ -807,14 +840,14 @@ mod fed_at_size {
         Ok(())
     }
 
-    /// Waits for an answer of `name` without its instance 0 (critical: the product's
+    /// Waits for an answer of `name` without its instance 0 (`out` of passing: the product's
     /// `healthStatuses: [passing]` leaves it out) or with it again.
-    async fn flipped(rx: &mut mpsc::Receiver<Event>, name: &str, critical: bool) -> anyhow::Result<()> {
+    async fn flipped(rx: &mut mpsc::Receiver<Event>, name: &str, out: bool) -> anyhow::Result<()> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
             match tokio::time::timeout_at(deadline, rx.recv()).await {
                 Ok(Some(Event::Consul(k, ConsulEvent::Answer { endpoints, .. })))
-                    if k.service == name && endpoints.iter().any(|e| e.port == FLIPPED_PORT) != critical =>
+                    if k.service == name && endpoints.iter().any(|e| e.port == FLIPPED_PORT) != out =>
                 {
                     return Ok(());
                 }
@@ -830,7 +863,7 @@ mod fed_at_size {
         );
         println!("|---|---|---|---|---|---|");
         let mut baseline = Duration::ZERO;
-        for r in results {
+        for r in results.iter_mut() {
             r.took.sort();
             let p50 = percentile(&r.took, 0.5);
             if r.server == "simulator" {
@@ -850,6 +883,10 @@ mod fed_at_size {
                 p50.as_secs_f64() / baseline.as_secs_f64().max(1e-9),
                 r.requests.iter().max().copied().unwrap_or_default(),
             );
+        }
+        for r in results.iter() {
+            let failed = if r.failed.is_empty() { "none".to_owned() } else { r.failed.join(", ") };
+            println!("{}: requests that did not end ok during the flips: {failed}", r.server);
         }
     }
 }
