@@ -47,9 +47,10 @@
 //! `BENCH_FLIP_STATUS=warning`, then passing again, on spread services; the product's
 //! default statuses leave either out), each timed from the write to the event, and the
 //! source's requests until none came for a second (the sweep an hour, or no second would
-//! be quiet; the first sweeps, spread over that hour, are still counted). The simulator's run is the baseline of the agent's. With `BENCH_TLS=1` both
-//! serve over TLS (a certificate made at start), where HTTP/2 gives every service a
-//! blocking query of its own and no feed runs.
+//! be quiet; the first sweeps, spread over that hour, are still counted), and which
+//! requests did not end `ok` meanwhile. The simulator's run is the baseline of the agent's.
+//! With `BENCH_TLS=1` both serve over TLS (a certificate made at start), where HTTP/2 gives
+//! every service a blocking query of its own and no feed runs.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
