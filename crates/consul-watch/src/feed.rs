@@ -317,13 +317,6 @@ impl Status {
             Status::Warning => observe::Query::Warning,
         }
     }
-
-    fn label(self) -> &'static str {
-        match self {
-            Status::Critical => "critical",
-            Status::Warning => "warning",
-        }
-    }
 }
 
 impl Feed {
@@ -522,7 +515,7 @@ impl Ctx<'_> {
             // answers this query's can run.
             self.feed.catch_up().observe(sent.elapsed());
         }
-        let index = indexed(&self.env.metrics, "checks", &answer);
+        let index = indexed(&self.env.metrics, observe::Query::Checks, &answer);
         let (stale, first) = answer.value;
         self.feed.checks_index.send_replace(answer.index);
         // A baseline names nothing: the members re-read once both views have one.
@@ -545,7 +538,7 @@ impl Ctx<'_> {
         };
         let answer =
             observe::request(&self.env.metrics, status.observed(), Some(&self.key), block, health_state).await?;
-        let index = indexed(&self.env.metrics, status.label(), &answer);
+        let index = indexed(&self.env.metrics, status.observed(), &answer);
         self.wake(&answer.value);
         Ok((index, false))
     }
@@ -580,7 +573,7 @@ impl Ctx<'_> {
             move || self.client.catalog_services(&self.scope, token, block, move |index, body| view.apply(index, body));
         let answer =
             observe::request(&self.env.metrics, observe::Query::Catalog, Some(&self.key), block, catalog).await?;
-        let index = indexed(&self.env.metrics, "catalog", &answer);
+        let index = indexed(&self.env.metrics, observe::Query::Catalog, &answer);
         match answer.value {
             CatalogMove::Baseline => {
                 self.wake(&Stale::default());
@@ -668,9 +661,9 @@ impl Ctx<'_> {
 
 /// An answer's index, `None` when it had none (counted in
 /// `consul_unindexed_answers_total{query}`).
-fn indexed<T>(metrics: &Metrics, query: &str, answer: &crate::client::Answer<T>) -> Option<u64> {
+fn indexed<T>(metrics: &Metrics, query: observe::Query, answer: &crate::client::Answer<T>) -> Option<u64> {
     if !answer.indexed {
-        metrics.unindexed.with_label_values(&[query]).inc();
+        metrics.unindexed.with_label_values(&[query.label()]).inc();
     }
     answer.indexed.then_some(answer.index)
 }

@@ -34,7 +34,7 @@ pub(crate) enum Query {
 }
 
 impl Query {
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Query::Service => "service",
             Query::Checks => "checks",
