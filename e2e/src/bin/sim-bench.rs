@@ -103,15 +103,10 @@ impl Server {
     }
 }
 
-/// A read as the operator sends it: asking for gzip, whose bytes reqwest (built without
-/// it here) leaves as they came.
-fn read(client: &reqwest::Client, url: String) -> reqwest::RequestBuilder {
-    client.get(url).header("Accept-Encoding", "gzip").timeout(Duration::from_secs(60))
-}
-
-/// A read that asks for its answer as it is, not compressed.
-fn read_identity(client: &reqwest::Client, url: String) -> reqwest::RequestBuilder {
-    client.get(url).header("Accept-Encoding", "identity").timeout(Duration::from_secs(60))
+/// A read asking for its answer in `encoding`: `gzip` as the operator asks, whose bytes
+/// reqwest (built without it here) leaves as they came, or `identity`, not compressed.
+fn read(client: &reqwest::Client, url: String, encoding: &str) -> reqwest::RequestBuilder {
+    client.get(url).header("Accept-Encoding", encoding).timeout(Duration::from_secs(60))
 }
 
 struct Measured {
@@ -141,10 +136,10 @@ async fn measure(
     let fill = fill.elapsed();
     eprintln!("{} {services} x {per_service}: filled in {:.1} s", server.name(), fill.as_secs_f64());
     let (reads_per_sec, health) = health_reads(&client, &base, services, readers, secs).await?;
-    let state_any = timed(&client, &base, "/v1/health/state/any").await?;
-    let state_any_identity = timed_as(&client, &base, "/v1/health/state/any", Encoding::Identity).await?;
-    let services_q = timed(&client, &base, "/v1/catalog/services").await?;
-    let (critical, _) = timed(&client, &base, "/v1/health/state/critical").await?;
+    let state_any = timed(&client, &base, "/v1/health/state/any", "gzip").await?;
+    let state_any_identity = timed(&client, &base, "/v1/health/state/any", "identity").await?;
+    let services_q = timed(&client, &base, "/v1/catalog/services", "gzip").await?;
+    let (critical, _) = timed(&client, &base, "/v1/health/state/critical", "gzip").await?;
     let write = writes(&client, &base, services).await?;
     let name = server.name();
     server.stop().await;
@@ -202,7 +197,8 @@ async fn health_reads(
                 while Instant::now() < deadline {
                     n = (n * 31 + 17) % services.max(1);
                     let t = Instant::now();
-                    let resp = read(&client, format!("{base}/v1/health/service/svc-{n}?passing")).send().await?;
+                    let resp =
+                        read(&client, format!("{base}/v1/health/service/svc-{n}?passing"), "gzip").send().await?;
                     let body = resp.bytes().await?;
                     lat.push(t.elapsed());
                     anyhow::ensure!(!body.is_empty(), "an empty answer");
@@ -218,33 +214,19 @@ async fn health_reads(
     Ok((health.0.len() as f64 / started.elapsed().as_secs_f64(), health))
 }
 
-/// `path` read 20 times in turn: the latencies, and the last answer's size as received.
-async fn timed(client: &reqwest::Client, base: &str, path: &str) -> anyhow::Result<(Latencies, String)> {
-    timed_as(client, base, path, Encoding::Gzip).await
-}
-
-/// Whether a read asks for its answer gzipped.
-#[derive(Clone, Copy, PartialEq)]
-enum Encoding {
-    Gzip,
-    Identity,
-}
-
-/// `path` read 20 times in turn, asking `encoding`: the latencies, and the last answer's
-/// size as received.
-async fn timed_as(
+/// `path` read 20 times in turn, in `encoding`: the latencies, and the last answer's size as
+/// received.
+async fn timed(
     client: &reqwest::Client,
     base: &str,
     path: &str,
-    encoding: Encoding,
+    encoding: &str,
 ) -> anyhow::Result<(Latencies, String)> {
     let mut lat = Latencies::default();
     let mut bytes = String::new();
     for _ in 0..20 {
         let t = Instant::now();
-        let url = format!("{base}{path}");
-        let req = if encoding == Encoding::Gzip { read(client, url) } else { read_identity(client, url) };
-        let resp = req.send().await?;
+        let resp = read(client, format!("{base}{path}"), encoding).send().await?;
         anyhow::ensure!(resp.status().is_success(), "{path}: {}", resp.status());
         let gzip = resp.headers().get("content-encoding").is_some_and(|e| e == "gzip");
         let body = resp.bytes().await?;
