@@ -249,7 +249,9 @@ impl Multiplexer {
                     continue;
                 }
             };
-            let opened = self.connect(permit).await;
+            // Boxed: a connect's state (the TCP, TLS and HTTP/2 handshakes) is most of this
+            // future's size, and every query waiting for its answer would hold it too.
+            let opened = Box::pin(self.connect(permit)).await;
             drop(gate);
             match opened? {
                 Opened::Lane(lane) => {
