@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 use crate::cold_start::Instance;
 use crate::profile::Settings;
 use crate::report::{cpu_ms, ms};
-use crate::setup::{OPERATOR_NS, Setup, kube_client, node_name, register, service_name, set_check};
+use crate::setup::{OPERATOR_NS, Setup, consul_http, kube_client, node_name, register, service_name, set_check};
 use crate::xds::{self, PollCost, Probe};
 use e2e::procfs::{cpu_time, memory_kib};
 
@@ -67,7 +67,7 @@ pub(crate) fn measure(
     let churn = Arc::new(Mutex::new(PartChurn::default()));
     let watch = rt.spawn(watch_configmap(admin.clone(), instance.cm.clone(), tx, churn.clone()));
     let encoding = rt.block_on(encoding(admin, &instance.cm))?;
-    let http = reqwest::Client::builder().no_proxy().build()?;
+    let http = consul_http(s, None)?;
     let poll_cost = probe.as_ref().map(|p| rt.block_on(p.poll_cost())).transpose()?;
     let mut driver = Driver {
         http,

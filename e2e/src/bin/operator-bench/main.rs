@@ -71,6 +71,12 @@
 //! services, endpoints, snapshot bytes, cold start, spaced p50 / p99, operator CPU per
 //! spaced and per back-to-back change, peak RSS. It is held to no target.
 //!
+//! Consul over TLS: `BENCH_CONSUL_TLS=1` has the simulator serve HTTPS with a throw-away
+//! CA, and every resolver trust it (`tls.caSecretRef`): the operator then reaches Consul
+//! over HTTP/2, a blocking query of its own per watch within the server's stream limit,
+//! and runs no change feed (docs/consul.md, "TLS and HTTP/2"). Unset, plain HTTP/1.1 with
+//! `--consul-max-connections` lanes and the change feed for the rest.
+//!
 //! xDS: `BENCH_XDS=1` runs every operator with `--xds-listen` on a free loopback port and,
 //! once the measured one has its first snapshot, a real Envoy 1.40 (delta ADS,
 //! `--concurrency 1`) subscribed to every cluster; each spaced change is then also timed
@@ -133,7 +139,7 @@ fn main() -> anyhow::Result<()> {
 /// The default run: one world, warm-up lists, then per budget of `BENCH_MODES` three cold
 /// starts against the bare reflector and the changes; then the table and the verdicts.
 fn compared(rt: &Runtime, cluster: &Cluster, s: &Settings, load_start: &str, placement: &str) -> anyhow::Result<()> {
-    let mut sim = Some(setup::placeholder_sim()?);
+    let mut sim = Some(setup::placeholder_sim(s)?);
     let namespaces = setup::namespaces(cluster, s, "bench")?;
     let setup = rt.block_on(setup::setup(cluster, sim.as_ref().expect("started"), s, namespaces))?;
     println!(
@@ -171,7 +177,7 @@ fn cost_table(rt: &Runtime, cluster: &Cluster, s: &Settings, load_start: &str) -
         );
         // The namespaces of earlier sizes stay until the cluster goes at exit: deleting
         // them would have the API server collecting their Mappings during this size's run.
-        let mut sim = Some(setup::placeholder_sim()?);
+        let mut sim = Some(setup::placeholder_sim(&size)?);
         let namespaces = setup::namespaces(cluster, &size, "bench")?;
         let setup = rt.block_on(setup::setup(cluster, sim.as_ref().expect("started"), &size, namespaces))?;
         println!("  setup: Mappings created in {}", secs(setup.mappings_created_in));

@@ -2,9 +2,11 @@
 //! crate's documentation). `BENCH_PROFILE` gives the defaults; each variable set overrides
 //! its own.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
+use consul_sim::tls::TestPki;
 use e2e::bench::env_usize;
 
 /// `BENCH_PROFILE`: the defaults of the sizes, and the targets (see `Targets`).
@@ -53,6 +55,10 @@ pub(crate) struct Settings {
     /// `BENCH_XDS=1`: the operators serve xDS, and a real Envoy follows the one measured
     /// (`xds.rs`).
     pub(crate) xds: bool,
+    /// `BENCH_CONSUL_TLS=1`: the simulator serves HTTPS with this throw-away PKI, so the
+    /// operator reaches it over HTTP/2 (a blocking query per watch, no change feed), and
+    /// the resolvers trust its CA (`tls.caSecretRef`). Unset: plain HTTP/1.1.
+    pub(crate) consul_tls: Option<Arc<TestPki>>,
 }
 
 impl Settings {
@@ -89,6 +95,7 @@ impl Settings {
             window: std::env::var("BENCH_COALESCE_WINDOW").unwrap_or_else(|_| "250ms".into()),
             sizes: sizes()?,
             xds: env_usize("BENCH_XDS", 0) == 1,
+            consul_tls: consul_tls()?,
         };
         ensure!(!s.modes.is_empty(), "BENCH_MODES is empty");
         s.check()?;
@@ -131,6 +138,14 @@ impl Settings {
         humantime::parse_duration(&self.window).expect("checked in from_env")
     }
 
+    /// How the resolvers reach Consul, as the report says it.
+    pub(crate) fn consul_transport(&self) -> &'static str {
+        match self.consul_tls {
+            Some(_) => "HTTPS (HTTP/2: a blocking query per watch, no change feed)",
+            None => "plain HTTP/1.1",
+        }
+    }
+
     /// One row of the cost table: these settings at another size.
     pub(crate) fn at_size(&self, services: usize, instances: usize) -> Settings {
         Settings { services, instances, sizes: Vec::new(), ..self.clone() }
@@ -146,6 +161,14 @@ fn profile() -> anyhow::Result<Profile> {
         Ok("" | "default") | Err(_) => Ok(Profile::Default),
         Ok(other) => bail!("BENCH_PROFILE={other}: the profiles are `default`, `scale`, `double` and `tenants`"),
     }
+}
+
+/// `BENCH_CONSUL_TLS`: a PKI for the simulator's HTTPS when `1`.
+fn consul_tls() -> anyhow::Result<Option<Arc<TestPki>>> {
+    if env_usize("BENCH_CONSUL_TLS", 0) != 1 {
+        return Ok(None);
+    }
+    Ok(Some(Arc::new(TestPki::generate().context("BENCH_CONSUL_TLS=1: making the test certificates")?)))
 }
 
 /// `BENCH_MODES`: the `--consul-max-connections` budgets, one operator run each.

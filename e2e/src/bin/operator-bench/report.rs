@@ -249,8 +249,8 @@ pub(crate) fn compared(s: &Settings, runs: &[Run], load_start: &str, load_end: &
     println!();
     println!(
         "{} Consul services x {} instances ({} endpoints), {} Mappings ({} per service) in {} namespaces, \
-         {} Kubernetes Services routed to, a ConsulResolver per namespace; --coalesce-window {}; {} changes of each kind; \
-         load average {} at start, {} at end; placement: {placement}",
+         {} Kubernetes Services routed to, a ConsulResolver per namespace reaching Consul over {}; --coalesce-window {}; \
+         {} changes of each kind; load average {} at start, {} at end; placement: {placement}",
         s.services,
         s.instances,
         s.endpoints(),
@@ -258,6 +258,7 @@ pub(crate) fn compared(s: &Settings, runs: &[Run], load_start: &str, load_end: &
         s.per_service,
         s.namespaces,
         s.kube_services,
+        s.consul_transport(),
         s.window,
         s.changes,
         load_start,

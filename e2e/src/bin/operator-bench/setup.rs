@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use consul_sim::{Config as SimConfig, RunningSim, Simulator};
+use consul_sim::{Config as SimConfig, RunningSim, Simulator, TlsConfig};
 use e2e::harness::Cluster;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Endpoints, Secret};
@@ -100,32 +100,46 @@ pub(crate) async fn set_check(
     Ok(())
 }
 
-/// An empty simulator on `listen`.
-pub(crate) fn start_sim(listen: SocketAddr) -> anyhow::Result<RunningSim> {
+/// An empty simulator on `listen`: over HTTPS (HTTP/2 by ALPN) with `BENCH_CONSUL_TLS=1`.
+pub(crate) fn start_sim(listen: SocketAddr, s: &Settings) -> anyhow::Result<RunningSim> {
+    let tls = s.consul_tls.as_ref().map(|pki| TlsConfig::new(&pki.server_cert_pem, &pki.server_key_pem));
     Ok(Simulator::start_background(SimConfig {
         listen,
         // Room for a dedicated connection per service (real Consul: limits.http_max_conns_per_client).
         max_conns_per_client: 5000,
         request_log_capacity: 200_000,
+        tls,
         ..SimConfig::default()
     })?)
 }
 
 /// An empty simulator on a free loopback port: until an operator run registers the
 /// services in a fresh one, only its address is used.
-pub(crate) fn placeholder_sim() -> anyhow::Result<RunningSim> {
-    start_sim(SocketAddr::from(([127, 0, 0, 1], 0)))
+pub(crate) fn placeholder_sim(s: &Settings) -> anyhow::Result<RunningSim> {
+    start_sim(SocketAddr::from(([127, 0, 0, 1], 0)), s)
+}
+
+/// The bench's own client of the simulator (its writes), trusting its CA over HTTPS.
+pub(crate) fn consul_http(s: &Settings, timeout: Option<Duration>) -> anyhow::Result<reqwest::Client> {
+    let mut http = reqwest::Client::builder().no_proxy();
+    if let Some(pki) = &s.consul_tls {
+        http = http.add_root_certificate(reqwest::Certificate::from_pem(pki.ca_cert_pem.as_bytes())?);
+    }
+    if let Some(timeout) = timeout {
+        http = http.timeout(timeout);
+    }
+    Ok(http.build()?)
 }
 
 /// A simulator on `listen` holding the benchmark's services, `s.instances` each (see
 /// `node_name`, `registered_port`). Each operator run gets a fresh one on the same address,
 /// so no connection, blocking query or counter of an earlier run is left in its figures.
 pub(crate) fn fresh_sim(rt: &Runtime, listen: SocketAddr, s: &Settings) -> anyhow::Result<RunningSim> {
-    let sim = start_sim(listen)?;
+    let sim = start_sim(listen, s)?;
     let base = sim.base_url();
     let started = Instant::now();
     rt.block_on(async {
-        let http = reqwest::Client::builder().no_proxy().build()?;
+        let http = consul_http(s, None)?;
         // Node by node (every service's instance 0, then 1...), as agents register; the
         // pairs are generated as they are sent, not held first (75,000 at scale).
         futures::stream::iter((0..s.instances).flat_map(|k| (0..s.services).map(move |i| (i, k))))
@@ -156,7 +170,7 @@ pub(crate) async fn setup(
     namespaces: Vec<String>,
 ) -> anyhow::Result<Setup> {
     let client = kube_client(&cluster.admin_kubeconfig).await?;
-    create_resolvers(cluster, &client, sim.addr(), s, &namespaces).await?;
+    create_resolvers(cluster, &client, &sim.base_url(), s, &namespaces).await?;
     let started = Instant::now();
     create_mappings(&client, s, &namespaces).await?;
     create_kube_services(&client, s, &namespaces).await?;
@@ -165,29 +179,44 @@ pub(crate) async fn setup(
     Ok(Setup { namespaces, sim_addr: sim.addr(), base_url: sim.base_url(), mappings_created_in, audit_offset })
 }
 
-/// One ConsulResolver per namespace, pointing at the simulator; with `BENCH_SCOPES` > 1,
-/// those of every other namespace name a token.
+/// One ConsulResolver per namespace, pointing at the simulator at `base`; with
+/// `BENCH_SCOPES` > 1, those of every other namespace name a token; with
+/// `BENCH_CONSUL_TLS=1`, every one trusts the simulator's CA.
 async fn create_resolvers(
     cluster: &Cluster,
     client: &kube::Client,
-    sim: SocketAddr,
+    base: &str,
     s: &Settings,
     namespaces: &[String],
 ) -> anyhow::Result<()> {
     let rr = resolver_resource();
     for (j, ns) in namespaces.iter().enumerate() {
         let mut r = DynamicObject::new("consul", &rr).within(ns);
-        r.data = json!({"spec": {"address": sim.to_string()}});
-        // Another scope: a token (the simulator runs without ACLs: any token reads all).
-        if j % s.scopes != 0 {
+        // Plain HTTP as `host:port`, as users write it; HTTPS needs its scheme.
+        let address = if s.consul_tls.is_some() { base } else { base.trim_start_matches("http://") };
+        r.data = json!({"spec": {"address": address}});
+        let token = j % s.scopes != 0;
+        if token || s.consul_tls.is_some() {
             // As manifests/rbac.yaml documents: Secrets are readable where a RoleBinding says.
             cluster.grant_secrets(ns)?;
+        }
+        let secrets = Api::<Secret>::namespaced(client.clone(), ns);
+        // Another scope: a token (the simulator runs without ACLs: any token reads all).
+        if token {
             let secret: Secret = serde_json::from_value(json!({
                 "metadata": {"name": "consul-token", "namespace": ns},
                 "stringData": {"token": format!("team-{}", j % s.scopes)},
             }))?;
-            Api::<Secret>::namespaced(client.clone(), ns).create(&PostParams::default(), &secret).await?;
+            secrets.create(&PostParams::default(), &secret).await?;
             r.data["spec"]["tokenSecretRef"] = json!({"name": "consul-token", "key": "token"});
+        }
+        if let Some(pki) = &s.consul_tls {
+            let secret: Secret = serde_json::from_value(json!({
+                "metadata": {"name": "consul-ca", "namespace": ns},
+                "stringData": {"ca.crt": pki.ca_cert_pem},
+            }))?;
+            secrets.create(&PostParams::default(), &secret).await?;
+            r.data["spec"]["tls"] = json!({"caSecretRef": {"name": "consul-ca", "key": "ca.crt"}});
         }
         Api::<DynamicObject>::namespaced_with(client.clone(), ns, &rr).create(&PostParams::default(), &r).await?;
     }

@@ -39,8 +39,8 @@ use crate::cold_start::{cold_start, stop};
 use crate::profile::Settings;
 use crate::report::{mib, secs};
 use crate::setup::{
-    OPERATOR_NS, Setup, fresh_sim, kube_client, mapping_resource, namespaces, node_name, placeholder_sim, register,
-    registered_port, service_name, set_check, setup,
+    OPERATOR_NS, Setup, consul_http, fresh_sim, kube_client, mapping_resource, namespaces, node_name, placeholder_sim,
+    register, registered_port, service_name, set_check, setup,
 };
 use e2e::procfs::{cpu_time, memory_kib, process_exited};
 
@@ -326,13 +326,13 @@ impl<'a> Rig<'a> {
     /// The benchmark's world plus the churn services, and an operator started on it with
     /// budget `mode`.
     fn start(rt: &Runtime, cluster: &Cluster, s: &'a Settings, mode: u32) -> anyhow::Result<Rig<'a>> {
-        let placeholder = placeholder_sim()?;
+        let placeholder = placeholder_sim(s)?;
         let namespaces = namespaces(cluster, s, "soak")?;
         let setup = rt.block_on(setup(cluster, &placeholder, s, namespaces))?;
         drop(placeholder);
         println!("  setup: Mappings created in {}", secs(setup.mappings_created_in));
         let sim = fresh_sim(rt, setup.sim_addr, s)?;
-        let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build()?;
+        let http = consul_http(s, Some(Duration::from_secs(10)))?;
         rt.block_on(async {
             for j in 0..CHURN_SERVICES {
                 register(&http, &setup.base_url, &churn_service(j), &node_name(0), churn_port(j)).await?;
