@@ -109,6 +109,47 @@ async fn every_service_blocks_on_its_own_stream() {
     assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
 }
 
+/// Over HTTP/2, as on a dedicated lane, a watch held for the operator's cold start reads
+/// its service and blocks only once released; a change made meanwhile is seen then, since
+/// the blocking query carries the first read's index. A watch not held blocks at once.
+#[tokio::test]
+#[cfg_attr(e2e_real_consul, ignore = "needs the simulator's TLS")]
+async fn a_held_stream_reads_blocks_only_once_released_and_misses_nothing() {
+    let env = Env::start(|pki| pki.server_tls()).await;
+    let (held_svc, free_svc) = ("h2held", "h2free");
+    env.register(held_svc, 8200, "passing").await;
+    env.register(free_svc, 8300, "passing").await;
+    let blocking = |s: &consul_sim::Stats, svc: &str| s.blocking.get(svc).copied().unwrap_or(0);
+    // No pacing: a watch not held blocks the moment it has its first answer.
+    let unpaced = Settings {
+        wait: Duration::from_secs(60),
+        min_interval: Duration::ZERO,
+        max_connections: 10,
+        sweep: NO_SWEEP,
+        ..Settings::default()
+    };
+    let mut held = Watches::new(unpaced.clone());
+    held.hold_blocking();
+    let key = env.key(held_svc);
+    held.start(&key);
+    held.answer(&key, "the held watch's first read", |e| e.len() == 1 && e[0].port == 8200).await;
+    // A watch not held, started after that answer: by the time its blocking query waits
+    // in Consul, the held watch's would have been there long before.
+    let mut free = Watches::new(unpaced);
+    let free_key = env.key(free_svc);
+    free.start(&free_key);
+    free.answer(&free_key, "the free watch's first read", |e| e.len() == 1).await;
+    let (stats, ok) = env.sim.wait_for_stats(DEADLINE, |s| blocking(s, free_svc) == 1).await;
+    assert!(ok, "the free watch blocks: {stats:?}");
+    assert!(stats.open_connections_by_protocol.contains_key("h2"), "over HTTP/2: {stats:?}");
+    assert_eq!(blocking(&env.sim.stats(), held_svc), 0, "the held watch read, and waits to block");
+    env.register(held_svc, 8201, "passing").await;
+    held.release_blocking();
+    held.answer(&key, "the change made while held, once released", |e| e.len() == 1 && e[0].port == 8201).await;
+    let (stats, ok) = env.sim.wait_for_stats(DEADLINE, |s| blocking(s, held_svc) == 1).await;
+    assert!(ok, "blocking once released: {stats:?}");
+}
+
 /// A server that offers only HTTP/1.1 is served as before: a connection per query within
 /// the budget, the rest fed: the simulator never counts more than four connections from the
 /// watches' address.

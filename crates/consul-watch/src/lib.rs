@@ -90,13 +90,14 @@ impl ConsulSource {
         self.inner.metrics.failing.report_to(report);
     }
 
-    /// Dedicated watches read their service, then wait for [`ConsulSource::release_blocking`]
-    /// before they block on it. For a cold start: until the first snapshot, what a
-    /// watch's blocking query would bring is not published anyway, and a thousand dedicated
-    /// watches would open a thousand connections while the operator, Consul and the API
-    /// server share the CPU to get it out. Nothing is missed: the blocking query, when it
-    /// starts, carries the index of the first read, and Consul answers at once if the
-    /// service changed since (docs/consul.md, "Cold start").
+    /// Dedicated watches, and watches over HTTP/2, read their service, then wait for
+    /// [`ConsulSource::release_blocking`] before they block on it. For a cold start: until
+    /// the first snapshot, what a watch's blocking query would bring is not published
+    /// anyway, and a thousand dedicated watches would open a thousand connections (over
+    /// HTTP/2, send ten thousand queries at the doubled scale) while the operator, Consul
+    /// and the API server share the CPU to get it out. Nothing is missed: the blocking
+    /// query, when it starts, carries the index of the first read, and Consul answers at
+    /// once if the service changed since (docs/consul.md, "Cold start").
     pub fn hold_blocking(&self) {
         self.inner.blocking.send_replace(false);
     }

@@ -4,9 +4,9 @@
 //! ([`crate::server`]): a dedicated blocking query, a membership of its group's change feed,
 //! or (when neither fits the budget) the sweep alone. Over HTTP/2 it blocks on its own
 //! stream, outside the plan. It follows its place as the plan changes, and its server's
-//! reachability ([`crate::reach`]): while the server is down it sends nothing. A dedicated
-//! watch's blocking queries wait while the source holds them (`ConsulSource::hold_blocking`:
-//! the operator's cold start).
+//! reachability ([`crate::reach`]): while the server is down it sends nothing. Its blocking
+//! queries, dedicated or over HTTP/2, wait while the source holds them
+//! (`ConsulSource::hold_blocking`: the operator's cold start).
 
 mod machine;
 
@@ -225,13 +225,8 @@ impl Held {
         reach: &mut watch::Receiver<Reach>,
     ) -> Option<Option<ReadPermit>> {
         if machine.holds_lane() {
-            if block.is_some() && !*self.server.blocking.borrow() {
-                let mut blocking = self.server.blocking.clone();
-                tokio::select! {
-                    // Released, or the source is gone (and the watch with it).
-                    _ = blocking.wait_for(|may| *may) => {}
-                    () = changed(&mut self.seat, reach) => return None,
-                }
+            if block.is_some() {
+                self.released(reach).await?;
             }
             if self.lane.is_none() {
                 let lanes = self.server.lanes.clone();
@@ -243,11 +238,31 @@ impl Held {
             return Some(None);
         }
         if machine.mode() == Mode::Multiplexed {
+            // Held as a dedicated watch's: a stream costs no connection, but every waiting
+            // query costs Consul and us CPU while a cold start shares it (10,000 streams
+            // at the doubled scale profile).
+            if block.is_some() {
+                self.released(reach).await?;
+            }
             return Some(None);
         }
         let reads = self.server.reads.clone();
         tokio::select! {
             p = reads.permit() => Some(Some(p?)),
+            () = changed(&mut self.seat, reach) => None,
+        }
+    }
+
+    /// Waits while the source holds blocking queries (`ConsulSource::hold_blocking`);
+    /// `None` when the watch's place or its server's reachability changed meanwhile.
+    async fn released(&mut self, reach: &mut watch::Receiver<Reach>) -> Option<()> {
+        if *self.server.blocking.borrow() {
+            return Some(());
+        }
+        let mut blocking = self.server.blocking.clone();
+        tokio::select! {
+            // Released, or the source is gone (and the watch with it).
+            _ = blocking.wait_for(|may| *may) => Some(()),
             () = changed(&mut self.seat, reach) => None,
         }
     }
