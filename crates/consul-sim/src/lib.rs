@@ -455,6 +455,11 @@ impl RunningSim {
         self.shared.requests()
     }
 
+    /// When the simulator started: [`RequestRecord::at_ms`] counts from here.
+    pub fn started(&self) -> std::time::Instant {
+        self.shared.started()
+    }
+
     /// The `seq` of the latest request (0 before any), without copying the log.
     pub fn last_request_seq(&self) -> u64 {
         self.shared.last_request_seq()

@@ -338,6 +338,11 @@ impl Shared {
         });
     }
 
+    /// When the simulator started: the origin of every record's `at_ms`.
+    pub(crate) fn started(&self) -> Instant {
+        self.started
+    }
+
     pub(crate) fn requests(&self) -> Vec<RequestRecord> {
         lock(&self.log).records.iter().cloned().collect()
     }

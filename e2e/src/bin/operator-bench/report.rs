@@ -461,7 +461,7 @@ fn cost_rows(table: &Table<'_>, targets: &Targets, s: &Settings) {
             h.services, h.max_per_service, h.catalog
         )
     });
-    table.row("Consul requests to the first snapshot (services queried)", "", |r| {
+    table.row("Consul requests sent before the first snapshot was served (services queried)", "", |r| {
         format!("{} ({})", r.bootstrap_requests, r.bootstrap_services_queried)
     });
     table.row(
