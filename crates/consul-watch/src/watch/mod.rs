@@ -224,10 +224,13 @@ impl Held {
         block: Option<(u64, Duration)>,
         reach: &mut watch::Receiver<Reach>,
     ) -> Option<Option<ReadPermit>> {
+        // Only blocking queries are held (dedicated or over HTTP/2: no other watch blocks).
+        // A stream costs no connection, but every waiting query costs Consul and us CPU
+        // while a cold start shares it (10,000 streams at the doubled scale profile).
+        if block.is_some() {
+            self.released(reach).await?;
+        }
         if machine.holds_lane() {
-            if block.is_some() {
-                self.released(reach).await?;
-            }
             if self.lane.is_none() {
                 let lanes = self.server.lanes.clone();
                 tokio::select! {
@@ -238,12 +241,6 @@ impl Held {
             return Some(None);
         }
         if machine.mode() == Mode::Multiplexed {
-            // Held as a dedicated watch's: a stream costs no connection, but every waiting
-            // query costs Consul and us CPU while a cold start shares it (10,000 streams
-            // at the doubled scale profile).
-            if block.is_some() {
-                self.released(reach).await?;
-            }
             return Some(None);
         }
         let reads = self.server.reads.clone();
