@@ -173,13 +173,21 @@ impl Metrics {
 
     /// Every request counted so far, whatever its labels.
     pub fn requests_total(&self) -> u64 {
+        self.request_counts().iter().map(|(_, n)| n).sum()
+    }
+
+    /// Every `consul_requests_total` series so far: its `[query, mode, outcome]` and count.
+    pub fn request_counts(&self) -> Vec<([String; 3], u64)> {
         use prometheus::core::Collector;
+        let label = |m: &prometheus::proto::Metric, name: &str| {
+            m.get_label().iter().find(|l| l.name() == name).map(|l| l.value().to_owned()).unwrap_or_default()
+        };
         self.requests
             .collect()
             .iter()
             .flat_map(|family| family.get_metric())
-            .map(|m| m.get_counter().get_value() as u64)
-            .sum()
+            .map(|m| ([label(m, "query"), label(m, "mode"), label(m, "outcome")], m.get_counter().get_value() as u64))
+            .collect()
     }
 }
 

@@ -189,5 +189,9 @@ mod tests {
         assert_eq!(metrics.requests("catalog", "read", "ok"), 1);
         assert!(metrics.contact().last(&scope).success.is_some());
         assert_eq!(metrics.requests_total(), 2);
+        let series = |q: &str, m: &str, o: &str| ([q, m, o].map(String::from), 1);
+        let mut counts = metrics.request_counts();
+        counts.sort();
+        assert_eq!(counts, [series("catalog", "read", "ok"), series("service", "blocking", "timeout")]);
     }
 }

@@ -634,6 +634,7 @@ mod fed_at_size {
     use anyhow::Context;
     use e2e::agent::RealAgent;
     use futures::{StreamExt, TryStreamExt};
+    use std::collections::BTreeMap;
 
     /// The port of every service's instance 0, the one whose check flips.
     const FLIPPED_PORT: u16 = 20000;
@@ -766,24 +767,18 @@ mod fed_at_size {
     }
 
     /// Every count of requests that did not end `ok`, by query, mode and outcome.
-    fn failed_counts(metrics: &Metrics) -> Vec<(String, u64)> {
-        const QUERIES: [&str; 7] = ["service", "checks", "catalog", "critical", "warning", "locate", "probe"];
-        const OUTCOMES: [&str; 7] = ["timeout", "transport", "403", "429", "4xx", "5xx", "invalid"];
-        let mut counts = Vec::new();
-        for q in QUERIES {
-            for mode in ["blocking", "read"] {
-                for o in OUTCOMES {
-                    counts.push((format!("{q} {mode} {o}"), metrics.requests(q, mode, o)));
-                }
-            }
-        }
-        counts
+    fn failed_counts(metrics: &Metrics) -> BTreeMap<String, u64> {
+        let counts = metrics.request_counts().into_iter();
+        counts.filter(|([.., outcome], _)| outcome != "ok").map(|([q, m, o], n)| (format!("{q} {m} {o}"), n)).collect()
     }
 
     /// What failed since `before`, said as "query mode outcome: count".
-    fn failed(metrics: &Metrics, before: &[(String, u64)]) -> Vec<String> {
-        let now = failed_counts(metrics);
-        now.iter().zip(before).filter(|(n, b)| n.1 > b.1).map(|(n, b)| format!("{}: {}", n.0, n.1 - b.1)).collect()
+    fn failed(metrics: &Metrics, before: &BTreeMap<String, u64>) -> Vec<String> {
+        let since = |(what, n): (String, u64)| {
+            let more = n - before.get(&what).copied().unwrap_or(0);
+            (more > 0).then(|| format!("{what}: {more}"))
+        };
+        failed_counts(metrics).into_iter().filter_map(since).collect()
     }
 
     /// Flips instance 0's check of one service at a time.
