@@ -72,7 +72,11 @@ impl Env {
 
 /// Watches that never sweep ([`NO_SWEEP`]): a change seen in time was not swept up.
 fn watches(max_connections: usize) -> Watches {
-    Watches::new(Settings { wait: Duration::from_secs(60), max_connections, sweep: NO_SWEEP, ..Settings::default() })
+    Watches::new(settings(max_connections))
+}
+
+fn settings(max_connections: usize) -> Settings {
+    Settings { wait: Duration::from_secs(60), max_connections, sweep: NO_SWEEP, ..Settings::default() }
 }
 
 /// Forty services, a budget of ten connections and a server allowing ten streams per
@@ -121,13 +125,7 @@ async fn a_held_stream_reads_blocks_only_once_released_and_misses_nothing() {
     env.register(free_svc, 8300, "passing").await;
     let blocking = |s: &consul_sim::Stats, svc: &str| s.blocking.get(svc).copied().unwrap_or(0);
     // No pacing: a watch not held blocks the moment it has its first answer.
-    let unpaced = Settings {
-        wait: Duration::from_secs(60),
-        min_interval: Duration::ZERO,
-        max_connections: 10,
-        sweep: NO_SWEEP,
-        ..Settings::default()
-    };
+    let unpaced = Settings { min_interval: Duration::ZERO, ..settings(10) };
     let mut held = Watches::new(unpaced.clone());
     held.hold_blocking();
     let key = env.key(held_svc);
