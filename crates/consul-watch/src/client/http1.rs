@@ -239,10 +239,8 @@ impl Conn {
             Ok(_) => match self {
                 Conn::Tcp(_) => false,
                 Conn::Tls(tls) => {
-                    let mut byte = [0u8; 1];
-                    let mut buf = ReadBuf::new(&mut byte);
-                    let polled = Pin::new(tls.as_mut()).poll_read(&mut Context::from_waker(Waker::noop()), &mut buf);
-                    matches!(polled, Poll::Pending)
+                    let (tcp, session) = tls.get_mut();
+                    tls_idle(tcp, session)
                 }
             },
         }
@@ -299,6 +297,33 @@ impl AsyncWrite for Conn {
             Conn::Tls(tls) => Pin::new(tls.as_mut()).poll_shutdown(cx),
         }
     }
+}
+
+/// Whether a TLS session has nothing to read once the records waiting on its socket are
+/// taken in. They are read from the socket itself: through the runtime, a read returns
+/// `Pending` while its reactor has not yet seen them arrive, and a closed connection would
+/// pass for an idle one. Whatever is read stays in the session, as a read through the
+/// runtime would leave it.
+fn tls_idle(tcp: &TcpStream, session: &mut rustls::ClientConnection) -> bool {
+    let socket = socket2::SockRef::from(tcp);
+    let mut from_socket: &socket2::Socket = &socket;
+    loop {
+        match session.read_tls(&mut from_socket) {
+            // The end of the stream: no answer can come on it.
+            Ok(0) => return false,
+            Ok(_) => {
+                if session.process_new_packets().is_err() {
+                    return false;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(_) => return false,
+        }
+    }
+    // Nothing to read: `WouldBlock`. A `close_notify` reads as the end (`Ok(0)`), an answer
+    // nobody asked for as bytes.
+    let mut byte = [0u8; 1];
+    matches!(std::io::Read::read(&mut session.reader(), &mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
 }
 
 /// Closes the connections idle for longer than [`IDLE_TIMEOUT`] (the oldest are first).

@@ -422,15 +422,19 @@ async fn over_tls_a_fresh_connection_with_session_tickets_waiting_is_used() {
 }
 
 /// A TLS server closes an idle connection with an alert (`close_notify`) before its FIN:
-/// the next query goes out on a new connection instead of failing.
+/// the next query goes out on a new connection instead of failing, even when the runtime
+/// has not yet seen the close (its reactor has not run since the connection was last read).
 #[tokio::test]
 async fn over_tls_a_connection_the_server_closed_while_idle_is_replaced_not_reported() {
     let (closed_tx, closed_rx) = std::sync::mpsc::channel();
+    let (close_tx, close_rx) = std::sync::mpsc::channel::<()>();
+    let close_rx = std::sync::Mutex::new(close_rx);
     let (s, p) = serve_tls(move |n, tls| {
         while tls_request(tls).is_some() {
             tls.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]").unwrap();
             tls.flush().unwrap();
             if n == 0 {
+                close_rx.lock().unwrap().recv().unwrap();
                 tls.conn.send_close_notify();
                 tls.conn.complete_io(&mut tls.sock).unwrap();
                 tls.sock.shutdown(std::net::Shutdown::Both).unwrap();
@@ -441,10 +445,29 @@ async fn over_tls_a_connection_the_server_closed_while_idle_is_replaced_not_repo
     });
     get(&p).await.unwrap();
     assert_eq!(p.idle(), 1);
+    // A read that finds nothing leaves the runtime believing the socket has nothing to
+    // read, until its reactor next runs: nothing below awaits, so it does not.
+    let mut conn = p.idle.lock().unwrap().pop_back().unwrap().conn;
+    let mut byte = [0u8; 1];
+    let polled = Pin::new(&mut conn).poll_read(&mut Context::from_waker(Waker::noop()), &mut ReadBuf::new(&mut byte));
+    assert!(polled.is_pending(), "nothing to read yet");
+    p.keep(conn);
+    close_tx.send(()).unwrap();
     closed_rx.recv().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !close_arrived(&p) {
+        assert!(std::time::Instant::now() < deadline, "the close reached the socket within 10 s");
+    }
     let (status, _, body) = get(&p).await.unwrap();
     assert_eq!((status, &body[..]), (StatusCode::OK, &b"[]"[..]));
     assert_eq!(s.accepted.load(Ordering::SeqCst), 2);
+}
+
+/// Whether the idle connection's socket has the server's close to read (asked of the kernel).
+fn close_arrived(p: &Http1) -> bool {
+    let idle = p.idle.lock().unwrap();
+    let mut probe = [std::mem::MaybeUninit::uninit(); 1];
+    socket2::SockRef::from(idle.back().unwrap().conn.tcp()).peek(&mut probe).is_ok()
 }
 
 /// Over TLS a head longer than one read (20 KB of headers) and a body in several records are
