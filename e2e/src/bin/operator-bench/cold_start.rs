@@ -82,6 +82,55 @@ pub(crate) fn warm_up(rt: &Runtime, cluster: &Cluster, setup: &Setup, s: &Settin
     Ok(())
 }
 
+/// `BENCH_SELF_COMPARED`: the cold starts' comparison made `trials` times with a second
+/// bare reflector in the operator's place: [`ROUNDS`] rounds in [`reflector_first`]'s
+/// order, and the ratio of their medians, as [`cold_starts`] and the report make it. With
+/// nothing added, what that ratio comes to is how finely the comparison can tell an
+/// operator's cost from the API server's own spread on this machine. Prints every trial's
+/// ratio, their spread and how many pass each bound the profiles set. Returns the ratios.
+pub(crate) fn self_compared(
+    rt: &Runtime,
+    cluster: &Cluster,
+    setup: &Setup,
+    s: &Settings,
+    trials: usize,
+) -> anyhow::Result<Vec<f64>> {
+    let mut ratios = Vec::with_capacity(trials);
+    for trial in 1..=trials {
+        let (mut reflector, mut stand_in) = (Vec::new(), Vec::new());
+        for round in 0..ROUNDS {
+            let (a, b) = (reflector_run(rt, cluster, setup, s)?.0, reflector_run(rt, cluster, setup, s)?.0);
+            let (r, o) = if reflector_first(round, ROUNDS) { (a, b) } else { (b, a) };
+            reflector.push(r);
+            stand_in.push(o);
+        }
+        let ratio = median(&stand_in).as_secs_f64() / median(&reflector).as_secs_f64();
+        let all = |v: &[Duration]| v.iter().map(|&t| ms(t)).collect::<Vec<_>>().join(", ");
+        println!(
+            "  trial {trial}: {ratio:.2}x (in the operator's place {}; reflector {})",
+            all(&stand_in),
+            all(&reflector)
+        );
+        ratios.push(ratio);
+    }
+    let mut sorted = ratios.clone();
+    sorted.sort_by(f64::total_cmp);
+    let at = |p: f64| sorted[((sorted.len() as f64 - 1.0) * p).round() as usize];
+    println!(
+        "the reflector against itself, {trials} trials: min / quartiles / max {:.2} / {:.2} / {:.2} / {:.2} / {:.2}x",
+        at(0.0),
+        at(0.25),
+        at(0.5),
+        at(0.75),
+        at(1.0)
+    );
+    for bound in [1.1, 1.2, 1.3] {
+        let above = ratios.iter().filter(|&&r| r > bound).count();
+        println!("  above {bound:.1}x: {above} of {trials}");
+    }
+    Ok(ratios)
+}
+
 /// One [`reflector_once`] over the setup's Mappings (and Endpoints, where it has Kubernetes
 /// Services: the objects the operator reads), checked to have seen every one: its time and
 /// what the others used meanwhile.
@@ -144,7 +193,7 @@ async fn reflector_once(
 /// The cold starts of one run.
 #[derive(Clone, Copy, PartialEq)]
 pub(crate) enum Plan {
-    /// Three, each after a bare reflector run (the overhead ratio).
+    /// [`ROUNDS`], each beside a bare reflector run (the overhead ratio).
     Compared,
     /// One (a row of the cost table).
     Once,
@@ -160,6 +209,19 @@ pub(crate) struct ColdStarts {
     /// bench process does nothing else meanwhile).
     pub(crate) reflector_neighbours: Vec<Neighbours>,
     pub(crate) cold_neighbours: Vec<Neighbours>,
+}
+
+/// Rounds of a compared run: an operator's cold start and a bare reflector run each.
+pub(crate) const ROUNDS: usize = 4;
+
+/// Whether round `round` of `rounds` runs the reflector before the operator. The order
+/// alternates, so that each side runs as often first as second and, over four rounds, as
+/// early as late: a list's time on the API server drifts and alternates from one list to
+/// the next, and with the reflector always first the second of a pair came out 5 % slower
+/// at the median with nothing else different (docs/benchmarks.md). The last round runs the
+/// reflector first, so that its operator stays running for the changes.
+fn reflector_first(round: usize, rounds: usize) -> bool {
+    (rounds - 1 - round).is_multiple_of(2)
 }
 
 /// The cold starts of `plan`, each operator on a fresh simulator (left in `sim`); the last
@@ -180,20 +242,13 @@ pub(crate) fn cold_starts(
         reflector_neighbours: Vec::new(),
         cold_neighbours: Vec::new(),
     };
-    let rounds = if plan == Plan::Compared { 3 } else { 1 };
-    loop {
-        if plan == Plan::Compared {
-            let (t, meanwhile) = reflector_run(rt, cluster, setup, s)?;
-            println!(
-                "  bare reflector: {} ({} Mappings, {} Endpoints), CPU {}; {}",
-                ms(t),
-                s.mappings(),
-                s.kube_services,
-                ms(meanwhile.bench),
-                meanwhile.text()
-            );
-            starts.reflector.push(t);
-            starts.reflector_neighbours.push(meanwhile);
+    let (compared, rounds) = match plan {
+        Plan::Compared => (true, ROUNDS),
+        Plan::Once => (false, 1),
+    };
+    for round in 0..rounds {
+        if compared && reflector_first(round, rounds) {
+            starts.reflector_once(rt, cluster, setup, s)?;
         }
         sim.take();
         let fresh = sim.insert(fresh_sim(rt, setup.sim_addr, s)?);
@@ -201,10 +256,32 @@ pub(crate) fn cold_starts(
         starts.cold.push(i.cold_http);
         starts.cold_cpu.push(i.cpu_first);
         starts.cold_neighbours.push(i.neighbours);
-        if starts.cold.len() == rounds {
+        if round + 1 == rounds {
             return Ok((starts, i));
         }
         stop(i.op, fresh)?;
+        if compared && !reflector_first(round, rounds) {
+            starts.reflector_once(rt, cluster, setup, s)?;
+        }
+    }
+    unreachable!("the last round returns its operator")
+}
+
+impl ColdStarts {
+    /// A bare reflector run, printed and recorded.
+    fn reflector_once(&mut self, rt: &Runtime, cluster: &Cluster, setup: &Setup, s: &Settings) -> anyhow::Result<()> {
+        let (t, meanwhile) = reflector_run(rt, cluster, setup, s)?;
+        println!(
+            "  bare reflector: {} ({} Mappings, {} Endpoints), CPU {}; {}",
+            ms(t),
+            s.mappings(),
+            s.kube_services,
+            ms(meanwhile.bench),
+            meanwhile.text()
+        );
+        self.reflector.push(t);
+        self.reflector_neighbours.push(meanwhile);
+        Ok(())
     }
 }
 
@@ -489,4 +566,32 @@ pub(crate) fn milestones(log: &str, spawned_at: SystemTime) -> Milestones {
         }
     }
     m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Over a compared run each side runs as often first as second, as early as late (its
+    /// places sum alike), and the last round leaves the operator running, last.
+    #[test]
+    fn compared_rounds_alternate_and_end_with_the_operator() {
+        let (mut reflector, mut operator) = (Vec::new(), Vec::new());
+        for round in 0..ROUNDS {
+            let (r, o) =
+                if reflector_first(round, ROUNDS) { (2 * round, 2 * round + 1) } else { (2 * round + 1, 2 * round) };
+            reflector.push(r);
+            operator.push(o);
+        }
+        assert_eq!(reflector.iter().filter(|&&p| p % 2 == 0).count(), ROUNDS / 2, "{reflector:?}");
+        assert_eq!(reflector.iter().sum::<usize>(), operator.iter().sum::<usize>(), "{reflector:?} {operator:?}");
+        assert_eq!(operator.last(), Some(&(2 * ROUNDS - 1)));
+    }
+
+    #[test]
+    fn a_median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        let ms = Duration::from_millis;
+        assert_eq!(median(&[ms(4), ms(1), ms(3), ms(2)]), Duration::from_micros(2500));
+        assert_eq!(median(&[ms(3), ms(1), ms(2)]), ms(2));
+    }
 }

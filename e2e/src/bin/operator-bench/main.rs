@@ -13,14 +13,15 @@
 //! per `--consul-max-connections` value (default 100 and 1200; 1200 gives every service a
 //! dedicated blocking query):
 //!
-//! 1. three times, interleaved: a bare kube-runtime reflector (in this process, with the
-//!    operator's kubeconfig, one per namespace like the operator) lists and watches the
-//!    same Mappings; then the operator (release build, its own process, a fresh simulator
-//!    on the same address) starts, timed from spawn to the first complete snapshot holding
-//!    every Mapping at `GET /snapshot` (a held request, `?wait=`); its log gives milestones;
+//! 1. four rounds (`cold_start::ROUNDS`), the order alternating within them: a bare
+//!    kube-runtime reflector (in this process, with the operator's kubeconfig, one per
+//!    namespace like the operator) lists and watches the same Mappings; and the operator
+//!    (release build, its own process, a fresh simulator on the same address) starts,
+//!    timed from spawn to the first complete snapshot holding every Mapping at
+//!    `GET /snapshot` (a held request, `?wait=`); its log gives milestones;
 //!    the CPU our kube-apiserver, etcd and this process (the reflector; the simulator and
 //!    the reader) used during each says whose work shared the two cores with it;
-//! 2. with the third operator: Consul changes (one instance of one service moved to a new
+//! 2. with the last operator: Consul changes (one instance of one service moved to a new
 //!    port, through the catalog API), each timed until the snapshot ConfigMap (watched,
 //!    decoded with the operator's own `configmap::decode`) lists that instance (by node) on
 //!    the new port: spaced (each after a quiet coalescing window: the leading edge) and
@@ -47,6 +48,9 @@
 //! operators on the others, as a real cluster places them (the API server on nodes of its
 //! own): on two shared cores a cold start's ratio measures mostly how much CPU the operator
 //! takes from the API server's lists (docs/benchmarks.md). The output names the placement.
+//! `BENCH_SELF_COMPARED=<trials>` runs no operator: after the warm-up, each trial compares
+//! the bare reflector with itself as a cold start is compared with it (three interleaved
+//! rounds, the ratio of the medians), which is the comparison's own resolution.
 //!
 //! Targets (the output names the set that applies, and gives met / MISSED for each):
 //! cold start / bare reflector <= 1.2x, spaced change p50 <= 50 ms and p99 <= 100 ms,
@@ -153,6 +157,11 @@ fn compared(rt: &Runtime, cluster: &Cluster, s: &Settings, load_start: &str, pla
         secs(setup.mappings_created_in)
     );
     cold_start::warm_up(rt, cluster, &setup, s)?;
+    if s.self_compared > 0 {
+        cold_start::self_compared(rt, cluster, &setup, s, s.self_compared)?;
+        println!("load average: {load_start} -> {}; {placement}", loadavg());
+        return Ok(());
+    }
     let runs = s
         .modes
         .iter()

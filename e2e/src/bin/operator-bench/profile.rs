@@ -48,6 +48,9 @@ pub(crate) struct Settings {
     pub(crate) warm_up: usize,
     /// `BENCH_PIN=1`: the control plane on a CPU of its own (`setup::place`).
     pub(crate) pin: bool,
+    /// `BENCH_SELF_COMPARED=<trials>`: instead of operators, that many comparisons of the
+    /// bare reflector with itself (`cold_start::self_compared`); 0 (unset) for none.
+    pub(crate) self_compared: usize,
     pub(crate) window: String,
     /// `BENCH_SIZES`: (services, instances per service) of each row of the cost table;
     /// empty without it.
@@ -91,6 +94,7 @@ impl Settings {
             scopes: env_usize("BENCH_SCOPES", 1).max(1),
             warm_up: env_usize("BENCH_WARM_UP_LISTS", 2),
             pin: env_usize("BENCH_PIN", 0) == 1,
+            self_compared: env_usize("BENCH_SELF_COMPARED", 0),
             modes: modes(profile)?,
             window: std::env::var("BENCH_COALESCE_WINDOW").unwrap_or_else(|_| "250ms".into()),
             sizes: sizes()?,

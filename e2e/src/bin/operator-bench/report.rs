@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use e2e::bench::loadavg;
 
-use crate::cold_start::Neighbours;
+use crate::cold_start::{Neighbours, ROUNDS};
 use crate::profile::{Profile, Settings};
 use crate::run::{Audit, Run};
 use crate::xds;
@@ -230,16 +230,18 @@ pub(crate) fn secs(d: Duration) -> String {
     format!("{:.2} s", d.as_secs_f64())
 }
 
+/// The middle value; of an even count, the mean of the two middle ones.
 pub(crate) fn median(v: &[Duration]) -> Duration {
     let mut v = v.to_vec();
     v.sort();
-    v[v.len() / 2]
+    let n = v.len();
+    if n.is_multiple_of(2) { (v[n / 2 - 1] + v[n / 2]) / 2 } else { v[n / 2] }
 }
 
 fn min_med_max(v: &[Duration], f: fn(Duration) -> String) -> String {
-    let mut v = v.to_vec();
-    v.sort();
-    format!("{} / {} / {}", f(v[0]), f(v[v.len() / 2]), f(v[v.len() - 1]))
+    let mut sorted = v.to_vec();
+    sorted.sort();
+    format!("{} / {} / {}", f(sorted[0]), f(median(v)), f(sorted[sorted.len() - 1]))
 }
 
 /// The table of the compared runs (one column per budget), the verdicts of each against
@@ -328,11 +330,11 @@ fn p(name: &str, l: Limit<Duration>) -> String {
 fn cold_start_rows(table: &Table<'_>, targets: &Targets) {
     let median_of = |l: Limit<Duration>| format!("median {}", l.text(ms_or_secs));
     table.row(
-        "cold start: spawn -> complete snapshot at GET /snapshot (min / median / max of 3)",
+        &format!("cold start: spawn -> complete snapshot at GET /snapshot (min / median / max of {ROUNDS})"),
         &target(&[targets.cold_start.map(median_of)]),
         |r| min_med_max(&r.starts.cold, secs),
     );
-    table.row("bare reflector on the same objects (min / median / max of 3)", "", |r| {
+    table.row(&format!("bare reflector on the same objects (min / median / max of {ROUNDS})"), "", |r| {
         min_med_max(&r.starts.reflector, secs)
     });
     table.row("CPU (user + system) to the end: operator to its first snapshot / bare reflector (medians)", "", |r| {
