@@ -18,6 +18,45 @@ use consul_resolver_core::keys::{ConsulKey, QueryOptions, QueryScope};
 const REQUEST_BUCKETS: &[f64] =
     &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 330.0, 600.0, 660.0];
 
+/// Which query a request is (a bounded label).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Query {
+    /// `/v1/health/service` (or `connect`): a watch's own query.
+    Service,
+    /// `/v1/health/state/any`: the change feed's checks.
+    Checks,
+    /// `/v1/catalog/services`: the change feed's registrations.
+    Catalog,
+    /// `/v1/health/state/critical`: the change feed's critical checks.
+    Critical,
+    /// `/v1/health/state/warning`: the change feed's warning checks.
+    Warning,
+    /// `/v1/catalog/nodes` and `/v1/catalog/node-services/<node>`: the change feed naming
+    /// what a catalog move wrote when the checks do not say (`locate.rs`).
+    Locate,
+    /// `/v1/status/leader`: whether a server that seems gone answers (one probe per server).
+    Probe,
+}
+
+impl Query {
+    /// The queries that block on Consul's index: an answer without one is counted under
+    /// their label (`consul_unindexed_answers_total`).
+    pub(crate) const BLOCKING: [Query; 5] =
+        [Query::Service, Query::Checks, Query::Catalog, Query::Critical, Query::Warning];
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Query::Service => "service",
+            Query::Checks => "checks",
+            Query::Catalog => "catalog",
+            Query::Critical => "critical",
+            Query::Warning => "warning",
+            Query::Locate => "locate",
+            Query::Probe => "probe",
+        }
+    }
+}
+
 /// The Consul source's metrics. Cloning shares them.
 #[derive(Clone)]
 pub struct Metrics {
@@ -70,13 +109,13 @@ impl Metrics {
         // Series that exist from the start, so a `rate()` sees 0 rather than no series.
         for mode in ["blocking", "read"] {
             m.request_seconds.with_label_values(&[mode]);
-            m.requests.with_label_values(&["service", mode, "ok"]);
+            m.requests.with_label_values(&[Query::Service.label(), mode, "ok"]);
         }
         for reason in ["error", "index_went_back"] {
             m.restarts.with_label_values(&["consul", reason]);
         }
-        for query in ["service", "checks", "catalog"] {
-            m.unindexed.with_label_values(&[query]);
+        for query in Query::BLOCKING {
+            m.unindexed.with_label_values(&[query.label()]);
         }
         Ok(m)
     }
@@ -283,5 +322,26 @@ impl Contact {
     /// Forgets the scopes not in `keep` (no resolver queries them any more).
     pub fn retain(&self, keep: &HashSet<&ConsulKey>) {
         self.lock().retain(|k, _| keep.contains(k));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every query that blocks has its unindexed series from the start, so that an alert on
+    /// its increase sees 0 before the first such answer, not no series.
+    #[test]
+    fn every_blocking_query_has_an_unindexed_series_from_the_start() {
+        let registry = Registry::new();
+        let shared = |name: &str| IntCounterVec::new(Opts::new(name, "shared"), &["source", "reason"]).unwrap();
+        Metrics::register(&registry, shared("errors"), shared("restarts")).unwrap();
+        let family = registry.gather().into_iter().find(|f| f.name().ends_with("consul_unindexed_answers_total"));
+        let family = family.expect("the unindexed answers family");
+        let mut queries: Vec<&str> =
+            family.get_metric().iter().flat_map(|m| m.get_label()).map(|l| l.value()).collect();
+        queries.sort_unstable();
+        assert_eq!(queries, ["catalog", "checks", "critical", "service", "warning"]);
+        assert!(family.get_metric().iter().all(|m| m.get_counter().get_value() == 0.0));
     }
 }

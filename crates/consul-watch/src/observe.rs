@@ -10,42 +10,9 @@ use tokio::time::Instant;
 
 use crate::client::request_timeout;
 use crate::error::QueryError;
+pub(crate) use crate::metrics::Query;
 use crate::metrics::{Metrics, contact_scope};
 use consul_resolver_core::keys::ConsulKey;
-
-/// Which query a request is (a bounded label).
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Query {
-    /// `/v1/health/service` (or `connect`): a watch's own query.
-    Service,
-    /// `/v1/health/state/any`: the change feed's checks.
-    Checks,
-    /// `/v1/catalog/services`: the change feed's registrations.
-    Catalog,
-    /// `/v1/health/state/critical`: the change feed's critical checks.
-    Critical,
-    /// `/v1/health/state/warning`: the change feed's warning checks.
-    Warning,
-    /// `/v1/catalog/nodes` and `/v1/catalog/node-services/<node>`: the change feed naming
-    /// what a catalog move wrote when the checks do not say ([`crate::locate`]).
-    Locate,
-    /// `/v1/status/leader`: whether a server that seems gone answers (one probe per server).
-    Probe,
-}
-
-impl Query {
-    pub(crate) fn label(self) -> &'static str {
-        match self {
-            Query::Service => "service",
-            Query::Checks => "checks",
-            Query::Catalog => "catalog",
-            Query::Critical => "critical",
-            Query::Warning => "warning",
-            Query::Locate => "locate",
-            Query::Probe => "probe",
-        }
-    }
-}
 
 /// The outcome label of a finished request: `ok`, `timeout` (no complete answer within its
 /// limit), `transport` (no connection, reset, DNS), `403`, `429`, `4xx`, `5xx`, `invalid`

@@ -286,7 +286,7 @@ impl Held {
         }
         let cut_off = instances.cache_age.map(|age| SystemTime::now() - age);
         if !answer.indexed {
-            server.metrics.unindexed.with_label_values(&["service"]).inc();
+            server.metrics.unindexed.with_label_values(&[Query::Service.label()]).inc();
         }
         let could_block = !machine.cannot_block();
         let index = answer.indexed.then_some(answer.index);
