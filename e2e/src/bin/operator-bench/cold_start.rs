@@ -87,14 +87,14 @@ pub(crate) fn warm_up(rt: &Runtime, cluster: &Cluster, setup: &Setup, s: &Settin
 /// order, and the ratio of their medians, as [`cold_starts`] and the report make it. With
 /// nothing added, what that ratio comes to is how finely the comparison can tell an
 /// operator's cost from the API server's own spread on this machine. Prints every trial's
-/// ratio, their spread and how many pass each bound the profiles set. Returns the ratios.
+/// ratio, their spread and how many pass each bound the profiles set.
 pub(crate) fn self_compared(
     rt: &Runtime,
     cluster: &Cluster,
     setup: &Setup,
     s: &Settings,
     trials: usize,
-) -> anyhow::Result<Vec<f64>> {
+) -> anyhow::Result<()> {
     let mut ratios = Vec::with_capacity(trials);
     for trial in 1..=trials {
         let (mut reflector, mut stand_in) = (Vec::new(), Vec::new());
@@ -128,7 +128,7 @@ pub(crate) fn self_compared(
         let above = ratios.iter().filter(|&&r| r > bound).count();
         println!("  above {bound:.1}x: {above} of {trials}");
     }
-    Ok(ratios)
+    Ok(())
 }
 
 /// One [`reflector_once`] over the setup's Mappings (and Endpoints, where it has Kubernetes
