@@ -49,8 +49,8 @@
 //! own): on two shared cores a cold start's ratio measures mostly how much CPU the operator
 //! takes from the API server's lists (docs/benchmarks.md). The output names the placement.
 //! `BENCH_SELF_COMPARED=<trials>` runs no operator: after the warm-up, each trial compares
-//! the bare reflector with itself as a cold start is compared with it (three interleaved
-//! rounds, the ratio of the medians), which is the comparison's own resolution.
+//! the bare reflector with itself as a cold start is compared with it (the four rounds in
+//! alternating order, the ratio of the medians), which is the comparison's own resolution.
 //!
 //! Targets (the output names the set that applies, and gives met / MISSED for each):
 //! cold start / bare reflector <= 1.2x, spaced change p50 <= 50 ms and p99 <= 100 ms,
