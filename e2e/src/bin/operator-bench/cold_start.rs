@@ -19,6 +19,7 @@ use tokio::runtime::Runtime;
 use crate::profile::Settings;
 use crate::report::{median, ms};
 use crate::setup::{OPERATOR_NS, Setup, fresh_sim, kube_client};
+use e2e::bench::percentile;
 use e2e::procfs::{cpu_time, memory_kib, minor_faults, process_exited};
 
 const COLD_START_LIMIT: Duration = Duration::from_secs(120);
@@ -115,7 +116,7 @@ pub(crate) fn self_compared(
     }
     let mut sorted = ratios.clone();
     sorted.sort_by(f64::total_cmp);
-    let at = |p: f64| sorted[((sorted.len() as f64 - 1.0) * p).round() as usize];
+    let at = |p: f64| percentile(&sorted, p);
     println!(
         "the reflector against itself, {trials} trials: min / quartiles / max {:.2} / {:.2} / {:.2} / {:.2} / {:.2}x",
         at(0.0),
@@ -248,7 +249,7 @@ pub(crate) fn cold_starts(
     };
     for round in 0..rounds {
         if compared && reflector_first(round, rounds) {
-            starts.reflector_once(rt, cluster, setup, s)?;
+            starts.add_reflector_run(rt, cluster, setup, s)?;
         }
         sim.take();
         let fresh = sim.insert(fresh_sim(rt, setup.sim_addr, s)?);
@@ -261,7 +262,7 @@ pub(crate) fn cold_starts(
         }
         stop(i.op, fresh)?;
         if compared && !reflector_first(round, rounds) {
-            starts.reflector_once(rt, cluster, setup, s)?;
+            starts.add_reflector_run(rt, cluster, setup, s)?;
         }
     }
     unreachable!("the last round returns its operator")
@@ -269,7 +270,13 @@ pub(crate) fn cold_starts(
 
 impl ColdStarts {
     /// A bare reflector run, printed and recorded.
-    fn reflector_once(&mut self, rt: &Runtime, cluster: &Cluster, setup: &Setup, s: &Settings) -> anyhow::Result<()> {
+    fn add_reflector_run(
+        &mut self,
+        rt: &Runtime,
+        cluster: &Cluster,
+        setup: &Setup,
+        s: &Settings,
+    ) -> anyhow::Result<()> {
         let (t, meanwhile) = reflector_run(rt, cluster, setup, s)?;
         println!(
             "  bare reflector: {} ({} Mappings, {} Endpoints), CPU {}; {}",
