@@ -32,6 +32,9 @@ pub use process::main;
 
 /// The snapshot ConfigMap format (docs/snapshot.md), for readers of it.
 pub mod snapshot_configmap {
+    /// How the operator replaces a snapshot ConfigMap (its body in protobuf), for the
+    /// benchmark of that write.
+    pub use crate::kube_client::protobuf::replace as replace_protobuf;
     pub use crate::publishers::configmap::{
         ANNOTATION_HASH, ANNOTATION_ID, DATA_BUDGET, Index, KEY_GZIP, KEY_JSON, KEY_PART, LABEL_PART_OF,
         LABEL_SNAPSHOT, MAX_DECODED_BYTES, PartRef, decode, decode_limited, index_of,

@@ -16,6 +16,8 @@ pub(crate) type Handler = dyn Fn(&str, &str, &[u8]) -> (u16, Value) + Send + Syn
 pub(crate) struct FakeApi {
     pub(crate) client: kube::Client,
     pub(crate) log: Arc<Mutex<Vec<String>>>,
+    /// The media type of each request body, in order (requests without one are left out).
+    pub(crate) bodies: Arc<Mutex<Vec<String>>>,
     stop: CancellationToken,
 }
 
@@ -42,25 +44,26 @@ pub(crate) fn not_found(name: &str) -> (u16, Value) {
 /// Serves `handler(method, path, body)` on 127.0.0.1 until dropped.
 pub(crate) async fn serve(handler: Arc<Handler>) -> FakeApi {
     let log = Arc::new(Mutex::new(Vec::new()));
+    let bodies = Arc::new(Mutex::new(Vec::new()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
-    let (log2, stop2) = (log.clone(), stop.clone());
+    let (log2, bodies2, stop2) = (log.clone(), bodies.clone(), stop.clone());
     tokio::spawn(async move {
         loop {
             let stream = tokio::select! {
                 _ = stop2.cancelled() => return,
                 a = listener.accept() => a.unwrap().0,
             };
-            let (log, handler) = (log2.clone(), handler.clone());
+            let (log, bodies, handler) = (log2.clone(), bodies2.clone(), handler.clone());
             let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let (log, handler) = (log.clone(), handler.clone());
+                let (log, bodies, handler) = (log.clone(), bodies.clone(), handler.clone());
                 async move {
                     let method = req.method().to_string();
                     let path = req.uri().path().to_owned();
                     let name = path.rsplit('/').next().unwrap_or_default();
                     log.lock().unwrap().push(format!("{method} {name}"));
-                    let body = req.into_body().collect().await.unwrap().to_bytes();
+                    let body = json_body(req, &bodies).await;
                     // Handlers may block (the gated ones hold a request until others
                     // arrive), and a blocked worker strands the tasks queued on it.
                     let (code, out) = tokio::task::spawn_blocking(move || handler(&method, &path, &body))
@@ -81,7 +84,24 @@ pub(crate) async fn serve(handler: Arc<Handler>) -> FakeApi {
         }
     });
     let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
-    FakeApi { client: kube::Client::try_from(config).unwrap(), log, stop }
+    FakeApi { client: kube::Client::try_from(config).unwrap(), log, bodies, stop }
+}
+
+/// The body of `req` as JSON, for the handlers, as the API server reads either encoding
+/// into one object; its media type is recorded in `bodies`.
+async fn json_body(req: Request<hyper::body::Incoming>, bodies: &Mutex<Vec<String>>) -> bytes::Bytes {
+    let media = req.headers().get("content-type").and_then(|t| t.to_str().ok()).unwrap_or_default().to_owned();
+    let body = req.into_body().collect().await.unwrap().to_bytes();
+    if body.is_empty() {
+        return body;
+    }
+    let protobuf = media == "application/vnd.kubernetes.protobuf";
+    bodies.lock().unwrap().push(media);
+    if protobuf {
+        serde_json::to_vec(&crate::kube_client::protobuf::tests::decoded(&body)).unwrap().into()
+    } else {
+        body
+    }
 }
 
 /// The key of a watch of Consul service `web` at `address`, with the default options.

@@ -1,5 +1,6 @@
 //! What a snapshot ConfigMap write costs the API server: the operator's way (an update
-//! conditional on the version last seen) against a server-side apply of the same object.
+//! conditional on the version last seen, its body in protobuf) against the same update in
+//! JSON and a server-side apply of the same object.
 //! A benchmark, not part of `make test` (docs/benchmarks.md, "A snapshot ConfigMap's write"):
 //!
 //!     cargo test --release -p e2e --test configmap_writes -- --ignored --nocapture
@@ -8,6 +9,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use consul_resolver_operator::snapshot_configmap::replace_protobuf;
 use e2e::harness::{Cluster, unique};
 use e2e::procfs::cpu_time;
 use k8s_openapi::ByteString;
@@ -24,13 +26,18 @@ const WRITES_PER_ROUND: usize = 20;
 
 #[derive(Clone, Copy, Debug)]
 enum Way {
+    /// The operator's: an update, the body in protobuf.
+    Protobuf,
+    /// The same update in JSON (kube's `Api::replace`).
     Update,
     Apply,
 }
 
+const WAYS: [Way; 3] = [Way::Protobuf, Way::Update, Way::Apply];
+
 #[test]
 #[ignore = "a benchmark: cargo test --release -p e2e --test configmap_writes -- --ignored --nocapture"]
-fn bench_an_update_against_a_server_side_apply() {
+fn bench_an_update_in_protobuf_against_one_in_json_and_a_server_side_apply() {
     let cluster = Cluster::shared();
     let pid = cluster.apiserver_pid().expect("our own control plane: its kube-apiserver's pid") as u32;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -44,7 +51,7 @@ async fn run(cluster: &Cluster, apiserver: u32) -> anyhow::Result<()> {
     let api = Api::<ConfigMap>::namespaced(kube::Client::try_from(config)?, NAMESPACE);
     let load_start = std::fs::read_to_string("/proc/loadavg")?;
     let mut writers = Vec::new();
-    for way in [Way::Update, Way::Apply] {
+    for way in WAYS {
         writers.push(Writer::create(&api, way).await?);
     }
     // A round each way first, not counted: the API server's first writes of an object
@@ -53,23 +60,25 @@ async fn run(cluster: &Cluster, apiserver: u32) -> anyhow::Result<()> {
         writer.round(&api, apiserver).await?;
     }
     // (latency p50, API server CPU per write) of each way, round by round.
-    let mut rounds: Vec<[(Duration, Duration); 2]> = Vec::new();
-    for _ in 0..ROUNDS {
-        let mut round = [(Duration::ZERO, Duration::ZERO); 2];
-        for (i, writer) in writers.iter_mut().enumerate() {
-            round[i] = writer.round(&api, apiserver).await?;
+    let mut rounds: Vec<[(Duration, Duration); WAYS.len()]> = Vec::new();
+    for r in 0..ROUNDS {
+        let mut round = [(Duration::ZERO, Duration::ZERO); WAYS.len()];
+        // Each way as often early in a round as late.
+        let mut order: Vec<usize> = (0..WAYS.len()).collect();
+        order.rotate_left(r % WAYS.len());
+        for i in order {
+            round[i] = writers[i].round(&api, apiserver).await?;
         }
-        println!(
-            "round: update p50 {:.1} ms, {:.1} ms CPU a write; apply p50 {:.1} ms, {:.1} ms CPU a write",
-            ms(round[0].0),
-            ms(round[0].1),
-            ms(round[1].0),
-            ms(round[1].1)
-        );
+        let each = WAYS.iter().zip(&round);
+        let shown: Vec<String> = each
+            .map(|(w, (p50, cpu))| format!("{w:?} p50 {:.1} ms, {:.1} ms CPU a write", ms(*p50), ms(*cpu)))
+            .collect();
+        println!("round: {}", shown.join("; "));
         rounds.push(round);
     }
-    let ratios = |f: fn(&(Duration, Duration)) -> Duration| {
-        let mut r: Vec<f64> = rounds.iter().map(|[u, a]| f(u).as_secs_f64() / f(a).as_secs_f64()).collect();
+    // The operator's way against way `i`, round by round.
+    let ratios = |i: usize, f: fn(&(Duration, Duration)) -> Duration| {
+        let mut r: Vec<f64> = rounds.iter().map(|w| f(&w[0]).as_secs_f64() / f(&w[i]).as_secs_f64()).collect();
         r.sort_by(f64::total_cmp);
         format!("{:.2} / {:.2} / {:.2}x", r[0], r[r.len() / 2], r[r.len() - 1])
     };
@@ -83,15 +92,17 @@ async fn run(cluster: &Cluster, apiserver: u32) -> anyhow::Result<()> {
         v.sort();
         ms(v[v.len() / 2])
     };
-    println!(
-        "medians over rounds: update p50 {:.1} ms, {:.1} ms CPU a write; apply p50 {:.1} ms, {:.1} ms CPU a write",
-        median(0, |r| r.0),
-        median(0, |r| r.1),
-        median(1, |r| r.0),
-        median(1, |r| r.1)
-    );
-    println!("update / apply, min / median / max over rounds: latency p50 {}", ratios(|r| r.0));
-    println!("update / apply, min / median / max over rounds: API server CPU a write {}", ratios(|r| r.1));
+    for (i, way) in WAYS.iter().enumerate() {
+        println!(
+            "median over rounds, {way:?}: p50 {:.1} ms, {:.1} ms CPU a write",
+            median(i, |r| r.0),
+            median(i, |r| r.1)
+        );
+    }
+    for (i, way) in WAYS.iter().enumerate().skip(1) {
+        println!("Protobuf / {way:?}, min / median / max over rounds: latency p50 {}", ratios(i, |r| r.0));
+        println!("Protobuf / {way:?}, min / median / max over rounds: API server CPU a write {}", ratios(i, |r| r.1));
+    }
     for writer in writers {
         api.delete(&writer.name, &Default::default()).await?;
     }
@@ -122,6 +133,7 @@ impl Writer {
             let cm = configmap(&self.name, Some(self.resource_version.clone()));
             let started = Instant::now();
             let written = match self.way {
+                Way::Protobuf => replace_protobuf(api, &self.name, &PostParams::default(), &cm).await?,
                 Way::Update => api.replace(&self.name, &PostParams::default(), &cm).await?,
                 Way::Apply => {
                     let params = PatchParams::apply("bench").force();

@@ -289,3 +289,49 @@ fn the_operator_never_reads_its_own_snapshot_configmaps() {
     assert!(op.logs().contains("consulresolver.io/snapshot"), "the exclusion is logged");
     assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
 }
+
+/// The snapshot ConfigMap's writes carry their body in protobuf, which the API server reads
+/// as the operator means it: each write after someone else set a label, an annotation, an
+/// owner reference and a finalizer on the ConfigMap holds the new snapshot under the
+/// operator's labels and annotations, and keeps theirs.
+#[test]
+fn what_others_set_on_the_snapshot_configmap_is_kept_by_each_write() {
+    use consul_resolver_operator::snapshot_configmap::{ANNOTATION_ID, LABEL_SNAPSHOT};
+    let cluster = Cluster::shared();
+    let consul = Consul::shared();
+    let team = Team::new(cluster, consul, "out-meta");
+    let (ops, cm) = ("consul-resolver-system", format!("meta-{}", unique()));
+    let mut op =
+        Operator::start(cluster, &["--namespace", &team.ns, "--snapshot-configmap", &format!("{ops}/{cm}")]).unwrap();
+    op.wait_ready(T).unwrap();
+    let published = |port: u64| {
+        wait_for("the ConfigMap holding the instance's port", T, || {
+            let s = configmap_snapshot(cluster, ops, &cm)?;
+            (team.port(&s) == Some(vec![port])).then_some(s)
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", op.logs()))
+    };
+    published(22000);
+    let theirs = serde_json::json!({"metadata": {
+        "labels": {"team": "payments"}, "annotations": {"note": "kept ü"}, "finalizers": ["example.com/keep"],
+        "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": "6c7a2b1e-0d4f-4e55-9a0b-5f3c2d1e0a9b"}]}});
+    cluster.kubectl(&["-n", ops, "patch", "configmap", &cm, "--type", "merge", "-p", &theirs.to_string()]).unwrap();
+    for port in [22001u16, 22002] {
+        let (node, instance) = (format!("node-{}", team.svc), format!("{}-1", team.svc));
+        consul.register(&node, "127.0.0.1", &team.svc, &instance, port, "passing").unwrap();
+        let snapshot = published(u64::from(port));
+        let live: Value =
+            serde_json::from_str(&cluster.kubectl(&["-n", ops, "get", "configmap", &cm, "-o", "json"]).unwrap())
+                .unwrap();
+        let meta = &live["metadata"];
+        assert_eq!(meta["annotations"][ANNOTATION_ID], snapshot["id"].to_string(), "{meta:#}");
+        assert_eq!(meta["labels"][LABEL_SNAPSHOT], "true", "{meta:#}");
+        assert_eq!(meta["labels"]["team"], "payments", "{meta:#}");
+        assert_eq!(meta["annotations"]["note"], "kept ü", "{meta:#}");
+        assert_eq!(meta["finalizers"], serde_json::json!(["example.com/keep"]), "{meta:#}");
+        assert_eq!(meta["ownerReferences"], theirs["metadata"]["ownerReferences"], "{meta:#}");
+    }
+    let release = r#"[{"op": "remove", "path": "/metadata/finalizers"}]"#;
+    cluster.kubectl(&["-n", ops, "patch", "configmap", &cm, "--type", "json", "-p", release]).unwrap();
+    assert!(op.terminate(T).unwrap().success(), "{}", op.logs());
+}

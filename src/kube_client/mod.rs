@@ -34,6 +34,7 @@ use tower_service::Service;
 
 mod fence;
 pub(crate) use fence::fenced;
+pub(crate) mod protobuf;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

@@ -22,6 +22,9 @@
 //! of overwriting the new leader's snapshot. What was written is compared with the
 //! cluster every resync period, so a deleted or edited snapshot ConfigMap is written again
 //! ([`ConfigMapPublisher::repair`]).
+//!
+//! Creations and updates send their body in protobuf, which spares the API server reading
+//! the gzip as base64 inside JSON (`kube_client::protobuf`).
 
 mod format;
 
@@ -39,7 +42,7 @@ use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
 use tokio::time::Instant;
 
 use super::{PublishError, Publisher};
-use crate::kube_client::{FIELD_MANAGER, status_code};
+use crate::kube_client::{FIELD_MANAGER, protobuf, status_code};
 use crate::leadership::Leadership;
 use consul_resolver_api::names::NamespacedName;
 use consul_resolver_core::assembler::Snapshot;
@@ -412,7 +415,7 @@ impl Writer<'_> {
         let params = PostParams { field_manager: Some(FIELD_MANAGER.to_owned()), ..PostParams::default() };
         for attempt in 0..2 {
             self.may_write()?;
-            match self.api.create(&params, cm).await {
+            match protobuf::create(self.api, &params, cm).await {
                 Ok(created) => {
                     self.saw(&name, Some(&created));
                     return Ok(());
@@ -437,8 +440,9 @@ impl Writer<'_> {
         self.may_write()?;
         let name = cm.metadata.name.clone().unwrap_or_default();
         let params = PostParams { field_manager: Some(FIELD_MANAGER.to_owned()), ..PostParams::default() };
-        let created =
-            self.api.create(&params, cm).await.map_err(PublishError::kube(format!("create ConfigMap {name}")))?;
+        let created = protobuf::create(self.api, &params, cm)
+            .await
+            .map_err(PublishError::kube(format!("create ConfigMap {name}")))?;
         self.saw(&name, Some(&created));
         Ok(())
     }
@@ -450,9 +454,7 @@ impl Writer<'_> {
         let name = cm.metadata.name.clone().unwrap_or_default();
         let cm = over_seen(&seen.meta, cm);
         let params = PostParams { field_manager: Some(FIELD_MANAGER.to_owned()), ..PostParams::default() };
-        let written = self
-            .api
-            .replace(&name, &params, &cm)
+        let written = protobuf::replace(self.api, &name, &params, &cm)
             .await
             .map_err(PublishError::kube(format!("replace ConfigMap {name}")))?;
         self.saw(&name, Some(&written));
@@ -1191,6 +1193,8 @@ pub(crate) mod tests {
         assert_eq!(api.take(), ["PUT snap", "GET snap", "PUT snap"], "not split before or now: no parts");
         let back = stored.lock().unwrap().objects["snap"].clone();
         assert_eq!(back["data"][KEY_JSON].as_str().unwrap().as_bytes(), snapshot(3, 8).to_json());
+        let bodies = api.bodies.lock().unwrap().clone();
+        assert_eq!(bodies, ["application/vnd.kubernetes.protobuf"; 3], "the create and both replacements");
     }
 
     /// `NAME` is replaced whole but for what others set in its metadata: their labels,
