@@ -70,6 +70,12 @@ impl Leadership {
         self.until().is_some()
     }
 
+    /// Whether this replica led when this handle was made, or when [`Leadership::changed`]
+    /// last returned: a lease won since then is a change still to come through `changed`.
+    pub(crate) fn reported(&self) -> bool {
+        self.reported
+    }
+
     /// Resolves when this replica starts or stops leading, as last reported through this
     /// handle, and returns whether it leads now. Renewals that change nothing are not
     /// reported; a lapse is, by the deadline alone (the lease task may be stuck in a hung
@@ -430,6 +436,23 @@ mod tests {
         assert!(leading);
         assert_eq!(Instant::now() - started, Duration::from_secs(12), "no wait for the renewal");
         assert_eq!(l.until(), Some(renewed));
+    }
+
+    /// The event loop starts from what its handle has reported: a lease won before the loop
+    /// ran is still a change for `changed` to report, which counts it as an acquisition
+    /// (`leader_transitions_total`) as it counts one won later. Without election the
+    /// replica leads from the start, and no change is to come.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_won_before_the_handle_is_read_is_still_a_change_to_report() {
+        let (tx, l) = Leadership::manual();
+        tx.send_replace(Some(Instant::now() + Duration::from_secs(10)));
+        let mut handle = l.clone();
+        assert!(handle.is_leading());
+        assert!(!handle.reported(), "won, not yet reported");
+        assert!(handle.changed().await, "reported as a change");
+        assert!(handle.reported());
+        let always = Leadership::always();
+        assert!(always.is_leading() && always.reported());
     }
 
     #[tokio::test(start_paused = true)]

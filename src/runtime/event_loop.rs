@@ -106,14 +106,16 @@ struct Held {
 impl EventLoop {
     /// Runs until `shutdown`; the outlets, returned, finish what they deliver.
     pub(super) async fn run(mut self, shutdown: CancellationToken) -> Stopped {
-        let leading = self.leadership.is_leading();
+        // As the handle has reported it: a lease won before the loop ran comes through
+        // `changed` at the first turn, and is counted as an acquisition as one won later is.
+        let leading = self.leadership.reported();
         // Said once at start, as every change is after it: whether the ConfigMap and the
         // statuses are written by this replica, or wait for the lease.
         tracing::info!(identity = %self.identity, leading, "leadership at start");
         self.metrics.leadership.started(leading);
         let mut turn = Turn { leading, logged_waiting: false, pending: None, held: None };
-        // Leading from the start (no election, or a lease won before the loop ran) is a
-        // takeover like any other: the ConfigMap's ids continue after the last one written.
+        // Leading from the start (no election) is a takeover like any other: the
+        // ConfigMap's ids continue after the last one written.
         if leading {
             self.take_over().await;
         }
