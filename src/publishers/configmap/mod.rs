@@ -14,17 +14,15 @@
 //! Writes happen only while this replica leads, each bounded by the leadership deadline
 //! and none sent after it, and each is conditional on what this replica last saw of that
 //! ConfigMap ([`Writer`]): a name it has not seen is created (which fails if it exists), a
-//! known one is replaced with the resourceVersion it last wrote or read (an update: a
-//! server-side apply of the same object costs the API server about 1.4 times the CPU,
-//! docs/benchmarks.md), and a stale part is deleted with the resourceVersion and uid it
-//! was just read with. A write delayed past a change of leader (sent just before the
-//! deadline, applied by an API server that was frozen) then fails with a conflict instead
-//! of overwriting the new leader's snapshot. What was written is compared with the
+//! known one is replaced with the resourceVersion it last wrote or read (an update, its
+//! body in protobuf, `kube_client::protobuf`: the same update in JSON costs the API server
+//! about 1.5 times the CPU, a server-side apply about 2.6 times, docs/benchmarks.md), and a
+//! stale part is deleted with the resourceVersion and uid it was just read with. A write
+//! delayed past a change of leader (sent just before the deadline, applied by an API server
+//! that was frozen) then fails with a conflict instead of overwriting the new leader's
+//! snapshot. What was written is compared with the
 //! cluster every resync period, so a deleted or edited snapshot ConfigMap is written again
 //! ([`ConfigMapPublisher::repair`]).
-//!
-//! Creations and updates send their body in protobuf, which spares the API server reading
-//! the gzip as base64 inside JSON (`kube_client::protobuf`).
 
 mod format;
 
