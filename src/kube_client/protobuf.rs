@@ -52,17 +52,18 @@ async fn send(
     api.clone().into_client().request(request).await
 }
 
-/// `cm` as a protobuf body.
+/// `cm` as a protobuf body: the magic, then the fields of the `runtime.Unknown` (the
+/// envelope itself has no length prefix).
 pub(crate) fn encode(cm: &ConfigMap) -> Vec<u8> {
     let mut type_meta = Message::default();
     type_meta.string(1, "v1");
     type_meta.string(2, "ConfigMap");
-    let mut unknown = Message::default();
-    unknown.message(1, type_meta);
-    unknown.bytes(2, &config_map(cm).0);
-    let mut body = MAGIC.to_vec();
-    body.extend_from_slice(&unknown.0);
-    body
+    let raw = config_map(cm);
+    let mut body = Message(Vec::with_capacity(MAGIC.len() + 32 + raw.0.len()));
+    body.0.extend_from_slice(MAGIC);
+    body.message(1, type_meta);
+    body.bytes(2, &raw.0);
+    body.0
 }
 
 fn config_map(cm: &ConfigMap) -> Message {
@@ -148,7 +149,9 @@ fn time(t: &Time) -> Message {
 }
 
 /// One protobuf message being written. Negative integers go as their two's complement
-/// (protobuf's `int64` and `int32`), ten bytes long.
+/// (protobuf's `int64` and `int32`), ten bytes long. A nested message is written whole,
+/// then copied in after its length; map entries are written in place, so the snapshot's
+/// bytes are copied twice (into the ConfigMap, into the body), not once per level.
 #[derive(Default)]
 struct Message(Vec<u8>);
 
@@ -180,13 +183,21 @@ impl Message {
         self.bytes(field, &m.0);
     }
 
-    /// One entry of a `map<string, string>` or `map<string, bytes>` field.
+    /// One entry of a `map<string, string>` or `map<string, bytes>` field, written in
+    /// place: its length is that of its two fields, each a one-byte key, a length and the
+    /// data.
     fn entry(&mut self, field: u32, key: &str, value: &[u8]) {
-        let mut e = Message::default();
-        e.string(1, key);
-        e.bytes(2, value);
-        self.message(field, e);
+        let field_len = |n: usize| 1 + varint_len(n as u64) + n;
+        self.varint(u64::from(field) << 3 | 2);
+        self.varint((field_len(key.len()) + field_len(value.len())) as u64);
+        self.string(1, key);
+        self.bytes(2, value);
     }
+}
+
+/// The bytes of `v` as a varint.
+fn varint_len(v: u64) -> usize {
+    (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
 }
 
 #[cfg(test)]
@@ -418,7 +429,9 @@ pub(crate) mod tests {
     fn varints_are_little_endian_groups_of_seven_bits() {
         let mut m = Message::default();
         for v in [0, 1, 127, 128, 300, u64::MAX] {
+            let before = m.0.len();
             m.varint(v);
+            assert_eq!(m.0.len() - before, varint_len(v), "{v}");
         }
         let expected: &[u8] = &[0, 1, 127, 0x80, 1, 0xac, 2, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 1];
         assert_eq!(m.0, expected);

@@ -20,9 +20,8 @@
 //! stale part is deleted with the resourceVersion and uid it was just read with. A write
 //! delayed past a change of leader (sent just before the deadline, applied by an API server
 //! that was frozen) then fails with a conflict instead of overwriting the new leader's
-//! snapshot. What was written is compared with the
-//! cluster every resync period, so a deleted or edited snapshot ConfigMap is written again
-//! ([`ConfigMapPublisher::repair`]).
+//! snapshot. What was written is compared with the cluster every resync period, so a
+//! deleted or edited snapshot ConfigMap is written again ([`ConfigMapPublisher::repair`]).
 
 mod format;
 
