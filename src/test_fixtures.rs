@@ -95,7 +95,7 @@ async fn json_body(req: Request<hyper::body::Incoming>, bodies: &Mutex<Vec<Strin
     if body.is_empty() {
         return body;
     }
-    let protobuf = media == "application/vnd.kubernetes.protobuf";
+    let protobuf = media == crate::kube_client::protobuf::PROTOBUF;
     bodies.lock().unwrap().push(media);
     if protobuf {
         serde_json::to_vec(&crate::kube_client::protobuf::tests::decoded(&body)).unwrap().into()

@@ -21,7 +21,7 @@ use kube::api::PostParams;
 use kube::{Api, core::Request};
 
 /// The media type of the API server's protobuf encoding.
-const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
+pub(crate) const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
 /// What precedes the envelope in every protobuf body.
 const MAGIC: &[u8; 4] = b"k8s\0";
 

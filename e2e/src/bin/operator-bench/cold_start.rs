@@ -114,9 +114,8 @@ pub(crate) fn self_compared(
         );
         ratios.push(ratio);
     }
-    let mut sorted = ratios.clone();
-    sorted.sort_by(f64::total_cmp);
-    let at = |p: f64| percentile(&sorted, p);
+    ratios.sort_by(f64::total_cmp);
+    let at = |p: f64| percentile(&ratios, p);
     println!(
         "the reflector against itself, {trials} trials: min / quartiles / max {:.2} / {:.2} / {:.2} / {:.2} / {:.2}x",
         at(0.0),
