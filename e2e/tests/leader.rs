@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use e2e::fixtures::mapping_yaml;
-use e2e::harness::{Cluster, Operator, unique, wait_for};
+use e2e::fixtures::{mapping_yaml, resolver_yaml};
+use e2e::harness::{Cluster, Operator, free_port, unique, wait_for};
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(40);
@@ -112,4 +112,58 @@ fn only_the_lease_holder_writes_and_a_successor_takes_over() {
     mapping(cluster, &ns, "m6");
     wait_for("m6 in the ConfigMap, written by c", T, || configmap(cluster, &cm).filter(|(_, n)| n.len() == 7)).unwrap();
     assert!(c.terminate(T).unwrap().success(), "{}", c.logs());
+}
+
+/// A leader stopped before its first snapshot (its resolver's Consul does not answer, so
+/// the world is not complete and nothing was published) has no write in flight: it exits
+/// and releases the Lease at once, so a successor takes over at once, rather than when the
+/// shutdown's whole budget for writes in flight has passed.
+#[test]
+fn a_leader_stopped_before_its_first_snapshot_exits_and_hands_over_at_once() {
+    let cluster = Cluster::shared();
+    let ns = cluster.namespace("early-stop").unwrap();
+    let (lease, cm) = (format!("lease-{}", unique()), format!("snap-{}", unique()));
+    // Nothing listens there: every Consul request is refused, and the first snapshot
+    // waits for its answer (up to the 30 s bootstrap timeout).
+    let silent = format!("127.0.0.1:{}", free_port());
+    cluster.apply(&resolver_yaml(&ns, "consul", &silent, "")).unwrap();
+    cluster.apply(&mapping_yaml(&ns, "m", "svc-m", Some("consul"))).unwrap();
+    let args = [
+        "--namespace",
+        &ns,
+        "--snapshot-configmap",
+        &format!("{SYSTEM}/{cm}"),
+        "--leader-election-lease",
+        &format!("{SYSTEM}/{lease}"),
+        "--leader-election-identity",
+        "early",
+    ]
+    .map(str::to_owned);
+    let mut op = Operator::start(cluster, &args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+    wait_for("the leader to hold the lease", T, || (holder(cluster, &lease)? == "early").then_some(())).unwrap();
+    wait_for("the leader to ask its Consul", T, || {
+        op.metric_sum("consul_resolver_consul_requests_total").filter(|&n| n > 0.0)
+    })
+    .unwrap();
+    assert_eq!(op.get("/readyz").map(|r| r.0), Some(503), "published before the test stopped it\n{}", op.logs());
+
+    let log = op.log.clone();
+    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+    let signalled = std::time::Instant::now();
+    let status = op.terminate(T).unwrap();
+    let exited = signalled.elapsed();
+    let released = wait_for("the lease released", T, || holder(cluster, &lease).filter(|h| h.is_empty()).map(|_| ()))
+        .map(|()| signalled.elapsed());
+    assert!(status.success(), "exit status {status}\n{}", logs());
+    assert!(
+        exited < Duration::from_secs(5),
+        "exited {exited:?} after SIGTERM with nothing in flight (writes in flight have 15 s of it)\n{}",
+        logs()
+    );
+    assert!(
+        released.as_ref().is_ok_and(|r| *r < Duration::from_secs(5)),
+        "lease released after {released:?}\n{}",
+        logs()
+    );
+    assert!(!logs().contains("in flight cut off"), "nothing was in flight to cut off\n{}", logs());
 }

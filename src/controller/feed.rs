@@ -99,11 +99,15 @@ impl Running {
         if tokio::time::timeout(within, &mut self.task).await.is_ok() {
             return false;
         }
-        self.task.abort();
-        // Waits until the reconciles are dropped, so none is still writing once the Lease
-        // is released.
-        let _ = (&mut self.task).await;
+        self.stop_now().await;
         true
+    }
+
+    /// Stops at once. Waits until the reconciles are dropped, so none is still writing
+    /// once the Lease is released.
+    pub(crate) async fn stop_now(&mut self) {
+        self.task.abort();
+        let _ = (&mut self.task).await;
     }
 }
 
@@ -151,6 +155,11 @@ impl Feed {
 
     pub(crate) fn resource(&self) -> &ApiResource {
         &self.resource
+    }
+
+    /// Whether the store has been filled (the first publication came).
+    pub(crate) fn filled(&self) -> bool {
+        self.ready
     }
 
     /// Brings the store up to date with the world's objects of `group`/`kind`, triggering a

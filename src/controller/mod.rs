@@ -269,8 +269,14 @@ impl<R: Reconciler> Driver<R> {
     /// Writes still in flight then are cut off, with a log line: the next leader reconciles
     /// every object at its takeover, so nothing is lost but time, and the Lease release
     /// that follows is what lets it take over at once.
-    pub(crate) async fn shutdown(self, within: Duration) {
-        if self.running.shutdown(within).await {
+    ///
+    /// Before the first publication the store was never filled, and kube's runner starts,
+    /// and ends, nothing until its store is ready: nothing is in flight, and a graceful
+    /// stop would wait out the whole budget. Such a controller is stopped at once.
+    pub(crate) async fn shutdown(mut self, within: Duration) {
+        if !self.feed.filled() {
+            self.running.stop_now().await;
+        } else if self.running.shutdown(within).await {
             tracing::warn!("shutdown: {}", R::CUT_OFF);
         }
         self.ctx.own.stopped();

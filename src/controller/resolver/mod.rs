@@ -275,6 +275,31 @@ mod tests {
         assert_eq!(rv.as_deref(), Some("w2"));
     }
 
+    /// A leader stopped before its first publication's statuses were due (SIGTERM while
+    /// the first snapshot waits for Consul, or for the ConfigMap to hold it) has no status
+    /// write in flight: it stops at once, not at the end of its share of the shutdown
+    /// budget, and says nothing was cut off.
+    #[tokio::test(start_paused = true)]
+    async fn a_controller_stopped_before_any_publication_stops_at_once() {
+        let api = serve(Arc::new(|_: &str, _: &str, _: &[u8]| (405, json!({})))).await;
+        let (lead, leadership) = Leadership::manual();
+        lead.send_replace(Some(tokio::time::Instant::now() + Duration::from_secs(3600)));
+        let mut c = ResolverController::spawn(
+            api.client.clone(),
+            leadership,
+            "test".into(),
+            ControllerMetrics::unregistered(),
+            Duration::from_secs(3600),
+            &Vitals::new(tokio_util::sync::CancellationToken::new()),
+        );
+        c.sync(&world_with(resolver("1", json!(null))));
+        c.leading();
+        let asked = tokio::time::Instant::now();
+        c.shutdown(Duration::from_secs(20)).await;
+        let took = asked.elapsed();
+        assert!(took < Duration::from_secs(1), "stopped after {took:?} with nothing in flight");
+    }
+
     #[tokio::test]
     async fn statuses_are_written_conditionally_repaired_and_retried_only_while_leading() {
         let patches: Patches = Arc::default();
