@@ -477,7 +477,17 @@ impl Operator {
     /// [`Operator::start`] with more environment variables (`RUST_LOG=debug`, say), set
     /// after the defaults.
     pub fn start_with_env(cluster: &Cluster, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Operator> {
-        let bin = operator_binary()?;
+        Operator::start_binary(&operator_binary()?, cluster, args, env)
+    }
+
+    /// [`Operator::start_with_env`] of the operator binary `bin` rather than the one under
+    /// test (a benchmark compares two builds).
+    pub fn start_binary(
+        bin: &Path,
+        cluster: &Cluster,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Operator> {
         let port = free_port();
         let logdir = tempfile::Builder::new().prefix("cro-operator-").tempdir()?;
         let log = logdir.path().join("operator.log");

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, bail, ensure};
 use consul_sim::RunningSim;
-use e2e::harness::{Cluster, Operator, free_port, unique};
+use e2e::harness::{Cluster, Operator, free_port, operator_binary, unique};
 use futures::StreamExt;
 use kube::api::{Api, ApiResource, DynamicObject};
 use kube::runtime::{reflector, watcher};
@@ -129,6 +129,85 @@ pub(crate) fn self_compared(
         println!("  above {bound:.1}x: {above} of {trials}");
     }
     Ok(())
+}
+
+/// `BENCH_AGAINST`: `rounds` cold starts of the operator under test and as many of the
+/// build `baseline`, in pairs whose order alternates (as [`reflector_first`] alternates a
+/// reflector's), each on a fresh simulator at the first budget of `BENCH_MODES`, each
+/// operator stopped once it has served its first snapshot. Two builds compared in one run
+/// share its API server, its world and its load, which runs of their own do not: between
+/// runs a median of four moved by more than 0.2x with nothing changed. Prints each cold
+/// start, then each side's spread and the ratios of their medians: time, the operator's
+/// CPU to its first snapshot, and the API server's CPU meanwhile.
+pub(crate) fn against(
+    rt: &Runtime,
+    cluster: &Cluster,
+    sim: &mut Option<RunningSim>,
+    setup: &Setup,
+    s: &Settings,
+    baseline: &Path,
+    rounds: usize,
+) -> anyhow::Result<()> {
+    let under_test = operator_binary()?;
+    let max_connections = s.modes[0];
+    println!("== this build against {}, --consul-max-connections {max_connections}", baseline.display());
+    // Per side (the baseline, this build): each cold start's figures.
+    let mut sides: [Vec<Started>; 2] = Default::default();
+    for round in 0..rounds {
+        let order = if reflector_first(round, rounds) { [0, 1] } else { [1, 0] };
+        for side in order {
+            let (name, bin) = if side == 0 { ("baseline", baseline) } else { ("this build", under_test.as_path()) };
+            println!("  round {}, {name}:", round + 1);
+            sim.take();
+            let fresh = sim.insert(fresh_sim(rt, setup.sim_addr, s)?);
+            let i = cold_start_of(bin, rt, cluster, fresh, setup, s, max_connections)?;
+            sides[side].push(Started { time: i.cold_http, cpu: i.cpu_first, apiserver: i.neighbours.apiserver });
+            stop(i.op, fresh)?;
+        }
+    }
+    let [old, new] = &sides;
+    for (name, side) in [("baseline", old), ("this build", new)] {
+        println!(
+            "  {name}: cold start min / median / max {}; operator CPU {}; kube-apiserver CPU {}",
+            Started::spread(side, |c| Some(c.time)),
+            Started::spread(side, |c| Some(c.cpu)),
+            Started::spread(side, |c| c.apiserver),
+        );
+    }
+    let ratio = |f: fn(&Started) -> Option<Duration>| {
+        let of = |side: &[Started]| side.iter().filter_map(f).collect::<Vec<_>>();
+        let (a, b) = (of(old), of(new));
+        if a.is_empty() || b.is_empty() {
+            return "n/a".to_string();
+        }
+        format!("{:.2}x", median(&b).as_secs_f64() / median(&a).as_secs_f64())
+    };
+    println!(
+        "  this build / baseline, ratio of the medians of {rounds} each: cold start {}, operator CPU {}, kube-apiserver CPU {}",
+        ratio(|c| Some(c.time)),
+        ratio(|c| Some(c.cpu)),
+        ratio(|c| c.apiserver),
+    );
+    Ok(())
+}
+
+/// One cold start's figures, for [`against`].
+struct Started {
+    time: Duration,
+    cpu: Duration,
+    apiserver: Option<Duration>,
+}
+
+impl Started {
+    /// Min / median / max of one figure over `all` ("n/a" where none has it).
+    fn spread(all: &[Started], f: impl Fn(&Started) -> Option<Duration>) -> String {
+        let mut v: Vec<Duration> = all.iter().filter_map(f).collect();
+        v.sort();
+        match (v.first(), v.last()) {
+            (Some(&lo), Some(&hi)) => format!("{} / {} / {}", ms(lo), ms(median(&v)), ms(hi)),
+            _ => "n/a".into(),
+        }
+    }
 }
 
 /// One [`reflector_once`] over the setup's Mappings (and Endpoints, where it has Kubernetes
@@ -332,8 +411,21 @@ fn operator_args(setup: &Setup, s: &Settings, cm: &str, max_connections: u32, xd
     args
 }
 
-/// Spawns an operator and times it to its first complete snapshot.
+/// Spawns the operator under test and times it to its first complete snapshot.
 pub(crate) fn cold_start(
+    rt: &Runtime,
+    cluster: &Cluster,
+    sim: &RunningSim,
+    setup: &Setup,
+    s: &Settings,
+    max_connections: u32,
+) -> anyhow::Result<Instance> {
+    cold_start_of(&operator_binary()?, rt, cluster, sim, setup, s, max_connections)
+}
+
+/// [`cold_start`] of the operator binary `bin`.
+fn cold_start_of(
+    bin: &Path,
     rt: &Runtime,
     cluster: &Cluster,
     sim: &RunningSim,
@@ -348,7 +440,7 @@ pub(crate) fn cold_start(
     let spawned_at = SystemTime::now();
     let spawned = Instant::now();
     let before = Neighbours::now(cluster)?;
-    let op = Operator::start(cluster, &args)?;
+    let op = Operator::start_binary(bin, cluster, &args, &[])?;
     let pid = op.pid().context("the operator is not running")?;
     let (cold_http, first_id, snapshot) = rt.block_on(first_snapshot(&op, pid, spawned, s.mappings()))?;
     let neighbours = Neighbours::now(cluster)?.since(before);
@@ -592,6 +684,23 @@ mod tests {
         assert_eq!(reflector.iter().filter(|&&p| p % 2 == 0).count(), ROUNDS / 2, "{reflector:?}");
         assert_eq!(reflector.iter().sum::<usize>(), operator.iter().sum::<usize>(), "{reflector:?} {operator:?}");
         assert_eq!(operator.last(), Some(&(2 * ROUNDS - 1)));
+    }
+
+    /// A side's spread is min / median / max of the figure its cold starts have, whatever
+    /// their order; none at all (the API server of a cluster this process did not start)
+    /// is said, not made up.
+    #[test]
+    fn a_sides_spread_is_min_median_max_of_what_it_has() {
+        let ms = Duration::from_millis;
+        let started = |t: u64, api: Option<u64>| Started {
+            time: ms(t),
+            cpu: ms(t / 4),
+            apiserver: api.map(Duration::from_millis),
+        };
+        let side = [started(1200, None), started(900, None), started(1000, None), started(1500, None)];
+        assert_eq!(Started::spread(&side, |c| Some(c.time)), "900 ms / 1100 ms / 1500 ms");
+        assert_eq!(Started::spread(&side, |c| Some(c.cpu)), "225 ms / 275 ms / 375 ms");
+        assert_eq!(Started::spread(&side, |c| c.apiserver), "n/a");
     }
 
     #[test]

@@ -51,6 +51,11 @@
 //! `BENCH_SELF_COMPARED=<trials>` runs no operator: after the warm-up, each trial compares
 //! the bare reflector with itself as a cold start is compared with it (the four rounds in
 //! alternating order, the ratio of the medians), which is the comparison's own resolution.
+//! `BENCH_AGAINST=<operator binary>` runs no measurement either: after the warm-up, it
+//! compares the cold starts of the operator under test with those of that other build, in
+//! one run (`BENCH_AGAINST_ROUNDS`, 10 of each, the order alternating, at the first of
+//! `BENCH_MODES`): whether a change moved the cold start, with the load and the API
+//! server shared.
 //!
 //! Targets (the output names the set that applies, and gives met / MISSED for each):
 //! cold start / bare reflector <= 1.2x, spaced change p50 <= 50 ms and p99 <= 100 ms,
@@ -159,6 +164,11 @@ fn compared(rt: &Runtime, cluster: &Cluster, s: &Settings, load_start: &str, pla
     cold_start::warm_up(rt, cluster, &setup, s)?;
     if s.self_compared > 0 {
         cold_start::self_compared(rt, cluster, &setup, s, s.self_compared)?;
+        println!("load average: {load_start} -> {}; {placement}", loadavg());
+        return Ok(());
+    }
+    if let Some((baseline, rounds)) = &s.against {
+        cold_start::against(rt, cluster, &mut sim, &setup, s, baseline, *rounds)?;
         println!("load average: {load_start} -> {}; {placement}", loadavg());
         return Ok(());
     }

@@ -2,6 +2,7 @@
 //! crate's documentation). `BENCH_PROFILE` gives the defaults; each variable set overrides
 //! its own.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,6 +52,10 @@ pub(crate) struct Settings {
     /// `BENCH_SELF_COMPARED=<trials>`: instead of operators, that many comparisons of the
     /// bare reflector with itself (`cold_start::self_compared`); 0 (unset) for none.
     pub(crate) self_compared: usize,
+    /// `BENCH_AGAINST=<operator binary>`: instead of the measurements, the cold starts of
+    /// the operator under test and of this other build, alternating
+    /// (`cold_start::against`), `BENCH_AGAINST_ROUNDS` (10) of each.
+    pub(crate) against: Option<(PathBuf, usize)>,
     pub(crate) window: String,
     /// `BENCH_SIZES`: (services, instances per service) of each row of the cost table;
     /// empty without it.
@@ -95,6 +100,7 @@ impl Settings {
             warm_up: env_usize("BENCH_WARM_UP_LISTS", 2),
             pin: env_usize("BENCH_PIN", 0) == 1,
             self_compared: env_usize("BENCH_SELF_COMPARED", 0),
+            against: against()?,
             modes: modes(profile)?,
             window: std::env::var("BENCH_COALESCE_WINDOW").unwrap_or_else(|_| "250ms".into()),
             sizes: sizes()?,
@@ -157,6 +163,18 @@ impl Settings {
 }
 
 /// `BENCH_PROFILE`.
+/// `BENCH_AGAINST`: another operator binary, and `BENCH_AGAINST_ROUNDS` cold starts of each
+/// (10; even, so that each build runs first as often as second).
+fn against() -> anyhow::Result<Option<(PathBuf, usize)>> {
+    let Some(bin) = std::env::var_os("BENCH_AGAINST").map(PathBuf::from) else {
+        return Ok(None);
+    };
+    ensure!(bin.is_file(), "BENCH_AGAINST={} is not a file", bin.display());
+    let rounds = env_usize("BENCH_AGAINST_ROUNDS", 10);
+    ensure!(rounds >= 2 && rounds.is_multiple_of(2), "BENCH_AGAINST_ROUNDS must be even and at least 2");
+    Ok(Some((bin, rounds)))
+}
+
 fn profile() -> anyhow::Result<Profile> {
     match std::env::var("BENCH_PROFILE").as_deref() {
         Ok("scale") => Ok(Profile::Scale),
