@@ -48,6 +48,9 @@
 //! operators on the others, as a real cluster places them (the API server on nodes of its
 //! own): on two shared cores a cold start's ratio measures mostly how much CPU the operator
 //! takes from the API server's lists (docs/benchmarks.md). The output names the placement.
+//! `BENCH_ETCD_IN_MEMORY=1` keeps the control plane's state (etcd's data, the audit log) in
+//! `/dev/shm` (tmpfs) rather than under `TMPDIR`: no write then waits for a disk's sync
+//! (`setup::control_plane_storage`). The output names where.
 //! `BENCH_SELF_COMPARED=<trials>` runs no operator: after the warm-up, each trial compares
 //! the bare reflector with itself as a cold start is compared with it (the four rounds in
 //! alternating order, the ratio of the medians), which is the comparison's own resolution.
@@ -124,6 +127,7 @@ fn main() -> anyhow::Result<()> {
         // SAFETY: nothing else runs yet: no thread has been started.
         unsafe { std::env::set_var("E2E_OPERATOR_PROFILE", "release") };
     }
+    let storage = setup::control_plane_storage()?;
     let _ = rustls::crypto::ring::default_provider().install_default();
     let s = Settings::from_env()?;
     let soak = soak::Soak::from_env()?;
@@ -132,7 +136,7 @@ fn main() -> anyhow::Result<()> {
     let bin: PathBuf = operator_binary()?;
     println!("operator binary: {}", bin.display());
     let cluster = Cluster::shared();
-    let placement = setup::placement(cluster, &s)?;
+    let placement = format!("{}; {storage}", setup::placement(cluster, &s)?);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     if let Some(soak) = soak {
         soak::run(&rt, cluster, &s, &soak, &load_start)?;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use consul_sim::{Config as SimConfig, RunningSim, Simulator, TlsConfig};
+use e2e::bench::env_usize;
 use e2e::harness::Cluster;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Endpoints, Secret};
@@ -288,6 +289,24 @@ fn kube_service_endpoints(ns: &str, name: &str, i: usize) -> Endpoints {
 /// Where the processes run, said in the output: with `BENCH_PIN=1` see [`place`]; else
 /// nothing is pinned. Must run before the runtime's threads start, so that they are
 /// placed too.
+/// Where the control plane we start keeps its state (etcd's data, the API server's audit
+/// log): in `TMPDIR`, which the cluster's directory is made in; with
+/// `BENCH_ETCD_IN_MEMORY=1` (and `TMPDIR` unset) in `/dev/shm`, tmpfs. etcd answers a write
+/// once its log is synced to disk, so a disk that stalls its syncs stalls every ConfigMap
+/// write; in memory a series shows what is left without them (docs/benchmarks.md, "etcd's
+/// disk"). Called before anything starts a thread; returns where, for the report.
+pub(crate) fn control_plane_storage() -> anyhow::Result<String> {
+    let shm = Path::new("/dev/shm");
+    if env_usize("BENCH_ETCD_IN_MEMORY", 0) == 1 && std::env::var_os("TMPDIR").is_none() {
+        ensure!(shm.is_dir(), "BENCH_ETCD_IN_MEMORY=1: no {}", shm.display());
+        // SAFETY: called first in main, before any thread is started.
+        unsafe { std::env::set_var("TMPDIR", shm) };
+    }
+    let storage = format!("the control plane's state in {}", std::env::temp_dir().display());
+    println!("storage: {storage}");
+    Ok(storage)
+}
+
 pub(crate) fn placement(cluster: &Cluster, s: &Settings) -> anyhow::Result<String> {
     let placement = if s.pin { place(cluster)? } else { "shared: the bench pins nothing".to_owned() };
     println!("placement: {placement}");
