@@ -162,7 +162,6 @@ impl Settings {
     }
 }
 
-/// `BENCH_PROFILE`.
 /// `BENCH_AGAINST`: another operator binary, and `BENCH_AGAINST_ROUNDS` cold starts of each
 /// (10; even, so that each build runs first as often as second).
 fn against() -> anyhow::Result<Option<(PathBuf, usize)>> {
@@ -175,6 +174,7 @@ fn against() -> anyhow::Result<Option<(PathBuf, usize)>> {
     Ok(Some((bin, rounds)))
 }
 
+/// `BENCH_PROFILE`.
 fn profile() -> anyhow::Result<Profile> {
     match std::env::var("BENCH_PROFILE").as_deref() {
         Ok("scale") => Ok(Profile::Scale),

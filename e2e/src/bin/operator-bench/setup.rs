@@ -286,15 +286,13 @@ fn kube_service_endpoints(ns: &str, name: &str, i: usize) -> Endpoints {
     .expect("an Endpoints object")
 }
 
-/// Where the processes run, said in the output: with `BENCH_PIN=1` see [`place`]; else
-/// nothing is pinned. Must run before the runtime's threads start, so that they are
-/// placed too.
 /// Where the control plane we start keeps its state (etcd's data, the API server's audit
 /// log): in `TMPDIR`, which the cluster's directory is made in; with
 /// `BENCH_ETCD_IN_MEMORY=1` (and `TMPDIR` unset) in `/dev/shm`, tmpfs. etcd answers a write
 /// once its log is synced to disk, so a disk that stalls its syncs stalls every ConfigMap
 /// write; in memory a series shows what is left without them (docs/benchmarks.md, "etcd's
-/// disk"). Called before anything starts a thread; returns where, for the report.
+/// disk does not decide the tails either"). Called before anything starts a thread;
+/// returns where, for the report.
 pub(crate) fn control_plane_storage() -> anyhow::Result<String> {
     let shm = Path::new("/dev/shm");
     if env_usize("BENCH_ETCD_IN_MEMORY", 0) == 1 && std::env::var_os("TMPDIR").is_none() {
@@ -307,6 +305,9 @@ pub(crate) fn control_plane_storage() -> anyhow::Result<String> {
     Ok(storage)
 }
 
+/// Where the processes run, said in the output: with `BENCH_PIN=1` see [`place`]; else
+/// nothing is pinned. Must run before the runtime's threads start, so that they are
+/// placed too.
 pub(crate) fn placement(cluster: &Cluster, s: &Settings) -> anyhow::Result<String> {
     let placement = if s.pin { place(cluster)? } else { "shared: the bench pins nothing".to_owned() };
     println!("placement: {placement}");
