@@ -160,7 +160,7 @@ pub(crate) fn against(
             println!("  round {}, {name}:", round + 1);
             sim.take();
             let fresh = sim.insert(fresh_sim(rt, setup.sim_addr, s)?);
-            let i = cold_start_of(bin, rt, cluster, fresh, setup, s, max_connections)?;
+            let i = cold_start(bin, rt, cluster, fresh, setup, s, max_connections)?;
             sides[side].push(Started { time: i.cold_http, cpu: i.cpu_first, apiserver: i.neighbours.apiserver });
             stop(i.op, fresh)?;
         }
@@ -321,6 +321,7 @@ pub(crate) fn cold_starts(
         reflector_neighbours: Vec::new(),
         cold_neighbours: Vec::new(),
     };
+    let bin = operator_binary()?;
     let (compared, rounds) = match plan {
         Plan::Compared => (true, ROUNDS),
         Plan::Once => (false, 1),
@@ -331,7 +332,7 @@ pub(crate) fn cold_starts(
         }
         sim.take();
         let fresh = sim.insert(fresh_sim(rt, setup.sim_addr, s)?);
-        let i = cold_start(rt, cluster, fresh, setup, s, max_connections)?;
+        let i = cold_start(&bin, rt, cluster, fresh, setup, s, max_connections)?;
         starts.cold.push(i.cold_http);
         starts.cold_cpu.push(i.cpu_first);
         starts.cold_neighbours.push(i.neighbours);
@@ -411,20 +412,8 @@ fn operator_args(setup: &Setup, s: &Settings, cm: &str, max_connections: u32, xd
     args
 }
 
-/// Spawns the operator under test and times it to its first complete snapshot.
+/// Spawns the operator binary `bin` and times it to its first complete snapshot.
 pub(crate) fn cold_start(
-    rt: &Runtime,
-    cluster: &Cluster,
-    sim: &RunningSim,
-    setup: &Setup,
-    s: &Settings,
-    max_connections: u32,
-) -> anyhow::Result<Instance> {
-    cold_start_of(&operator_binary()?, rt, cluster, sim, setup, s, max_connections)
-}
-
-/// [`cold_start`] of the operator binary `bin`.
-fn cold_start_of(
     bin: &Path,
     rt: &Runtime,
     cluster: &Cluster,

@@ -29,7 +29,7 @@ use anyhow::{Context, bail, ensure};
 use consul_resolver_operator::snapshot_configmap as configmap;
 use consul_sim::RunningSim;
 use e2e::bench::loadavg;
-use e2e::harness::{Cluster, Operator, metric_sample};
+use e2e::harness::{Cluster, Operator, metric_sample, operator_binary};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams};
 use serde_json::{Value, json};
@@ -339,7 +339,7 @@ impl<'a> Rig<'a> {
             }
             anyhow::Ok(())
         })?;
-        let instance = cold_start(rt, cluster, &sim, &setup, s, mode)?;
+        let instance = cold_start(&operator_binary()?, rt, cluster, &sim, &setup, s, mode)?;
         let admin = rt.block_on(kube_client(&cluster.admin_kubeconfig))?;
         let metrics_url = instance.op.url("/metrics");
         Ok(Rig { s, setup, sim, http, admin, op: instance.op, pid: instance.pid, cm: instance.cm, metrics_url })
