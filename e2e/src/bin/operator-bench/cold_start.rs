@@ -17,7 +17,7 @@ use serde::de::IgnoredAny;
 use tokio::runtime::Runtime;
 
 use crate::profile::Settings;
-use crate::report::{median, ms};
+use crate::report::{median, min_med_max, ms};
 use crate::setup::{OPERATOR_NS, Setup, fresh_sim, kube_client};
 use e2e::bench::percentile;
 use e2e::procfs::{cpu_time, memory_kib, minor_faults, process_exited};
@@ -201,12 +201,8 @@ struct Started {
 impl Started {
     /// Min / median / max of one figure over `all` ("n/a" where none has it).
     fn spread(all: &[Started], f: impl Fn(&Started) -> Option<Duration>) -> String {
-        let mut v: Vec<Duration> = all.iter().filter_map(f).collect();
-        v.sort();
-        match (v.first(), v.last()) {
-            (Some(&lo), Some(&hi)) => format!("{} / {} / {}", ms(lo), ms(median(&v)), ms(hi)),
-            _ => "n/a".into(),
-        }
+        let v: Vec<Duration> = all.iter().filter_map(f).collect();
+        if v.is_empty() { "n/a".into() } else { min_med_max(&v, ms) }
     }
 }
 

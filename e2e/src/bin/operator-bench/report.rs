@@ -238,7 +238,8 @@ pub(crate) fn median(v: &[Duration]) -> Duration {
     if n.is_multiple_of(2) { (v[n / 2 - 1] + v[n / 2]) / 2 } else { v[n / 2] }
 }
 
-fn min_med_max(v: &[Duration], f: fn(Duration) -> String) -> String {
+/// Min / median / max of `v` (not empty), each shown by `f`.
+pub(crate) fn min_med_max(v: &[Duration], f: fn(Duration) -> String) -> String {
     let mut sorted = v.to_vec();
     sorted.sort();
     format!("{} / {} / {}", f(sorted[0]), f(median(v)), f(sorted[sorted.len() - 1]))
