@@ -147,23 +147,21 @@ fn a_leader_stopped_before_its_first_snapshot_exits_and_hands_over_at_once() {
     .unwrap();
     assert_eq!(op.get("/readyz").map(|r| r.0), Some(503), "published before the test stopped it\n{}", op.logs());
 
-    let log = op.log.clone();
-    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
     let signalled = std::time::Instant::now();
     let status = op.terminate(T).unwrap();
     let exited = signalled.elapsed();
     let released = wait_for("the lease released", T, || holder(cluster, &lease).filter(|h| h.is_empty()).map(|_| ()))
         .map(|()| signalled.elapsed());
-    assert!(status.success(), "exit status {status}\n{}", logs());
+    assert!(status.success(), "exit status {status}\n{}", op.logs());
     assert!(
         exited < Duration::from_secs(5),
         "exited {exited:?} after SIGTERM with nothing in flight (writes in flight have 15 s of it)\n{}",
-        logs()
+        op.logs()
     );
     assert!(
         released.as_ref().is_ok_and(|r| *r < Duration::from_secs(5)),
         "lease released after {released:?}\n{}",
-        logs()
+        op.logs()
     );
-    assert!(!logs().contains("in flight cut off"), "nothing was in flight to cut off\n{}", logs());
+    assert!(!op.logs().contains("in flight cut off"), "nothing was in flight to cut off\n{}", op.logs());
 }
